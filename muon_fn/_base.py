@@ -1,0 +1,66 @@
+"""Base types of the functional core: ``GradientTransformation``, ``EmptyState`` and aliases."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Protocol, Union
+
+import torch
+
+Params = Any  # a pytree of tensors
+Updates = Any  # a pytree of tensors (or None for missing gradients), same structure as Params
+OptState = Any  # a pytree (NamedTuples, tuples, dicts) of tensors
+Scalar = Union[float, torch.Tensor]  # a Python float or a 0-d tensor
+Schedule = Callable[[torch.Tensor], torch.Tensor]  # step count (0-d tensor) -> value
+ScalarOrSchedule = Union[float, torch.Tensor, Schedule]
+
+
+class TransformInitFn(Protocol):
+    def __call__(self, params: Params) -> OptState: ...
+
+
+class TransformUpdateFn(Protocol):
+    def __call__(
+        self, updates: Updates, state: OptState, params: Params | None = None, **extra: Any
+    ) -> tuple[Updates, OptState]: ...
+
+
+class GradientTransformation(NamedTuple):
+    """A pair of pure functions, as in optax.
+
+    ``init(params) -> state`` builds the state for a pytree of parameters.
+    ``update(updates, state, params=None, **extra) -> (updates, state)`` transforms a pytree of
+    updates (gradients on entry). Neither function mutates its arguments. Per-step scalars are
+    0-d tensors; static configuration is closed over by the factory that built the pair.
+    """
+
+    init: TransformInitFn
+    update: TransformUpdateFn
+
+
+class EmptyState(NamedTuple):
+    """The state of a stateless transform."""
+
+
+def init_empty_state(params: Params) -> EmptyState:
+    del params
+    return EmptyState()
+
+
+def identity() -> GradientTransformation:
+    """The transform that returns its updates unchanged."""
+
+    def update(updates, state, params=None, **extra):
+        del params, extra
+        return updates, state
+
+    return GradientTransformation(init_empty_state, update)
+
+
+def stateless(fn: Callable[[Updates, Params | None], Updates]) -> GradientTransformation:
+    """Wrap ``fn(updates, params) -> updates`` as a stateless transform."""
+
+    def update(updates, state, params=None, **extra):
+        del extra
+        return fn(updates, params), state
+
+    return GradientTransformation(init_empty_state, update)

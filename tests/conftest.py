@@ -1,0 +1,36 @@
+"""Shared test settings: one OpenMP thread, hypothesis profiles, a clean Dynamo cache per test."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+torch.set_num_threads(1)
+
+# "ci" is the default (and what .ci/run uses): bounded, derandomized, no deadline (CPU jitter).
+settings.register_profile(
+    "ci",
+    max_examples=25,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+# "dev": more examples, random seeds; `HYPOTHESIS_PROFILE=dev pytest`.
+settings.register_profile(
+    "dev",
+    max_examples=200,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(autouse=True)
+def _reset_dynamo():
+    torch._dynamo.reset()
+    yield
