@@ -1,5 +1,63 @@
-"""muon_fn: the Muon optimizer family for PyTorch."""
+"""muon_fn: the Muon optimizer family for PyTorch.
 
+A pure functional core (``init``/``update`` transforms over pytrees, composed with ``chain`` and
+``partition``, compiled with ``compile_update``) and thin adapters for ``torch.optim`` loops and
+FSDP2. See ``docs/api.md``.
+"""
+
+from ._alias import adamw, hybrid, matrix_labels, muon, normuon
+from ._base import EmptyState, GradientTransformation, identity, stateless
+from ._combine import PartitionState, chain, partition
+from ._compile import compile_update
+from ._muon import orthogonalize, scale_by_shape, shape_scale
 from ._orthogonalize import newton_schulz, polar_express, zeropower_via_newtonschulz5
+from ._transforms import (
+    MomentumState,
+    NormalizeRowsState,
+    ScaleByAdamState,
+    ScaleByScheduleState,
+    add_decoupled_weight_decay,
+    apply_updates,
+    momentum,
+    normalize_rows,
+    scale_by_adam,
+    scale_by_learning_rate,
+)
 
 __version__ = "0.1.0"
+
+__all__ = [
+    # base and combinators
+    "GradientTransformation",
+    "EmptyState",
+    "identity",
+    "stateless",
+    "chain",
+    "partition",
+    "PartitionState",
+    "apply_updates",
+    "compile_update",
+    # transforms
+    "momentum",
+    "MomentumState",
+    "orthogonalize",
+    "scale_by_shape",
+    "shape_scale",
+    "add_decoupled_weight_decay",
+    "scale_by_learning_rate",
+    "ScaleByScheduleState",
+    "scale_by_adam",
+    "ScaleByAdamState",
+    "normalize_rows",
+    "NormalizeRowsState",
+    # recipes
+    "muon",
+    "adamw",
+    "normuon",
+    "hybrid",
+    "matrix_labels",
+    # math
+    "newton_schulz",
+    "zeropower_via_newtonschulz5",
+    "polar_express",
+]

@@ -36,6 +36,10 @@ class GradientTransformation(NamedTuple):
     init: TransformInitFn
     update: TransformUpdateFn
 
+    def __repr__(self) -> str:
+        name = getattr(self.update, "_muon_fn_repr", None)
+        return name if name is not None else f"GradientTransformation(init={self.init!r}, update={self.update!r})"
+
 
 class EmptyState(NamedTuple):
     """The state of a stateless transform."""
@@ -64,3 +68,10 @@ def stateless(fn: Callable[[Updates, Params | None], Updates]) -> GradientTransf
         return fn(updates, params), state
 
     return GradientTransformation(init_empty_state, update)
+
+
+def named(tx: GradientTransformation, name: str, **config: Any) -> GradientTransformation:
+    """Attach a readable repr ``name(k=v, ...)`` to ``tx`` (shown by ``repr(tx)``)."""
+    args = ", ".join(f"{k}={v!r}" for k, v in config.items())
+    tx.update._muon_fn_repr = f"{name}({args})"  # type: ignore[attr-defined]
+    return tx

@@ -1,0 +1,126 @@
+"""Recipes: full optimizers wired only from the public transforms."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Callable, Union
+
+import torch
+
+from . import _checks
+from ._base import GradientTransformation, Scalar, ScalarOrSchedule
+from ._combine import chain, partition
+from ._muon import Split, orthogonalize, scale_by_shape
+from ._transforms import (
+    add_decoupled_weight_decay,
+    momentum as momentum_tx,
+    normalize_rows,
+    scale_by_adam,
+    scale_by_learning_rate,
+)
+
+DEFAULT_METHOD = "polar_express"
+
+
+def muon(
+    lr: ScalarOrSchedule = 0.02,
+    momentum: Scalar = 0.95,
+    *,
+    nesterov: bool = True,
+    kind: str = "sgd",
+    method: Union[str, Callable[[torch.Tensor], torch.Tensor]] = DEFAULT_METHOD,
+    ns_steps: int = 5,
+    ns_coefficients: Sequence[Sequence[float]] | None = None,
+    ns_dtype: torch.dtype | None = None,
+    ns_eps: float = 1e-7,
+    ns_stepsize: float = 1.0,
+    adjust_lr_fn: str = "keller",
+    weight_decay: Scalar = 0.0,
+    beta2: float | None = None,
+    eps: float = 1e-8,
+    flatten: bool = True,
+    split: Split = None,
+    mu_dtype: torch.dtype | None = None,
+) -> GradientTransformation:
+    """Muon for a tree of matrices.
+
+    ``chain(momentum, orthogonalize, [normalize_rows if beta2], scale_by_shape,
+    add_decoupled_weight_decay, scale_by_learning_rate)``: per matrix,
+    ``p ← p(1 − lr·wd) − lr·s(out, in)·msign(M)``. Every leaf must be a matrix (ndim ≥ 2);
+    use :func:`hybrid` for trees that also hold biases and norms.
+    """
+    parts = [
+        momentum_tx(momentum, nesterov=nesterov, kind=kind, mu_dtype=mu_dtype),
+        orthogonalize(method, ns_steps, coefficients=ns_coefficients, dtype=ns_dtype, eps=ns_eps,
+                      stepsize=ns_stepsize, flatten=flatten, split=split),
+    ]
+    if beta2 is not None:
+        parts.append(normalize_rows(beta2, eps))
+    parts += [
+        scale_by_shape(adjust_lr_fn, split=split),
+        add_decoupled_weight_decay(weight_decay),
+        scale_by_learning_rate(lr),
+    ]
+    return chain(*parts)
+
+
+def normuon(
+    lr: ScalarOrSchedule = 0.01,
+    momentum: Scalar = 0.95,
+    beta2: float = 0.95,
+    *,
+    nesterov: bool = False,
+    adjust_lr_fn: str = "spectral",
+    weight_decay: Scalar = 0.01,
+    eps: float = 1e-8,
+    **muon_kwargs: Any,
+) -> GradientTransformation:
+    """NorMuon: Muon with neuron-wise (row) normalization after orthogonalization.
+
+    Defaults follow microsoft/dion's NorMuon: lr 0.01, β₂ 0.95, no Nesterov, √(out/in) scaling,
+    weight decay 0.01.
+    """
+    return muon(lr, momentum, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn,
+                weight_decay=weight_decay, beta2=beta2, eps=eps, **muon_kwargs)
+
+
+def adamw(
+    lr: ScalarOrSchedule = 1e-3,
+    betas: tuple[Scalar, Scalar] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: Scalar = 0.01,
+) -> GradientTransformation:
+    """AdamW with torch.optim.AdamW's defaults and arithmetic (decoupled decay ``p(1 − lr·wd)``)."""
+    return chain(scale_by_adam(betas, eps), add_decoupled_weight_decay(weight_decay),
+                 scale_by_learning_rate(lr))
+
+
+def matrix_labels(params: Any) -> Any:
+    """``"muon"`` for leaves with ndim ≥ 2, ``"adamw"`` for the rest (the default hybrid split)."""
+    from . import _tree
+
+    return _tree.tree_map(lambda p: None if p is None else ("muon" if p.ndim >= 2 else "adamw"), params)
+
+
+def hybrid(
+    lr: ScalarOrSchedule = 0.02,
+    momentum: Scalar = 0.95,
+    *,
+    adamw_lr: ScalarOrSchedule = 3e-4,
+    adamw_betas: tuple[Scalar, Scalar] = (0.9, 0.95),
+    adamw_eps: float = 1e-8,
+    adamw_weight_decay: Scalar = 0.0,
+    labels: Any = None,
+    **muon_kwargs: Any,
+) -> GradientTransformation:
+    """Muon on matrices, AdamW on everything else, via :func:`partition`.
+
+    ``labels`` (a tree of ``"muon"``/``"adamw"`` or a function of the params) overrides the
+    default ndim rule (:func:`matrix_labels`) — e.g. to send embeddings and the output head to AdamW.
+    """
+    _checks.scalar_or_schedule("adamw_lr", adamw_lr)
+    return partition(
+        {"muon": muon(lr, momentum, **muon_kwargs),
+         "adamw": adamw(adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay)},
+        matrix_labels if labels is None else labels,
+    )

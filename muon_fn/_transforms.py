@@ -1,0 +1,219 @@
+"""Elementwise transforms: momentum, learning rate, decoupled weight decay, Adam, NorMuon rows.
+
+Every transform maps a ``None`` update (missing gradient) to ``None`` and leaves that leaf's
+state unchanged, as torch.optim skips parameters without ``.grad``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from . import _checks, _tree
+from ._base import (
+    GradientTransformation,
+    Params,
+    Scalar,
+    ScalarOrSchedule,
+    Updates,
+    init_empty_state,
+    named,
+)
+
+MOMENTUM_KINDS = ("sgd", "ema")
+
+
+def apply_updates(params: Params, updates: Updates) -> Params:
+    """``p + u`` for every leaf (out of place); a ``None`` update leaves ``p`` as it is."""
+    return _tree.tree_map(lambda p, u: p if u is None else p + u.to(p.dtype), params, updates)
+
+
+class MomentumState(NamedTuple):
+    """State of :func:`momentum`."""
+
+    mu: Updates  # like params; dtype mu_dtype or the param's
+
+
+def momentum(
+    momentum: Scalar = 0.95,
+    *,
+    nesterov: bool = True,
+    kind: str = "sgd",
+    mu_dtype: torch.dtype | None = None,
+) -> GradientTransformation:
+    """Heavy-ball momentum, optionally Nesterov.
+
+    ``kind="sgd"``: ``b ← μb + g``; returns ``g + μb`` (Nesterov) or ``b``.
+    ``kind="ema"`` (torch.optim.Muon / Keller): ``b ← lerp(b, g, 1 − μ)``; returns
+    ``lerp(g, b, μ)`` (Nesterov) or ``b``. For constant μ the two differ by the factor (1 − μ),
+    so they agree after any scale-invariant step such as orthogonalization.
+    """
+    _checks.in_unit_interval("momentum", momentum)
+    _checks.one_of("kind", kind, MOMENTUM_KINDS)
+
+    def init(params):
+        return MomentumState(mu=_tree.zeros_like(params, dtype=mu_dtype))
+
+    def step(b: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        g = g.to(b.dtype)
+        if kind == "ema":
+            b = b.lerp(g, 1 - momentum)
+            return (g.lerp(b, momentum) if nesterov else b), b
+        b = b * momentum + g
+        return (g + momentum * b if nesterov else b), b
+
+    def update(updates, state, params=None, **extra):
+        del params, extra
+        pairs = _tree.tree_map(lambda g, b: (None, b) if g is None else step(b, g), updates, state.mu)
+        out = _tree.tree_map(lambda _, pair: pair[0], updates, pairs)
+        mu = _tree.tree_map(lambda _, pair: pair[1], updates, pairs)
+        return out, MomentumState(mu=mu)
+
+    return named(GradientTransformation(init, update), "momentum", momentum=momentum,
+                 nesterov=nesterov, kind=kind)
+
+
+class ScaleByScheduleState(NamedTuple):
+    """State of :func:`scale_by_learning_rate` with a schedule."""
+
+    count: torch.Tensor  # shape=(), int64: number of updates so far
+
+
+def scale_by_learning_rate(lr: ScalarOrSchedule) -> GradientTransformation:
+    """``u ← −lr·u``; ``lr`` is a float, a 0-d tensor, or a schedule ``count -> lr``."""
+    _checks.scalar_or_schedule("lr", lr)
+    if callable(lr) and not isinstance(lr, torch.Tensor):
+        schedule = lr
+
+        def init(params):
+            del params
+            return ScaleByScheduleState(count=torch.zeros((), dtype=torch.int64))
+
+        def update(updates, state, params=None, **extra):
+            del params, extra
+            step_lr = schedule(state.count)
+            out = _tree.tree_map(lambda u: None if u is None else u * -step_lr, updates)
+            return out, ScaleByScheduleState(count=state.count + 1)
+
+        return named(GradientTransformation(init, update), "scale_by_learning_rate",
+                     lr=getattr(schedule, "__name__", schedule))
+
+    def update_const(updates, state, params=None, **extra):
+        del params, extra
+        return _tree.tree_map(lambda u: None if u is None else u * -lr, updates), state
+
+    return named(GradientTransformation(init_empty_state, update_const), "scale_by_learning_rate",
+                 lr=_display(lr))
+
+
+def add_decoupled_weight_decay(weight_decay: Scalar = 0.0) -> GradientTransformation:
+    """``u ← u + wd·p``. Followed by ``scale_by_learning_rate(lr)`` this is ``p ← p(1 − lr·wd) − lr·u``."""
+    _checks.non_negative("weight_decay", weight_decay)
+
+    def update(updates, state, params=None, **extra):
+        del extra
+        if params is None:
+            raise ValueError("add_decoupled_weight_decay needs params: call update(updates, state, params)")
+        out = _tree.tree_map(
+            lambda u, p: None if u is None else u + weight_decay * p.to(u.dtype), updates, params
+        )
+        return out, state
+
+    return named(GradientTransformation(init_empty_state, update), "add_decoupled_weight_decay",
+                 weight_decay=_display(weight_decay))
+
+
+class ScaleByAdamState(NamedTuple):
+    """State of :func:`scale_by_adam` (torch.optim.AdamW's ``step``, ``exp_avg``, ``exp_avg_sq``)."""
+
+    count: Updates  # per leaf: shape=(), float32, on the param's device
+    mu: Updates  # like params: first moment
+    nu: Updates  # like params: second moment
+
+
+def scale_by_adam(
+    betas: tuple[Scalar, Scalar] = (0.9, 0.999), eps: float = 1e-8
+) -> GradientTransformation:
+    """Adam's bias-corrected direction ``m̂ / (√v̂ + eps)``, with torch.optim.Adam's arithmetic."""
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"Invalid betas: {betas!r} (expected a pair (beta1, beta2))")
+    _checks.in_unit_interval("beta1", betas[0])
+    _checks.in_unit_interval("beta2", betas[1])
+    _checks.non_negative("eps", eps)
+    b1, b2 = betas
+
+    def init(params):
+        count = _tree.tree_map(
+            lambda p: None if p is None else torch.zeros((), dtype=torch.float32, device=p.device), params
+        )
+        return ScaleByAdamState(count, _tree.zeros_like(params), _tree.zeros_like(params))
+
+    def step(g, count, m, v):
+        g = g.to(m.dtype)
+        count = count + 1
+        m = m.lerp(g, 1 - b1)
+        v = v * b2 + (1 - b2) * g * g
+        bias1 = 1 - b1**count
+        bias2_sqrt = (1 - b2**count).sqrt()
+        return (m / bias1) / (v.sqrt() / bias2_sqrt + eps), count, m, v
+
+    def update(updates, state, params=None, **extra):
+        del params, extra
+        res = _tree.tree_map(
+            lambda g, c, m, v: (None, c, m, v) if g is None else step(g, c, m, v),
+            updates, state.count, state.mu, state.nu,
+        )
+        pick = lambda i: _tree.tree_map(lambda _, r: r[i], updates, res)  # noqa: E731
+        return pick(0), ScaleByAdamState(pick(1), pick(2), pick(3))
+
+    return named(GradientTransformation(init, update), "scale_by_adam", betas=tuple(betas), eps=eps)
+
+
+class NormalizeRowsState(NamedTuple):
+    """State of :func:`normalize_rows`."""
+
+    nu: Updates  # per leaf: shape=(out, 1, ...), float32: EMA of the mean square of each row
+
+
+def normalize_rows(beta2: float = 0.95, eps: float = 1e-8) -> GradientTransformation:
+    """NorMuon's neuron-wise normalization of an orthogonalized update ``U`` (rows = outputs).
+
+    ``v ← lerp(v, mean_row(U²), 1 − β₂)``, ``Û = U / (√v + eps)``, then ``Û`` is rescaled to
+    ``‖U‖_F`` so the update's overall size is unchanged (Li et al., arXiv:2510.05491).
+    """
+    _checks.in_unit_interval("beta2", beta2)
+    _checks.positive("eps", eps)
+
+    def row_shape(p: torch.Tensor) -> tuple[int, ...]:
+        if p.ndim < 2:
+            raise ValueError(f"normalize_rows expects matrices (ndim >= 2), got a leaf of shape {tuple(p.shape)}")
+        return (p.shape[0],) + (1,) * (p.ndim - 1)
+
+    def init(params):
+        return NormalizeRowsState(_tree.tree_map(
+            lambda p: None if p is None else torch.zeros(row_shape(p), dtype=torch.float32, device=p.device),
+            params,
+        ))
+
+    def step(u, v):
+        dims = tuple(range(1, u.ndim))
+        u32 = u.float()
+        v = v.lerp(u32.square().mean(dim=dims, keepdim=True), 1 - beta2)
+        normed = u32 / (v.sqrt() + eps)
+        scale = torch.linalg.vector_norm(u32) / torch.linalg.vector_norm(normed).clamp_min(1e-8)
+        return (normed * scale).to(u.dtype), v
+
+    def update(updates, state, params=None, **extra):
+        del params, extra
+        res = _tree.tree_map(lambda u, v: (None, v) if u is None else step(u, v), updates, state.nu)
+        out = _tree.tree_map(lambda _, r: r[0], updates, res)
+        nu = _tree.tree_map(lambda _, r: r[1], updates, res)
+        return out, NormalizeRowsState(nu)
+
+    return named(GradientTransformation(init, update), "normalize_rows", beta2=beta2, eps=eps)
+
+
+def _display(x: Any) -> Any:
+    """A repr-friendly value: tensors show as ``tensor(value)``-free floats."""
+    return float(x) if isinstance(x, torch.Tensor) else x
