@@ -1,0 +1,1 @@
+"""FSDP2 adapter: owner-computes Muon on fully_shard models."""

@@ -1,0 +1,238 @@
+"""The owner-computes communication plan: a pure function of global shapes and the world size.
+
+No torch.distributed here (and no tensors): every rank calls :func:`make_plan` with the same
+global shapes in the same order and gets the same plan, so ranks agree on owners, buckets and the
+split sizes of every ``all_to_all_single`` without talking to each other.
+
+Terms. Matrix ``j`` has global shape ``(m, n)`` (a weight flattened to ``(shape[0], prod(rest))``).
+Each rank *contributes* a contiguous block of rows (its FSDP2 shard, or all rows on the owner for a
+replicated parameter) and *receives back* a contiguous block of rows of the result (its shard again,
+or all rows for a replicated parameter). The owner gathers the contributions, computes on the full
+matrix, and returns the rows each rank receives. A bucket is a group of matrices exchanged by one
+pair of ``all_to_all_single`` calls.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+Rows = tuple[int, int]  # [start, stop) rows of a matrix
+
+
+def chunk_rows(m: int, world_size: int) -> tuple[Rows, ...]:
+    """Row ranges of ``torch.chunk(x, world_size, dim=0)`` padded to ``world_size`` entries.
+
+    This is FSDP2's (and ``Shard(0)``'s) layout: ``ceil(m / W)`` rows per rank, only trailing
+    ranks short, possibly empty (10 rows on 4 ranks: 3, 3, 3, 1; 3 rows: 1, 1, 1, 0).
+    """
+    if m < 0:
+        raise ValueError(f"Invalid number of rows: {m} (expected >= 0)")
+    if world_size < 1:
+        raise ValueError(f"Invalid world_size: {world_size} (expected >= 1)")
+    size = -(-m // world_size) if m else 0
+    return tuple(
+        (min(r * size, m), min((r + 1) * size, m)) for r in range(world_size)
+    )
+
+
+def flat_shape(shape: Sequence[int]) -> tuple[int, int]:
+    """``(out, in)`` of a weight of ndim >= 2: ``(shape[0], prod(shape[1:]))``."""
+    shape = tuple(int(s) for s in shape)
+    if len(shape) < 2:
+        raise ValueError(f"Expected a shape with at least 2 dims, got {shape}")
+    return shape[0], math.prod(shape[1:])
+
+
+def ns_cost(shape: Sequence[int]) -> int:
+    """Newton–Schulz cost of one matrix, ``m·n·min(m, n)`` (proportional to its FLOPs)."""
+    m, n = flat_shape(shape)
+    return m * n * min(m, n)
+
+
+def ns_flops(shape: Sequence[int], steps: int) -> int:
+    """Dense FLOPs of ``steps`` quintic iterations on one matrix: ``steps·(4s²l + 2s³)``.
+
+    ``s = min(m, n)``, ``l = max(m, n)``: per iteration ``A = XXᵀ`` (2s²l), ``bA + cA²`` (2s³),
+    ``(…)X`` (2s²l); elementwise terms are ignored.
+    """
+    m, n = flat_shape(shape)
+    s, l = min(m, n), max(m, n)
+    return steps * (4 * s * s * l + 2 * s**3)
+
+
+@dataclass(frozen=True)
+class MatrixPlan:
+    """Where one matrix lives and where it is computed."""
+
+    index: int  # position in the input list
+    shape: tuple[int, ...]  # global shape (as given)
+    rows: int  # m
+    cols: int  # n (elements per row)
+    owner: int
+    bucket: int
+    contrib: tuple[Rows, ...]  # rows each rank sends to the owner (they tile [0, m))
+    receive: tuple[Rows, ...]  # rows each rank gets back
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.cols
+
+    def contrib_numel(self, rank: int) -> int:
+        start, stop = self.contrib[rank]
+        return (stop - start) * self.cols
+
+    def receive_numel(self, rank: int) -> int:
+        start, stop = self.receive[rank]
+        return (stop - start) * self.cols
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """One exchange: matrices in a fixed order, and every rank's split sizes (in elements)."""
+
+    index: int
+    matrices: tuple[int, ...]  # indices into Plan.matrices, in exchange order
+    # gather[r][d]: elements rank r sends to rank d in the gather (forward) all-to-all.
+    gather: tuple[tuple[int, ...], ...]
+    # scatter[r][d]: elements rank r sends to rank d in the scatter (return) all-to-all.
+    scatter: tuple[tuple[int, ...], ...]
+
+    def gather_send(self, rank: int) -> list[int]:
+        return list(self.gather[rank])
+
+    def gather_recv(self, rank: int) -> list[int]:
+        return [row[rank] for row in self.gather]
+
+    def scatter_send(self, rank: int) -> list[int]:
+        return list(self.scatter[rank])
+
+    def scatter_recv(self, rank: int) -> list[int]:
+        return [row[rank] for row in self.scatter]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The whole plan; identical on every rank."""
+
+    world_size: int
+    matrices: tuple[MatrixPlan, ...]
+    buckets: tuple[BucketPlan, ...]
+
+    def owned(self, rank: int, bucket: int | None = None) -> list[int]:
+        """Indices of the matrices ``rank`` computes (in one bucket, or in all)."""
+        order = self.buckets[bucket].matrices if bucket is not None else range(len(self.matrices))
+        return [j for j in order if self.matrices[j].owner == rank]
+
+    def load(self) -> list[int]:
+        """Newton–Schulz cost (``m·n·min(m,n)``) each rank computes."""
+        loads = [0] * self.world_size
+        for mp in self.matrices:
+            loads[mp.owner] += ns_cost(mp.shape)
+        return loads
+
+    def sent_elements(self, rank: int) -> int:
+        """Elements ``rank`` sends to other ranks in one step (both directions, self excluded)."""
+        total = 0
+        for b in self.buckets:
+            total += sum(v for d, v in enumerate(b.gather[rank]) if d != rank)
+            total += sum(v for d, v in enumerate(b.scatter[rank]) if d != rank)
+        return total
+
+
+def lpt_owners(costs: Sequence[int], world_size: int, loads: Sequence[int] | None = None) -> list[int]:
+    """Longest-processing-time-first assignment: biggest cost first to the least-loaded rank.
+
+    Ties go to the smaller index (matrix) and the lower rank, so the result is deterministic.
+    ``loads`` seeds the per-rank loads (e.g. work already assigned in earlier buckets).
+    """
+    load = list(loads) if loads is not None else [0] * world_size
+    owners = [0] * len(costs)
+    for j in sorted(range(len(costs)), key=lambda j: (-costs[j], j)):
+        r = min(range(world_size), key=lambda r: (load[r], r))
+        owners[j] = r
+        load[r] += costs[j]
+    return owners
+
+
+def make_buckets(sizes: Sequence[int], num_buckets: int) -> list[list[int]]:
+    """Split matrix indices ``0..len(sizes)-1`` into at most ``num_buckets`` contiguous groups of
+    about equal total size, in reverse order (the last layers' gradients are ready first)."""
+    if num_buckets < 1:
+        raise ValueError(f"Invalid num_buckets: {num_buckets} (expected >= 1)")
+    order = list(reversed(range(len(sizes))))
+    total = sum(sizes)
+    if not order:
+        return []
+    k = min(num_buckets, len(order))
+    buckets: list[list[int]] = [[]]
+    acc = 0
+    for j in order:
+        # Open a new bucket when this one has reached its share of the total.
+        if buckets[-1] and len(buckets) < k and acc >= total * len(buckets) / k:
+            buckets.append([])
+        buckets[-1].append(j)
+        acc += sizes[j]
+    return buckets
+
+
+def make_plan(
+    shapes: Sequence[Sequence[int]],
+    world_size: int,
+    *,
+    replicated: Sequence[bool] | None = None,
+    num_buckets: int = 4,
+) -> Plan:
+    """Owners, row splits and buckets for matrices of global ``shapes`` on ``world_size`` ranks.
+
+    Args:
+      shapes: global shape of each matrix (ndim >= 2; flattened to ``(shape[0], prod(rest))``).
+      world_size: number of ranks W (>= 1).
+      replicated: per matrix, True if every rank holds the full matrix (a plain, DDP-style
+        parameter): the owner contributes all rows and every rank receives all rows back.
+        Default: all sharded as ``Shard(0)`` with ``torch.chunk`` rows.
+      num_buckets: exchanges per step (fewer if there are fewer matrices).
+
+    Owners are assigned by LPT on ``m·n·min(m, n)`` bucket by bucket, each bucket starting from the
+    loads of the previous ones: every bucket keeps all ranks busy and the total is balanced.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"Invalid world_size: {world_size!r} (expected an integer >= 1)")
+    shapes = [tuple(int(s) for s in shape) for shape in shapes]
+    flat = [flat_shape(s) for s in shapes]
+    if replicated is None:
+        replicated = [False] * len(shapes)
+    if len(replicated) != len(shapes):
+        raise ValueError(f"replicated has {len(replicated)} entries for {len(shapes)} shapes")
+    groups = make_buckets([m * n for m, n in flat], num_buckets)
+    owners = [0] * len(shapes)
+    bucket_of = [0] * len(shapes)
+    loads = [0] * world_size
+    for b, members in enumerate(groups):
+        costs = [ns_cost(shapes[j]) for j in members]
+        for j, r in zip(members, lpt_owners(costs, world_size, loads)):
+            owners[j], bucket_of[j] = r, b
+            loads[r] += ns_cost(shapes[j])
+    matrices = []
+    for j, (shape, (m, n)) in enumerate(zip(shapes, flat)):
+        if replicated[j]:
+            everything = (0, m)
+            contrib = tuple(everything if r == owners[j] else (0, 0) for r in range(world_size))
+            receive = (everything,) * world_size
+        else:
+            contrib = receive = chunk_rows(m, world_size)
+        matrices.append(MatrixPlan(j, shape, m, n, owners[j], bucket_of[j], contrib, receive))
+    buckets = []
+    for b, members in enumerate(groups):
+        gather = [[0] * world_size for _ in range(world_size)]
+        scatter = [[0] * world_size for _ in range(world_size)]
+        for j in members:
+            mp = matrices[j]
+            for r in range(world_size):
+                gather[r][mp.owner] += mp.contrib_numel(r)
+                scatter[mp.owner][r] += mp.receive_numel(r)
+        buckets.append(
+            BucketPlan(b, tuple(members), tuple(map(tuple, gather)), tuple(map(tuple, scatter)))
+        )
+    return Plan(world_size, tuple(matrices), tuple(buckets))

@@ -1,0 +1,170 @@
+"""The FSDP2 owner-computes planner: pure, no processes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from muon_fn.fsdp import _plan
+from muon_fn.fsdp._plan import chunk_rows, lpt_owners, make_buckets, make_plan, ns_cost
+
+GPT2_SMALL = [(768, 768)] * 4 + [(3072, 768), (768, 3072)]
+
+
+@pytest.mark.parametrize("m", [0, 1, 2, 3, 5, 10, 17, 64])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8])
+def test_chunk_rows_matches_torch_chunk_and_tensor_split_of_dtensor(m, world_size):
+    chunks = torch.arange(m).chunk(world_size) if m else ()
+    expected = [(int(c[0]), int(c[-1]) + 1) if c.numel() else None for c in chunks]
+    rows = chunk_rows(m, world_size)
+    assert len(rows) == world_size
+    for r, (start, stop) in enumerate(rows):
+        if r < len(expected) and expected[r] is not None:
+            assert (start, stop) == expected[r]
+        else:
+            assert start == stop  # empty shard (torch.chunk returned fewer chunks)
+    # Contiguous tiling of [0, m).
+    assert rows[0][0] == 0 and rows[-1][1] == m
+    assert all(rows[r][1] == rows[r + 1][0] for r in range(world_size - 1))
+
+
+def test_chunk_rows_fsdp2_figures():
+    # Verified with fully_shard on CPU/gloo (notes/fsdp2.md §2).
+    sizes = lambda m, w: [b - a for a, b in chunk_rows(m, w)]  # noqa: E731
+    assert sizes(10, 4) == [3, 3, 3, 1]
+    assert sizes(10, 2) == [5, 5]
+    assert sizes(3, 4) == [1, 1, 1, 0]
+    assert sizes(5, 4) == [2, 2, 1, 0]
+    assert sizes(1, 4) == [1, 0, 0, 0]
+
+
+def test_chunk_rows_rejects_bad_input():
+    with pytest.raises(ValueError, match="world_size: 0"):
+        chunk_rows(3, 0)
+    with pytest.raises(ValueError, match="rows: -1"):
+        chunk_rows(-1, 2)
+
+
+def test_lpt_is_deterministic_and_balances():
+    costs = [5, 5, 4, 4, 3, 3, 2, 2, 1, 1]
+    owners = lpt_owners(costs, 2)
+    assert owners == lpt_owners(costs, 2)
+    loads = [sum(c for c, o in zip(costs, owners) if o == r) for r in range(2)]
+    assert loads == [15, 15]
+    # Ties: equal costs go to the lowest rank first, in index order.
+    assert lpt_owners([1, 1, 1], 4) == [0, 1, 2]
+
+
+def test_make_buckets_contiguous_reverse_and_balanced():
+    buckets = make_buckets([1] * 12, 4)
+    assert buckets == [[11, 10, 9], [8, 7, 6], [5, 4, 3], [2, 1, 0]]
+    assert make_buckets([1, 1], 4) == [[1], [0]]
+    assert make_buckets([], 3) == []
+    with pytest.raises(ValueError, match="num_buckets: 0"):
+        make_buckets([1], 0)
+
+
+def _check_plan_consistency(plan, shapes):
+    w = plan.world_size
+    assert sorted(j for b in plan.buckets for j in b.matrices) == list(range(len(shapes)))
+    for mp in plan.matrices:
+        assert 0 <= mp.owner < w
+        # Contributions tile [0, m) exactly once.
+        covered = sorted(r for r in mp.contrib if r[1] > r[0])
+        assert sum(b - a for a, b in covered) == mp.rows
+    for b in plan.buckets:
+        for r in range(w):
+            # What r sends equals what the others expect from r, both directions.
+            assert sum(b.gather_send(r)) == sum(plan.matrices[j].contrib_numel(r) for j in b.matrices)
+            assert sum(b.scatter_recv(r)) == sum(plan.matrices[j].receive_numel(r) for j in b.matrices)
+            owned = [j for j in b.matrices if plan.matrices[j].owner == r]
+            assert sum(b.gather_recv(r)) == sum(plan.matrices[j].numel for j in owned)
+        total_gather = sum(map(sum, b.gather))
+        assert total_gather == sum(plan.matrices[j].numel for j in b.matrices)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4, 8])
+def test_plan_uneven_and_empty_shards(world_size):
+    shapes = [(10, 6), (3, 6), (6, 10), (1, 5), (5, 1), (7, 7), (50, 17), (17, 50), (4, 3, 2, 2)]
+    plan = make_plan(shapes, world_size, num_buckets=3)
+    _check_plan_consistency(plan, shapes)
+    assert plan == make_plan(shapes, world_size, num_buckets=3)  # deterministic
+    conv = plan.matrices[8]
+    assert (conv.rows, conv.cols) == (4, 12)
+    if world_size == 4:
+        assert [b - a for a, b in plan.matrices[0].contrib] == [3, 3, 3, 1]
+        assert [b - a for a, b in plan.matrices[1].contrib] == [1, 1, 1, 0]
+
+
+def test_plan_split_sizes_by_hand():
+    # Two matrices on 2 ranks, one bucket: LPT gives the costlier 3x2 to rank 0, the 2x2 to rank 1.
+    plan = make_plan([(3, 2), (2, 2)], 2, num_buckets=1)
+    a, b = plan.matrices
+    assert ns_cost((3, 2)) == 12 and ns_cost((2, 2)) == 8
+    assert (a.owner, b.owner) == (0, 1)
+    (bucket,) = plan.buckets
+    # 3x2 rows: rank 0 has 2 rows (4 elems), rank 1 has 1 row (2 elems); 2x2: one row each.
+    assert bucket.gather == ((4, 2), (2, 2))
+    assert bucket.scatter == ((4, 2), (2, 2))
+    assert bucket.gather_recv(0) == [4, 2] and bucket.gather_recv(1) == [2, 2]
+
+
+def test_plan_replicated_matrix_comes_back_whole():
+    plan = make_plan([(4, 3)], 3, replicated=[True])
+    (mp,) = plan.matrices
+    (bucket,) = plan.buckets
+    o = mp.owner
+    assert [mp.contrib_numel(r) for r in range(3)] == [12 if r == o else 0 for r in range(3)]
+    assert all(mp.receive_numel(r) == 12 for r in range(3))
+    assert bucket.gather[o][o] == 12 and sum(map(sum, bucket.gather)) == 12
+    assert bucket.scatter[o] == (12, 12, 12)
+    assert plan.sent_elements(o) == 24 and plan.sent_elements((o + 1) % 3) == 0
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+def test_gpt2_small_balance_and_bytes_formula(world_size):
+    shapes = GPT2_SMALL * 12
+    plan = make_plan(shapes, world_size, num_buckets=4)
+    loads = plan.load()
+    assert max(loads) / (sum(loads) / world_size) <= 1.10
+    total = sum(mp.numel for mp in plan.matrices)
+    # Owner computes: every shard not owned travels to the owner and back.
+    expected = 2 * (world_size - 1) * total / world_size**2
+    sent = [plan.sent_elements(r) for r in range(world_size)]
+    assert sum(sent) / world_size == pytest.approx(expected, rel=1e-12)
+    assert max(sent) / expected < 1.05
+    # Every bucket gives every rank work.
+    for b in plan.buckets:
+        assert {plan.matrices[j].owner for j in b.matrices} == set(range(world_size))
+
+
+def test_plan_world_size_one_owns_everything_and_sends_nothing():
+    plan = make_plan([(3, 4), (5, 2)], 1)
+    assert [mp.owner for mp in plan.matrices] == [0, 0]
+    assert plan.sent_elements(0) == 0
+
+
+def test_plan_errors_name_the_value():
+    with pytest.raises(ValueError, match="world_size: 0"):
+        make_plan([(2, 2)], 0)
+    with pytest.raises(ValueError, match=r"at least 2 dims, got \(5,\)"):
+        make_plan([(5,)], 2)
+    with pytest.raises(ValueError, match="replicated has 2 entries for 1 shapes"):
+        make_plan([(2, 2)], 2, replicated=[True, False])
+
+
+def test_ns_flops_quintic_count():
+    # 768x3072, one iteration: 4·768²·3072 + 2·768³.
+    assert _plan.ns_flops((768, 3072), 1) == 4 * 768**2 * 3072 + 2 * 768**3
+    assert _plan.ns_flops((3072, 768), 5) == _plan.ns_flops((768, 3072), 5)
+
+
+def test_planner_does_not_import_torch_distributed():
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(_plan))
+    names = [a.name for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names]
+    modules = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    assert not any("distributed" in (x or "") for x in names + modules)
+    assert "torch" not in names
