@@ -138,6 +138,14 @@ def test_gpt2_small_balance_and_bytes_formula(world_size):
         assert {plan.matrices[j].owner for j in b.matrices} == set(range(world_size))
 
 
+def test_plan_extra_cols_travel_but_do_not_cost():
+    base = make_plan([(6, 4), (4, 4)], 2)
+    extra = make_plan([(6, 4), (4, 4)], 2, extra_cols=1)
+    assert [mp.owner for mp in base.matrices] == [mp.owner for mp in extra.matrices]
+    assert [mp.cols for mp in extra.matrices] == [5, 5]
+    assert extra.buckets[0].gather[1][extra.matrices[0].owner] == 3 * 5 or extra.matrices[0].owner == 1
+
+
 def test_plan_world_size_one_owns_everything_and_sends_nothing():
     plan = make_plan([(3, 4), (5, 2)], 1)
     assert [mp.owner for mp in plan.matrices] == [0, 0]

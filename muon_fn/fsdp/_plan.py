@@ -183,6 +183,7 @@ def make_plan(
     *,
     replicated: Sequence[bool] | None = None,
     num_buckets: int = 4,
+    extra_cols: int = 0,
 ) -> Plan:
     """Owners, row splits and buckets for matrices of global ``shapes`` on ``world_size`` ranks.
 
@@ -193,12 +194,16 @@ def make_plan(
         parameter): the owner contributes all rows and every rank receives all rows back.
         Default: all sharded as ``Shard(0)`` with ``torch.chunk`` rows.
       num_buckets: exchanges per step (fewer if there are fewer matrices).
+      extra_cols: columns appended to every row on the wire (e.g. a per-row state travelling
+        with the matrix); they add to ``cols`` but not to the cost.
 
     Owners are assigned by LPT on ``m·n·min(m, n)`` bucket by bucket, each bucket starting from the
     loads of the previous ones: every bucket keeps all ranks busy and the total is balanced.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"Invalid world_size: {world_size!r} (expected an integer >= 1)")
+    if extra_cols < 0:
+        raise ValueError(f"Invalid extra_cols: {extra_cols} (expected >= 0)")
     shapes = [tuple(int(s) for s in shape) for shape in shapes]
     flat = [flat_shape(s) for s in shapes]
     if replicated is None:
@@ -222,7 +227,9 @@ def make_plan(
             receive = (everything,) * world_size
         else:
             contrib = receive = chunk_rows(m, world_size)
-        matrices.append(MatrixPlan(j, shape, m, n, owners[j], bucket_of[j], contrib, receive))
+        matrices.append(
+            MatrixPlan(j, shape, m, n + extra_cols, owners[j], bucket_of[j], contrib, receive)
+        )
     buckets = []
     for b, members in enumerate(groups):
         gather = [[0] * world_size for _ in range(world_size)]
