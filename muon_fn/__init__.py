@@ -9,8 +9,10 @@ from ._alias import adamw, hybrid, matrix_labels, muon, normuon
 from ._base import EmptyState, GradientTransformation, identity, stateless
 from ._combine import PartitionState, chain, partition
 from ._compile import compile_update
+from ._hybrid import create_hybrid_optimizer, split_parameters
 from ._muon import orthogonalize, scale_by_shape, shape_scale
 from ._orthogonalize import newton_schulz, polar_express, zeropower_via_newtonschulz5
+from .optim import MuonOptimizer, Optimizer
 from ._transforms import (
     MomentumState,
     NormalizeRowsState,
@@ -60,4 +62,9 @@ __all__ = [
     "newton_schulz",
     "zeropower_via_newtonschulz5",
     "polar_express",
+    # adapters
+    "Optimizer",
+    "MuonOptimizer",
+    "create_hybrid_optimizer",
+    "split_parameters",
 ]

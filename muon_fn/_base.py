@@ -72,6 +72,7 @@ def stateless(fn: Callable[[Updates, Params | None], Updates]) -> GradientTransf
 
 def named(tx: GradientTransformation, name: str, **config: Any) -> GradientTransformation:
     """Attach a readable repr ``name(k=v, ...)`` to ``tx`` (shown by ``repr(tx)``)."""
-    args = ", ".join(f"{k}={v!r}" for k, v in config.items())
+    shown = {k: float(v) if isinstance(v, torch.Tensor) and v.numel() == 1 else v for k, v in config.items()}
+    args = ", ".join(f"{k}={v!r}" for k, v in shown.items())
     tx.update._muon_fn_repr = f"{name}({args})"  # type: ignore[attr-defined]
     return tx

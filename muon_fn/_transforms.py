@@ -34,6 +34,8 @@ class MomentumState(NamedTuple):
 
     mu: Updates  # like params; dtype mu_dtype or the param's
 
+    state_keys = {"mu": "momentum_buffer"}  # names in torch.optim state dicts
+
 
 def momentum(
     momentum: Scalar = 0.95,
@@ -79,6 +81,8 @@ class ScaleByScheduleState(NamedTuple):
 
     count: torch.Tensor  # shape=(), int64: number of updates so far
 
+    state_keys = {"count": "lr_schedule_count"}
+
 
 def scale_by_learning_rate(lr: ScalarOrSchedule) -> GradientTransformation:
     """``u ← −lr·u``; ``lr`` is a float, a 0-d tensor, or a schedule ``count -> lr``."""
@@ -104,7 +108,7 @@ def scale_by_learning_rate(lr: ScalarOrSchedule) -> GradientTransformation:
         return _tree.tree_map(lambda u: None if u is None else u * -lr, updates), state
 
     return named(GradientTransformation(init_empty_state, update_const), "scale_by_learning_rate",
-                 lr=_display(lr))
+                 lr=lr)
 
 
 def add_decoupled_weight_decay(weight_decay: Scalar = 0.0) -> GradientTransformation:
@@ -121,7 +125,7 @@ def add_decoupled_weight_decay(weight_decay: Scalar = 0.0) -> GradientTransforma
         return out, state
 
     return named(GradientTransformation(init_empty_state, update), "add_decoupled_weight_decay",
-                 weight_decay=_display(weight_decay))
+                 weight_decay=weight_decay)
 
 
 class ScaleByAdamState(NamedTuple):
@@ -130,6 +134,8 @@ class ScaleByAdamState(NamedTuple):
     count: Updates  # per leaf: shape=(), float32, on the param's device
     mu: Updates  # like params: first moment
     nu: Updates  # like params: second moment
+
+    state_keys = {"count": "step", "mu": "exp_avg", "nu": "exp_avg_sq"}
 
 
 def scale_by_adam(
@@ -175,6 +181,8 @@ class NormalizeRowsState(NamedTuple):
 
     nu: Updates  # per leaf: shape=(out, 1, ...), float32: EMA of the mean square of each row
 
+    state_keys = {"nu": "row_variance"}
+
 
 def normalize_rows(beta2: float = 0.95, eps: float = 1e-8) -> GradientTransformation:
     """NorMuon's neuron-wise normalization of an orthogonalized update ``U`` (rows = outputs).
@@ -213,7 +221,3 @@ def normalize_rows(beta2: float = 0.95, eps: float = 1e-8) -> GradientTransforma
 
     return named(GradientTransformation(init, update), "normalize_rows", beta2=beta2, eps=eps)
 
-
-def _display(x: Any) -> Any:
-    """A repr-friendly value: tensors show as ``tensor(value)``-free floats."""
-    return float(x) if isinstance(x, torch.Tensor) else x

@@ -1,0 +1,131 @@
+"""``create_hybrid_optimizer``: one optimizer with Muon for hidden matrices and AdamW for the rest."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from .optim import MuonOptimizer
+
+
+def _head_names(model: nn.Module, embedding_params: set[int]) -> set[str]:
+    """Output heads: Linear weights tied to an embedding, or producing a vocabulary-sized output."""
+    vocab_sizes = {m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)}
+    heads = set()
+    for mod_name, mod in model.named_modules():
+        if not isinstance(mod, nn.Linear):
+            continue
+        name = f"{mod_name}.weight" if mod_name else "weight"
+        if id(mod.weight) in embedding_params or mod.out_features in vocab_sizes:
+            heads.add(name)
+    return heads
+
+
+def split_parameters(
+    model: nn.Module,
+    *,
+    adamw_names: Sequence[str] = (),
+    adamw_predicate: Callable[[str, nn.Parameter], bool] | None = None,
+) -> tuple[list[tuple[str, nn.Parameter, str]], list[tuple[str, nn.Parameter, str]]]:
+    """Sort ``model``'s trainable parameters into (muon, adamw) lists of ``(name, param, reason)``.
+
+    AdamW gets: ``nn.Embedding`` weights, the output head (a Linear tied to an embedding or with
+    ``out_features`` equal to an embedding's vocabulary), parameters named in ``adamw_names`` or
+    accepted by ``adamw_predicate``, and every 0-/1-D parameter. Muon gets the other ≥ 2-D
+    parameters (hidden Linear and conv weights). Tied parameters appear once.
+    """
+    embedding_params = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    heads = _head_names(model, embedding_params)
+    forced = set(adamw_names)
+    all_names = {name for name, _ in model.named_parameters()}
+    unknown = forced - all_names - heads
+    if unknown:
+        raise ValueError(f"adamw_names {sorted(unknown)} are not parameters of the model")
+    tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear) and id(m.weight) in embedding_params}
+    muon_params, adamw_params = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if id(p) in embedding_params:
+            reason = "embedding, tied to the output head" if id(p) in tied else "embedding"
+        elif name in heads:
+            reason = "output head"
+        elif name in forced:
+            reason = "adamw_names"
+        elif adamw_predicate is not None and adamw_predicate(name, p):
+            reason = "adamw_predicate"
+        elif p.ndim < 2:
+            reason = f"{p.ndim}-D"
+        else:
+            muon_params.append((name, p, "hidden matrix" if p.ndim == 2 else f"{p.ndim}-D weight, flattened"))
+            continue
+        adamw_params.append((name, p, reason))
+    return muon_params, adamw_params
+
+
+class HybridSplit:
+    """Which parameter went where, printable (``print(optimizer.split)``)."""
+
+    def __init__(self, muon_params, adamw_params) -> None:
+        self.muon = [(n, tuple(p.shape), r) for n, p, r in muon_params]
+        self.adamw = [(n, tuple(p.shape), r) for n, p, r in adamw_params]
+
+    def __str__(self) -> str:
+        def count(rows):
+            return sum(int(torch.Size(s).numel()) for _, s, _ in rows)
+
+        lines = [f"Muon: {len(self.muon)} tensors, {count(self.muon):,} parameters"]
+        lines += [f"  {n:<40} {str(s):<20} {r}" for n, s, r in self.muon]
+        lines.append(f"AdamW: {len(self.adamw)} tensors, {count(self.adamw):,} parameters")
+        lines += [f"  {n:<40} {str(s):<20} {r}" for n, s, r in self.adamw]
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def create_hybrid_optimizer(
+    model: nn.Module,
+    muon_lr: float = 0.02,
+    adamw_lr: float = 1e-3,
+    adamw_weight_decay: float = 0.01,
+    *,
+    muon_weight_decay: float = 0.0,
+    momentum: float = 0.95,
+    adamw_betas: tuple[float, float] = (0.9, 0.95),
+    adamw_eps: float = 1e-8,
+    adamw_names: Sequence[str] = (),
+    adamw_predicate: Callable[[str, nn.Parameter], bool] | None = None,
+    verbose: bool = False,
+    **muon_kwargs: Any,
+) -> MuonOptimizer:
+    """One :class:`MuonOptimizer` with two groups: ``algorithm="muon"`` and ``algorithm="adamw"``.
+
+    Hidden 2-D (and conv) weights get Muon with ``muon_lr``; embeddings, the output head and
+    0-/1-D parameters get AdamW with ``adamw_lr``, ``adamw_betas``, ``adamw_eps`` and
+    ``adamw_weight_decay`` (see :func:`split_parameters` for the rules and overrides). One
+    ``state_dict``; schedulers scale each group's ``lr``. The split is ``optimizer.split``
+    (printed when ``verbose``). Other keyword arguments go to :class:`MuonOptimizer`.
+    """
+    muon_params, adamw_params = split_parameters(
+        model, adamw_names=adamw_names, adamw_predicate=adamw_predicate
+    )
+    groups = []
+    if muon_params:
+        groups.append({"params": [p for _, p, _ in muon_params],
+                       "param_names": [n for n, _, _ in muon_params],
+                       "lr": muon_lr, "weight_decay": muon_weight_decay, "algorithm": "muon"})
+    if adamw_params:
+        groups.append({"params": [p for _, p, _ in adamw_params],
+                       "param_names": [n for n, _, _ in adamw_params],
+                       "lr": adamw_lr, "weight_decay": adamw_weight_decay, "algorithm": "adamw"})
+    if not groups:
+        raise ValueError("optimizer got an empty parameter list")
+    optimizer = MuonOptimizer(groups, lr=muon_lr, momentum=momentum, adamw_betas=adamw_betas,
+                              adamw_eps=adamw_eps, **muon_kwargs)
+    optimizer.split = HybridSplit(muon_params, adamw_params)
+    if verbose:
+        print(optimizer.split)
+    return optimizer

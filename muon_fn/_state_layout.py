@@ -1,0 +1,136 @@
+"""Where each leaf of a group's functional state lives in torch's per-parameter state dicts.
+
+torch.optim keeps ``state[p] = {"momentum_buffer": t, "step": t, ...}``; the functional core keeps
+one state pytree per parameter group. A :class:`StateLayout` maps every leaf of that pytree to
+``(param index, key)`` so the adapter can store plain dicts (which ``load_state_dict`` handles)
+and rebuild the pytree for each step. Leaves inside a subtree shaped like the group's params
+belong to one parameter; other leaves (group-level scalars) are stored on every parameter.
+Keys come from the state classes' ``state_keys`` (e.g. ``MomentumState.mu -> "momentum_buffer"``).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, NamedTuple
+
+import torch
+
+from . import _tree
+
+
+class Slot(NamedTuple):
+    index: int | None  # parameter index in the group; None = a group-level scalar
+    key: str  # key in state[p]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class StateLayout(NamedTuple):
+    spec: Any  # PyTreeSpec of the state (None leaves included)
+    slots: tuple[Slot | None, ...]  # one per leaf; None for None leaves
+
+    def keys_for(self, index: int) -> list[str]:
+        return [s.key for s in self.slots if s is not None and (s.index in (index, None))]
+
+
+def _snake(name: str) -> str:
+    name = name[:-5] if name.endswith("State") and len(name) > 5 else name
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+def _name(node: Any, entry: Any) -> str:
+    if isinstance(node, tuple) and hasattr(node, "_fields"):
+        field = node._fields[entry]
+        return getattr(type(node), "state_keys", {}).get(field, f"{_snake(type(node).__name__)}.{field}")
+    return str(entry)
+
+
+def build_layout(state: Any, n_params: int) -> StateLayout:
+    """The layout of ``state`` (a functional state for a group of ``n_params`` parameters)."""
+    paths, leaves, spec = _tree.tree_flatten_with_path(state)
+    param_spec = _tree.tree_structure(tuple(range(n_params)))
+    slots: list[Slot | None] = []
+    taken: dict[tuple[int | None, str], int] = {}
+    for path, leaf in zip(paths, leaves):
+        if leaf is None:
+            slots.append(None)
+            continue
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(f"optimizer state leaves must be tensors, found {type(leaf).__name__} at {path}")
+        # Walk down the path, remembering the last meaningful name and the parent container.
+        node, names, parent = state, [], None
+        for entry in path:
+            parent = node
+            names.append(_name(node, entry))
+            node = node[entry]
+        per_param = (
+            parent is not None
+            and isinstance(parent, tuple)
+            and not hasattr(parent, "_fields")
+            and _tree.tree_structure(parent) == param_spec
+        )
+        if per_param:
+            index, label = int(path[-1]), _last_field(names[:-1])
+        else:
+            index, label = None, _last_field(names)
+        n = taken.get((index, label), 0)
+        taken[(index, label)] = n + 1
+        key = label if n == 0 else f"{label}_{n}"
+        slots.append(Slot(index, key, tuple(leaf.shape), leaf.dtype))
+    return StateLayout(spec, tuple(slots))
+
+
+def _last_field(names: list[str]) -> str:
+    """The innermost non-numeric name on a path (a state field), e.g. ``momentum_buffer``."""
+    for name in reversed(names):
+        if not name.isdigit():
+            return name
+    return "state"
+
+
+def scatter(layout: StateLayout, state: Any, param_states: list[dict[str, Any]]) -> None:
+    """Store the leaves of ``state`` into the per-parameter dicts."""
+    for slot, leaf in zip(layout.slots, _tree.tree_leaves(state)):
+        if slot is None:
+            continue
+        targets = range(len(param_states)) if slot.index is None else (slot.index,)
+        for i in targets:
+            param_states[i][slot.key] = leaf
+
+
+def gather(layout: StateLayout, param_states: list[dict[str, Any]]) -> Any:
+    """Rebuild the state pytree from the per-parameter dicts (no copies)."""
+    leaves = []
+    for slot in layout.slots:
+        if slot is None:
+            leaves.append(None)
+        elif slot.index is None:
+            leaves.append(next(s[slot.key] for s in param_states if slot.key in s))
+        else:
+            leaves.append(param_states[slot.index][slot.key])
+    return _tree.tree_unflatten(layout.spec, leaves)
+
+
+def check(layout: StateLayout, param_states: list[dict[str, Any]], names: list[str]) -> None:
+    """Raise a clear error if the dicts do not hold this layout's keys with its shapes."""
+    for slot in layout.slots:
+        if slot is None:
+            continue
+        owners = range(len(param_states)) if slot.index is None else (slot.index,)
+        for i in owners:
+            st = param_states[i]
+            if not st:
+                continue  # state not created yet (e.g. loaded before the first step)
+            if slot.key not in st:
+                raise ValueError(
+                    f"loaded state for parameter {names[i]} has keys {sorted(st)} but this optimizer "
+                    f"expects {sorted(layout.keys_for(i))}: the state_dict comes from a different "
+                    "optimizer layout"
+                )
+            value = st[slot.key]
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != slot.shape:
+                got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                raise ValueError(
+                    f"loaded state {slot.key!r} for parameter {names[i]} has shape {got}, expected "
+                    f"{slot.shape}: the state_dict comes from a different optimizer layout"
+                )

@@ -1,0 +1,123 @@
+"""Byte-level corpora for ``muon-fn train``: the Python standard library by default, or a path.
+
+The default corpus needs no download: every ``*.py`` file under ``sysconfig``'s ``stdlib`` directory
+(``site-packages`` and ``__pycache__`` excluded), read in sorted order of their relative paths.
+Files are split into train and validation by a hash of the relative path (CRC-32 mod 10 == 0 →
+validation, about 10 %), so the split does not depend on the file list's order and is the same on
+every run and every rank. A text file passed with ``--data`` is split by position instead (last
+10 % → validation); a directory is treated like the standard library (all regular files, or the
+given glob).
+"""
+
+from __future__ import annotations
+
+import sysconfig
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = ["Corpus", "load_corpus", "stdlib_files", "Batcher"]
+
+_SEPARATOR = b"\n\n"
+VAL_BUCKETS = 10  # 1 of VAL_BUCKETS hash buckets is validation
+
+
+@dataclass
+class Corpus:
+    name: str
+    train: torch.Tensor  # uint8, 1-D
+    val: torch.Tensor  # uint8, 1-D
+    n_files: int
+
+    def describe(self) -> str:
+        return (
+            f"{self.name}: {self.n_files} files, train {self.train.numel() / 1e6:.2f} MB, "
+            f"val {self.val.numel() / 1e6:.2f} MB (byte-level, vocab 256)"
+        )
+
+
+def stdlib_files() -> tuple[Path, list[Path]]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = [
+        f
+        for f in root.rglob("*.py")
+        if f.is_file() and not ({"site-packages", "dist-packages", "__pycache__"} & set(f.relative_to(root).parts))
+    ]
+    return root, sorted(files, key=lambda f: f.relative_to(root).as_posix())
+
+
+def _is_val(rel: str) -> bool:
+    return zlib.crc32(rel.encode()) % VAL_BUCKETS == 0
+
+
+def _from_files(name: str, root: Path, files: list[Path], max_bytes: int | None) -> Corpus:
+    train, val = bytearray(), bytearray()
+    for f in files:
+        rel = f.relative_to(root).as_posix()
+        data = f.read_bytes() + _SEPARATOR
+        (val if _is_val(rel) else train).extend(data)
+        if max_bytes is not None and len(train) + len(val) >= max_bytes:
+            break
+    if not train or not val:
+        raise ValueError(f"{name}: need at least one training and one validation file (got {len(files)} files)")
+    return Corpus(name, _to_tensor(train), _to_tensor(val), len(files))
+
+
+def _to_tensor(b: bytearray) -> torch.Tensor:
+    return torch.frombuffer(b, dtype=torch.uint8).clone() if b else torch.empty(0, dtype=torch.uint8)
+
+
+def load_corpus(path: str | None = None, *, glob: str = "*", max_bytes: int | None = None) -> Corpus:
+    """Load the default corpus (``path=None``), a text file, or a directory of files."""
+    if path is None:
+        root, files = stdlib_files()
+        return _from_files(f"Python {sysconfig.get_python_version()} stdlib ({root})", root, files, max_bytes)
+    p = Path(path)
+    if p.is_dir():
+        files = sorted((f for f in p.rglob(glob) if f.is_file()), key=lambda f: f.relative_to(p).as_posix())
+        return _from_files(str(p), p, files, max_bytes)
+    if p.is_file():
+        data = p.read_bytes()
+        if max_bytes is not None:
+            data = data[:max_bytes]
+        cut = int(len(data) * (1 - 1 / VAL_BUCKETS))
+        if cut < 2 or len(data) - cut < 2:
+            raise ValueError(f"{p}: too small to split into train and validation ({len(data)} bytes)")
+        return Corpus(str(p), _to_tensor(bytearray(data[:cut])), _to_tensor(bytearray(data[cut:])), 1)
+    raise FileNotFoundError(f"--data {path!r}: no such file or directory")
+
+
+class Batcher:
+    """Random training windows from a seeded generator (its state is checkpointed)."""
+
+    def __init__(self, data: torch.Tensor, batch_size: int, seq_len: int, seed: int):
+        if data.numel() <= seq_len + 1:
+            raise ValueError(f"corpus split has {data.numel()} bytes, fewer than seq_len + 1 = {seq_len + 1}")
+        self.data, self.batch_size, self.seq_len = data, batch_size, seq_len
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        ix = torch.randint(self.data.numel() - self.seq_len - 1, (self.batch_size,), generator=self.gen)
+        return windows(self.data, ix, self.seq_len)
+
+    def state_dict(self) -> dict:
+        return {"gen": self.gen.get_state()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.gen.set_state(sd["gen"])
+
+
+def windows(data: torch.Tensor, starts: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    offs = starts[:, None] + torch.arange(seq_len + 1)[None, :]
+    chunk = data[offs].long()
+    return chunk[:, :-1], chunk[:, 1:]
+
+
+def val_starts(data: torch.Tensor, n_windows: int, seq_len: int) -> torch.Tensor:
+    """Evenly spaced, fixed validation windows: every evaluation sees the same bytes."""
+    last = data.numel() - seq_len - 1
+    if last <= 0:
+        raise ValueError(f"validation split has {data.numel()} bytes, fewer than seq_len + 1 = {seq_len + 1}")
+    return torch.linspace(0, last, n_windows).long()

@@ -1,0 +1,511 @@
+"""The training run behind ``examples/train_gpt.py`` and ``muon-fn train``.
+
+One run = one optimizer: build the model from a seed, train for ``--steps`` with a warmup +
+cosine learning-rate schedule, evaluate a fixed set of validation windows every
+``--eval-interval`` steps, checkpoint, and return the history. ``--compare a,b`` repeats the run
+for each optimizer from the same initial weights and the same batches, then prints a table and
+plots the curves. ``--fsdp`` (under ``torchrun``) shards the model with FSDP2 and checkpoints with
+``torch.distributed.checkpoint``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .data import Batcher, Corpus, load_corpus, val_starts, windows
+from .model import GPT, PRESETS, config_for
+
+OPTIMIZERS = ("muon", "adamw", "normuon", "sso")
+
+# Defaults per optimizer. Muon-family matrices use Keller's scale (lr 0.02 ≈ RMS-matched to
+# AdamW at 1e-3..3e-3); embeddings, the head and 1-D params use AdamW at the AdamW lr, so the
+# comparison changes only what happens to the hidden matrices. See docs/algorithms.md.
+DEFAULT_LR = {"muon": 0.02, "normuon": 0.02, "sso": 0.02, "adamw": 3e-3}
+DEFAULT_ADAMW_LR = 3e-3
+ADAMW_BETAS = (0.9, 0.95)
+
+# `--quick`: a few minutes on 2 CPU cores for muon + adamw (see docs/index.md for the figures).
+QUICK = dict(model="tiny", steps=300, batch_size=16, seq_len=128, eval_interval=50, eval_windows=64,
+             warmup=30)
+
+
+# --------------------------------------------------------------------------------------------
+# arguments
+
+
+def build_parser(prog: str = "train_gpt.py") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Train a small byte-level GPT from scratch with muon_fn optimizers "
+        "(default corpus: this Python's standard library sources).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--quick", action="store_true",
+                   help=f"a few-minute CPU run: {', '.join(f'{k}={v}' for k, v in QUICK.items())}, "
+                   "and --compare muon,adamw unless --optimizer/--compare is given")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default=None, help="optimizer of a single run (default muon)")
+    p.add_argument("--compare", default=None, metavar="A,B",
+                   help="comma-separated optimizers trained from the same init and batches, e.g. muon,adamw")
+    p.add_argument("--model", choices=sorted(PRESETS), default=None, help="architecture preset, random init (default tiny)")
+    p.add_argument("--data", default=None, metavar="PATH",
+                   help="a text file or a directory (default: the Python standard library's *.py files)")
+    p.add_argument("--max-bytes", type=int, default=None, help="read at most this many corpus bytes")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 300)")
+    p.add_argument("--epochs", type=float, default=None,
+                   help="instead of --steps: passes over the training bytes (steps = epochs·bytes/(batch·seq·world))")
+    p.add_argument("--batch-size", type=int, default=None, help="sequences per step per rank (default 16)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens (bytes) per sequence (default: the preset's block size)")
+    p.add_argument("--lr", type=float, default=None,
+                   help=f"learning rate of the main optimizer (default {DEFAULT_LR})")
+    p.add_argument("--adamw-lr", type=float, default=None,
+                   help=f"AdamW lr for embeddings/head/1-D params of Muon-family runs (default {DEFAULT_ADAMW_LR})")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="decoupled weight decay of every optimizer")
+    p.add_argument("--warmup", type=int, default=None, help="linear warmup steps (default 10%% of steps)")
+    p.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decay ends at this fraction of the lr")
+    p.add_argument("--eval-interval", type=int, default=None, help="steps between validation evaluations (default 50)")
+    p.add_argument("--eval-windows", type=int, default=None, help="fixed validation windows per evaluation (default 64)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="runs/train_gpt", help="output directory (metrics.json, loss.png, checkpoints)")
+    p.add_argument("--checkpoint-interval", type=int, default=0,
+                   help="save a checkpoint every N steps (0: only at the end)")
+    p.add_argument("--no-checkpoint", action="store_true", help="do not write checkpoints")
+    p.add_argument("--resume", action="store_true", help="continue from the run's checkpoint in --out if there is one")
+    p.add_argument("--fsdp", action="store_true",
+                   help="shard with FSDP2 (run under torchrun; gloo on CPU, nccl on CUDA)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the optimizer's update")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    p.add_argument("--no-plot", action="store_true", help="do not write loss.png")
+    return p
+
+
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill defaults that depend on other options (``--quick``, the preset)."""
+    if args.quick:
+        for k, v in QUICK.items():
+            if getattr(args, k) is None:
+                setattr(args, k, v)
+        if args.compare is None and args.optimizer is None:
+            args.compare = "muon,adamw"
+    args.model = args.model or "tiny"
+    args.batch_size = args.batch_size or 16
+    args.seq_len = args.seq_len or PRESETS[args.model]["block_size"]
+    args.eval_interval = args.eval_interval or 50
+    args.eval_windows = args.eval_windows or 64
+    if args.compare:
+        names = [n.strip() for n in args.compare.split(",") if n.strip()]
+        bad = [n for n in names if n not in OPTIMIZERS]
+        if bad or not names:
+            raise SystemExit(f"--compare: unknown optimizer(s) {bad}; valid: {', '.join(OPTIMIZERS)}")
+        if args.optimizer is not None:
+            raise SystemExit("give either --optimizer or --compare, not both")
+        args.optimizers = names
+    else:
+        args.optimizers = [args.optimizer or "muon"]
+    if args.steps is not None and args.epochs is not None:
+        raise SystemExit("give either --steps or --epochs, not both")
+    return args
+
+
+# --------------------------------------------------------------------------------------------
+# distributed context
+
+
+class Dist:
+    """World info; a no-op outside ``--fsdp``."""
+
+    def __init__(self, enabled: bool, device: torch.device):
+        self.enabled = enabled
+        self.rank, self.world = 0, 1
+        self.device = device
+        if enabled:
+            import torch.distributed as dist
+
+            if "RANK" not in os.environ:
+                raise SystemExit("--fsdp needs torchrun, e.g. torchrun --nproc_per_node=2 examples/train_gpt.py --fsdp")
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            if device.type == "cuda":
+                self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+                torch.cuda.set_device(self.device)
+            dist.init_process_group(backend)
+            self.rank, self.world = dist.get_rank(), dist.get_world_size()
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.enabled:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def mean(self, x: float) -> float:
+        if not self.enabled:
+            return x
+        import torch.distributed as dist
+
+        t = torch.tensor([x], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return t.item() / self.world
+
+    def close(self) -> None:
+        if self.enabled:
+            import torch.distributed as dist
+
+            dist.barrier()  # all async work done before teardown (notes: avoids an abort at exit)
+            dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------------
+# model and optimizer
+
+
+def build_model(args: argparse.Namespace, ctx: Dist) -> nn.Module:
+    torch.manual_seed(args.seed)  # the same initial weights for every optimizer and every rank
+    cfg = config_for(args.model, block_size=max(args.seq_len, PRESETS[args.model]["block_size"]))
+    model = GPT(cfg).to(ctx.device)
+    if ctx.enabled:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    return model
+
+
+def _adamw_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(name: str, model: nn.Module, args: argparse.Namespace, ctx: Dist) -> tuple[torch.optim.Optimizer, str]:
+    """The optimizer of one run and a one-line description of how parameters were split."""
+    lr = args.lr if args.lr is not None else DEFAULT_LR[name]
+    adamw_lr = args.adamw_lr if args.adamw_lr is not None else DEFAULT_ADAMW_LR
+    wd = args.weight_decay
+    if name == "adamw":
+        opt = torch.optim.AdamW(_adamw_groups(model, wd), lr=lr, betas=ADAMW_BETAS)
+        return opt, f"torch.optim.AdamW(lr={lr}, betas={ADAMW_BETAS}, weight_decay={wd} on matrices)"
+
+    import muon_fn as mf
+
+    compile_opt = {"compile": bool(args.compile)}
+    if ctx.enabled:
+        if name not in ("muon", "normuon"):
+            raise SystemExit(f"--fsdp supports --optimizer muon, normuon or adamw (got {name})")
+        try:
+            from muon_fn.fsdp import FSDPMuonOptimizer
+        except ImportError as e:  # pragma: no cover - depends on what is installed
+            raise SystemExit(f"--fsdp needs muon_fn.fsdp.FSDPMuonOptimizer ({e})") from e
+        opt = FSDPMuonOptimizer(model, lr=lr, weight_decay=wd, beta2=0.95 if name == "normuon" else None,
+                                adamw_lr=adamw_lr, adamw_betas=ADAMW_BETAS)
+        return opt, f"muon_fn.fsdp.FSDPMuonOptimizer(lr={lr}, adamw_lr={adamw_lr}, world={ctx.world})"
+    if name in ("muon", "normuon"):
+        extra = {"beta2": 0.95} if name == "normuon" else {}
+        opt = mf.create_hybrid_optimizer(model, muon_lr=lr, adamw_lr=adamw_lr, adamw_weight_decay=wd,
+                                         weight_decay=wd, adamw_betas=ADAMW_BETAS, **extra, **compile_opt)
+        return opt, f"muon_fn.create_hybrid_optimizer(muon_lr={lr}, adamw_lr={adamw_lr}{', beta2=0.95' if extra else ''})"
+    if name == "sso":
+        if not hasattr(mf, "SpectralSphereOptimizer"):
+            raise SystemExit("--optimizer sso needs muon_fn.SpectralSphereOptimizer, which this installation lacks")
+        opt = mf.create_hybrid_optimizer(model, muon_lr=lr, adamw_lr=adamw_lr, adamw_weight_decay=wd,
+                                         adamw_betas=ADAMW_BETAS, optimizer="sso", **compile_opt)
+        return opt, f"muon_fn.create_hybrid_optimizer(optimizer='sso', lr={lr}, adamw_lr={adamw_lr})"
+    raise SystemExit(f"unknown optimizer {name!r}; valid: {', '.join(OPTIMIZERS)}")
+
+
+def lr_lambda(total: int, warmup: int, min_ratio: float):
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        t = min(1.0, (step - warmup) / max(1, total - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+
+    return f
+
+
+# --------------------------------------------------------------------------------------------
+# checkpoints
+
+
+def _ckpt_dir(args: argparse.Namespace, name: str) -> Path:
+    return Path(args.out) / name / "checkpoint"
+
+
+def save_checkpoint(path: Path, model, opt, sched, batcher, step: int, history: dict, ctx: Dist) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    meta = {"step": step, "history": history, "scheduler": sched.state_dict()}
+    if ctx.enabled:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path / "dcp"))
+        torch.save(batcher.state_dict(), path / f"batcher_rank{ctx.rank}.pt")
+        if ctx.main:
+            _atomic_write(path / "meta.json", json.dumps(meta))
+        ctx.barrier()
+    else:
+        tmp = path / "state.pt.tmp"
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                    "batcher": batcher.state_dict(), **meta}, tmp)
+        os.replace(tmp, path / "state.pt")
+
+
+def load_checkpoint(path: Path, model, opt, sched, batcher, ctx: Dist) -> tuple[int, dict] | None:
+    if ctx.enabled:
+        if not (path / "meta.json").exists():
+            return None
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        msd, osd = get_state_dict(model, opt)
+        sd = {"model": msd, "optim": osd}
+        dcp.load(sd, checkpoint_id=str(path / "dcp"))
+        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        batcher.load_state_dict(torch.load(path / f"batcher_rank{ctx.rank}.pt", weights_only=False))
+        meta = json.loads((path / "meta.json").read_text())
+    else:
+        if not (path / "state.pt").exists():
+            return None
+        meta = torch.load(path / "state.pt", map_location=ctx.device, weights_only=False)
+        model.load_state_dict(meta["model"])
+        opt.load_state_dict(meta["optimizer"])
+        batcher.load_state_dict(meta["batcher"])
+    sched.load_state_dict(meta["scheduler"])
+    return meta["step"], meta["history"]
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------------------------
+# one run
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, val: torch.Tensor, starts: torch.Tensor, args, ctx: Dist) -> float:
+    """Mean loss over this rank's share of the fixed validation windows, averaged over ranks."""
+    model.eval()
+    mine = starts[ctx.rank :: ctx.world]
+    total, n = 0.0, 0
+    for i in range(0, mine.numel(), args.batch_size):
+        x, y = windows(val, mine[i : i + args.batch_size], args.seq_len)
+        _, loss = model(x.to(ctx.device), y.to(ctx.device))
+        total += loss.item() * x.shape[0]
+        n += x.shape[0]
+    model.train()
+    return ctx.mean(total / max(n, 1))
+
+
+def total_steps(args, corpus: Corpus, world: int) -> int:
+    if args.steps is not None:
+        return args.steps
+    if args.epochs is not None:
+        return max(1, math.ceil(args.epochs * corpus.train.numel() / (args.batch_size * args.seq_len * world)))
+    return 300
+
+
+def run_one(name: str, args, corpus: Corpus, ctx: Dist) -> dict[str, Any]:
+    steps = total_steps(args, corpus, ctx.world)
+    warmup = args.warmup if args.warmup is not None else max(1, steps // 10)
+    model = build_model(args, ctx)
+    opt, opt_desc = build_optimizer(name, model, args, ctx)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(steps, warmup, args.min_lr_ratio))
+    batcher = Batcher(corpus.train, args.batch_size, args.seq_len, seed=args.seed * 1000 + ctx.rank)
+    starts = val_starts(corpus.val, args.eval_windows, args.seq_len)
+    history: dict[str, list] = {"train": [], "val": [], "tokens_per_s": []}
+    start = 0
+    ckpt = _ckpt_dir(args, name)
+    if args.resume:
+        loaded = load_checkpoint(ckpt, model, opt, sched, batcher, ctx)
+        if loaded is not None:
+            start, history = loaded
+            _log(ctx, f"[{name}] resumed from {ckpt} at step {start}")
+    if ctx.main:
+        n_params = sum(p.numel() for p in model.parameters())
+        _log(ctx, f"[{name}] {args.model} GPT, {n_params / 1e6:.2f}M params, {steps} steps × "
+                  f"{args.batch_size * ctx.world}×{args.seq_len} tokens; {opt_desc}")
+        if hasattr(opt, "describe") and not ctx.enabled:
+            _log(ctx, _indent(str(opt.describe())))
+
+    tokens_per_step = args.batch_size * args.seq_len * ctx.world
+    bar = _progress(args, ctx, steps, start, name)
+    t_run = time.perf_counter()
+    t_last, tok_last = time.perf_counter(), 0
+    tok_s = 0.0
+    for step in range(start, steps):
+        if step % args.eval_interval == 0 and not (history["val"] and history["val"][-1][0] == step):
+            v = evaluate(model, corpus.val, starts, args, ctx)
+            history["val"].append([step, v])
+            if bar is not None:
+                bar.set_postfix_str(_postfix(history, tok_s))
+        x, y = batcher.next()
+        _, loss = model(x.to(ctx.device), y.to(ctx.device))
+        loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        loss_v = ctx.mean(loss.item())
+        if not math.isfinite(loss_v):
+            raise FloatingPointError(f"[{name}] training loss is {loss_v} at step {step}; see docs/faq.md (NaN)")
+        history["train"].append([step + 1, loss_v])
+        tok_last += tokens_per_step
+        now = time.perf_counter()
+        if now - t_last >= 2.0 or step + 1 == steps:
+            tok_s = tok_last / (now - t_last)
+            history["tokens_per_s"].append([step + 1, tok_s])
+            t_last, tok_last = now, 0
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix_str(_postfix(history, tok_s))
+        if (not args.no_checkpoint and args.checkpoint_interval
+                and (step + 1) % args.checkpoint_interval == 0 and step + 1 < steps):
+            save_checkpoint(ckpt, model, opt, sched, batcher, step + 1, history, ctx)
+    if not (history["val"] and history["val"][-1][0] == steps):
+        history["val"].append([steps, evaluate(model, corpus.val, starts, args, ctx)])
+    if bar is not None:
+        bar.set_postfix_str(_postfix(history, tok_s))
+        bar.close()
+    wall = time.perf_counter() - t_run
+    if not args.no_checkpoint:
+        save_checkpoint(ckpt, model, opt, sched, batcher, steps, history, ctx)
+    tps = [t for _, t in history["tokens_per_s"]]
+    return {
+        "optimizer": name,
+        "description": opt_desc,
+        "steps": steps,
+        "warmup": warmup,
+        "final_val_loss": history["val"][-1][1],
+        "best_val_loss": min(v for _, v in history["val"]),
+        "final_train_loss": _tail_mean(history["train"], 10),
+        "tokens_per_s": sorted(tps)[len(tps) // 2] if tps else None,
+        "wall_s": wall,
+        "history": history,
+        "model": model,
+    }
+
+
+def _tail_mean(points: list, n: int) -> float:
+    tail = [v for _, v in points[-n:]]
+    return sum(tail) / len(tail) if tail else float("nan")
+
+
+def _postfix(history: dict, tok_s: float) -> str:
+    parts = []
+    if history["train"]:
+        parts.append(f"loss={history['train'][-1][1]:.3f}")
+    if history["val"]:
+        parts.append(f"val={history['val'][-1][1]:.3f}")
+    if tok_s:
+        parts.append(f"tok/s={tok_s:,.0f}")
+    return " ".join(parts)
+
+
+def _progress(args, ctx: Dist, total: int, initial: int, name: str):
+    if args.no_progress or not ctx.main:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # tqdm is in the `examples` extra; fall back to plain log lines
+        _log(ctx, "(install tqdm for a progress bar: pip install 'muon-fn[examples]')")
+        return None
+    return tqdm(total=total, initial=initial, desc=name, dynamic_ncols=True, file=sys.stderr)
+
+
+def _log(ctx: Dist, msg: str) -> None:
+    if ctx.main:
+        print(msg, flush=True)
+
+
+def _indent(text: str) -> str:
+    return "\n".join("    " + line for line in text.splitlines())
+
+
+# --------------------------------------------------------------------------------------------
+# reporting
+
+
+def comparison_table(results: list[dict]) -> str:
+    head = ["optimizer", "steps", "val loss (final)", "val loss (best)", "train loss (last 10)", "tokens/s", "time"]
+    rows = [
+        [r["optimizer"], str(r["steps"]), f"{r['final_val_loss']:.4f}", f"{r['best_val_loss']:.4f}",
+         f"{r['final_train_loss']:.4f}", f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-",
+         f"{r['wall_s']:.0f} s"]
+        for r in results
+    ]
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
+    fmt = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+    lines = [fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
+    if len(results) >= 2:
+        best = min(results, key=lambda r: r["final_val_loss"])
+        others = [r for r in results if r is not best]
+        gaps = ", ".join(f"{o['optimizer']} +{o['final_val_loss'] - best['final_val_loss']:.4f}" for o in others)
+        lines.append(f"lowest validation loss at equal steps: {best['optimizer']} ({gaps})")
+    return "\n".join(lines)
+
+
+def write_metrics(path: Path, args, corpus: Corpus, results: list[dict], argv: list[str]) -> None:
+    doc = {
+        "command": "muon-fn train " + " ".join(argv),
+        "corpus": corpus.describe(),
+        "model": config_for(args.model).to_dict(),
+        "settings": {k: v for k, v in vars(args).items() if k not in ("optimizers",)},
+        "torch": torch.__version__,
+        "runs": {r["optimizer"]: {k: v for k, v in r.items() if k != "model"} for r in results},
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write(path, json.dumps(doc, indent=1))
+
+
+def main(argv: list[str] | None = None, *, prog: str = "train_gpt.py") -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = resolve(build_parser(prog).parse_args(argv))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    ctx = Dist(args.fsdp, device)
+    try:
+        corpus = load_corpus(args.data, max_bytes=args.max_bytes)
+        _log(ctx, corpus.describe())
+        results = [run_one(name, args, corpus, ctx) for name in args.optimizers]
+        if ctx.main:
+            out = Path(args.out)
+            write_metrics(out / "metrics.json", args, corpus, results, argv)
+            print()
+            print(comparison_table(results))
+            print(f"metrics: {out / 'metrics.json'}")
+            if not args.no_plot:
+                from .plot import plot_runs
+
+                png = plot_runs(results, out / "loss.png", title=_plot_title(args, corpus, ctx))
+                if png is not None:
+                    print(f"plot:    {png}")
+        ctx.barrier()
+    finally:
+        ctx.close()
+    return 0
+
+
+def _plot_title(args, corpus: Corpus, ctx: Dist) -> str:
+    cfg = config_for(args.model)
+    src = "Python stdlib" if args.data is None else Path(args.data).name
+    return (f"byte-level GPT '{args.model}' ({cfg.n_layer}L, d={cfg.n_embd}) on {src}; "
+            f"batch {args.batch_size * ctx.world}×{args.seq_len}, seed {args.seed}")

@@ -1,0 +1,490 @@
+"""The stateful adapter: functional transforms behind the ``torch.optim.Optimizer`` interface.
+
+Each parameter group is a tuple pytree of its parameters. Its transform is built by a factory from
+the group's hyperparameters: float-valued ones (``lr``, ``weight_decay``, ``momentum`` …) reach
+the transform as 0-d tensors that the optimizer owns and refreshes in place before every step, so
+LR schedulers work and a compiled update never recompiles; any other value (ints, strings,
+tuples) is static and rebuilds the transform when it changes. State lives in torch's
+per-parameter dicts (``state[p]["momentum_buffer"]``, ``state[p]["step"]``) and is rebuilt into
+the functional state pytree at every step (see ``_state_layout``).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, NamedTuple, Union
+
+import torch
+
+from . import _checks, _state_layout, _tree
+from ._alias import DEFAULT_METHOD, adamw, muon
+from ._base import GradientTransformation
+from ._combine import partition
+from ._muon import SHAPE_RULES
+from ._orthogonalize import METHODS
+
+Factory = Callable[[dict[str, Any]], GradientTransformation]
+CompileOption = Union[bool, Mapping[str, Any]]
+
+NONFINITE_POLICIES = ("error", "skip", None)
+# Group keys the adapter itself uses; they never reach the factory.
+_ADAPTER_KEYS = frozenset({"params", "param_names", "gradient_accumulation_steps", "micro_step",
+                           "initial_lr", "base_lr"})
+# Hyperparameters passed to the factory as 0-d tensors refreshed before every step (any
+# tensor-valued key is one too); other keys are static and rebuild the transform on change.
+SCALAR_KEYS = frozenset({"lr", "weight_decay", "momentum"})
+
+
+class _GroupRuntime:
+    """Per-group cache: the transform, its compiled step, the state layout, the scalar tensors."""
+
+    def __init__(self) -> None:
+        self.static_key: Any = None
+        self.scalars: dict[str, torch.Tensor] = {}
+        self.tx: GradientTransformation | None = None
+        self.step_fn: Callable[..., torch.Tensor] | None = None
+        self.layout: _state_layout.StateLayout | None = None
+
+
+class StepReport(NamedTuple):
+    """What the last ``step()`` did (read lazily: reading the flag syncs with the device)."""
+
+    finite: torch.Tensor  # shape=(), bool: False if the step was skipped for non-finite grads
+    applied: bool  # False for an accumulation micro-step that changed no parameter
+
+
+class Optimizer(torch.optim.Optimizer):
+    _extra_scalar_keys: tuple[str, ...] = ()
+
+    """A ``torch.optim.Optimizer`` running a functional transform per parameter group.
+
+    Args:
+      params: parameters, ``(name, param)`` pairs, or param-group dicts, as for torch optimizers.
+      tx_or_factory: a :class:`~muon_fn.GradientTransformation` used for every group as is, or a
+        factory ``hyperparams -> GradientTransformation`` called with each group's hyperparameters
+        (floats as 0-d tensors). Only a factory lets schedulers change ``lr``.
+      defaults: default hyperparameters of the groups (e.g. ``{"lr": 0.02}``).
+      gradient_accumulation_steps: ``k``: call ``step()`` after every micro-batch; every ``k``-th
+        call applies the mean of the last ``k`` gradients, the others change no parameter.
+      nonfinite: ``"error"`` (default) raises after leaving parameters and state unchanged,
+        ``"skip"`` leaves them unchanged and counts the step in ``nonfinite_steps``, ``None``
+        does not check.
+      compile: ``False`` (eager), ``True`` (``torch.compile(fullgraph=True)``), or a dict of
+        ``torch.compile`` keyword arguments (e.g. ``{"backend": "eager"}``).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        tx_or_factory: Union[GradientTransformation, Factory],
+        defaults: Mapping[str, Any] | None = None,
+        *,
+        gradient_accumulation_steps: int = 1,
+        nonfinite: str | None = "error",
+        compile: CompileOption = False,
+    ) -> None:
+        if isinstance(tx_or_factory, GradientTransformation):
+            self._factory: Factory = lambda hyper, _tx=tx_or_factory: _tx  # noqa: E731
+        elif callable(tx_or_factory):
+            self._factory = tx_or_factory
+        else:
+            raise TypeError(
+                "tx_or_factory must be a GradientTransformation or a function of the group's "
+                f"hyperparameters, got {type(tx_or_factory).__name__}"
+            )
+        _checks.positive_int("gradient_accumulation_steps", gradient_accumulation_steps)
+        _checks.one_of("nonfinite", nonfinite, NONFINITE_POLICIES)
+        if not isinstance(compile, (bool, Mapping)):
+            raise TypeError(f"compile must be a bool or a dict of torch.compile options, got {compile!r}")
+        self.nonfinite = nonfinite
+        self._compile = compile
+        self._scalar_keys = SCALAR_KEYS | frozenset(self._extra_scalar_keys)
+        self._runtimes: list[_GroupRuntime] = []
+        self._nonfinite_count: torch.Tensor | None = None
+        self.last_step: StepReport | None = None
+        defaults = dict(defaults or {})
+        defaults.setdefault("gradient_accumulation_steps", gradient_accumulation_steps)
+        super().__init__(params, defaults)
+
+    # ----------------------------------------------------------------------- groups
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        group.setdefault("micro_step", 0)
+        for p in group["params"]:
+            if torch.is_complex(p):
+                raise ValueError(f"muon_fn does not support complex parameters, got {self._name(group, p)}")
+        self._validate_group(group)
+        self._runtimes.append(_GroupRuntime())
+        self._dry_run(len(self.param_groups) - 1)
+
+    def _validate_group(self, group: dict[str, Any]) -> None:
+        """Hook for subclasses: check a group's hyperparameters (raise ValueError)."""
+
+    def _derived_scalars(self, group: dict[str, Any]) -> dict[str, float]:
+        """Hook for subclasses: per-step scalars computed from the group (passed like ``lr``)."""
+        return {}
+
+    def _name(self, group: dict[str, Any], p: torch.Tensor) -> str:
+        names = group.get("param_names")
+        idx = next(i for i, q in enumerate(group["params"]) if q is p)
+        return repr(names[idx]) if names else f"#{idx} of shape {tuple(p.shape)}"
+
+    # ----------------------------------------------------------------------- transforms
+    def _hyper(self, group: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+        scalars, static = {}, {}
+        for k, v in group.items():
+            if k in _ADAPTER_KEYS:
+                continue
+            if isinstance(v, torch.Tensor) or k in self._scalar_keys:
+                scalars[k] = v
+            else:
+                static[k] = v
+        scalars.update(self._derived_scalars(group))
+        return scalars, tuple(sorted((k, repr(v)) for k, v in static.items()))
+
+    def _runtime(self, index: int) -> _GroupRuntime:
+        group, rt = self.param_groups[index], self._runtimes[index]
+        scalars, static_key = self._hyper(group)
+        device = group["params"][0].device
+        for k, v in scalars.items():
+            if isinstance(v, torch.Tensor) and v.numel() != 1:
+                raise ValueError(f"Tensor {k} must be 1-element")
+            t = rt.scalars.get(k)
+            if t is None:
+                dtype = torch.float64 if group["params"][0].dtype == torch.float64 else torch.float32
+                rt.scalars[k] = t = torch.zeros((), dtype=dtype, device=device)
+                rt.tx = None
+            if isinstance(v, torch.Tensor):
+                t.copy_(v.detach().reshape(()))
+            else:
+                t.fill_(float(v))
+        if rt.tx is None or static_key != rt.static_key:
+            hyper = {k: v for k, v in group.items() if k not in _ADAPTER_KEYS}
+            hyper.update(rt.scalars)
+            hyper["_names"] = group.get("param_names")
+            rt.tx = self._factory(hyper)
+            rt.static_key = static_key
+            rt.layout = None
+            rt.step_fn = self._build_step_fn(rt.tx)
+        if rt.layout is None:
+            rt.layout = _state_layout.build_layout(rt.tx.init(self._meta(group["params"])), len(group["params"]))
+        return rt
+
+    @staticmethod
+    def _meta(params: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.empty_like(p, device="meta") for p in params)
+
+    def _dry_run(self, index: int) -> None:
+        """Trace one update on meta tensors, so shape errors surface at construction."""
+        rt = self._runtime(index)
+        params = self._meta(self.param_groups[index]["params"])
+        with torch.no_grad():
+            rt.tx.update(params, rt.tx.init(params), params)
+
+    def _build_step_fn(self, tx: GradientTransformation) -> Callable[..., torch.Tensor]:
+        check = self.nonfinite is not None
+
+        def step_fn(params, grads, state, counts):
+            updates, new_state = tx.update(grads, state, params)
+            finite = _all_finite(grads) if check else None
+            keep = (lambda new, old: new) if finite is None else (
+                lambda new, old: torch.where(finite, new, old))
+            _tree.tree_map(lambda old, new: None if old is None else old.copy_(keep(new, old)), state, new_state)
+            for p, u, c in zip(params, updates, counts):
+                if u is not None:
+                    u = u.to(p.dtype)
+                    p.add_(u if finite is None else torch.where(finite, u, torch.zeros_like(u)))
+                    if c is not None:
+                        c.add_(1 if finite is None else finite.to(c.dtype))
+            return torch.ones((), dtype=torch.bool) if finite is None else finite
+
+        if self._compile is False:
+            return step_fn
+        options = {"fullgraph": True} | (dict(self._compile) if isinstance(self._compile, Mapping) else {})
+        return torch.compile(step_fn, **options)
+
+    # ----------------------------------------------------------------------- state
+    def _param_states(self, group: dict[str, Any]) -> list[dict[str, Any]]:
+        return [self.state[p] for p in group["params"]]
+
+    def _ensure_state(self, index: int, rt: _GroupRuntime) -> Any:
+        group = self.param_groups[index]
+        params = group["params"]
+        states = self._param_states(group)
+        if any(s.get(slot.key) is None for slot in rt.layout.slots if slot is not None
+               for s in (states if slot.index is None else [states[slot.index]])):
+            fresh = rt.tx.init(tuple(p.detach() for p in params))
+            layout = rt.layout
+            current = [dict(s) for s in states]
+            _state_layout.scatter(layout, fresh, states)
+            for s, old in zip(states, current):  # keep whatever was already there (e.g. loaded)
+                s.update({k: v for k, v in old.items() if k in s})
+        for p, s in zip(params, states):
+            if "step" not in s:
+                s["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+        return _state_layout.gather(rt.layout, states)
+
+    def _counts(self, group: dict[str, Any], rt: _GroupRuntime) -> tuple[torch.Tensor | None, ...]:
+        owned = {slot.key for slot in rt.layout.slots if slot is not None}
+        return tuple(None if "step" in owned else self.state[p]["step"] for p in group["params"])
+
+    # ----------------------------------------------------------------------- step
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Perform one optimization step (or accumulate one micro-batch)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        applied = False
+        finite_flags = []
+        for index, group in enumerate(self.param_groups):
+            grads = self._grads(group)
+            if grads is None:
+                continue
+            rt = self._runtime(index)
+            state = self._ensure_state(index, rt)
+            k = group["gradient_accumulation_steps"]
+            if k > 1:
+                grads = self._accumulate(group, grads, k)
+                if grads is None:
+                    continue
+            counts = self._counts(group, rt)
+            finite = rt.step_fn(tuple(group["params"]), grads, state, counts)
+            finite_flags.append(finite)
+            applied = True
+        if not finite_flags:
+            finite_all = torch.ones((), dtype=torch.bool)
+        else:
+            finite_all = torch.stack([f.to(finite_flags[0].device) for f in finite_flags]).all()
+        self.last_step = StepReport(finite_all, applied)
+        if applied and self.nonfinite is not None:
+            self._nonfinite_count = (0 if self._nonfinite_count is None else self._nonfinite_count) + (~finite_all).long()
+            if self.nonfinite == "error" and not bool(finite_all):
+                raise RuntimeError(
+                    "non-finite gradient (inf or nan) in " + ", ".join(self._nonfinite_params())
+                    + "; parameters and optimizer state were left unchanged. Pass nonfinite='skip' "
+                    "to skip such steps, or use torch.amp.GradScaler."
+                )
+        return loss
+
+    @property
+    def nonfinite_steps(self) -> int:
+        """How many steps were skipped (or raised) because of non-finite gradients."""
+        return 0 if self._nonfinite_count is None else int(self._nonfinite_count)
+
+    def _nonfinite_params(self) -> list[str]:
+        bad = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+                    bad.append(self._name(group, p))
+        return bad
+
+    def _grads(self, group: dict[str, Any]) -> tuple[torch.Tensor | None, ...] | None:
+        grads = []
+        for p in group["params"]:
+            g = p.grad
+            if g is not None and g.is_sparse:
+                raise RuntimeError(f"muon_fn does not support sparse gradients (parameter {self._name(group, p)})")
+            grads.append(None if g is None else g.detach())
+        return None if all(g is None for g in grads) else tuple(grads)
+
+    def _accumulate(self, group, grads, k):
+        """Add this micro-batch's grads; return the mean over ``k`` on every k-th call, else None."""
+        group["micro_step"] = group.get("micro_step", 0) + 1
+        total = []
+        for p, g in zip(group["params"], grads):
+            st = self.state[p]
+            acc = st.get("grad_accumulator")
+            if g is not None:
+                acc = g.clone() if acc is None else acc.add_(g)
+                st["grad_accumulator"] = acc
+            total.append(acc)
+        if group["micro_step"] < k:
+            return None
+        group["micro_step"] = 0
+        out = tuple(None if a is None else a / k for a in total)
+        for p in group["params"]:
+            self.state[p].pop("grad_accumulator", None)
+        return out
+
+    # ----------------------------------------------------------------------- checkpoints
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's ``load_state_dict``, keeping each state tensor's saved dtype (torch would cast
+        floating state to the parameter's dtype) and checking the layout."""
+        saved = state_dict["state"]
+        super().load_state_dict(state_dict)
+        params = [p for g in self.param_groups for p in g["params"]]
+        for idx, p in enumerate(params):
+            entry = saved.get(idx, saved.get(str(idx)))
+            if entry is None:
+                continue
+            for key, value in entry.items():
+                if isinstance(value, torch.Tensor) and value.is_floating_point():
+                    self.state[p][key] = value.detach().to(device=p.device, copy=True)
+        for index, group in enumerate(self.param_groups):
+            rt = self._runtime(index)
+            names = [self._name(group, p) for p in group["params"]]
+            _state_layout.check(rt.layout, self._param_states(group), names)
+
+    def describe(self) -> str:
+        """A table of the parameter groups and their transforms."""
+        lines = []
+        for index, group in enumerate(self.param_groups):
+            rt = self._runtime(index)
+            lines.append(f"group {index}: {len(group['params'])} params, {repr(rt.tx)}")
+        return "\n".join(lines)
+
+
+def _all_finite(grads: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
+    flags = [torch.isfinite(g).all() for g in grads if g is not None]
+    return torch.stack(flags).all()
+
+
+ALGORITHMS = ("auto", "muon", "adamw")
+
+
+class MuonOptimizer(Optimizer):
+    _extra_scalar_keys = ("adamw_weight_decay",)
+
+    """Muon for matrices, AdamW for everything else, as one ``torch.optim`` optimizer.
+
+    In a group with ``algorithm="auto"`` (the default) parameters with ndim ≥ 2 (conv weights
+    flattened to (out, in·kh·kw)) get Muon: ``p ← p(1 − lr·wd) − lr·s(out, in)·msign(M)``; 0-/1-D
+    parameters (biases, norm gains) get AdamW with ``adamw_betas``, ``adamw_eps``,
+    ``adamw_weight_decay`` and learning rate ``adamw_lr · lr / base_lr`` — so LR schedulers scale
+    both halves alike (``base_lr`` is the group's ``lr`` at construction). Groups with
+    ``algorithm="muon"`` or ``"adamw"`` use one algorithm with the group's own ``lr`` and
+    ``weight_decay`` (this is what :func:`create_hybrid_optimizer` builds).
+
+    Args:
+      lr: Muon learning rate (0.02, Keller's default, pairs with ``adjust_lr_fn="keller"``).
+      momentum: μ. ``momentum_kind="ema"`` (default, torch.optim.Muon's buffer) or ``"sgd"``.
+      weight_decay: decoupled, ``p ← p(1 − lr·wd)``.
+      nesterov: Nesterov momentum.
+      ns_steps: iterations of the orthogonalization ``method`` (``"polar_express"``,
+        ``"quintic"`` (torch.optim.Muon's), ``"you"``, ``"cubic"``).
+      adjust_lr_fn: shape rule ``"keller"``/``"original"``, ``"match_rms_adamw"``, ``"spectral"``,
+        ``"legacy"`` or ``"none"`` (see :func:`muon_fn.shape_scale`).
+      beta2: ``None`` for Muon; a float enables NorMuon row normalization with ``eps``.
+      ns_dtype: iteration dtype (default bf16), ``ns_eps``, ``ns_stepsize``, ``ns_coefficients``:
+        see :func:`muon_fn.orthogonalize`. ``split``: row blocks of fused weights.
+      momentum_dtype: dtype of the momentum buffer (default: the parameter's), e.g. fp32 for
+        bf16 parameters.
+      adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW half in ``"auto"`` groups.
+      gradient_accumulation_steps, nonfinite, compile: see :class:`Optimizer`.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float | torch.Tensor = 0.02,
+        momentum: float = 0.95,
+        weight_decay: float = 0.0,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        *,
+        method: str = DEFAULT_METHOD,
+        adjust_lr_fn: str = "keller",
+        beta2: float | None = None,
+        eps: float = 1e-8,
+        ns_coefficients: Any = None,
+        ns_dtype: torch.dtype | None = None,
+        ns_eps: float = 1e-7,
+        ns_stepsize: float = 1.0,
+        momentum_kind: str = "ema",
+        momentum_dtype: torch.dtype | None = None,
+        split: Any = None,
+        adamw_lr: float = 3e-4,
+        adamw_betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float = 0.0,
+        algorithm: str = "auto",
+        gradient_accumulation_steps: int = 1,
+        nonfinite: str | None = "error",
+        compile: CompileOption = False,
+    ) -> None:
+        defaults = dict(
+            lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov,
+            ns_steps=ns_steps, method=method, adjust_lr_fn=adjust_lr_fn, beta2=beta2, eps=eps,
+            ns_coefficients=ns_coefficients, ns_dtype=ns_dtype, ns_eps=ns_eps,
+            ns_stepsize=ns_stepsize, momentum_kind=momentum_kind, momentum_dtype=momentum_dtype,
+            split=split, adamw_lr=adamw_lr, adamw_betas=tuple(adamw_betas), adamw_eps=adamw_eps,
+            adamw_weight_decay=adamw_weight_decay, algorithm=algorithm,
+        )
+        super().__init__(params, _muon_factory, defaults,
+                         gradient_accumulation_steps=gradient_accumulation_steps,
+                         nonfinite=nonfinite, compile=compile)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        lr = param_group.get("lr", self.defaults["lr"])
+        param_group.setdefault("base_lr", float(lr) if not isinstance(lr, torch.Tensor) else float(lr.item()))
+        super().add_param_group(param_group)
+
+    def _validate_group(self, group: dict[str, Any]) -> None:
+        _validate_muon_group(group)
+
+    def _derived_scalars(self, group: dict[str, Any]) -> dict[str, float]:
+        lr = group["lr"]
+        lr = float(lr.item()) if isinstance(lr, torch.Tensor) else float(lr)
+        base = group.get("base_lr") or 0.0
+        ratio = lr / base if base > 0 else 1.0
+        return {"adamw_lr_effective": float(group["adamw_lr"]) * ratio}
+
+
+def _validate_muon_group(group: dict[str, Any]) -> None:
+    lr = group["lr"]
+    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+        raise ValueError("Tensor lr must be 1-element")
+    lr_value = float(lr.item()) if isinstance(lr, torch.Tensor) else lr
+    if not 0.0 <= lr_value:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if not 0.0 <= group["momentum"] < 1.0:
+        raise ValueError(f"Invalid momentum value: {group['momentum']} (expected 0 <= momentum < 1)")
+    for key in ("weight_decay", "adamw_weight_decay", "adamw_lr"):
+        if not 0.0 <= group[key]:
+            raise ValueError(f"Invalid {key} value: {group[key]}")
+    if isinstance(group["ns_steps"], bool) or not isinstance(group["ns_steps"], int) or group["ns_steps"] < 1:
+        raise ValueError(f"Invalid ns_steps value: {group['ns_steps']!r} (expected an integer >= 1)")
+    if not callable(group["method"]) and group["method"] not in METHODS:
+        _checks.one_of("method", group["method"], METHODS)
+    _checks.one_of("adjust_lr_fn", group["adjust_lr_fn"], SHAPE_RULES)
+    _checks.one_of("momentum_kind", group["momentum_kind"], ("ema", "sgd"))
+    _checks.one_of("algorithm", group["algorithm"], ALGORITHMS)
+    if group["beta2"] is not None and not 0.0 <= group["beta2"] < 1.0:
+        raise ValueError(f"Invalid beta2 value: {group['beta2']} (expected 0 <= beta2 < 1, or None for Muon)")
+    for key in ("eps", "adamw_eps", "ns_eps"):
+        if not group[key] > 0.0:
+            raise ValueError(f"Invalid {key} value: {group[key]} (expected > 0)")
+    betas = group["adamw_betas"]
+    for i, b in enumerate(betas):
+        if not 0.0 <= b < 1.0:
+            raise ValueError(f"Invalid adamw_betas parameter at index {i}: {b}")
+
+
+def _muon_factory(h: dict[str, Any]) -> GradientTransformation:
+    def muon_tx():
+        return muon(
+            h["lr"], h["momentum"], nesterov=h["nesterov"], kind=h["momentum_kind"],
+            method=h["method"], ns_steps=h["ns_steps"], ns_coefficients=h["ns_coefficients"],
+            ns_dtype=h["ns_dtype"], ns_eps=h["ns_eps"], ns_stepsize=h["ns_stepsize"],
+            adjust_lr_fn=h["adjust_lr_fn"], weight_decay=h["weight_decay"], beta2=h["beta2"],
+            eps=h["eps"], split=h["split"], mu_dtype=h["momentum_dtype"],
+        )
+
+    algorithm = h["algorithm"]
+    if algorithm == "muon":
+        return muon_tx()
+    if algorithm == "adamw":
+        return adamw(h["lr"], h["adamw_betas"], h["adamw_eps"], h["weight_decay"])
+    from ._alias import matrix_labels
+
+    return partition(
+        {"muon": muon_tx(),
+         "adamw": adamw(h["adamw_lr_effective"], h["adamw_betas"], h["adamw_eps"], h["adamw_weight_decay"])},
+        matrix_labels,
+    )
