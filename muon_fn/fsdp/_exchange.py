@@ -37,7 +37,7 @@ class ExchangeStats:
 def exchange(
     plan: Plan,
     rank: int,
-    local_rows: Sequence[torch.Tensor],
+    held: Sequence[torch.Tensor],
     compute: Compute,
     *,
     group: dist.ProcessGroup | None = None,
@@ -48,8 +48,9 @@ def exchange(
     Args:
       plan: the plan (identical on every rank).
       rank: this rank's index in ``group``.
-      local_rows: per matrix of the plan, the rows this rank contributes as a 2-D
-        ``(contrib rows, cols)`` tensor (``(0, cols)`` when it contributes none). All share one dtype.
+      held: per matrix of the plan, the rows this rank holds (its ``receive`` rows) as a 2-D
+        ``(rows, cols)`` tensor; the rank contributes the plan's ``contrib`` rows out of them.
+        All share one dtype.
       compute: called once per bucket on the matrices this rank owns (possibly none).
       group: the process group (``None``: the default group); ignored when ``world_size == 1``.
       wire_dtype: dtype on the wire (e.g. ``torch.bfloat16``); ``None`` keeps the input dtype.
@@ -59,15 +60,7 @@ def exchange(
       Per matrix, the ``(receive rows, cols)`` block of the result this rank holds, and the stats.
     """
     w = plan.world_size
-    if len(local_rows) != len(plan.matrices):
-        raise ValueError(f"exchange: got {len(local_rows)} tensors for a plan of {len(plan.matrices)} matrices")
-    for mp, x in zip(plan.matrices, local_rows):
-        expected = (mp.contrib[rank][1] - mp.contrib[rank][0], mp.cols)
-        if tuple(x.shape) != expected:
-            raise ValueError(
-                f"exchange: matrix {mp.index} of global shape {mp.shape} has local rows of shape "
-                f"{tuple(x.shape)} on rank {rank}, the plan expects {expected}"
-            )
+    local_rows = _contributions(plan, rank, held)
     stats = ExchangeStats()
     out: list[torch.Tensor | None] = [None] * len(plan.matrices)
     if w == 1:
@@ -159,3 +152,106 @@ def exchange(
                 out[j] = back_recv[offset:offset + k].view(-1, mp.cols).to(dtype)
                 offset += k
     return out, stats  # type: ignore[return-value]
+
+
+def _contributions(plan: Plan, rank: int, held: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The rows each matrix's ``contrib`` asks of this rank, cut from the rows it holds."""
+    if len(held) != len(plan.matrices):
+        raise ValueError(f"exchange: got {len(held)} tensors for a plan of {len(plan.matrices)} matrices")
+    out = []
+    for mp, x in zip(plan.matrices, held):
+        r0, r1 = mp.receive[rank]
+        if tuple(x.shape) != (r1 - r0, mp.cols):
+            raise ValueError(
+                f"exchange: matrix {mp.index} of global shape {mp.shape} has local rows of shape "
+                f"{tuple(x.shape)} on rank {rank}, the plan expects {(r1 - r0, mp.cols)}"
+            )
+        c0, c1 = mp.contrib[rank]
+        out.append(x[c0 - r0:c1 - r0] if c1 > c0 else x[:0])
+    return out
+
+
+def exchange_replicated(
+    plan: Plan,
+    rank: int,
+    held: Sequence[torch.Tensor],
+    compute: Compute,
+    *,
+    group: dist.ProcessGroup | None = None,
+    wire_dtype: torch.dtype | None = None,
+) -> tuple[list[torch.Tensor], ExchangeStats]:
+    """The baseline: every rank all-gathers every sharded matrix and computes all of them.
+
+    Per bucket, one ``all_gather_into_tensor`` of every rank's rows padded to ``ceil(m/W)`` (gloo
+    needs equal sizes); replicated matrices are already whole and are not sent. Same arguments
+    and result as :func:`exchange`; ``compute`` sees every matrix of each bucket.
+    """
+    w = plan.world_size
+    _contributions(plan, rank, held)  # shape checks
+    stats = ExchangeStats()
+    out: list[torch.Tensor | None] = [None] * len(plan.matrices)
+    if not held:
+        return [], stats
+    dtype, device = held[0].dtype, held[0].device
+    wire = wire_dtype or dtype
+    item = torch.empty((), dtype=wire).element_size()
+
+    def pad_rows(j: int) -> int:
+        mp = plan.matrices[j]
+        return max(b - a for a, b in mp.receive)
+
+    pending = []
+    for b in plan.buckets:
+        members = [j for j in b.matrices if _is_sharded(plan, j)] if w > 1 else []
+        parts = []
+        for j in members:
+            x = held[j]
+            rows = pad_rows(j)
+            if x.shape[0] < rows:
+                x = torch.cat([x, x.new_zeros(rows - x.shape[0], x.shape[1])])
+            parts.append(x.reshape(-1))
+        work = gathered = None
+        if parts:
+            send = torch.cat(parts).to(wire)
+            gathered = torch.empty(w * send.numel(), dtype=wire, device=device)
+            work = dist.all_gather_into_tensor(gathered, send, group=group, async_op=True)
+            stats.bytes_sent += item * send.numel() * (w - 1)  # as a ring/all-to-all: (W-1) copies
+            stats.bytes_received += item * send.numel() * (w - 1)
+        pending.append((b, members, work, gathered))
+
+    for b, members, work, gathered in pending:
+        if work is not None:
+            t0 = time.perf_counter()
+            work.wait()
+            stats.comm_wait_s += time.perf_counter() - t0
+        full: dict[int, torch.Tensor] = {}
+        if members:
+            per_rank = gathered.numel() // w
+            offset = 0
+            for j in members:
+                mp = plan.matrices[j]
+                rows = pad_rows(j)
+                k = rows * mp.cols
+                blocks = [
+                    gathered[s * per_rank + offset:s * per_rank + offset + k].view(rows, mp.cols)[
+                        : mp.receive[s][1] - mp.receive[s][0]
+                    ]
+                    for s in range(w)
+                ]
+                full[j] = torch.cat(blocks).to(dtype)
+                offset += k
+        idx = list(b.matrices)
+        mats = [full[j] if j in full else held[j] for j in idx]
+        t0 = time.perf_counter()
+        results = compute(idx, mats) if idx else []
+        stats.compute_s += time.perf_counter() - t0
+        for j, r in zip(idx, results):
+            r0, r1 = plan.matrices[j].receive[rank]
+            out[j] = r[r0:r1] if j in full else r
+    return out, stats  # type: ignore[return-value]
+
+
+def _is_sharded(plan: Plan, j: int) -> bool:
+    """True if ranks hold different rows of matrix ``j`` (False for a replicated matrix)."""
+    mp = plan.matrices[j]
+    return any(r != (0, mp.rows) for r in mp.receive)

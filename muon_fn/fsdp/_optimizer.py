@@ -1,0 +1,482 @@
+"""``FSDPMuonOptimizer``: Muon on FSDP2 (``fully_shard``) models, each matrix computed by one owner.
+
+Per step and parameter group, with the functional core's public transforms:
+
+- pre (local shards): ``momentum`` on each rank's rows;
+- mid (full matrices, on the owner): ``orthogonalize`` (+ ``normalize_rows`` for NorMuon) and
+  ``scale_by_shape`` of the global shape; shards travel to the owner and back through
+  :mod:`._exchange` following the cached :mod:`._plan`;
+- post (local shards): ``add_decoupled_weight_decay`` and ``scale_by_learning_rate``, then
+  ``p += u``.
+
+0-/1-D parameters (and groups with ``use_muon=False``) get AdamW on local shards, with no
+communication. Every scalar hyperparameter reaches the transforms as a 0-d float32 tensor, as in
+:class:`muon_fn.MuonOptimizer`, so an fp32 run is bit-identical to it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .. import _checks
+from .._alias import DEFAULT_METHOD
+from .._base import EmptyState
+from .._combine import chain
+from .._muon import SHAPE_RULES, orthogonalize, scale_by_shape
+from .._orthogonalize import METHODS, default_compute_dtype, newton_schulz
+from .._transforms import (
+    MomentumState,
+    NormalizeRowsState,
+    ScaleByAdamState,
+    add_decoupled_weight_decay,
+    momentum as momentum_tx,
+    normalize_rows,
+    scale_by_adam,
+    scale_by_learning_rate,
+)
+from . import _exchange, _params, _plan
+
+STRATEGIES = ("owner", "replicate")
+WIRE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
+# Group keys that are per-step scalars (0-d float32 tensors refreshed before every step).
+_SCALARS = ("lr", "weight_decay", "momentum", "adamw_weight_decay")
+
+
+class FSDPMuonOptimizer(torch.optim.Optimizer):
+    """Muon for FSDP2-sharded (or DDP-replicated) models; AdamW for everything else.
+
+    Results equal single-device :class:`muon_fn.MuonOptimizer` with the same settings (bit-exact
+    in fp32 for ``strategy="owner"``): each matrix is orthogonalized whole by one rank. Defaults
+    match ``MuonOptimizer``'s except ``weight_decay``.
+
+    Args:
+      model: the module whose parameters are optimized (wrapped with ``fully_shard``, any
+        nesting, 1-D mesh or HSDP; a plain module's parameters are treated as replicated).
+      params: parameters or param-group dicts (default: ``model.parameters()``); a group may set
+        ``use_muon`` (True: Muon, ndim >= 2 required; False: AdamW; default: by ndim).
+      lr, weight_decay, momentum, nesterov: Muon's ``p ← p(1 − lr·wd) − lr·s·msign(M)``.
+      ns_steps, ns_stepsize: iterations and damping η of the orthogonalization ``method``.
+      beta2, eps: ``None`` for Muon; a float enables NorMuon row normalization.
+      gradient_accumulation_steps: ``k``; call ``step()`` after every micro-batch: FSDP2 gradient
+        sync is off for the first ``k − 1`` backward passes and on for the last, whose reduced
+        gradient (divided by ``k``) is applied. Requires a ``fully_shard`` model when ``k > 1``.
+      strategy: ``"owner"`` (each matrix computed once, on its owner) or ``"replicate"`` (every
+        rank all-gathers and computes every matrix; the baseline).
+      method, adjust_lr_fn, ns_dtype, ns_eps, ns_coefficients, momentum_kind: as in
+        :class:`muon_fn.MuonOptimizer`.
+      adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW half; its learning rate
+        follows ``lr`` (``adamw_lr · lr / base_lr``) so schedulers scale both.
+      wire_dtype: dtype of the shards on the wire (``torch.bfloat16`` halves the bytes).
+      num_buckets: exchanges per step (communication of later buckets overlaps computation).
+      process_group: the group to use for plain (replicated) parameters; must match the
+        DTensor parameters' shard group if given.
+
+    After each step ``last_step_stats`` holds this rank's figures: ``bytes_sent``,
+    ``bytes_received``, ``ns_flops``, ``matrices_computed``, ``comm_wait_s``, ``compute_s``,
+    ``step_s``, ``applied``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        params: Iterable[Any] | None = None,
+        lr: float = 0.02,
+        weight_decay: float = 0.01,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        ns_stepsize: float = 1.0,
+        beta2: float | None = None,
+        eps: float = 1e-8,
+        gradient_accumulation_steps: int = 1,
+        *,
+        strategy: str = "owner",
+        method: str = DEFAULT_METHOD,
+        adjust_lr_fn: str = "keller",
+        ns_dtype: torch.dtype | None = None,
+        ns_eps: float = 1e-7,
+        ns_coefficients: Any = None,
+        momentum_kind: str = "ema",
+        adamw_lr: float = 3e-4,
+        adamw_betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float = 0.0,
+        wire_dtype: torch.dtype | None = None,
+        num_buckets: int = 4,
+        process_group: Any = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        _checks.non_negative("lr", lr)
+        _checks.non_negative("weight_decay", weight_decay)
+        _checks.in_unit_interval("momentum", momentum)
+        _checks.positive_int("ns_steps", ns_steps)
+        _checks.positive("ns_stepsize", ns_stepsize)
+        if beta2 is not None:
+            _checks.in_unit_interval("beta2", beta2)
+        _checks.positive("eps", eps)
+        _checks.positive("ns_eps", ns_eps)
+        _checks.positive_int("gradient_accumulation_steps", gradient_accumulation_steps)
+        _checks.one_of("strategy", strategy, STRATEGIES)
+        if not callable(method):
+            _checks.one_of("method", method, METHODS)
+        _checks.one_of("adjust_lr_fn", adjust_lr_fn, SHAPE_RULES)
+        _checks.one_of("momentum_kind", momentum_kind, ("ema", "sgd"))
+        _checks.non_negative("adamw_lr", adamw_lr)
+        _checks.in_unit_interval("adamw_betas[0]", adamw_betas[0])
+        _checks.in_unit_interval("adamw_betas[1]", adamw_betas[1])
+        _checks.positive("adamw_eps", adamw_eps)
+        _checks.non_negative("adamw_weight_decay", adamw_weight_decay)
+        _checks.one_of("wire_dtype", wire_dtype, WIRE_DTYPES)
+        _checks.positive_int("num_buckets", num_buckets)
+        self._model = model
+        self._names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        self.strategy = strategy
+        self.wire_dtype = wire_dtype
+        self.accumulation_steps = gradient_accumulation_steps
+        self._micro_step = 0
+        self._config = dict(
+            nesterov=nesterov, ns_steps=ns_steps, ns_stepsize=ns_stepsize, beta2=beta2, eps=eps,
+            method=method, adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype, ns_eps=ns_eps,
+            ns_coefficients=ns_coefficients, momentum_kind=momentum_kind,
+            adamw_betas=tuple(adamw_betas), adamw_eps=adamw_eps,
+        )
+        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, adamw_lr=adamw_lr,
+                        adamw_weight_decay=adamw_weight_decay, use_muon=None)
+        super().__init__(model.parameters() if params is None else params, defaults)
+
+        named = [(self._name(p), p) for g in self.param_groups for p in g["params"]]
+        self.topology = _params.resolve_topology(named, process_group)
+        self._layouts = {id(p): _params.layout_of(n, p, self.topology) for n, p in named}
+        self._fsdp_modules = _fsdp_modules(model)
+        if gradient_accumulation_steps > 1 and not self._fsdp_modules:
+            raise ValueError(
+                f"gradient_accumulation_steps={gradient_accumulation_steps} needs a model wrapped "
+                f"with torch.distributed.fsdp.fully_shard (FSDP2), but {type(model).__name__} "
+                "contains no FSDPModule"
+            )
+        # The matrices, in group order, and the plan every rank derives identically from them.
+        self._muon = [p for g in self.param_groups if g["use_muon"] for p in g["params"]]
+        self._muon_group = {id(p): i for i, g in enumerate(self.param_groups) if g["use_muon"]
+                            for p in g["params"]}
+        self.plan = _plan.make_plan(
+            [tuple(p.shape) for p in self._muon], self.topology.world_size,
+            replicated=[not self._layouts[id(p)].sharded for p in self._muon],
+            num_buckets=num_buckets, extra_cols=0 if beta2 is None else 1,
+        )
+        self._batched_singletons = _orthogonalize_batches_singletons()
+        self._scalars: list[dict[str, torch.Tensor]] = [{} for _ in self.param_groups]
+        self._init_state()
+        self._set_gradient_sync(gradient_accumulation_steps == 1)
+        self.last_step_stats: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ groups and state
+    def _name(self, p: torch.Tensor) -> str:
+        return self._names.get(id(p), f"<parameter of shape {tuple(p.shape)} not in model>")
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if hasattr(self, "plan"):
+            raise RuntimeError("FSDPMuonOptimizer cannot add parameter groups after construction "
+                               "(the communication plan is fixed); pass every group to __init__")
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        for key in ("lr", "weight_decay", "adamw_lr", "adamw_weight_decay"):
+            _checks.non_negative(key, group[key])
+        _checks.in_unit_interval("momentum", group["momentum"])
+        lr = group["lr"]
+        group.setdefault("base_lr", float(lr))
+        for p in group["params"]:
+            if torch.is_complex(p):
+                raise ValueError(f"muon_fn does not support complex parameters, got {self._name(p)!r}")
+        use = group["use_muon"]
+        if use is None:
+            matrices = [p.ndim >= 2 for p in group["params"]]
+            if any(matrices) and not all(matrices):
+                # Split the group: Muon for matrices, AdamW for the rest, same hyperparameters.
+                rest = [p for p, m in zip(group["params"], matrices) if not m]
+                group["params"] = [p for p, m in zip(group["params"], matrices) if m]
+                group["use_muon"] = True
+                super().add_param_group({**{k: v for k, v in group.items() if k != "params"},
+                                         "params": rest, "use_muon": False})
+            else:
+                group["use_muon"] = bool(matrices) and all(matrices)
+        elif use:
+            for p in group["params"]:
+                if p.ndim < 2:
+                    raise ValueError(
+                        f"parameter {self._name(p)!r} of shape {tuple(p.shape)} is in a group with "
+                        "use_muon=True, but Muon needs a matrix (ndim >= 2); put it in an AdamW group"
+                    )
+
+    def _init_state(self) -> None:
+        """Create every state entry now, so state_dict keys are the same on every rank (DCP)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                st = self.state[p]
+                if st:
+                    continue
+                st["step"] = torch.zeros((), dtype=torch.float32, device=_params.local(p).device)
+                if group["use_muon"]:
+                    st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                    if self._config["beta2"] is not None:
+                        st["row_variance"] = _params.zeros_rows_state(p, (1,) * (p.ndim - 1), torch.float32)
+                else:
+                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+
+    def _refresh_scalars(self, index: int) -> dict[str, torch.Tensor]:
+        """0-d float32 tensors holding the group's current scalars (as MuonOptimizer passes them)."""
+        group, scalars = self.param_groups[index], self._scalars[index]
+        device = _params.local(group["params"][0]).device if group["params"] else None
+        values = {k: group[k] for k in _SCALARS}
+        lr = float(group["lr"])
+        base = group.get("base_lr") or 0.0
+        values["adamw_lr_effective"] = float(group["adamw_lr"]) * (lr / base if base > 0 else 1.0)
+        for k, v in values.items():
+            t = scalars.get(k)
+            if t is None:
+                scalars[k] = t = torch.zeros((), dtype=torch.float32, device=device)
+            if isinstance(v, torch.Tensor):
+                t.copy_(v.detach().reshape(()))
+            else:
+                t.fill_(float(v))
+        return scalars
+
+    # ------------------------------------------------------------------ the matrix update
+    def _msign(self, wide_counts: dict[tuple, int]) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The orthogonalization the owner runs, taking the same kernel path (batched or not) as a
+        single-device ``orthogonalize`` over the whole group would for each matrix."""
+        c = self._config
+
+        def msign(x: torch.Tensor) -> torch.Tensor:
+            dtype = c["ns_dtype"] or default_compute_dtype(x.device)
+            run = lambda y: newton_schulz(  # noqa: E731
+                y, c["method"], c["ns_steps"], coefficients=c["ns_coefficients"], dtype=dtype,
+                eps=c["ns_eps"], stepsize=c["ns_stepsize"])
+            if callable(c["method"]):
+                return c["method"](x)
+            if x.ndim == 2 and (self._batched_singletons or wide_counts.get((tuple(x.shape), x.dtype), 0) > 1):
+                return run(x.unsqueeze(0)).squeeze(0)
+            return run(x)
+
+        return msign
+
+    def _mid(self, wide_counts: dict[tuple, int]):
+        c = self._config
+        parts = [orthogonalize(self._msign(wide_counts))]
+        if c["beta2"] is not None:
+            parts.append(normalize_rows(c["beta2"], c["eps"]))
+        parts.append(scale_by_shape(c["adjust_lr_fn"]))
+        return chain(*parts)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One optimization step (or one accumulation micro-step). Never modifies ``.grad``."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        t_start = time.perf_counter()
+        k = self.accumulation_steps
+        if k > 1:
+            self._micro_step += 1
+            final = self._micro_step == k
+            if final:
+                self._micro_step = 0
+            # Sync the next backward only if it is the last micro-batch of a step.
+            self._set_gradient_sync(self._micro_step == k - 1)
+            if not final:
+                self.last_step_stats = {"applied": False, "micro_step": self._micro_step}
+                return loss
+        stats = self._muon_step(k)
+        self._adamw_step(k)
+        stats["step_s"] = time.perf_counter() - t_start
+        stats["applied"] = True
+        self.last_step_stats = stats
+        return loss
+
+    def _grad(self, p: torch.Tensor, k: int) -> torch.Tensor | None:
+        g = p.grad
+        if g is None:
+            return None
+        if g.is_sparse:
+            raise RuntimeError(f"muon_fn does not support sparse gradients (parameter {self._name(p)!r})")
+        g = _params.local(g.detach())
+        return g / k if k > 1 else g
+
+    def _muon_step(self, k: int) -> dict[str, Any]:
+        c, topo = self._config, self.topology
+        beta2 = c["beta2"]
+        held: list[torch.Tensor] = []
+        directions: list[torch.Tensor | None] = []
+        has_grad: list[bool] = []
+        wide_counts: list[dict[tuple, int]] = [{} for _ in self.param_groups]
+        # pre: momentum on local rows, one call per group.
+        for index, group in enumerate(self.param_groups):
+            if not group["use_muon"]:
+                continue
+            s = self._refresh_scalars(index)
+            params = group["params"]
+            grads = tuple(self._grad(p, k) for p in params)
+            bufs = tuple(_params.local(self.state[p]["momentum_buffer"]) for p in params)
+            pre = momentum_tx(s["momentum"], nesterov=c["nesterov"], kind=c["momentum_kind"])
+            out, new = pre.update(grads, MomentumState(mu=bufs))
+            for p, g, b, nb, u in zip(params, grads, bufs, new.mu, out):
+                has_grad.append(g is not None)
+                if g is not None:
+                    b.copy_(nb)
+                    wide = tuple(sorted(_plan.flat_shape(p.shape)))
+                    key = ((wide[0], wide[1]), u.dtype)
+                    wide_counts[index][key] = wide_counts[index].get(key, 0) + 1
+                rows = b.shape[0]
+                x = (u if u is not None else torch.zeros_like(b)).reshape(rows, -1)
+                if beta2 is not None:
+                    v = _params.local(self.state[p]["row_variance"]).reshape(rows, 1).to(x.dtype)
+                    x = torch.cat([x, v], dim=1)
+                held.append(x)
+                directions.append(u)
+        muon_index = {j: self._muon_group[id(p)] for j, p in enumerate(self._muon)}
+        mids = {i: self._mid(wide_counts[i]) for i, g in enumerate(self.param_groups) if g["use_muon"]}
+        flops = [0]
+
+        def compute(idx: list[int], mats: list[torch.Tensor]) -> list[torch.Tensor]:
+            results: dict[int, torch.Tensor] = {}
+            by_group: dict[int, list[int]] = {}
+            for pos, j in enumerate(idx):
+                by_group.setdefault(muon_index[j], []).append(pos)
+            for gi, positions in by_group.items():
+                shapes = [self.plan.matrices[idx[q]].shape for q in positions]
+                fulls = tuple(
+                    (mats[q][:, :-1] if beta2 is not None else mats[q]).reshape(shape)
+                    for q, shape in zip(positions, shapes)
+                )
+                mid = mids[gi]
+                state = tuple(mid.init(fulls))
+                if beta2 is not None:
+                    nus = tuple(mats[q][:, -1:].float().reshape((shape[0],) + (1,) * (len(shape) - 1))
+                                for q, shape in zip(positions, shapes))
+                    state = (state[0], NormalizeRowsState(nu=nus), state[2])
+                outs, new_state = mid.update(fulls, state)
+                for n, (q, o) in enumerate(zip(positions, outs)):
+                    r = o.reshape(o.shape[0], -1)
+                    if beta2 is not None:
+                        r = torch.cat([r, new_state[1].nu[n].reshape(-1, 1).to(r.dtype)], dim=1)
+                    results[q] = r
+                    flops[0] += _plan.ns_flops(shapes[positions.index(q)], c["ns_steps"])
+            return [results[q] for q in range(len(idx))]
+
+        run = _exchange.exchange if self.strategy == "owner" else _exchange.exchange_replicated
+        mine, ex = run(self.plan, topo.rank, held, compute, group=topo.group, wire_dtype=self.wire_dtype)
+        # post: weight decay and learning rate on local rows, then p += u.
+        j = 0
+        for index, group in enumerate(self.param_groups):
+            if not group["use_muon"]:
+                continue
+            s = self._scalars[index]
+            params = group["params"]
+            locs = tuple(_params.local(p) for p in params)
+            dirs = []
+            for p, lo in zip(params, locs):
+                r = mine[j]
+                if beta2 is not None:
+                    if has_grad[j]:
+                        _params.local(self.state[p]["row_variance"]).copy_(
+                            r[:, -1:].reshape(_params.local(self.state[p]["row_variance"]).shape))
+                    r = r[:, :-1]
+                dirs.append(r.reshape(lo.shape) if has_grad[j] else None)
+                j += 1
+            post = chain(add_decoupled_weight_decay(s["weight_decay"]), scale_by_learning_rate(s["lr"]))
+            updates, _ = post.update(tuple(dirs), (EmptyState(), EmptyState()), locs)
+            for p, lo, u in zip(params, locs, updates):
+                if u is not None:
+                    lo.add_(u.to(lo.dtype))
+                    self.state[p]["step"].add_(1)
+        return {
+            "strategy": self.strategy, "rank": topo.rank, "world_size": topo.world_size,
+            "bytes_sent": ex.bytes_sent, "bytes_received": ex.bytes_received,
+            "ns_flops": flops[0], "matrices_computed": sum(
+                1 for mp in self.plan.matrices if self.strategy == "replicate" or mp.owner == topo.rank),
+            "comm_wait_s": ex.comm_wait_s, "compute_s": ex.compute_s,
+        }
+
+    def _adamw_step(self, k: int) -> None:
+        c = self._config
+        for index, group in enumerate(self.param_groups):
+            if group["use_muon"] or not group["params"]:
+                continue
+            s = self._refresh_scalars(index)
+            params = group["params"]
+            grads = tuple(self._grad(p, k) for p in params)
+            locs = tuple(_params.local(p) for p in params)
+            sts = [self.state[p] for p in params]
+            state = ScaleByAdamState(
+                count=tuple(st["step"] for st in sts),
+                mu=tuple(_params.local(st["exp_avg"]) for st in sts),
+                nu=tuple(_params.local(st["exp_avg_sq"]) for st in sts),
+            )
+            tx = chain(scale_by_adam(c["adamw_betas"], c["adamw_eps"]),
+                       add_decoupled_weight_decay(s["adamw_weight_decay"]),
+                       scale_by_learning_rate(s["adamw_lr_effective"]))
+            updates, new = tx.update(grads, (state, EmptyState(), EmptyState()), locs)
+            adam = new[0]
+            for st, g, cnt, m, v in zip(sts, grads, adam.count, adam.mu, adam.nu):
+                if g is None:
+                    continue
+                st["step"].copy_(cnt)
+                _params.local(st["exp_avg"]).copy_(m)
+                _params.local(st["exp_avg_sq"]).copy_(v)
+            for lo, u in zip(locs, updates):
+                if u is not None:
+                    lo.add_(u.to(lo.dtype))
+
+    # ------------------------------------------------------------------ FSDP2 helpers
+    def _set_gradient_sync(self, enabled: bool) -> None:
+        for m in self._fsdp_modules:
+            m.set_requires_gradient_sync(enabled, recurse=False)
+
+    @contextlib.contextmanager
+    def unshard_params(self) -> Iterator[nn.Module]:
+        """Inside, every FSDP2 module holds its full (unsharded) parameters; resharded on exit."""
+        if not self._fsdp_modules:
+            raise ValueError(
+                f"unshard_params() needs a model wrapped with fully_shard (FSDP2), but "
+                f"{type(self._model).__name__} contains no FSDPModule"
+            )
+        for m in self._fsdp_modules:
+            m.unshard()
+        try:
+            yield self._model
+        finally:
+            for m in self._fsdp_modules:
+                m.reshard()
+
+    def describe(self) -> str:
+        """Which parameters get Muon or AdamW, and who computes each matrix."""
+        lines = [f"FSDPMuonOptimizer(strategy={self.strategy!r}, world_size={self.topology.world_size})"]
+        for j, p in enumerate(self._muon):
+            mp = self.plan.matrices[j]
+            lines.append(f"  muon  {self._name(p)} {tuple(p.shape)} owner={mp.owner} bucket={mp.bucket}")
+        for g in self.param_groups:
+            if not g["use_muon"]:
+                lines += [f"  adamw {self._name(p)} {tuple(p.shape)}" for p in g["params"]]
+        return "\n".join(lines)
+
+
+def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def _orthogonalize_batches_singletons() -> bool:
+    """Whether the core's ``orthogonalize`` hands a lone matrix to ``method`` as a batch of one."""
+    seen = []
+    probe = orthogonalize(lambda x: seen.append(x.ndim) or x)
+    probe.update((torch.zeros(2, 3),), EmptyState())
+    return seen == [3]
