@@ -36,7 +36,7 @@ class GPTConfig:
 # 85M of matrices + byte embeddings here); it is far too slow for a CPU run but useful under
 # torchrun/CUDA and for benchmarks.
 PRESETS: dict[str, dict] = {
-    "tiny": dict(n_layer=4, n_head=4, n_embd=128, block_size=128),
+    "tiny": dict(n_layer=4, n_head=4, n_embd=128, block_size=256),
     "small": dict(n_layer=6, n_head=6, n_embd=384, block_size=256),
     "gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024),
 }

@@ -88,6 +88,7 @@ def build_parser(prog: str = "train_gpt.py") -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     p.add_argument("--no-plot", action="store_true", help="do not write loss.png")
+    p.add_argument("--verbose", action="store_true", help="print which parameter each optimizer half got")
     return p
 
 
@@ -175,7 +176,9 @@ class Dist:
 
 def build_model(args: argparse.Namespace, ctx: Dist) -> nn.Module:
     torch.manual_seed(args.seed)  # the same initial weights for every optimizer and every rank
-    cfg = config_for(args.model, block_size=max(args.seq_len, PRESETS[args.model]["block_size"]))
+    cfg = config_for(args.model)
+    if args.seq_len > cfg.block_size:
+        raise SystemExit(f"--seq-len {args.seq_len} exceeds the '{args.model}' preset's block size {cfg.block_size}")
     model = GPT(cfg).to(ctx.device)
     if ctx.enabled:
         from torch.distributed.fsdp import fully_shard
@@ -217,7 +220,7 @@ def build_optimizer(name: str, model: nn.Module, args: argparse.Namespace, ctx: 
     if name in ("muon", "normuon"):
         extra = {"beta2": 0.95} if name == "normuon" else {}
         opt = mf.create_hybrid_optimizer(model, muon_lr=lr, adamw_lr=adamw_lr, adamw_weight_decay=wd,
-                                         weight_decay=wd, adamw_betas=ADAMW_BETAS, **extra, **compile_opt)
+                                         muon_weight_decay=wd, adamw_betas=ADAMW_BETAS, **extra, **compile_opt)
         return opt, f"muon_fn.create_hybrid_optimizer(muon_lr={lr}, adamw_lr={adamw_lr}{', beta2=0.95' if extra else ''})"
     if name == "sso":
         if not hasattr(mf, "SpectralSphereOptimizer"):
@@ -343,8 +346,8 @@ def run_one(name: str, args, corpus: Corpus, ctx: Dist) -> dict[str, Any]:
         n_params = sum(p.numel() for p in model.parameters())
         _log(ctx, f"[{name}] {args.model} GPT, {n_params / 1e6:.2f}M params, {steps} steps × "
                   f"{args.batch_size * ctx.world}×{args.seq_len} tokens; {opt_desc}")
-        if hasattr(opt, "describe") and not ctx.enabled:
-            _log(ctx, _indent(str(opt.describe())))
+        if getattr(opt, "split", None) is not None and args.verbose:
+            _log(ctx, _indent(str(opt.split)))
 
     tokens_per_step = args.batch_size * args.seq_len * ctx.world
     bar = _progress(args, ctx, steps, start, name)
