@@ -1,0 +1,268 @@
+"""The Spectral Sphere Optimizer (SSO) transform ``spectral_sphere`` and its recipe ``sso``.
+
+Per matrix ``W`` (``(out, in)``, conv kernels folded into ``in``), with gradient ``g``
+(notes/algorithms.md §1, arXiv:2601.08393):
+
+1. momentum (EMA, Nesterov): ``b ← lerp(b, g, 1−μ)``, ``M = lerp(g, b, μ)``; ``M̂ = M/max(‖M‖_F, 1e-8)``;
+2. ``σ, u, v`` = power iteration on ``W`` started from last step's ``v`` (a warm start);
+3. retraction to the sphere ``‖W‖₂ = R``, ``R = c·√(out/in)``: ``W ← (R/σ)·W``;
+4. ``λ*`` = root of ``h(λ) = uᵀ msign(M̂ + λ u vᵀ) v`` (:func:`muon_fn.spectral.solve_lambda`);
+5. ``Φ = msign(M̂ + λ* u vᵀ)`` — tangent to the sphere at W (``⟨u vᵀ, Φ⟩ ≈ 0``);
+6. ``W ← W − lr·s·Φ``.
+
+**Retract, then update, as one additive update.** A transform may only return ``u`` with
+``p_new = p + u``. Steps 3 and 6 together give ``p_new = (R/σ)·p − lr·s·Φ``, so the update is
+
+    u = (R/σ − 1)·p − lr·s·Φ
+
+which is why ``spectral_sphere`` takes ``lr`` itself and is **final**: do not chain
+``scale_by_learning_rate`` (or weight decay) after it. The retraction at the start of step t equals
+one at the end of step t−1 (singular vectors do not change under scaling), so one power iteration
+serves both; right after an update ``‖W‖₂`` is within about ``lr·s`` of ``R`` and the next step
+retracts it exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+from . import _checks, _orthogonalize, _tree, spectral
+from ._base import GradientTransformation, ScalarOrSchedule, Updates, named
+from ._muon import SHAPE_RULES, _not_matrix, matrix_shape, shape_scale
+
+SCALE_MODES = ("radius",) + SHAPE_RULES
+_M_FLOOR = 1e-8  # floor of ‖M‖_F in the normalization (reference code)
+# init() computes each v accurately (power 2^13 on the Gram matrix), so even the first step's
+# retraction is exact although random weights have σ₂/σ₁ ≈ 0.99 (plain power iteration: 3e-2 off
+# after 10 steps on a 768×3072 nn.Linear init).
+_INIT_SQUARINGS = 12
+
+
+class SpectralSphereState(NamedTuple):
+    """State of :func:`spectral_sphere`. Per-matrix fields have the params' tree structure."""
+
+    count: torch.Tensor  # shape=(), int64: updates so far (drives an lr schedule)
+    mu: Updates  # momentum buffer, like params (dtype mu_dtype or the param's)
+    v: Updates  # shape=(in,), fp32: right singular vector of W (power-iteration warm start;
+    #            init computes it accurately from the initial params)
+    lam: Updates  # shape=(), fp32: λ* of the last step (the solver's start point)
+    sigma: Updates  # shape=(), fp32: σ(W) before the last step's retraction
+    residual: Updates  # shape=(), fp32: |h(λ*)| of the last step (the tangency error)
+    iterations: Updates  # shape=(), int32: h evaluations (msign calls) in the last step
+    fallback: Updates  # shape=(), bool: the last step found no bracket and used λ = 0
+    fallbacks: Updates  # shape=(), int64: how many steps fell back to λ = 0 so far
+
+    state_keys = {
+        "count": "sso_count",
+        "mu": "momentum_buffer",
+        "v": "sso_v",
+        "lam": "sso_lambda",
+        "sigma": "sso_sigma",
+        "residual": "sso_residual",
+        "iterations": "sso_iterations",
+        "fallback": "sso_fallback",
+        "fallbacks": "sso_fallbacks",
+    }
+
+
+def update_scale(scale_mode: str, shape: tuple[int, ...], radius: float) -> float:
+    """The multiplier ``s`` of ``Φ``: ``"radius"`` gives ``s = R`` (the paper), else a shape rule."""
+    return radius if scale_mode == "radius" else shape_scale(scale_mode, shape)
+
+
+def _validate(lr, momentum, radius_scale, power_steps, msign_steps, msign_method, scale_mode, tol,
+              max_iterations, bracket_step, max_expansions, solver) -> None:
+    _checks.scalar_or_schedule("lr", lr)
+    _checks.in_unit_interval("momentum", momentum)
+    _checks.positive("radius_scale", radius_scale)
+    if isinstance(power_steps, bool) or not isinstance(power_steps, int) or power_steps < 1:
+        raise ValueError(f"Invalid power_steps: {power_steps!r} (expected an integer >= 1)")
+    _checks.positive_int("msign_steps", msign_steps)
+    _checks.one_of("msign_method", msign_method, _orthogonalize.METHODS)
+    _checks.one_of("scale_mode", scale_mode, SCALE_MODES)
+    spectral._check_solver_args(tol, max_iterations, bracket_step, max_expansions, solver)
+
+
+def spectral_sphere(
+    lr: ScalarOrSchedule = 0.02,
+    momentum: float | torch.Tensor = 0.95,
+    *,
+    nesterov: bool = True,
+    radius_scale: float = 2.0,
+    scale_mode: str = "radius",
+    power_steps: int = 2,
+    cold_start: bool = False,
+    msign_method: str = "polar_express",
+    msign_steps: int = 8,
+    msign_dtype: torch.dtype = torch.float32,
+    tol: float = 2e-4,
+    max_iterations: int = 20,
+    bracket_step: float = 1e-3,
+    max_expansions: int = 10,
+    solver: str = "illinois",
+    warm_lambda: bool = True,
+    muon_sphere: bool = False,
+    mu_dtype: torch.dtype | None = None,
+) -> GradientTransformation:
+    """SSO on a tree of matrices; returns the final update ``(R/σ − 1)·W − lr·s·Φ`` (see module doc).
+
+    Defaults, against the sources in notes/algorithms.md §1.4 (which disagree):
+
+    Args:
+      lr: float, 0-d tensor or schedule ``count -> lr``. 0.02: with ``scale_mode="radius"``
+        (``s = R``) lr is the relative spectral step ``‖ΔW‖₂/‖W‖₂`` per update; 0.02 is Muon's
+        default and between the paper's 1e-2 and 5e-3 × c. (SB class default 3e-4 is for
+        align_adamw_rms.)
+      momentum: EMA coefficient μ; 0.95 (Muon's, and the issue's; SB/configs use 0.9). EMA vs SGD
+        form does not matter: ``M̂`` is scale-invariant.
+      nesterov: True (all sources).
+      radius_scale: c in ``R = c·√(out/in)``; 2.0, the paper's best (code default 1.0).
+      scale_mode: ``s`` in ``W − lr·s·Φ``: ``"radius"`` (s = R, the paper's "spectral µP scaler"),
+        or a :func:`muon_fn.shape_scale` rule (``"spectral"`` = √(out/in), the later configs';
+        ``"match_rms_adamw"`` = SB's align_adamw_rms; ``"keller"``, ``"legacy"``, ``"none"``).
+      power_steps: power-iteration rounds per step; 2, because they start from last step's ``v``
+        and W moves by ≤ lr·s per step (SB: 10, Megatron: 20, both cold from all-ones; the paper
+        caches vectors). Measured in docs/sso.md.
+      cold_start: restart power iteration from a fixed vector every step (the reference code);
+        then use ``power_steps`` ≥ 10.
+      msign_method, msign_steps, msign_dtype: ``"polar_express"``, 8 steps, fp32 — the paper's
+        "FP32 msign" (8 PE steps converge in fp32, notes §4). Tangency to ``tol`` needs an accurate
+        msign: bf16 perturbs σ by ~5e-3.
+      tol, max_iterations: solver tolerance on ``|h|`` and cap on bracketed steps; 2e-4 / 20, the
+        paper runs' values (SB: 1e-8 / 100, unreachable with 8-step msign in fp32).
+      bracket_step, max_expansions: 1e-3 doubled up to 10 times (SB's): reaches ±1.023 around
+        the start point; measured λ* are O(1e-3).
+      solver: ``"illinois"`` (default: false position with Illinois halving on the same bracket;
+        measured 3–5 msigns vs 6–10 for bisection at the same tolerance) or ``"bisection"`` (SB).
+      warm_lambda: start the solver at last step's λ* instead of 0 (cost only; the root is unique).
+      muon_sphere: MuonSphere: λ fixed at 0 (``Φ = msign(M̂)``), no solver; keeps the retraction.
+      mu_dtype: dtype of the momentum buffer (default: the param's).
+
+    Weight decay is not offered: the hard retraction undoes it every step (paper: none on 2-D
+    hidden weights). Every non-None leaf must be a matrix (ndim ≥ 2).
+
+    Returns:
+      A :class:`~muon_fn.GradientTransformation` with state :class:`SpectralSphereState`; it needs
+      ``params`` in ``update``.
+    """
+    _validate(lr, momentum, radius_scale, power_steps, msign_steps, msign_method, scale_mode, tol,
+              max_iterations, bracket_step, max_expansions, solver)
+    schedule = _orthogonalize.coefficient_schedule(msign_method, msign_steps)
+    norm_scale = _orthogonalize.norm_scale(msign_method)
+    lr_schedule: Callable[[torch.Tensor], Any] | None = (
+        lr if callable(lr) and not isinstance(lr, torch.Tensor) else None
+    )
+
+    def msign(x: torch.Tensor) -> torch.Tensor:
+        return _orthogonalize.orthogonalize_matrices(
+            x, schedule, dtype=msign_dtype, eps=1e-7, norm_scale=norm_scale
+        ).float()
+
+    def init(params):
+        def vec(p):
+            if p is None:
+                return None
+            if p.ndim < 2:
+                raise _not_matrix(p.shape, "spectral_sphere")
+            m, n = matrix_shape(p.shape)
+            return spectral.top_singular(p.detach().reshape(m, n), squarings=_INIT_SQUARINGS)[2]
+
+        def scalar(dtype):
+            return lambda p: None if p is None else torch.zeros((), dtype=dtype, device=p.device)
+
+        return SpectralSphereState(
+            count=torch.zeros((), dtype=torch.int64),
+            mu=_tree.zeros_like(params, dtype=mu_dtype),
+            v=_tree.tree_map(vec, params),
+            lam=_tree.tree_map(scalar(torch.float32), params),
+            sigma=_tree.tree_map(scalar(torch.float32), params),
+            residual=_tree.tree_map(scalar(torch.float32), params),
+            iterations=_tree.tree_map(scalar(torch.int32), params),
+            fallback=_tree.tree_map(scalar(torch.bool), params),
+            fallbacks=_tree.tree_map(scalar(torch.int64), params),
+        )
+
+    def update(updates, state: SpectralSphereState, params=None, **extra):
+        del extra
+        if params is None:
+            raise ValueError("spectral_sphere needs params: call update(updates, state, params)")
+        step_lr = lr_schedule(state.count) if lr_schedule is not None else lr
+        g_leaves, spec = _tree.tree_flatten(updates)
+        p_leaves = spec.flatten_up_to(params)
+        fields = {f: spec.flatten_up_to(getattr(state, f)) for f in SpectralSphereState._fields[1:]}
+        new = {f: list(vals) for f, vals in fields.items()}
+        out: list[torch.Tensor | None] = [None] * len(g_leaves)
+
+        # Momentum (elementwise) and grouping of equal matrix shapes for batched math.
+        groups: dict[tuple, list[int]] = {}
+        directions: dict[int, torch.Tensor] = {}
+        for i, (g, p) in enumerate(zip(g_leaves, p_leaves)):
+            if g is None:
+                continue
+            if g.ndim < 2:
+                raise _not_matrix(g.shape, "spectral_sphere")
+            b = fields["mu"][i]
+            g_b = g.to(b.dtype)
+            b = b.lerp(g_b, 1 - momentum)
+            new["mu"][i] = b
+            directions[i] = g_b.lerp(b, momentum) if nesterov else b
+            key = (matrix_shape(p.shape), p.dtype, p.device)
+            groups.setdefault(key, []).append(i)
+
+        for ((m, n), _, _), idx in groups.items():
+            shape = tuple(p_leaves[idx[0]].shape)
+            radius = spectral.target_radius(shape, radius_scale)
+            s = update_scale(scale_mode, shape, radius)
+            W = torch.stack([p_leaves[i].reshape(m, n) for i in idx]).float()
+            M = torch.stack([directions[i].reshape(m, n) for i in idx]).float()
+            m_hat = M / torch.linalg.matrix_norm(M, keepdim=True).clamp_min(_M_FLOOR)
+            v0 = None if cold_start else torch.stack([fields["v"][i] for i in idx])
+            sigma, u, v = spectral.power_iteration(W, power_steps, v0)
+            if muon_sphere:
+                lam = torch.zeros(len(idx), device=W.device)
+                h, phi = spectral.tangent_residual(m_hat, u, v, lam, msign)
+                stats = spectral.SolverStats(
+                    iterations=torch.ones(len(idx), dtype=torch.int32, device=W.device),
+                    residual=h.abs(), converged=h.abs() <= tol,
+                    fallback=torch.zeros(len(idx), dtype=torch.bool, device=W.device))
+            else:
+                lam0 = torch.stack([fields["lam"][i] for i in idx]) if warm_lambda else None
+                lam, phi, stats = spectral.solve_lambda(
+                    m_hat, u, v, msign, lambda0=lam0, tol=tol, max_iterations=max_iterations,
+                    bracket_step=bracket_step, max_expansions=max_expansions, method=solver)
+            factor = radius / sigma.clamp_min(1e-30)
+            delta = (factor - 1)[:, None, None] * W - (step_lr * s) * phi
+            for k, i in enumerate(idx):
+                p = p_leaves[i]
+                out[i] = delta[k].reshape(p.shape).to(p.dtype)
+                new["v"][i] = v[k]
+                new["lam"][i] = lam[k]
+                new["sigma"][i] = sigma[k]
+                new["residual"][i] = stats.residual[k]
+                new["iterations"][i] = stats.iterations[k]
+                new["fallback"][i] = stats.fallback[k]
+                new["fallbacks"][i] = fields["fallbacks"][i] + stats.fallback[k].to(torch.int64)
+
+        new_state = SpectralSphereState(
+            count=state.count + 1, **{f: _tree.tree_unflatten(spec, vals) for f, vals in new.items()})
+        return _tree.tree_unflatten(spec, out), new_state
+
+    config = dict(lr=getattr(lr, "__name__", lr) if lr_schedule else lr, momentum=momentum,
+                  nesterov=nesterov, radius_scale=radius_scale, scale_mode=scale_mode,
+                  power_steps=power_steps, cold_start=cold_start, msign_method=msign_method,
+                  msign_steps=msign_steps, msign_dtype=msign_dtype, tol=tol,
+                  max_iterations=max_iterations, solver=solver, warm_lambda=warm_lambda,
+                  muon_sphere=muon_sphere)
+    return named(GradientTransformation(init, update), "spectral_sphere", **config)
+
+
+def sso(lr: ScalarOrSchedule = 0.02, momentum: float | torch.Tensor = 0.95, **kwargs: Any) -> GradientTransformation:
+    """The Spectral Sphere Optimizer for a tree of matrices: :func:`spectral_sphere` alone.
+
+    SSO's update is final (it contains the retraction), so the recipe is the transform with its
+    documented defaults; ``muon_sphere=True`` gives MuonSphere. Use :func:`muon_fn.partition` (or
+    :class:`muon_fn.SpectralSphereOptimizer`) to send 0-/1-D params to AdamW.
+    """
+    return spectral_sphere(lr, momentum, **kwargs)
