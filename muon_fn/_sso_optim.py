@@ -1,0 +1,233 @@
+"""``SpectralSphereOptimizer``: SSO for matrices, AdamW for the rest, on the ``muon_fn.Optimizer`` adapter."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from . import _checks
+from ._alias import adamw
+from ._base import GradientTransformation
+from ._combine import partition
+from ._sso import SCALE_MODES, spectral_sphere
+from .optim import CompileOption, Optimizer
+from .spectral import SOLVER_METHODS
+
+# "muon" is accepted as an alias of "sso" so groups built for MuonOptimizer (e.g. by
+# muon_fn.split_parameters / create_hybrid_optimizer) work unchanged.
+ALGORITHMS = ("auto", "sso", "muon", "adamw")
+_STAT_KEYS = ("sso_sigma", "sso_lambda", "sso_residual", "sso_iterations", "sso_fallback", "sso_fallbacks")
+
+
+class SolverReport(NamedTuple):
+    """Per-matrix SSO statistics of the last step (tensors of shape ``(N,)``, N = SSO matrices)."""
+
+    names: list[str]  # parameter names (or "#i of shape (...)")
+    sigma: torch.Tensor  # σ(W) before the retraction
+    lam: torch.Tensor  # λ*
+    residual: torch.Tensor  # |h(λ*)|, the tangency error
+    iterations: torch.Tensor  # msign calls of the solver
+    fallback: torch.Tensor  # bool: no bracket, λ = 0 this step
+    fallbacks: torch.Tensor  # fallbacks so far
+
+    def summary(self) -> dict[str, float]:
+        """Scalars for logging: mean/max iterations, max residual, fallbacks this step and total."""
+        if not self.names:
+            return {}
+        it = self.iterations.float()
+        return {"iterations_mean": float(it.mean()), "iterations_max": float(it.max()),
+                "residual_max": float(self.residual.max()), "fallbacks_step": int(self.fallback.sum()),
+                "fallbacks_total": int(self.fallbacks.sum())}
+
+
+class SpectralSphereOptimizer(Optimizer):
+    """The Spectral Sphere Optimizer (arXiv:2601.08393) as a ``torch.optim`` optimizer.
+
+    In a group with ``algorithm="auto"`` (the default) parameters with ndim ≥ 2 (conv weights
+    flattened to (out, in·kh·kw)) get SSO (:func:`muon_fn.spectral_sphere`): each step the weight is
+    retracted to ``‖W‖₂ = R = radius_scale·√(out/in)`` and moved by ``lr·s·Φ`` along the steepest
+    spectral direction tangent to that sphere. 0-/1-D parameters get AdamW with ``adamw_*``, as in
+    :class:`muon_fn.MuonOptimizer` (the AdamW lr follows schedulers: ``adamw_lr · lr / base_lr``).
+    Groups with ``algorithm="sso"`` (alias ``"muon"``) or ``"adamw"`` use one algorithm with the
+    group's ``lr`` (and ``weight_decay`` for AdamW); :meth:`from_model` builds such groups with
+    :func:`muon_fn.split_parameters` (embeddings and the output head go to AdamW).
+
+    Args:
+      lr, momentum, nesterov: see :func:`muon_fn.spectral_sphere` (``lr`` is the relative spectral
+        step with the default ``scale_mode="radius"``).
+      weight_decay: only used by ``algorithm="adamw"`` groups (SSO's retraction undoes decay).
+      radius_scale, scale_mode, power_steps, cold_start, msign_steps, msign_dtype, tol,
+        max_iterations, solver, warm_lambda, muon_sphere: see :func:`muon_fn.spectral_sphere`.
+      momentum_dtype: dtype of the momentum buffer (default: the parameter's).
+      adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW half in ``"auto"`` groups.
+      gradient_accumulation_steps, nonfinite, compile: see :class:`muon_fn.Optimizer`. Compiled,
+        the λ solver runs its full fixed number of msign calls (no early exit); eager is faster.
+
+    State per SSO matrix: ``momentum_buffer``, ``sso_v`` (warm-start vector), ``sso_lambda``,
+    ``sso_sigma``, ``sso_residual``, ``sso_iterations``, ``sso_fallback``, ``sso_fallbacks``;
+    :meth:`last_step_stats` collects them.
+    """
+
+    _extra_scalar_keys = ("adamw_weight_decay",)
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float | torch.Tensor = 0.02,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        *,
+        weight_decay: float = 0.0,
+        radius_scale: float = 2.0,
+        scale_mode: str = "radius",
+        power_steps: int = 2,
+        cold_start: bool = False,
+        msign_steps: int = 8,
+        msign_dtype: torch.dtype = torch.float32,
+        tol: float = 2e-4,
+        max_iterations: int = 20,
+        solver: str = "illinois",
+        warm_lambda: bool = True,
+        muon_sphere: bool = False,
+        momentum_dtype: torch.dtype | None = None,
+        adamw_lr: float = 3e-4,
+        adamw_betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float = 0.0,
+        algorithm: str = "auto",
+        gradient_accumulation_steps: int = 1,
+        nonfinite: str | None = "error",
+        compile: CompileOption = False,
+    ) -> None:
+        defaults = dict(
+            lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+            radius_scale=radius_scale, scale_mode=scale_mode, power_steps=power_steps,
+            cold_start=cold_start, msign_steps=msign_steps, msign_dtype=msign_dtype, tol=tol,
+            max_iterations=max_iterations, solver=solver, warm_lambda=warm_lambda,
+            muon_sphere=muon_sphere, momentum_dtype=momentum_dtype, adamw_lr=adamw_lr,
+            adamw_betas=tuple(adamw_betas), adamw_eps=adamw_eps,
+            adamw_weight_decay=adamw_weight_decay, algorithm=algorithm,
+        )
+        super().__init__(params, _sso_factory, defaults,
+                         gradient_accumulation_steps=gradient_accumulation_steps,
+                         nonfinite=nonfinite, compile=compile)
+
+    @classmethod
+    def from_model(cls, model: nn.Module, lr: float = 0.02, adamw_lr: float = 1e-3,
+                   adamw_weight_decay: float = 0.01, *, adamw_names=(), adamw_predicate=None,
+                   **kwargs: Any) -> "SpectralSphereOptimizer":
+        """Hidden matrices → SSO, embeddings / output head / 0-/1-D → AdamW, one optimizer.
+
+        The split is :func:`muon_fn.split_parameters`'s (the same as
+        :func:`muon_fn.create_hybrid_optimizer`); it is kept as ``optimizer.split``.
+        """
+        from ._hybrid import HybridSplit, split_parameters
+
+        mats, rest = split_parameters(model, adamw_names=adamw_names, adamw_predicate=adamw_predicate)
+        groups = []
+        if mats:
+            groups.append({"params": [p for _, p, _ in mats], "param_names": [n for n, _, _ in mats],
+                           "lr": lr, "algorithm": "sso"})
+        if rest:
+            groups.append({"params": [p for _, p, _ in rest], "param_names": [n for n, _, _ in rest],
+                           "lr": adamw_lr, "weight_decay": adamw_weight_decay, "algorithm": "adamw"})
+        if not groups:
+            raise ValueError("optimizer got an empty parameter list")
+        opt = cls(groups, lr=lr, **kwargs)
+        opt.split = HybridSplit(mats, rest)
+        return opt
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        lr = param_group.get("lr", self.defaults["lr"])
+        param_group.setdefault("base_lr", float(lr.item()) if isinstance(lr, torch.Tensor) else float(lr))
+        super().add_param_group(param_group)
+
+    def _validate_group(self, group: dict[str, Any]) -> None:
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        lr_value = float(lr.item()) if isinstance(lr, torch.Tensor) else lr
+        if not 0.0 <= lr_value:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not 0.0 <= group["momentum"] < 1.0:
+            raise ValueError(f"Invalid momentum value: {group['momentum']} (expected 0 <= momentum < 1)")
+        for key in ("weight_decay", "adamw_weight_decay", "adamw_lr"):
+            if not 0.0 <= group[key]:
+                raise ValueError(f"Invalid {key} value: {group[key]}")
+        _checks.one_of("algorithm", group["algorithm"], ALGORITHMS)
+        _checks.one_of("scale_mode", group["scale_mode"], SCALE_MODES)
+        _checks.one_of("solver", group["solver"], SOLVER_METHODS)
+        _checks.positive("radius_scale", group["radius_scale"])
+        _checks.positive("tol", group["tol"])
+        _checks.positive_int("power_steps", group["power_steps"])
+        _checks.positive_int("msign_steps", group["msign_steps"])
+        for i, b in enumerate(group["adamw_betas"]):
+            if not 0.0 <= b < 1.0:
+                raise ValueError(f"Invalid adamw_betas parameter at index {i}: {b}")
+        if group["algorithm"] in ("sso", "muon"):
+            for p in group["params"]:
+                if p.ndim < 2:
+                    raise ValueError(
+                        f"parameter {self._name(group, p)} of shape {tuple(p.shape)} is in an "
+                        f"algorithm={group['algorithm']!r} group, but SSO needs a matrix (ndim >= 2); "
+                        "use algorithm='auto' or put it in an 'adamw' group"
+                    )
+
+    def _derived_scalars(self, group: dict[str, Any]) -> dict[str, float]:
+        lr = group["lr"]
+        lr = float(lr.item()) if isinstance(lr, torch.Tensor) else float(lr)
+        base = group.get("base_lr") or 0.0
+        return {"adamw_lr_effective": float(group["adamw_lr"]) * (lr / base if base > 0 else 1.0)}
+
+    def last_step_stats(self) -> SolverReport:
+        """The λ solver's statistics of the last step for every SSO matrix (see :class:`SolverReport`).
+
+        Reading them as Python numbers syncs with the device; the tensors themselves do not.
+        """
+        names, cols = [], {k: [] for k in _STAT_KEYS}
+        for group in self.param_groups:
+            for p in group["params"]:
+                st = self.state.get(p, {})
+                if "sso_sigma" not in st:
+                    continue
+                names.append(self._name(group, p).strip("'"))
+                for k in _STAT_KEYS:
+                    cols[k].append(st[k])
+
+        def stack(k, dtype):
+            return torch.stack(cols[k]) if cols[k] else torch.zeros(0, dtype=dtype)
+
+        return SolverReport(names, stack("sso_sigma", torch.float32), stack("sso_lambda", torch.float32),
+                            stack("sso_residual", torch.float32), stack("sso_iterations", torch.int32),
+                            stack("sso_fallback", torch.bool), stack("sso_fallbacks", torch.int64))
+
+
+def _sso_factory(h: dict[str, Any]) -> GradientTransformation:
+    def sso_tx():
+        return spectral_sphere(
+            h["lr"], h["momentum"], nesterov=h["nesterov"], radius_scale=h["radius_scale"],
+            scale_mode=h["scale_mode"], power_steps=h["power_steps"], cold_start=h["cold_start"],
+            msign_steps=h["msign_steps"], msign_dtype=h["msign_dtype"], tol=h["tol"],
+            max_iterations=h["max_iterations"], solver=h["solver"], warm_lambda=h["warm_lambda"],
+            muon_sphere=h["muon_sphere"], mu_dtype=h["momentum_dtype"],
+        )
+
+    algorithm = h["algorithm"]
+    if algorithm in ("sso", "muon"):
+        return sso_tx()
+    if algorithm == "adamw":
+        return adamw(h["lr"], h["adamw_betas"], h["adamw_eps"], h["weight_decay"])
+    return partition(
+        {"sso": sso_tx(),
+         "adamw": adamw(h["adamw_lr_effective"], h["adamw_betas"], h["adamw_eps"], h["adamw_weight_decay"])},
+        lambda params: _labels(params),
+    )
+
+
+def _labels(params: Any) -> Any:
+    from . import _tree
+
+    return _tree.tree_map(lambda p: None if p is None else ("sso" if p.ndim >= 2 else "adamw"), params)
