@@ -1,0 +1,290 @@
+"""muon_fn.spectral: power iteration, spectral norm, retraction and the SSO λ solver.
+
+References are independent of the code under test: ``torch.linalg.matrix_norm(ord=2)`` / the SVD
+for σ and singular vectors, and an SVD-based exact msign (``U Vᵀ``) for h(λ).
+
+Tolerances (measured on torch 2.13 CPU, then given a margin):
+- power_iteration with a spectral gap σ₂/σ₁ ≤ 0.8 and 80 steps: σ to 1e-5 relative (error decays
+  like (σ₂/σ₁)^(4k); measured ≤ 3e-7).
+- compute_spectral_norm on any matrix (no gap assumed): 2e-5 relative (measured ≤ 6e-7); it
+  squares the Gram matrix 14 times, so even σ₂/σ₁ = 0.997 converges.
+- retraction with an accurate σ: ‖(R/σ)W‖₂ = R to 1e-5 relative (fp32 rounding, measured 2e-7).
+"""
+
+from __future__ import annotations
+
+import math
+
+import expecttest
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from muon_fn import spectral
+from muon_fn._orthogonalize import newton_schulz
+
+
+def _with_spectrum(m: int, n: int, s: torch.Tensor, seed: int) -> torch.Tensor:
+    """A random m×n matrix with singular values ``s`` (length min(m, n)), in fp64."""
+    g = torch.Generator().manual_seed(seed)
+    k = min(m, n)
+    U, _ = torch.linalg.qr(torch.randn(m, k, generator=g, dtype=torch.float64))
+    V, _ = torch.linalg.qr(torch.randn(n, k, generator=g, dtype=torch.float64))
+    return U @ torch.diag(s.double()) @ V.T
+
+
+def _exact_msign(x: torch.Tensor) -> torch.Tensor:
+    U, _, Vh = torch.linalg.svd(x.double(), full_matrices=False)
+    return U @ Vh
+
+
+def _msign8(x: torch.Tensor) -> torch.Tensor:
+    return newton_schulz(x, "polar_express", 8, dtype=torch.float32)
+
+
+shapes = st.tuples(st.integers(2, 40), st.integers(2, 40))
+
+
+# ------------------------------------------------------------------------------ power iteration
+@given(shape=shapes, gap=st.floats(0.05, 0.8), cond=st.floats(1.0, 1e4), scale=st.floats(1e-3, 1e3),
+       seed=st.integers(0, 2**16))
+def test_power_iteration_matches_matrix_norm(shape, gap, cond, scale, seed):
+    m, n = shape
+    k = min(m, n)
+    # σ₁ = scale, σ₂ = gap·scale, the rest geometric down to scale/cond (conditioning varies).
+    tail = torch.logspace(0, -math.log10(cond), max(k - 1, 1), dtype=torch.float64)[: k - 1]
+    s = torch.cat([torch.ones(1, dtype=torch.float64), gap * tail]) * scale
+    W = _with_spectrum(m, n, s, seed)
+    expected = torch.linalg.matrix_norm(W, ord=2)
+    sigma, u, v = spectral.power_iteration(W.float(), 80)
+    assert sigma.dtype == torch.float32
+    torch.testing.assert_close(sigma.double(), expected, rtol=1e-5, atol=0)
+    # W v = σ u with unit vectors, aligned with the SVD's top pair (up to sign).
+    U, _, Vh = torch.linalg.svd(W)
+    assert abs(float(u.double() @ U[:, 0])) == pytest.approx(1.0, abs=1e-4)
+    assert abs(float(v.double() @ Vh[0])) == pytest.approx(1.0, abs=1e-4)
+    torch.testing.assert_close((W.float() @ v), sigma * u, rtol=0, atol=2e-5 * float(sigma))
+
+
+@given(shape=shapes, scale=st.floats(1e-3, 1e3), seed=st.integers(0, 2**16))
+def test_compute_spectral_norm_matches_matrix_norm_without_gap(shape, scale, seed):
+    g = torch.Generator().manual_seed(seed)
+    W = torch.randn(*shape, generator=g) * scale  # Gaussian: σ₂/σ₁ can be close to 1
+    expected = torch.linalg.matrix_norm(W.double(), ord=2)
+    torch.testing.assert_close(spectral.compute_spectral_norm(W).double(), expected, rtol=2e-5, atol=0)
+
+
+def test_spectral_norm_near_degenerate_top_and_batched():
+    # σ₂/σ₁ = 0.999: plain power iteration is still 1e-3 off after 100 steps.
+    s = torch.tensor([1.0, 0.999] + [0.5] * 30, dtype=torch.float64)
+    W = _with_spectrum(32, 48, s, 0).float()
+    assert float(spectral.compute_spectral_norm(W)) == pytest.approx(1.0, rel=2e-5)
+    batch = torch.stack([W, 3 * W, torch.randn(32, 48, generator=torch.Generator().manual_seed(1))])
+    got = spectral.compute_spectral_norm(batch)
+    want = torch.stack([spectral.compute_spectral_norm(b) for b in batch])
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    sigma, u, v = spectral.top_singular(W)
+    torch.testing.assert_close(W @ v, sigma * u, rtol=0, atol=1e-5)
+
+
+def test_power_iteration_batched_equals_loop_and_zero_matrix():
+    g = torch.Generator().manual_seed(1)
+    W = torch.randn(3, 7, 5, generator=g)
+    v0 = torch.randn(3, 5, generator=g)
+    sb, ub, vb = spectral.power_iteration(W, 6, v0)
+    for i in range(3):
+        s, u, v = spectral.power_iteration(W[i], 6, v0[i])
+        torch.testing.assert_close(sb[i], s, rtol=1e-6, atol=0)
+        torch.testing.assert_close(vb[i], v, rtol=0, atol=1e-6)
+    s, u, v = spectral.power_iteration(torch.zeros(4, 6), 3)
+    assert float(s) == 0.0 and torch.isfinite(u).all() and torch.isfinite(v).all()
+    # A zero start vector falls back to the cold start instead of staying at zero.
+    s0, _, _ = spectral.power_iteration(W[0], 50, torch.zeros(5))
+    torch.testing.assert_close(s0, torch.linalg.matrix_norm(W[0], ord=2), rtol=1e-4, atol=0)
+
+
+def test_default_start_is_not_fooled_by_zero_row_sums():
+    # All-ones (the reference code's start) is in the null space of a matrix whose rows sum to 0.
+    W = torch.randn(20, 20, generator=torch.Generator().manual_seed(2))
+    W = W - W.mean(dim=1, keepdim=True)
+    assert float((W @ torch.ones(20)).abs().max()) < 1e-5
+    sigma, _, _ = spectral.power_iteration(W, 300)
+    torch.testing.assert_close(sigma, torch.linalg.matrix_norm(W, ord=2), rtol=1e-4, atol=0)
+
+
+def _steps_to(W, v0, rel, cap=2000):
+    target = torch.linalg.matrix_norm(W.double(), ord=2)
+    for k in range(cap):
+        sigma, _, _ = spectral.power_iteration(W, k, v0)
+        if abs(float(sigma) / float(target) - 1) <= rel:
+            return k
+    return cap
+
+
+def test_warm_start_converges_in_fewer_steps_than_cold():
+    # An nn.Linear-like weight (σ₂/σ₁ ≈ 0.98) and the same weight after a small random step.
+    # Measured steps to 1e-5 relative: cold 28–29; warm 6 (ε = 0.02), 0 (ε = 0.005).
+    g = torch.Generator().manual_seed(3)
+    W = torch.randn(64, 96, generator=g) / math.sqrt(96)
+    N = torch.randn(64, 96, generator=g) / math.sqrt(96)
+    _, _, v_prev = spectral.top_singular(W)
+    for eps, warm_max in ((0.02, 8), (0.005, 1)):
+        cold = _steps_to(W + eps * N, None, 1e-5)
+        warm = _steps_to(W + eps * N, v_prev, 1e-5)
+        assert warm <= warm_max and cold >= 3 * max(warm, 5), (eps, cold, warm)
+
+
+# ------------------------------------------------------------------------------ retraction
+@given(shape=shapes, c=st.floats(0.1, 4.0), scale=st.floats(1e-2, 1e2), seed=st.integers(0, 2**16))
+def test_retraction_lands_on_the_sphere(shape, c, scale, seed):
+    W = torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+    R = spectral.target_radius(W.shape, c)
+    assert R == pytest.approx(c * math.sqrt(shape[0] / shape[1]))
+    sigma, _, _ = spectral.top_singular(W)
+    Wr = spectral.retract(W, sigma, R)
+    assert float(torch.linalg.matrix_norm(Wr.double(), ord=2)) == pytest.approx(R, rel=1e-5)
+
+
+def test_target_radius_flattens_conv_kernels_and_retract_keeps_zero():
+    assert spectral.target_radius((64, 16, 3, 3), 2.0) == pytest.approx(2.0 * math.sqrt(64 / 144))
+    Z = torch.zeros(3, 4)
+    assert torch.equal(spectral.retract(Z, torch.tensor(0.0), 1.0), Z)
+
+
+# ------------------------------------------------------------------------------ λ solver
+def _problem(m, n, seed, scale_theta=0.0):
+    g = torch.Generator().manual_seed(seed)
+    W = torch.randn(m, n, generator=g) / math.sqrt(n)
+    sigma, u, v = spectral.top_singular(W)
+    M = torch.randn(m, n, generator=g) + scale_theta * torch.outer(u, v) * math.sqrt(m * n)
+    return M / torch.linalg.matrix_norm(M), u, v
+
+
+def _h_exact(m_hat, u, v, lam):
+    return float(u.double() @ _exact_msign(m_hat.double() + lam * torch.outer(u, v).double()) @ v.double())
+
+
+@pytest.mark.parametrize("method", ["bisection", "illinois"])
+@given(shape=st.tuples(st.integers(4, 24), st.integers(4, 24)), seed=st.integers(0, 2**16),
+       pull=st.floats(-0.3, 0.3))
+def test_solver_tangency_when_converged(method, shape, seed, pull):
+    m_hat, u, v = _problem(*shape, seed, scale_theta=pull)
+    tol = 1e-4
+    lam, phi, stats = spectral.solve_lambda(m_hat, u, v, _msign8, tol=tol, method=method, max_expansions=16)
+    if bool(stats.converged):
+        assert float(stats.residual) <= tol
+        # The returned Φ is msign at the returned λ, and h there is small by an independent msign.
+        h_phi = float(u @ phi @ v)
+        assert abs(h_phi) <= tol
+        # Against the exact polar factor where 8 Polar Express steps converge (σ_min/σ_max ≥ 1e-2;
+        # below that the msign itself is approximate and so is the tangency it certifies).
+        x = m_hat + lam * torch.outer(u, v)
+        s = torch.linalg.svdvals(x.double())
+        if float(s[-1] / s[0]) >= 1e-2:
+            assert abs(_h_exact(m_hat, u, v, float(lam))) <= 10 * tol
+            torch.testing.assert_close(phi.double(), _exact_msign(x), atol=1e-4, rtol=0)
+    else:
+        assert bool(stats.fallback) or int(stats.iterations) >= 20
+
+
+def test_bisection_and_illinois_find_the_same_root_and_illinois_is_cheaper():
+    m_hat, u, v = _problem(24, 40, 7, scale_theta=0.2)
+    lb, _, sb = spectral.solve_lambda(m_hat, u, v, _msign8, tol=1e-5, method="bisection", max_iterations=40)
+    li, _, si = spectral.solve_lambda(m_hat, u, v, _msign8, tol=1e-5, method="illinois", max_iterations=40)
+    assert bool(sb.converged) and bool(si.converged)
+    assert float(lb) == pytest.approx(float(li), abs=2e-5)
+    assert int(si.iterations) < int(sb.iterations)
+
+
+def test_bracket_expansion_reaches_a_far_root():
+    # M̂ ∝ −0.9·Θ + noise: the root is near λ ≈ 0.9/‖·‖, ~10 doublings of 1e-3 away from 0.
+    g = torch.Generator().manual_seed(4)
+    m, n = 16, 24
+    W = torch.randn(m, n, generator=g)
+    _, u, v = spectral.top_singular(W)
+    noise = torch.randn(m, n, generator=g)
+    noise = noise - (u @ noise @ v) * torch.outer(u, v)
+    M = -0.9 * torch.outer(u, v) + 0.1 * noise / torch.linalg.matrix_norm(noise)
+    m_hat = M / torch.linalg.matrix_norm(M)
+    lam, _, stats = spectral.solve_lambda(m_hat, u, v, _msign8, tol=1e-4)
+    assert bool(stats.converged) and not bool(stats.fallback)
+    assert 0.5 < float(lam) < 1.023
+    assert int(stats.iterations) >= 10  # 1 + ≥ 9 expansions + bracketed steps
+    assert abs(_h_exact(m_hat, u, v, float(lam))) <= 1e-3
+
+
+def test_no_bracket_falls_back_to_lambda_zero():
+    g = torch.Generator().manual_seed(5)
+    m, n = 16, 24
+    W = torch.randn(m, n, generator=g)
+    _, u, v = spectral.top_singular(W)
+    m_hat = -torch.outer(u, v) * 0.99 + 0.01 * torch.randn(m, n, generator=g)
+    m_hat = m_hat / torch.linalg.matrix_norm(m_hat)
+    # Two expansions reach only λ = 3e-3; h stays ≈ −1 there.
+    lam, phi, stats = spectral.solve_lambda(m_hat, u, v, _msign8, tol=1e-4, max_expansions=2)
+    assert bool(stats.fallback) and not bool(stats.converged)
+    assert float(lam) == 0.0
+    torch.testing.assert_close(phi, _msign8(m_hat), rtol=0, atol=0)
+    assert float(stats.residual) == pytest.approx(abs(float(u @ _msign8(m_hat) @ v)), abs=1e-6)
+    assert int(stats.iterations) == 1 + 2 + 1  # λ0, two expansions, the λ = 0 fallback msign
+
+
+def test_batched_solver_mixes_fallback_and_convergence_and_matches_fixed_iterations():
+    a = _problem(12, 20, 8)
+    g = torch.Generator().manual_seed(9)
+    _, u, v = spectral.top_singular(torch.randn(12, 20, generator=g))
+    far = -0.99 * torch.outer(u, v) + 0.01 * torch.randn(12, 20, generator=g)
+    b = (far / torch.linalg.matrix_norm(far), u, v)
+    m_hat, U, V = (torch.stack([x, y]) for x, y in zip(a, b))
+    kw = dict(tol=1e-4, max_expansions=8)  # reaches ±0.255: row a (λ* ≈ −0.14) yes, row b (≈ +1) no
+    lam, phi, st = spectral.solve_lambda(m_hat, U, V, _msign8, **kw)
+    assert st.converged.tolist() == [True, False] and st.fallback.tolist() == [False, True]
+    lam_f, phi_f, st_f = spectral.solve_lambda(m_hat, U, V, _msign8, early_exit=False, **kw)
+    torch.testing.assert_close(lam_f, lam, rtol=0, atol=1e-7)
+    torch.testing.assert_close(phi_f, phi, rtol=0, atol=1e-6)
+    assert torch.equal(st_f.iterations, st.iterations) and torch.equal(st_f.fallback, st.fallback)
+
+
+def test_solver_traces_as_one_graph():
+    m_hat, u, v = _problem(8, 12, 10)
+    batch = (m_hat[None], u[None], v[None])
+    fn = torch.compile(
+        lambda m, u, v: spectral.solve_lambda(m, u, v, _msign8, max_expansions=3, max_iterations=3),
+        backend="eager", fullgraph=True)
+    lam_c, phi_c, st_c = fn(*batch)
+    lam_e, phi_e, st_e = spectral.solve_lambda(*batch, _msign8, max_expansions=3, max_iterations=3)
+    torch.testing.assert_close(lam_c, lam_e)
+    torch.testing.assert_close(phi_c, phi_e)
+
+
+def test_zero_momentum_gives_lambda_zero_and_zero_direction():
+    _, u, v = _problem(6, 9, 11)
+    lam, phi, stats = spectral.solve_lambda(torch.zeros(6, 9), u, v, _msign8)
+    assert float(lam) == 0.0 and bool(stats.converged) and float(phi.abs().max()) == 0.0
+
+
+# ------------------------------------------------------------------------------ messages
+class TestMessages(expecttest.TestCase):
+    def _msg(self, fn):
+        with self.assertRaises(ValueError) as cm:
+            fn()
+        return str(cm.exception)
+
+    def test_validation_messages(self):
+        W = torch.zeros(3, 4)
+        u, v = torch.zeros(3), torch.zeros(4)
+        self.assertExpectedInline(self._msg(lambda: spectral.power_iteration(W, -1)),
+                                  """Invalid steps: -1 (expected an integer >= 0)""")
+        self.assertExpectedInline(self._msg(lambda: spectral.power_iteration(torch.zeros(3), 2)),
+                                  """power_iteration expects a matrix or a batch of matrices, got shape (3,)""")
+        self.assertExpectedInline(self._msg(lambda: spectral.power_iteration(W, 2, torch.ones(3))),
+                                  """Invalid v0: shape (3,) does not match W's 4 columns""")
+        self.assertExpectedInline(self._msg(lambda: spectral.solve_lambda(W, u, v, _msign8, method="newton")),
+                                  """Invalid method: 'newton' (valid: 'bisection', 'illinois')""")
+        self.assertExpectedInline(self._msg(lambda: spectral.solve_lambda(W, u, v, _msign8, tol=0.0)),
+                                  """Invalid tol: 0.0 (expected a finite value > 0)""")
+        self.assertExpectedInline(self._msg(lambda: spectral.solve_lambda(W, u, v, _msign8, max_expansions=-2)),
+                                  """Invalid max_expansions: -2 (expected an integer >= 0)""")
+        self.assertExpectedInline(self._msg(lambda: spectral.target_radius((5,))),
+                                  """target_radius expects a matrix shape, got (5,)""")
