@@ -262,7 +262,8 @@ class FSDPMuonOptimizer(torch.optim.Optimizer):
             if callable(c["method"]):
                 return c["method"](x)
             if x.ndim == 2 and (self._batched_singletons or wide_counts.get((tuple(x.shape), x.dtype), 0) > 1):
-                return run(x.unsqueeze(0)).squeeze(0)
+                # As torch.stack would: a contiguous batch (a transposed view takes another kernel).
+                return run(x.unsqueeze(0).contiguous()).squeeze(0)
             return run(x)
 
         return msign
@@ -334,8 +335,8 @@ class FSDPMuonOptimizer(torch.optim.Optimizer):
                     wide = tuple(sorted(_plan.flat_shape(p.shape)))
                     key = ((wide[0], wide[1]), u.dtype)
                     wide_counts[index][key] = wide_counts[index].get(key, 0) + 1
-                rows = b.shape[0]
-                x = (u if u is not None else torch.zeros_like(b)).reshape(rows, -1)
+                rows, cols = b.shape[0], _plan.flat_shape(p.shape)[1]
+                x = (u if u is not None else torch.zeros_like(b)).reshape(rows, cols)
                 if beta2 is not None:
                     v = _params.local(self.state[p]["row_variance"]).reshape(rows, 1).to(x.dtype)
                     x = torch.cat([x, v], dim=1)
@@ -353,7 +354,7 @@ class FSDPMuonOptimizer(torch.optim.Optimizer):
             for gi, positions in by_group.items():
                 shapes = [self.plan.matrices[idx[q]].shape for q in positions]
                 fulls = tuple(
-                    (mats[q][:, :-1] if beta2 is not None else mats[q]).reshape(shape)
+                    (mats[q][:, :-1] if beta2 is not None else mats[q]).contiguous().reshape(shape)
                     for q, shape in zip(positions, shapes)
                 )
                 mid = mids[gi]
