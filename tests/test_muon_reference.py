@@ -1,0 +1,174 @@
+"""The ``muon`` recipe configured like ``torch.optim.Muon`` reproduces its parameters.
+
+torch.optim.Muon (torch 2.13, ``torch/optim/_muon.py``): EMA momentum ``buf.lerp_(g, 1 − μ)``,
+Nesterov ``g.lerp(buf, μ)``, Keller's quintic (3.4445, −4.7750, 2.0315) × 5 in **bf16**,
+``adjust_lr_fn`` "original" (√max(1, A/B)) or "match_rms_adamw" (0.2·√max(A, B)), and decoupled
+weight decay ``p ← p(1 − lr·wd)`` with the unadjusted lr.
+
+Two tolerances, for two different questions:
+
+1. **bf16, as shipped** (``test_matches_torch_muon_bf16``). Both sides iterate in bf16, but they do
+   not round identically: torch casts G to bf16 *before* taking its norm and divides by
+   ``max(‖G‖, eps)`` computed in bf16, muon_fn takes the norm in fp32 and divides by ``‖G‖ + eps``
+   before casting. Each step's msign therefore differs at bf16 rounding level (notes §4: 1–2 % in
+   relative Frobenius norm; test_orthogonalize measures up to ~2.4 % for Keller's quintic on small
+   matrices), and that difference is not systematic, so it does not add up linearly over steps.
+   Tolerance: ‖p_mf − p_torch‖_F ≤ 0.03 · ‖p_torch − p_0‖_F (the path travelled in 20 steps) and
+   max-abs ≤ 1e-2. Measured: 0.004–0.013 and 3.9e-3. A wrong scaling rule (e.g. "spectral" for a
+   wide matrix) or dropping weight decay gives 0.10–0.34, far outside.
+2. **fp32 parity** (``test_matches_torch_muon_fp32``). torch's module-level
+   ``_zeropower_via_newtonschulz`` is monkeypatched with an fp32 twin (the same code with
+   ``grad.float()`` instead of ``grad.bfloat16()``; checked to be bit-identical to torch's function
+   when run in bf16). Now the only differences are ``max(‖G‖, eps)`` vs ``‖G‖ + eps`` (a relative
+   1e-7/‖G‖ in the normalization) and fp32 operation order (mul_/add_ vs one fused update), i.e. a
+   few ulps per step. Tolerance: 1e-5 absolute on parameters of size ~1 (measured 1.2e-6 after
+   20 steps), and the momentum buffers to 1e-6. This one catches small semantic slips (momentum
+   0.9 vs 0.95, weight decay with the adjusted lr, …) that bf16 noise could hide.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.optim._muon as torch_muon
+
+import muon_fn as mf
+
+SHAPES = [(32, 16), (16, 48), (24, 24), (64, 8), (8, 64)]
+STEPS = 20
+
+
+def problem(seed=0):
+    """Parameters and a gradient function of the parameters (a least-squares loss per matrix)."""
+    g = torch.Generator().manual_seed(seed)
+    params = [0.5 * torch.randn(s, generator=g) for s in SHAPES]
+    xs = [torch.randn(s[1], 20, generator=g) for s in SHAPES]
+    ys = [torch.randn(s[0], 20, generator=g) for s in SHAPES]
+
+    def grads(ps):
+        return [(p @ x - y) @ x.T / 20 for p, x, y in zip(ps, xs, ys)]
+
+    return params, grads
+
+
+def run_torch(*, lr, weight_decay, momentum, nesterov, adjust_lr_fn, steps=STEPS):
+    params, grads = problem()
+    ps = [p.clone() for p in params]
+    opt = torch.optim.Muon(ps, lr=lr, weight_decay=weight_decay, momentum=momentum,
+                           nesterov=nesterov, adjust_lr_fn=adjust_lr_fn)
+    for _ in range(steps):
+        for p, g in zip(ps, grads(ps)):
+            p.grad = g
+        opt.step()
+    return params, ps, [opt.state[p]["momentum_buffer"] for p in ps]
+
+
+def run_muon_fn(*, lr, weight_decay, momentum, nesterov, adjust_lr_fn, ns_dtype, steps=STEPS,
+                kind="ema"):
+    params, grads = problem()
+    tree = {f"w{i}": p.clone() for i, p in enumerate(params)}
+    tx = mf.muon(lr, momentum, nesterov=nesterov, kind=kind, method="quintic", ns_steps=5,
+                 ns_dtype=ns_dtype, adjust_lr_fn=adjust_lr_fn, weight_decay=weight_decay)
+    state = tx.init(tree)
+    for _ in range(steps):
+        gs = grads([tree[f"w{i}"] for i in range(len(SHAPES))])
+        updates, state = tx.update({f"w{i}": g for i, g in enumerate(gs)}, state, tree)
+        tree = mf.apply_updates(tree, updates)
+    mu = state[0].mu
+    return [tree[f"w{i}"] for i in range(len(SHAPES))], [mu[f"w{i}"] for i in range(len(SHAPES))]
+
+
+def _fp32_twin(dtype):
+    """torch.optim._muon._zeropower_via_newtonschulz with the bf16 cast replaced by ``dtype``."""
+    calls = []
+
+    def zeropower(grad, ns_coefficients, ns_steps, eps):
+        calls.append(tuple(grad.shape))
+        a, b, c = ns_coefficients
+        ortho_grad = grad.to(dtype, copy=True)  # torch's .bfloat16() copies; keep that
+        if grad.size(0) > grad.size(1):
+            ortho_grad = ortho_grad.T
+        ortho_grad.div_(ortho_grad.norm().clamp(min=eps))
+        for _ in range(ns_steps):
+            gram_matrix = ortho_grad @ ortho_grad.T
+            gram_update = torch.addmm(gram_matrix, gram_matrix, gram_matrix, beta=b, alpha=c)
+            ortho_grad = torch.addmm(ortho_grad, gram_update, ortho_grad, beta=a)
+        if grad.size(0) > grad.size(1):
+            ortho_grad = ortho_grad.T
+        return ortho_grad
+
+    zeropower.calls = calls
+    return zeropower
+
+
+def test_twin_is_faithful_in_bf16():
+    """The twin, run in bf16, is bit-identical to torch's function: only the dtype differs."""
+    twin = _fp32_twin(torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    for shape in SHAPES:
+        x = torch.randn(shape, generator=g)
+        ref = torch_muon._zeropower_via_newtonschulz(x, (3.4445, -4.7750, 2.0315), 5, 1e-7)
+        assert torch.equal(twin(x, (3.4445, -4.7750, 2.0315), 5, 1e-7), ref)
+
+
+@pytest.mark.parametrize("adjust_lr_fn", ["keller", "original"])
+def test_matches_torch_muon_bf16(adjust_lr_fn):
+    p0, p_torch, _ = run_torch(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True,
+                               adjust_lr_fn="original")
+    p_mf, _ = run_muon_fn(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True,
+                          adjust_lr_fn=adjust_lr_fn, ns_dtype=torch.bfloat16)
+    for start, a, b in zip(p0, p_torch, p_mf):
+        assert b.dtype == torch.float32 and b.shape == a.shape
+        travelled = torch.linalg.matrix_norm(a - start)
+        assert travelled > 0.1  # the trajectory really moved
+        rel = (torch.linalg.matrix_norm(b - a) / travelled).item()
+        assert rel < 0.03, (tuple(a.shape), rel)
+        assert (b - a).abs().max() < 1e-2
+
+
+@pytest.fixture
+def torch_muon_fp32(monkeypatch):
+    twin = _fp32_twin(torch.float32)
+    monkeypatch.setattr(torch_muon, "_zeropower_via_newtonschulz", twin)
+    return twin
+
+
+@pytest.mark.parametrize(
+    ("adjust_torch", "adjust_mf"),
+    [("original", "keller"), (None, "original"), ("match_rms_adamw", "match_rms_adamw")],
+)
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_matches_torch_muon_fp32(torch_muon_fp32, adjust_torch, adjust_mf, nesterov, weight_decay):
+    lr = 0.01 if adjust_mf == "match_rms_adamw" else 0.02
+    p0, p_torch, buf_torch = run_torch(lr=lr, weight_decay=weight_decay, momentum=0.95,
+                                       nesterov=nesterov, adjust_lr_fn=adjust_torch)
+    assert len(torch_muon_fp32.calls) == STEPS * len(SHAPES)  # the patch was really used
+    p_mf, buf_mf = run_muon_fn(lr=lr, weight_decay=weight_decay, momentum=0.95, nesterov=nesterov,
+                               adjust_lr_fn=adjust_mf, ns_dtype=torch.float32)
+    for start, a, b in zip(p0, p_torch, p_mf):
+        assert torch.linalg.matrix_norm(a - start) > 0.1
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
+    for a, b in zip(buf_torch, buf_mf):  # momentum_buffer: the EMA buffer, same convention
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=0)
+
+
+def test_sgd_momentum_kind_matches_torch_after_orthogonalization(torch_muon_fp32):
+    """kind="sgd" buffers are 1/(1−μ) larger, but msign is scale-invariant: same parameters."""
+    p0, p_torch, buf_torch = run_torch(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True,
+                                       adjust_lr_fn="original")
+    p_mf, buf_mf = run_muon_fn(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True,
+                               adjust_lr_fn="keller", ns_dtype=torch.float32, kind="sgd")
+    for a, b in zip(p_torch, p_mf):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
+    for a, b in zip(buf_torch, buf_mf):
+        torch.testing.assert_close((1 - 0.95) * b, a, atol=1e-6, rtol=1e-5)
+
+
+def test_fp32_parity_detects_a_wrong_momentum(torch_muon_fp32):
+    """Negative control: the fp32 comparison sees momentum 0.94 vs 0.95 (7e-5 ≫ 1e-5 after 10 steps)."""
+    _, p_torch, _ = run_torch(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True,
+                              adjust_lr_fn="original", steps=10)
+    p_mf, _ = run_muon_fn(lr=0.02, weight_decay=0.1, momentum=0.94, nesterov=True,
+                          adjust_lr_fn="keller", ns_dtype=torch.float32, steps=10)
+    assert max((a - b).abs().max().item() for a, b in zip(p_torch, p_mf)) > 3e-5
