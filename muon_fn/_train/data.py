@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["Corpus", "load_corpus", "stdlib_files", "Batcher"]
+__all__ = ["Corpus", "load_corpus", "stdlib_files", "Batcher", "WindowDataset"]
 
 _SEPARATOR = b"\n\n"
 VAL_BUCKETS = 10  # 1 of VAL_BUCKETS hash buckets is validation
@@ -54,12 +54,18 @@ def _is_val(rel: str) -> bool:
 
 def _from_files(name: str, root: Path, files: list[Path], max_bytes: int | None) -> Corpus:
     train, val = bytearray(), bytearray()
+    # With a byte budget, fill each split to its share (so both exist), in file order.
+    val_cap = None if max_bytes is None else max(1, max_bytes // VAL_BUCKETS)
+    train_cap = None if max_bytes is None else max_bytes - val_cap
     for f in files:
         rel = f.relative_to(root).as_posix()
-        data = f.read_bytes() + _SEPARATOR
-        (val if _is_val(rel) else train).extend(data)
-        if max_bytes is not None and len(train) + len(val) >= max_bytes:
-            break
+        is_val = _is_val(rel)
+        buf, cap = (val, val_cap) if is_val else (train, train_cap)
+        if cap is not None and len(buf) >= cap:
+            if len(train) >= train_cap and len(val) >= val_cap:
+                break
+            continue
+        buf.extend(f.read_bytes() + _SEPARATOR)
     if not train or not val:
         raise ValueError(f"{name}: need at least one training and one validation file (got {len(files)} files)")
     return Corpus(name, _to_tensor(train), _to_tensor(val), len(files))
@@ -121,3 +127,20 @@ def val_starts(data: torch.Tensor, n_windows: int, seq_len: int) -> torch.Tensor
     if last <= 0:
         raise ValueError(f"validation split has {data.numel()} bytes, fewer than seq_len + 1 = {seq_len + 1}")
     return torch.linspace(0, last, n_windows).long()
+
+
+class WindowDataset(torch.utils.data.Dataset):
+    """``n`` fixed random windows of ``seq_len + 1`` bytes as a map-style dataset of ``(x, y)``
+    (for ``DataLoader``-based trainers such as Lightning and Hugging Face)."""
+
+    def __init__(self, data: torch.Tensor, seq_len: int, n: int, seed: int = 0):
+        gen = torch.Generator().manual_seed(seed)
+        self.data, self.seq_len = data, seq_len
+        self.starts = torch.randint(data.numel() - seq_len - 1, (n,), generator=gen)
+
+    def __len__(self) -> int:
+        return self.starts.numel()
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = windows(self.data, self.starts[i : i + 1], self.seq_len)
+        return x[0], y[0]

@@ -16,6 +16,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,8 @@ def build_parser(prog: str = "train_gpt.py") -> argparse.ArgumentParser:
                    help="save a checkpoint every N steps (0: only at the end)")
     p.add_argument("--no-checkpoint", action="store_true", help="do not write checkpoints")
     p.add_argument("--resume", action="store_true", help="continue from the run's checkpoint in --out if there is one")
+    p.add_argument("--stop-at", type=int, default=None, metavar="STEP",
+                   help="checkpoint and stop after this step (the schedule still spans --steps); continue with --resume")
     p.add_argument("--fsdp", action="store_true",
                    help="shard with FSDP2 (run under torchrun; gloo on CPU, nccl on CUDA)")
     p.add_argument("--compile", action="store_true", help="torch.compile the optimizer's update")
@@ -214,8 +217,13 @@ def build_optimizer(name: str, model: nn.Module, args: argparse.Namespace, ctx: 
             from muon_fn.fsdp import FSDPMuonOptimizer
         except ImportError as e:  # pragma: no cover - depends on what is installed
             raise SystemExit(f"--fsdp needs muon_fn.fsdp.FSDPMuonOptimizer ({e})") from e
-        opt = FSDPMuonOptimizer(model, lr=lr, weight_decay=wd, beta2=0.95 if name == "normuon" else None,
-                                adamw_lr=adamw_lr, adamw_betas=ADAMW_BETAS)
+        # The same split as create_hybrid_optimizer: hidden matrices -> Muon; embeddings, the
+        # head and 1-D params -> AdamW (on local shards, no communication).
+        muon_params, adamw_params = mf.split_parameters(model)
+        groups = [{"params": [p for _, p, _ in muon_params], "use_muon": True},
+                  {"params": [p for _, p, _ in adamw_params], "use_muon": False}]
+        opt = FSDPMuonOptimizer(model, groups, lr=lr, weight_decay=wd, beta2=0.95 if name == "normuon" else None,
+                                adamw_lr=adamw_lr, adamw_betas=ADAMW_BETAS, adamw_weight_decay=wd)
         return opt, f"muon_fn.fsdp.FSDPMuonOptimizer(lr={lr}, adamw_lr={adamw_lr}, world={ctx.world})"
     if name in ("muon", "normuon"):
         extra = {"beta2": 0.95} if name == "normuon" else {}
@@ -257,7 +265,10 @@ def save_checkpoint(path: Path, model, opt, sched, batcher, step: int, history: 
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         msd, osd = get_state_dict(model, opt)
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path / "dcp"))
+        with warnings.catch_warnings():  # "Detected an existing checkpoint ... overwriting": intended
+            warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
+            dcp.save({"model": msd, "optim": osd},
+                     storage_writer=dcp.FileSystemWriter(str(path / "dcp"), overwrite=True))
         torch.save(batcher.state_dict(), path / f"batcher_rank{ctx.rank}.pt")
         if ctx.main:
             _atomic_write(path / "meta.json", json.dumps(meta))
@@ -354,7 +365,8 @@ def run_one(name: str, args, corpus: Corpus, ctx: Dist) -> dict[str, Any]:
     t_run = time.perf_counter()
     t_last, tok_last = time.perf_counter(), 0
     tok_s = 0.0
-    for step in range(start, steps):
+    stop = steps if args.stop_at is None else max(start, min(args.stop_at, steps))
+    for step in range(start, stop):
         if step % args.eval_interval == 0 and not (history["val"] and history["val"][-1][0] == step):
             v = evaluate(model, corpus.val, starts, args, ctx)
             history["val"].append([step, v])
@@ -380,21 +392,24 @@ def run_one(name: str, args, corpus: Corpus, ctx: Dist) -> dict[str, Any]:
             bar.update(1)
             bar.set_postfix_str(_postfix(history, tok_s))
         if (not args.no_checkpoint and args.checkpoint_interval
-                and (step + 1) % args.checkpoint_interval == 0 and step + 1 < steps):
+                and (step + 1) % args.checkpoint_interval == 0 and step + 1 < stop):
             save_checkpoint(ckpt, model, opt, sched, batcher, step + 1, history, ctx)
-    if not (history["val"] and history["val"][-1][0] == steps):
-        history["val"].append([steps, evaluate(model, corpus.val, starts, args, ctx)])
+    if not (history["val"] and history["val"][-1][0] == stop):
+        history["val"].append([stop, evaluate(model, corpus.val, starts, args, ctx)])
     if bar is not None:
         bar.set_postfix_str(_postfix(history, tok_s))
         bar.close()
     wall = time.perf_counter() - t_run
-    if not args.no_checkpoint:
-        save_checkpoint(ckpt, model, opt, sched, batcher, steps, history, ctx)
+    if not args.no_checkpoint or stop < steps:
+        save_checkpoint(ckpt, model, opt, sched, batcher, stop, history, ctx)
+        if stop < steps:
+            _log(ctx, f"[{name}] stopped at step {stop} of {steps}; checkpoint in {ckpt} (continue with --resume)")
     tps = [t for _, t in history["tokens_per_s"]]
     return {
         "optimizer": name,
         "description": opt_desc,
-        "steps": steps,
+        "steps": stop,
+        "scheduled_steps": steps,
         "warmup": warmup,
         "final_val_loss": history["val"][-1][1],
         "best_val_loss": min(v for _, v in history["val"]),

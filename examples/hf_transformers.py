@@ -1,0 +1,86 @@
+"""muon_fn with Hugging Face ``Trainer``: ``Trainer(optimizers=(optimizer, scheduler))``.
+
+A ``GPT2LMHeadModel`` built from a small ``GPT2Config`` (random init, nothing is downloaded),
+trained byte-level on the Python standard library's sources. Needs the ``hf`` extra:
+``pip install "muon-fn[hf]"``.
+
+Note on GPT-2's layout: Hugging Face's GPT-2 uses ``Conv1D`` layers whose weights are stored
+(in, out) — transposed against ``nn.Linear``'s (out, in). Orthogonalization does not care
+(msign(Gᵀ) = msign(G)ᵀ), but the "keller" scale √max(1, out/in) would read the dims swapped, so
+this example uses ``adjust_lr_fn="match_rms_adamw"`` (0.2·√max(out, in), symmetric in the two
+dims) with an AdamW-sized learning rate, as Moonlight does.
+
+    python examples/hf_transformers.py             # 30 steps
+    python examples/hf_transformers.py --steps 3   # what the tests run
+"""
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+try:
+    import muon_fn as mf
+except ImportError:  # a source checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import muon_fn as mf
+from muon_fn._train.data import WindowDataset, load_corpus
+
+try:
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments, get_cosine_schedule_with_warmup
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise SystemExit(f"this example needs transformers: pip install 'muon-fn[hf]' ({e})")
+
+
+class LMDataset(torch.utils.data.Dataset):
+    """Byte windows as the dicts Trainer expects (GPT2LMHeadModel shifts the labels itself)."""
+
+    def __init__(self, windows: WindowDataset):
+        self.windows = windows
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def __getitem__(self, i: int) -> dict:
+        x, y = self.windows[i]
+        ids = torch.cat([x, y[-1:]])
+        return {"input_ids": ids, "labels": ids}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=30)
+    args = ap.parse_args(argv)
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=256, n_positions=128, n_embd=64, n_layer=2, n_head=2,
+                        bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(config)  # random init from the config: no download
+
+    optimizer = mf.create_hybrid_optimizer(
+        model, muon_lr=3e-3, adamw_lr=3e-3, adamw_weight_decay=0.0,
+        adjust_lr_fn="match_rms_adamw",  # Conv1D stores (in, out); this rule is symmetric
+    )
+    print(optimizer.split)  # wte/wpe (tied to lm_head), LayerNorms -> AdamW; Conv1D matrices -> Muon
+    scheduler = get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=max(1, args.steps // 10),
+                                                num_training_steps=args.steps)
+
+    corpus = load_corpus(max_bytes=1_000_000)
+    train = LMDataset(WindowDataset(corpus.train, seq_len=config.n_positions - 1, n=8 * args.steps))
+    with tempfile.TemporaryDirectory() as out:
+        targs = TrainingArguments(
+            output_dir=out, max_steps=args.steps, per_device_train_batch_size=8,
+            logging_steps=max(1, args.steps // 10), save_strategy="no", report_to="none",
+            use_cpu=True, dataloader_num_workers=0, disable_tqdm=True,
+        )
+        trainer = Trainer(model=model, args=targs, train_dataset=train, optimizers=(optimizer, scheduler))
+        result = trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    print(f"first logged loss {losses[0]:.4f}, last {losses[-1]:.4f}; final training loss {result.training_loss:.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

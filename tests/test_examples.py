@@ -1,0 +1,169 @@
+"""The examples and `muon-fn train`, each in a short mode.
+
+Examples are imported from their files and their ``main(argv)`` called in-process (one torch
+import); the FSDP run goes through torchrun as users run it. Optional extras (``hf``,
+``lightning``) are skipped with a visible reason when they are not installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import muon_fn as mf
+from muon_fn import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+
+# Small enough for seconds per run on 2 CPU cores.
+SMALL = ["--steps", "4", "--eval-interval", "2", "--eval-windows", "8", "--batch-size", "4",
+         "--seq-len", "32", "--max-bytes", "400000", "--no-progress", "--threads", "1"]
+
+
+def load_example(name: str):
+    path = EXAMPLES / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"example_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _metrics(out: Path) -> dict:
+    return json.loads((out / "metrics.json").read_text())
+
+
+def test_train_compare_writes_table_metrics_and_plot(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert cli.main(["train", "--compare", "muon,adamw", *SMALL, "--out", str(out), "--no-checkpoint"]) == 0
+    printed = capsys.readouterr().out
+    assert "val loss (final)" in printed and "lowest validation loss at equal steps" in printed
+    m = _metrics(out)
+    assert set(m["runs"]) == {"muon", "adamw"}
+    for name, run in m["runs"].items():
+        assert run["steps"] == 4
+        assert [s for s, _ in run["history"]["train"]] == [1, 2, 3, 4]
+        assert [s for s, _ in run["history"]["val"]] == [0, 2, 4]
+        assert all(torch.isfinite(torch.tensor(v)) for _, v in run["history"]["train"])
+        # from ln(256) = 5.55 at init, training must move the validation loss down
+        assert run["history"]["val"][-1][1] < run["history"]["val"][0][1] - 0.3, name
+    assert "create_hybrid_optimizer" in m["runs"]["muon"]["description"]
+    png = out / "loss.png"
+    assert png.stat().st_size > 10_000
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_train_resume_continues_exactly(tmp_path):
+    """Stopping at step 2 and resuming gives the uninterrupted run's losses bit for bit."""
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    common = ["--optimizer", "muon", *SMALL, "--no-plot"]
+    assert cli.main(["train", *common, "--out", str(straight), "--no-checkpoint"]) == 0
+    assert cli.main(["train", *common, "--out", str(split), "--stop-at", "2"]) == 0
+    assert _metrics(split)["runs"]["muon"]["steps"] == 2
+    assert (split / "muon" / "checkpoint" / "state.pt").exists()
+    assert cli.main(["train", *common, "--out", str(split), "--resume"]) == 0
+    a, b = _metrics(straight)["runs"]["muon"], _metrics(split)["runs"]["muon"]
+    assert b["history"]["train"] == a["history"]["train"]
+    assert b["final_val_loss"] == a["final_val_loss"]
+
+
+def test_train_rejects_bad_options(tmp_path):
+    with pytest.raises(SystemExit, match="unknown optimizer"):
+        cli.main(["train", "--compare", "muon,sgd", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="either --steps or --epochs"):
+        cli.main(["train", "--steps", "3", "--epochs", "1", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="needs torchrun"):
+        cli.main(["train", "--fsdp", "--steps", "1", "--out", str(tmp_path)])
+
+
+def test_train_data_path_text_file(tmp_path):
+    text = tmp_path / "corpus.txt"
+    text.write_text("def f(x):\n    return x + 1\n" * 2000)
+    out = tmp_path / "run"
+    assert cli.main(["train", "--optimizer", "adamw", *SMALL, "--data", str(text), "--out", str(out),
+                     "--no-plot", "--no-checkpoint"]) == 0
+    assert str(text) in _metrics(out)["corpus"]
+
+
+def test_stdlib_split_is_deterministic_and_disjoint():
+    from muon_fn._train import data
+
+    root, files = data.stdlib_files()
+    assert files == sorted(files, key=lambda f: f.relative_to(root).as_posix())
+    assert not any("site-packages" in f.parts for f in files)
+    val = [f for f in files if data._is_val(f.relative_to(root).as_posix())]
+    assert 0.05 < len(val) / len(files) < 0.15
+    a = data.load_corpus(max_bytes=200_000)
+    b = data.load_corpus(max_bytes=200_000)
+    assert torch.equal(a.train, b.train) and torch.equal(a.val, b.val)
+
+
+def test_cli_usage_and_unknown_command(capsys):
+    assert cli.main([]) == 2
+    assert "muon-fn train --quick" in capsys.readouterr().out
+    assert cli.main(["--help"]) == 0
+    assert cli.main(["frobnicate"]) == 2
+    assert "unknown command 'frobnicate'" in capsys.readouterr().err
+
+
+def test_cli_bench_delegates(monkeypatch):
+    bench = pytest.importorskip("muon_fn.bench", reason="muon_fn.bench (the performance issue) is not installed")
+    seen = {}
+    monkeypatch.setattr(bench, "main", lambda argv: seen.setdefault("argv", argv) and 0)
+    assert cli.main(["bench", "--quick"]) == 0
+    assert seen["argv"] == ["--quick"]
+
+
+def test_example_mixed_adamw(capsys):
+    assert load_example("mixed_adamw").main(["--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "embedding, tied to the output head" in out and "hidden matrix" in out
+    assert "checkpoint round trip OK" in out
+
+
+def test_example_functional_loop(capsys):
+    assert load_example("functional_loop").main(["--steps", "2", "--backend", "eager"]) == 0
+    out = capsys.readouterr().out
+    assert "step   2" in out and "compiled graphs" in out
+
+
+def test_example_train_sso(capsys):
+    if not hasattr(mf, "SpectralSphereOptimizer") or not (EXAMPLES / "train_sso.py").exists():
+        pytest.skip("SpectralSphereOptimizer / examples/train_sso.py not in this checkout (SSO issue)")
+    assert load_example("train_sso").main(["--steps", "2"]) == 0
+
+
+def test_example_hf_transformers(capsys):
+    pytest.importorskip("transformers", reason="optional extra 'hf' not installed: pip install 'muon-fn[hf]'")
+    assert load_example("hf_transformers").main(["--steps", "2"]) == 0
+    assert "final training loss" in capsys.readouterr().out
+
+
+def test_example_lightning(capsys):
+    if importlib.util.find_spec("lightning") is None and importlib.util.find_spec("pytorch_lightning") is None:
+        pytest.skip("optional extra 'lightning' not installed: pip install 'muon-fn[lightning]'")
+    assert load_example("lightning").main(["--steps", "2"]) == 0
+    assert "trained 2 steps" in capsys.readouterr().out
+
+
+@pytest.mark.distributed
+def test_train_gpt_fsdp_torchrun(tmp_path):
+    """The issue's command, shortened: torchrun --nproc_per_node=2 examples/train_gpt.py --fsdp."""
+    pytest.importorskip("muon_fn.fsdp", reason="muon_fn.fsdp (the FSDP2 issue) is not installed")
+    out = tmp_path / "fsdp"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(EXAMPLES / "train_gpt.py"), "--fsdp", *SMALL, "--steps", "2", "--out", str(out),
+           "--no-plot"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = _metrics(out)["runs"]["muon"]
+    assert "FSDPMuonOptimizer" in run["description"] and "world=2" in run["description"]
+    assert (out / "muon" / "checkpoint" / "dcp" / ".metadata").exists()
