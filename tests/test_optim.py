@@ -1126,3 +1126,26 @@ def test_nonfinite_error_under_accumulation_names_the_parameter():
     lin.weight.grad, lin.bias.grad = torch.ones(3, 4), torch.ones(3)
     with pytest.raises(RuntimeError, match="in 'weight';"):
         opt.step()
+
+
+def test_auto_group_scheduler_no_recompile_and_adamw_follows():
+    """A mixed "auto" group (Muon + AdamW halves, derived AdamW lr) under StepLR: one compiled frame."""
+    cnt = CompileCounterWithBackend("eager")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    ref_bias = model[2].bias.detach().clone().requires_grad_()
+    opt = mf.MuonOptimizer(model.parameters(), adamw_lr=1e-2, compile={"backend": cnt})
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    topt = torch.optim.AdamW([ref_bias], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0)
+    tsched = torch.optim.lr_scheduler.StepLR(topt, step_size=2, gamma=0.5)
+    for step in range(6):
+        opt.zero_grad()
+        model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).square().sum().backward()
+        ref_bias.grad = model[2].bias.grad.clone()
+        opt.step()
+        topt.step()
+        sched.step()
+        tsched.step()
+    assert cnt.frame_count == 1, cnt.frame_count
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.02 * 0.125)
+    torch.testing.assert_close(model[2].bias.detach(), ref_bias.detach(), atol=1e-6, rtol=0)
