@@ -141,7 +141,8 @@ def test_example_train_sso(capsys):
 
 
 def test_example_hf_transformers(capsys):
-    pytest.importorskip("transformers", reason="optional extra 'hf' not installed: pip install 'muon-fn[hf]'")
+    for mod in ("transformers", "accelerate"):  # Trainer needs accelerate
+        pytest.importorskip(mod, reason=f"optional extra 'hf' not installed ({mod}): pip install 'muon-fn[hf]'")
     assert load_example("hf_transformers").main(["--steps", "2"]) == 0
     assert "final training loss" in capsys.readouterr().out
 
