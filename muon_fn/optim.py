@@ -180,9 +180,19 @@ class Optimizer(torch.optim.Optimizer):
     def _dry_run(self, index: int) -> None:
         """Trace one update on meta tensors, so shape errors surface at construction."""
         rt = self._runtime(index)
-        params = self._meta(self.param_groups[index]["params"])
+        group = self.param_groups[index]
+        params = self._meta(group["params"])
         with torch.no_grad():
-            rt.tx.update(params, rt.tx.init(params), params)
+            try:
+                rt.tx.update(params, rt.tx.init(params), params)
+            except ValueError as error:
+                for i, p in enumerate(group["params"]):  # find the parameter that fails alone
+                    only = tuple(q if j == i else None for j, q in enumerate(params))
+                    try:
+                        rt.tx.update(only, rt.tx.init(params), params)
+                    except ValueError:
+                        raise ValueError(f"parameter {self._name(group, p)}: {error}") from None
+                raise
 
     def _build_step_fn(self, tx: GradientTransformation) -> Callable[..., torch.Tensor]:
         check = self.nonfinite is not None
@@ -228,8 +238,9 @@ class Optimizer(torch.optim.Optimizer):
         return _state_layout.gather(rt.layout, states)
 
     def _counts(self, group: dict[str, Any], rt: _GroupRuntime) -> tuple[torch.Tensor | None, ...]:
-        owned = {slot.key for slot in rt.layout.slots if slot is not None}
-        return tuple(None if "step" in owned else self.state[p]["step"] for p in group["params"])
+        """The adapter's ``step`` counters, for parameters whose transform keeps no ``step`` itself."""
+        return tuple(None if "step" in rt.layout.keys_for(i) else self.state[p]["step"]
+                     for i, p in enumerate(group["params"]))
 
     # ----------------------------------------------------------------------- step
     @torch.no_grad()
@@ -241,6 +252,7 @@ class Optimizer(torch.optim.Optimizer):
                 loss = closure()
         applied = False
         finite_flags = []
+        self._last_grads: dict[int, tuple] = {}
         for index, group in enumerate(self.param_groups):
             grads = self._grads(group)
             if grads is None:
@@ -253,6 +265,7 @@ class Optimizer(torch.optim.Optimizer):
                 if grads is None:
                     continue
             counts = self._counts(group, rt)
+            self._last_grads[index] = grads
             finite = rt.step_fn(tuple(group["params"]), grads, state, counts)
             finite_flags.append(finite)
             applied = True
@@ -278,9 +291,10 @@ class Optimizer(torch.optim.Optimizer):
 
     def _nonfinite_params(self) -> list[str]:
         bad = []
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+        for index, grads in self._last_grads.items():
+            group = self.param_groups[index]
+            for p, g in zip(group["params"], grads):
+                if g is not None and not bool(torch.isfinite(g).all()):
                     bad.append(self._name(group, p))
         return bad
 
@@ -315,21 +329,42 @@ class Optimizer(torch.optim.Optimizer):
     # ----------------------------------------------------------------------- checkpoints
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's ``load_state_dict``, keeping each state tensor's saved dtype (torch would cast
-        floating state to the parameter's dtype) and checking the layout."""
+        floating state to the parameter's dtype) and checking that the state_dict has this
+        optimizer's layout; a rejected state_dict leaves the optimizer as it was."""
+        self._check_saved_groups(state_dict)
         saved = state_dict["state"]
-        super().load_state_dict(state_dict)
-        params = [p for g in self.param_groups for p in g["params"]]
-        for idx, p in enumerate(params):
-            entry = saved.get(idx, saved.get(str(idx)))
-            if entry is None:
-                continue
-            for key, value in entry.items():
-                if isinstance(value, torch.Tensor) and value.is_floating_point():
-                    self.state[p][key] = value.detach().to(device=p.device, copy=True)
-        for index, group in enumerate(self.param_groups):
-            rt = self._runtime(index)
-            names = [self._name(group, p) for p in group["params"]]
-            _state_layout.check(rt.layout, self._param_states(group), names)
+        backup_state, backup_groups = self.state, self.param_groups
+        try:
+            super().load_state_dict(state_dict)
+            params = [p for g in self.param_groups for p in g["params"]]
+            for idx, p in enumerate(params):
+                entry = saved.get(idx, saved.get(str(idx)))
+                for key, value in (entry or {}).items():
+                    if isinstance(value, torch.Tensor) and value.is_floating_point():
+                        self.state[p][key] = value.detach().to(device=p.device, copy=True)
+            for index, group in enumerate(self.param_groups):
+                rt = self._runtime(index)
+                names = [self._name(group, p) for p in group["params"]]
+                _state_layout.check(rt.layout, self._param_states(group), names)
+        except Exception:
+            self.state, self.param_groups = backup_state, backup_groups
+            for index in range(len(self.param_groups)):
+                self._runtime(index)
+            raise
+
+    def _check_saved_groups(self, state_dict: dict[str, Any]) -> None:
+        saved_groups = state_dict.get("param_groups")
+        if not isinstance(saved_groups, list) or "state" not in state_dict:
+            raise ValueError("state_dict must have 'state' and 'param_groups' entries")
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        for i, (ours, theirs) in enumerate(zip(self.param_groups, saved_groups)):
+            missing = sorted(set(ours) - set(theirs) - {"params", "param_names"} - _ADAPTER_KEYS)
+            if missing:
+                raise ValueError(
+                    f"loaded param group {i} lacks this optimizer's hyperparameters {missing}: the "
+                    "state_dict comes from a different optimizer layout"
+                )
 
     def describe(self) -> str:
         """A table of the parameter groups and their transforms."""
@@ -422,7 +457,9 @@ class MuonOptimizer(Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         lr = param_group.get("lr", self.defaults["lr"])
-        param_group.setdefault("base_lr", float(lr) if not isinstance(lr, torch.Tensor) else float(lr.item()))
+        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        param_group.setdefault("base_lr", float(lr))
         super().add_param_group(param_group)
 
     def _validate_group(self, group: dict[str, Any]) -> None:
