@@ -56,6 +56,9 @@ def test_train_compare_writes_table_metrics_and_plot(tmp_path, capsys):
         assert run["history"]["val"][-1][1] < run["history"]["val"][0][1] - 0.3, name
     assert "create_hybrid_optimizer" in m["runs"]["muon"]["description"]
     png = out / "loss.png"
+    if importlib.util.find_spec("matplotlib") is None:  # not installed: no plot, a hint instead
+        assert not png.exists()
+        return
     assert png.stat().st_size > 10_000
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
