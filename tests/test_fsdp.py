@@ -364,6 +364,34 @@ def check_no_grad_rank(w):
     return run
 
 
+def check_nonfinite(w):
+    """A NaN on rank 1 only: every rank skips ("skip") or raises ("error"); nothing changes."""
+    from muon_fn.fsdp import FSDPMuonOptimizer
+
+    def run():
+        rank = torch.distributed.get_rank()
+        model = shard_toy(make_toy())
+        snap = {n: p.to_local().clone() for n, p in model.named_parameters()}
+        for policy in ("skip", "error"):
+            opt = FSDPMuonOptimizer(model, nonfinite=policy, **muon_kwargs())
+            set_grads(model, 0)
+            if rank == 1:
+                model.l1.weight.grad.to_local()[0, 0] = float("nan")
+            raised = ""
+            try:
+                opt.step()
+            except RuntimeError as e:
+                raised = str(e)
+            if policy == "skip":
+                assert not raised and opt.nonfinite_steps == 1, raised
+            else:
+                assert "non-finite" in raised, raised
+                assert ("'l1.weight'" in raised) == (rank == 1), raised
+        assert all(torch.equal(p.to_local(), snap[n]) for n, p in model.named_parameters())
+
+    return run
+
+
 def check_dcp_save(w, ckpt_dir):
     """Save model and optimizer after 5 steps (DTensor state, FQN keys)."""
     import torch.distributed.checkpoint as dcp
@@ -590,6 +618,7 @@ def checks_for(w: int, ckpt_dir: str) -> dict:
         "wire_bf16": check_wire_bf16(w),
         "bytes_formula": check_bytes_formula(w),
         "no_grad_rank": check_no_grad_rank(w),
+        "nonfinite": check_nonfinite(w),
         "accumulation": check_accumulation(w),
         "mixed_precision": check_mixed_precision(w),
         "unshard_params": check_unshard(w),
@@ -606,7 +635,7 @@ def checks_for(w: int, ckpt_dir: str) -> dict:
 def _names(w: int) -> list[str]:
     base = ["parity_owner", "parity_replicate", "parity_sgd_momentum_quintic", "parity_normuon",
             "parity_hybrid_groups", "parity_plain_replicated", "wire_bf16", "bytes_formula",
-            "no_grad_rank", "accumulation", "mixed_precision", "unshard_params", "errors"]
+            "no_grad_rank", "nonfinite", "accumulation", "mixed_precision", "unshard_params", "errors"]
     return base + (["hsdp", "dcp_save_w4"] if w == 4 else ["dcp_load_w2"])
 
 

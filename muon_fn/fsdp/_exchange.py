@@ -214,7 +214,7 @@ def exchange_replicated(
         if parts:
             send = torch.cat(parts).to(wire)
             gathered = torch.empty(w * send.numel(), dtype=wire, device=device)
-            work = dist.all_gather_into_tensor(gathered, send, group=group, async_op=True)
+            work = _all_gather(gathered, send, group=group, async_op=True)
             stats.bytes_sent += item * send.numel() * (w - 1)  # as a ring/all-to-all: (W-1) copies
             stats.bytes_received += item * send.numel() * (w - 1)
         pending.append((b, members, work, gathered))
@@ -255,3 +255,16 @@ def _is_sharded(plan: Plan, j: int) -> bool:
     """True if ranks hold different rows of matrix ``j`` (False for a replicated matrix)."""
     mp = plan.matrices[j]
     return any(r != (0, mp.rows) for r in mp.receive)
+
+
+# torch >= 2.13 names it all_gather_single (all_gather_into_tensor warns); older torch lacks it.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def all_ranks_true(flag: bool, group: dist.ProcessGroup | None, world_size: int) -> bool:
+    """Whether ``flag`` holds on every rank of ``group`` (one tiny all-reduce; none for W = 1)."""
+    if world_size == 1:
+        return flag
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return bool(t.item())

@@ -76,6 +76,12 @@ class FSDPMuonOptimizer(torch.optim.Optimizer):
       num_buckets: exchanges per step (communication of later buckets overlaps computation).
       process_group: the group to use for plain (replicated) parameters; must match the
         DTensor parameters' shard group if given.
+      nonfinite: if any rank has an inf/nan gradient, ``"error"`` raises on every rank and
+        ``"skip"`` skips the step (counted in ``nonfinite_steps``), both leaving parameters and
+        state unchanged; ``None`` does not check (saves one tiny all-reduce per step).
+
+    A parameter whose ``.grad`` is ``None`` on a rank still joins every exchange (with zeros), so
+    nothing hangs; that rank leaves the parameter and its state unchanged.
 
     After each step ``last_step_stats`` holds this rank's figures: ``bytes_sent``,
     ``bytes_received``, ``ns_flops``, ``matrices_computed``, ``comm_wait_s``, ``compute_s``,
@@ -110,6 +116,7 @@ class FSDPMuonOptimizer(torch.optim.Optimizer):
         wire_dtype: torch.dtype | None = None,
         num_buckets: int = 4,
         process_group: Any = None,
+        nonfinite: str | None = "error",
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -135,6 +142,9 @@ class FSDPMuonOptimizer(torch.optim.Optimizer):
         _checks.non_negative("adamw_weight_decay", adamw_weight_decay)
         _checks.one_of("wire_dtype", wire_dtype, WIRE_DTYPES)
         _checks.positive_int("num_buckets", num_buckets)
+        _checks.one_of("nonfinite", nonfinite, ("error", "skip", None))
+        self.nonfinite = nonfinite
+        self.nonfinite_steps = 0
         self._model = model
         self._names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
         self.strategy = strategy
@@ -295,12 +305,32 @@ class FSDPMuonOptimizer(torch.optim.Optimizer):
             if not final:
                 self.last_step_stats = {"applied": False, "micro_step": self._micro_step}
                 return loss
+        if self.nonfinite is not None and not self._grads_finite(k):
+            self.nonfinite_steps += 1
+            self.last_step_stats = {"applied": False, "nonfinite": True}
+            if self.nonfinite == "error":
+                bad = [self._name(p) for g in self.param_groups for p in g["params"]
+                       if p.grad is not None and not bool(torch.isfinite(_params.local(p.grad)).all())]
+                where = ", ".join(repr(b) for b in bad) if bad else "parameters of another rank"
+                raise RuntimeError(
+                    f"non-finite gradient (inf or nan) in {where}; parameters and optimizer state "
+                    "were left unchanged. Pass nonfinite='skip' to skip such steps."
+                )
+            return loss
         stats = self._muon_step(k)
         self._adamw_step(k)
         stats["step_s"] = time.perf_counter() - t_start
         stats["applied"] = True
         self.last_step_stats = stats
         return loss
+
+    def _grads_finite(self, k: int) -> bool:
+        """True if every rank's gradients are finite (agreed by all ranks, so none hangs)."""
+        flags = [torch.isfinite(_params.local(p.grad)).all()
+                 for g in self.param_groups for p in g["params"] if p.grad is not None]
+        local_ok = bool(torch.stack(flags).all()) if flags else True
+        topo = self.topology
+        return _exchange.all_ranks_true(local_ok, topo.group, topo.world_size)
 
     def _grad(self, p: torch.Tensor, k: int) -> torch.Tensor | None:
         g = p.grad
