@@ -233,9 +233,10 @@ def build_optimizer(name: str, model: nn.Module, args: argparse.Namespace, ctx: 
     if name == "sso":
         if not hasattr(mf, "SpectralSphereOptimizer"):
             raise SystemExit("--optimizer sso needs muon_fn.SpectralSphereOptimizer, which this installation lacks")
-        opt = mf.create_hybrid_optimizer(model, muon_lr=lr, adamw_lr=adamw_lr, adamw_weight_decay=wd,
-                                         adamw_betas=ADAMW_BETAS, optimizer="sso", **compile_opt)
-        return opt, f"muon_fn.create_hybrid_optimizer(optimizer='sso', lr={lr}, adamw_lr={adamw_lr})"
+        # Same split as create_hybrid_optimizer (hidden matrices -> SSO, the rest -> AdamW).
+        opt = mf.SpectralSphereOptimizer.from_model(model, lr=lr, adamw_lr=adamw_lr, adamw_weight_decay=wd,
+                                                    adamw_betas=ADAMW_BETAS, **compile_opt)
+        return opt, f"muon_fn.SpectralSphereOptimizer.from_model(lr={lr}, adamw_lr={adamw_lr})"
     raise SystemExit(f"unknown optimizer {name!r}; valid: {', '.join(OPTIMIZERS)}")
 
 
