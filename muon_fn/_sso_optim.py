@@ -59,8 +59,8 @@ class SpectralSphereOptimizer(Optimizer):
       lr, momentum, nesterov: see :func:`muon_fn.spectral_sphere` (``lr`` is the relative spectral
         step with the default ``scale_mode="radius"``).
       weight_decay: only used by ``algorithm="adamw"`` groups (SSO's retraction undoes decay).
-      radius_scale, scale_mode, power_steps, cold_start, msign_steps, msign_dtype, tol,
-        max_iterations, solver, warm_lambda, muon_sphere: see :func:`muon_fn.spectral_sphere`.
+      radius_scale, scale_mode, power_steps, power_block, cold_start, msign_steps, msign_dtype, tol,
+        max_iterations, bracket_step, max_expansions, solver, warm_lambda, muon_sphere: see :func:`muon_fn.spectral_sphere`.
       momentum_dtype: dtype of the momentum buffer (default: the parameter's).
       adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW half in ``"auto"`` groups.
       gradient_accumulation_steps, nonfinite, compile: see :class:`muon_fn.Optimizer`. Compiled,
@@ -83,12 +83,15 @@ class SpectralSphereOptimizer(Optimizer):
         weight_decay: float = 0.0,
         radius_scale: float = 2.0,
         scale_mode: str = "radius",
-        power_steps: int = 2,
+        power_steps: int = 8,
+        power_block: int = 16,
         cold_start: bool = False,
         msign_steps: int = 8,
         msign_dtype: torch.dtype = torch.float32,
         tol: float = 2e-4,
         max_iterations: int = 20,
+        bracket_step: float = 1e-3,
+        max_expansions: int = 10,
         solver: str = "illinois",
         warm_lambda: bool = True,
         muon_sphere: bool = False,
@@ -105,8 +108,9 @@ class SpectralSphereOptimizer(Optimizer):
         defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
             radius_scale=radius_scale, scale_mode=scale_mode, power_steps=power_steps,
-            cold_start=cold_start, msign_steps=msign_steps, msign_dtype=msign_dtype, tol=tol,
-            max_iterations=max_iterations, solver=solver, warm_lambda=warm_lambda,
+            power_block=power_block, cold_start=cold_start, msign_steps=msign_steps, msign_dtype=msign_dtype, tol=tol,
+            max_iterations=max_iterations, bracket_step=bracket_step,
+            max_expansions=max_expansions, solver=solver, warm_lambda=warm_lambda,
             muon_sphere=muon_sphere, momentum_dtype=momentum_dtype, adamw_lr=adamw_lr,
             adamw_betas=tuple(adamw_betas), adamw_eps=adamw_eps,
             adamw_weight_decay=adamw_weight_decay, algorithm=algorithm,
@@ -163,6 +167,7 @@ class SpectralSphereOptimizer(Optimizer):
         _checks.positive("radius_scale", group["radius_scale"])
         _checks.positive("tol", group["tol"])
         _checks.positive_int("power_steps", group["power_steps"])
+        _checks.positive_int("power_block", group["power_block"])
         _checks.positive_int("msign_steps", group["msign_steps"])
         for i, b in enumerate(group["adamw_betas"]):
             if not 0.0 <= b < 1.0:
@@ -171,9 +176,9 @@ class SpectralSphereOptimizer(Optimizer):
             for p in group["params"]:
                 if p.ndim < 2:
                     raise ValueError(
-                        f"parameter {self._name(group, p)} of shape {tuple(p.shape)} is in an "
-                        f"algorithm={group['algorithm']!r} group, but SSO needs a matrix (ndim >= 2); "
-                        "use algorithm='auto' or put it in an 'adamw' group"
+                        f"parameter {self._name(group, p)} is in an algorithm={group['algorithm']!r} "
+                        f"group, but SSO needs a matrix (ndim >= 2), got ndim {p.ndim}; use "
+                        "algorithm='auto' or put it in an 'adamw' group"
                     )
 
     def _derived_scalars(self, group: dict[str, Any]) -> dict[str, float]:
@@ -209,9 +214,11 @@ def _sso_factory(h: dict[str, Any]) -> GradientTransformation:
     def sso_tx():
         return spectral_sphere(
             h["lr"], h["momentum"], nesterov=h["nesterov"], radius_scale=h["radius_scale"],
-            scale_mode=h["scale_mode"], power_steps=h["power_steps"], cold_start=h["cold_start"],
+            scale_mode=h["scale_mode"], power_steps=h["power_steps"], power_block=h["power_block"],
+            cold_start=h["cold_start"],
             msign_steps=h["msign_steps"], msign_dtype=h["msign_dtype"], tol=h["tol"],
-            max_iterations=h["max_iterations"], solver=h["solver"], warm_lambda=h["warm_lambda"],
+            max_iterations=h["max_iterations"], bracket_step=h["bracket_step"],
+            max_expansions=h["max_expansions"], solver=h["solver"], warm_lambda=h["warm_lambda"],
             muon_sphere=h["muon_sphere"], mu_dtype=h["momentum_dtype"],
         )
 

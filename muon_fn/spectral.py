@@ -28,10 +28,12 @@ from . import _checks
 __all__ = [
     "SolverStats",
     "compute_spectral_norm",
+    "default_start_block",
     "default_start_vector",
     "power_iteration",
     "retract",
     "solve_lambda",
+    "subspace_iteration",
     "tangent_residual",
     "target_radius",
     "top_singular",
@@ -54,7 +56,7 @@ def target_radius(shape: tuple[int, ...] | torch.Size, radius_scale: float = 1.0
     """The spectral-µP radius ``R = c·√(out/in)`` of a weight, ``in`` = product of the other dims."""
     if len(shape) < 2:
         raise ValueError(f"target_radius expects a matrix shape, got {tuple(shape)}")
-    out, fan_in = int(shape[0]), math.prod(int(s) for s in shape[1:])
+    out, fan_in = int(shape[0]), math.prod([int(s) for s in shape[1:]])
     return float(radius_scale) * math.sqrt(out / fan_in)
 
 
@@ -109,6 +111,59 @@ def power_iteration(
         v, _ = _normalize((Wt @ (W @ v.unsqueeze(-1))).squeeze(-1))
     u, sigma = _normalize((W @ v.unsqueeze(-1)).squeeze(-1))
     return sigma, u, v
+
+
+def default_start_block(n: int, k: int, *, device=None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A fixed orthonormal ``(n, k)`` block; its first column is :func:`default_start_vector`."""
+    j = torch.arange(n * k, device=device, dtype=torch.float64).reshape(k, n).mT
+    x = torch.frac(torch.sin(j * 12.9898 + 78.233 + 3.7 * torch.arange(k, device=device)) * 43758.5453) - 0.5
+    x[:, 0] = default_start_vector(n, device=device, dtype=torch.float64)
+    return torch.linalg.qr(x)[0].to(dtype)
+
+
+def subspace_iteration(
+    W: torch.Tensor, steps: int, V0: torch.Tensor | None = None, *, block: int = 8
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top singular triple by block power iteration on ``k`` vectors with a Rayleigh–Ritz step.
+
+    ``V ← qr(Wᵀ W V)`` ``steps`` times, then the top singular pair of ``W V`` (a ``k × k``
+    eigenproblem). It converges at rate ``(σ_{k+1}/σ₁)²`` per step instead of ``(σ₂/σ₁)²``, and a
+    warm-started block keeps tracking the top when the leading singular values cross — which SSO
+    makes common: tangent steps leave σ₁ alone and raise the others, so the top of the spectrum
+    flattens (measured σ₅/σ₁ ≈ 0.93–0.98 after 30 noisy steps).
+
+    Args:
+      W: ``(m, n)`` or ``(..., m, n)``; fp32 math.
+      steps: rounds (>= 0).
+      V0: start block ``(..., n, k)`` (last step's block: a warm start); ``None``: a fixed block of
+        ``min(block, m, n)`` columns.
+      block: ``k`` when ``V0`` is None.
+
+    Returns:
+      ``(σ, u, v, V)``: the Ritz estimate of σ₁ (a lower bound), unit ``u``, ``v`` with
+      ``W v = σ u``, and the orthonormal block ``V`` ``(..., n, k)`` for the next warm start.
+    """
+    if W.ndim < 2:
+        raise ValueError(f"subspace_iteration expects a matrix or a batch of matrices, got shape {tuple(W.shape)}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"Invalid steps: {steps!r} (expected an integer >= 0)")
+    W = W.float()
+    m, n = W.shape[-2:]
+    if V0 is None:
+        _checks.positive_int("block", block)
+        V0 = default_start_block(n, min(block, m, n), device=W.device)
+    elif V0.shape[-2] != n:
+        raise ValueError(f"Invalid V0: shape {tuple(V0.shape)} does not match W's {n} columns")
+    V = torch.linalg.qr(V0.float().expand(W.shape[:-2] + V0.shape[-2:]))[0]
+    for _ in range(steps):
+        V = torch.linalg.qr(W.mT @ (W @ V))[0]
+    Y = W @ V
+    evals, E = torch.linalg.eigh(Y.mT @ Y)
+    e = E[..., -1:]  # top Ritz vector, (..., k, 1)
+    sigma = evals[..., -1].clamp_min(0).sqrt()
+    v = (V @ e).squeeze(-1)
+    u = (Y @ e).squeeze(-1) / sigma.clamp_min(_TINY)[..., None]
+    return sigma, u, v, V
 
 
 def top_singular(W: torch.Tensor, *, squarings: int = 14) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,0 +1,352 @@
+"""The SSO transform ``spectral_sphere`` / ``sso`` and ``SpectralSphereOptimizer``.
+
+The reference step below is written from notes/algorithms.md §1.6 with exact linear algebra
+(SVD for σ, u, v and for msign, scalar bisection for λ to 1e-12), independent of muon_fn.spectral.
+
+Tolerances (measured on torch 2.13 CPU, then given a margin):
+- one step vs the reference (tol 1e-6, 8 fp32 Polar Express steps vs the exact polar factor):
+  max |ΔW| ≤ 2e-5 (measured ≤ 4e-6); λ within 2e-4 (measured ≤ 3e-5).
+- right after a retraction (lr = 0): ‖W‖₂ = R to 1e-5 relative (measured ≤ 3e-7).
+- nn.Linear(100, 100), lr 0.02, 10 steps: |‖W‖₂/R − 1| ≤ 0.10 (the plan's criterion) and
+  ≤ lr = 0.02 (the provable bound: ‖lr·R·Φ‖₂ ≈ lr·R); measured ≤ 1.0e-3 (the tangent step moves
+  σ only at second order).
+"""
+
+from __future__ import annotations
+
+import math
+
+import expecttest
+import pytest
+import torch
+from torch import nn
+
+import muon_fn
+from muon_fn import _tree, spectral
+from muon_fn._orthogonalize import newton_schulz
+from muon_fn._sso import SpectralSphereState, spectral_sphere, sso
+from muon_fn._sso_optim import SpectralSphereOptimizer
+
+
+def _exact_msign(x: torch.Tensor) -> torch.Tensor:
+    U, _, Vh = torch.linalg.svd(x.double(), full_matrices=False)
+    return U @ Vh
+
+
+def _reference_step(W, g, buf, lr, mu, c):
+    """One SSO step (EMA Nesterov momentum, radius scaling), float64, exact."""
+    W, g, buf = W.double(), g.double(), buf.double()
+    buf = buf.lerp(g, 1 - mu)
+    M = g.lerp(buf, mu)
+    m_hat = M / torch.linalg.matrix_norm(M)
+    U, S, Vh = torch.linalg.svd(W, full_matrices=False)
+    sigma, u, v = S[0], U[:, 0], Vh[0]
+    out, inp = W.shape
+    R = c * math.sqrt(out / inp)
+    theta = torch.outer(u, v)
+
+    def h(lam):
+        return float(u @ _exact_msign(m_hat + lam * theta) @ v)
+
+    lo, hi = -4.0, 4.0
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if h(mid) < 0 else (lo, mid)
+    lam = 0.5 * (lo + hi)
+    phi = _exact_msign(m_hat + lam * theta)
+    return W * (R / sigma) - lr * R * phi, buf, lam
+
+
+def _step(tx, W, g, state):
+    u, state = tx.update((g,), state, (W,))
+    return muon_fn.apply_updates((W,), u)[0], state
+
+
+# ------------------------------------------------------------------------------ the transform
+@pytest.mark.parametrize("shape", [(12, 20), (20, 12), (16, 16)])
+def test_one_step_matches_exact_reference(shape):
+    gen = torch.Generator().manual_seed(sum(shape))
+    W = torch.randn(*shape, generator=gen) / math.sqrt(shape[1])
+    g = torch.randn(*shape, generator=gen)
+    tx = spectral_sphere(0.02, 0.95, tol=1e-6, max_iterations=60, max_expansions=14)
+    state = tx.init((W,))
+    W1, state = _step(tx, W, g, state)
+    W_ref, buf_ref, lam_ref = _reference_step(W, g, torch.zeros_like(W), 0.02, 0.95, 2.0)
+    torch.testing.assert_close(W1.double(), W_ref, rtol=0, atol=2e-5)
+    torch.testing.assert_close(state.mu[0].double(), buf_ref, rtol=0, atol=1e-7)
+    assert float(state.lam[0]) == pytest.approx(lam_ref, abs=2e-4)
+    assert not bool(state.fallback[0]) and float(state.residual[0]) <= 1e-6
+    # A second step from the new state (warm v, warm λ) still matches the reference.
+    g2 = torch.randn(*shape, generator=gen)
+    W2, state = _step(tx, W1, g2, state)
+    W2_ref, _, _ = _reference_step(W1, g2, buf_ref, 0.02, 0.95, 2.0)
+    torch.testing.assert_close(W2.double(), W2_ref, rtol=0, atol=2e-5)
+
+
+def test_retraction_is_exact_with_zero_lr_even_after_training():
+    gen = torch.Generator().manual_seed(0)
+    W = nn.Linear(96, 64).weight.detach().clone()  # σ₂/σ₁ ≈ 0.98: hard for cold power iteration
+    lr = torch.tensor(0.0)
+    tx = spectral_sphere(lr, radius_scale=1.5)
+    state = tx.init((W,))
+    R = 1.5 * math.sqrt(64 / 96)
+    W, state = _step(tx, W, torch.randn(64, 96, generator=gen), state)
+    assert float(torch.linalg.matrix_norm(W.double(), ord=2)) == pytest.approx(R, rel=1e-5)
+    lr.fill_(0.05)  # a few real steps move W off the sphere
+    for _ in range(4):
+        W, state = _step(tx, W, torch.randn(64, 96, generator=gen), state)
+    assert abs(float(torch.linalg.matrix_norm(W.double(), ord=2)) / R - 1) > 1e-5
+    lr.fill_(0.0)  # the warm-started retraction puts it back exactly
+    W, state = _step(tx, W, torch.randn(64, 96, generator=gen), state)
+    assert float(torch.linalg.matrix_norm(W.double(), ord=2)) == pytest.approx(R, rel=1e-5)
+
+
+def test_update_is_tangent_to_the_sphere_and_muon_sphere_is_not():
+    gen = torch.Generator().manual_seed(1)
+    W = torch.randn(24, 40, generator=gen) / math.sqrt(40)
+    g = torch.randn(24, 40, generator=gen) + 3 * torch.outer(torch.randn(24, generator=gen), torch.randn(40, generator=gen))
+    lr, R = 0.02, 2.0 * math.sqrt(24 / 40)
+    U, S, Vh = torch.linalg.svd(W.double())
+    theta = torch.outer(U[:, 0], Vh[0])
+
+    def inner(**kw):
+        tx = spectral_sphere(lr, **kw)
+        u, st = tx.update((g,), tx.init((W,)), (W,))
+        phi = -(u[0].double() - (R / S[0] - 1) * W.double()) / (lr * R)  # recover Φ from the update
+        return float((theta * phi).sum()), st
+
+    tangent, st = inner()
+    assert abs(tangent) <= 2e-4 + 1e-5 and float(st.residual[0]) <= 2e-4
+    off, st0 = inner(muon_sphere=True)
+    assert abs(off) > 10 * 2e-4
+    assert float(st0.lam[0]) == 0.0 and float(st0.residual[0]) == pytest.approx(abs(off), abs=1e-5)
+
+
+def test_muon_sphere_equals_lambda_zero():
+    gen = torch.Generator().manual_seed(2)
+    W = torch.randn(16, 24, generator=gen)
+    g = torch.randn(16, 24, generator=gen)
+    lr, mu, R = 0.03, 0.9, 2.0 * math.sqrt(16 / 24)
+    tx = spectral_sphere(lr, mu, muon_sphere=True)
+    u, st = tx.update((g,), tx.init((W,)), (W,))
+    M = g.lerp(g * (1 - mu), mu)  # Nesterov EMA from a zero buffer
+    m_hat = M / torch.linalg.matrix_norm(M)
+    sigma = torch.linalg.matrix_norm(W.double(), ord=2)
+    phi0 = newton_schulz(m_hat, "polar_express", 8, dtype=torch.float32)
+    expected = (R / sigma - 1) * W.double() - lr * R * phi0.double()
+    torch.testing.assert_close(u[0].double(), expected, rtol=0, atol=1e-5)
+    assert int(st.iterations[0]) == 1 and not bool(st.fallback[0])
+
+
+def test_batched_tree_none_grads_and_conv_kernels():
+    gen = torch.Generator().manual_seed(3)
+    params = {"a": torch.randn(8, 12, generator=gen), "b": torch.randn(8, 12, generator=gen),
+              "t": torch.randn(12, 8, generator=gen), "conv": torch.randn(6, 2, 3, 3, generator=gen),
+              "skip": torch.randn(5, 5, generator=gen)}
+    grads = {k: torch.randn(p.shape, generator=gen) for k, p in params.items()}
+    grads["skip"] = None
+    tx = sso(0.02)
+    state = tx.init(params)
+    u, new = tx.update(grads, state, params)
+    assert u["skip"] is None
+    assert new.mu["skip"] is state.mu["skip"] and new.v["skip"] is state.v["skip"]
+    assert u["conv"].shape == (6, 2, 3, 3) and new.v["conv"].shape == (18, 6)  # (in, min(16, out, in))
+    for k in ("a", "b", "t", "conv"):  # batched (a, b share a shape; t is its transpose) = alone
+        one = sso(0.02)
+        u1, _ = one.update((grads[k],), one.init((params[k],)), (params[k],))
+        torch.testing.assert_close(u[k], u1[0], rtol=0, atol=2e-6)
+    R = 2.0 * math.sqrt(6 / 18)
+    new_conv = (params["conv"] + u["conv"]).reshape(6, 18)
+    assert float(torch.linalg.matrix_norm(new_conv, ord=2)) == pytest.approx(R, rel=0.03)
+    assert int(new.count) == 1
+
+
+def test_lr_schedule_and_scale_modes():
+    W = torch.randn(8, 32, generator=torch.Generator().manual_seed(4))
+    g = torch.randn(8, 32, generator=torch.Generator().manual_seed(5))
+    tx = spectral_sphere(lambda count: 0.01 * (count + 1), scale_mode="spectral", radius_scale=1.0)
+    st = tx.init((W,))
+    u1, st = tx.update((g,), st, (W,))
+    sigma = torch.linalg.matrix_norm(W, ord=2)
+    R = math.sqrt(8 / 32)
+    phi = -(u1[0] - (R / sigma - 1) * W) / (0.01 * math.sqrt(8 / 32))
+    assert float(torch.linalg.matrix_norm(phi, ord=2)) == pytest.approx(1.0, abs=0.02)  # s = √(out/in)
+    assert int(st.count) == 1
+
+
+def test_state_structure():
+    tx = sso()
+    state = tx.init((torch.zeros(4, 6), torch.zeros(3, 2, 2)))
+    shapes = _tree.tree_map(lambda t: None if t is None else (tuple(t.shape), str(t.dtype)[6:]), state)
+    assert isinstance(state, SpectralSphereState)
+    assert shapes.v == (((6, 4), "float32"), ((4, 3), "float32"))  # (in, min(16, out, in))
+    assert shapes.mu == (((4, 6), "float32"), ((3, 2, 2), "float32"))
+    assert shapes.iterations == (((), "int32"),) * 2 and shapes.fallback == (((), "bool"),) * 2
+    assert shapes.count == ((), "int64")
+
+
+# ------------------------------------------------------------------------------ the optimizer
+def _regression(seed=0, n=256, d_in=100, d_out=100):
+    gen = torch.Generator().manual_seed(seed)
+    X = torch.randn(n, d_in, generator=gen)
+    Y = X @ torch.randn(d_in, d_out, generator=gen) / math.sqrt(d_in) + 0.1 * torch.randn(n, d_out, generator=gen)
+    return X, Y
+
+
+def test_linear_100_stays_on_the_sphere_for_10_steps():
+    torch.manual_seed(0)
+    lin = nn.Linear(100, 100)
+    X, Y = _regression()
+    opt = SpectralSphereOptimizer(lin.parameters(), lr=0.02)
+    R = 2.0 * math.sqrt(100 / 100)
+    devs, losses = [], []
+    for _ in range(10):
+        opt.zero_grad()
+        loss = ((lin(X) - Y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+        devs.append(abs(float(torch.linalg.matrix_norm(lin.weight.detach().double(), ord=2)) / R - 1))
+    assert max(devs) <= 0.10  # the plan's criterion
+    assert max(devs) <= 0.02  # the provable bound lr·‖Φ‖₂/… for a retracted W
+    assert max(devs) <= 5e-3  # what we observe (≤ 1.0e-3), with a margin
+    assert losses[-1] < losses[1]
+    stats = opt.last_step_stats()
+    assert stats.names == ["#0 of shape (100, 100)"]
+    assert int(stats.fallbacks.sum()) == 0 and float(stats.residual.max()) <= 2e-4
+    assert float(stats.sigma[0]) == pytest.approx(R, rel=0.02)  # σ before this step's retraction
+
+
+def test_optimizer_routes_biases_to_adamw_like_torch():
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(10, 20), nn.Tanh(), nn.Linear(20, 3))
+    ref = [p.detach().clone().requires_grad_(True) for p in (model[0].bias, model[2].bias)]
+    opt = SpectralSphereOptimizer(model.parameters(), adamw_lr=1e-2, adamw_betas=(0.9, 0.99))
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, betas=(0.9, 0.99), weight_decay=0.0)
+    X = torch.randn(32, 10)
+    for _ in range(3):
+        opt.zero_grad()
+        model(X).square().mean().backward()
+        for r, p in zip(ref, (model[0].bias, model[2].bias)):
+            r.grad = p.grad.clone()
+        ref_before = [r.detach().clone() for r in ref]
+        opt.step()
+        ref_opt.step()
+        del ref_before
+    for r, p in zip(ref, (model[0].bias, model[2].bias)):
+        torch.testing.assert_close(p.detach(), r.detach(), rtol=0, atol=1e-6)
+    assert set(opt.state[model[0].weight]) >= {"momentum_buffer", "sso_v", "sso_lambda", "sso_sigma"}
+    assert "exp_avg" in opt.state[model[0].bias] and "sso_v" not in opt.state[model[0].bias]
+
+
+def test_state_dict_round_trip_continues_identically():
+    torch.manual_seed(2)
+    make = lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))  # noqa: E731
+    a = make()
+    b = make()
+    b.load_state_dict(a.state_dict())
+    X = torch.randn(20, 8)
+
+    def train(model, opt, steps):
+        for _ in range(steps):
+            opt.zero_grad()
+            model(X).square().mean().backward()
+            opt.step()
+
+    opt_a = SpectralSphereOptimizer(a.parameters())
+    train(a, opt_a, 3)
+    opt_b = SpectralSphereOptimizer(b.parameters())
+    train(b, opt_b, 3)
+    opt_c = SpectralSphereOptimizer(b.parameters())
+    opt_c.load_state_dict(opt_b.state_dict())
+    train(a, opt_a, 2)
+    train(b, opt_c, 2)
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(pa, pb, rtol=0, atol=0)
+
+
+def test_from_model_split_and_scheduler():
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(50, 16)
+            self.hidden = nn.Linear(16, 16)
+            self.head = nn.Linear(16, 50)
+
+        def forward(self, x):
+            return self.head(torch.relu(self.hidden(self.emb(x))))
+
+    torch.manual_seed(3)
+    model = Tiny()
+    opt = SpectralSphereOptimizer.from_model(model, lr=0.02, adamw_lr=1e-3)
+    assert [n for n, _, _ in opt.split.muon] == ["hidden.weight"]
+    assert {n for n, _, _ in opt.split.adamw} == {"emb.weight", "hidden.bias", "head.weight", "head.bias"}
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.0)  # lr → 0: pure retraction
+    x = torch.randint(0, 50, (4, 5))
+    opt.zero_grad()
+    model(x).square().mean().backward()
+    opt.step()
+    assert opt.param_groups[0]["lr"] == 0.0 or sched.get_last_lr()[0] == 0.0
+    R = 2.0
+    assert float(torch.linalg.matrix_norm(model.hidden.weight.detach().double(), ord=2)) == pytest.approx(R, rel=1e-5)
+    assert opt.last_step_stats().names == ["'hidden.weight'".strip("'")]
+
+
+def test_compiled_step_equals_eager():
+    torch.manual_seed(4)
+    make = lambda: nn.Linear(12, 8, bias=False)  # noqa: E731
+    a, b = make(), make()
+    b.load_state_dict(a.state_dict())
+    kw = dict(max_iterations=3, max_expansions=3, msign_steps=3, power_steps=1)  # short trace
+    opt_e = SpectralSphereOptimizer(a.parameters(), **kw)
+    opt_c = SpectralSphereOptimizer(b.parameters(), compile={"backend": "eager"}, **kw)
+    X = torch.randn(16, 12)
+    for _ in range(2):
+        for model, opt in ((a, opt_e), (b, opt_c)):
+            opt.zero_grad()
+            model(X).square().mean().backward()
+            opt.step()
+    torch.testing.assert_close(b.weight, a.weight, rtol=0, atol=1e-6)
+    torch.testing.assert_close(opt_c.last_step_stats().iterations, opt_e.last_step_stats().iterations)
+
+
+# ------------------------------------------------------------------------------ messages
+class TestMessages(expecttest.TestCase):
+    def _msg(self, fn, exc=ValueError):
+        with self.assertRaises(exc) as cm:
+            fn()
+        return str(cm.exception)
+
+    def test_transform_messages(self):
+        self.assertExpectedInline(self._msg(lambda: spectral_sphere(lr=-1.0)),
+                                  """Invalid lr: -1.0 (expected a finite value >= 0)""")
+        self.assertExpectedInline(self._msg(lambda: spectral_sphere(momentum=1.0)),
+                                  """Invalid momentum: 1.0 (expected 0 <= momentum < 1)""")
+        self.assertExpectedInline(self._msg(lambda: spectral_sphere(radius_scale=0.0)),
+                                  """Invalid radius_scale: 0.0 (expected a finite value > 0)""")
+        self.assertExpectedInline(self._msg(lambda: spectral_sphere(power_steps=0)),
+                                  """Invalid power_steps: 0 (expected an integer >= 1)""")
+        self.assertExpectedInline(self._msg(lambda: spectral_sphere(scale_mode="adam")),
+                                  """Invalid scale_mode: 'adam' (valid: 'radius', 'keller', 'original', 'match_rms_adamw', 'spectral', 'legacy', 'none')""")
+        self.assertExpectedInline(self._msg(lambda: spectral_sphere(solver="secant")),
+                                  """Invalid method: 'secant' (valid: 'bisection', 'illinois')""")
+        tx = sso()
+        self.assertExpectedInline(self._msg(lambda: tx.init((torch.zeros(3),))),
+                                  """spectral_sphere only supports matrices (ndim >= 2) whereas we found a leaf with size: (3,). Route 0-/1-D parameters (biases, norms) to another transform with muon_fn.partition, e.g. muon_fn.hybrid(...), or use muon_fn.MuonOptimizer / muon_fn.create_hybrid_optimizer, which do this for you.""")
+        W = torch.zeros(2, 2)
+        self.assertExpectedInline(self._msg(lambda: tx.update((W,), tx.init((W,)))),
+                                  """spectral_sphere needs params: call update(updates, state, params)""")
+
+    def test_optimizer_messages(self):
+        p = [nn.Parameter(torch.zeros(3, 3))]
+        self.assertExpectedInline(self._msg(lambda: SpectralSphereOptimizer(p, lr=-0.1)),
+                                  """Invalid learning rate: -0.1""")
+        self.assertExpectedInline(self._msg(lambda: SpectralSphereOptimizer(p, solver="x")),
+                                  """Invalid solver: 'x' (valid: 'bisection', 'illinois')""")
+        self.assertExpectedInline(self._msg(lambda: SpectralSphereOptimizer(p, algorithm="lion")),
+                                  """Invalid algorithm: 'lion' (valid: 'auto', 'sso', 'muon', 'adamw')""")
+        self.assertExpectedInline(
+            self._msg(lambda: SpectralSphereOptimizer([nn.Parameter(torch.zeros(3))], algorithm="sso")),
+            """parameter #0 of shape (3,) is in an algorithm='sso' group, but SSO needs a matrix (ndim >= 2), got ndim 1; use algorithm='auto' or put it in an 'adamw' group""")
+        self.assertExpectedInline(self._msg(lambda: SpectralSphereOptimizer([])),
+                                  """optimizer got an empty parameter list""")
