@@ -1,0 +1,505 @@
+"""Elementwise and Muon transforms against formulas written out by hand, torch.optim.AdamW and
+newton_schulz; generic properties (empty trees, None leaves, state stability) over one table of
+every transform.
+"""
+
+from __future__ import annotations
+
+import math
+
+import optree
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import muon_fn as mf
+from muon_fn import _tree
+from muon_fn._orthogonalize import newton_schulz
+
+# --------------------------------------------------------------------------------------------
+# One table of every transform: (factory, accepts 0-/1-D leaves).
+
+TRANSFORMS_UNDER_TEST = {
+    "momentum_sgd": (lambda: mf.momentum(0.9, nesterov=True), True),
+    "momentum_ema": (lambda: mf.momentum(0.9, nesterov=False, kind="ema"), True),
+    "momentum_bf16_mu": (lambda: mf.momentum(0.9, mu_dtype=torch.float32), True),
+    "orthogonalize": (lambda: mf.orthogonalize(dtype=torch.float32), False),
+    "orthogonalize_split": (lambda: mf.orthogonalize("you", split=[2, 2], dtype=torch.float32), False),
+    "scale_by_shape": (lambda: mf.scale_by_shape("spectral"), False),
+    "add_decoupled_weight_decay": (lambda: mf.add_decoupled_weight_decay(0.1), True),
+    "scale_by_learning_rate": (lambda: mf.scale_by_learning_rate(0.1), True),
+    "scale_by_learning_rate_tensor": (lambda: mf.scale_by_learning_rate(torch.tensor(0.1)), True),
+    "scale_by_learning_rate_schedule": (lambda: mf.scale_by_learning_rate(lambda c: 0.1 / (1 + c)), True),
+    "scale_by_adam": (lambda: mf.scale_by_adam(), True),
+    "normalize_rows": (lambda: mf.normalize_rows(0.95), False),
+    "identity": (lambda: mf.identity(), True),
+    "muon": (lambda: mf.muon(ns_dtype=torch.float32, weight_decay=0.1), False),
+    "normuon": (lambda: mf.normuon(ns_dtype=torch.float32), False),
+    "adamw": (lambda: mf.adamw(weight_decay=0.1), True),
+    "hybrid": (lambda: mf.hybrid(ns_dtype=torch.float32), True),
+    "chain_empty": (lambda: mf.chain(), True),
+}
+tx_names = pytest.mark.parametrize("name", list(TRANSFORMS_UNDER_TEST))
+
+EMPTY_TREES = [{}, (), [None], (None,), [], {"a": (), "b": {"c": []}, "d": None}, {"a": [None, {}]}]
+
+
+def structure(tree):
+    return _tree.tree_structure(tree)
+
+
+def describe(tree):
+    """Structure plus (shape, dtype) of every tensor leaf."""
+    return structure(tree), [
+        None if x is None else (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x
+        for x in _tree.tree_leaves(tree)
+    ]
+
+
+def sample_tree(seed=0, vectors=True, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    t = {
+        "w": torch.randn(4, 6, generator=g).to(dtype),
+        "blocks": [torch.randn(6, 4, generator=g).to(dtype), torch.randn(4, 6, generator=g).to(dtype)],
+        "conv": torch.randn(4, 2, 3, 3, generator=g).to(dtype),
+    }
+    if vectors:
+        t["b"] = torch.randn(6, generator=g).to(dtype)
+    return t
+
+
+@tx_names
+@pytest.mark.parametrize("tree", EMPTY_TREES, ids=repr)
+def test_empty_trees(name, tree):
+    tx = TRANSFORMS_UNDER_TEST[name][0]()
+    state = tx.init(tree)
+    updates, new_state = tx.update(tree, state, tree)
+    assert structure(updates) == structure(tree)
+    assert describe(new_state) == describe(state)
+    updates, _ = tx.update(tree, new_state, tree)  # and again from the new state
+    assert structure(updates) == structure(tree)
+
+
+@tx_names
+def test_none_gradient_leaves(name):
+    """A missing gradient gives a None update and leaves that leaf's state untouched."""
+    factory, vectors_ok = TRANSFORMS_UNDER_TEST[name]
+    tx = factory()
+    params = sample_tree(vectors=vectors_ok)
+    state = tx.init(params)
+    grads = sample_tree(1, vectors=vectors_ok)
+    _, state = tx.update(grads, state, params)  # make the state non-trivial first
+    grads = sample_tree(2, vectors=vectors_ok)
+    grads["blocks"][1] = None
+    grads["conv"] = None
+    updates, new_state = tx.update(grads, state, params)
+    assert updates["blocks"][1] is None and updates["conv"] is None
+    assert updates["w"] is not None and updates["w"].shape == params["w"].shape
+    # The state leaves that belong to the missing gradients are unchanged.
+    paths, old_leaves, _ = _tree.tree_flatten_with_path(state)
+    _, new_leaves, _ = _tree.tree_flatten_with_path(new_state)
+    for path, old, new in zip(paths, old_leaves, new_leaves):
+        missing = "conv" in path or any(path[i:i + 2] == ("blocks", 1) for i in range(len(path)))
+        if missing and isinstance(old, torch.Tensor):
+            assert torch.equal(old, new), path
+
+
+@tx_names
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_update_and_state_structure_dtype_stable(name, dtype):
+    factory, vectors_ok = TRANSFORMS_UNDER_TEST[name]
+    tx = factory()
+    params = sample_tree(vectors=vectors_ok, dtype=dtype)
+    state = tx.init(params)
+    before = describe(state)
+    for step in range(3):
+        grads = sample_tree(10 + step, vectors=vectors_ok, dtype=dtype)
+        updates, state = tx.update(grads, state, params)
+        if name == "momentum_bf16_mu":  # an fp32 buffer returns fp32 updates (apply_updates casts back)
+            assert structure(updates) == structure(grads)
+        else:
+            assert describe(updates) == describe(grads)  # same structure, shapes and dtypes
+        assert describe(state) == before  # no drift: no recompiles, no dtype promotion
+        for leaf in _tree.tree_leaves(updates):
+            assert torch.isfinite(leaf.float()).all()
+        params = mf.apply_updates(params, updates)
+    assert describe(params) == describe(sample_tree(vectors=vectors_ok, dtype=dtype))
+
+
+@tx_names
+def test_update_does_not_mutate_inputs(name):
+    factory, vectors_ok = TRANSFORMS_UNDER_TEST[name]
+    tx = factory()
+    params = sample_tree(vectors=vectors_ok)
+    state = tx.init(params)
+    _, state = tx.update(sample_tree(1, vectors=vectors_ok), state, params)
+    grads = sample_tree(2, vectors=vectors_ok)
+    copies = [optree.tree_map(lambda t: t.clone(), x) for x in (grads, state, params)]
+    tx.update(grads, state, params)
+    for original, copy in zip((grads, state, params), copies):
+        for a, b in zip(_tree.tree_leaves(original), _tree.tree_leaves(copy)):
+            assert a is None and b is None or torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "name", [n for n, (_, vectors_ok) in TRANSFORMS_UNDER_TEST.items() if not vectors_ok]
+)
+@pytest.mark.parametrize("shape", [(), (5,)], ids=["0-d", "1-d"])
+def test_matrix_transforms_reject_vectors(name, shape):
+    tx = TRANSFORMS_UNDER_TEST[name][0]()
+    with pytest.raises(ValueError, match=r"ndim >= 2"):
+        params = {"w": torch.randn(4, 4), "b": torch.randn(shape)}
+        tx.update(params, tx.init(params), params)
+
+
+# --------------------------------------------------------------------------------------------
+# Momentum.
+
+
+def grads_sequence(seed, steps, shape=(6, 10)):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=g, dtype=torch.float64) for _ in range(steps)]
+
+
+@pytest.mark.parametrize("kind", ["sgd", "ema"])
+@pytest.mark.parametrize("nesterov", [True, False])
+@given(mu=st.floats(0.0, 0.99), steps=st.integers(1, 6), seed=st.integers(0, 2**16))
+def test_momentum_formulas(kind, nesterov, mu, steps, seed):
+    tx = mf.momentum(mu, nesterov=nesterov, kind=kind)
+    gs = grads_sequence(seed, steps)
+    state = tx.init({"w": gs[0]})
+    b = torch.zeros_like(gs[0])
+    for g in gs:
+        (out, state) = tx.update({"w": g}, state)
+        if kind == "sgd":  # b = μb + g; Nesterov g + μb
+            b = mu * b + g
+            want = g + mu * b if nesterov else b
+        else:  # b = μb + (1−μ)g; Nesterov (1−μ)g + μb
+            b = mu * b + (1 - mu) * g
+            want = (1 - mu) * g + mu * b if nesterov else b
+        torch.testing.assert_close(out["w"], want, atol=1e-12, rtol=1e-12)
+        torch.testing.assert_close(state.mu["w"], b, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@given(mu=st.floats(0.0, 0.99), steps=st.integers(1, 6), seed=st.integers(0, 2**16),
+       method=st.sampled_from(["polar_express", "quintic", "you", "cubic"]))
+def test_momentum_ema_and_sgd_agree_after_orthogonalization(nesterov, mu, steps, seed, method):
+    """Equal up to (1−μ) before msign (a positive scalar), hence equal after it."""
+    gs = [g.float() for g in grads_sequence(seed, steps)]
+    mom = {k: mf.momentum(mu, nesterov=nesterov, kind=k) for k in ("sgd", "ema")}
+    orth = mf.orthogonalize(method, dtype=torch.float32)
+    states = {k: tx.init({"w": gs[0]}) for k, tx in mom.items()}
+    for g in gs:
+        pre = {}
+        for k, tx in mom.items():
+            pre[k], states[k] = tx.update({"w": g}, states[k])
+        torch.testing.assert_close(pre["ema"]["w"], (1 - mu) * pre["sgd"]["w"], atol=1e-6, rtol=1e-5)
+        post = {k: orth.update(pre[k], ())[0]["w"] for k in mom}
+        torch.testing.assert_close(post["ema"], post["sgd"], atol=2e-5, rtol=0)
+
+
+def test_momentum_ema_and_sgd_differ_under_a_schedule():
+    """With μ changing in place (a 0-d tensor), the two forms weight the past differently (notes §4)."""
+    mu = torch.tensor(0.5)
+    gs = [g.float() for g in grads_sequence(3, 6)]
+    mom = {k: mf.momentum(mu, nesterov=True, kind=k) for k in ("sgd", "ema")}
+    orth = mf.orthogonalize("polar_express", dtype=torch.float32)
+    states = {k: tx.init({"w": gs[0]}) for k, tx in mom.items()}
+    diff = 0.0
+    for i, g in enumerate(gs):
+        mu.fill_(0.5 + 0.09 * i)
+        post = {}
+        for k, tx in mom.items():
+            u, states[k] = tx.update({"w": g}, states[k])
+            post[k] = orth.update(u, ())[0]["w"]
+        diff = max(diff, (post["ema"] - post["sgd"]).abs().max().item())
+    assert diff > 1e-2
+
+
+def test_momentum_mu_dtype():
+    tx = mf.momentum(0.9, mu_dtype=torch.float32)
+    p = {"w": torch.randn(3, 4, dtype=torch.bfloat16)}
+    state = tx.init(p)
+    assert state.mu["w"].dtype == torch.float32
+    u, state = tx.update(p, state)
+    assert u["w"].dtype == torch.float32 and state.mu["w"].dtype == torch.float32
+
+
+# --------------------------------------------------------------------------------------------
+# scale_by_shape.
+
+SHAPE_CASES = {
+    # shape: (out, in) as the rule sees it
+    (3072, 768): (3072, 768),
+    (768, 3072): (768, 3072),
+    (64, 32, 3, 3): (64, 32 * 3 * 3),
+}
+RULES = {
+    "keller": lambda o, i: math.sqrt(max(1.0, o / i)),
+    "original": lambda o, i: math.sqrt(max(1.0, o / i)),
+    "match_rms_adamw": lambda o, i: 0.2 * math.sqrt(max(o, i)),
+    "spectral": lambda o, i: math.sqrt(o / i),
+    "legacy": lambda o, i: math.sqrt(max(o, i)),
+    "none": lambda o, i: 1.0,
+}
+# The same values typed from notes §5 / design.md §3, as a second independent source.
+TABLE = {
+    ((3072, 768), "keller"): 2.0,
+    ((768, 3072), "keller"): 1.0,
+    ((64, 32, 3, 3), "keller"): 1.0,
+    ((3072, 768), "match_rms_adamw"): 11.0851,
+    ((768, 3072), "match_rms_adamw"): 11.0851,
+    ((64, 32, 3, 3), "match_rms_adamw"): 3.3941,
+    ((3072, 768), "spectral"): 2.0,
+    ((768, 3072), "spectral"): 0.5,
+    ((64, 32, 3, 3), "spectral"): 0.4714,
+    ((3072, 768), "legacy"): 55.4256,
+    ((768, 3072), "legacy"): 55.4256,
+    ((64, 32, 3, 3), "legacy"): 16.9706,
+}
+
+
+@pytest.mark.parametrize("shape", list(SHAPE_CASES), ids=str)
+@pytest.mark.parametrize("rule", list(RULES))
+def test_scale_by_shape_values(shape, rule):
+    out, inp = SHAPE_CASES[shape]
+    want = RULES[rule](out, inp)
+    if (shape, rule) in TABLE:
+        assert want == pytest.approx(TABLE[(shape, rule)], abs=1e-4)
+    assert mf.shape_scale(rule, shape) == pytest.approx(want, rel=1e-12)
+    u = torch.randn(shape)
+    scaled, _ = mf.scale_by_shape(rule).update({"w": u}, ())
+    assert scaled["w"].shape == u.shape
+    torch.testing.assert_close(scaled["w"], u * want, rtol=1e-6, atol=0)
+
+
+def test_scale_by_shape_split_scales_each_block():
+    u = torch.ones(96 + 32, 32)  # e.g. a fused (q: 96, k: 32) projection
+    scaled, _ = mf.scale_by_shape("spectral", split=[96, 32]).update({"w": u}, ())
+    torch.testing.assert_close(scaled["w"][:96], torch.full((96, 32), math.sqrt(96 / 32)))
+    torch.testing.assert_close(scaled["w"][96:], torch.full((32, 32), 1.0))
+    whole, _ = mf.scale_by_shape("spectral").update({"w": u}, ())
+    torch.testing.assert_close(whole["w"], torch.full((128, 32), math.sqrt(128 / 32)))
+
+
+# --------------------------------------------------------------------------------------------
+# orthogonalize (the transform around newton_schulz).
+
+
+def test_orthogonalize_leaves_match_newton_schulz():
+    g = torch.Generator().manual_seed(0)
+    tree = {
+        "a": torch.randn(8, 12, generator=g),
+        "b": torch.randn(12, 8, generator=g),  # tall: batched with "a" after transposing
+        "c": torch.randn(8, 12, generator=g),
+        "conv": torch.randn(8, 3, 2, 2, generator=g),
+        "d": torch.randn(5, 7, generator=g, dtype=torch.float64).float(),
+    }
+    for batch in (True, False):
+        out, _ = mf.orthogonalize("you", 5, dtype=torch.float32, batch=batch).update(tree, ())
+        for k, x in tree.items():
+            want = newton_schulz(x.reshape(x.shape[0], -1), "you", 5, dtype=torch.float32).reshape(x.shape)
+            torch.testing.assert_close(out[k], want, atol=2e-5, rtol=0)
+            assert out[k].dtype == x.dtype
+
+
+def test_orthogonalize_flatten_false_treats_leading_dims_as_batch():
+    x = torch.randn(3, 6, 10)
+    out, _ = mf.orthogonalize("quintic", dtype=torch.float32, flatten=False).update([x], ())
+    for i in range(3):
+        torch.testing.assert_close(out[0][i], newton_schulz(x[i], "quintic", dtype=torch.float32), atol=2e-5, rtol=0)
+
+
+def test_orthogonalize_split_blocks():
+    x = torch.randn(3 * 16, 16)  # fused QKV
+    out, _ = mf.orthogonalize("polar_express", dtype=torch.float32, split=[16, 16, 16]).update({"qkv": x}, ())
+    for i in range(3):
+        block = x[16 * i: 16 * (i + 1)]
+        torch.testing.assert_close(out["qkv"][16 * i: 16 * (i + 1)],
+                                   newton_schulz(block, "polar_express", dtype=torch.float32), atol=2e-5, rtol=0)
+
+
+def test_orthogonalize_callable_method_and_zero():
+    seen = []
+
+    def msign(x):
+        seen.append(tuple(x.shape))
+        u, _, vh = torch.linalg.svd(x, full_matrices=False)
+        return u @ vh
+
+    tree = {"a": torch.randn(4, 6), "b": torch.randn(4, 6), "z": torch.zeros(3, 5)}
+    out, _ = mf.orthogonalize(msign).update(tree, ())
+    assert (2, 4, 6) in seen  # same-shape leaves are stacked into one call
+    o = out["a"].double()
+    torch.testing.assert_close(o @ o.T, torch.eye(4, dtype=torch.float64), atol=1e-5, rtol=0)
+    out, _ = mf.orthogonalize().update(tree, ())  # default method and bf16 compute
+    assert torch.equal(out["z"], torch.zeros(3, 5))
+    assert out["a"].dtype == torch.float32
+
+
+# --------------------------------------------------------------------------------------------
+# Learning rate, weight decay, apply_updates.
+
+
+@given(lr=st.floats(0.0, 1.0), wd=st.floats(0.0, 0.5), seed=st.integers(0, 2**16))
+def test_weight_decay_and_lr_formulas(lr, wd, seed):
+    g = torch.Generator().manual_seed(seed)
+    p = {"w": torch.randn(3, 4, generator=g, dtype=torch.float64), "b": torch.randn(4, generator=g, dtype=torch.float64)}
+    u = {"w": torch.randn(3, 4, generator=g, dtype=torch.float64), "b": torch.randn(4, generator=g, dtype=torch.float64)}
+    tx = mf.chain(mf.add_decoupled_weight_decay(wd), mf.scale_by_learning_rate(lr))
+    out, _ = tx.update(u, tx.init(p), p)
+    new = mf.apply_updates(p, out)
+    for k in p:
+        torch.testing.assert_close(out[k], -lr * (u[k] + wd * p[k]))
+        torch.testing.assert_close(new[k], p[k] * (1 - lr * wd) - lr * u[k])
+
+
+def test_learning_rate_tensor_is_read_at_update_time():
+    lr = torch.tensor(0.1)
+    tx = mf.scale_by_learning_rate(lr)
+    u = {"w": torch.ones(2, 2)}
+    assert torch.equal(tx.update(u, ())[0]["w"], torch.full((2, 2), -0.1))
+    lr.fill_(0.25)
+    assert torch.equal(tx.update(u, ())[0]["w"], torch.full((2, 2), -0.25))
+
+
+def test_learning_rate_schedule_sees_the_step_count():
+    seen = []
+
+    def schedule(count):
+        seen.append(int(count))
+        return 0.1 * (count + 1)
+
+    tx = mf.scale_by_learning_rate(schedule)
+    u = {"w": torch.ones(2)}
+    state = tx.init(u)
+    outs = []
+    for _ in range(4):
+        out, state = tx.update(u, state)
+        outs.append(out["w"][0].item())
+    assert seen == [0, 1, 2, 3]
+    assert outs == pytest.approx([-0.1, -0.2, -0.3, -0.4])
+    assert state.count.dtype == torch.int64 and state.count.shape == ()
+
+
+def test_weight_decay_needs_params():
+    tx = mf.add_decoupled_weight_decay(0.1)
+    with pytest.raises(ValueError, match="needs params"):
+        tx.update({"w": torch.ones(2)}, ())
+
+
+def test_weight_decay_tensor():
+    wd = torch.tensor(0.1)
+    tx = mf.add_decoupled_weight_decay(wd)
+    p, u = {"w": torch.ones(2)}, {"w": torch.zeros(2)}
+    torch.testing.assert_close(tx.update(u, (), p)[0]["w"], torch.full((2,), 0.1))
+    wd.fill_(0.3)
+    torch.testing.assert_close(tx.update(u, (), p)[0]["w"], torch.full((2,), 0.3))
+
+
+def test_apply_updates():
+    p = {"a": torch.ones(2, dtype=torch.bfloat16), "b": torch.ones(3), "c": torch.ones(1)}
+    u = {"a": torch.full((2,), 0.5), "b": None, "c": -torch.ones(1)}
+    new = mf.apply_updates(p, u)
+    assert new["a"].dtype == torch.bfloat16 and torch.equal(new["a"], torch.full((2,), 1.5, dtype=torch.bfloat16))
+    assert new["b"] is p["b"]
+    assert torch.equal(new["c"], torch.zeros(1))
+    assert torch.equal(p["c"], torch.ones(1))  # out of place
+
+
+# --------------------------------------------------------------------------------------------
+# scale_by_adam / adamw against torch.optim.AdamW.
+
+
+@pytest.mark.parametrize("betas", [(0.9, 0.999), (0.8, 0.95)])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+@pytest.mark.parametrize("eps", [1e-8, 1e-3])
+def test_adamw_matches_torch(betas, weight_decay, eps):
+    g = torch.Generator().manual_seed(0)
+    shapes = {"w": (5, 7), "b": (7,), "s": ()}
+    params = {k: torch.randn(s, generator=g) for k, s in shapes.items()}
+    grads = [{k: torch.randn(s, generator=g) for k, s in shapes.items()} for _ in range(8)]
+    lr = 0.01
+
+    torch_params = {k: v.clone() for k, v in params.items()}
+    opt = torch.optim.AdamW(list(torch_params.values()), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    tx = mf.adamw(lr, betas, eps, weight_decay)
+    by_hand = mf.chain(mf.scale_by_adam(betas, eps), mf.add_decoupled_weight_decay(weight_decay),
+                       mf.scale_by_learning_rate(lr))
+    ours, state = dict(params), tx.init(params)
+    ours2, state2 = dict(params), by_hand.init(params)
+    for gr in grads:
+        for k, p in torch_params.items():
+            p.grad = gr[k].clone()
+        opt.step()
+        u, state = tx.update(gr, state, ours)
+        ours = mf.apply_updates(ours, u)
+        u2, state2 = by_hand.update(gr, state2, ours2)
+        ours2 = mf.apply_updates(ours2, u2)
+    for k, p in torch_params.items():
+        torch.testing.assert_close(ours[k], p, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(ours2[k], ours[k], atol=0, rtol=0)
+        st_t = opt.state[p]
+        adam_state = state[0]
+        torch.testing.assert_close(adam_state.mu[k], st_t["exp_avg"], atol=1e-7, rtol=1e-6)
+        torch.testing.assert_close(adam_state.nu[k], st_t["exp_avg_sq"], atol=1e-7, rtol=1e-6)
+        assert float(adam_state.count[k]) == float(st_t["step"]) == len(grads)
+
+
+def test_adam_count_is_per_leaf_for_missing_grads():
+    tx = mf.scale_by_adam()
+    p = {"a": torch.ones(3), "b": torch.ones(3)}
+    state = tx.init(p)
+    _, state = tx.update({"a": torch.ones(3), "b": None}, state)
+    _, state = tx.update({"a": torch.ones(3), "b": torch.ones(3)}, state)
+    assert float(state.count["a"]) == 2 and float(state.count["b"]) == 1
+    # "b" at its first step gets the fully bias-corrected first step: m̂/(√v̂+eps) = g/|g| = 1.
+    out, _ = mf.scale_by_adam().update({"b": torch.full((3,), 2.0)}, mf.scale_by_adam().init({"b": p["b"]}))
+    torch.testing.assert_close(out["b"], torch.ones(3), atol=2e-5, rtol=0)  # fp32 rounding of 1 − β₂
+
+
+# --------------------------------------------------------------------------------------------
+# normalize_rows (NorMuon, notes §2 — microsoft/dion's normalization).
+
+
+def normuon_reference(us, beta2, eps):
+    """notes §2: n0=‖U‖_F; r=mean(U², row); V←lerp(V,r,1−β₂); Û=U/(√V+eps); Û←Û·n0/max(‖Û‖_F,1e-8)."""
+    v = torch.zeros(us[0].shape[0], dtype=torch.float64)
+    outs = []
+    for u in us:
+        u = u.double().reshape(u.shape[0], -1)
+        n0 = torch.linalg.matrix_norm(u)
+        r = (u * u).mean(dim=1)
+        v = v + (1 - beta2) * (r - v)
+        uh = u / (v.sqrt()[:, None] + eps)
+        uh = uh * n0 / torch.clamp(torch.linalg.matrix_norm(uh), min=1e-8)
+        outs.append(uh)
+    return outs, v
+
+
+@pytest.mark.parametrize("shape", [(6, 10), (10, 6), (4, 2, 3, 3)], ids=str)
+@given(beta2=st.floats(0.0, 0.99), seed=st.integers(0, 2**16), row_scale=st.floats(0.01, 100.0))
+def test_normalize_rows_matches_notes(shape, beta2, seed, row_scale):
+    g = torch.Generator().manual_seed(seed)
+    # rows of very different sizes, which the normalization evens out
+    scales = torch.logspace(0, math.log10(row_scale), shape[0]).reshape(-1, *[1] * (len(shape) - 1))
+    us = [torch.randn(shape, generator=g) * scales for _ in range(4)]
+    tx = mf.normalize_rows(beta2, 1e-8)
+    state = tx.init({"w": us[0]})
+    assert state.nu["w"].shape == (shape[0],) + (1,) * (len(shape) - 1)
+    want, v = normuon_reference(us, beta2, 1e-8)
+    for u, w in zip(us, want):
+        out, state = tx.update({"w": u}, state)
+        assert out["w"].shape == u.shape
+        torch.testing.assert_close(out["w"].double().reshape(w.shape), w, atol=1e-5, rtol=1e-5)
+        # Frobenius norm is kept.
+        torch.testing.assert_close(torch.linalg.vector_norm(out["w"]), torch.linalg.vector_norm(u), rtol=1e-5, atol=0)
+    torch.testing.assert_close(state.nu["w"].double().reshape(-1), v, rtol=1e-5, atol=1e-12)
+
+
+def test_normalize_rows_zero_update_is_zero():
+    tx = mf.normalize_rows()
+    out, state = tx.update({"w": torch.zeros(3, 4)}, tx.init({"w": torch.zeros(3, 4)}))
+    assert torch.equal(out["w"], torch.zeros(3, 4))
