@@ -205,9 +205,6 @@ def test_linear_steps_and_momentum_buffer_survives_save_load():
     assert float(opt2.state[lin.bias]["step"]) == 1.0
 
 
-@pytest.mark.xfail(strict=True, reason="bug: in an 'auto' group holding 1-D params, Muon params' "
-                   "state['step'] is never incremented (Optimizer._counts skips every param once "
-                   "the AdamW half owns a 'step' slot)")
 def test_step_counts_muon_params_of_mixed_auto_group():
     lin = nn.Linear(4, 3)
     opt = mf.MuonOptimizer(lin.parameters())
@@ -1117,9 +1114,6 @@ def test_nonfinite_skip_compiled():
     assert opt.nonfinite_steps == 1
 
 
-@pytest.mark.xfail(strict=True, reason="bug: with gradient_accumulation_steps > 1 the non-finite "
-                   "error lists the params whose *current* .grad is non-finite, so an inf from an "
-                   "earlier micro-batch gives 'non-finite gradient (inf or nan) in ; ...'")
 def test_nonfinite_error_under_accumulation_names_the_parameter():
     lin = nn.Linear(4, 3)
     opt = mf.MuonOptimizer(lin.named_parameters(), gradient_accumulation_steps=2)

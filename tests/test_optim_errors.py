@@ -224,7 +224,7 @@ class TestParameters(expecttest.TestCase):
             lin.parameters(), lambda h: mf.muon(h["lr"]), {"lr": 0.02}))
         self.assertExpectedInline(
             msg,
-            """orthogonalize only supports matrices (ndim >= 2) whereas we found a leaf with size: (3,). Route 0-/1-D parameters (biases, norms) to another transform with muon_fn.partition, e.g. muon_fn.hybrid(...), or use muon_fn.MuonOptimizer / muon_fn.create_hybrid_optimizer, which do this for you.""")
+            """parameter #1 of shape (3,): orthogonalize only supports matrices (ndim >= 2) whereas we found a leaf with size: (3,). Route 0-/1-D parameters (biases, norms) to another transform with muon_fn.partition, e.g. muon_fn.hybrid(...), or use muon_fn.MuonOptimizer / muon_fn.create_hybrid_optimizer, which do this for you.""")
         self.assertIn("MuonOptimizer", msg)
         self.assertIn("create_hybrid_optimizer", msg)
 
@@ -232,7 +232,7 @@ class TestParameters(expecttest.TestCase):
         lin = _linear()
         self.assertExpectedInline(
             self.message(ValueError, lambda: mf.Optimizer(lin.parameters(), mf.muon())),
-            """orthogonalize only supports matrices (ndim >= 2) whereas we found a leaf with size: (3,). Route 0-/1-D parameters (biases, norms) to another transform with muon_fn.partition, e.g. muon_fn.hybrid(...), or use muon_fn.MuonOptimizer / muon_fn.create_hybrid_optimizer, which do this for you.""")
+            """parameter #1 of shape (3,): orthogonalize only supports matrices (ndim >= 2) whereas we found a leaf with size: (3,). Route 0-/1-D parameters (biases, norms) to another transform with muon_fn.partition, e.g. muon_fn.hybrid(...), or use muon_fn.MuonOptimizer / muon_fn.create_hybrid_optimizer, which do this for you.""")
 
     def test_nonfinite_error_message(self):
         lin = _linear()
@@ -291,34 +291,44 @@ def _adamw_state_dict(params):
     return _roundtrip(topt.state_dict())
 
 
-@pytest.mark.xfail(strict=True, reason="bug: loading torch.optim.AdamW's state_dict raises KeyError: "
-                   "'adamw_lr' (torch.optim's load replaces the groups' hyperparameters with the saved "
-                   "ones before the layout check runs) instead of the 'different optimizer layout' "
-                   "ValueError")
-def test_adamw_state_dict_into_muon_optimizer_is_a_clear_error():
-    lin = _linear()
-    sd = _adamw_state_dict(lin.parameters())
-    opt = mf.MuonOptimizer(lin.named_parameters())
-    with pytest.raises(ValueError, match="different optimizer layout"):
-        opt.load_state_dict(sd)
+class TestForeignStateDict(expecttest.TestCase):
+    """Found by these tests (were KeyError: 'adamw_lr', a half-loaded optimizer, RuntimeError from
+    .item(), and an unnamed 1-D error); fixed in 7941b33."""
+
+    def message(self, exc_type, fn) -> str:
+        with self.assertRaises(exc_type) as ctx:
+            fn()
+        return str(ctx.exception)
+
+    def test_adamw_state_dict_into_muon_optimizer(self):
+        lin = _linear()
+        sd = _adamw_state_dict(lin.parameters())
+        opt = mf.MuonOptimizer(lin.named_parameters())
+        self.assertExpectedInline(self.message(ValueError, lambda: opt.load_state_dict(sd)), """loaded param group 0 lacks this optimizer's hyperparameters ['adamw_betas', 'adamw_eps', 'adamw_lr', 'adamw_weight_decay', 'adjust_lr_fn', 'algorithm', 'beta2', 'method', 'momentum', 'momentum_dtype', 'momentum_kind', 'nesterov', 'ns_coefficients', 'ns_dtype', 'ns_eps', 'ns_steps', 'ns_stepsize', 'split']: the state_dict comes from a different optimizer layout""")
+
+    def test_torch_muon_state_dict_into_muon_optimizer(self):
+        lin = _linear()
+        topt = torch.optim.Muon([lin.weight])
+        lin.weight.grad = torch.ones_like(lin.weight)
+        topt.step()
+        sd = _roundtrip(topt.state_dict())
+        opt = mf.MuonOptimizer([lin.weight])
+        self.assertExpectedInline(self.message(ValueError, lambda: opt.load_state_dict(sd)), """loaded param group 0 lacks this optimizer's hyperparameters ['adamw_betas', 'adamw_eps', 'adamw_lr', 'adamw_weight_decay', 'algorithm', 'beta2', 'method', 'momentum_dtype', 'momentum_kind', 'ns_dtype', 'ns_eps', 'ns_stepsize', 'split']: the state_dict comes from a different optimizer layout""")
+
+    def test_tensor_lr_not_one_element(self):
+        lin = _linear()
+        self.assertExpectedInline(
+            self.message(ValueError, lambda: mf.MuonOptimizer(lin.parameters(), lr=torch.tensor([0.1, 0.2]))),
+            """Tensor lr must be 1-element""")
+
+    def test_one_d_error_names_the_parameter(self):
+        lin = _linear()
+        msg = self.message(ValueError, lambda: mf.Optimizer(
+            lin.named_parameters(), lambda h: mf.muon(h["lr"]), {"lr": 0.02}))
+        self.assertExpectedInline(msg, """parameter 'bias': orthogonalize only supports matrices (ndim >= 2) whereas we found a leaf with size: (3,). Route 0-/1-D parameters (biases, norms) to another transform with muon_fn.partition, e.g. muon_fn.hybrid(...), or use muon_fn.MuonOptimizer / muon_fn.create_hybrid_optimizer, which do this for you.""")
+        self.assertIn("'bias'", msg)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: loading torch.optim.Muon's state_dict raises KeyError: "
-                   "'adamw_lr' instead of the 'different optimizer layout' ValueError")
-def test_torch_muon_state_dict_into_muon_optimizer_is_a_clear_error():
-    lin = _linear()
-    topt = torch.optim.Muon([lin.weight])
-    lin.weight.grad = torch.ones_like(lin.weight)
-    topt.step()
-    sd = _roundtrip(topt.state_dict())
-    opt = mf.MuonOptimizer([lin.weight])
-    with pytest.raises(ValueError, match="different optimizer layout"):
-        opt.load_state_dict(sd)
-
-
-@pytest.mark.xfail(strict=True, reason="bug: load_state_dict checks the layout after torch's load has "
-                   "replaced self.state, so a rejected state_dict stays in the optimizer and the next "
-                   "step() crashes with a shape mismatch")
 def test_failed_load_leaves_optimizer_usable():
     """After a rejected state_dict the optimizer keeps its own state and still steps."""
     src, dst = _linear(0, 4, 3), _linear(1, 3, 4)
@@ -329,25 +339,26 @@ def test_failed_load_leaves_optimizer_usable():
     dst.weight.grad, dst.bias.grad = torch.ones(4, 3), torch.ones(4)
     opt2.step()
     own = {k: v.clone() for k, v in opt2.state[dst.weight].items()}
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt2.param_groups]
     with pytest.raises(ValueError, match="different optimizer layout"):
         opt2.load_state_dict(_roundtrip(opt.state_dict()))
+    assert [{k: v for k, v in g.items() if k != "params"} for g in opt2.param_groups] == groups
+    assert opt2.param_groups[0]["params"][0] is dst.weight
     for k, v in own.items():
         assert torch.equal(opt2.state[dst.weight][k], v), k
     opt2.step()
+    assert float(opt2.state[dst.weight]["step"]) == 2.0
 
 
-@pytest.mark.xfail(strict=True, reason="bug: a 1-element-only tensor lr check exists, but "
-                   "MuonOptimizer.add_param_group calls lr.item() first, so a 2-element tensor lr "
-                   "raises RuntimeError 'a Tensor with 2 elements cannot be converted to Scalar'")
-def test_tensor_lr_not_one_element():
+def test_failed_foreign_load_leaves_optimizer_usable():
     lin = _linear()
-    with pytest.raises(ValueError, match="^Tensor lr must be 1-element$"):
-        mf.MuonOptimizer(lin.parameters(), lr=torch.tensor([0.1, 0.2]))
-
-
-@pytest.mark.xfail(strict=True, reason="design §8: errors name the parameter; the 1-D-to-Muon error "
-                   "through muon_fn.Optimizer names only the shape, even for (name, param) pairs")
-def test_one_d_error_names_the_parameter():
-    lin = _linear()
-    with pytest.raises(ValueError, match="'bias'"):
-        mf.Optimizer(lin.named_parameters(), lambda h: mf.muon(h["lr"]), {"lr": 0.02})
+    opt = mf.MuonOptimizer(lin.parameters())
+    lin.weight.grad, lin.bias.grad = torch.ones(3, 4), torch.ones(3)
+    opt.step()
+    before = {k: v.clone() for k, v in opt.state[lin.bias].items()}
+    with pytest.raises(ValueError):
+        opt.load_state_dict(_adamw_state_dict(_linear().parameters()))
+    for k, v in before.items():
+        assert torch.equal(opt.state[lin.bias][k], v), k
+    assert "adamw_lr" in opt.param_groups[0]
+    opt.step()
