@@ -1145,3 +1145,28 @@ def test_auto_group_scheduler_no_recompile_and_adamw_follows():
     assert cnt.frame_count == 1, cnt.frame_count
     assert opt.param_groups[0]["lr"] == pytest.approx(0.02 * 0.125)
     torch.testing.assert_close(model[2].bias.detach(), ref_bias.detach(), atol=1e-6, rtol=0)
+
+
+def test_compiled_matches_eager_and_survives_load_without_recompiling():
+    cnt = CompileCounterWithBackend("eager")
+    torch.manual_seed(0)
+    m1 = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+    m2 = copy.deepcopy(m1)
+    eager = mf.MuonOptimizer(m1.parameters(), weight_decay=0.1, beta2=0.9)
+    compiled = mf.MuonOptimizer(m2.parameters(), weight_decay=0.1, beta2=0.9, compile={"backend": cnt})
+
+    def run(model, opt, steps, start):
+        for step in range(start, start + steps):
+            opt.zero_grad()
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+            model(x).square().mean().backward()
+            opt.step()
+
+    run(m1, eager, 3, 0)
+    run(m2, compiled, 3, 0)
+    compiled.load_state_dict(roundtrip(compiled.state_dict()))  # fresh state tensors, same layout
+    run(m1, eager, 3, 3)
+    run(m2, compiled, 3, 3)
+    assert cnt.frame_count == 1, cnt.frame_count
+    for p, q in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=0)
