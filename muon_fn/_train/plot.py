@@ -35,14 +35,16 @@ def plot_runs(results: list[dict], path: str | Path, *, title: str = "") -> Path
         color = _COLORS.get(name)
         steps, losses = zip(*r["history"]["train"]) if r["history"]["train"] else ((), ())
         ax_t.plot(steps, losses, color=color, alpha=0.2, linewidth=0.8)
-        ax_t.plot(steps, ema(list(losses)), color=color, linewidth=2, label=f"{name} (EMA 0.1)")
+        ax_t.plot(steps, ema(list(losses)), color=color, linewidth=2, label=name)
         vs, vl = zip(*r["history"]["val"])
         ax_v.plot(vs, vl, color=color, marker="o", markersize=4, linewidth=2,
                   label=f"{name}: final {vl[-1]:.3f}")
+    titles = {"training loss": "Training loss (faint: per step; bold: EMA)",
+              "validation loss": "Validation loss (fixed held-out windows)"}
     for ax, what in ((ax_t, "training loss"), (ax_v, "validation loss")):
         ax.set_xlabel("optimizer step")
         ax.set_ylabel(f"{what} (nats/byte)")
-        ax.set_title(what.capitalize())
+        ax.set_title(titles[what])
         ax.grid(True, alpha=0.3)
         ax.legend()
     # Zoom in on the interesting range: the first evaluations are all ~ln(256) = 5.5.
@@ -51,6 +53,9 @@ def plot_runs(results: list[dict], path: str | Path, *, title: str = "") -> Path
     if all_train:
         ax_t.set_ylim(min(all_train) - 0.1, max(all_train) + 0.3)
     ax_v.set_ylim(min(all_val) - 0.1, max(all_val) + 0.3)
+    if len(all_val) < sum(len(r["history"]["val"]) for r in results):
+        ax_v.annotate("step 0: ln 256 ≈ 5.55 (above the axis)", xy=(0.02, 0.97), xycoords="axes fraction",
+                      va="top", fontsize=8, color="gray")
     fig.suptitle(title or "muon_fn: loss curves", fontsize=11)
     fig.tight_layout()
     fig.savefig(path)
