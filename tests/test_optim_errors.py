@@ -96,8 +96,8 @@ class TestHyperparameters(expecttest.TestCase):
         msg = self.message(ValueError, lambda: mf.MuonOptimizer(lin.parameters(), method="newton"))
         self.assertEqual(msg, "Invalid method: 'newton' (valid: " + ", ".join(map(repr, METHODS)) + ")")
         self.assertTrue(msg.startswith("Invalid method: 'newton' (valid: 'polar_express', 'quintic', 'you', 'cubic'"))
-        for m in METHODS:  # every listed method is accepted
-            mf.MuonOptimizer(lin.parameters(), method=m)
+        for m in METHODS:  # every listed method is accepted (fp32: some methods reject bf16)
+            mf.MuonOptimizer(lin.parameters(), method=m, ns_dtype=torch.float32)
 
     def test_unknown_adjust_lr_fn(self):
         lin = _linear()
