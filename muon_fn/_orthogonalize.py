@@ -2,8 +2,11 @@
 
 ``msign(X) = U Vᵀ`` for ``X = U Σ Vᵀ``. Every method here normalizes ``X`` by its Frobenius norm
 (so σ_max ≤ 1), works on the wide orientation (``m ≤ n``, tall inputs are transposed), and applies
-one odd quintic per iteration: ``X ← aX + (bA + cA²)X`` with ``A = XXᵀ``. Methods differ only in
-their per-iteration coefficient schedule. Pure tensor functions; no state, no transforms.
+one odd quintic per iteration: ``X ← aX + (bA + cA²)X`` with ``A = XXᵀ``. Methods differ in their
+per-iteration coefficient schedule and in two options a schedule carries (:class:`Schedule`):
+``precondition="aol"`` rescales the rows after the Frobenius normalization (Turbo-Muon, the first
+Gram matrix is reused, so it costs no GEMM) and ``form="gram"`` runs the same polynomials as Gram
+Newton–Schulz (m×m products only, one restart). Pure tensor functions; no state, no transforms.
 """
 
 from __future__ import annotations
@@ -48,10 +51,26 @@ POLAR_EXPRESS_COEFFICIENTS: tuple[Coefficients, ...] = tuple(
     for a, b, c in _POLAR_EXPRESS_RAW[:-1]
 ) + (_POLAR_EXPRESS_RAW[-1],)
 
+# AOL-preconditioned schedule ("aol"), designed for this library: greedy minimax odd quintics
+# (the Polar Express construction, one linear program per step) for σ ∈ [3e-3, 1.02] after AOL
+# row scaling (1.02 covers bf16 rounding of the AOL bound σ_max ≤ 1). Each interval's top is
+# widened by 2 % before the next step is solved (0.5 % before the last) so bf16 rounding cannot push
+# σ past a steep edge, and the last row is scaled so the band tops out at 1.19. 4 steps: σ ≥ 3e-3
+# lands in [0.76, 1.19], slope 279 at 0; a 5th step (the Newton–Schulz-5 quintic, repeated after)
+# tightens that to [0.97, 1.02]. (The published 4-step AOL triples map σ = 1 to -0.99, and AOL scales
+# a rank-1-dominated gradient to σ_max = 1 exactly: its top direction would be flipped.)
+AOL_COEFFICIENTS: tuple[Coefficients, ...] = (
+    (8.221799771637821, -23.347069036911204, 16.63392375746348),
+    (3.9729122011800078, -2.8450772568990312, 0.5170406107124979),
+    (3.4738159808886855, -2.5059705583992504, 0.4810374290212562),
+    (2.4570313968385302, -1.7997161827028878, 0.4203963693941537),
+    (1.875, -1.25, 0.375),
+)
+
 # Classical cubic Newton–Schulz: converges to the exact polar factor (slowly from small σ).
 CUBIC_COEFFICIENTS: tuple[Coefficients, ...] = ((1.5, -0.5, 0.0),)
 
-METHODS = ("polar_express", "quintic", "you", "cubic")
+METHODS = ("polar_express", "quintic", "you", "cubic", "aol", "gram")
 
 # How a method's per-iteration schedule extends to ``steps`` iterations.
 _SCHEDULES: dict[str, tuple[tuple[Coefficients, ...], str]] = {
@@ -59,9 +78,49 @@ _SCHEDULES: dict[str, tuple[tuple[Coefficients, ...], str]] = {
     "quintic": (KELLER_COEFFICIENTS, "repeat_last"),
     "you": (YOU_COEFFICIENTS, "cycle"),
     "cubic": (CUBIC_COEFFICIENTS, "repeat_last"),
+    "aol": (AOL_COEFFICIENTS, "repeat_last"),
+    "gram": (POLAR_EXPRESS_COEFFICIENTS, "repeat_last"),
 }
 # Extra factor on the Frobenius norm before iterating (Polar Express's safety margin).
-_NORM_SCALE = {"polar_express": POLAR_EXPRESS_SAFETY}
+_NORM_SCALE = {"polar_express": POLAR_EXPRESS_SAFETY, "gram": POLAR_EXPRESS_SAFETY}
+# Iterations a method is designed for (what ``steps=None`` means).
+_DEFAULT_STEPS = {"aol": 4}
+# Gram Newton–Schulz restarts (recomputes X and XXᵀ) before these 0-based iterations.
+GRAM_RESTARTS = (2,)
+PRECONDITIONERS = ("frobenius", "aol")
+FORMS = ("standard", "gram")
+
+
+class Schedule(tuple):
+    """A resolved tuple of ``(a, b, c)`` triples plus how to run them.
+
+    ``precondition``: ``"frobenius"`` (``X/‖X‖_F``) or ``"aol"`` (then ``X ← diag(s)X`` with
+    ``s_i = (Σ_j |(XXᵀ)_ij|)^(-1/2)``, which bounds σ_max by 1 and lifts small σ). ``form``:
+    ``"standard"`` or ``"gram"`` (Gram Newton–Schulz: equal polynomials, fewer FLOPs when
+    n ≫ m; fp32/fp16 only, it is unstable in bf16).
+    """
+
+    precondition: str = "frobenius"
+    form: str = "standard"
+
+    def __new__(cls, rows: Sequence[Coefficients], *, precondition: str = "frobenius",
+                form: str = "standard") -> "Schedule":
+        _checks.one_of("precondition", precondition, PRECONDITIONERS)
+        _checks.one_of("form", form, FORMS)
+        obj = super().__new__(cls, tuple(tuple(r) for r in rows))
+        obj.precondition, obj.form = precondition, form
+        return obj
+
+    def __repr__(self) -> str:
+        return f"Schedule({tuple(self)!r}, precondition={self.precondition!r}, form={self.form!r})"
+
+
+_METHOD_OPTIONS = {"aol": {"precondition": "aol"}, "gram": {"form": "gram"}}
+
+
+def default_steps(method: Method) -> int:
+    """Iterations ``method`` is designed for: 4 for ``"aol"``, else 5."""
+    return _DEFAULT_STEPS.get(method, 5) if isinstance(method, str) else 5
 
 
 def default_compute_dtype(device: torch.device | str | None = None) -> torch.dtype:
@@ -78,7 +137,7 @@ def validate_coefficients(coefficients: Sequence[Sequence[float]]) -> tuple[Coef
     """Check a user schedule: a non-empty sequence of finite ``(a, b, c)`` triples."""
     try:
         rows = tuple(tuple(float(v) for v in row) for row in coefficients)
-    except TypeError as e:
+    except (TypeError, ValueError) as e:
         raise ValueError(
             f"Invalid coefficients: {coefficients!r} (expected a sequence of (a, b, c) triples)"
         ) from e
@@ -93,17 +152,21 @@ def validate_coefficients(coefficients: Sequence[Sequence[float]]) -> tuple[Coef
 
 def coefficient_schedule(
     method: str = "polar_express",
-    steps: int = 5,
+    steps: int | None = 5,
     *,
     coefficients: Sequence[Sequence[float]] | None = None,
     stepsize: float = 1.0,
-) -> tuple[Coefficients, ...]:
+) -> Schedule:
     """The ``steps`` triples ``(a, b, c)`` that ``method`` applies, one per iteration.
 
-    ``coefficients`` (a user schedule) overrides the method's; its last triple repeats if it is
-    shorter than ``steps``. ``stepsize`` η damps each iteration, ``X ← X + η(p(X) − X)``, i.e.
-    ``(a, b, c) → (1 − η + ηa, ηb, ηc)``.
+    Returns a :class:`Schedule` (a tuple of triples) that also carries the method's
+    preconditioner and form. ``steps=None`` uses :func:`default_steps`. ``coefficients`` (a user
+    schedule) overrides the method's triples (keeping its preconditioner and form); its last
+    triple repeats if it is shorter than ``steps``. ``stepsize`` η damps each iteration,
+    ``X ← X + η(p(X) − X)``, i.e. ``(a, b, c) → (1 − η + ηa, ηb, ηc)``.
     """
+    if steps is None:
+        steps = default_steps(method)
     _checks.positive_int("steps", steps)
     _checks.positive("stepsize", stepsize)
     if coefficients is not None:
@@ -117,12 +180,19 @@ def coefficient_schedule(
         rows = list(base[:steps]) + [base[-1]] * max(0, steps - len(base))
     if stepsize != 1.0:
         rows = [(1.0 - stepsize + stepsize * a, stepsize * b, stepsize * c) for a, b, c in rows]
-    return tuple(rows)
+    options = _METHOD_OPTIONS.get(method, {}) if isinstance(method, str) else {}
+    return Schedule(rows, **options)
 
 
 def norm_scale(method: str) -> float:
     """Factor on ‖X‖_F in the pre-normalization (1.01 for Polar Express, else 1)."""
     return _NORM_SCALE.get(method, 1.0) if isinstance(method, str) else 1.0
+
+
+def _aol_scale(x: torch.Tensor, gram: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """AOL rescale: ``x ← diag(s) x`` and ``gram ← diag(s) gram diag(s)``, ``s_i = (Σ_j|gram_ij|)^-½``."""
+    s = gram.abs().sum(-1, dtype=torch.float32).add_(eps).rsqrt_().to(x.dtype)
+    return x * s.unsqueeze(-1), gram * (s.unsqueeze(-1) * s.unsqueeze(-2))
 
 
 def _addmm(bias: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, beta: float, alpha: float):
@@ -132,22 +202,58 @@ def _addmm(bias: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, beta: float, 
     return torch.baddbmm(bias, m1, m2, beta=beta, alpha=alpha)
 
 
-def iterate(x: torch.Tensor, schedule: Sequence[Coefficients]) -> torch.Tensor:
-    """Apply ``X ← aX + (bA + cA²)X``, ``A = XXᵀ``, once per triple. ``x``: (m, n) or (B, m, n)."""
+def iterate(x: torch.Tensor, schedule: Sequence[Coefficients], gram: torch.Tensor | None = None) -> torch.Tensor:
+    """Apply ``X ← aX + (bA + cA²)X``, ``A = XXᵀ``, once per triple. ``x``: (m, n) or (B, m, n).
+
+    ``gram``: ``XXᵀ`` of the input if already computed (used by the first iteration).
+    """
     for a, b, c in schedule:
-        gram = x @ x.mT
+        if gram is None:
+            gram = x @ x.mT
         if c == 0.0:  # cubic: skip the A² product
             x = _addmm(x, gram, x, beta=a, alpha=b)
         else:
             poly = _addmm(gram, gram, gram, beta=b, alpha=c)
             x = _addmm(x, poly, x, beta=a, alpha=1.0)
+        gram = None
     return x
+
+
+def iterate_gram(
+    x: torch.Tensor,
+    schedule: Sequence[Coefficients],
+    gram: torch.Tensor | None = None,
+    restarts: Sequence[int] = GRAM_RESTARTS,
+) -> torch.Tensor:
+    """Gram Newton–Schulz: the polynomials of :func:`iterate` applied through ``R = XXᵀ`` only.
+
+    Keeps ``X_k = Q X_0`` with ``Q`` a polynomial in ``R_0``: per triple ``T = aI + bR + cR²``,
+    ``Q ← QT`` and ``R ← TRT`` (all m×m, they commute); at a restart ``X ← QX``, ``R ← XXᵀ``.
+    Equal to :func:`iterate` in exact arithmetic; ``4m²n`` + O(m³) FLOPs per restart instead of
+    ``4m²n`` per iteration. Loses orthogonality in bf16 (spurious negative eigenvalues of ``R``).
+    """
+    if x.size(-2) == x.size(-1):  # square: nothing to save
+        return iterate(x, schedule, gram)
+    r = x @ x.mT if gram is None else gram
+    eye = torch.eye(x.size(-2), dtype=x.dtype, device=x.device)
+    q = None
+    n = len(schedule)
+    for k, (a, b, c) in enumerate(schedule):
+        if k in restarts and q is not None:
+            x, q = q @ x, None
+            r = x @ x.mT
+        t = _addmm(r, r, r, beta=b, alpha=c) if c != 0.0 else r * b
+        t = t + a * eye
+        q = t if q is None else q @ t
+        if k + 1 < n and (k + 1) not in restarts:
+            r = t @ (r @ t)
+    return x if q is None else q @ x
 
 
 def newton_schulz(
     x: torch.Tensor,
     method: str = "polar_express",
-    steps: int = 5,
+    steps: int | None = 5,
     *,
     coefficients: Sequence[Sequence[float]] | None = None,
     dtype: torch.dtype | None = None,
@@ -158,8 +264,10 @@ def newton_schulz(
 
     Args:
       x: input of shape ``(..., m, n)``; tall matrices are transposed internally.
-      method: ``"polar_express"``, ``"quintic"`` (Keller), ``"you"`` or ``"cubic"``.
-      steps: number of iterations.
+      method: ``"polar_express"``, ``"quintic"`` (Keller), ``"you"``, ``"cubic"``, ``"aol"``
+        (AOL-preconditioned, 4 steps by default) or ``"gram"`` (Polar Express as Gram NS;
+        fp32/fp16 only).
+      steps: number of iterations (``None``: :func:`default_steps`).
       coefficients: a custom schedule of ``(a, b, c)`` triples (overrides ``method``'s).
       dtype: iteration dtype; ``None`` iterates in ``x.dtype``.
       eps: added to the Frobenius norm, so a zero input maps to zero.
@@ -176,6 +284,15 @@ def newton_schulz(
     return orthogonalize_matrices(x, schedule, dtype=dtype or x.dtype, eps=eps, norm_scale=scale)
 
 
+def check_dtype(schedule: Sequence[Coefficients], dtype: torch.dtype) -> None:
+    """Raise ``ValueError`` if ``dtype`` cannot run ``schedule`` (Gram form in bf16)."""
+    if getattr(schedule, "form", "standard") == "gram" and dtype == torch.bfloat16:
+        raise ValueError(
+            "Invalid dtype for method 'gram': torch.bfloat16 (Gram Newton-Schulz loses "
+            "orthogonality in bf16; use torch.float32, or torch.float16 on GPUs)"
+        )
+
+
 def orthogonalize_matrices(
     x: torch.Tensor,
     schedule: Sequence[Coefficients],
@@ -184,16 +301,27 @@ def orthogonalize_matrices(
     eps: float,
     norm_scale: float = 1.0,
 ) -> torch.Tensor:
-    """The iteration behind :func:`newton_schulz` with a resolved schedule (no validation)."""
+    """The iteration behind :func:`newton_schulz` with a resolved schedule.
+
+    A :class:`Schedule` brings its preconditioner and form; a plain tuple of triples runs the
+    standard iteration after Frobenius normalization.
+    """
+    check_dtype(schedule, dtype)
     out_dtype, shape = x.dtype, x.shape
     if x.ndim > 3:
         x = x.reshape(-1, *shape[-2:])
     tall = x.size(-2) > x.size(-1)
     if tall:
         x = x.mT
-    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=torch.float32)
+    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=torch.promote_types(x.dtype, torch.float32))
     y = (x / (norm * norm_scale + eps)).to(dtype)
-    y = iterate(y, schedule)
+    gram = None
+    if getattr(schedule, "precondition", "frobenius") == "aol":
+        y, gram = _aol_scale(y, y @ y.mT, eps)
+    if getattr(schedule, "form", "standard") == "gram":
+        y = iterate_gram(y, schedule, gram)
+    else:
+        y = iterate(y, schedule, gram)
     if tall:
         y = y.mT
     return y.to(out_dtype).reshape(shape)
