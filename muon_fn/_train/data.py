@@ -11,6 +11,7 @@ given glob).
 
 from __future__ import annotations
 
+import os
 import sysconfig
 import zlib
 from dataclasses import dataclass
@@ -38,14 +39,17 @@ class Corpus:
         )
 
 
+_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+
+
 def stdlib_files() -> tuple[Path, list[Path]]:
+    """The standard library's ``*.py`` files, sorted by relative path (third-party dirs pruned)."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = [
-        f
-        for f in root.rglob("*.py")
-        if f.is_file() and not ({"site-packages", "dist-packages", "__pycache__"} & set(f.relative_to(root).parts))
-    ]
-    return root, sorted(files, key=lambda f: f.relative_to(root).as_posix())
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS]
+        files.extend(Path(dirpath) / f for f in filenames if f.endswith(".py"))
+    return root, sorted((f for f in files if f.is_file()), key=lambda f: f.relative_to(root).as_posix())
 
 
 def _is_val(rel: str) -> bool:
