@@ -136,6 +136,8 @@ def run_benchmark(world_size: int, *, repeats: int = 3, ns_steps: int = 5, layer
     result["formula_bytes_bf16"] = result["formula_bytes_fp32"] / 2
     v = result["variants"]
     result["owner_over_replicate"] = v["owner/fp32"]["median_step_s"] / v["replicate/fp32"]["median_step_s"]
+    # Paired: owner and replicate of the same repeat ran back to back under the same load.
+    result["paired_ratios"] = [o / r for o, r in zip(v["owner/fp32"]["step_s"], v["replicate/fp32"]["step_s"])]
     return result
 
 
@@ -155,6 +157,7 @@ def format_result(r: dict[str, Any]) -> str:
     lines.append(
         f"  formula 2(W-1)/W^2*S = {r['formula_bytes_fp32'] / mb:.1f} MB fp32, "
         f"{r['formula_bytes_bf16'] / mb:.1f} MB bf16;  owner/replicate = {r['owner_over_replicate']:.3f}"
+        f" (medians; per repeat {', '.join(f'{x:.3f}' for x in r['paired_ratios'])})"
     )
     return "\n".join(lines)
 
