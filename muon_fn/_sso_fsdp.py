@@ -125,9 +125,9 @@ class FSDPSpectralSphereOptimizer(FSDPMuonOptimizer):
                 has_grad.append(g is not None)
                 if g is not None:
                     b.copy_(nb)
-                rows = b.shape[0]
-                m_rows = (u if u is not None else torch.zeros_like(b)).reshape(rows, -1)
-                w_rows = _params.local(p).detach().reshape(rows, -1).to(m_rows.dtype)
+                rows, n = b.shape[0], _plan.flat_shape(p.shape)[1]  # n explicit: empty shards
+                m_rows = (u if u is not None else torch.zeros_like(b)).reshape(rows, n)
+                w_rows = _params.local(p).detach().reshape(rows, n).to(m_rows.dtype)
                 held.append(torch.cat([m_rows, w_rows], dim=1))
                 group_of[len(held) - 1] = index
         results: dict[int, dict[str, torch.Tensor]] = {}
@@ -163,7 +163,7 @@ class FSDPSpectralSphereOptimizer(FSDPMuonOptimizer):
                 )
                 updates, new = tx.update(dirs, state, ws)
                 for n_i, (q, u) in enumerate(zip(positions, updates)):
-                    flat = u.reshape(u.shape[0], -1)
+                    flat = u.reshape(u.shape[0], n_of[n_i])
                     outs[q] = torch.cat([flat, torch.zeros_like(flat)], dim=1).to(mats[q].dtype)
                     results[idx[q]] = {"sso_v": new.v[n_i], "sso_lambda": new.lam[n_i],
                                        "sso_sigma": new.sigma[n_i], "sso_residual": new.residual[n_i],

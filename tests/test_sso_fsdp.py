@@ -1,0 +1,177 @@
+"""FSDPSpectralSphereOptimizer on CPU/gloo (W = 2 and 4) against single-device SpectralSphereOptimizer.
+
+One spawned job per world size runs every check on every rank (this file as a script); rank 0
+writes the gathered results to JSON, read by the tests below. Same synthetic full gradients on
+every rank (a DTensor parameter gets its rows). Tolerance 1e-5 max-abs after 3 steps: owners
+batch different sets of same-shape matrices, so rounding may differ (measured 0.0: bit-exact).
+Collective timeout 60 s, job timeout 240 s.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+pytestmark = pytest.mark.distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB_TIMEOUT_S = 240
+STEPS = 3
+ATOL = 1e-5
+
+
+class Net(nn.Module):
+    """Uneven shards at W=4 (5 rows: 2, 2, 1, 0), two same-shape matrices, 1-D params."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(8, 12)
+        self.l2 = nn.Linear(12, 12, bias=False)
+        self.l3 = nn.Linear(12, 12, bias=False)
+        self.l4 = nn.Linear(12, 5)
+
+    def forward(self, x):
+        for layer in (self.l1, self.l2, self.l3, self.l4):
+            x = torch.tanh(layer(x))
+        return x
+
+
+def _grad(shape, step, index):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(100 * step + index))
+
+
+def _set_grads(model, step):
+    from torch.distributed.tensor import DTensor
+
+    from muon_fn.fsdp._plan import chunk_rows
+
+    for i, p in enumerate(model.parameters()):
+        g = _grad(tuple(p.shape), step, i)
+        if isinstance(p, DTensor):
+            mesh = p.device_mesh
+            a, b = chunk_rows(g.shape[0], mesh.size(0))[mesh.get_local_rank(0)]
+            p.grad = DTensor.from_local(g[a:b].clone(), mesh, p.placements, run_check=False,
+                                        shape=p.shape, stride=p.stride())
+        else:
+            p.grad = g
+
+
+def _check_parity(strategy):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from muon_fn._sso_fsdp import FSDPSpectralSphereOptimizer
+    from muon_fn._sso_optim import SpectralSphereOptimizer
+
+    torch.manual_seed(0)
+    ref_model = Net()
+    model = copy.deepcopy(ref_model)
+    for layer in (model.l1, model.l2, model.l3, model.l4):
+        fully_shard(layer)
+    fully_shard(model)
+    opt = FSDPSpectralSphereOptimizer(model, strategy=strategy)
+    ref = SpectralSphereOptimizer(ref_model.parameters())
+    for step in range(STEPS):
+        _set_grads(model, step)
+        _set_grads(ref_model, step)
+        opt.step()
+        ref.step()
+    diffs = {}
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        diffs[name] = float((full.detach() - q.detach()).abs().max())
+    stats = opt.last_step_stats_sso()
+    lam = [float(x) for x in stats.lam]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, lam)
+    ref_stats = ref.last_step_stats()
+    return {"max_diff": max(diffs.values()), "diffs": diffs,
+            "ranks_agree": all(x == everyone[0] for x in everyone),
+            "lam": lam, "ref_lam": [float(x) for x in ref_stats.lam],
+            "iterations": [int(x) for x in stats.iterations],
+            "ref_iterations": [int(x) for x in ref_stats.iterations]}
+
+
+CHECKS = {"owner": lambda: _check_parity("owner"), "replicate": lambda: _check_parity("replicate")}
+
+
+def _worker(rank, w, port, out):
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=w, timeout=timedelta(seconds=60))
+    results = {}
+    for name, fn in CHECKS.items():
+        try:
+            results[name] = {"ok": True, **fn()}
+        except Exception:  # noqa: BLE001 - reported to the test
+            results[name] = {"ok": False, "error": traceback.format_exc()}
+            print(f"rank {rank} {name}:", results[name]["error"], flush=True)
+    gathered = [None] * w
+    dist.all_gather_object(gathered, results)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(gathered, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_CACHE: dict[int, object] = {}
+
+
+def _job(w):
+    if w in _CACHE:
+        return _CACHE[w]
+    out = os.path.join(tempfile.mkdtemp(), f"sso_fsdp_{w}.json")
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, __file__, str(w), out, str(_free_port())], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, text=True)
+    try:
+        log, _ = proc.communicate(timeout=JOB_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)  # the job's own process group: its ranks only
+        log, _ = proc.communicate()
+    result = json.load(open(out)) if os.path.exists(out) else log
+    _CACHE[w] = result
+    return result
+
+
+@pytest.mark.parametrize("w", [2, 4])
+@pytest.mark.parametrize("strategy", ["owner", "replicate"])
+def test_fsdp_sso_matches_single_device(w, strategy):
+    ranks = _job(w)
+    assert isinstance(ranks, list), f"job failed:\n{ranks}"
+    for rank, res in enumerate(ranks):
+        r = res[strategy]
+        assert r["ok"], f"rank {rank}:\n{r.get('error')}"
+        assert r["max_diff"] <= ATOL, (rank, r["diffs"])
+        assert r["ranks_agree"], r["lam"]
+        assert r["iterations"] == r["ref_iterations"]
+        assert r["lam"] == pytest.approx(r["ref_lam"], abs=1e-6)
+
+
+if __name__ == "__main__":
+    import torch.multiprocessing as mp
+
+    world, out_path, port_ = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    mp.spawn(_worker, args=(world, port_, out_path), nprocs=world, join=True)
