@@ -54,8 +54,8 @@ def plot_runs(results: list[dict], path: str | Path, *, title: str = "") -> Path
         ax_t.set_ylim(min(all_train) - 0.1, max(all_train) + 0.3)
     ax_v.set_ylim(min(all_val) - 0.1, max(all_val) + 0.3)
     if len(all_val) < sum(len(r["history"]["val"]) for r in results):
-        ax_v.annotate("step 0: ln 256 ≈ 5.55 (above the axis)", xy=(0.02, 0.97), xycoords="axes fraction",
-                      va="top", fontsize=8, color="gray")
+        ax_v.annotate("step 0: ln 256 ≈ 5.55 (above the axis)", xy=(0.02, 0.03), xycoords="axes fraction",
+                      va="bottom", fontsize=8, color="gray")
     fig.suptitle(title or "muon_fn: loss curves", fontsize=11)
     fig.tight_layout()
     fig.savefig(path)
