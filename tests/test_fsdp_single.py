@@ -75,6 +75,24 @@ def test_bit_exact_vs_muon_optimizer(extra):
                 assert torch.equal(opt.state[p][key], value), key
 
 
+@pytest.mark.parametrize("beta2", [None, 0.95])
+def test_bit_exact_with_bf16_params(beta2):
+    """bf16 momentum travels up-cast to fp32 next to the fp32 NorMuon row state, exactly."""
+    torch.manual_seed(0)
+    ref = Net().to(torch.bfloat16)
+    model = copy.deepcopy(ref)
+    opt = FSDPMuonOptimizer(model, beta2=beta2, **KW)
+    ref_opt = mf.MuonOptimizer(ref.parameters(), beta2=beta2, **KW)
+    for t in range(4):
+        x, y = batch(t)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            (m(x.bfloat16()) - y.bfloat16()).float().square().mean().backward()
+            o.step()
+    assert_models_equal(model, ref)
+    assert opt.state[model.fc1.weight]["momentum_buffer"].dtype == torch.bfloat16
+
+
 def test_lr_scheduler_scales_both_halves_like_muon_optimizer():
     torch.manual_seed(0)
     ref = Net()

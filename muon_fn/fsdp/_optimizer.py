@@ -342,10 +342,13 @@ class FSDPMuonOptimizer(torch.optim.Optimizer):
         return g / k if k > 1 else g
 
     def _muon_step(self, k: int) -> dict[str, Any]:
-        c, topo = self._config, self.topology
-        beta2 = c["beta2"]
+        c, topo, beta2 = self._config, self.topology, self._config["beta2"]
+        mu_dtypes = [self.state[p]["momentum_buffer"].dtype for p in self._muon]
+        # One dtype on the way to the owner (the exchange needs it): fp32 if any matrix or the
+        # NorMuon row state is fp32; up-casts are exact, and the owner casts back.
+        wire_in = torch.float32 if beta2 is not None or torch.float32 in mu_dtypes else mu_dtypes[0] \
+            if mu_dtypes else torch.float32
         held: list[torch.Tensor] = []
-        directions: list[torch.Tensor | None] = []
         has_grad: list[bool] = []
         wide_counts: list[dict[tuple, int]] = [{} for _ in self.param_groups]
         # pre: momentum on local rows, one call per group.
@@ -359,48 +362,49 @@ class FSDPMuonOptimizer(torch.optim.Optimizer):
             pre = momentum_tx(s["momentum"], nesterov=c["nesterov"], kind=c["momentum_kind"])
             out, new = pre.update(grads, MomentumState(mu=bufs))
             for p, g, b, nb, u in zip(params, grads, bufs, new.mu, out):
+                rows, cols = _plan.flat_shape(p.shape)
                 has_grad.append(g is not None)
                 if g is not None:
                     b.copy_(nb)
-                    wide = tuple(sorted(_plan.flat_shape(p.shape)))
-                    key = ((wide[0], wide[1]), u.dtype)
+                    key = ((min(rows, cols), max(rows, cols)), u.dtype)  # wide orientation
                     wide_counts[index][key] = wide_counts[index].get(key, 0) + 1
-                rows, cols = b.shape[0], _plan.flat_shape(p.shape)[1]
-                x = (u if u is not None else torch.zeros_like(b)).reshape(rows, cols)
+                x = (u if u is not None else torch.zeros_like(b)).reshape(b.shape[0], cols).to(wire_in)
                 if beta2 is not None:
-                    v = _params.local(self.state[p]["row_variance"]).reshape(rows, 1).to(x.dtype)
-                    x = torch.cat([x, v], dim=1)
+                    v = _params.local(self.state[p]["row_variance"]).reshape(b.shape[0], 1)
+                    x = torch.cat([x, v.to(wire_in)], dim=1)
                 held.append(x)
-                directions.append(u)
-        muon_index = {j: self._muon_group[id(p)] for j, p in enumerate(self._muon)}
+        group_of = [self._muon_group[id(p)] for p in self._muon]
         mids = {i: self._mid(wide_counts[i]) for i, g in enumerate(self.param_groups) if g["use_muon"]}
-        flops = [0]
+        flops = 0
 
         def compute(idx: list[int], mats: list[torch.Tensor]) -> list[torch.Tensor]:
-            results: dict[int, torch.Tensor] = {}
+            """mid on the full matrices of ``idx`` (the owner's), one call per parameter group."""
+            nonlocal flops
+            results: list[torch.Tensor | None] = [None] * len(idx)
             by_group: dict[int, list[int]] = {}
             for pos, j in enumerate(idx):
-                by_group.setdefault(muon_index[j], []).append(pos)
+                by_group.setdefault(group_of[j], []).append(pos)
             for gi, positions in by_group.items():
                 shapes = [self.plan.matrices[idx[q]].shape for q in positions]
                 fulls = tuple(
-                    (mats[q][:, :-1] if beta2 is not None else mats[q]).contiguous().reshape(shape)
+                    (mats[q][:, :-1] if beta2 is not None else mats[q]).to(mu_dtypes[idx[q]])
+                    .contiguous().reshape(shape)
                     for q, shape in zip(positions, shapes)
                 )
                 mid = mids[gi]
                 state = tuple(mid.init(fulls))
-                if beta2 is not None:
+                if beta2 is not None:  # the rows' NorMuon state travelled as the last column
                     nus = tuple(mats[q][:, -1:].float().reshape((shape[0],) + (1,) * (len(shape) - 1))
                                 for q, shape in zip(positions, shapes))
                     state = (state[0], NormalizeRowsState(nu=nus), state[2])
                 outs, new_state = mid.update(fulls, state)
-                for n, (q, o) in enumerate(zip(positions, outs)):
-                    r = o.reshape(o.shape[0], -1)
+                for n, (q, o, shape) in enumerate(zip(positions, outs, shapes)):
+                    r = o.reshape(shape[0], -1).to(wire_in)
                     if beta2 is not None:
-                        r = torch.cat([r, new_state[1].nu[n].reshape(-1, 1).to(r.dtype)], dim=1)
+                        r = torch.cat([r, new_state[1].nu[n].reshape(-1, 1).to(wire_in)], dim=1)
                     results[q] = r
-                    flops[0] += _plan.ns_flops(shapes[positions.index(q)], c["ns_steps"])
-            return [results[q] for q in range(len(idx))]
+                    flops += _plan.ns_flops(shape, c["ns_steps"])
+            return results  # type: ignore[return-value]
 
         run = _exchange.exchange if self.strategy == "owner" else _exchange.exchange_replicated
         mine, ex = run(self.plan, topo.rank, held, compute, group=topo.group, wire_dtype=self.wire_dtype)
@@ -417,10 +421,10 @@ class FSDPMuonOptimizer(torch.optim.Optimizer):
                 r = mine[j]
                 if beta2 is not None:
                     if has_grad[j]:
-                        _params.local(self.state[p]["row_variance"]).copy_(
-                            r[:, -1:].reshape(_params.local(self.state[p]["row_variance"]).shape))
+                        v = _params.local(self.state[p]["row_variance"])
+                        v.copy_(r[:, -1:].reshape(v.shape))
                     r = r[:, :-1]
-                dirs.append(r.reshape(lo.shape) if has_grad[j] else None)
+                dirs.append(r.to(mu_dtypes[j]).reshape(lo.shape) if has_grad[j] else None)
                 j += 1
             post = chain(add_decoupled_weight_decay(s["weight_decay"]), scale_by_learning_rate(s["lr"]))
             updates, _ = post.update(tuple(dirs), (EmptyState(), EmptyState()), locs)
@@ -428,11 +432,12 @@ class FSDPMuonOptimizer(torch.optim.Optimizer):
                 if u is not None:
                     lo.add_(u.to(lo.dtype))
                     self.state[p]["step"].add_(1)
+        computed = sum(1 for mp in self.plan.matrices
+                       if self.strategy == "replicate" or mp.owner == topo.rank)
         return {
             "strategy": self.strategy, "rank": topo.rank, "world_size": topo.world_size,
             "bytes_sent": ex.bytes_sent, "bytes_received": ex.bytes_received,
-            "ns_flops": flops[0], "matrices_computed": sum(
-                1 for mp in self.plan.matrices if self.strategy == "replicate" or mp.owner == topo.rank),
+            "ns_flops": flops, "matrices_computed": computed,
             "comm_wait_s": ex.comm_wait_s, "compute_s": ex.compute_s,
         }
 
