@@ -55,6 +55,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6, help="timed steps")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (solver warms up too)")
     ap.add_argument("--json", type=str, default=None, help="write the results here")
+    ap.add_argument("--variants", type=str, default="muon,muon_fp32x8,muon_sphere,sso",
+                    help="comma-separated subset of: muon, muon_fp32x8, muon_sphere, sso, sso_bf16")
     args = ap.parse_args()
     torch.set_num_threads(1)
     params, signals, gen = make_problem(args.layers)
@@ -63,7 +65,15 @@ def main() -> None:
         "muon_fp32x8": mf.muon(0.02, ns_steps=8, ns_dtype=torch.float32),
         "muon_sphere": sso(0.02, muon_sphere=True),
         "sso": sso(0.02),
+        # Economy: msign in bf16 with 5 steps (Muon's), tolerance loosened to bf16's h noise.
+        "sso_bf16": sso(0.02, msign_dtype=torch.bfloat16, msign_steps=5, tol=5e-3),
     }
+    wanted = args.variants.split(",")
+    unknown = set(wanted) - set(txs)
+    if unknown or "muon" not in wanted:
+        raise SystemExit(f"--variants must include 'muon' and name only {sorted(txs)}; got {args.variants!r}")
+    txs = {k: v for k, v in txs.items() if k in wanted}
+    sso_name = "sso" if "sso" in txs else next((k for k in txs if k.startswith("sso")), None)
     t0 = time.perf_counter()
     states = {k: tx.init(params) for k, tx in txs.items()}
     init_s = time.perf_counter() - t0
@@ -74,8 +84,7 @@ def main() -> None:
     for step in range(args.warmup + args.steps):
         grads = grads_for(signals, gen)
         exact = spectral.compute_spectral_norm  # σ of SSO's W before its update (untimed)
-        sso_w = weights["sso"]
-        true_sigma = [float(exact(w)) for w in sso_w]
+        true_sigma = [float(exact(w)) for w in weights[sso_name]] if sso_name else []
         for name in (order if step % 2 == 0 else order[::-1]):
             t = time.perf_counter()
             updates, states[name] = txs[name].update(grads, states[name], weights[name])
@@ -83,16 +92,18 @@ def main() -> None:
             dt = time.perf_counter() - t
             if step >= args.warmup:
                 times[name].append(dt)
-        st = states["sso"]
-        if step >= args.warmup:
+        st = states[sso_name] if sso_name else None
+        if st is not None and step >= args.warmup:
             iters.update(int(i) for i in st.iterations)
             residuals += [float(r) for r in st.residual]
             fallbacks += int(sum(int(f) for f in st.fallback))
             sigma_err += [abs(ts / float(s) - 1) for ts, s in zip(true_sigma, st.sigma)]
         print(f"step {step}: " + ", ".join(f"{k} {times[k][-1]:.2f}s" for k in txs if times[k] and step >= args.warmup)
-              + f"  sso iterations {[int(i) for i in st.iterations]}", flush=True)
+              + (f"  {sso_name} iterations {[int(i) for i in st.iterations]}" if st is not None else ""), flush=True)
 
     def ratio(a, b):
+        if a not in times or b not in times:
+            return None
         r = [x / y for x, y in zip(times[a], times[b])]
         return {"median": statistics.median(r), "min": min(r), "max": max(r)}
 
@@ -105,6 +116,8 @@ def main() -> None:
         "ratio_sso_over_muon_fp32x8": ratio("sso", "muon_fp32x8"),
         "ratio_muon_sphere_over_muon": ratio("muon_sphere", "muon"),
         "ratio_sso_over_muon_sphere": ratio("sso", "muon_sphere"),
+        "ratio_sso_bf16_over_muon": ratio("sso_bf16", "muon"),
+        "solver_stats_of": sso_name,
         "solver_iterations_histogram": {int(k): v for k, v in sorted(iters.items())},
         "solver_iterations_mean": sum(k * v for k, v in iters.items()) / max(total, 1),
         "fallbacks": fallbacks,
