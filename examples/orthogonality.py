@@ -4,7 +4,7 @@ For a Gaussian G (seed 0) of each shape, prints the singular values of the outpu
 and the RMS distance of the singular values from 1 (= ‖O − UVᵀ‖_F/√m), per method, steps and
 iteration dtype. Metrics are computed in float64.
 
-    python examples/orthogonality.py                    # 256×1024 and 1024×256, 5 and 8 steps
+    python examples/orthogonality.py                    # 256×1024 and 1024×256; designed steps, 5 and 8
     python examples/orthogonality.py --shape 768x3072   # gpt2-small's MLP shape (slower)
 """
 
@@ -20,7 +20,7 @@ except ImportError:  # a source checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import muon_fn as mf
 
-METHODS = ("polar_express", "quintic", "you", "cubic")
+from muon_fn._orthogonalize import METHODS, default_steps  # every built-in method and its designed step count
 
 
 def measure(G: torch.Tensor, method: str, steps: int, dtype: torch.dtype) -> tuple[float, float, float]:
@@ -39,8 +39,10 @@ def main(argv=None) -> int:
     for shape in shapes:
         G = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
         for method in METHODS:
-            for steps in args.steps:
+            for steps in sorted({default_steps(method), *args.steps}):
                 for dtype in (torch.float32, torch.bfloat16):
+                    if method == "gram" and dtype == torch.bfloat16:
+                        continue  # Gram Newton–Schulz rejects bf16 (it loses orthogonality there)
                     lo, hi, rms = measure(G, method, steps, dtype)
                     name = str(dtype).replace("torch.", "")
                     print(f"{'x'.join(map(str, shape)):<10} {method:<14} {steps:>5} {name:<9} {lo:7.4f} {hi:7.4f} {rms:9.4f}")
