@@ -83,6 +83,7 @@ def _validate(lr, momentum, radius_scale, power_steps, power_block, msign_steps,
     _checks.positive_int("msign_steps", msign_steps)
     _checks.one_of("msign_method", msign_method, _orthogonalize.METHODS)
     _checks.one_of("scale_mode", scale_mode, SCALE_MODES)
+    _checks.one_of("solver", solver, spectral.SOLVER_METHODS)
     spectral._check_solver_args(tol, max_iterations, bracket_step, max_expansions, solver)
 
 

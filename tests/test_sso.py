@@ -329,7 +329,9 @@ class TestMessages(expecttest.TestCase):
         self.assertExpectedInline(self._msg(lambda: spectral_sphere(scale_mode="adam")),
                                   """Invalid scale_mode: 'adam' (valid: 'radius', 'keller', 'original', 'match_rms_adamw', 'spectral', 'legacy', 'none')""")
         self.assertExpectedInline(self._msg(lambda: spectral_sphere(solver="secant")),
-                                  """Invalid method: 'secant' (valid: 'bisection', 'illinois')""")
+                                  """Invalid solver: 'secant' (valid: 'bisection', 'illinois')""")
+        self.assertExpectedInline(self._msg(lambda: spectral_sphere(max_iterations=-1)),
+                                  """Invalid max_iterations: -1 (expected an integer >= 0)""")
         tx = sso()
         self.assertExpectedInline(self._msg(lambda: tx.init((torch.zeros(3),))),
                                   """spectral_sphere only supports matrices (ndim >= 2) whereas we found a leaf with size: (3,). Route 0-/1-D parameters (biases, norms) to another transform with muon_fn.partition, e.g. muon_fn.hybrid(...), or use muon_fn.MuonOptimizer / muon_fn.create_hybrid_optimizer, which do this for you.""")
