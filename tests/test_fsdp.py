@@ -190,13 +190,13 @@ def assert_same(model, opt, ref, ref_opt, *, atol: float = 0.0, what: str = "",
 
 
 # ---------------------------------------------------------------------------- checks
-def check_parity(w, strategy="owner", **kw):
+def check_parity(w, strategy="owner", compile=False, **kw):
     from muon_fn.fsdp import FSDPMuonOptimizer
 
     def run():
         ref = make_toy()
         model = shard_toy(copy.deepcopy(ref))
-        opt = FSDPMuonOptimizer(model, strategy=strategy, **muon_kwargs(**kw))
+        opt = FSDPMuonOptimizer(model, strategy=strategy, compile=compile, **muon_kwargs(**kw))
         for t in range(STEPS):
             set_grads(model, t)
             opt.step()
@@ -629,6 +629,7 @@ def checks_for(w: int, ckpt_dir: str) -> dict:
         checks["dcp_save_w4"] = check_dcp_save(w, ckpt_dir)
     if w == 2:
         checks["dcp_load_w2"] = check_dcp_load(w, ckpt_dir)
+        checks["parity_owner_compiled"] = check_parity(w, compile={"backend": "eager"})
     return checks
 
 
@@ -636,7 +637,7 @@ def _names(w: int) -> list[str]:
     base = ["parity_owner", "parity_replicate", "parity_sgd_momentum_quintic", "parity_normuon",
             "parity_hybrid_groups", "parity_plain_replicated", "wire_bf16", "bytes_formula",
             "no_grad_rank", "nonfinite", "accumulation", "mixed_precision", "unshard_params", "errors"]
-    return base + (["hsdp", "dcp_save_w4"] if w == 4 else ["dcp_load_w2"])
+    return base + (["hsdp", "dcp_save_w4"] if w == 4 else ["dcp_load_w2", "parity_owner_compiled"])
 
 
 # ---------------------------------------------------------------------------- the job

@@ -93,6 +93,31 @@ def test_bit_exact_with_bf16_params(beta2):
     assert opt.state[model.fc1.weight]["momentum_buffer"].dtype == torch.bfloat16
 
 
+def test_compiled_owner_update_matches_eager_without_graph_breaks():
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    ref = Net()
+    model = copy.deepcopy(ref)
+    counters.clear()
+    opt = FSDPMuonOptimizer(model, compile={"backend": "eager"}, beta2=0.95, **KW)
+    ref_opt = mf.MuonOptimizer(ref.parameters(), beta2=0.95, **KW)
+    train(model, opt, 3)
+    train(ref, ref_opt, 3)
+    assert_models_equal(model, ref)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    (mid,) = opt._mid_cache.values()  # one batching pattern, reused every step
+    assert "compile_update" in repr(mid.update._muon_fn_repr)
+
+
+def test_frozen_parameters_are_left_out():
+    model = Net()
+    model.fc2.weight.requires_grad_(False)
+    opt = FSDPMuonOptimizer(model)
+    assert all(p is not model.fc2.weight for g in opt.param_groups for p in g["params"])
+    assert len(opt.plan.matrices) == 3
+
+
 def test_lr_scheduler_scales_both_halves_like_muon_optimizer():
     torch.manual_seed(0)
     ref = Net()

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -28,6 +28,7 @@ from .. import _checks
 from .._alias import DEFAULT_METHOD
 from .._base import EmptyState
 from .._combine import chain
+from .._compile import compile_update
 from .._muon import SHAPE_RULES, orthogonalize, scale_by_shape
 from .._orthogonalize import METHODS, default_compute_dtype, newton_schulz
 from .._transforms import (
@@ -58,7 +59,8 @@ class FSDPMuonOptimizer(torch.optim.Optimizer):
     Args:
       model: the module whose parameters are optimized (wrapped with ``fully_shard``, any
         nesting, 1-D mesh or HSDP; a plain module's parameters are treated as replicated).
-      params: parameters or param-group dicts (default: ``model.parameters()``); a group may set
+      params: parameters or param-group dicts (default: the model's parameters that require
+        grad); a group may set
         ``use_muon`` (True: Muon, ndim >= 2 required; False: AdamW; default: by ndim).
       lr, weight_decay, momentum, nesterov: Muon's ``p ← p(1 − lr·wd) − lr·s·msign(M)``.
       ns_steps, ns_stepsize: iterations and damping η of the orthogonalization ``method``.
@@ -76,6 +78,9 @@ class FSDPMuonOptimizer(torch.optim.Optimizer):
       num_buckets: exchanges per step (communication of later buckets overlaps computation).
       process_group: the group to use for plain (replicated) parameters; must match the
         DTensor parameters' shard group if given.
+      compile: ``True`` (or a dict of ``torch.compile`` options, e.g. ``{"backend": "eager"}``)
+        compiles the owner's matrix update (``orthogonalize`` … ``scale_by_shape``) with
+        :func:`muon_fn.compile_update`, one graph per set of shapes it computes together.
       nonfinite: if any rank has an inf/nan gradient, ``"error"`` raises on every rank and
         ``"skip"`` skips the step (counted in ``nonfinite_steps``), both leaving parameters and
         state unchanged; ``None`` does not check (saves one tiny all-reduce per step).
@@ -117,6 +122,7 @@ class FSDPMuonOptimizer(torch.optim.Optimizer):
         num_buckets: int = 4,
         process_group: Any = None,
         nonfinite: str | None = "error",
+        compile: bool | Mapping[str, Any] = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -143,6 +149,10 @@ class FSDPMuonOptimizer(torch.optim.Optimizer):
         _checks.one_of("wire_dtype", wire_dtype, WIRE_DTYPES)
         _checks.positive_int("num_buckets", num_buckets)
         _checks.one_of("nonfinite", nonfinite, ("error", "skip", None))
+        if not isinstance(compile, (bool, Mapping)):
+            raise TypeError(f"compile must be a bool or a dict of torch.compile options, got {compile!r}")
+        self._compile = compile
+        self._mid_cache: dict[Any, Any] = {}
         self.nonfinite = nonfinite
         self.nonfinite_steps = 0
         self._model = model
@@ -159,7 +169,9 @@ class FSDPMuonOptimizer(torch.optim.Optimizer):
         )
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, adamw_lr=adamw_lr,
                         adamw_weight_decay=adamw_weight_decay, use_muon=None)
-        super().__init__(model.parameters() if params is None else params, defaults)
+        if params is None:  # frozen parameters never get gradients: leave them out of the plan
+            params = [p for p in model.parameters() if p.requires_grad]
+        super().__init__(params, defaults)
 
         named = [(self._name(p), p) for g in self.param_groups for p in g["params"]]
         self.topology = _params.resolve_topology(named, process_group)
@@ -279,12 +291,22 @@ class FSDPMuonOptimizer(torch.optim.Optimizer):
         return msign
 
     def _mid(self, wide_counts: dict[tuple, int]):
-        c = self._config
-        parts = [orthogonalize(self._msign(wide_counts))]
-        if c["beta2"] is not None:
-            parts.append(normalize_rows(c["beta2"], c["eps"]))
-        parts.append(scale_by_shape(c["adjust_lr_fn"]))
-        return chain(*parts)
+        """The owner's transform: orthogonalize (+ normalize_rows) + scale_by_shape, cached per
+        batching pattern (so a compiled one is reused step after step)."""
+        key = tuple(sorted((k, v > 1) for k, v in wide_counts.items()))
+        mid = self._mid_cache.get(key)
+        if mid is None:
+            c = self._config
+            parts = [orthogonalize(self._msign(dict(wide_counts)))]
+            if c["beta2"] is not None:
+                parts.append(normalize_rows(c["beta2"], c["eps"]))
+            parts.append(scale_by_shape(c["adjust_lr_fn"]))
+            mid = chain(*parts)
+            if self._compile is not False:
+                options = dict(self._compile) if isinstance(self._compile, Mapping) else {}
+                mid = compile_update(mid, **options)
+            self._mid_cache[key] = mid
+        return mid
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
