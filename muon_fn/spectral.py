@@ -386,5 +386,5 @@ def solve_lambda(
     stats = SolverStats(iterations=iters, residual=residual, converged=converged & ~fallback, fallback=fallback)
     if unbatched:
         lam, phi_best = lam[0], phi_best[0]
-        stats = SolverStats(*(s[0] for s in stats))
+        stats = SolverStats(*[s[0] for s in stats])
     return lam, phi_best, stats
