@@ -259,10 +259,31 @@ def test_state_dict_round_trip_continues_identically():
     train(b, opt_b, 3)
     opt_c = SpectralSphereOptimizer(b.parameters())
     opt_c.load_state_dict(opt_b.state_dict())
+    for p in b.parameters():  # torch casts every state tensor to the param dtype; we restore them
+        for key, value in opt_b.state[p].items():
+            assert opt_c.state[p][key].dtype == value.dtype, (key, opt_c.state[p][key].dtype, value.dtype)
     train(a, opt_a, 2)
     train(b, opt_c, 2)
     for pa, pb in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(pa, pb, rtol=0, atol=0)
+
+
+def test_bf16_params_keep_fp32_momentum_and_integer_stats_through_a_checkpoint():
+    torch.manual_seed(5)
+    m = nn.Linear(32, 16).to(torch.bfloat16)
+    opt = SpectralSphereOptimizer(m.parameters(), momentum_dtype=torch.float32)
+    X = torch.randn(8, 32, dtype=torch.bfloat16)
+    for _ in range(2):
+        opt.zero_grad()
+        m(X).float().square().mean().backward()
+        opt.step()
+    assert float(torch.linalg.matrix_norm(m.weight.float(), ord=2)) == pytest.approx(2 * math.sqrt(0.5), rel=1e-2)
+    opt2 = SpectralSphereOptimizer(m.parameters(), momentum_dtype=torch.float32)
+    opt2.load_state_dict(opt.state_dict())
+    st = opt2.state[m.weight]
+    assert (st["momentum_buffer"].dtype, st["sso_v"].dtype) == (torch.float32, torch.float32)
+    assert (st["sso_iterations"].dtype, st["sso_fallback"].dtype, st["sso_fallbacks"].dtype) == (
+        torch.int32, torch.bool, torch.int64)
 
 
 def test_from_model_split_and_scheduler():
