@@ -10,7 +10,7 @@ import torch
 from . import _checks
 from ._base import GradientTransformation, Scalar, ScalarOrSchedule
 from ._combine import chain, partition
-from ._muon import Split, orthogonalize, scale_by_shape
+from ._muon import SHAPE_RULES, Split, orthogonalize, scale_by_shape
 from ._transforms import (
     add_decoupled_weight_decay,
     momentum as momentum_tx,
@@ -49,6 +49,10 @@ def muon(
     ``p ← p(1 − lr·wd) − lr·s(out, in)·msign(M)``. Every leaf must be a matrix (ndim ≥ 2);
     use :func:`hybrid` for trees that also hold biases and norms.
     """
+    _checks.positive_int("ns_steps", ns_steps)
+    _checks.positive("ns_eps", ns_eps)
+    _checks.positive("ns_stepsize", ns_stepsize)
+    _checks.one_of("adjust_lr_fn", adjust_lr_fn, SHAPE_RULES)
     parts = [
         momentum_tx(momentum, nesterov=nesterov, kind=kind, mu_dtype=mu_dtype),
         orthogonalize(method, ns_steps, coefficients=ns_coefficients, dtype=ns_dtype, eps=ns_eps,

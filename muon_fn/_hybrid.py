@@ -12,16 +12,19 @@ from .optim import MuonOptimizer
 
 
 def _head_names(model: nn.Module, embedding_params: set[int]) -> set[str]:
-    """Output heads: Linear weights tied to an embedding, or producing a vocabulary-sized output."""
+    """Output heads: Linear weights tied to an embedding, else the last Linear whose
+    ``out_features`` is an embedding's vocabulary size (one head, as in a language model)."""
     vocab_sizes = {m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)}
-    heads = set()
+    tied, vocab_producers = set(), []
     for mod_name, mod in model.named_modules():
         if not isinstance(mod, nn.Linear):
             continue
         name = f"{mod_name}.weight" if mod_name else "weight"
-        if id(mod.weight) in embedding_params or mod.out_features in vocab_sizes:
-            heads.add(name)
-    return heads
+        if id(mod.weight) in embedding_params:
+            tied.add(name)
+        elif mod.out_features in vocab_sizes:
+            vocab_producers.append(name)
+    return tied or set(vocab_producers[-1:])
 
 
 def split_parameters(
@@ -29,25 +32,38 @@ def split_parameters(
     *,
     adamw_names: Sequence[str] = (),
     adamw_predicate: Callable[[str, nn.Parameter], bool] | None = None,
+    muon_names: Sequence[str] = (),
 ) -> tuple[list[tuple[str, nn.Parameter, str]], list[tuple[str, nn.Parameter, str]]]:
     """Sort ``model``'s trainable parameters into (muon, adamw) lists of ``(name, param, reason)``.
 
-    AdamW gets: ``nn.Embedding`` weights, the output head (a Linear tied to an embedding or with
-    ``out_features`` equal to an embedding's vocabulary), parameters named in ``adamw_names`` or
-    accepted by ``adamw_predicate``, and every 0-/1-D parameter. Muon gets the other ≥ 2-D
-    parameters (hidden Linear and conv weights). Tied parameters appear once.
+    AdamW gets: ``nn.Embedding`` weights, the output head (a Linear tied to an embedding, else the
+    last Linear whose ``out_features`` equals an embedding's vocabulary size), parameters named in
+    ``adamw_names`` or accepted by ``adamw_predicate``, and every 0-/1-D parameter. Muon gets the
+    other ≥ 2-D parameters (hidden Linear and conv weights) and any ≥ 2-D parameter named in
+    ``muon_names`` (which overrides the head rule). Tied parameters appear once.
     """
     embedding_params = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     heads = _head_names(model, embedding_params)
-    forced = set(adamw_names)
+    forced, to_muon = set(adamw_names), set(muon_names)
     all_names = {name for name, _ in model.named_parameters()}
-    unknown = forced - all_names - heads
-    if unknown:
-        raise ValueError(f"adamw_names {sorted(unknown)} are not parameters of the model")
+    for arg, names in (("adamw_names", forced), ("muon_names", to_muon)):
+        unknown = names - all_names
+        if unknown:
+            raise ValueError(f"{arg} {sorted(unknown)} are not parameters of the model")
+    both = forced & to_muon
+    if both:
+        raise ValueError(f"parameters {sorted(both)} are in both adamw_names and muon_names")
+    params = dict(model.named_parameters())
+    flat = sorted(n for n in to_muon if params[n].ndim < 2)
+    if flat:
+        raise ValueError(f"muon_names {flat} are 0-/1-D; Muon needs matrices")
     tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear) and id(m.weight) in embedding_params}
     muon_params, adamw_params = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
+            continue
+        if name in to_muon:
+            muon_params.append((name, p, "muon_names"))
             continue
         if id(p) in embedding_params:
             reason = "embedding, tied to the output head" if id(p) in tied else "embedding"
@@ -98,6 +114,7 @@ def create_hybrid_optimizer(
     adamw_eps: float = 1e-8,
     adamw_names: Sequence[str] = (),
     adamw_predicate: Callable[[str, nn.Parameter], bool] | None = None,
+    muon_names: Sequence[str] = (),
     verbose: bool = False,
     **muon_kwargs: Any,
 ) -> MuonOptimizer:
@@ -110,7 +127,7 @@ def create_hybrid_optimizer(
     (printed when ``verbose``). Other keyword arguments go to :class:`MuonOptimizer`.
     """
     muon_params, adamw_params = split_parameters(
-        model, adamw_names=adamw_names, adamw_predicate=adamw_predicate
+        model, adamw_names=adamw_names, adamw_predicate=adamw_predicate, muon_names=muon_names
     )
     groups = []
     if muon_params:

@@ -466,10 +466,12 @@ class MuonOptimizer(Optimizer):
         _validate_muon_group(group)
 
     def _derived_scalars(self, group: dict[str, Any]) -> dict[str, float]:
-        lr = group["lr"]
-        lr = float(lr.item()) if isinstance(lr, torch.Tensor) else float(lr)
-        base = group.get("base_lr") or 0.0
-        ratio = lr / base if base > 0 else 1.0
+        lr = float(group["lr"])
+        base = float(group.get("base_lr") or 0.0)
+        if base > 0:
+            ratio = lr / base
+        else:  # built with lr = 0: the AdamW half runs at adamw_lr whenever lr > 0
+            ratio = 1.0 if lr > 0 else 0.0
         return {"adamw_lr_effective": float(group["adamw_lr"]) * ratio}
 
 
