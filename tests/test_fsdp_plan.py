@@ -143,7 +143,12 @@ def test_plan_extra_cols_travel_but_do_not_cost():
     extra = make_plan([(6, 4), (4, 4)], 2, extra_cols=1)
     assert [mp.owner for mp in base.matrices] == [mp.owner for mp in extra.matrices]
     assert [mp.cols for mp in extra.matrices] == [5, 5]
-    assert extra.buckets[0].gather[1][extra.matrices[0].owner] == 3 * 5 or extra.matrices[0].owner == 1
+    mp = extra.matrices[0]  # 6 rows on 2 ranks: 3 + 3, each row 4 + 1 elements on the wire
+    assert [mp.contrib_numel(r) for r in range(2)] == [15, 15]
+    assert sum(map(sum, extra.buckets[0].gather)) == 6 * 5 + 4 * 5
+    assert [base_mp.cols for base_mp in base.matrices] == [4, 4]
+    with pytest.raises(ValueError, match="extra_cols: -1"):
+        make_plan([(2, 2)], 2, extra_cols=-1)
 
 
 def test_plan_world_size_one_owns_everything_and_sends_nothing():
