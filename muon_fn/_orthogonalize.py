@@ -191,7 +191,7 @@ def norm_scale(method: str) -> float:
 
 def _aol_scale(x: torch.Tensor, gram: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """AOL rescale: ``x ← diag(s) x`` and ``gram ← diag(s) gram diag(s)``, ``s_i = (Σ_j|gram_ij|)^-½``."""
-    s = gram.abs().sum(-1, dtype=torch.float32).add_(eps).rsqrt_().to(x.dtype)
+    s = gram.abs().sum(-1, dtype=torch.promote_types(x.dtype, torch.float32)).add_(eps).rsqrt_().to(x.dtype)
     return x * s.unsqueeze(-1), gram * (s.unsqueeze(-1) * s.unsqueeze(-2))
 
 
@@ -314,7 +314,12 @@ def orthogonalize_matrices(
     if tall:
         x = x.mT
     norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=torch.promote_types(x.dtype, torch.float32))
-    y = (x / (norm * norm_scale + eps)).to(dtype)
+    inv = 1.0 / (norm * norm_scale + eps)
+    if torch.compiler.is_compiling() or dtype == x.dtype:
+        y = (x * inv).to(dtype)  # inductor fuses the scale and the cast
+    else:  # eager: scale and cast in one pass over x
+        y = torch.empty(x.shape, dtype=dtype, device=x.device)
+        torch.mul(x, inv, out=y)
     gram = None
     if getattr(schedule, "precondition", "frobenius") == "aol":
         y, gram = _aol_scale(y, y @ y.mT, eps)

@@ -1,0 +1,396 @@
+"""``muon-fn bench``: paired timing and orthogonality quality of Muon optimizer steps.
+
+Every round times every row back to back on the same parameters and gradients, so machine load
+(shared CPUs swing 2x) cancels in the per-round ratios to ``torch.optim.Muon`` and to the GEMM
+replay (exactly the matmuls of a schedule, nothing else: the empirical limit). Gradients are real:
+one forward/backward of a byte-level transformer built from the parameter set.
+
+    muon-fn bench --quick                         # tiny set, < 60 s
+    muon-fn bench --model-size gpt2-small --json bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from . import _orthogonalize as _ortho
+
+MODEL_SIZES = {"tiny": (4, 256), "gpt2-small": (12, 768)}  # (layers, width); MLP is 4x width
+MATRIX_NAMES = ("q", "k", "v", "o", "fc", "proj")
+ROWS = ("muon_fn", "muon_fn[aol4]", "muon_fn[like_torch]", "torch.optim.Muon", "torch.optim.AdamW[fused]",
+        "replay[polar_express5]", "replay[aol4]", "replay[torch_quintic5]")
+_REFERENCE, _REPLAY = "torch.optim.Muon", "replay[polar_express5]"
+_SEQ, _BATCH, _VOCAB = 64, 2, 256
+
+
+# ----------------------------------------------------------------------------- parameters and grads
+def matrix_shapes(model_size: str) -> list[tuple[str, tuple[int, int]]]:
+    """``(name, (out, in))`` of every hidden matrix of the set: per layer q, k, v, o, fc, proj."""
+    if model_size not in MODEL_SIZES:
+        raise ValueError(f"Invalid model_size: {model_size!r} (expected one of {sorted(MODEL_SIZES)})")
+    layers, d = MODEL_SIZES[model_size]
+    shapes = {"q": (d, d), "k": (d, d), "v": (d, d), "o": (d, d), "fc": (4 * d, d), "proj": (d, 4 * d)}
+    return [(f"h{i}.{n}", shapes[n]) for i in range(layers) for n in MATRIX_NAMES]
+
+
+def _corpus() -> torch.Tensor:
+    here = os.path.dirname(os.path.abspath(__file__))
+    files = sorted(glob.glob(os.path.join(here, "*.py")))
+    files += sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))[:40]
+    text = b"".join(open(f, "rb").read() for f in files)
+    return torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+
+
+def real_gradients(model_size: str, *, seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor], list[str]]:
+    """Hidden matrices of a byte-level pre-LN transformer of ``model_size`` and their gradients.
+
+    One forward/backward on a batch of Python source bytes (low stable rank, like real training
+    gradients; Gaussian noise would flatter 4-step schedules). Returns ``(params, grads, names)``.
+    """
+    shapes = matrix_shapes(model_size)
+    layers, d = MODEL_SIZES[model_size]
+    g = torch.Generator().manual_seed(seed)
+    params = [(torch.randn(s, generator=g) / math.sqrt(s[1])).requires_grad_() for _, s in shapes]
+    emb = torch.randn(_VOCAB, d, generator=g) * 0.02
+    data = _corpus()
+    ix = torch.randint(0, len(data) - _SEQ - 1, (_BATCH,), generator=g)
+    x = torch.stack([data[i:i + _SEQ] for i in ix])
+    y = torch.stack([data[i + 1:i + _SEQ + 1] for i in ix])
+    h = emb[x]
+    heads = d // 64
+    for layer in range(layers):
+        wq, wk, wv, wo, wfc, wproj = params[6 * layer:6 * layer + 6]
+        a = F.layer_norm(h, (d,))
+        q, k, v = (t.view(_BATCH, _SEQ, heads, 64).transpose(1, 2) for t in (a @ wq.T, a @ wk.T, a @ wv.T))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(_BATCH, _SEQ, d)
+        h = h + att @ wo.T
+        h = h + F.gelu(F.layer_norm(h, (d,)) @ wfc.T) @ wproj.T
+    loss = F.cross_entropy((F.layer_norm(h, (d,)) @ emb.T).view(-1, _VOCAB), y.view(-1))
+    loss.backward()
+    grads = [p.grad.detach().clone() for p in params]
+    return [p.detach().requires_grad_() for p in params], grads, [n for n, _ in shapes]
+
+
+# ----------------------------------------------------------------------------- rows
+def _replay_fn(params: Sequence[torch.Tensor], method: str, steps: int, batched: bool) -> Callable[[], None]:
+    """Exactly the GEMMs of ``method``'s schedule on bf16 wide-oriented inputs, nothing else."""
+    schedule = _ortho.coefficient_schedule(method, steps)
+    aol = getattr(schedule, "precondition", "frobenius") == "aol"
+    wides = [(p.detach().mT if p.size(0) > p.size(1) else p.detach()).to(torch.bfloat16).contiguous() for p in params]
+    if batched:
+        groups: dict[tuple[int, int], list[torch.Tensor]] = {}
+        for w in wides:
+            groups.setdefault(tuple(w.shape), []).append(w)
+        inputs = [torch.stack(ws) for ws in groups.values()]
+    else:
+        inputs = wides
+
+    def run() -> None:
+        for x in inputs:
+            gram = x @ x.mT if aol else None
+            _ortho.iterate(x, schedule, gram)
+    return run
+
+
+def _make_row(name: str, params: list[torch.Tensor], lr: float) -> tuple[Any, Callable[[], None]]:
+    from .optim import MuonOptimizer  # lazy: the bench module imports nothing heavy at load
+
+    if name == "muon_fn":
+        opt = MuonOptimizer(params, lr=lr)
+    elif name == "muon_fn[aol4]":
+        opt = MuonOptimizer(params, lr=lr, method="aol", ns_steps=4)
+    elif name == "muon_fn[like_torch]":
+        opt = MuonOptimizer(params, lr=lr, method="quintic", ns_steps=5, momentum_kind="ema",
+                            adjust_lr_fn="original")
+    elif name == "torch.optim.Muon":
+        opt = torch.optim.Muon(params, lr=lr, weight_decay=0.0, adjust_lr_fn="original")
+    elif name == "torch.optim.AdamW[fused]":
+        opt = torch.optim.AdamW(params, lr=lr * 0.05, weight_decay=0.0, fused=True)
+    elif name == "replay[polar_express5]":
+        return None, _replay_fn(params, "polar_express", 5, batched=True)
+    elif name == "replay[aol4]":
+        return None, _replay_fn(params, "aol", 4, batched=True)
+    elif name == "replay[torch_quintic5]":
+        return None, _replay_fn(params, "quintic", 5, batched=False)
+    else:
+        raise ValueError(f"Invalid row: {name!r} (expected one of {list(ROWS)})")
+    return opt, opt.step
+
+
+_ROW_ORTHO: dict[str, tuple[str, int]] = {
+    "muon_fn": ("default", 5), "muon_fn[aol4]": ("aol", 4), "muon_fn[like_torch]": ("quintic", 5),
+    "torch.optim.Muon": ("torch", 5), "replay[polar_express5]": ("polar_express", 5),
+    "replay[aol4]": ("aol", 4), "replay[torch_quintic5]": ("torch", 5),
+}
+
+
+def _orthogonalizer(row: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    if row not in _ROW_ORTHO:
+        return None
+    method, steps = _ROW_ORTHO[row]
+    if method == "torch":
+        from torch.optim._muon import _zeropower_via_newtonschulz
+        return lambda g: _zeropower_via_newtonschulz(g, (3.4445, -4.7750, 2.0315), steps, 1e-7)
+    if method == "default":
+        from ._alias import DEFAULT_METHOD
+        method = DEFAULT_METHOD
+    return lambda g: _ortho.newton_schulz(g, method, steps, dtype=torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------- quality
+def orthogonality(g: torch.Tensor, out: torch.Tensor) -> dict[str, float]:
+    """Singular values of ``out`` (an approximation of msign(g)): RMS deviation from 1, min, max.
+
+    ``signed_rms`` is ‖out − UVᵀ‖-style: the RMS of ``u_iᵀ out v_i − 1`` over g's singular pairs,
+    which also catches a flipped direction that the singular values alone cannot show.
+    """
+    o = out.double()
+    sv = torch.linalg.svdvals(o)
+    u, _, vh = torch.linalg.svd(g.double(), full_matrices=False)
+    signed = ((u.mT @ o) * vh).sum(-1)
+    return {"rms": float(((sv - 1) ** 2).mean().sqrt()), "min": float(sv.min()), "max": float(sv.max()),
+            "signed_rms": float(((signed - 1) ** 2).mean().sqrt())}
+
+
+def _quality(rows: Sequence[str], inputs: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Per row, per matrix kind: worst RMS ratio to torch's quintic on the same input, and σ range."""
+    torch_ortho = _orthogonalizer("torch.optim.Muon")
+    ref = {n: orthogonality(g, torch_ortho(g)) for n, g in inputs.items()}
+    out: dict[str, Any] = {}
+    for row in rows:
+        fn = _orthogonalizer(row)
+        if fn is None:
+            continue
+        per_kind: dict[str, dict[str, float]] = {}
+        for n, g in inputs.items():
+            q = ref[n] if row in ("torch.optim.Muon", "replay[torch_quintic5]") else orthogonality(g, fn(g))
+            k = per_kind.setdefault(n.split(".")[-1], {"rms": 0.0, "ratio_to_torch": 0.0, "min": 9.0, "max": 0.0})
+            k["rms"] = max(k["rms"], q["rms"])
+            k["ratio_to_torch"] = max(k["ratio_to_torch"], q["rms"] / ref[n]["rms"])
+            k["signed_ratio_to_torch"] = max(k.get("signed_ratio_to_torch", 0.0), q["signed_rms"] / ref[n]["signed_rms"])
+            k["min"], k["max"] = min(k["min"], q["min"]), max(k["max"], q["max"])
+        out[row] = per_kind
+    return out
+
+
+def gaussian_quality(rows: Sequence[str], *, seed: int = 0) -> dict[str, Any]:
+    """σ range and RMS per row on rectangular Gaussian inputs 768×3072 and 3072×768."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(768, 3072, generator=g)
+    inputs = {"gauss.768x3072": x, "gauss.3072x768": torch.randn(3072, 768, generator=g)}
+    return _quality(rows, inputs)
+
+
+# ----------------------------------------------------------------------------- timing
+def state_bytes(opt: Any, key: str | None = None) -> int:
+    """Bytes of the tensors in ``opt.state`` (persistent optimizer state); only ``key`` if given."""
+    if opt is None:
+        return 0
+    return sum(v.numel() * v.element_size() for s in opt.state.values() for k, v in s.items()
+               if isinstance(v, torch.Tensor) and (key is None or k == key))
+
+
+def _nesterov_inputs(opt: torch.optim.Optimizer, params, names, momentum=0.95) -> dict[str, torch.Tensor]:
+    out = {}
+    for n, p in zip(names, params):
+        buf = opt.state[p]["momentum_buffer"]
+        out[n] = p.grad.lerp(buf, momentum)
+    return out
+
+
+def benchmark_muon_optimizers(
+    model_size: str = "tiny",
+    num_steps: int = 3,
+    lr: float = 0.02,
+    *,
+    rows: Sequence[str] | None = None,
+    rounds: int = 5,
+    quality: bool = True,
+    quality_layers: int | None = 2,
+    gaussian: bool = True,
+    threads: int = 1,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Time every row for ``rounds`` paired rounds of ``num_steps`` steps on ``model_size``.
+
+    Args:
+      model_size: ``"tiny"`` (4 layers, d=256) or ``"gpt2-small"`` (12 layers, d=768).
+      num_steps: optimizer steps per row per round (seconds per step = round time / num_steps).
+      lr: Muon learning rate (AdamW uses ``lr/20``).
+      rows: subset of :data:`ROWS` (default all); the reference and replay rows are always added.
+      rounds: paired rounds; each times every row back to back, in a rotated order.
+      quality: measure orthogonality of each row's orthogonalization on the actual inputs.
+      quality_layers: 1 (first layer), 2 (first and last) or ``None`` (all) layers measured.
+      gaussian: also measure quality on rectangular Gaussian 768×3072 and 3072×768 inputs.
+      threads: ``torch.set_num_threads`` for the run.
+      seed: parameters and the data batch.
+
+    Returns:
+      A JSON-serializable dict: ``config``, ``rows`` (per row: seconds per step per round,
+      min/median/max, per-round ratios to torch.optim.Muon and to the replay, state bytes),
+      ``quality`` and ``gaussian_quality`` (per row and matrix kind).
+    """
+    if model_size not in MODEL_SIZES:
+        raise ValueError(f"Invalid model_size: {model_size!r} (expected one of {sorted(MODEL_SIZES)})")
+    for arg, v in (("num_steps", num_steps), ("rounds", rounds), ("threads", threads)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"Invalid {arg}: {v!r} (expected an integer >= 1)")
+    if not (isinstance(lr, (int, float)) and lr > 0 and math.isfinite(lr)):
+        raise ValueError(f"Invalid lr: {lr!r} (expected a positive finite float)")
+    rows = list(ROWS if rows is None else rows)
+    for r in rows:
+        if r not in ROWS:
+            raise ValueError(f"Invalid row: {r!r} (expected one of {list(ROWS)})")
+    for must in (_REFERENCE, _REPLAY):
+        if must not in rows:
+            rows.append(must)
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        params, grads, names = real_gradients(model_size, seed=seed)
+        for p, g in zip(params, grads):
+            p.grad = g
+        built = {r: _make_row(r, params, lr) for r in rows}
+        saved = [p.detach().clone() for p in params]
+        for r in rows:  # warm-up step: allocates state, builds caches
+            built[r][1]()
+        times: dict[str, list[float]] = {r: [] for r in rows}
+        for k in range(rounds):
+            order = rows[k % len(rows):] + rows[:k % len(rows)]
+            for r in order:
+                step = built[r][1]
+                t0 = time.perf_counter()
+                for _ in range(num_steps):
+                    step()
+                times[r].append((time.perf_counter() - t0) / num_steps)
+            with torch.no_grad():  # keep the parameters near their start (lr does not matter here)
+                for p, s in zip(params, saved):
+                    p.copy_(s)
+        ref_opt = built[_REFERENCE][0]
+        result_rows = {}
+        for r in rows:
+            t = times[r]
+            result_rows[r] = {
+                "seconds_per_step": t, "min": min(t), "median": statistics.median(t), "max": max(t),
+                "ratio_to_torch_muon": [a / b for a, b in zip(t, times[_REFERENCE])],
+                "ratio_to_replay": [a / b for a, b in zip(t, times[_REPLAY])],
+                "state_bytes": state_bytes(built[r][0]),
+                "momentum_bytes": state_bytes(built[r][0], "momentum_buffer"),
+            }
+            for key in ("ratio_to_torch_muon", "ratio_to_replay"):
+                result_rows[r][key + "_median"] = statistics.median(result_rows[r][key])
+        out: dict[str, Any] = {
+            "config": {"model_size": model_size, "num_steps": num_steps, "lr": lr, "rounds": rounds,
+                       "threads": threads, "torch": torch.__version__, "matrices": len(params),
+                       "params": sum(p.numel() for p in params)},
+            "rows": result_rows,
+        }
+        if quality:
+            layers = MODEL_SIZES[model_size][0]
+            keep = set(range(layers)) if quality_layers is None else {0, layers - 1} if quality_layers >= 2 else {0}
+            inputs = {n: g for n, g in _nesterov_inputs(ref_opt, params, names).items()
+                      if int(n.split(".")[0][1:]) in keep}
+            out["quality"] = _quality(rows, inputs)
+            if gaussian:
+                out["gaussian_quality"] = gaussian_quality(rows, seed=seed)
+        return out
+    finally:
+        torch.set_num_threads(old_threads)
+
+
+# ----------------------------------------------------------------------------- compile checks
+def compile_check(model_size: str = "tiny", *, steps: int = 100, lr: float = 0.02, **kwargs: Any) -> dict[str, Any]:
+    """Cold first step of ``MuonOptimizer(compile=True)`` and recompiles over ``steps`` LR-scheduled steps."""
+    from torch._dynamo.utils import counters
+
+    from .optim import MuonOptimizer
+
+    torch._dynamo.reset()
+    params, grads, _ = real_gradients(model_size)
+    for p, g in zip(params, grads):
+        p.grad = g
+    opt = MuonOptimizer(params, lr=lr, compile=True, **kwargs)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.01 * s))
+    t0 = time.perf_counter()
+    opt.step()
+    cold = time.perf_counter() - t0
+    graphs_after_first = counters["stats"]["unique_graphs"]
+    t0 = time.perf_counter()
+    for _ in range(steps - 1):
+        sched.step()
+        opt.step()
+    warm = (time.perf_counter() - t0) / max(1, steps - 1)
+    return {"model_size": model_size, "cold_first_step_seconds": cold, "warm_seconds_per_step": warm,
+            "graphs_first_step": graphs_after_first,
+            "recompiles": counters["stats"]["unique_graphs"] - graphs_after_first, "steps": steps}
+
+
+# ----------------------------------------------------------------------------- CLI
+def format_table(result: dict[str, Any]) -> str:
+    """The timing/quality table printed by :func:`main`."""
+    cfg = result["config"]
+    lines = [f"{cfg['model_size']}: {cfg['matrices']} matrices, {cfg['params'] / 1e6:.1f} M params, "
+             f"{cfg['rounds']} paired rounds x {cfg['num_steps']} steps, {cfg['threads']} thread(s), torch {cfg['torch']}",
+             f"{'row':26s} {'s/step min':>10s} {'median':>8s} {'max':>8s} {'/torch':>7s} {'/replay':>8s} {'state MB':>9s}"
+             "  worst RMS ratio to torch per matrix (σ range)"]
+    q = result.get("quality", {})
+    gq = result.get("gaussian_quality", {})
+    for r, v in result["rows"].items():
+        qual = " ".join(f"{k}:{d['ratio_to_torch']:.2f}[{d['min']:.2f},{d['max']:.2f}]" for k, d in q.get(r, {}).items())
+        if r in gq:
+            qual += " | gauss " + " ".join(f"{d['rms']:.3f}[{d['min']:.2f},{d['max']:.2f}]" for d in gq[r].values())
+        lines.append(f"{r:26s} {v['min']:10.4f} {v['median']:8.4f} {v['max']:8.4f} "
+                     f"{v['ratio_to_torch_muon_median']:7.3f} {v['ratio_to_replay_median']:8.3f} "
+                     f"{v['state_bytes'] / 2**20:9.2f}  {qual}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``muon-fn bench``."""
+    ap = argparse.ArgumentParser(prog="muon-fn bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model-size", choices=[*MODEL_SIZES, "all"], default="all")
+    ap.add_argument("--steps", type=int, default=None, help="optimizer steps per row per round")
+    ap.add_argument("--rounds", type=int, default=None, help="paired rounds")
+    ap.add_argument("--lr", type=float, default=0.02)
+    ap.add_argument("--rows", nargs="+", choices=ROWS, default=None)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", default="muon_fn_bench.json", help="write the results here ('' to skip)")
+    ap.add_argument("--quick", action="store_true", help="tiny set, 3 rounds, no compile check (< 60 s)")
+    ap.add_argument("--compile", action="store_true", help="also measure cold compile and recompiles")
+    ap.add_argument("--no-quality", action="store_true")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    sizes = ["tiny"] if args.quick else (list(MODEL_SIZES) if args.model_size == "all" else [args.model_size])
+    results: dict[str, Any] = {}
+    for size in sizes:
+        steps = args.steps or (3 if size == "tiny" else 1)
+        rounds = args.rounds or (3 if args.quick else 7 if size == "tiny" else 5)
+        res = benchmark_muon_optimizers(size, steps, args.lr, rows=args.rows, rounds=rounds,
+                                        quality=not args.no_quality, threads=args.threads)
+        print(format_table(res), flush=True)
+        if args.compile:
+            res["compile"] = [compile_check("tiny", steps=100), compile_check(size, steps=3)]
+            for c in res["compile"]:
+                print(f"compile ({c['model_size']}): cold first step {c['cold_first_step_seconds']:.1f} s, "
+                      f"{c['recompiles']} recompiles over {c['steps']} LR-scheduled steps", flush=True)
+        results[size] = res
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,197 @@
+"""muon_fn.bench smoke tests, and correctness of the "aol" and "gram" orthogonalization variants.
+
+No timing is asserted anywhere (shared CPUs swing 2x); the bench is only checked for structure.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from muon_fn import _orthogonalize as O
+from muon_fn import bench
+
+
+def _svals(x: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.svdvals(x.double())
+
+
+def _scalar(s: torch.Tensor, schedule) -> torch.Tensor:
+    for a, b, c in schedule:
+        s = s * (a + b * s**2 + c * s**4)
+    return s
+
+
+# ----------------------------------------------------------------------------- Gram Newton–Schulz
+@pytest.mark.parametrize("shape", [(24, 80), (80, 24), (3, 16, 50), (30, 30)])
+@pytest.mark.parametrize("steps", [1, 3, 5, 7])
+def test_gram_equals_standard_iteration_in_float64(shape, steps):
+    x = torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(steps))
+    ref = O.newton_schulz(x, "polar_express", steps)
+    torch.testing.assert_close(O.newton_schulz(x, "gram", steps), ref, atol=1e-10, rtol=0)
+
+
+def test_gram_float32_close_to_standard():
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
+    out = O.newton_schulz(x, "gram", 5, dtype=torch.float32)
+    torch.testing.assert_close(out, O.newton_schulz(x, "polar_express", 5, dtype=torch.float32), atol=2e-3, rtol=0)
+
+
+def test_gram_rejects_bfloat16_with_a_clear_error():
+    with pytest.raises(ValueError, match="method 'gram'.*bfloat16"):
+        O.newton_schulz(torch.randn(8, 16), "gram", 5, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("method,dtype", [("gram", torch.float32), ("aol", torch.bfloat16), ("aol", torch.float32)])
+def test_zero_maps_to_zero(method, dtype):
+    out = O.newton_schulz(torch.zeros(2, 12, 40), method, None, dtype=dtype)
+    assert out.shape == (2, 12, 40) and torch.isfinite(out).all() and not out.any()
+
+
+# ----------------------------------------------------------------------------- AOL
+def _aol64(x: torch.Tensor) -> torch.Tensor:
+    x = x.double()
+    wide = x.mT if x.size(-2) > x.size(-1) else x
+    wide = wide / (torch.linalg.vector_norm(wide) + 1e-7)
+    s = ((wide @ wide.mT).abs().sum(-1) + 1e-7).rsqrt()  # the same eps as the library
+    return wide * s[:, None]
+
+
+def test_aol_is_the_standard_iteration_after_row_scaling_float64():
+    x = torch.randn(40, 100, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    sched = O.coefficient_schedule("aol", 4)
+    torch.testing.assert_close(O.newton_schulz(x, "aol", 4), O.iterate(_aol64(x), sched), atol=1e-10, rtol=0)
+
+
+def test_aol_singular_values_follow_the_scalar_polynomial():
+    x = torch.randn(50, 120, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    sched = O.coefficient_schedule("aol", 4)
+    expect = _scalar(_svals(_aol64(x)), sched).sort().values
+    torch.testing.assert_close(_svals(O.newton_schulz(x, "aol", 4)).sort().values, expect, atol=1e-9, rtol=0)
+
+
+def test_aol_bound_holds_and_scaling_lifts_sigma():
+    x = torch.randn(64, 200, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    s_aol, s_frob = _svals(_aol64(x)), _svals(x / torch.linalg.vector_norm(x))
+    assert s_aol.max() <= 1 + 1e-12
+    assert s_aol.min() > 2 * s_frob.min()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(128, 512), (512, 128)])
+def test_aol_four_steps_band_on_rectangular_gaussian(dtype, shape):
+    # Issue 6 criterion: every σ in [0.6, 1.2]; torch's 5-step quintic gives about [0.68, 1.14].
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(4))
+    sv = _svals(O.newton_schulz(x, "aol", 4, dtype=dtype))
+    assert 0.6 <= sv.min() and sv.max() <= 1.2, (sv.min(), sv.max())
+
+
+def test_aol_rank_one_direction_is_not_flipped():
+    # AOL scales a rank-1 matrix to σ = 1 exactly: the schedule must map 1 near 1, not to -1.
+    g = torch.Generator().manual_seed(5)
+    u, v = torch.randn(64, 1, generator=g), torch.randn(1, 160, generator=g)
+    x = u @ v + 1e-4 * torch.randn(64, 160, generator=g)
+    out = O.newton_schulz(x, "aol", 4, dtype=torch.bfloat16).double()
+    proj = (u.double().T @ out @ v.double().T).item() / (u.norm() * v.norm()).item()
+    assert 0.75 < proj < 1.25
+
+
+def test_published_aol_triples_would_flip_sigma_one():
+    eo_aol = [(4.0098, -7.0585, 2.4635), (3.4585, -5.5479, 2.5959), (2.7573, -3.2939, 1.4254), (2.7215, -3.0494, 1.3169)]
+    assert _scalar(torch.tensor(1.0, dtype=torch.float64), eo_aol) < 0
+    assert 0.75 < _scalar(torch.tensor(1.0, dtype=torch.float64), O.coefficient_schedule("aol", 4)) < 1.2
+
+
+def test_aol_scalar_band_and_more_steps_converge():
+    s = torch.logspace(-2.5, 0, 2000, dtype=torch.float64) * 1.02
+    s = s[s >= 3e-3]
+    four = _scalar(s, O.coefficient_schedule("aol", 4))
+    assert four.min() >= 0.75 and four.max() <= 1.19
+    five = _scalar(s, O.coefficient_schedule("aol", 5))
+    assert (five - 1).abs().max() < 0.03
+    eight = _scalar(s, O.coefficient_schedule("aol", 8))
+    assert (eight - 1).abs().max() < 1e-6
+
+
+def test_aol_transpose_equivariance():
+    x = torch.randn(3, 30, 70, generator=torch.Generator().manual_seed(6))
+    torch.testing.assert_close(O.newton_schulz(x.mT, "aol", 4).mT, O.newton_schulz(x, "aol", 4), atol=1e-5, rtol=0)
+
+
+def test_aol_quality_matches_torch_quintic_on_real_gradient():
+    params, grads, names = bench.real_gradients("tiny")
+    g = grads[names.index("h1.fc")]
+    ref = bench.orthogonality(g, bench._orthogonalizer("torch.optim.Muon")(g))
+    ours = bench.orthogonality(g, O.newton_schulz(g, "aol", 4, dtype=torch.bfloat16))
+    assert ours["rms"] <= 1.1 * ref["rms"] and ours["max"] <= 1.2
+
+
+# ----------------------------------------------------------------------------- schedules
+def test_default_steps_and_schedule_options():
+    assert O.default_steps("aol") == 4 and O.default_steps("polar_express") == 5
+    sched = O.coefficient_schedule("aol", None)
+    assert len(sched) == 4 and sched.precondition == "aol" and sched.form == "standard"
+    damped = O.coefficient_schedule("aol", 6, stepsize=0.5)
+    assert len(damped) == 6 and damped.precondition == "aol"
+    assert O.coefficient_schedule("gram", 5).form == "gram"
+    assert O.coefficient_schedule("quintic", 5).precondition == "frobenius"
+    # A plain tuple of triples still runs (Frobenius, standard form).
+    x = torch.randn(8, 20, dtype=torch.float64)
+    torch.testing.assert_close(
+        O.orthogonalize_matrices(x, tuple(O.coefficient_schedule("quintic", 5)), dtype=torch.float64, eps=1e-7),
+        O.newton_schulz(x, "quintic", 5))
+
+
+def test_schedule_rejects_unknown_options():
+    with pytest.raises(ValueError, match="precondition"):
+        O.Schedule([(1.5, -0.5, 0.0)], precondition="spectral")
+    with pytest.raises(ValueError, match="form"):
+        O.Schedule([(1.5, -0.5, 0.0)], form="fast")
+
+
+# ----------------------------------------------------------------------------- bench API
+def test_benchmark_smoke_tiny():
+    rows = ["muon_fn", "torch.optim.Muon", "replay[polar_express5]", "replay[aol4]"]
+    res = bench.benchmark_muon_optimizers("tiny", num_steps=1, lr=0.02, rows=rows, rounds=2,
+                                          quality_layers=1, gaussian=False)
+    assert res["config"]["model_size"] == "tiny" and res["config"]["matrices"] == 24
+    assert set(res["rows"]) == set(rows)
+    for r in res["rows"].values():
+        assert len(r["seconds_per_step"]) == 2 and r["min"] <= r["median"] <= r["max"]
+        assert len(r["ratio_to_torch_muon"]) == 2 and len(r["ratio_to_replay"]) == 2
+    assert res["rows"]["torch.optim.Muon"]["ratio_to_torch_muon"] == [1.0, 1.0]
+    # Persistent state: torch keeps one fp32 momentum buffer per matrix; so must muon_fn.
+    n = sum(s[0] * s[1] for _, s in bench.matrix_shapes("tiny"))
+    assert res["rows"]["torch.optim.Muon"]["state_bytes"] == 4 * n
+    assert res["rows"]["muon_fn"]["momentum_bytes"] == 4 * n
+    q = res["quality"]
+    assert set(q["muon_fn"]) == {"q", "k", "v", "o", "fc", "proj"}
+    for kind in q["torch.optim.Muon"].values():
+        assert kind["ratio_to_torch"] == pytest.approx(1.0)
+    for kind in q["muon_fn"].values():  # default schedule: no worse than torch's quintic
+        assert kind["ratio_to_torch"] <= 1.0 + 1e-6 and kind["max"] < 1.2
+    json.dumps(res)
+    assert "muon_fn" in bench.format_table(res)
+
+
+def test_main_writes_json(tmp_path, capsys):
+    path = tmp_path / "b.json"
+    assert bench.main(["--model-size", "tiny", "--steps", "1", "--rounds", "1", "--rows", "torch.optim.Muon",
+                       "--no-quality", "--json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    assert "torch.optim.Muon" in data["tiny"]["rows"] and "replay[polar_express5]" in data["tiny"]["rows"]
+    assert "s/step" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"model_size": "gpt3"}, "model_size"),
+    ({"num_steps": 0}, "num_steps"),
+    ({"rounds": 1.5}, "rounds"),
+    ({"lr": -1.0}, "lr"),
+    ({"rows": ["sgd"]}, "row"),
+])
+def test_benchmark_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        bench.benchmark_muon_optimizers(**kwargs)
