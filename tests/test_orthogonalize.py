@@ -17,11 +17,13 @@ Tolerances (all measured on torch 2.13 CPU, then given a ~2-4x margin):
   you [0.95, 1.05] (0.978–1.032), cubic [0.3, 1.0] when normalized σ ≥ 0.0424 (0.313–0.974).
 - exact mode (polar_express ≥ 8 steps, cubic ≥ 20 steps): ‖OOᵀ−I‖_F/√m < 1e-3 in fp32
   (notes: 1.4e-6 / 1e-7 level); < 0.02 in bf16 (notes: 0.008 for PE×8 on 50×100).
-- bf16 vs fp32 compute, 5 steps, min(m, n) ≥ 8: ‖O_bf16 − O_fp32‖_F / ‖O_fp32‖_F below
-  polar_express 0.08, quintic 0.06, you 0.03, cubic 0.012 (measured 0.043 / 0.024 / 0.007 / 0.005).
-  Polar Express in bf16 is much worse on matrices with very few rows (measured 0.15 for m = 2): its
-  first quintic (8.2, −23.0, 16.5) cancels catastrophically when the normalized σ is near 1, which
-  only happens when m is tiny. That case is not part of the documented tolerance.
+- bf16 vs fp32 compute, 5 steps, min(m, n) ≥ 16: ‖O_bf16 − O_fp32‖_F / ‖O_fp32‖_F below
+  polar_express 0.08, quintic 0.06, you 0.03, cubic 0.012 (measured over 300 random inputs:
+  0.032 / 0.031 / 0.007 / 0.004).
+  Polar Express in bf16 is much worse on matrices with few rows (measured 0.15 for m = 2, up to
+  0.1 for m = 8): its first quintic (8.2, −23.0, 16.5) cancels catastrophically when the normalized
+  σ is near 1, which only happens when m is small. That case is not part of the documented
+  tolerance.
 """
 
 from __future__ import annotations
@@ -173,12 +175,8 @@ def test_shape_and_dtype_preserved(method, dtype, x):
     assert out.shape == x.shape and out.dtype == dtype
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core bug: float64 input raises RuntimeError in linalg.vector_norm(dtype=float32) "
-    "(orthogonalize_matrices computes the norm with dtype=torch.float32, a narrowing cast)",
-)
 def test_float64_input_supported():
+    # Regression: at 235b064 float64 input raised RuntimeError in linalg.vector_norm(dtype=float32).
     x = synth(6, 9, 3.0, 0, torch.float64)
     out = newton_schulz(x, "quintic", 5)
     assert out.dtype == torch.float64
@@ -191,10 +189,11 @@ def test_transpose_equivariance(method, x):
     out = newton_schulz(x, method, 5, dtype=torch.float32)
     out_t = newton_schulz(x.mT, method, 5, dtype=torch.float32)
     torch.testing.assert_close(out_t, out.mT, atol=2e-5, rtol=0)
-    # Same in float64 compute: rounding-level only.
+    # Same in float64 compute: only the fp32 Frobenius norm (summed in another order for the
+    # transposed layout) differs, amplified by the composed polynomial's slope.
     out = newton_schulz(x, method, 5, dtype=torch.float64)
     out_t = newton_schulz(x.mT.contiguous(), method, 5, dtype=torch.float64)
-    torch.testing.assert_close(out_t, out.mT, atol=1e-6, rtol=0)
+    torch.testing.assert_close(out_t, out.mT, atol=1e-5, rtol=0)
 
 
 @methods
@@ -308,7 +307,7 @@ BF16_TOL = {"polar_express": 0.08, "quintic": 0.06, "you": 0.03, "cubic": 0.012}
 
 
 @methods
-@given(x=well_conditioned(min_dim=8))
+@given(x=well_conditioned(min_dim=16))
 def test_bf16_close_to_fp32(method, x):
     o32 = newton_schulz(x, method, 5, dtype=torch.float32)
     o16 = newton_schulz(x, method, 5, dtype=torch.bfloat16)
@@ -377,10 +376,14 @@ def test_custom_coefficients_repeat_last(triples, steps, method, x):
     """A custom schedule overrides the method's, repeats its last triple, and uses plain X/(‖X‖_F+eps)."""
     sched = coefficient_schedule(method, steps, coefficients=triples)
     assert list(sched) == [tuple(map(float, triples[min(i, len(triples) - 1)])) for i in range(steps)]
-    expected = ref_ns(x, ref_schedule(triples, "repeat_last", steps))
+    sched = ref_schedule(triples, "repeat_last", steps)
+    expected = ref_ns(x, sched)
     assume(torch.isfinite(expected).all() and expected.abs().max() < 1e3)  # arbitrary triples may diverge
+    # Arbitrary triples can be expansive (|p'(1)| up to ~7 per step), so the fp32 Frobenius norm's
+    # relative error (≤ ~1e-6) is amplified: allow what a 1e-6 change of the norm explains.
+    sensitivity = (ref_ns(x, sched, norm_factor=1 + 1e-6) - expected).abs().max().item()
     got = newton_schulz(x, method, steps, coefficients=triples, dtype=torch.float64).double()
-    torch.testing.assert_close(got, expected, atol=1e-5 * max(1.0, expected.abs().max().item()), rtol=1e-5)
+    torch.testing.assert_close(got, expected, atol=1e-5 * max(1.0, expected.abs().max().item()) + 4 * sensitivity, rtol=1e-5)
 
 
 def test_custom_coefficients_accept_lists_and_tensors_rows():
@@ -505,13 +508,10 @@ class TestValidationMessages(expecttest.TestCase):
             self.ns(coefficients=5), """Invalid coefficients: 5 (expected a sequence of (a, b, c) triples)"""
         )
 
-    @pytest.mark.xfail(
-        strict=True,
-        reason="core bug: a non-numeric entry raises float()'s own ValueError "
-        "('could not convert string to float'), which names neither 'coefficients' nor the value",
-    )
     def test_non_numeric_coefficients_name_the_argument(self):
+        # Regression: at 235b064 float()'s own "could not convert string to float" escaped.
         self.assertTrue(self.ns(coefficients=[(1.0, 2.0, "x")]).startswith("Invalid coefficients: "))
+        self.assertTrue(self.ns(coefficients="abc").startswith("Invalid coefficients: "))
 
     def test_not_a_matrix(self):
         self.assertExpectedInline(
