@@ -6,7 +6,8 @@ fine), the owner concatenates them into full matrices and runs ``compute`` on th
 ``all_to_all_single`` returns to every rank the rows it holds. All gathers are posted
 asynchronously up front (in bucket order, identical on every rank), so the owner computes bucket
 ``i`` while later buckets are still in flight, and each bucket's return is posted asynchronously as
-soon as it is computed. With one rank nothing is communicated.
+soon as it is computed. With one rank nothing is communicated. :func:`exchange_replicated` is
+the all-gather baseline (every rank computes every matrix).
 """
 
 from __future__ import annotations
@@ -182,7 +183,7 @@ def exchange_replicated(
 ) -> tuple[list[torch.Tensor], ExchangeStats]:
     """The baseline: every rank all-gathers every sharded matrix and computes all of them.
 
-    Per bucket, one ``all_gather_into_tensor`` of every rank's rows padded to ``ceil(m/W)`` (gloo
+    Per bucket, one ``all_gather_single`` of every rank's rows padded to ``ceil(m/W)`` (gloo
     needs equal sizes); replicated matrices are already whole and are not sent. Same arguments
     and result as :func:`exchange`; ``compute`` sees every matrix of each bucket.
     """
