@@ -367,7 +367,7 @@ def run_one(name: str, args, corpus: Corpus, ctx: Dist) -> dict[str, Any]:
 
     tokens_per_step = args.batch_size * args.seq_len * ctx.world
     bar = _progress(args, ctx, steps, start, name)
-    t_run = time.perf_counter()
+    t_run, cpu_run = time.perf_counter(), time.process_time()
     t_last, tok_last = time.perf_counter(), 0
     tok_s = 0.0
     stop = steps if args.stop_at is None else max(start, min(args.stop_at, steps))
@@ -404,7 +404,7 @@ def run_one(name: str, args, corpus: Corpus, ctx: Dist) -> dict[str, Any]:
     if bar is not None:
         bar.set_postfix_str(_postfix(history, tok_s))
         bar.close()
-    wall = time.perf_counter() - t_run
+    wall, cpu = time.perf_counter() - t_run, time.process_time() - cpu_run
     if not args.no_checkpoint or stop < steps:
         save_checkpoint(ckpt, model, opt, sched, batcher, stop, history, ctx)
         if stop < steps:
@@ -421,6 +421,7 @@ def run_one(name: str, args, corpus: Corpus, ctx: Dist) -> dict[str, Any]:
         "final_train_loss": _tail_mean(history["train"], 10),
         "tokens_per_s": sorted(tps)[len(tps) // 2] if tps else None,
         "wall_s": wall,
+        "cpu_s": cpu,  # process CPU time of this run, all threads (less load-dependent than wall time)
         "history": history,
         "model": model,
     }
@@ -467,11 +468,12 @@ def _indent(text: str) -> str:
 
 
 def comparison_table(results: list[dict]) -> str:
-    head = ["optimizer", "steps", "val loss (final)", "val loss (best)", "train loss (last 10)", "tokens/s", "time"]
+    head = ["optimizer", "steps", "val loss (final)", "val loss (best)", "train loss (last 10)", "tokens/s", "time",
+            "CPU time"]
     rows = [
         [r["optimizer"], str(r["steps"]), f"{r['final_val_loss']:.4f}", f"{r['best_val_loss']:.4f}",
          f"{r['final_train_loss']:.4f}", f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-",
-         f"{r['wall_s']:.0f} s"]
+         f"{r['wall_s']:.0f} s", f"{r['cpu_s']:.0f} s"]
         for r in results
     ]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
