@@ -30,7 +30,7 @@ import torch
 
 from . import _checks, _orthogonalize, _tree, spectral
 from ._base import GradientTransformation, ScalarOrSchedule, Updates, named
-from ._muon import SHAPE_RULES, _not_matrix, matrix_shape, shape_scale
+from ._muon import SHAPE_RULES, Split, _not_matrix, _validate_split, block_sizes, matrix_shape, shape_scale
 
 SCALE_MODES = ("radius",) + SHAPE_RULES
 _M_FLOOR = 1e-8  # floor of ‖M‖_F in the normalization (reference code)
@@ -108,6 +108,7 @@ def spectral_sphere(
     warm_lambda: bool = True,
     muon_sphere: bool = False,
     mu_dtype: torch.dtype | None = None,
+    split: Split = None,
 ) -> GradientTransformation:
     """SSO on a tree of matrices; returns the final update ``(R/σ − 1)·W − lr·s·Φ`` (see module doc).
 
@@ -148,6 +149,12 @@ def spectral_sphere(
       warm_lambda: start the solver at last step's λ* instead of 0 (cost only; the root is unique).
       muon_sphere: MuonSphere: λ fixed at 0 (``Φ = msign(M̂)``), no solver; keeps the retraction.
       mu_dtype: dtype of the momentum buffer (default: the param's).
+      split: row blocks of fused weights (QKV, gate/up: sizes along dim 0, or a function
+        ``leaf -> sizes | None``, as in :func:`muon_fn.orthogonalize`). Each block is its own
+        sphere — its own R, s, σ, λ*, M̂ and warm-start block — as in the reference's QKV/SwiGLU
+        splitting (notes §1.3; per-head splitting gave the paper's largest gain). A split leaf's
+        per-matrix state gains a leading block dimension: ``v`` ``(blocks, in, k)``, ``lam`` etc.
+        ``(blocks,)``.
 
     Weight decay is not offered: the hard retraction undoes it every step (paper: none on 2-D
     hidden weights). Every non-None leaf must be a matrix (ndim ≥ 2).
@@ -158,6 +165,7 @@ def spectral_sphere(
     """
     _validate(lr, momentum, radius_scale, power_steps, power_block, msign_steps, msign_method, scale_mode, tol,
               max_iterations, bracket_step, max_expansions, solver)
+    _validate_split(split)
     schedule = _orthogonalize.coefficient_schedule(msign_method, msign_steps)
     norm_scale = _orthogonalize.norm_scale(msign_method)
     lr_schedule: Callable[[torch.Tensor], Any] | None = (
@@ -169,20 +177,39 @@ def spectral_sphere(
             x, schedule, dtype=msign_dtype, eps=1e-7, norm_scale=norm_scale
         ).float()
 
+    def blocks_of(p: torch.Tensor) -> list[int] | None:
+        """Row-block sizes of leaf ``p`` (None: the whole matrix is one sphere)."""
+        if p.ndim < 2:
+            raise _not_matrix(p.shape, "spectral_sphere")
+        m, n = matrix_shape(p.shape)
+        return block_sizes(split, p.reshape(m, n))
+
     def init(params):
+        def one_block(w: torch.Tensor, k: int) -> torch.Tensor:
+            n = w.shape[-1]
+            start = spectral.default_start_block(n, k, device=w.device)
+            top = spectral.top_singular(w.detach(), squarings=_INIT_SQUARINGS)[2]
+            return torch.linalg.qr(torch.cat([top[:, None], start[:, 1:]], dim=1))[0]
+
         def vec(p):
             if p is None:
                 return None
-            if p.ndim < 2:
-                raise _not_matrix(p.shape, "spectral_sphere")
+            sizes = blocks_of(p)
             m, n = matrix_shape(p.shape)
-            k = min(power_block, m, n)
-            block = spectral.default_start_block(n, k, device=p.device)
-            top = spectral.top_singular(p.detach().reshape(m, n), squarings=_INIT_SQUARINGS)[2]
-            return torch.linalg.qr(torch.cat([top[:, None], block[:, 1:]], dim=1))[0]
+            w = p.reshape(m, n)
+            if sizes is None:
+                return one_block(w, min(power_block, m, n))
+            k = min(power_block, min(sizes), n)
+            return torch.stack([one_block(b, k) for b in w.split(sizes)])
 
         def scalar(dtype):
-            return lambda p: None if p is None else torch.zeros((), dtype=dtype, device=p.device)
+            def make(p):
+                if p is None:
+                    return None
+                sizes = blocks_of(p)
+                shape = () if sizes is None else (len(sizes),)
+                return torch.zeros(shape, dtype=dtype, device=p.device)
+            return make
 
         return SpectralSphereState(
             count=torch.zeros((), dtype=torch.int64),
@@ -207,9 +234,11 @@ def spectral_sphere(
         new = {f: list(vals) for f, vals in fields.items()}
         out: list[torch.Tensor | None] = [None] * len(g_leaves)
 
-        # Momentum (elementwise) and grouping of equal matrix shapes for batched math.
-        groups: dict[tuple, list[int]] = {}
+        # Momentum (elementwise), then every leaf cut into spheres (blocks; one unless split),
+        # grouped by equal shape for batched math. A unit is (leaf i, block b or None, rows).
+        groups: dict[tuple, list[tuple[int, int | None, slice]]] = {}
         directions: dict[int, torch.Tensor] = {}
+        pieces: dict[int, list[torch.Tensor | None]] = {}
         for i, (g, p) in enumerate(zip(g_leaves, p_leaves)):
             if g is None:
                 continue
@@ -220,44 +249,61 @@ def spectral_sphere(
             b = b.lerp(g_b, 1 - momentum)
             new["mu"][i] = b
             directions[i] = g_b.lerp(b, momentum) if nesterov else b
-            key = (matrix_shape(p.shape), p.dtype, p.device)
-            groups.setdefault(key, []).append(i)
+            m, n = matrix_shape(p.shape)
+            sizes = blocks_of(p)
+            units = [(None, slice(0, m))] if sizes is None else [
+                (j, slice(sum(sizes[:j]), sum(sizes[:j + 1]))) for j in range(len(sizes))]
+            pieces[i] = [None] * len(units)
+            for j, rows in units:
+                key = ((rows.stop - rows.start, n), p.dtype, p.device)
+                groups.setdefault(key, []).append((i, j, rows))
 
-        for ((m, n), _, _), idx in groups.items():
-            shape = tuple(p_leaves[idx[0]].shape)
-            radius = spectral.target_radius(shape, radius_scale)
-            s = update_scale(scale_mode, shape, radius)
-            W = torch.stack([p_leaves[i].reshape(m, n) for i in idx]).float()
-            M = torch.stack([directions[i].reshape(m, n) for i in idx]).float()
+        def pick(field: str, i: int, j: int | None) -> torch.Tensor:
+            return fields[field][i] if j is None else fields[field][i][j]
+
+        results: dict[str, dict[tuple[int, int | None], torch.Tensor]] = {
+            f: {} for f in ("v", "lam", "sigma", "residual", "iterations", "fallback")}
+        for ((m, n), _, _), units in groups.items():
+            radius = spectral.target_radius((m, n), radius_scale)
+            s = update_scale(scale_mode, (m, n), radius)
+            W = torch.stack([p_leaves[i].reshape(-1, n)[rows] for i, _, rows in units]).float()
+            M = torch.stack([directions[i].reshape(-1, n)[rows] for i, _, rows in units]).float()
             m_hat = M / torch.linalg.matrix_norm(M, keepdim=True).clamp_min(_M_FLOOR)
-            V0 = torch.stack([fields["v"][i] for i in idx])
+            V0 = torch.stack([pick("v", i, j) for i, j, _ in units])
             if cold_start:
                 V0 = spectral.default_start_block(n, V0.shape[-1], device=W.device).expand_as(V0)
             sigma, u, v, V = spectral.subspace_iteration(W, power_steps, V0)
             if muon_sphere:
-                lam = torch.zeros(len(idx), device=W.device)
+                lam = torch.zeros(len(units), device=W.device)
                 h, phi = spectral.tangent_residual(m_hat, u, v, lam, msign)
                 stats = spectral.SolverStats(
-                    iterations=torch.ones(len(idx), dtype=torch.int32, device=W.device),
+                    iterations=torch.ones(len(units), dtype=torch.int32, device=W.device),
                     residual=h.abs(), converged=h.abs() <= tol,
-                    fallback=torch.zeros(len(idx), dtype=torch.bool, device=W.device))
+                    fallback=torch.zeros(len(units), dtype=torch.bool, device=W.device))
             else:
-                lam0 = torch.stack([fields["lam"][i] for i in idx]) if warm_lambda else None
+                lam0 = torch.stack([pick("lam", i, j) for i, j, _ in units]) if warm_lambda else None
                 lam, phi, stats = spectral.solve_lambda(
                     m_hat, u, v, msign, lambda0=lam0, tol=tol, max_iterations=max_iterations,
                     bracket_step=bracket_step, max_expansions=max_expansions, method=solver)
             factor = radius / sigma.clamp_min(1e-30)
             delta = (factor - 1)[:, None, None] * W - (step_lr * s) * phi
-            for k, i in enumerate(idx):
-                p = p_leaves[i]
-                out[i] = delta[k].reshape(p.shape).to(p.dtype)
-                new["v"][i] = V[k]
-                new["lam"][i] = lam[k]
-                new["sigma"][i] = sigma[k]
-                new["residual"][i] = stats.residual[k]
-                new["iterations"][i] = stats.iterations[k]
-                new["fallback"][i] = stats.fallback[k]
-                new["fallbacks"][i] = fields["fallbacks"][i] + stats.fallback[k].to(torch.int64)
+            for k, (i, j, _) in enumerate(units):
+                pieces[i][0 if j is None else j] = delta[k]
+                for field, value in (("v", V), ("lam", lam), ("sigma", sigma), ("residual", stats.residual),
+                                     ("iterations", stats.iterations), ("fallback", stats.fallback)):
+                    results[field][(i, j)] = value[k]
+
+        for i, parts in pieces.items():
+            p = p_leaves[i]
+            whole = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+            out[i] = whole.reshape(p.shape).to(p.dtype)
+            split_leaf = fields["lam"][i].ndim == 1
+            for field, by_unit in results.items():
+                if split_leaf:
+                    new[field][i] = torch.stack([by_unit[(i, j)] for j in range(len(parts))])
+                else:
+                    new[field][i] = by_unit[(i, None)]
+            new["fallbacks"][i] = fields["fallbacks"][i] + new["fallback"][i].to(torch.int64)
 
         new_state = SpectralSphereState(
             count=state.count + 1, **{f: _tree.tree_unflatten(spec, vals) for f, vals in new.items()})
@@ -269,6 +315,8 @@ def spectral_sphere(
                   msign_steps=msign_steps, msign_dtype=msign_dtype, tol=tol,
                   max_iterations=max_iterations, solver=solver, warm_lambda=warm_lambda,
                   muon_sphere=muon_sphere)
+    if split is not None:
+        config["split"] = split
     return named(GradientTransformation(init, update), "spectral_sphere", **config)
 
 

@@ -69,6 +69,9 @@ class FSDPSpectralSphereOptimizer(FSDPMuonOptimizer):
         process_group: Any = None,
     ) -> None:
         self._sso_kwargs = dict(sso_kwargs or {})
+        if self._sso_kwargs.get("split") is not None:
+            raise ValueError("FSDPSpectralSphereOptimizer does not support split= yet (use the "
+                             "single-device SpectralSphereOptimizer or unfused weights)")
         for key in ("lr", "momentum", "nesterov", "mu_dtype"):
             if key in self._sso_kwargs:
                 raise ValueError(f"Invalid sso_kwargs key: {key!r} (pass it as an argument)")

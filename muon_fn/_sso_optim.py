@@ -25,7 +25,7 @@ _STAT_KEYS = ("sso_sigma", "sso_lambda", "sso_residual", "sso_iterations", "sso_
 class SolverReport(NamedTuple):
     """Per-matrix SSO statistics of the last step (tensors of shape ``(N,)``, N = SSO matrices)."""
 
-    names: list[str]  # parameter names (or "#i of shape (...)")
+    names: list[str]  # parameter names (or "#i of shape (...)"); "name[j]" for block j of a split weight
     sigma: torch.Tensor  # σ(W) before the retraction
     lam: torch.Tensor  # λ*
     residual: torch.Tensor  # |h(λ*)|, the tangency error
@@ -62,6 +62,7 @@ class SpectralSphereOptimizer(Optimizer):
       radius_scale, scale_mode, power_steps, power_block, cold_start, msign_steps, msign_dtype, tol,
         max_iterations, bracket_step, max_expansions, solver, warm_lambda, muon_sphere: see :func:`muon_fn.spectral_sphere`.
       momentum_dtype: dtype of the momentum buffer (default: the parameter's).
+      split: row blocks of fused weights, each its own sphere (see :func:`muon_fn.spectral_sphere`).
       adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW half in ``"auto"`` groups.
       gradient_accumulation_steps, nonfinite, compile: see :class:`muon_fn.Optimizer`. Compiled,
         the λ solver runs its full fixed number of msign calls (no early exit); eager is faster.
@@ -96,6 +97,7 @@ class SpectralSphereOptimizer(Optimizer):
         warm_lambda: bool = True,
         muon_sphere: bool = False,
         momentum_dtype: torch.dtype | None = None,
+        split: Any = None,
         adamw_lr: float = 3e-4,
         adamw_betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-8,
@@ -111,7 +113,7 @@ class SpectralSphereOptimizer(Optimizer):
             power_block=power_block, cold_start=cold_start, msign_steps=msign_steps, msign_dtype=msign_dtype, tol=tol,
             max_iterations=max_iterations, bracket_step=bracket_step,
             max_expansions=max_expansions, solver=solver, warm_lambda=warm_lambda,
-            muon_sphere=muon_sphere, momentum_dtype=momentum_dtype, adamw_lr=adamw_lr,
+            muon_sphere=muon_sphere, momentum_dtype=momentum_dtype, split=split, adamw_lr=adamw_lr,
             adamw_betas=tuple(adamw_betas), adamw_eps=adamw_eps,
             adamw_weight_decay=adamw_weight_decay, algorithm=algorithm,
         )
@@ -214,12 +216,14 @@ class SpectralSphereOptimizer(Optimizer):
                 st = self.state.get(p, {})
                 if "sso_sigma" not in st:
                     continue
-                names.append(self._name(group, p).strip("'"))
+                name = self._name(group, p).strip("'")
+                blocks = st["sso_sigma"].numel()  # > 1 for a split (fused) weight
+                names += [name] if st["sso_sigma"].ndim == 0 else [f"{name}[{j}]" for j in range(blocks)]
                 for k in _STAT_KEYS:
-                    cols[k].append(st[k])
+                    cols[k].append(st[k].reshape(-1))
 
         def stack(k, dtype):
-            return torch.stack(cols[k]) if cols[k] else torch.zeros(0, dtype=dtype)
+            return torch.cat(cols[k]) if cols[k] else torch.zeros(0, dtype=dtype)
 
         return SolverReport(names, stack("sso_sigma", torch.float32), stack("sso_lambda", torch.float32),
                             stack("sso_residual", torch.float32), stack("sso_iterations", torch.int32),
@@ -235,7 +239,7 @@ def _sso_factory(h: dict[str, Any]) -> GradientTransformation:
             msign_steps=h["msign_steps"], msign_dtype=h["msign_dtype"], tol=h["tol"],
             max_iterations=h["max_iterations"], bracket_step=h["bracket_step"],
             max_expansions=h["max_expansions"], solver=h["solver"], warm_lambda=h["warm_lambda"],
-            muon_sphere=h["muon_sphere"], mu_dtype=h["momentum_dtype"],
+            muon_sphere=h["muon_sphere"], mu_dtype=h["momentum_dtype"], split=h["split"],
         )
 
     algorithm = h["algorithm"]

@@ -161,6 +161,49 @@ def test_batched_tree_none_grads_and_conv_kernels():
     assert int(new.count) == 1
 
 
+def test_split_blocks_are_separate_spheres():
+    gen = torch.Generator().manual_seed(6)
+    d = 8
+    fused = torch.randn(3 * d, 2 * d, generator=gen) / 4  # e.g. QKV: three (8, 16) blocks
+    g = torch.randn(3 * d, 2 * d, generator=gen)
+    tx = spectral_sphere(0.02, split=(d, d, d))
+    st = tx.init((fused,))
+    assert tuple(st.v[0].shape) == (3, 2 * d, d) and tuple(st.lam[0].shape) == (3,)
+    u, st = tx.update((g,), st, (fused,))
+    # The same as three separate parameters (momentum is elementwise; each block its own sphere).
+    sep = spectral_sphere(0.02)
+    blocks, gblocks = tuple(fused.split(d)), tuple(g.split(d))
+    u_sep, st_sep = sep.update(gblocks, sep.init(blocks), blocks)
+    torch.testing.assert_close(u[0], torch.cat(u_sep), rtol=0, atol=1e-6)
+    torch.testing.assert_close(st.lam[0], torch.stack(st_sep.lam), rtol=0, atol=1e-7)
+    # A pure retraction (lr = 0) puts every block, not the fused matrix, on its own sphere.
+    tx0 = spectral_sphere(0.0, split=(d, d, d))
+    u0, _ = tx0.update((g,), tx0.init((fused,)), (fused,))
+    W = fused + u0[0]
+    R = 2.0 * math.sqrt(d / (2 * d))
+    for block in W.split(d):
+        assert float(torch.linalg.matrix_norm(block.double(), ord=2)) == pytest.approx(R, rel=1e-5)
+    assert abs(float(torch.linalg.matrix_norm(W.double(), ord=2)) - 2.0 * math.sqrt(3 * d / (2 * d))) > 0.1
+
+
+def test_optimizer_with_split_trains_and_checkpoints():
+    torch.manual_seed(7)
+    qkv = nn.Linear(12, 36, bias=False)
+    opt = SpectralSphereOptimizer(qkv.parameters(), split=(12, 12, 12))
+    X = torch.randn(10, 12)
+    for _ in range(2):
+        opt.zero_grad()
+        qkv(X).square().mean().backward()
+        opt.step()
+    assert tuple(opt.state[qkv.weight]["sso_lambda"].shape) == (3,)
+    report = opt.last_step_stats()
+    assert report.names == ["#0 of shape (36, 12)[0]", "#0 of shape (36, 12)[1]", "#0 of shape (36, 12)[2]"]
+    assert report.sigma.shape == (3,) and int(report.fallbacks.sum()) == 0
+    opt2 = SpectralSphereOptimizer(qkv.parameters(), split=(12, 12, 12))
+    opt2.load_state_dict(opt.state_dict())
+    assert opt2.state[qkv.weight]["sso_iterations"].dtype == torch.int32
+
+
 def test_lr_schedule_and_scale_modes():
     W = torch.randn(8, 32, generator=torch.Generator().manual_seed(4))
     g = torch.randn(8, 32, generator=torch.Generator().manual_seed(5))
