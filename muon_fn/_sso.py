@@ -117,8 +117,8 @@ def spectral_sphere(
     Args:
       lr: float, 0-d tensor or schedule ``count -> lr``. 0.02: with ``scale_mode="radius"``
         (``s = R``) lr is the relative spectral step ``‖ΔW‖₂/‖W‖₂`` per update; 0.02 is Muon's
-        default and between the paper's 1e-2 and 5e-3 × c. (SB class default 3e-4 is for
-        align_adamw_rms.)
+        default and the issue's (the paper's runs: 1e-2 preferred, 5e-3 used; SB's class default
+        3e-4 goes with align_adamw_rms).
       momentum: EMA coefficient μ; 0.95 (Muon's, and the issue's; SB/configs use 0.9). EMA vs SGD
         form does not matter: ``M̂`` is scale-invariant.
       nesterov: True (all sources).
@@ -143,7 +143,8 @@ def spectral_sphere(
       tol, max_iterations: solver tolerance on ``|h|`` and cap on bracketed steps; 2e-4 / 20, the
         paper runs' values (SB: 1e-8 / 100, unreachable with 8-step msign in fp32).
       bracket_step, max_expansions: 1e-3 doubled up to 10 times (SB's): reaches ±1.023 around
-        the start point; measured λ* are O(1e-3).
+        the start point; measured |λ*| range from ~1e-3 (768-wide noisy gradients) to ~0.1
+        (small or structured ones).
       solver: ``"illinois"`` (default: false position with Illinois halving on the same bracket;
         measured 3–5 msigns vs 6–10 for bisection at the same tolerance) or ``"bisection"`` (SB).
       warm_lambda: start the solver at last step's λ* instead of 0 (cost only; the root is unique).
