@@ -92,8 +92,16 @@ def partition(
                 mask(updates, tree_labels, label), state.inner_states[label], masked_params, **extra
             )
         order = list(transforms)
+
+        def pick(u, lab, *outs_):
+            if u is None:
+                return None
+            if lab is None:
+                raise ValueError("partition(): a leaf with an update has the label None; give it a label")
+            return outs_[order.index(lab)]
+
         merged = _tree.tree_map(
-            lambda u, lab, *outs_: None if u is None else outs_[order.index(lab)],
+            pick,
             updates,
             tree_labels,
             *(outs[label] for label in order),

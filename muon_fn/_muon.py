@@ -31,6 +31,8 @@ def shape_scale(rule: str, shape: Sequence[int]) -> float:
     ``spectral`` √(out/in); ``legacy`` √max(out, in); ``none`` 1.
     """
     out, inp = matrix_shape(shape)
+    if out == 0 or inp == 0:  # an empty matrix: nothing to scale
+        return 1.0
     if rule in ("keller", "original"):
         return math.sqrt(max(1.0, out / inp))
     if rule == "match_rms_adamw":
@@ -69,13 +71,17 @@ def block_sizes(split: Split, leaf: torch.Tensor) -> list[int] | None:
     return sizes
 
 
-def _not_matrix(shape: Sequence[int], who: str) -> ValueError:
+def _not_matrix(shape: Sequence[int], who: str, where: str = "") -> ValueError:
     return ValueError(
-        f"{who} only supports matrices (ndim >= 2) whereas we found a leaf with size: "
+        f"{who} only supports matrices (ndim >= 2) whereas we found a leaf{where} with size: "
         f"{tuple(shape)}. Route 0-/1-D parameters (biases, norms) to another transform with "
         "muon_fn.partition, e.g. muon_fn.hybrid(...), or use muon_fn.MuonOptimizer / "
         "muon_fn.create_hybrid_optimizer, which do this for you."
     )
+
+
+def _path_str(path: tuple) -> str:
+    return "".join(f"[{k!r}]" for k in path) or "the root"
 
 
 def orthogonalize(
@@ -106,7 +112,9 @@ def orthogonalize(
       batch: stack same-shape matrices into one batched call.
     """
     custom = callable(method) and not isinstance(method, str)
+    _checks.positive_int("steps", steps)
     if not custom:
+        _checks.one_of("method", method, _orthogonalize.METHODS)
         schedule = _orthogonalize.coefficient_schedule(
             method, steps, coefficients=coefficients, stepsize=stepsize
         )
@@ -122,16 +130,16 @@ def orthogonalize(
             eps=eps, norm_scale=scale,
         )
 
-    def as_matrices(u: torch.Tensor) -> torch.Tensor:
+    def as_matrices(u: torch.Tensor, path: tuple) -> torch.Tensor:
         if u.ndim < 2:
-            raise _not_matrix(u.shape, "orthogonalize")
+            raise _not_matrix(u.shape, "orthogonalize", f" at {_path_str(path)}")
         if u.ndim > 2 and flatten:
-            return u.reshape(u.shape[0], -1)
+            return u.reshape(matrix_shape(u.shape))
         return u
 
     def update(updates, state, params=None, **extra):
         del params, extra
-        leaves, spec = _tree.tree_flatten(updates)
+        paths, leaves, spec = _tree.tree_flatten_with_path(updates)
         # Cut every leaf into matrices (blocks), orient them wide, group equal shapes.
         blocks: list[list[torch.Tensor]] = []
         groups: dict[tuple, list[tuple[int, int]]] = {}
@@ -139,7 +147,7 @@ def orthogonalize(
             if u is None:
                 blocks.append([])
                 continue
-            m = as_matrices(u)
+            m = as_matrices(u, paths[i])
             sizes = block_sizes(split, m)
             parts = list(m.split(sizes, dim=-2 if m.ndim > 2 and not flatten else 0)) if sizes else [m]
             blocks.append(parts)
@@ -187,7 +195,7 @@ def scale_by_shape(rule: str = "keller", *, split: Split = None) -> GradientTran
     def scale(u: torch.Tensor) -> torch.Tensor:
         if u.ndim < 2:
             raise _not_matrix(u.shape, "scale_by_shape")
-        m = u.reshape(u.shape[0], -1)
+        m = u.reshape(matrix_shape(u.shape))
         sizes = block_sizes(split, m)
         if not sizes:
             return u * shape_scale(rule, u.shape)

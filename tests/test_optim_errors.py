@@ -230,7 +230,7 @@ class TestParameters(expecttest.TestCase):
             lin.parameters(), lambda h: mf.muon(h["lr"]), {"lr": 0.02}))
         self.assertExpectedInline(
             msg,
-            """parameter #1 of shape (3,): orthogonalize only supports matrices (ndim >= 2) whereas we found a leaf with size: (3,). Route 0-/1-D parameters (biases, norms) to another transform with muon_fn.partition, e.g. muon_fn.hybrid(...), or use muon_fn.MuonOptimizer / muon_fn.create_hybrid_optimizer, which do this for you.""")
+            """parameter #1 of shape (3,): orthogonalize only supports matrices (ndim >= 2) whereas we found a leaf at [1] with size: (3,). Route 0-/1-D parameters (biases, norms) to another transform with muon_fn.partition, e.g. muon_fn.hybrid(...), or use muon_fn.MuonOptimizer / muon_fn.create_hybrid_optimizer, which do this for you.""")
         self.assertIn("MuonOptimizer", msg)
         self.assertIn("create_hybrid_optimizer", msg)
 
@@ -238,7 +238,7 @@ class TestParameters(expecttest.TestCase):
         lin = _linear()
         self.assertExpectedInline(
             self.message(ValueError, lambda: mf.Optimizer(lin.parameters(), mf.muon())),
-            """parameter #1 of shape (3,): orthogonalize only supports matrices (ndim >= 2) whereas we found a leaf with size: (3,). Route 0-/1-D parameters (biases, norms) to another transform with muon_fn.partition, e.g. muon_fn.hybrid(...), or use muon_fn.MuonOptimizer / muon_fn.create_hybrid_optimizer, which do this for you.""")
+            """parameter #1 of shape (3,): orthogonalize only supports matrices (ndim >= 2) whereas we found a leaf at [1] with size: (3,). Route 0-/1-D parameters (biases, norms) to another transform with muon_fn.partition, e.g. muon_fn.hybrid(...), or use muon_fn.MuonOptimizer / muon_fn.create_hybrid_optimizer, which do this for you.""")
 
     def test_nonfinite_error_message(self):
         lin = _linear()
@@ -331,7 +331,7 @@ class TestForeignStateDict(expecttest.TestCase):
         lin = _linear()
         msg = self.message(ValueError, lambda: mf.Optimizer(
             lin.named_parameters(), lambda h: mf.muon(h["lr"]), {"lr": 0.02}))
-        self.assertExpectedInline(msg, """parameter 'bias': orthogonalize only supports matrices (ndim >= 2) whereas we found a leaf with size: (3,). Route 0-/1-D parameters (biases, norms) to another transform with muon_fn.partition, e.g. muon_fn.hybrid(...), or use muon_fn.MuonOptimizer / muon_fn.create_hybrid_optimizer, which do this for you.""")
+        self.assertExpectedInline(msg, """parameter 'bias': orthogonalize only supports matrices (ndim >= 2) whereas we found a leaf at [1] with size: (3,). Route 0-/1-D parameters (biases, norms) to another transform with muon_fn.partition, e.g. muon_fn.hybrid(...), or use muon_fn.MuonOptimizer / muon_fn.create_hybrid_optimizer, which do this for you.""")
         self.assertIn("'bias'", msg)
 
 
