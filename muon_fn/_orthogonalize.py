@@ -332,6 +332,51 @@ def orthogonalize_matrices(
     return y.to(out_dtype).reshape(shape)
 
 
+def orthogonalize_many(
+    xs: Sequence[torch.Tensor],
+    schedule: Sequence[Coefficients],
+    *,
+    dtype: torch.dtype,
+    eps: float,
+    norm_scale: float = 1.0,
+    out_dtype: torch.dtype | None = None,
+) -> list[torch.Tensor]:
+    """:func:`orthogonalize_matrices` over a list of 2-D matrices, batching equal wide shapes.
+
+    Each matrix is normalized and cast straight into its slot of a per-shape ``(B, m, n)`` buffer
+    (one pass over the input, no fp32 stack copy); the outputs are views of the iterated batch in
+    the input orientation, in ``out_dtype`` (default: ``dtype``, no cast-back pass, e.g. for
+    ``p.add_(o, alpha=-lr * scale)``). Equal to calling :func:`orthogonalize_matrices` per matrix
+    (bitwise in fp32/fp64 up to BLAS batching).
+    """
+    check_dtype(schedule, dtype)
+    groups: dict[tuple[int, int, torch.device], list[int]] = {}
+    for i, x in enumerate(xs):
+        if x.ndim != 2:
+            raise ValueError(f"orthogonalize_many expects 2-D matrices, got shape {tuple(x.shape)} at index {i}")
+        m, n = sorted(x.shape)
+        groups.setdefault((m, n, x.device), []).append(i)
+    outs: list[torch.Tensor | None] = [None] * len(xs)
+    for (m, n, device), idx in groups.items():
+        buf = torch.empty((len(idx), m, n), dtype=dtype, device=device)
+        for slot, i in enumerate(idx):
+            x = xs[i].mT if xs[i].size(0) > xs[i].size(1) else xs[i]
+            norm = torch.linalg.vector_norm(x, dtype=torch.promote_types(x.dtype, torch.float32))
+            torch.mul(x, 1.0 / (norm * norm_scale + eps), out=buf[slot])
+        gram = None
+        if getattr(schedule, "precondition", "frobenius") == "aol":
+            buf, gram = _aol_scale(buf, buf @ buf.mT, eps)
+        if getattr(schedule, "form", "standard") == "gram":
+            buf = iterate_gram(buf, schedule, gram)
+        else:
+            buf = iterate(buf, schedule, gram)
+        if out_dtype is not None and out_dtype != dtype:
+            buf = buf.to(out_dtype)
+        for slot, i in enumerate(idx):
+            outs[i] = buf[slot].mT if xs[i].size(0) > xs[i].size(1) else buf[slot]
+    return outs  # type: ignore[return-value]
+
+
 def zeropower_via_newtonschulz5(G: torch.Tensor, steps: int = 5) -> torch.Tensor:
     """Keller Jordan's Muon orthogonalization: quintic (3.4445, -4.7750, 2.0315) in bf16."""
     return newton_schulz(G, "quintic", steps, dtype=torch.bfloat16, eps=1e-7)

@@ -29,7 +29,7 @@ from . import _orthogonalize as _ortho
 MODEL_SIZES = {"tiny": (4, 256), "gpt2-small": (12, 768)}  # (layers, width); MLP is 4x width
 MATRIX_NAMES = ("q", "k", "v", "o", "fc", "proj")
 ROWS = ("muon_fn", "muon_fn[aol4]", "muon_fn[like_torch]", "torch.optim.Muon", "torch.optim.AdamW[fused]",
-        "replay[polar_express5]", "replay[aol4]", "replay[torch_quintic5]")
+        "lean[polar_express5]", "lean[aol4]", "replay[polar_express5]", "replay[aol4]", "replay[torch_quintic5]")
 # Opt-in rows (inductor cold compile takes minutes on a loaded 2-core CPU).
 OPTIONAL_ROWS = ("muon_fn[compiled]", "muon_fn[aol4,compiled]", "muon_fn[aol4,nonfinite=None]")
 _REFERENCE, _REPLAY = "torch.optim.Muon", "replay[polar_express5]"
@@ -105,6 +105,28 @@ def _replay_fn(params: Sequence[torch.Tensor], method: str, steps: int, batched:
     return run
 
 
+def _lean_fn(params: Sequence[torch.Tensor], lr: float, method: str, steps: int,
+             momentum: float = 0.95) -> Callable[[], None]:
+    """What an eager adapter can reach: torch.optim.Muon's in-place momentum, the method's
+    orthogonalization via :func:`muon_fn._orthogonalize.orthogonalize_many` (normalize+cast into
+    batch slots, no fp32 stack), and ``p.add_(o_bf16, alpha=-lr*scale)`` (no cast-back pass)."""
+    schedule = _ortho.coefficient_schedule(method, steps)
+    scale = _ortho.norm_scale(method)
+    bufs = [torch.zeros_like(p) for p in params]
+    alphas = [-lr * max(1.0, p.size(0) / p.size(1)) ** 0.5 for p in params]
+
+    @torch.no_grad()
+    def run() -> None:
+        ups = []
+        for p, b in zip(params, bufs):
+            b.lerp_(p.grad, 1 - momentum)
+            ups.append(p.grad.lerp(b, momentum))
+        outs = _ortho.orthogonalize_many(ups, schedule, dtype=torch.bfloat16, eps=1e-7, norm_scale=scale)
+        for p, o, a in zip(params, outs, alphas):
+            p.add_(o, alpha=a)
+    return run
+
+
 def _make_row(name: str, params: list[torch.Tensor], lr: float) -> tuple[Any, Callable[[], None]]:
     from .optim import MuonOptimizer  # lazy: the bench module imports nothing heavy at load
 
@@ -125,6 +147,10 @@ def _make_row(name: str, params: list[torch.Tensor], lr: float) -> tuple[Any, Ca
         opt = torch.optim.Muon(params, lr=lr, weight_decay=0.0, adjust_lr_fn="original")
     elif name == "torch.optim.AdamW[fused]":
         opt = torch.optim.AdamW(params, lr=lr * 0.05, weight_decay=0.0, fused=True)
+    elif name == "lean[polar_express5]":
+        return None, _lean_fn(params, lr, "polar_express", 5)
+    elif name == "lean[aol4]":
+        return None, _lean_fn(params, lr, "aol", 4)
     elif name == "replay[polar_express5]":
         return None, _replay_fn(params, "polar_express", 5, batched=True)
     elif name == "replay[aol4]":
@@ -142,6 +168,7 @@ _ROW_ORTHO: dict[str, tuple[str, int]] = {
     "muon_fn[aol4,nonfinite=None]": ("aol", 4),
     "torch.optim.Muon": ("torch", 5), "replay[polar_express5]": ("polar_express", 5),
     "replay[aol4]": ("aol", 4), "replay[torch_quintic5]": ("torch", 5),
+    "lean[polar_express5]": ("polar_express", 5), "lean[aol4]": ("aol", 4),
 }
 
 
