@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import _tree
+from ._muon import block_sizes
 from ._sso import SpectralSphereState, spectral_sphere
 from ._sso_optim import SolverReport
 from ._transforms import MomentumState, momentum as momentum_tx
@@ -45,7 +46,8 @@ class FSDPSpectralSphereOptimizer(FSDPMuonOptimizer):
       model, params: as :class:`muon_fn.fsdp.FSDPMuonOptimizer` (``use_muon`` groups get SSO).
       lr, momentum, nesterov: SSO's (see :func:`muon_fn.spectral_sphere`).
       sso_kwargs: any other :func:`muon_fn.spectral_sphere` keyword (``radius_scale``,
-        ``power_steps``, ``tol``, ``muon_sphere`` ...).
+        ``power_steps``, ``tol``, ``muon_sphere``, ``split`` ...). A callable ``split`` is called
+        on a meta ``(out, in)`` tensor to size the state.
       strategy, adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay, wire_dtype, num_buckets,
         process_group: as :class:`muon_fn.fsdp.FSDPMuonOptimizer`.
     """
@@ -69,9 +71,6 @@ class FSDPSpectralSphereOptimizer(FSDPMuonOptimizer):
         process_group: Any = None,
     ) -> None:
         self._sso_kwargs = dict(sso_kwargs or {})
-        if self._sso_kwargs.get("split") is not None:
-            raise ValueError("FSDPSpectralSphereOptimizer does not support split= yet (use the "
-                             "single-device SpectralSphereOptimizer or unfused weights)")
         for key in ("lr", "momentum", "nesterov", "mu_dtype"):
             if key in self._sso_kwargs:
                 raise ValueError(f"Invalid sso_kwargs key: {key!r} (pass it as an argument)")
@@ -102,10 +101,14 @@ class FSDPSpectralSphereOptimizer(FSDPMuonOptimizer):
                     continue
                 m, n = _plan.flat_shape(p.shape)
                 dev = _params.local(p).device
-                st["sso_v"] = torch.zeros(n, min(k_max, m, n), device=dev)  # set on the first step
+                # A split (fused) weight: one sphere per row block, with a leading block dim.
+                sizes = block_sizes(self._sso_kwargs.get("split"), torch.empty(m, n, device="meta"))
+                lead = () if sizes is None else (len(sizes),)
+                k = min(k_max, m if sizes is None else min(sizes), n)
+                st["sso_v"] = torch.zeros(lead + (n, k), device=dev)  # set on the first step
                 st["sso_count"] = torch.zeros((), dtype=torch.int64, device=dev)
                 for key, dtype in zip(_STATS, _STAT_DTYPES):
-                    st[key] = torch.zeros((), dtype=dtype, device=dev)
+                    st[key] = torch.zeros(lead, dtype=dtype, device=dev)
 
     def _tx(self, index: int):
         s = self._scalars[index]
@@ -222,9 +225,11 @@ class FSDPSpectralSphereOptimizer(FSDPMuonOptimizer):
         """The λ solver's statistics of the last step, per SSO matrix (identical on every rank)."""
         names, cols = [], {k: [] for k in _STATS}
         for p in self._muon:
-            names.append(self._name(p))
+            st = self.state[p]
+            name = self._name(p)
+            names += [name] if st["sso_sigma"].ndim == 0 else [f"{name}[{j}]" for j in range(st["sso_sigma"].numel())]
             for k in _STATS:
-                cols[k].append(self.state[p][k])
-        stack = {k: (torch.stack(v) if v else torch.zeros(0)) for k, v in cols.items()}
+                cols[k].append(st[k].reshape(-1))
+        stack = {k: (torch.cat(v) if v else torch.zeros(0)) for k, v in cols.items()}
         return SolverReport(names, stack["sso_sigma"], stack["sso_lambda"], stack["sso_residual"],
                             stack["sso_iterations"], stack["sso_fallback"], stack["sso_fallbacks"])

@@ -68,7 +68,7 @@ def _set_grads(model, step):
             p.grad = g
 
 
-def _check_parity(strategy):
+def _check_parity(strategy, **sso_kwargs):
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
@@ -81,8 +81,8 @@ def _check_parity(strategy):
     for layer in (model.l1, model.l2, model.l3, model.l4):
         fully_shard(layer)
     fully_shard(model)
-    opt = FSDPSpectralSphereOptimizer(model, strategy=strategy)
-    ref = SpectralSphereOptimizer(ref_model.parameters())
+    opt = FSDPSpectralSphereOptimizer(model, strategy=strategy, sso_kwargs=sso_kwargs)
+    ref = SpectralSphereOptimizer(ref_model.parameters(), **sso_kwargs)
     for step in range(STEPS):
         _set_grads(model, step)
         _set_grads(ref_model, step)
@@ -93,18 +93,20 @@ def _check_parity(strategy):
         full = p.full_tensor() if hasattr(p, "full_tensor") else p
         diffs[name] = float((full.detach() - q.detach()).abs().max())
     stats = opt.last_step_stats_sso()
-    lam = [float(x) for x in stats.lam]
+    lam = [float(x) for x in stats.lam.reshape(-1)]
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, lam)
     ref_stats = ref.last_step_stats()
     return {"max_diff": max(diffs.values()), "diffs": diffs,
             "ranks_agree": all(x == everyone[0] for x in everyone),
             "lam": lam, "ref_lam": [float(x) for x in ref_stats.lam],
-            "iterations": [int(x) for x in stats.iterations],
+            "iterations": [int(x) for x in stats.iterations.reshape(-1)],
             "ref_iterations": [int(x) for x in ref_stats.iterations]}
 
 
-CHECKS = {"owner": lambda: _check_parity("owner"), "replicate": lambda: _check_parity("replicate")}
+CHECKS = {"owner": lambda: _check_parity("owner"), "replicate": lambda: _check_parity("replicate"),
+          # split=(4, 4, 4) applies to the three 12-row matrices: one sphere per 4-row block.
+          "owner_split": lambda: _check_parity("owner", split=(4, 4, 4))}
 
 
 def _worker(rank, w, port, out):
@@ -157,7 +159,7 @@ def _job(w):
 
 
 @pytest.mark.parametrize("w", [2, 4])
-@pytest.mark.parametrize("strategy", ["owner", "replicate"])
+@pytest.mark.parametrize("strategy", ["owner", "replicate", "owner_split"])
 def test_fsdp_sso_matches_single_device(w, strategy):
     ranks = _job(w)
     assert isinstance(ranks, list), f"job failed:\n{ranks}"
