@@ -13,6 +13,9 @@ from ._hybrid import create_hybrid_optimizer, split_parameters
 from ._muon import orthogonalize, scale_by_shape, shape_scale
 from ._orthogonalize import newton_schulz, polar_express, zeropower_via_newtonschulz5
 from .optim import MuonOptimizer, Optimizer
+from ._sso import SpectralSphereState, spectral_sphere, sso
+from ._sso_optim import SolverReport, SpectralSphereOptimizer
+from . import spectral
 from ._transforms import (
     MomentumState,
     NormalizeRowsState,
@@ -67,4 +70,28 @@ __all__ = [
     "MuonOptimizer",
     "create_hybrid_optimizer",
     "split_parameters",
+    # spectral sphere (SSO)
+    "spectral_sphere",
+    "SpectralSphereState",
+    "sso",
+    "SpectralSphereOptimizer",
+    "SolverReport",
+    "spectral",
+    # FSDP2 (imported on first use: muon_fn.fsdp loads torch.distributed)
+    "FSDPMuonOptimizer",
+    "FSDPSpectralSphereOptimizer",
 ]
+
+_LAZY = {
+    "FSDPMuonOptimizer": ("muon_fn.fsdp", "FSDPMuonOptimizer"),
+    "FSDPSpectralSphereOptimizer": ("muon_fn._sso_fsdp", "FSDPSpectralSphereOptimizer"),
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'muon_fn' has no attribute {name!r}")

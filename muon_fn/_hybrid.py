@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .optim import MuonOptimizer
+from .optim import MuonOptimizer, Optimizer
 
 
 def _head_names(model: nn.Module, embedding_params: set[int]) -> set[str]:
@@ -116,15 +116,17 @@ def create_hybrid_optimizer(
     adamw_predicate: Callable[[str, nn.Parameter], bool] | None = None,
     muon_names: Sequence[str] = (),
     verbose: bool = False,
+    optimizer_cls: type[Optimizer] = MuonOptimizer,
     **muon_kwargs: Any,
-) -> MuonOptimizer:
+) -> Optimizer:
     """One :class:`MuonOptimizer` with two groups: ``algorithm="muon"`` and ``algorithm="adamw"``.
 
     Hidden 2-D (and conv) weights get Muon with ``muon_lr``; embeddings, the output head and
     0-/1-D parameters get AdamW with ``adamw_lr``, ``adamw_betas``, ``adamw_eps`` and
     ``adamw_weight_decay`` (see :func:`split_parameters` for the rules and overrides). One
     ``state_dict``; schedulers scale each group's ``lr``. The split is ``optimizer.split``
-    (printed when ``verbose``). Other keyword arguments go to :class:`MuonOptimizer`.
+    (printed when ``verbose``). ``optimizer_cls`` (default :class:`MuonOptimizer`; e.g.
+    :class:`muon_fn.SpectralSphereOptimizer`) gets the groups and the other keyword arguments.
     """
     muon_params, adamw_params = split_parameters(
         model, adamw_names=adamw_names, adamw_predicate=adamw_predicate, muon_names=muon_names
@@ -140,7 +142,7 @@ def create_hybrid_optimizer(
                        "lr": adamw_lr, "weight_decay": adamw_weight_decay, "algorithm": "adamw"})
     if not groups:
         raise ValueError("optimizer got an empty parameter list")
-    optimizer = MuonOptimizer(groups, lr=muon_lr, momentum=momentum, adamw_betas=adamw_betas,
+    optimizer = optimizer_cls(groups, lr=muon_lr, momentum=momentum, adamw_betas=adamw_betas,
                               adamw_eps=adamw_eps, **muon_kwargs)
     optimizer.split = HybridSplit(muon_params, adamw_params)
     if verbose:

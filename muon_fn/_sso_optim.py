@@ -189,22 +189,6 @@ class SpectralSphereOptimizer(Optimizer):
         base = group.get("base_lr") or 0.0
         return {"adamw_lr_effective": float(group["adamw_lr"]) * (lr / base if base > 0 else 1.0)}
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """The adapter's ``load_state_dict``, then every state entry back to the dtype the transform
-        uses: torch casts *all* tensor state (int32 iteration counts, bool fallback flags
-        included) to the parameter's dtype, and the adapter restores only floating-point ones."""
-        super().load_state_dict(state_dict)
-        for index, group in enumerate(self.param_groups):
-            layout = self._runtime(index).layout
-            states = self._param_states(group)
-            for slot in layout.slots:
-                if slot is None:
-                    continue
-                for i in (range(len(states)) if slot.index is None else (slot.index,)):
-                    value = states[i].get(slot.key)
-                    if isinstance(value, torch.Tensor) and value.dtype != slot.dtype:
-                        states[i][slot.key] = value.to(slot.dtype)
-
     def last_step_stats(self) -> SolverReport:
         """The λ solver's statistics of the last step for every SSO matrix (see :class:`SolverReport`).
 

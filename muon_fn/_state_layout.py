@@ -134,3 +134,14 @@ def check(layout: StateLayout, param_states: list[dict[str, Any]], names: list[s
                     f"loaded state {slot.key!r} for parameter {names[i]} has shape {got}, expected "
                     f"{slot.shape}: the state_dict comes from a different optimizer layout"
                 )
+
+
+def cast_to_layout(layout: StateLayout, param_states: list[dict[str, Any]]) -> None:
+    """Give every stored leaf the dtype the transform's ``init`` creates."""
+    for slot in layout.slots:
+        if slot is None:
+            continue
+        for i in range(len(param_states)) if slot.index is None else (slot.index,):
+            value = param_states[i].get(slot.key)
+            if isinstance(value, torch.Tensor) and value.dtype != slot.dtype:
+                param_states[i][slot.key] = value.to(slot.dtype)

@@ -328,9 +328,10 @@ class Optimizer(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------------- checkpoints
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """torch's ``load_state_dict``, keeping each state tensor's saved dtype (torch would cast
-        floating state to the parameter's dtype) and checking that the state_dict has this
-        optimizer's layout; a rejected state_dict leaves the optimizer as it was."""
+        """torch's ``load_state_dict``, with every state tensor in the dtype its transform uses
+        (torch would cast all tensor state to the parameter's dtype, e.g. fp32 momentum of a bf16
+        parameter, or integer counters) and a check that the state_dict has this optimizer's
+        layout; a rejected state_dict leaves the optimizer as it was."""
         self._check_saved_groups(state_dict)
         saved = state_dict["state"]
         backup_state, backup_groups = self.state, self.param_groups
@@ -340,12 +341,14 @@ class Optimizer(torch.optim.Optimizer):
             for idx, p in enumerate(params):
                 entry = saved.get(idx, saved.get(str(idx)))
                 for key, value in (entry or {}).items():
-                    if isinstance(value, torch.Tensor) and value.is_floating_point():
+                    if isinstance(value, torch.Tensor):
                         self.state[p][key] = value.detach().to(device=p.device, copy=True)
             for index, group in enumerate(self.param_groups):
                 rt = self._runtime(index)
+                states = self._param_states(group)
                 names = [self._name(group, p) for p in group["params"]]
-                _state_layout.check(rt.layout, self._param_states(group), names)
+                _state_layout.check(rt.layout, states, names)
+                _state_layout.cast_to_layout(rt.layout, states)
         except Exception:
             self.state, self.param_groups = backup_state, backup_groups
             for index in range(len(self.param_groups)):
