@@ -202,11 +202,20 @@ def _addmm(bias: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, beta: float, 
     return torch.baddbmm(bias, m1, m2, beta=beta, alpha=alpha)
 
 
+# Eager batches of matrices with min(m, n) >= this run as a loop of 2-D GEMMs: on the 2-core Zen 4
+# CPU, bf16 baddbmm is 9-14 % slower than a loop of addmm from 512² up (16×768²: 603 vs 525 ms)
+# and 5-16 % faster below 384 (16×256²: 19.1 vs 22.8 ms).
+LOOP_MIN_DIM = 384
+
+
 def iterate(x: torch.Tensor, schedule: Sequence[Coefficients], gram: torch.Tensor | None = None) -> torch.Tensor:
     """Apply ``X ← aX + (bA + cA²)X``, ``A = XXᵀ``, once per triple. ``x``: (m, n) or (B, m, n).
 
     ``gram``: ``XXᵀ`` of the input if already computed (used by the first iteration).
     """
+    if x.ndim == 3 and x.size(0) > 1 and x.size(-2) >= LOOP_MIN_DIM and not torch.compiler.is_compiling():
+        grams = [None] * x.size(0) if gram is None else gram.unbind(0)
+        return torch.stack([iterate(xi, schedule, gi) for xi, gi in zip(x.unbind(0), grams)])
     for a, b, c in schedule:
         if gram is None:
             gram = x @ x.mT
