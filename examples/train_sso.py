@@ -24,12 +24,6 @@ except ImportError:  # a source checkout without `pip install -e .`
 from muon_fn._train.data import Batcher, load_corpus
 from muon_fn._train.model import GPT, config_for
 
-# The public name is muon_fn.SpectralSphereOptimizer; checkouts that do not re-export it yet
-# define it in muon_fn/_sso_optim.py.
-SpectralSphereOptimizer = getattr(mf, "SpectralSphereOptimizer", None)
-if SpectralSphereOptimizer is None:
-    from muon_fn._sso_optim import SpectralSphereOptimizer
-
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -38,7 +32,7 @@ def main(argv=None) -> int:
 
     torch.manual_seed(0)
     model = GPT(config_for("tiny", n_layer=2))
-    opt = SpectralSphereOptimizer.from_model(model, lr=0.02, adamw_lr=3e-3, adamw_weight_decay=0.0)
+    opt = mf.SpectralSphereOptimizer.from_model(model, lr=0.02, adamw_lr=3e-3, adamw_weight_decay=0.0)
     print(f"SSO on {len(opt.split.muon)} matrices, AdamW on {len(opt.split.adamw)} tensors")
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps)
 

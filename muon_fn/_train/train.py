@@ -231,14 +231,10 @@ def build_optimizer(name: str, model: nn.Module, args: argparse.Namespace, ctx: 
                                          muon_weight_decay=wd, adamw_betas=ADAMW_BETAS, **extra, **compile_opt)
         return opt, f"muon_fn.create_hybrid_optimizer(muon_lr={lr}, adamw_lr={adamw_lr}{', beta2=0.95' if extra else ''})"
     if name == "sso":
-        sso_cls = getattr(mf, "SpectralSphereOptimizer", None)
-        if sso_cls is None:  # defined but not re-exported in some checkouts
-            try:
-                from muon_fn._sso_optim import SpectralSphereOptimizer as sso_cls
-            except ImportError as e:
-                raise SystemExit(f"--optimizer sso needs muon_fn.SpectralSphereOptimizer ({e})") from e
+        if not hasattr(mf, "SpectralSphereOptimizer"):
+            raise SystemExit("--optimizer sso needs muon_fn.SpectralSphereOptimizer, which this installation lacks")
         # Same split as create_hybrid_optimizer (hidden matrices -> SSO, the rest -> AdamW).
-        opt = sso_cls.from_model(model, lr=lr, adamw_lr=adamw_lr, adamw_weight_decay=wd,
+        opt = mf.SpectralSphereOptimizer.from_model(model, lr=lr, adamw_lr=adamw_lr, adamw_weight_decay=wd,
                                                     adamw_betas=ADAMW_BETAS, **compile_opt)
         return opt, f"muon_fn.SpectralSphereOptimizer.from_model(lr={lr}, adamw_lr={adamw_lr})"
     raise SystemExit(f"unknown optimizer {name!r}; valid: {', '.join(OPTIMIZERS)}")
