@@ -211,17 +211,21 @@ def build_optimizer(name: str, model: nn.Module, args: argparse.Namespace, ctx: 
 
     compile_opt = {"compile": bool(args.compile)}
     if ctx.enabled:
-        if name not in ("muon", "normuon"):
-            raise SystemExit(f"--fsdp supports --optimizer muon, normuon or adamw (got {name})")
+        # The same split as create_hybrid_optimizer: hidden matrices -> Muon (or SSO); embeddings,
+        # the head and 1-D params -> AdamW (on local shards, no communication).
+        muon_params, adamw_params = mf.split_parameters(model)
+        groups = [{"params": [p for _, p, _ in muon_params], "use_muon": True},
+                  {"params": [p for _, p, _ in adamw_params], "use_muon": False}]
+        if name == "sso":
+            if not hasattr(mf, "FSDPSpectralSphereOptimizer"):
+                raise SystemExit("--fsdp --optimizer sso needs muon_fn.FSDPSpectralSphereOptimizer")
+            opt = mf.FSDPSpectralSphereOptimizer(model, groups, lr=lr, adamw_lr=adamw_lr,
+                                                 adamw_betas=ADAMW_BETAS, adamw_weight_decay=wd)
+            return opt, f"muon_fn.FSDPSpectralSphereOptimizer(lr={lr}, adamw_lr={adamw_lr}, world={ctx.world})"
         try:
             from muon_fn.fsdp import FSDPMuonOptimizer
         except ImportError as e:  # pragma: no cover - depends on what is installed
             raise SystemExit(f"--fsdp needs muon_fn.fsdp.FSDPMuonOptimizer ({e})") from e
-        # The same split as create_hybrid_optimizer: hidden matrices -> Muon; embeddings, the
-        # head and 1-D params -> AdamW (on local shards, no communication).
-        muon_params, adamw_params = mf.split_parameters(model)
-        groups = [{"params": [p for _, p, _ in muon_params], "use_muon": True},
-                  {"params": [p for _, p, _ in adamw_params], "use_muon": False}]
         opt = FSDPMuonOptimizer(model, groups, lr=lr, weight_decay=wd, beta2=0.95 if name == "normuon" else None,
                                 adamw_lr=adamw_lr, adamw_betas=ADAMW_BETAS, adamw_weight_decay=wd)
         return opt, f"muon_fn.fsdp.FSDPMuonOptimizer(lr={lr}, adamw_lr={adamw_lr}, world={ctx.world})"
