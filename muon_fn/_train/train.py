@@ -37,8 +37,10 @@ DEFAULT_ADAMW_LR = 3e-3
 ADAMW_BETAS = (0.9, 0.95)
 
 # `--quick`: a few minutes on 2 CPU cores for muon + adamw (see docs/index.md for the figures).
+# One thread: the tiny model's 128-wide GEMMs gain little from a second thread, and on a machine
+# shared with other jobs OpenMP threads that spin-wait make a step many times slower.
 QUICK = dict(model="tiny", steps=300, batch_size=16, seq_len=128, eval_interval=50, eval_windows=64,
-             warmup=30)
+             warmup=30, threads=1)
 
 
 # --------------------------------------------------------------------------------------------
