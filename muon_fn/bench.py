@@ -261,11 +261,11 @@ def _nesterov_inputs(opt: torch.optim.Optimizer, params, names, momentum=0.95) -
 
 def benchmark_muon_optimizers(
     model_size: str = "tiny",
-    num_steps: int = 3,
+    num_steps: int = 1,
     lr: float = 0.02,
     *,
     rows: Sequence[str] | None = None,
-    rounds: int = 5,
+    rounds: int = 10,
     quality: bool = True,
     quality_layers: int | None = 2,
     gaussian: bool | tuple[int, int] = True,
@@ -420,7 +420,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", default="muon_fn_bench.json", help="write the results here ('' to skip)")
     ap.add_argument("--quick", action="store_true",
-                    help="tiny set, 3 rounds x 2 steps, quality on layer 0 and 256x1024 Gaussians (< 60 s)")
+                    help="tiny set, 12 rounds, quality on layer 0 and 256x1024 Gaussians (< 60 s)")
     ap.add_argument("--compile", action="store_true", help="also measure cold compile and recompiles")
     ap.add_argument("--no-quality", action="store_true")
     args = ap.parse_args(argv)
@@ -428,8 +428,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     sizes = ["tiny"] if args.quick else (list(MODEL_SIZES) if args.model_size == "all" else [args.model_size])
     results: dict[str, Any] = {}
     for size in sizes:
-        steps = args.steps or (2 if args.quick else 3 if size == "tiny" else 1)
-        rounds = args.rounds or (3 if args.quick else 7 if size == "tiny" else 5)
+        # One step per round and many rounds: adjacent single steps share the machine's load best.
+        steps = args.steps or 1
+        rounds = args.rounds or (12 if args.quick else 25 if size == "tiny" else 5)
         res = benchmark_muon_optimizers(size, steps, args.lr, rows=args.rows, rounds=rounds,
                                         quality=not args.no_quality, threads=args.threads,
                                         quality_layers=1 if args.quick else 2,
