@@ -172,6 +172,16 @@ _ROW_ORTHO: dict[str, tuple[str, int]] = {
 }
 
 
+# The replay row with the same schedule as each row (for "ratio to its own replay").
+_OWN_REPLAY = {
+    "muon_fn": "replay[polar_express5]", "muon_fn[compiled]": "replay[polar_express5]",
+    "lean[polar_express5]": "replay[polar_express5]", "muon_fn[aol4]": "replay[aol4]",
+    "muon_fn[aol4,compiled]": "replay[aol4]", "muon_fn[aol4,nonfinite=None]": "replay[aol4]",
+    "lean[aol4]": "replay[aol4]", "muon_fn[like_torch]": "replay[torch_quintic5]",
+    "torch.optim.Muon": "replay[torch_quintic5]",
+}
+
+
 def _orthogonalizer(row: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
     if row not in _ROW_ORTHO:
         return None
@@ -339,8 +349,13 @@ def benchmark_muon_optimizers(
                 "state_bytes": state_bytes(built[r][0]),
                 "momentum_bytes": state_bytes(built[r][0], "momentum_buffer"),
             }
-            for key in ("ratio_to_torch_muon", "ratio_to_replay"):
-                result_rows[r][key + "_median"] = statistics.median(result_rows[r][key])
+            own = _OWN_REPLAY.get(r)
+            if own in times:
+                result_rows[r]["own_replay"] = own
+                result_rows[r]["ratio_to_own_replay"] = [a / b for a, b in zip(t, times[own])]
+            for key in ("ratio_to_torch_muon", "ratio_to_replay", "ratio_to_own_replay"):
+                if key in result_rows[r]:
+                    result_rows[r][key + "_median"] = statistics.median(result_rows[r][key])
         out: dict[str, Any] = {
             "config": {"model_size": model_size, "num_steps": num_steps, "lr": lr, "rounds": rounds,
                        "threads": threads, "torch": torch.__version__, "matrices": len(params),
@@ -394,7 +409,7 @@ def format_table(result: dict[str, Any]) -> str:
     cfg = result["config"]
     lines = [f"{cfg['model_size']}: {cfg['matrices']} matrices, {cfg['params'] / 1e6:.1f} M params, "
              f"{cfg['rounds']} paired rounds x {cfg['num_steps']} steps, {cfg['threads']} thread(s), torch {cfg['torch']}",
-             f"{'row':26s} {'s/step min':>10s} {'median':>8s} {'max':>8s} {'/torch':>7s} {'/replay':>8s} {'state MB':>9s}"
+             f"{'row':28s} {'s/step min':>10s} {'median':>8s} {'max':>8s} {'/torch':>7s} {'/replay':>8s} {'/own':>6s} {'state MB':>9s}"
              "  worst RMS ratio to torch per matrix (σ range)"]
     q = result.get("quality", {})
     gq = result.get("gaussian_quality", {})
@@ -402,8 +417,9 @@ def format_table(result: dict[str, Any]) -> str:
         qual = " ".join(f"{k}:{d['ratio_to_torch']:.2f}[{d['min']:.2f},{d['max']:.2f}]" for k, d in q.get(r, {}).items())
         if r in gq:
             qual += " | gauss " + " ".join(f"{d['rms']:.3f}[{d['min']:.2f},{d['max']:.2f}]" for d in gq[r].values())
-        lines.append(f"{r:26s} {v['min']:10.4f} {v['median']:8.4f} {v['max']:8.4f} "
-                     f"{v['ratio_to_torch_muon_median']:7.3f} {v['ratio_to_replay_median']:8.3f} "
+        own = f"{v['ratio_to_own_replay_median']:6.3f}" if "ratio_to_own_replay_median" in v else f"{'':6s}"
+        lines.append(f"{r:28s} {v['min']:10.4f} {v['median']:8.4f} {v['max']:8.4f} "
+                     f"{v['ratio_to_torch_muon_median']:7.3f} {v['ratio_to_replay_median']:8.3f} {own} "
                      f"{v['state_bytes'] / 2**20:9.2f}  {qual}")
     return "\n".join(lines)
 
