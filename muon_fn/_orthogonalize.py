@@ -133,20 +133,23 @@ def default_compute_dtype(device: torch.device | str | None = None) -> torch.dty
     return torch.bfloat16
 
 
-def validate_coefficients(coefficients: Sequence[Sequence[float]]) -> tuple[Coefficients, ...]:
-    """Check a user schedule: a non-empty sequence of finite ``(a, b, c)`` triples."""
+def validate_coefficients(coefficients: Sequence[Sequence[float]], name: str = "coefficients") -> tuple[Coefficients, ...]:
+    """Check a user schedule: a non-empty sequence of finite ``(a, b, c)`` triples.
+
+    ``name`` is the argument name used in the error (e.g. ``"ns_coefficients"`` in a recipe).
+    """
     try:
         rows = tuple(tuple(float(v) for v in row) for row in coefficients)
     except (TypeError, ValueError) as e:
         raise ValueError(
-            f"Invalid coefficients: {coefficients!r} (expected a sequence of (a, b, c) triples)"
+            f"Invalid {name}: {coefficients!r} (expected a sequence of (a, b, c) triples)"
         ) from e
     if not rows or any(len(r) != 3 for r in rows):
         raise ValueError(
-            f"Invalid coefficients: {coefficients!r} (expected a non-empty sequence of (a, b, c) triples)"
+            f"Invalid {name}: {coefficients!r} (expected a non-empty sequence of (a, b, c) triples)"
         )
     if any(v != v or v in (float("inf"), float("-inf")) for r in rows for v in r):
-        raise ValueError(f"Invalid coefficients: {coefficients!r} (values must be finite)")
+        raise ValueError(f"Invalid {name}: {coefficients!r} (values must be finite)")
     return rows
 
 
