@@ -10,6 +10,7 @@ import torch
 from . import _checks
 from ._base import GradientTransformation, Scalar, ScalarOrSchedule
 from ._combine import chain, partition
+from ._orthogonalize import validate_coefficients
 from ._muon import SHAPE_RULES, Split, orthogonalize, scale_by_shape
 from ._transforms import (
     add_decoupled_weight_decay,
@@ -53,6 +54,8 @@ def muon(
     _checks.positive("ns_eps", ns_eps)
     _checks.positive("ns_stepsize", ns_stepsize)
     _checks.one_of("adjust_lr_fn", adjust_lr_fn, SHAPE_RULES)
+    if ns_coefficients is not None:
+        validate_coefficients(ns_coefficients, name="ns_coefficients")
     parts = [
         momentum_tx(momentum, nesterov=nesterov, kind=kind, mu_dtype=mu_dtype),
         orthogonalize(method, ns_steps, coefficients=ns_coefficients, dtype=ns_dtype, eps=ns_eps,

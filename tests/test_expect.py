@@ -154,10 +154,5 @@ class TestValidationMessages(expecttest.TestCase):
         self.assertExpectedInline(self.msg(mf.muon, ns_stepsize=-1.0), """Invalid ns_stepsize: -1.0 (expected a finite value > 0)""")
         self.assertExpectedInline(self.msg(mf.normuon, beta2=1.0), """Invalid beta2: 1.0 (expected 0 <= beta2 < 1)""")
 
-    @pytest.mark.xfail(
-        strict=True,
-        reason="core bug: muon(ns_coefficients=[()]) says 'Invalid coefficients', not the recipe's "
-        "argument name 'ns_coefficients' (5bf4a6c renamed ns_steps/ns_eps/ns_stepsize/adjust_lr_fn only)",
-    )
     def test_recipe_coefficients_message_names_ns_coefficients(self):
-        self.assertTrue(self.msg(mf.muon, ns_coefficients=[()]).startswith("Invalid ns_coefficients: "))
+        self.assertExpectedInline(self.msg(mf.muon, ns_coefficients=[()]), """Invalid ns_coefficients: [()] (expected a non-empty sequence of (a, b, c) triples)""")
