@@ -194,27 +194,44 @@ class Optimizer(torch.optim.Optimizer):
                         raise ValueError(f"parameter {self._name(group, p)}: {error}") from None
                 raise
 
-    def _build_step_fn(self, tx: GradientTransformation) -> Callable[..., torch.Tensor]:
+    def _build_step_fn(self, tx: GradientTransformation) -> Callable[..., tuple[torch.Tensor, Any]]:
+        """``step_fn(params, grads, state, counts) -> (finite, new_state)``; updates ``params``.
+
+        Eager: a non-finite gradient returns before any work (one host sync) and the new state is
+        returned for the caller to store. Compiled: no sync; the new state is written into the old
+        buffers and everything is masked with ``torch.where(finite, new, old)``.
+        """
         check = self.nonfinite is not None
 
-        def step_fn(params, grads, state, counts):
-            updates, new_state = tx.update(grads, state, params)
-            finite = _all_finite(grads) if check else None
-            keep = (lambda new, old: new) if finite is None else (
-                lambda new, old: torch.where(finite, new, old))
-            _tree.tree_map(lambda old, new: None if old is None else old.copy_(keep(new, old)), state, new_state)
+        def apply(params, updates, counts, finite):
             for p, u, c in zip(params, updates, counts):
                 if u is not None:
                     u = u.to(p.dtype)
                     p.add_(u if finite is None else torch.where(finite, u, torch.zeros_like(u)))
                     if c is not None:
                         c.add_(1 if finite is None else finite.to(c.dtype))
-            return torch.ones((), dtype=torch.bool) if finite is None else finite
+
+        def eager_step(params, grads, state, counts):
+            finite = _all_finite(grads) if check else torch.ones((), dtype=torch.bool)
+            if check and not bool(finite):
+                return finite, state
+            updates, new_state = tx.update(grads, state, params)
+            apply(params, updates, counts, None)
+            return finite, new_state
+
+        def compiled_step(params, grads, state, counts):
+            updates, new_state = tx.update(grads, state, params)
+            finite = _all_finite(grads) if check else None
+            keep = (lambda new, old: new) if finite is None else (
+                lambda new, old: torch.where(finite, new, old))
+            _tree.tree_map(lambda old, new: None if old is None else old.copy_(keep(new, old)), state, new_state)
+            apply(params, updates, counts, finite)
+            return (torch.ones((), dtype=torch.bool) if finite is None else finite), state
 
         if self._compile is False:
-            return step_fn
+            return eager_step
         options = {"fullgraph": True} | (dict(self._compile) if isinstance(self._compile, Mapping) else {})
-        return torch.compile(step_fn, **options)
+        return torch.compile(compiled_step, **options)
 
     # ----------------------------------------------------------------------- state
     def _param_states(self, group: dict[str, Any]) -> list[dict[str, Any]]:
@@ -266,7 +283,9 @@ class Optimizer(torch.optim.Optimizer):
                     continue
             counts = self._counts(group, rt)
             self._last_grads[index] = grads
-            finite = rt.step_fn(tuple(group["params"]), grads, state, counts)
+            finite, new_state = rt.step_fn(tuple(group["params"]), grads, state, counts)
+            if new_state is not state:
+                _state_layout.scatter(rt.layout, new_state, self._param_states(group))
             finite_flags.append(finite)
             applied = True
         if not finite_flags:
@@ -379,7 +398,10 @@ class Optimizer(torch.optim.Optimizer):
 
 
 def _all_finite(grads: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
-    flags = [torch.isfinite(g).all() for g in grads if g is not None]
+    """One reduction per gradient: a sum is non-finite iff an entry is (or the sum overflows fp32)."""
+    low = (torch.float16, torch.bfloat16)
+    flags = [torch.isfinite(g.sum(dtype=torch.float32) if g.dtype in low else g.sum())
+             for g in grads if g is not None]
     return torch.stack(flags).all()
 
 
