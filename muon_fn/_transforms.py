@@ -17,6 +17,7 @@ from ._base import (
     Scalar,
     ScalarOrSchedule,
     Updates,
+    identity,
     init_empty_state,
     named,
 )
@@ -114,6 +115,9 @@ def scale_by_learning_rate(lr: ScalarOrSchedule) -> GradientTransformation:
 def add_decoupled_weight_decay(weight_decay: Scalar = 0.0) -> GradientTransformation:
     """``u ← u + wd·p``. Followed by ``scale_by_learning_rate(lr)`` this is ``p ← p(1 − lr·wd) − lr·u``."""
     _checks.non_negative("weight_decay", weight_decay)
+
+    if not isinstance(weight_decay, torch.Tensor) and weight_decay == 0:
+        return named(identity(), "add_decoupled_weight_decay", weight_decay=weight_decay)
 
     def update(updates, state, params=None, **extra):
         del extra

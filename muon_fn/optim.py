@@ -1,10 +1,10 @@
 """The stateful adapter: functional transforms behind the ``torch.optim.Optimizer`` interface.
 
 Each parameter group is a tuple pytree of its parameters. Its transform is built by a factory from
-the group's hyperparameters: float-valued ones (``lr``, ``weight_decay``, ``momentum`` …) reach
+the group's hyperparameters: per-step scalars (``lr``, ``momentum`` and any tensor-valued key) reach
 the transform as 0-d tensors that the optimizer owns and refreshes in place before every step, so
-LR schedulers work and a compiled update never recompiles; any other value (ints, strings,
-tuples) is static and rebuilds the transform when it changes. State lives in torch's
+LR schedulers work and a compiled update never recompiles; any other value (``weight_decay``,
+ints, strings, tuples) is static and rebuilds the transform when it changes. State lives in torch's
 per-parameter dicts (``state[p]["momentum_buffer"]``, ``state[p]["step"]``) and is rebuilt into
 the functional state pytree at every step (see ``_state_layout``).
 """
@@ -34,7 +34,8 @@ _ADAPTER_KEYS = frozenset({"params", "param_names", "gradient_accumulation_steps
                            "initial_lr", "base_lr"})
 # Hyperparameters passed to the factory as 0-d tensors refreshed before every step (any
 # tensor-valued key is one too); other keys are static and rebuild the transform on change.
-SCALAR_KEYS = frozenset({"lr", "weight_decay", "momentum"})
+# weight_decay is static: it rarely changes, and a static 0 removes the decay term entirely.
+SCALAR_KEYS = frozenset({"lr", "momentum"})
 
 
 class _GroupRuntime:
@@ -64,7 +65,8 @@ class Optimizer(torch.optim.Optimizer):
       params: parameters, ``(name, param)`` pairs, or param-group dicts, as for torch optimizers.
       tx_or_factory: a :class:`~muon_fn.GradientTransformation` used for every group as is, or a
         factory ``hyperparams -> GradientTransformation`` called with each group's hyperparameters
-        (floats as 0-d tensors). Only a factory lets schedulers change ``lr``.
+        (``lr``, ``momentum`` and tensor values as 0-d tensors). Only a factory lets schedulers
+        change ``lr``.
       defaults: default hyperparameters of the groups (e.g. ``{"lr": 0.02}``).
       gradient_accumulation_steps: ``k``: call ``step()`` after every micro-batch; every ``k``-th
         call applies the mean of the last ``k`` gradients, the others change no parameter.
@@ -409,7 +411,6 @@ ALGORITHMS = ("auto", "muon", "adamw")
 
 
 class MuonOptimizer(Optimizer):
-    _extra_scalar_keys = ("adamw_weight_decay",)
 
     """Muon for matrices, AdamW for everything else, as one ``torch.optim`` optimizer.
 
