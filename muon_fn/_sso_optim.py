@@ -13,7 +13,7 @@ from ._alias import adamw
 from ._base import GradientTransformation
 from ._combine import partition
 from ._sso import SCALE_MODES, spectral_sphere
-from .optim import CompileOption, Optimizer
+from .optim import CompileOption, HybridOptimizer
 from .spectral import SOLVER_METHODS
 
 # "muon" is accepted as an alias of "sso" so groups built for MuonOptimizer (e.g. by
@@ -43,7 +43,7 @@ class SolverReport(NamedTuple):
                 "fallbacks_total": int(self.fallbacks.sum())}
 
 
-class SpectralSphereOptimizer(Optimizer):
+class SpectralSphereOptimizer(HybridOptimizer):
     """The Spectral Sphere Optimizer (arXiv:2601.08393) as a ``torch.optim`` optimizer.
 
     In a group with ``algorithm="auto"`` (the default) parameters with ndim ≥ 2 (conv weights
@@ -72,7 +72,7 @@ class SpectralSphereOptimizer(Optimizer):
     :meth:`last_step_stats` collects them.
     """
 
-    _extra_scalar_keys = ("adamw_weight_decay",)
+    algorithms = ALGORITHMS
 
     def __init__(
         self,
@@ -123,47 +123,16 @@ class SpectralSphereOptimizer(Optimizer):
 
     @classmethod
     def from_model(cls, model: nn.Module, lr: float = 0.02, adamw_lr: float = 1e-3,
-                   adamw_weight_decay: float = 0.01, *, adamw_names=(), adamw_predicate=None,
-                   **kwargs: Any) -> "SpectralSphereOptimizer":
-        """Hidden matrices → SSO, embeddings / output head / 0-/1-D → AdamW, one optimizer.
+                   adamw_weight_decay: float = 0.01, **kwargs: Any) -> "SpectralSphereOptimizer":
+        """Hidden matrices → SSO, embeddings / output head / 0-/1-D → AdamW, one optimizer:
+        :func:`muon_fn.create_hybrid_optimizer` with ``optimizer_cls=SpectralSphereOptimizer``
+        (the split is kept as ``optimizer.split``)."""
+        from ._hybrid import create_hybrid_optimizer
 
-        The split is :func:`muon_fn.split_parameters`'s (the same as
-        :func:`muon_fn.create_hybrid_optimizer`); it is kept as ``optimizer.split``.
-        """
-        from ._hybrid import HybridSplit, split_parameters
-
-        mats, rest = split_parameters(model, adamw_names=adamw_names, adamw_predicate=adamw_predicate)
-        groups = []
-        if mats:
-            groups.append({"params": [p for _, p, _ in mats], "param_names": [n for n, _, _ in mats],
-                           "lr": lr, "algorithm": "sso"})
-        if rest:
-            groups.append({"params": [p for _, p, _ in rest], "param_names": [n for n, _, _ in rest],
-                           "lr": adamw_lr, "weight_decay": adamw_weight_decay, "algorithm": "adamw"})
-        if not groups:
-            raise ValueError("optimizer got an empty parameter list")
-        opt = cls(groups, lr=lr, **kwargs)
-        opt.split = HybridSplit(mats, rest)
-        return opt
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        lr = param_group.get("lr", self.defaults["lr"])
-        param_group.setdefault("base_lr", float(lr.item()) if isinstance(lr, torch.Tensor) else float(lr))
-        super().add_param_group(param_group)
+        return create_hybrid_optimizer(model, lr, adamw_lr, adamw_weight_decay, optimizer_cls=cls, **kwargs)
 
     def _validate_group(self, group: dict[str, Any]) -> None:
-        lr = group["lr"]
-        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-            raise ValueError("Tensor lr must be 1-element")
-        lr_value = float(lr.item()) if isinstance(lr, torch.Tensor) else lr
-        if not 0.0 <= lr_value:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if not 0.0 <= group["momentum"] < 1.0:
-            raise ValueError(f"Invalid momentum value: {group['momentum']} (expected 0 <= momentum < 1)")
-        for key in ("weight_decay", "adamw_weight_decay", "adamw_lr"):
-            if not 0.0 <= group[key]:
-                raise ValueError(f"Invalid {key} value: {group[key]}")
-        _checks.one_of("algorithm", group["algorithm"], ALGORITHMS)
+        super()._validate_group(group)
         _checks.one_of("scale_mode", group["scale_mode"], SCALE_MODES)
         _checks.one_of("solver", group["solver"], SOLVER_METHODS)
         _checks.positive("radius_scale", group["radius_scale"])
@@ -171,9 +140,6 @@ class SpectralSphereOptimizer(Optimizer):
         _checks.positive_int("power_steps", group["power_steps"])
         _checks.positive_int("power_block", group["power_block"])
         _checks.positive_int("msign_steps", group["msign_steps"])
-        for i, b in enumerate(group["adamw_betas"]):
-            if not 0.0 <= b < 1.0:
-                raise ValueError(f"Invalid adamw_betas parameter at index {i}: {b}")
         if group["algorithm"] in ("sso", "muon"):
             for p in group["params"]:
                 if p.ndim < 2:
@@ -182,12 +148,6 @@ class SpectralSphereOptimizer(Optimizer):
                         f"group, but SSO needs a matrix (ndim >= 2), got ndim {p.ndim}; use "
                         "algorithm='auto' or put it in an 'adamw' group"
                     )
-
-    def _derived_scalars(self, group: dict[str, Any]) -> dict[str, float]:
-        lr = group["lr"]
-        lr = float(lr.item()) if isinstance(lr, torch.Tensor) else float(lr)
-        base = group.get("base_lr") or 0.0
-        return {"adamw_lr_effective": float(group["adamw_lr"]) * (lr / base if base > 0 else 1.0)}
 
     def last_step_stats(self) -> SolverReport:
         """The λ solver's statistics of the last step for every SSO matrix (see :class:`SolverReport`).

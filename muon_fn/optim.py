@@ -410,7 +410,49 @@ def _all_finite(grads: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
 ALGORITHMS = ("auto", "muon", "adamw")
 
 
-class MuonOptimizer(Optimizer):
+class HybridOptimizer(Optimizer):
+    """Base of :class:`MuonOptimizer` and :class:`muon_fn.SpectralSphereOptimizer`: a matrix
+    algorithm for ndim ≥ 2 and AdamW for the rest in ``algorithm="auto"`` groups, with the AdamW
+    learning rate ``adamw_lr · lr / base_lr`` so schedulers scale both halves alike."""
+
+    algorithms: tuple[str, ...] = ALGORITHMS
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        lr = param_group.get("lr", self.defaults["lr"])
+        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        param_group.setdefault("base_lr", float(lr))
+        super().add_param_group(param_group)
+
+    def _validate_group(self, group: dict[str, Any]) -> None:
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        if not 0.0 <= float(lr):
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not 0.0 <= group["momentum"] < 1.0:
+            raise ValueError(f"Invalid momentum value: {group['momentum']} (expected 0 <= momentum < 1)")
+        for key in ("weight_decay", "adamw_weight_decay", "adamw_lr"):
+            if not 0.0 <= group[key]:
+                raise ValueError(f"Invalid {key} value: {group[key]}")
+        if not group["adamw_eps"] > 0.0:
+            raise ValueError(f"Invalid adamw_eps value: {group['adamw_eps']} (expected > 0)")
+        for i, b in enumerate(group["adamw_betas"]):
+            if not 0.0 <= b < 1.0:
+                raise ValueError(f"Invalid adamw_betas parameter at index {i}: {b}")
+        _checks.one_of("algorithm", group["algorithm"], self.algorithms)
+
+    def _derived_scalars(self, group: dict[str, Any]) -> dict[str, float]:
+        lr = float(group["lr"])
+        base = float(group.get("base_lr") or 0.0)
+        if base > 0:
+            ratio = lr / base
+        else:  # built with lr = 0: the AdamW half runs at adamw_lr whenever lr > 0
+            ratio = 1.0 if lr > 0 else 0.0
+        return {"adamw_lr_effective": float(group["adamw_lr"]) * ratio}
+
+
+class MuonOptimizer(HybridOptimizer):
 
     """Muon for matrices, AdamW for everything else, as one ``torch.optim`` optimizer.
 
@@ -481,54 +523,19 @@ class MuonOptimizer(Optimizer):
                          gradient_accumulation_steps=gradient_accumulation_steps,
                          nonfinite=nonfinite, compile=compile)
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        lr = param_group.get("lr", self.defaults["lr"])
-        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-            raise ValueError("Tensor lr must be 1-element")
-        param_group.setdefault("base_lr", float(lr))
-        super().add_param_group(param_group)
-
     def _validate_group(self, group: dict[str, Any]) -> None:
-        _validate_muon_group(group)
-
-    def _derived_scalars(self, group: dict[str, Any]) -> dict[str, float]:
-        lr = float(group["lr"])
-        base = float(group.get("base_lr") or 0.0)
-        if base > 0:
-            ratio = lr / base
-        else:  # built with lr = 0: the AdamW half runs at adamw_lr whenever lr > 0
-            ratio = 1.0 if lr > 0 else 0.0
-        return {"adamw_lr_effective": float(group["adamw_lr"]) * ratio}
-
-
-def _validate_muon_group(group: dict[str, Any]) -> None:
-    lr = group["lr"]
-    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-        raise ValueError("Tensor lr must be 1-element")
-    lr_value = float(lr.item()) if isinstance(lr, torch.Tensor) else lr
-    if not 0.0 <= lr_value:
-        raise ValueError(f"Invalid learning rate: {lr}")
-    if not 0.0 <= group["momentum"] < 1.0:
-        raise ValueError(f"Invalid momentum value: {group['momentum']} (expected 0 <= momentum < 1)")
-    for key in ("weight_decay", "adamw_weight_decay", "adamw_lr"):
-        if not 0.0 <= group[key]:
-            raise ValueError(f"Invalid {key} value: {group[key]}")
-    if isinstance(group["ns_steps"], bool) or not isinstance(group["ns_steps"], int) or group["ns_steps"] < 1:
-        raise ValueError(f"Invalid ns_steps value: {group['ns_steps']!r} (expected an integer >= 1)")
-    if not callable(group["method"]) and group["method"] not in METHODS:
-        _checks.one_of("method", group["method"], METHODS)
-    _checks.one_of("adjust_lr_fn", group["adjust_lr_fn"], SHAPE_RULES)
-    _checks.one_of("momentum_kind", group["momentum_kind"], ("ema", "sgd"))
-    _checks.one_of("algorithm", group["algorithm"], ALGORITHMS)
-    if group["beta2"] is not None and not 0.0 <= group["beta2"] < 1.0:
-        raise ValueError(f"Invalid beta2 value: {group['beta2']} (expected 0 <= beta2 < 1, or None for Muon)")
-    for key in ("eps", "adamw_eps", "ns_eps"):
-        if not group[key] > 0.0:
-            raise ValueError(f"Invalid {key} value: {group[key]} (expected > 0)")
-    betas = group["adamw_betas"]
-    for i, b in enumerate(betas):
-        if not 0.0 <= b < 1.0:
-            raise ValueError(f"Invalid adamw_betas parameter at index {i}: {b}")
+        super()._validate_group(group)
+        if isinstance(group["ns_steps"], bool) or not isinstance(group["ns_steps"], int) or group["ns_steps"] < 1:
+            raise ValueError(f"Invalid ns_steps value: {group['ns_steps']!r} (expected an integer >= 1)")
+        if not callable(group["method"]):
+            _checks.one_of("method", group["method"], METHODS)
+        _checks.one_of("adjust_lr_fn", group["adjust_lr_fn"], SHAPE_RULES)
+        _checks.one_of("momentum_kind", group["momentum_kind"], ("ema", "sgd"))
+        if group["beta2"] is not None and not 0.0 <= group["beta2"] < 1.0:
+            raise ValueError(f"Invalid beta2 value: {group['beta2']} (expected 0 <= beta2 < 1, or None for Muon)")
+        for key in ("eps", "ns_eps"):
+            if not group[key] > 0.0:
+                raise ValueError(f"Invalid {key} value: {group[key]} (expected > 0)")
 
 
 def _muon_factory(h: dict[str, Any]) -> GradientTransformation:
