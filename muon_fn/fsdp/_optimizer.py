@@ -29,7 +29,7 @@ from .._alias import DEFAULT_METHOD
 from .._base import EmptyState
 from .._combine import chain
 from .._compile import compile_update
-from .._muon import SHAPE_RULES, orthogonalize, scale_by_shape
+from .._muon import SHAPE_RULES, _stack_pays, orthogonalize, scale_by_shape
 from .._orthogonalize import METHODS, default_compute_dtype, newton_schulz
 from .._transforms import (
     MomentumState,
@@ -283,7 +283,8 @@ class FSDPMuonOptimizer(torch.optim.Optimizer):
                 eps=c["ns_eps"], stepsize=c["ns_stepsize"])
             if callable(c["method"]):
                 return c["method"](x)
-            if x.ndim == 2 and (self._batched_singletons or wide_counts.get((tuple(x.shape), x.dtype), 0) > 1):
+            if x.ndim == 2 and (self._batched_singletons or (
+                    wide_counts.get((tuple(x.shape), x.dtype), 0) > 1 and _stack_pays(x))):
                 # As torch.stack would: a contiguous batch (a transposed view takes another kernel).
                 return run(x.unsqueeze(0).contiguous()).squeeze(0)
             return run(x)
