@@ -305,6 +305,17 @@ def check_dtype(schedule: Sequence[Coefficients], dtype: torch.dtype) -> None:
         )
 
 
+def _run_schedule(y: torch.Tensor, schedule: Sequence[Coefficients], eps: float) -> torch.Tensor:
+    """Iterate a normalized ``y`` (wide, compute dtype) with ``schedule``: the AOL rescale first if
+    the schedule asks for it (its Gram matrix feeds the first iteration), in the schedule's form."""
+    gram = None
+    if getattr(schedule, "precondition", "frobenius") == "aol":
+        y, gram = _aol_scale(y, y @ y.mT, eps)
+    if getattr(schedule, "form", "standard") == "gram":
+        return iterate_gram(y, schedule, gram)
+    return iterate(y, schedule, gram)
+
+
 def orthogonalize_matrices(
     x: torch.Tensor,
     schedule: Sequence[Coefficients],
@@ -332,13 +343,7 @@ def orthogonalize_matrices(
     else:  # eager: scale and cast in one pass over x
         y = torch.empty(x.shape, dtype=dtype, device=x.device)
         torch.mul(x, inv, out=y)
-    gram = None
-    if getattr(schedule, "precondition", "frobenius") == "aol":
-        y, gram = _aol_scale(y, y @ y.mT, eps)
-    if getattr(schedule, "form", "standard") == "gram":
-        y = iterate_gram(y, schedule, gram)
-    else:
-        y = iterate(y, schedule, gram)
+    y = _run_schedule(y, schedule, eps)
     if tall:
         y = y.mT
     return y.to(out_dtype).reshape(shape)
@@ -375,13 +380,7 @@ def orthogonalize_many(
             x = xs[i].mT if xs[i].size(0) > xs[i].size(1) else xs[i]
             norm = torch.linalg.vector_norm(x, dtype=torch.promote_types(x.dtype, torch.float32))
             torch.mul(x, 1.0 / (norm * norm_scale + eps), out=buf[slot])
-        gram = None
-        if getattr(schedule, "precondition", "frobenius") == "aol":
-            buf, gram = _aol_scale(buf, buf @ buf.mT, eps)
-        if getattr(schedule, "form", "standard") == "gram":
-            buf = iterate_gram(buf, schedule, gram)
-        else:
-            buf = iterate(buf, schedule, gram)
+        buf = _run_schedule(buf, schedule, eps)
         if out_dtype is not None and out_dtype != dtype:
             buf = buf.to(out_dtype)
         for slot, i in enumerate(idx):
