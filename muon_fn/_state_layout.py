@@ -88,14 +88,27 @@ def _last_field(names: list[str]) -> str:
     return "state"
 
 
-def scatter(layout: StateLayout, state: Any, param_states: list[dict[str, Any]]) -> None:
-    """Store the leaves of ``state`` into the per-parameter dicts."""
+def _owners(slot: Slot, n: int) -> range | tuple[int]:
+    """The parameters whose dicts hold ``slot`` (all of them for a group-level scalar)."""
+    return range(n) if slot.index is None else (slot.index,)
+
+
+def scatter(layout: StateLayout, state: Any, param_states: list[dict[str, Any]], *,
+            overwrite: bool = True) -> None:
+    """Store the leaves of ``state`` into the per-parameter dicts (only missing keys unless
+    ``overwrite``)."""
     for slot, leaf in zip(layout.slots, _tree.tree_leaves(state)):
         if slot is None:
             continue
-        targets = range(len(param_states)) if slot.index is None else (slot.index,)
-        for i in targets:
-            param_states[i][slot.key] = leaf
+        for i in _owners(slot, len(param_states)):
+            if overwrite or slot.key not in param_states[i]:
+                param_states[i][slot.key] = leaf
+
+
+def complete(layout: StateLayout, param_states: list[dict[str, Any]]) -> bool:
+    """Whether every parameter's dict holds all of its keys."""
+    return all(slot.key in param_states[i] for slot in layout.slots if slot is not None
+               for i in _owners(slot, len(param_states)))
 
 
 def gather(layout: StateLayout, param_states: list[dict[str, Any]]) -> Any:
@@ -116,8 +129,7 @@ def check(layout: StateLayout, param_states: list[dict[str, Any]], names: list[s
     for slot in layout.slots:
         if slot is None:
             continue
-        owners = range(len(param_states)) if slot.index is None else (slot.index,)
-        for i in owners:
+        for i in _owners(slot, len(param_states)):
             st = param_states[i]
             if not st:
                 continue  # state not created yet (e.g. loaded before the first step)
@@ -141,7 +153,7 @@ def cast_to_layout(layout: StateLayout, param_states: list[dict[str, Any]]) -> N
     for slot in layout.slots:
         if slot is None:
             continue
-        for i in range(len(param_states)) if slot.index is None else (slot.index,):
+        for i in _owners(slot, len(param_states)):
             value = param_states[i].get(slot.key)
             if isinstance(value, torch.Tensor) and value.dtype != slot.dtype:
                 param_states[i][slot.key] = value.to(slot.dtype)

@@ -11,8 +11,6 @@ the functional state pytree at every step (see ``_state_layout``).
 
 from __future__ import annotations
 
-import math
-import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple, Union
 
@@ -243,14 +241,9 @@ class Optimizer(torch.optim.Optimizer):
         group = self.param_groups[index]
         params = group["params"]
         states = self._param_states(group)
-        if any(s.get(slot.key) is None for slot in rt.layout.slots if slot is not None
-               for s in (states if slot.index is None else [states[slot.index]])):
+        if not _state_layout.complete(rt.layout, states):  # first step, or a param added later
             fresh = rt.tx.init(tuple(p.detach() for p in params))
-            layout = rt.layout
-            current = [dict(s) for s in states]
-            _state_layout.scatter(layout, fresh, states)
-            for s, old in zip(states, current):  # keep whatever was already there (e.g. loaded)
-                s.update({k: v for k, v in old.items() if k in s})
+            _state_layout.scatter(rt.layout, fresh, states, overwrite=False)  # keep loaded state
         for p, s in zip(params, states):
             if "step" not in s:
                 s["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
