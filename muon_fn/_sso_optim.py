@@ -60,7 +60,8 @@ class SpectralSphereOptimizer(HybridOptimizer):
         step with the default ``scale_mode="radius"``).
       weight_decay: only used by ``algorithm="adamw"`` groups (SSO's retraction undoes decay).
       radius_scale, scale_mode, power_steps, power_block, cold_start, msign_steps, msign_dtype, tol,
-        max_iterations, bracket_step, max_expansions, solver, warm_lambda, muon_sphere: see :func:`muon_fn.spectral_sphere`.
+        max_iterations, bracket_step, max_expansions, solver, warm_lambda, lambda_model, model_steps,
+        muon_sphere: see :func:`muon_fn.spectral_sphere`.
       momentum_dtype: dtype of the momentum buffer (default: the parameter's).
       split: row blocks of fused weights, each its own sphere (see :func:`muon_fn.spectral_sphere`).
       adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW half in ``"auto"`` groups.
@@ -95,6 +96,8 @@ class SpectralSphereOptimizer(HybridOptimizer):
         max_expansions: int = 10,
         solver: str = "illinois",
         warm_lambda: bool = True,
+        lambda_model: bool = True,
+        model_steps: int = 3,
         muon_sphere: bool = False,
         momentum_dtype: torch.dtype | None = None,
         split: Any = None,
@@ -113,6 +116,7 @@ class SpectralSphereOptimizer(HybridOptimizer):
             power_block=power_block, cold_start=cold_start, msign_steps=msign_steps, msign_dtype=msign_dtype, tol=tol,
             max_iterations=max_iterations, bracket_step=bracket_step,
             max_expansions=max_expansions, solver=solver, warm_lambda=warm_lambda,
+            lambda_model=lambda_model, model_steps=model_steps,
             muon_sphere=muon_sphere, momentum_dtype=momentum_dtype, split=split, adamw_lr=adamw_lr,
             adamw_betas=tuple(adamw_betas), adamw_eps=adamw_eps,
             adamw_weight_decay=adamw_weight_decay, algorithm=algorithm,
@@ -140,6 +144,10 @@ class SpectralSphereOptimizer(HybridOptimizer):
         _checks.positive_int("power_steps", group["power_steps"])
         _checks.positive_int("power_block", group["power_block"])
         _checks.positive_int("msign_steps", group["msign_steps"])
+        _checks.positive_int("model_steps", group["model_steps"])
+        for key in ("lambda_model", "warm_lambda", "muon_sphere", "cold_start", "nesterov"):
+            if not isinstance(group[key], bool):
+                raise ValueError(f"Invalid {key}: {group[key]!r} (expected True or False)")
         if group["algorithm"] in ("sso", "muon"):
             for p in group["params"]:
                 if p.ndim < 2:
@@ -183,7 +191,7 @@ def _sso_factory(h: dict[str, Any]) -> GradientTransformation:
             msign_steps=h["msign_steps"], msign_dtype=h["msign_dtype"], tol=h["tol"],
             max_iterations=h["max_iterations"], bracket_step=h["bracket_step"],
             max_expansions=h["max_expansions"], solver=h["solver"], warm_lambda=h["warm_lambda"],
-            muon_sphere=h["muon_sphere"], mu_dtype=h["momentum_dtype"], split=h["split"],
+            lambda_model=h["lambda_model"], model_steps=h["model_steps"], muon_sphere=h["muon_sphere"], mu_dtype=h["momentum_dtype"], split=h["split"],
         )
 
     algorithm = h["algorithm"]
