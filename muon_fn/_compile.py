@@ -1,8 +1,9 @@
-"""``compile_update``: one torch.compile'd graph per transform update."""
+"""``compile_update``: one torch.compile'd graph per transform update; ``compile_per_shape``."""
 
 from __future__ import annotations
 
-from typing import Any
+import types
+from typing import Any, Callable
 
 import torch
 
@@ -21,3 +22,29 @@ def compile_update(tx: GradientTransformation, **torch_compile_kwargs: Any) -> G
     if name is not None:
         compiled._muon_fn_repr = f"compile_update({name})"
     return GradientTransformation(tx.init, compiled)
+
+
+def compile_per_shape(fn: Callable[[torch.Tensor], torch.Tensor], **torch_compile_kwargs: Any
+                      ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``fn(x)`` compiled once per distinct shape, dtype, device and strides of ``x``.
+
+    Each shape gets its own static graph (``fullgraph=True, dynamic=False`` unless overridden)
+    through a fresh copy of ``fn``'s code object, so Dynamo's per-code recompile limit never
+    applies however many shapes a model has, and a shape seen before never recompiles. Used by
+    :class:`muon_fn.MuonOptimizer` (``compile=True``) for the orthogonalization of each
+    ``(B, m, n)`` batch of same-shape matrices.
+    """
+    kwargs = {"fullgraph": True, "dynamic": False, **torch_compile_kwargs}
+    compiled: dict[tuple, Callable[[torch.Tensor], torch.Tensor]] = {}
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        key = (tuple(x.shape), x.stride(), x.dtype, x.device)
+        f = compiled.get(key)
+        if f is None:
+            copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
+                                      fn.__defaults__, fn.__closure__)
+            f = compiled[key] = torch.compile(copy, **kwargs)
+        return f(x)
+
+    call.graphs = compiled  # type: ignore[attr-defined]
+    return call

@@ -95,6 +95,19 @@ def _path_str(path: tuple) -> str:
     return "".join(f"[{k!r}]" for k in path) or "the root"
 
 
+def resolve_method(
+    method: str,
+    steps: int,
+    *,
+    coefficients: Sequence[Sequence[float]] | None = None,
+    stepsize: float = 1.0,
+) -> tuple[_orthogonalize.Schedule, float]:
+    """``(schedule, norm_scale)`` that :func:`orthogonalize` runs for a named ``method``."""
+    _checks.one_of("method", method, _orthogonalize.METHODS)
+    schedule = _orthogonalize.coefficient_schedule(method, steps, coefficients=coefficients, stepsize=stepsize)
+    return schedule, 1.0 if coefficients is not None else _orthogonalize.norm_scale(method)
+
+
 def orthogonalize(
     method: Union[str, Callable[[torch.Tensor], torch.Tensor]] = "polar_express",
     steps: int = 5,
@@ -126,11 +139,7 @@ def orthogonalize(
     custom = callable(method) and not isinstance(method, str)
     _checks.positive_int("steps", steps)
     if not custom:
-        _checks.one_of("method", method, _orthogonalize.METHODS)
-        schedule = _orthogonalize.coefficient_schedule(
-            method, steps, coefficients=coefficients, stepsize=stepsize
-        )
-        scale = 1.0 if coefficients is not None else _orthogonalize.norm_scale(method)
+        schedule, scale = resolve_method(method, steps, coefficients=coefficients, stepsize=stepsize)
     _checks.positive("eps", eps)
     _validate_split(split)
 
@@ -229,3 +238,127 @@ def scale_by_shape(rule: str = "keller", *, split: Split = None) -> GradientTran
     if split is not None:
         config["split"] = split
     return named(GradientTransformation(init_empty_state, update), "scale_by_shape", **config)
+
+
+# ----------------------------------------------------------------------------- in-place eager step
+def inplace_supported(param: torch.Tensor) -> bool:
+    """Whether :func:`muon_step_` can update ``param`` in place (its matrix view is a view)."""
+    return param.ndim == 2 or (param.ndim > 2 and param.is_contiguous())
+
+
+def _step_plan(shapes: tuple[tuple[int, ...], ...], rule: str, split: Split, stack_all: bool, devices):
+    """Static part of :func:`muon_step_` for params of ``shapes`` (``None``: no gradient):
+    per param its row blocks ``(start, stop, scale, key, tall)``, and which wide shapes batch."""
+    blocks: list[list[tuple[int, int, float, tuple, bool]]] = []
+    counts: dict[tuple, int] = {}
+    for shape, device in zip(shapes, devices):
+        if shape is None:
+            blocks.append([])
+            continue
+        rows, cols = matrix_shape(shape)
+        sizes = block_sizes(split, torch.empty((rows, cols), device="meta")) or [rows]
+        mine, start = [], 0
+        for size in sizes:
+            key = (min(size, cols), max(size, cols), device)
+            mine.append((start, start + size, shape_scale(rule, (size, cols)), key, size > cols))
+            counts[key] = counts.get(key, 0) + 1
+            start += size
+        blocks.append(mine)
+    batched = {key for key, n in counts.items()
+               if n > 1 and (stack_all or key[0] < _orthogonalize.LOOP_MIN_DIM)}
+    return blocks, batched, counts
+
+
+def muon_step_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor | None],
+    bufs: Sequence[torch.Tensor],
+    *,
+    lr: Any,
+    momentum: Any,
+    weight_decay: float,
+    nesterov: bool,
+    kind: str,
+    rule: str,
+    split: Split,
+    schedule: Sequence[Sequence[float]],
+    norm_scale: float,
+    dtype: torch.dtype | None,
+    eps: float,
+    workspace: dict,
+    msign: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    stack_all: bool = False,
+) -> None:
+    """:func:`muon_fn.muon` (without ``beta2``) as one in-place eager step over lists of matrices.
+
+    The same arithmetic as ``chain(momentum, orthogonalize, scale_by_shape,
+    add_decoupled_weight_decay, scale_by_learning_rate)`` followed by ``p += u``, up to rounding
+    of the last steps: ``bufs`` are updated in place (:func:`momentum_step_`), each direction is
+    normalized and cast straight into its slot of a per-shape batch in the compute ``dtype``
+    (equal wide shapes batch when ``min(m, n) < LOOP_MIN_DIM`` or ``stack_all``; tall blocks are
+    transposed), orthogonalized with ``msign`` (default: the ``schedule``'s iteration), and applied
+    as ``p ← p(1 − lr·wd)`` then ``p += −lr·s·O`` — no fp32 copies of the update. Parameters
+    whose ``grads`` entry is ``None`` are skipped. ``params`` must satisfy
+    :func:`inplace_supported`. ``workspace``: a dict kept by the caller across steps for reusable
+    scratch buffers (cast targets and the Nesterov direction; none of it is optimizer state).
+    """
+    from ._transforms import momentum_step_
+
+    dtype = dtype or _orthogonalize.default_compute_dtype()
+    _orthogonalize.check_dtype(schedule, dtype)
+    if msign is None:
+        def msign(y: torch.Tensor) -> torch.Tensor:
+            return _orthogonalize._run_schedule(y, schedule, eps)
+    lr = float(lr)
+    decay = 1.0 - lr * float(weight_decay) if weight_decay else None
+    shapes = tuple(None if g is None else tuple(p.shape) for p, g in zip(params, grads))
+    plan_key = ("plan", shapes, tuple(p.device for p in params), stack_all)
+    plan = workspace.get(plan_key)
+    if plan is None:
+        plan = workspace[plan_key] = _step_plan(shapes, rule, split, stack_all, [p.device for p in params])
+    blocks, batched, counts = plan
+
+    def scratch(key: tuple, shape: tuple[int, ...], dt: torch.dtype, device) -> torch.Tensor:
+        t = workspace.get(key)
+        if t is None or t.shape != shape:
+            t = workspace[key] = torch.empty(shape, dtype=dt, device=device)
+        return t
+
+    batches = {key: scratch(("batch", key, dtype), (counts[key], key[0], key[1]), dtype, key[2])
+               for key in batched}
+    members: dict[tuple, list[tuple[torch.Tensor, float, bool]]] = {key: [] for key in batched}
+    for p, g, b, mine in zip(params, grads, bufs, blocks):
+        if g is None:
+            continue
+        out = None
+        if nesterov:  # one reused scratch: the direction is consumed before the next is made
+            flat = workspace.get(("direction", b.dtype, b.device))
+            if flat is None or flat.numel() < b.numel():
+                flat = workspace[("direction", b.dtype, b.device)] = torch.empty(
+                    b.numel(), dtype=b.dtype, device=b.device)
+            out = flat[:b.numel()].view(b.shape)
+        d = momentum_step_(b, g, momentum, nesterov=nesterov, kind=kind, out=out)
+        if decay is not None:
+            p.mul_(decay)
+        pm = p if p.ndim == 2 else p.view(p.shape[0], -1)
+        dm = d if d.ndim == 2 else d.reshape(pm.shape)
+        for start, stop, scale, key, tall in mine:
+            db = dm[start:stop] if len(mine) > 1 else dm
+            pb = pm[start:stop] if len(mine) > 1 else pm
+            x = db.mT if tall else db
+            if key in batched:
+                slot = batches[key][len(members[key])]
+                members[key].append((pb, scale, tall))
+            else:
+                slot = scratch(("one", key, dtype), (key[0], key[1]), dtype, key[2])
+            norm = torch.linalg.vector_norm(x, dtype=torch.promote_types(x.dtype, torch.float32))
+            torch.mul(x, 1.0 / (norm * norm_scale + eps), out=slot)
+            if key not in batched:
+                o = msign(slot)
+                pb.add_(o.mT if tall else o, alpha=-lr * scale)
+    for key, mem in members.items():
+        if not mem:
+            continue
+        outs = msign(batches[key])
+        for (pb, scale, tall), o in zip(mem, outs.unbind(0)):
+            pb.add_(o.mT if tall else o, alpha=-lr * scale)

@@ -157,3 +157,17 @@ def cast_to_layout(layout: StateLayout, param_states: list[dict[str, Any]]) -> N
             value = param_states[i].get(slot.key)
             if isinstance(value, torch.Tensor) and value.dtype != slot.dtype:
                 param_states[i][slot.key] = value.to(slot.dtype)
+
+
+# Keys older muon_fn versions stored that no transform owns any more: the adapter kept a ``step``
+# counter for every parameter, Muon matrices included (torch.optim.Muon keeps none).
+LEGACY_KEYS = ("step",)
+
+
+def drop_legacy_keys(layout: StateLayout, param_states: list[dict[str, Any]]) -> None:
+    """Remove :data:`LEGACY_KEYS` that this layout does not hold (old checkpoints load as is)."""
+    for i, st in enumerate(param_states):
+        owned = layout.keys_for(i)
+        for key in LEGACY_KEYS:
+            if key in st and key not in owned:
+                del st[key]

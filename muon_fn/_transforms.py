@@ -77,6 +77,40 @@ def momentum(
                  nesterov=nesterov, kind=kind)
 
 
+def momentum_step_(
+    buf: torch.Tensor,
+    grad: torch.Tensor,
+    momentum: Scalar,
+    *,
+    nesterov: bool = True,
+    kind: str = "sgd",
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The in-place form of one leaf of :func:`momentum` (the adapters' eager fast path).
+
+    Updates ``buf`` in place with the arithmetic of :func:`momentum` and returns the direction:
+    ``buf`` itself without Nesterov (read it, do not modify it), else a tensor written into
+    ``out`` (a scratch tensor shaped like ``buf``) when given. ``momentum``: a float or a 0-d
+    tensor (read as the value :func:`momentum` would compute with).
+    """
+    if isinstance(momentum, torch.Tensor):  # the same fp32/fp64 values the functional form uses
+        mu, one_minus_mu = float(momentum), float(1 - momentum)
+    else:
+        mu, one_minus_mu = float(momentum), 1 - momentum
+    g = grad if grad.dtype == buf.dtype else grad.to(buf.dtype)
+    if kind == "ema":
+        buf.lerp_(g, one_minus_mu)
+        if not nesterov:
+            return buf
+        return torch.lerp(g, buf, mu) if out is None else torch.lerp(g, buf, mu, out=out)
+    buf.mul_(mu).add_(g)
+    if not nesterov:
+        return buf
+    if out is None:
+        return g + mu * buf
+    return torch.mul(buf, mu, out=out).add_(g)  # == g + μb (addition commutes exactly)
+
+
 class ScaleByScheduleState(NamedTuple):
     """State of :func:`scale_by_learning_rate` with a schedule."""
 

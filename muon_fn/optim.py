@@ -5,8 +5,13 @@ the group's hyperparameters: per-step scalars (``lr``, ``momentum`` and any tens
 the transform as 0-d tensors that the optimizer owns and refreshes in place before every step, so
 LR schedulers work and a compiled update never recompiles; any other value (``weight_decay``,
 ints, strings, tuples) is static and rebuilds the transform when it changes. State lives in torch's
-per-parameter dicts (``state[p]["momentum_buffer"]``, ``state[p]["step"]``) and is rebuilt into
-the functional state pytree at every step (see ``_state_layout``).
+per-parameter dicts holding exactly the transform's state (``state[p]["momentum_buffer"]`` for
+Muon, as torch.optim.Muon; ``step``/``exp_avg``/``exp_avg_sq`` for AdamW) and is rebuilt into the
+functional state pytree at every step (see ``_state_layout``).
+
+A subclass may route some parameters of a group to an in-place eager implementation of the same
+math (:meth:`Optimizer._inplace_plan`; :class:`MuonOptimizer` does for its matrices); the
+functional transform then sees those parameters' gradients as ``None``.
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ from typing import Any, NamedTuple, Union
 
 import torch
 
-from . import _checks, _state_layout, _tree
+from . import _checks, _muon, _orthogonalize, _state_layout, _tree
+from ._compile import compile_per_shape
 from ._alias import DEFAULT_METHOD, adamw, muon
 from ._base import GradientTransformation
 from ._combine import partition
@@ -36,6 +42,13 @@ _ADAPTER_KEYS = frozenset({"params", "param_names", "gradient_accumulation_steps
 SCALAR_KEYS = frozenset({"lr", "momentum"})
 
 
+class InplacePlan(NamedTuple):
+    """Parameters of a group that a subclass updates in place, and how (see ``_inplace_plan``)."""
+
+    indices: tuple[int, ...]  # positions in group["params"]
+    step: Callable[..., None]  # step(params, grads, states, scalars, workspace) -> None
+
+
 class _GroupRuntime:
     """Per-group cache: the transform, its compiled step, the state layout, the scalar tensors."""
 
@@ -43,8 +56,10 @@ class _GroupRuntime:
         self.static_key: Any = None
         self.scalars: dict[str, torch.Tensor] = {}
         self.tx: GradientTransformation | None = None
-        self.step_fn: Callable[..., torch.Tensor] | None = None
+        self.step_fn: Callable[..., Any] | None = None
         self.layout: _state_layout.StateLayout | None = None
+        self.inplace: InplacePlan | None = None
+        self.workspace: dict[Any, Any] = {}  # scratch buffers of the in-place path (not state)
 
 
 class StepReport(NamedTuple):
@@ -169,6 +184,8 @@ class Optimizer(torch.optim.Optimizer):
             rt.static_key = static_key
             rt.layout = None
             rt.step_fn = self._build_step_fn(rt.tx)
+            rt.inplace = self._inplace_plan(group, hyper)
+            rt.workspace = {}
         if rt.layout is None:
             rt.layout = _state_layout.build_layout(rt.tx.init(self._meta(group["params"])), len(group["params"]))
         return rt
@@ -194,44 +211,44 @@ class Optimizer(torch.optim.Optimizer):
                         raise ValueError(f"parameter {self._name(group, p)}: {error}") from None
                 raise
 
-    def _build_step_fn(self, tx: GradientTransformation) -> Callable[..., tuple[torch.Tensor, Any]]:
-        """``step_fn(params, grads, state, counts) -> (finite, new_state)``; updates ``params``.
+    def _inplace_plan(self, group: dict[str, Any], hyper: dict[str, Any]) -> InplacePlan | None:
+        """Hook for subclasses: parameters of ``group`` to update with an in-place implementation
+        of the same math as the group's transform (``hyper``: what the factory got), or None."""
+        return None
 
-        Eager: a non-finite gradient returns before any work (one host sync) and the new state is
-        returned for the caller to store. Compiled: no sync; the new state is written into the old
-        buffers and everything is masked with ``torch.where(finite, new, old)``.
+    def _build_step_fn(self, tx: GradientTransformation) -> Callable[..., Any]:
+        """``step_fn(params, grads, state) -> new_state``; updates ``params`` in place.
+
+        Eager: the new state is returned for the caller to store. Compiled: the new state is
+        written into the old buffers (one graph, ``fullgraph=True``) and the old state returned.
+        The caller has already checked the gradients (see ``step``).
         """
-        check = self.nonfinite is not None
 
-        def apply(params, updates, counts, finite):
-            for p, u, c in zip(params, updates, counts):
+        def apply(params, updates):
+            for p, u in zip(params, updates):
                 if u is not None:
-                    u = u.to(p.dtype)
-                    p.add_(u if finite is None else torch.where(finite, u, torch.zeros_like(u)))
-                    if c is not None:
-                        c.add_(1 if finite is None else finite.to(c.dtype))
+                    p.add_(u.to(p.dtype))
 
-        def eager_step(params, grads, state, counts):
-            finite = _all_finite(grads) if check else torch.ones((), dtype=torch.bool)
-            if check and not bool(finite):
-                return finite, state
+        def eager_step(params, grads, state):
             updates, new_state = tx.update(grads, state, params)
-            apply(params, updates, counts, None)
-            return finite, new_state
+            apply(params, updates)
+            return new_state
 
-        def compiled_step(params, grads, state, counts):
+        def compiled_step(params, grads, state):
             updates, new_state = tx.update(grads, state, params)
-            finite = _all_finite(grads) if check else None
-            keep = (lambda new, old: new) if finite is None else (
-                lambda new, old: torch.where(finite, new, old))
-            _tree.tree_map(lambda old, new: None if old is None else old.copy_(keep(new, old)), state, new_state)
-            apply(params, updates, counts, finite)
-            return (torch.ones((), dtype=torch.bool) if finite is None else finite), state
+            _tree.tree_map(lambda old, new: None if old is None else old.copy_(new), state, new_state)
+            apply(params, updates)
+            return state
 
         if self._compile is False:
             return eager_step
-        options = {"fullgraph": True} | (dict(self._compile) if isinstance(self._compile, Mapping) else {})
-        return torch.compile(compiled_step, **options)
+        return torch.compile(compiled_step, **self._compile_options())
+
+    def _compile_kwargs(self) -> dict[str, Any]:
+        return dict(self._compile) if isinstance(self._compile, Mapping) else {}
+
+    def _compile_options(self) -> dict[str, Any]:
+        return {"fullgraph": True} | self._compile_kwargs()
 
     # ----------------------------------------------------------------------- state
     def _param_states(self, group: dict[str, Any]) -> list[dict[str, Any]]:
@@ -244,15 +261,7 @@ class Optimizer(torch.optim.Optimizer):
         if not _state_layout.complete(rt.layout, states):  # first step, or a param added later
             fresh = rt.tx.init(tuple(p.detach() for p in params))
             _state_layout.scatter(rt.layout, fresh, states, overwrite=False)  # keep loaded state
-        for p, s in zip(params, states):
-            if "step" not in s:
-                s["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
         return _state_layout.gather(rt.layout, states)
-
-    def _counts(self, group: dict[str, Any], rt: _GroupRuntime) -> tuple[torch.Tensor | None, ...]:
-        """The adapter's ``step`` counters, for parameters whose transform keeps no ``step`` itself."""
-        return tuple(None if "step" in rt.layout.keys_for(i) else self.state[p]["step"]
-                     for i, p in enumerate(group["params"]))
 
     # ----------------------------------------------------------------------- step
     @torch.no_grad()
@@ -262,8 +271,7 @@ class Optimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        applied = False
-        finite_flags = []
+        work = []
         self._last_grads: dict[int, tuple] = {}
         for index, group in enumerate(self.param_groups):
             grads = self._grads(group)
@@ -276,27 +284,44 @@ class Optimizer(torch.optim.Optimizer):
                 grads = self._accumulate(group, grads, k)
                 if grads is None:
                     continue
-            counts = self._counts(group, rt)
             self._last_grads[index] = grads
-            finite, new_state = rt.step_fn(tuple(group["params"]), grads, state, counts)
-            if new_state is not state:
-                _state_layout.scatter(rt.layout, new_state, self._param_states(group))
-            finite_flags.append(finite)
-            applied = True
-        if not finite_flags:
-            finite_all = torch.ones((), dtype=torch.bool)
+            work.append((index, group, rt, grads, state))
+        applied = bool(work)
+        # One check over every gradient before anything changes (so a skipped or failed step
+        # leaves every group's parameters and state as they were).
+        if self.nonfinite is not None and work:
+            finite = _all_finite([g for *_, grads, _ in work for g in grads])
         else:
-            finite_all = torch.stack([f.to(finite_flags[0].device) for f in finite_flags]).all()
-        self.last_step = StepReport(finite_all, applied)
+            finite = torch.ones((), dtype=torch.bool)
+        if self.nonfinite is None or bool(finite):
+            for index, group, rt, grads, state in work:
+                self._apply_group(group, rt, grads, state)
+        self.last_step = StepReport(finite, applied)
         if applied and self.nonfinite is not None:
-            self._nonfinite_count = (0 if self._nonfinite_count is None else self._nonfinite_count) + (~finite_all).long()
-            if self.nonfinite == "error" and not bool(finite_all):
+            self._nonfinite_count = (0 if self._nonfinite_count is None else self._nonfinite_count) + (~finite).long()
+            if self.nonfinite == "error" and not bool(finite):
                 raise RuntimeError(
                     "non-finite gradient (inf or nan) in " + ", ".join(self._nonfinite_params())
                     + "; parameters and optimizer state were left unchanged. Pass nonfinite='skip' "
                     "to skip such steps, or use torch.amp.GradScaler."
                 )
         return loss
+
+    def _apply_group(self, group: dict[str, Any], rt: _GroupRuntime, grads: tuple, state: Any) -> None:
+        params = tuple(group["params"])
+        plan = rt.inplace
+        if plan is not None:
+            mine = set(plan.indices)
+            rest = tuple(None if i in mine else g for i, g in enumerate(grads))
+        else:
+            rest = grads
+        if any(g is not None for g in rest):
+            new_state = rt.step_fn(params, rest, state)
+            if new_state is not state:
+                _state_layout.scatter(rt.layout, new_state, self._param_states(group))
+        if plan is not None:
+            plan.step([params[i] for i in plan.indices], [grads[i] for i in plan.indices],
+                      [self.state[params[i]] for i in plan.indices], rt.scalars, rt.workspace)
 
     @property
     def nonfinite_steps(self) -> int:
@@ -361,6 +386,7 @@ class Optimizer(torch.optim.Optimizer):
                 rt = self._runtime(index)
                 states = self._param_states(group)
                 names = [self._name(group, p) for p in group["params"]]
+                _state_layout.drop_legacy_keys(rt.layout, states)
                 _state_layout.check(rt.layout, states, names)
                 _state_layout.cast_to_layout(rt.layout, states)
         except Exception:
@@ -473,6 +499,12 @@ class MuonOptimizer(HybridOptimizer):
         bf16 parameters.
       adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW half in ``"auto"`` groups.
       gradient_accumulation_steps, nonfinite, compile: see :class:`Optimizer`.
+      foreach: ``None`` or ``True`` (default): Muon matrices take an in-place multi-tensor path
+        (:func:`muon_fn._muon.muon_step_`: momentum in place, normalize+cast straight into bf16
+        batches, ``p.add_(O, alpha=-lr·s)``) whenever the group's settings allow it (not with
+        ``beta2`` or a callable ``method``; contiguous weights); ``False``: always the functional
+        transforms, whose fp32 arithmetic :class:`muon_fn.FSDPMuonOptimizer` reproduces bit for
+        bit. The two agree to rounding (about 1e-7 relative in fp32).
     """
 
     def __init__(
@@ -503,7 +535,11 @@ class MuonOptimizer(HybridOptimizer):
         gradient_accumulation_steps: int = 1,
         nonfinite: str | None = "error",
         compile: CompileOption = False,
+        foreach: bool | None = None,
     ) -> None:
+        if foreach not in (None, True, False):
+            raise TypeError(f"foreach must be None, True or False, got {foreach!r}")
+        self._foreach = foreach
         defaults = dict(
             lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov,
             ns_steps=ns_steps, method=method, adjust_lr_fn=adjust_lr_fn, beta2=beta2, eps=eps,
@@ -515,6 +551,40 @@ class MuonOptimizer(HybridOptimizer):
         super().__init__(params, _muon_factory, defaults,
                          gradient_accumulation_steps=gradient_accumulation_steps,
                          nonfinite=nonfinite, compile=compile)
+
+    def _inplace_plan(self, group: dict[str, Any], hyper: dict[str, Any]) -> InplacePlan | None:
+        if (self._foreach is False or hyper["beta2"] is not None
+                or not isinstance(hyper["method"], str) or hyper["algorithm"] == "adamw"):
+            return None
+        indices = tuple(i for i, p in enumerate(group["params"])
+                        if p.ndim >= 2 and _muon.inplace_supported(p))
+        if not indices:
+            return None
+        schedule, norm_scale = _muon.resolve_method(
+            hyper["method"], hyper["ns_steps"], coefficients=hyper["ns_coefficients"],
+            stepsize=hyper["ns_stepsize"])
+        static = dict(weight_decay=hyper["weight_decay"], nesterov=hyper["nesterov"],
+                      kind=hyper["momentum_kind"], rule=hyper["adjust_lr_fn"], split=hyper["split"],
+                      schedule=schedule, norm_scale=norm_scale, dtype=hyper["ns_dtype"],
+                      eps=hyper["ns_eps"])
+
+        if self._compile is not False:
+            # One static graph per distinct (B, m, n) batch of the iteration (tall matrices are
+            # transposed into their wide group first, so fc and proj share one); the elementwise
+            # steps around it stay eager and in place, and read lr as a float: no recompiles.
+            eps = static["eps"]
+
+            def iterate(y: torch.Tensor) -> torch.Tensor:
+                return _orthogonalize._run_schedule(y, schedule, eps)
+
+            static.update(msign=compile_per_shape(iterate, **self._compile_kwargs()), stack_all=True)
+
+        def step(params, grads, states, scalars, workspace):
+            _muon.muon_step_(params, grads, [st["momentum_buffer"] for st in states],
+                             lr=scalars["lr"], momentum=scalars["momentum"], workspace=workspace,
+                             **static)
+
+        return InplacePlan(indices, step)
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         super()._validate_group(group)

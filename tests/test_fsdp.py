@@ -149,7 +149,7 @@ def muon_kwargs(**extra):
 def reference_run(model: nn.Module, steps: int, first: int = 0, **kw):
     import muon_fn as mf
 
-    opt = mf.MuonOptimizer(model.parameters(), **muon_kwargs(**kw))
+    opt = mf.MuonOptimizer(model.parameters(), foreach=False, **muon_kwargs(**kw))
     for t in range(first, first + steps):
         set_grads(model, t)
         opt.step()
@@ -280,7 +280,7 @@ def check_hybrid_groups(w):
             [{"params": [p for p in ref.parameters() if p is not ref.l1.weight and p is not ref.l7.weight]},
              {"params": [ref.l1.weight, ref.l7.weight], "algorithm": "adamw",
               "lr": 3e-4, "weight_decay": 0.0}],
-            **muon_kwargs())
+            foreach=False, **muon_kwargs())
         for t in range(STEPS):
             set_grads(model, t)
             set_grads(ref, t)
@@ -457,7 +457,7 @@ def check_accumulation(w):
         ref = make_mlp()
         model = shard_mlp(copy.deepcopy(ref))
         opt = FSDPMuonOptimizer(model, gradient_accumulation_steps=2, **muon_kwargs())
-        ref_opt = mf.MuonOptimizer(ref.parameters(), gradient_accumulation_steps=2, **muon_kwargs())
+        ref_opt = mf.MuonOptimizer(ref.parameters(), gradient_accumulation_steps=2, foreach=False, **muon_kwargs())
         saw_none = saw_grad = 0
         for t in range(8):  # 4 optimizer steps
             mlp_loss(model, t, rows).backward()
@@ -494,7 +494,7 @@ def check_mixed_precision(w):
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         model = shard_mlp(copy.deepcopy(ref), mp_policy=policy)
         opt = FSDPMuonOptimizer(model, **muon_kwargs())
-        ref_opt = mf.MuonOptimizer(ref.parameters(), **muon_kwargs())
+        ref_opt = mf.MuonOptimizer(ref.parameters(), foreach=False, **muon_kwargs())
         for t in range(5):
             mlp_loss(model, t, rows).backward()
             assert all(p.grad.dtype == torch.float32 for p in model.parameters())

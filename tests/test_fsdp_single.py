@@ -65,7 +65,7 @@ def test_bit_exact_vs_muon_optimizer(extra):
     ref = Net()
     model = copy.deepcopy(ref)
     opt = FSDPMuonOptimizer(model, **KW, **extra)
-    ref_opt = mf.MuonOptimizer(ref.parameters(), **KW, **extra)
+    ref_opt = mf.MuonOptimizer(ref.parameters(), foreach=False, **KW, **extra)
     train(model, opt, 6)
     train(ref, ref_opt, 6)
     assert_models_equal(model, ref)
@@ -75,6 +75,22 @@ def test_bit_exact_vs_muon_optimizer(extra):
                 assert torch.equal(opt.state[p][key], value), key
 
 
+def test_default_muon_optimizer_matches_to_rounding():
+    """The in-place path of MuonOptimizer (default foreach=None) differs from the functional
+    arithmetic the FSDP adapter reproduces only by rounding."""
+    torch.manual_seed(0)
+    ref = Net()
+    model = copy.deepcopy(ref)
+    opt = FSDPMuonOptimizer(model, **KW)
+    ref_opt = mf.MuonOptimizer(ref.parameters(), **KW)
+    train(model, opt, 6)
+    train(ref, ref_opt, 6)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-6, msg=name)
+        for key, value in ref_opt.state[q].items():
+            torch.testing.assert_close(opt.state[p][key], value, atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.parametrize("beta2", [None, 0.95])
 def test_bit_exact_with_bf16_params(beta2):
     """bf16 momentum travels up-cast to fp32 next to the fp32 NorMuon row state, exactly."""
@@ -82,7 +98,7 @@ def test_bit_exact_with_bf16_params(beta2):
     ref = Net().to(torch.bfloat16)
     model = copy.deepcopy(ref)
     opt = FSDPMuonOptimizer(model, beta2=beta2, **KW)
-    ref_opt = mf.MuonOptimizer(ref.parameters(), beta2=beta2, **KW)
+    ref_opt = mf.MuonOptimizer(ref.parameters(), beta2=beta2, foreach=False, **KW)
     for t in range(4):
         x, y = batch(t)
         for m, o in ((model, opt), (ref, ref_opt)):
@@ -101,7 +117,7 @@ def test_compiled_owner_update_matches_eager_without_graph_breaks():
     model = copy.deepcopy(ref)
     counters.clear()
     opt = FSDPMuonOptimizer(model, compile={"backend": "eager"}, beta2=0.95, **KW)
-    ref_opt = mf.MuonOptimizer(ref.parameters(), beta2=0.95, **KW)
+    ref_opt = mf.MuonOptimizer(ref.parameters(), beta2=0.95, foreach=False, **KW)
     train(model, opt, 3)
     train(ref, ref_opt, 3)
     assert_models_equal(model, ref)
@@ -123,7 +139,7 @@ def test_lr_scheduler_scales_both_halves_like_muon_optimizer():
     ref = Net()
     model = copy.deepcopy(ref)
     opt = FSDPMuonOptimizer(model, **KW)
-    ref_opt = mf.MuonOptimizer(ref.parameters(), **KW)
+    ref_opt = mf.MuonOptimizer(ref.parameters(), foreach=False, **KW)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.5)
     train(model, opt, 5, sched)

@@ -53,7 +53,9 @@ class FSDPMuonOptimizer(torch.optim.Optimizer):
     """Muon for FSDP2-sharded (or DDP-replicated) models; AdamW for everything else.
 
     Results equal single-device :class:`muon_fn.MuonOptimizer` with the same settings (bit-exact
-    in fp32 for ``strategy="owner"``): each matrix is orthogonalized whole by one rank. Defaults
+    in fp32 for ``strategy="owner"`` against ``MuonOptimizer(foreach=False)``, whose functional
+    arithmetic this adapter follows; its default in-place path agrees to rounding): each matrix is
+    orthogonalized whole by one rank. Defaults
     match ``MuonOptimizer``'s except ``weight_decay``.
 
     Args:
