@@ -180,6 +180,10 @@ def spectral_sphere(
     """
     _validate(lr, momentum, radius_scale, power_steps, power_block, msign_steps, msign_method, scale_mode, tol,
               max_iterations, bracket_step, max_expansions, solver, model_steps)
+    for name, flag in (("nesterov", nesterov), ("cold_start", cold_start), ("warm_lambda", warm_lambda),
+                       ("lambda_model", lambda_model), ("muon_sphere", muon_sphere)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"Invalid {name}: {flag!r} (expected True or False)")
     _validate_split(split)
     schedule = _orthogonalize.coefficient_schedule(msign_method, msign_steps)
     norm_scale = _orthogonalize.norm_scale(msign_method)

@@ -280,7 +280,7 @@ def spectral_function_fit(schedule, *, poles: int = _FIT_POLES) -> tuple[torch.T
         g = g * (a + g2 * (b + c * g2))
     tau = torch.logspace(-14.0, 1.0, poles, dtype=torch.float64)
     basis = 1.0 / (s[:, None] ** 2 + tau[None, :])
-    weights = torch.linalg.lstsq(basis * (s * s)[:, None], g * s, driver="gelsd").solution
+    weights = torch.linalg.lstsq(basis * s[:, None], g, driver="gelsd").solution  # error of g itself
     return weights, tau
 
 
@@ -320,7 +320,8 @@ def lambda_model(
         m_hat, u, v = m_hat.mT, v, u
     m_hat, u, v = m_hat.float(), u.float(), v.float()
     mv = (m_hat @ v.unsqueeze(-1)).squeeze(-1)  # (B, m)
-    gram = torch.baddbmm(m_hat @ m_hat.mT, mv.unsqueeze(-1), mv.unsqueeze(-2), alpha=-1.0)
+    md, mvd = m_hat.double(), mv.double()
+    gram = torch.baddbmm(md @ md.mT, mvd.unsqueeze(-1), mvd.unsqueeze(-2), alpha=-1.0)
     eig, Q = torch.linalg.eigh(gram.to(_MODEL_EIGH_DTYPE))
     a = (Q.mT @ u.to(Q.dtype).unsqueeze(-1)).squeeze(-1)
     p = (Q.mT @ mv.to(Q.dtype).unsqueeze(-1)).squeeze(-1)

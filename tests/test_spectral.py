@@ -22,7 +22,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from muon_fn import spectral
-from muon_fn._orthogonalize import newton_schulz
+from muon_fn._orthogonalize import coefficient_schedule, newton_schulz, norm_scale
 
 
 def _with_spectrum(m: int, n: int, s: torch.Tensor, seed: int) -> torch.Tensor:
@@ -165,13 +165,23 @@ def _h_exact(m_hat, u, v, lam):
     return float(u.double() @ _exact_msign(m_hat.double() + lam * torch.outer(u, v).double()) @ v.double())
 
 
-@pytest.mark.parametrize("method", ["bisection", "illinois"])
+_FIT8 = spectral.spectral_function_fit(coefficient_schedule("polar_express", 8))
+
+
+def _model(m_hat, u, v):
+    """The λ model for ``_msign8`` (Polar Express normalizer 1.01·‖X‖_F + 1e-7)."""
+    return spectral.lambda_model(m_hat, u, v, _FIT8, norm_scale=norm_scale("polar_express"), eps=1e-7)
+
+
+@pytest.mark.parametrize("method", ["bisection", "illinois", "model"])
 @given(shape=st.tuples(st.integers(4, 24), st.integers(4, 24)), seed=st.integers(0, 2**16),
        pull=st.floats(-0.3, 0.3))
 def test_solver_tangency_when_converged(method, shape, seed, pull):
     m_hat, u, v = _problem(*shape, seed, scale_theta=pull)
     tol = 1e-4
-    lam, phi, stats = spectral.solve_lambda(m_hat, u, v, _msign8, tol=tol, method=method, max_expansions=16)
+    model = _model(m_hat[None], u[None], v[None]) if method == "model" else None
+    lam, phi, stats = spectral.solve_lambda(m_hat, u, v, _msign8, tol=tol, method="illinois" if model else method,
+                                            max_expansions=16, model=model)
     if bool(stats.converged):
         assert float(stats.residual) <= tol
         # The returned Φ is msign at the returned λ, and h there is small by an independent msign.
@@ -258,10 +268,97 @@ def test_solver_traces_as_one_graph():
     torch.testing.assert_close(phi_c, phi_e)
 
 
-def test_zero_momentum_gives_lambda_zero_and_zero_direction():
+@pytest.mark.parametrize("use_model", [False, True], ids=["no_model", "model"])
+def test_zero_momentum_gives_lambda_zero_and_zero_direction(use_model):
     _, u, v = _problem(6, 9, 11)
-    lam, phi, stats = spectral.solve_lambda(torch.zeros(6, 9), u, v, _msign8)
+    z = torch.zeros(6, 9)
+    model = _model(z[None], u[None], v[None]) if use_model else None
+    lam, phi, stats = spectral.solve_lambda(z, u, v, _msign8, model=model)
     assert float(lam) == 0.0 and bool(stats.converged) and float(phi.abs().max()) == 0.0
+    assert int(stats.iterations) == 1
+
+
+# ------------------------------------------------------------------------------ the λ model
+def test_spectral_function_fit_matches_the_polynomial_composition():
+    # g(s) = p_8 ∘ … ∘ p_1 (s) in float64, on a grid finer than (and extending below) the fit's.
+    s = torch.logspace(-9, 0, 3001, dtype=torch.float64)
+    g = s.clone()
+    for a, b, c in coefficient_schedule("polar_express", 8):
+        g2 = g * g
+        g = g * (a + g2 * (b + c * g2))
+    w, tau = _FIT8
+    fitted = s * (w / (s[:, None] ** 2 + tau)).sum(-1)
+    assert float((fitted - g).abs().max()) <= 5e-5  # measured 2.2e-5
+
+
+@pytest.mark.parametrize("shape", [(24, 40), (40, 24), (16, 16), (4, 30), (33, 33)])
+def test_lambda_model_matches_the_msign_residual(shape):
+    # Square shapes put σ_min/N near Polar Express's corner (~1e-4), the hardest case.
+    worst = 0.0
+    for seed in range(8):
+        for pull in (0.0, 0.2, -0.3):
+            m_hat, u, v = _problem(*shape, seed, scale_theta=pull)
+            model = _model(m_hat[None], u[None], v[None])
+            lams = torch.tensor([-0.1, -0.01, 0.0, 0.003, 0.05])
+            for lam in lams:
+                h, _ = spectral.tangent_residual(m_hat, u, v, lam, _msign8)
+                h_model = spectral.model_residual(model, lam.reshape(1))[0]
+                worst = max(worst, abs(float(h_model) - float(h)))
+    assert worst <= 1e-4  # measured ≤ 4.1e-5 (fp32 msign vs the model of its exact-arithmetic map)
+
+
+def test_model_root_is_the_msign_root_and_costs_one_msign():
+    rows = [_problem(24, 40, s, scale_theta=p) for s, p in ((1, 0.0), (2, 0.2), (3, -0.2))]
+    m_hat, U, V = (torch.stack(x) for x in zip(*rows))
+    lam_c, phi_c, st_c = spectral.solve_lambda(m_hat, U, V, _msign8, tol=1e-5, method="illinois", max_iterations=40)
+    model = _model(m_hat, U, V)
+    lam_m, phi_m, st_m = spectral.solve_lambda(m_hat, U, V, _msign8, tol=1e-5, method="illinois", model=model)
+    assert bool(st_c.converged.all()) and bool(st_m.converged.all())
+    torch.testing.assert_close(lam_m, lam_c, rtol=0, atol=1e-5)
+    assert st_m.iterations.tolist() == [1, 1, 1] and bool((st_c.iterations >= 3).all())
+    # Φ is the msign at the returned λ (no extra call), and certifies the tangency.
+    torch.testing.assert_close(phi_m, spectral.tangent_residual(m_hat, U, V, lam_m, _msign8)[1], rtol=0, atol=0)
+    assert float((U[:, None, :] @ phi_m @ V[:, :, None]).abs().max()) <= 1e-5
+
+
+def test_model_steps_then_bracket_when_the_model_is_off():
+    # A model of a different matrix is a bad guide: the solver must still converge to the right
+    # root (secant steps, then the bracket), with every evaluation counted.
+    m_hat, u, v = _problem(16, 24, 12, scale_theta=0.2)
+    other, _, _ = _problem(16, 24, 13, scale_theta=-0.2)
+    wrong = _model(other[None], u[None], v[None])
+    lam_ref, _, st_ref = spectral.solve_lambda(m_hat, u, v, _msign8, tol=1e-5, method="illinois", max_iterations=40)
+    for steps in (1, 3):
+        lam, phi, st = spectral.solve_lambda(m_hat, u, v, _msign8, tol=1e-5, method="illinois",
+                                             model=wrong, model_steps=steps, max_iterations=40)
+        assert bool(st.converged) and not bool(st.fallback)
+        assert float(lam) == pytest.approx(float(lam_ref), abs=1e-5)
+        assert abs(float(u @ phi @ v)) <= 1e-5
+        assert int(st.iterations) >= 2
+
+
+def test_model_solver_fixed_schedule_matches_early_exit_and_traces():
+    a = _problem(12, 20, 8)  # λ* ≈ −0.14: the model finds it in one msign (the bracket from 0: 11)
+    g = torch.Generator().manual_seed(9)
+    _, u, v = spectral.top_singular(torch.randn(12, 20, generator=g))
+    far = -0.99 * torch.outer(u, v) + 0.01 * torch.randn(12, 20, generator=g)
+    b = (far / torch.linalg.matrix_norm(far), u, v)
+    m_hat, U, V = (torch.stack([x, y]) for x, y in zip(a, b))
+    kw = dict(tol=1e-4, max_expansions=8, max_iterations=6, method="illinois")  # row b: no root within ±0.255
+    model = _model(m_hat, U, V)
+    lam, phi, st = spectral.solve_lambda(m_hat, U, V, _msign8, model=model, **kw)
+    assert st.converged.tolist() == [True, False] and st.fallback.tolist() == [False, True]
+    lam_f, phi_f, st_f = spectral.solve_lambda(m_hat, U, V, _msign8, model=model, early_exit=False, **kw)
+    torch.testing.assert_close(lam_f, lam, rtol=0, atol=1e-7)
+    torch.testing.assert_close(phi_f, phi, rtol=0, atol=1e-6)
+    assert torch.equal(st_f.iterations, st.iterations) and torch.equal(st_f.fallback, st.fallback)
+
+    def solve(m, u, v):
+        return spectral.solve_lambda(m, u, v, _msign8, model=_model(m, u, v), **kw)
+
+    lam_c, phi_c, _ = torch.compile(solve, backend="eager", fullgraph=True)(m_hat, U, V)
+    torch.testing.assert_close(lam_c, lam, rtol=0, atol=1e-7)
+    torch.testing.assert_close(phi_c, phi, rtol=0, atol=1e-6)
 
 
 # ------------------------------------------------------------------------------ messages
@@ -286,5 +383,9 @@ class TestMessages(expecttest.TestCase):
                                   """Invalid tol: 0.0 (expected a finite value > 0)""")
         self.assertExpectedInline(self._msg(lambda: spectral.solve_lambda(W, u, v, _msign8, max_expansions=-2)),
                                   """Invalid max_expansions: -2 (expected an integer >= 0)""")
+        self.assertExpectedInline(self._msg(lambda: spectral.solve_lambda(W, u, v, _msign8, model_steps=0)),
+                                  """Invalid model_steps: 0 (expected an integer >= 1)""")
+        self.assertExpectedInline(self._msg(lambda: spectral.spectral_function_fit(())),
+                                  """Invalid schedule: expected at least one (a, b, c) row""")
         self.assertExpectedInline(self._msg(lambda: spectral.target_radius((5,))),
                                   """target_radius expects a matrix shape, got (5,)""")

@@ -122,6 +122,29 @@ def test_update_is_tangent_to_the_sphere_and_muon_sphere_is_not():
     assert float(st0.lam[0]) == 0.0 and float(st0.residual[0]) == pytest.approx(abs(off), abs=1e-5)
 
 
+@pytest.mark.parametrize("shape", [(12, 20), (20, 12), (16, 16)])
+def test_lambda_model_takes_the_same_steps_with_fewer_msigns(shape):
+    # The model only chooses where h is evaluated: the trajectory equals the bracketing solver's up
+    # to the solver tolerance (|Δλ| ≤ 2·tol/h' ⇒ ‖ΔΦ‖ small), every step is certified tangent.
+    gen = torch.Generator().manual_seed(sum(shape) + 7)
+    W0 = torch.randn(*shape, generator=gen) / math.sqrt(shape[1])
+    grads = [torch.randn(*shape, generator=gen) + 2 * torch.outer(torch.randn(shape[0], generator=gen),
+             torch.randn(shape[1], generator=gen)) for _ in range(4)]
+    runs = {}
+    for use_model in (False, True):
+        tx = spectral_sphere(0.02, 0.95, lambda_model=use_model)
+        W, state, msigns = W0, tx.init((W0,)), 0
+        for g in grads:
+            W, state = _step(tx, W, g, state)
+            msigns += int(state.iterations[0])
+            assert float(state.residual[0]) <= 2e-4 and not bool(state.fallback[0])
+        runs[use_model] = (W, state, msigns)
+    torch.testing.assert_close(runs[True][0], runs[False][0], rtol=0, atol=1e-4)
+    assert float(runs[True][1].lam[0]) == pytest.approx(float(runs[False][1].lam[0]), abs=1e-4)
+    assert runs[True][2] < runs[False][2]
+    assert runs[True][2] <= 2 * len(grads)  # measured: 1 per step
+
+
 def test_muon_sphere_equals_lambda_zero():
     gen = torch.Generator().manual_seed(2)
     W = torch.randn(16, 24, generator=gen)
@@ -396,6 +419,10 @@ class TestMessages(expecttest.TestCase):
                                   """Invalid solver: 'secant' (valid: 'bisection', 'illinois')""")
         self.assertExpectedInline(self._msg(lambda: spectral_sphere(max_iterations=-1)),
                                   """Invalid max_iterations: -1 (expected an integer >= 0)""")
+        self.assertExpectedInline(self._msg(lambda: spectral_sphere(model_steps=0)),
+                                  """Invalid model_steps: 0 (expected an integer >= 1)""")
+        self.assertExpectedInline(self._msg(lambda: spectral_sphere(lambda_model="yes")),
+                                  """Invalid lambda_model: 'yes' (expected True or False)""")
         tx = sso()
         self.assertExpectedInline(self._msg(lambda: tx.init((torch.zeros(3),))),
                                   """spectral_sphere only supports matrices (ndim >= 2) whereas we found a leaf with size: (3,). Route 0-/1-D parameters (biases, norms) to another transform with muon_fn.partition, e.g. muon_fn.hybrid(...), or use muon_fn.MuonOptimizer / muon_fn.create_hybrid_optimizer, which do this for you.""")
@@ -409,6 +436,10 @@ class TestMessages(expecttest.TestCase):
                                   """Invalid learning rate: -0.1""")
         self.assertExpectedInline(self._msg(lambda: SpectralSphereOptimizer(p, solver="x")),
                                   """Invalid solver: 'x' (valid: 'bisection', 'illinois')""")
+        self.assertExpectedInline(self._msg(lambda: SpectralSphereOptimizer(p, lambda_model=1)),
+                                  """Invalid lambda_model: 1 (expected True or False)""")
+        self.assertExpectedInline(self._msg(lambda: SpectralSphereOptimizer(p, model_steps=0)),
+                                  """Invalid model_steps: 0 (expected an integer >= 1)""")
         self.assertExpectedInline(self._msg(lambda: SpectralSphereOptimizer(p, algorithm="lion")),
                                   """Invalid algorithm: 'lion' (valid: 'auto', 'sso', 'muon', 'adamw')""")
         self.assertExpectedInline(
