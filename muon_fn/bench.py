@@ -31,7 +31,8 @@ MATRIX_NAMES = ("q", "k", "v", "o", "fc", "proj")
 ROWS = ("muon_fn", "muon_fn[aol4]", "muon_fn[like_torch]", "torch.optim.Muon", "torch.optim.AdamW[fused]",
         "lean[polar_express5]", "lean[aol4]", "replay[polar_express5]", "replay[aol4]", "replay[torch_quintic5]")
 # Opt-in rows (inductor cold compile takes minutes on a loaded 2-core CPU).
-OPTIONAL_ROWS = ("muon_fn[compiled]", "muon_fn[aol4,compiled]", "muon_fn[aol4,nonfinite=None]")
+OPTIONAL_ROWS = ("muon_fn[compiled]", "muon_fn[aol4,compiled]", "muon_fn[aol4,nonfinite=None]",
+                 "muon_fn[aol9]", "lean[aol9]", "replay[aol9]")
 _REFERENCE, _REPLAY = "torch.optim.Muon", "replay[polar_express5]"
 _SEQ, _BATCH, _VOCAB = 64, 2, 256
 
@@ -134,6 +135,8 @@ def _make_row(name: str, params: list[torch.Tensor], lr: float) -> tuple[Any, Ca
         opt = MuonOptimizer(params, lr=lr)
     elif name == "muon_fn[aol4]":
         opt = MuonOptimizer(params, lr=lr, method="aol", ns_steps=4)
+    elif name == "muon_fn[aol9]":
+        opt = MuonOptimizer(params, lr=lr, method="aol9", ns_steps=4)
     elif name == "muon_fn[compiled]":
         opt = MuonOptimizer(params, lr=lr, compile=True)
     elif name == "muon_fn[aol4,compiled]":
@@ -151,10 +154,14 @@ def _make_row(name: str, params: list[torch.Tensor], lr: float) -> tuple[Any, Ca
         return None, _lean_fn(params, lr, "polar_express", 5)
     elif name == "lean[aol4]":
         return None, _lean_fn(params, lr, "aol", 4)
+    elif name == "lean[aol9]":
+        return None, _lean_fn(params, lr, "aol9", 4)
     elif name == "replay[polar_express5]":
         return None, _replay_fn(params, "polar_express", 5, batched=True)
     elif name == "replay[aol4]":
         return None, _replay_fn(params, "aol", 4, batched=True)
+    elif name == "replay[aol9]":
+        return None, _replay_fn(params, "aol9", 4, batched=True)
     elif name == "replay[torch_quintic5]":
         return None, _replay_fn(params, "quintic", 5, batched=False)
     else:
@@ -169,6 +176,7 @@ _ROW_ORTHO: dict[str, tuple[str, int]] = {
     "torch.optim.Muon": ("torch", 5), "replay[polar_express5]": ("polar_express", 5),
     "replay[aol4]": ("aol", 4), "replay[torch_quintic5]": ("torch", 5),
     "lean[polar_express5]": ("polar_express", 5), "lean[aol4]": ("aol", 4),
+    "muon_fn[aol9]": ("aol9", 4), "replay[aol9]": ("aol9", 4), "lean[aol9]": ("aol9", 4),
 }
 
 
@@ -179,6 +187,7 @@ _OWN_REPLAY = {
     "muon_fn[aol4,compiled]": "replay[aol4]", "muon_fn[aol4,nonfinite=None]": "replay[aol4]",
     "lean[aol4]": "replay[aol4]", "muon_fn[like_torch]": "replay[torch_quintic5]",
     "torch.optim.Muon": "replay[torch_quintic5]",
+    "muon_fn[aol9]": "replay[aol9]", "lean[aol9]": "replay[aol9]",
 }
 
 

@@ -19,8 +19,9 @@ def _svals(x: torch.Tensor) -> torch.Tensor:
 
 
 def _scalar(s: torch.Tensor, schedule) -> torch.Tensor:
-    for a, b, c in schedule:
-        s = s * (a + b * s**2 + c * s**4)
+    """Each row (c0, ..., cd) maps σ to σ·Σ cᵢσ²ⁱ (written out term by term, not Horner)."""
+    for row in schedule:
+        s = sum(c * s ** (2 * i + 1) for i, c in enumerate(row))
     return s
 
 
@@ -126,6 +127,82 @@ def test_aol_quality_matches_torch_quintic_on_real_gradient():
     ref = bench.orthogonality(g, bench._orthogonalizer("torch.optim.Muon")(g))
     ours = bench.orthogonality(g, O.newton_schulz(g, "aol", 4, dtype=torch.bfloat16))
     assert ours["rms"] <= 1.1 * ref["rms"] and ours["max"] <= 1.2
+
+
+# ----------------------------------------------------------------------------- degree-7/9 rows, "aol9"
+@pytest.mark.parametrize("row", [(1.5, -0.5), (3.0, -3.2, 1.2, 0.0), (2.0, -1.5, 0.8, -0.2),
+                                 (3.4, -6.3, 5.8, -2.3, 0.33), (1.0, 0.5, -0.25, 0.125, -0.0625)])
+def test_any_degree_row_applies_its_scalar_polynomial_float64(row):
+    x = torch.randn(30, 70, dtype=torch.float64, generator=torch.Generator().manual_seed(len(row)))
+    x = x / torch.linalg.vector_norm(x)
+    out = O.iterate(x, [row, (1.875, -1.25, 0.375)])
+    torch.testing.assert_close(_svals(out).sort().values, _scalar(_svals(x), [row, (1.875, -1.25, 0.375)]).abs().sort().values,
+                               atol=1e-12, rtol=0)
+
+
+def test_degree_nine_rows_in_gram_form_and_damped_equal_the_standard_form():
+    x = torch.randn(2, 20, 90, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    x = x / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
+    rows = O.coefficient_schedule("aol9", 6)
+    torch.testing.assert_close(O.iterate_gram(x, rows), O.iterate(x, rows), atol=1e-10, rtol=0)
+    damped = O.coefficient_schedule("aol9", 4, stepsize=0.5)
+    plain = O.coefficient_schedule("aol9", 4)
+    for d, r in zip(damped, plain):
+        assert len(d) == len(r) and d[0] == pytest.approx(0.5 + 0.5 * r[0])
+        assert list(d[1:]) == pytest.approx([0.5 * c for c in r[1:]])
+
+
+def test_rows_above_degree_nine_are_rejected():
+    with pytest.raises(ValueError, match="at most degree 9"):
+        O.iterate(torch.randn(4, 8), [(1.0, 0.1, 0.1, 0.1, 0.1, 0.1)])
+
+
+def test_aol9_singular_values_follow_the_scalar_polynomial():
+    x = torch.randn(50, 120, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    sched = O.coefficient_schedule("aol9", None)
+    assert len(sched) == 4 and sched.precondition == "aol" and len(sched[3]) == 5
+    expect = _scalar(_svals(_aol64(x)), sched).sort().values
+    torch.testing.assert_close(_svals(O.newton_schulz(x, "aol9", None)).sort().values, expect, atol=1e-9, rtol=0)
+
+
+def test_aol9_scalar_band_and_more_steps_converge():
+    s = torch.logspace(-2.5, 0, 2000, dtype=torch.float64) * 1.02
+    s = s[s >= 3e-3]
+    four = _scalar(s, O.coefficient_schedule("aol9", 4))
+    assert four.min() >= 0.9 and four.max() <= 1.11, (four.min(), four.max())
+    assert _scalar(torch.tensor(1.0, dtype=torch.float64), O.coefficient_schedule("aol9", 4)) > 0.9
+    eight = _scalar(s, O.coefficient_schedule("aol9", 8))
+    assert (eight - 1).abs().max() < 1e-6
+    # Slope at 0 (what lifts the tiny singular values of low-rank gradients): above torch's 3.4445**5.
+    assert torch.tensor([r[0] for r in O.coefficient_schedule("aol9", 4)]).prod() > 3.4445**5 * 0.65
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(128, 512), (512, 128), (96, 96)])
+def test_aol9_band_on_gaussian(dtype, shape):
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(4))
+    sv = _svals(O.newton_schulz(x, "aol9", None, dtype=dtype))
+    assert sv.max() <= 1.2, sv.max()
+    if shape[0] != shape[1]:  # square Gaussians have σ near 0 that no 4-5 step schedule lifts
+        assert 0.6 <= sv.min(), sv.min()
+
+
+def test_aol9_rank_one_direction_is_not_flipped():
+    g = torch.Generator().manual_seed(5)
+    u, v = torch.randn(64, 1, generator=g), torch.randn(1, 160, generator=g)
+    x = u @ v + 1e-4 * torch.randn(64, 160, generator=g)
+    out = O.newton_schulz(x, "aol9", None, dtype=torch.bfloat16).double()
+    proj = (u.double().T @ out @ v.double().T).item() / (u.norm() * v.norm()).item()
+    assert 0.85 < proj < 1.15
+
+
+def test_aol9_no_worse_than_torch_quintic_on_every_real_tiny_gradient():
+    _, grads, names = bench.real_gradients("tiny")
+    torch_ortho = bench._orthogonalizer("torch.optim.Muon")
+    for name, g in zip(names, grads):
+        ref = bench.orthogonality(g, torch_ortho(g))
+        ours = bench.orthogonality(g, O.newton_schulz(g, "aol9", None, dtype=torch.bfloat16))
+        assert ours["rms"] <= ref["rms"] and ours["signed_rms"] <= ref["signed_rms"] and ours["max"] <= 1.2, name
 
 
 # ----------------------------------------------------------------------------- schedules
