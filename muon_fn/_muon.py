@@ -302,7 +302,7 @@ def muon_step_(
     :func:`inplace_supported`. ``workspace``: a dict kept by the caller across steps for reusable
     scratch buffers (cast targets and the Nesterov direction; none of it is optimizer state).
     """
-    from ._transforms import momentum_step_
+    from ._transforms import momentum_step_, momentum_weights
 
     dtype = dtype or _orthogonalize.default_compute_dtype()
     _orthogonalize.check_dtype(schedule, dtype)
@@ -311,6 +311,8 @@ def muon_step_(
             return _orthogonalize._run_schedule(y, schedule, eps)
     lr = float(lr)
     decay = 1.0 - lr * float(weight_decay) if weight_decay else None
+    weights = momentum_weights(momentum)  # read a 0-d tensor once, not per matrix
+
     shapes = tuple(None if g is None else tuple(p.shape) for p, g in zip(params, grads))
     plan_key = ("plan", shapes, tuple(p.device for p in params), stack_all)
     plan = workspace.get(plan_key)
@@ -337,7 +339,7 @@ def muon_step_(
                 flat = workspace[("direction", b.dtype, b.device)] = torch.empty(
                     b.numel(), dtype=b.dtype, device=b.device)
             out = flat[:b.numel()].view(b.shape)
-        d = momentum_step_(b, g, momentum, nesterov=nesterov, kind=kind, out=out)
+        d = momentum_step_(b, g, weights, nesterov=nesterov, kind=kind, out=out)
         if decay is not None:
             p.mul_(decay)
         pm = p if p.ndim == 2 else p.view(p.shape[0], -1)
@@ -352,7 +354,9 @@ def muon_step_(
             else:
                 slot = scratch(("one", key, dtype), (key[0], key[1]), dtype, key[2])
             norm = torch.linalg.vector_norm(x, dtype=torch.promote_types(x.dtype, torch.float32))
-            torch.mul(x, 1.0 / (norm * norm_scale + eps), out=slot)
+            if norm_scale != 1.0:
+                norm.mul_(norm_scale)
+            torch.mul(x, norm.add_(eps).reciprocal_(), out=slot)  # x · 1/(‖x‖·scale + eps)
             if key not in batched:
                 o = msign(slot)
                 pb.add_(o.mT if tall else o, alpha=-lr * scale)

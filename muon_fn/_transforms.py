@@ -77,6 +77,14 @@ def momentum(
                  nesterov=nesterov, kind=kind)
 
 
+def momentum_weights(momentum: Scalar) -> tuple[float, float]:
+    """``(μ, 1 − μ)`` as floats equal to what :func:`momentum` computes with (for a 0-d tensor
+    μ, ``1 − μ`` is formed in the tensor's dtype)."""
+    if isinstance(momentum, torch.Tensor):
+        return float(momentum), float(1 - momentum)
+    return float(momentum), 1 - momentum
+
+
 def momentum_step_(
     buf: torch.Tensor,
     grad: torch.Tensor,
@@ -90,13 +98,10 @@ def momentum_step_(
 
     Updates ``buf`` in place with the arithmetic of :func:`momentum` and returns the direction:
     ``buf`` itself without Nesterov (read it, do not modify it), else a tensor written into
-    ``out`` (a scratch tensor shaped like ``buf``) when given. ``momentum``: a float or a 0-d
-    tensor (read as the value :func:`momentum` would compute with).
+    ``out`` (a scratch tensor shaped like ``buf``) when given. ``momentum``: a float, a 0-d
+    tensor, or its :func:`momentum_weights` (to read a tensor once for many leaves).
     """
-    if isinstance(momentum, torch.Tensor):  # the same fp32/fp64 values the functional form uses
-        mu, one_minus_mu = float(momentum), float(1 - momentum)
-    else:
-        mu, one_minus_mu = float(momentum), 1 - momentum
+    mu, one_minus_mu = momentum if isinstance(momentum, tuple) else momentum_weights(momentum)
     g = grad if grad.dtype == buf.dtype else grad.to(buf.dtype)
     if kind == "ema":
         buf.lerp_(g, one_minus_mu)

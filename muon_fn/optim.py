@@ -421,9 +421,10 @@ class Optimizer(torch.optim.Optimizer):
 def _all_finite(grads: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
     """One reduction per gradient: a sum is non-finite iff an entry is (or the sum overflows fp32)."""
     low = (torch.float16, torch.bfloat16)
-    flags = [torch.isfinite(g.sum(dtype=torch.float32) if g.dtype in low else g.sum())
-             for g in grads if g is not None]
-    return torch.stack(flags).all()
+    sums = [g.sum(dtype=torch.float32) if g.dtype in low else g.sum() for g in grads if g is not None]
+    if len({(s.dtype, s.device) for s in sums}) > 1:
+        sums = [s.to(device=sums[0].device, dtype=torch.float64) for s in sums]
+    return torch.stack(sums).isfinite().all()
 
 
 ALGORITHMS = ("auto", "muon", "adamw")
