@@ -571,14 +571,17 @@ class MuonOptimizer(HybridOptimizer):
 
         if self._compile is not False:
             # One static graph per distinct (B, m, n) batch of the iteration (tall matrices are
-            # transposed into their wide group first, so fc and proj share one); the elementwise
-            # steps around it stay eager and in place, and read lr as a float: no recompiles.
+            # transposed into their wide group first, so fc and proj share one; shapes with
+            # min(m, n) >= LOOP_MIN_DIM run one (m, n) graph per matrix, as eager loops: measured
+            # on gpt2-small, compiled bf16 bmm of 768-wide batches ran 8 % slower than 2-D
+            # GEMMs); the elementwise steps stay eager and in place and read lr as a float, so
+            # an LR schedule never recompiles.
             eps = static["eps"]
 
             def iterate(y: torch.Tensor) -> torch.Tensor:
                 return _orthogonalize._run_schedule(y, schedule, eps)
 
-            static.update(msign=compile_per_shape(iterate, **self._compile_kwargs()), stack_all=True)
+            static.update(msign=compile_per_shape(iterate, **self._compile_kwargs()))
 
         def step(params, grads, states, scalars, workspace):
             _muon.muon_step_(params, grads, [st["momentum_buffer"] for st in states],
