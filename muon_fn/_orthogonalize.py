@@ -216,9 +216,10 @@ def norm_scale(method: str) -> float:
 
 
 def _aol_scale(x: torch.Tensor, gram: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """AOL rescale: ``x ← diag(s) x`` and ``gram ← diag(s) gram diag(s)``, ``s_i = (Σ_j|gram_ij|)^-½``."""
+    """AOL rescale in place: ``x ← diag(s) x`` and ``gram ← diag(s) gram diag(s)``,
+    ``s_i = (Σ_j|gram_ij|)^-½`` (both are the caller's scratch buffers)."""
     s = gram.abs().sum(-1, dtype=torch.promote_types(x.dtype, torch.float32)).add_(eps).rsqrt_().to(x.dtype)
-    return x * s.unsqueeze(-1), gram * (s.unsqueeze(-1) * s.unsqueeze(-2))
+    return x.mul_(s.unsqueeze(-1)), gram.mul_(s.unsqueeze(-1)).mul_(s.unsqueeze(-2))
 
 
 def _addmm(bias: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, beta: float, alpha: float):
@@ -229,8 +230,9 @@ def _addmm(bias: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, beta: float, 
 
 
 def _poly(gram: torch.Tensor, row: Coefficients) -> torch.Tensor | None:
-    """``Σ_{i≥1} cᵢ Aⁱ`` for ``row = (c₀, c₁, …, c_d)``, ``d ≤ 4``, in the fewest m×m products
-    (quintic: one fused ``addmm``; degree 7 and 9: ``A²`` then one more). ``None`` for a cubic."""
+    """``Σ_{i≥1} cᵢ Aⁱ`` for ``row = (c₀, c₁, …, c_d)``, ``d ≤ 4``, in the fewest m×m products and
+    elementwise passes (quintic: one fused ``addmm``; degree 7 and 9: ``A²``, one elementwise pass,
+    one ``addmm``). ``None`` for a cubic (no m×m product needed)."""
     c = row[1:]
     while len(c) > 1 and c[-1] == 0.0:
         c = c[:-1]
@@ -238,13 +240,18 @@ def _poly(gram: torch.Tensor, row: Coefficients) -> torch.Tensor | None:
         return None
     if len(c) == 2:
         return _addmm(gram, gram, gram, beta=c[0], alpha=c[1])
+    if len(c) > 4:
+        raise ValueError(f"Invalid schedule row {tuple(row)!r} (at most degree 9: 5 coefficients)")
     sq = gram @ gram
-    low = torch.add(gram * c[0], sq, alpha=c[1])
-    if len(c) == 3:
-        return _addmm(low, gram, sq, beta=1.0, alpha=c[2])
-    if len(c) == 4:  # c₁A + c₂A² + A²(c₃A + c₄A²)
-        return _addmm(low, sq, torch.add(gram * c[2], sq, alpha=c[3]), beta=1.0, alpha=1.0)
-    raise ValueError(f"Invalid schedule row {tuple(row)!r} (at most degree 9: 5 coefficients)")
+    if len(c) == 3:  # c₁A + c₃·A(A² + (c₂/c₃)A)
+        return _addmm(gram, gram, torch.add(sq, gram, alpha=c[1] / c[2]), beta=c[0], alpha=c[2])
+    if c[2] != 0.0:  # c₁A + c₃·A²(A + (c₄/c₃)A² + (c₂/c₃)I)
+        inner, alpha = torch.add(gram, sq, alpha=c[3] / c[2]), c[2]
+        inner.diagonal(dim1=-2, dim2=-1).add_(c[1] / c[2])
+    else:  # c₁A + A²(c₄A² + c₂I)
+        inner, alpha = sq * c[3], 1.0
+        inner.diagonal(dim1=-2, dim2=-1).add_(c[1])
+    return _addmm(gram, sq, inner, beta=c[0], alpha=alpha)
 
 
 def _step(x: torch.Tensor, gram: torch.Tensor, row: Coefficients) -> torch.Tensor:
