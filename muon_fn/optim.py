@@ -499,7 +499,12 @@ class MuonOptimizer(HybridOptimizer):
       momentum_dtype: dtype of the momentum buffer (default: the parameter's), e.g. fp32 for
         bf16 parameters.
       adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW half in ``"auto"`` groups.
-      gradient_accumulation_steps, nonfinite, compile: see :class:`Optimizer`.
+      gradient_accumulation_steps, nonfinite: see :class:`Optimizer`.
+      compile: ``False``, ``True`` or a dict of ``torch.compile`` options. On the in-place path
+        (see ``foreach``) the orthogonalization is compiled once per distinct ``(B, m, n)`` batch
+        of same-shape matrices (one ``(m, n)`` graph for shapes with min(m, n) ≥ 384, which run
+        one at a time), ``fullgraph=True``; everything else is compiled as in :class:`Optimizer`
+        (one graph per group transform). LR and momentum schedules never recompile.
       foreach: ``None`` or ``True`` (default): Muon matrices take an in-place multi-tensor path
         (:func:`muon_fn._muon.muon_step_`: momentum in place, normalize+cast straight into bf16
         batches, ``p.add_(O, alpha=-lr·s)``) whenever the group's settings allow it (not with

@@ -234,3 +234,16 @@ def test_muon_optimizer_inductor_matches_eager():
     for p, q in zip(params, ref):
         # bf16 iteration: inductor may round the fused AOL scaling differently.
         torch.testing.assert_close(p, q, atol=2e-3, rtol=0)
+
+
+def test_compile_per_shape_one_graph_per_shape_beyond_the_recompile_limit():
+    """compile_per_shape: a fresh code object per shape, so a model with more distinct shapes
+    than Dynamo's recompile limit (8) still compiles each once, with fullgraph=True."""
+    counter = CompileCounterWithBackend("eager")
+    fn = mf._compile.compile_per_shape(lambda x: (x @ x.mT) @ x * 0.5, backend=counter)
+    shapes = [(2, n, n + 1) for n in range(1, 13)]
+    for _ in range(2):
+        for s in shapes:
+            x = torch.randn(s)
+            torch.testing.assert_close(fn(x), (x @ x.mT) @ x * 0.5)
+    assert counter.frame_count == len(shapes) > torch._dynamo.config.recompile_limit
