@@ -12,6 +12,8 @@ Rows (each its own optimizer over its own copy of the same matrices):
 - ``sso_classic``: ``SpectralSphereOptimizer(lambda_model=False)`` (bracket from last step's λ*,
   Illinois; the solver before the λ model).
 - ``muon_sphere``: ``SpectralSphereOptimizer(muon_sphere=True)`` (retraction, λ = 0).
+- ``sso_spectral``: ``SpectralSphereOptimizer(direction="spectral")`` (λ* and Φ from the λ model's
+  eigendecomposition, no Newton–Schulz iteration; opt-in).
 
 Parameters and a base gradient come from one forward/backward of a byte-level gpt2-small-shaped
 transformer (:func:`muon_fn.bench.real_gradients`: low stable rank, like real gradients); each round
@@ -43,6 +45,7 @@ ROWS: dict[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]] = {
     "sso": lambda ps: SpectralSphereOptimizer(ps, lr=0.02),
     "sso_classic": lambda ps: SpectralSphereOptimizer(ps, lr=0.02, lambda_model=False),
     "muon_sphere": lambda ps: SpectralSphereOptimizer(ps, lr=0.02, muon_sphere=True),
+    "sso_spectral": lambda ps: SpectralSphereOptimizer(ps, lr=0.02, direction="spectral"),
 }
 DEFAULT_ROWS = ("muon", "muon_same", "sso")
 

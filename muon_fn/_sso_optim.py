@@ -12,7 +12,7 @@ from . import _checks
 from ._alias import adamw
 from ._base import GradientTransformation
 from ._combine import partition
-from ._sso import SCALE_MODES, spectral_sphere
+from ._sso import DIRECTIONS, SCALE_MODES, spectral_sphere
 from .optim import CompileOption, HybridOptimizer
 from .spectral import SOLVER_METHODS
 
@@ -61,7 +61,7 @@ class SpectralSphereOptimizer(HybridOptimizer):
       weight_decay: only used by ``algorithm="adamw"`` groups (SSO's retraction undoes decay).
       radius_scale, scale_mode, power_steps, power_block, cold_start, msign_steps, msign_dtype, tol,
         max_iterations, bracket_step, max_expansions, solver, warm_lambda, lambda_model, model_steps,
-        muon_sphere: see :func:`muon_fn.spectral_sphere`.
+        direction, muon_sphere: see :func:`muon_fn.spectral_sphere`.
       momentum_dtype: dtype of the momentum buffer (default: the parameter's).
       split: row blocks of fused weights, each its own sphere (see :func:`muon_fn.spectral_sphere`).
       adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW half in ``"auto"`` groups.
@@ -98,6 +98,7 @@ class SpectralSphereOptimizer(HybridOptimizer):
         warm_lambda: bool = True,
         lambda_model: bool = True,
         model_steps: int = 3,
+        direction: str = "msign",
         muon_sphere: bool = False,
         momentum_dtype: torch.dtype | None = None,
         split: Any = None,
@@ -116,7 +117,7 @@ class SpectralSphereOptimizer(HybridOptimizer):
             power_block=power_block, cold_start=cold_start, msign_steps=msign_steps, msign_dtype=msign_dtype, tol=tol,
             max_iterations=max_iterations, bracket_step=bracket_step,
             max_expansions=max_expansions, solver=solver, warm_lambda=warm_lambda,
-            lambda_model=lambda_model, model_steps=model_steps,
+            lambda_model=lambda_model, model_steps=model_steps, direction=direction,
             muon_sphere=muon_sphere, momentum_dtype=momentum_dtype, split=split, adamw_lr=adamw_lr,
             adamw_betas=tuple(adamw_betas), adamw_eps=adamw_eps,
             adamw_weight_decay=adamw_weight_decay, algorithm=algorithm,
@@ -145,6 +146,7 @@ class SpectralSphereOptimizer(HybridOptimizer):
         _checks.positive_int("power_block", group["power_block"])
         _checks.positive_int("msign_steps", group["msign_steps"])
         _checks.positive_int("model_steps", group["model_steps"])
+        _checks.one_of("direction", group["direction"], DIRECTIONS)
         for key in ("lambda_model", "warm_lambda", "muon_sphere", "cold_start", "nesterov"):
             if not isinstance(group[key], bool):
                 raise ValueError(f"Invalid {key}: {group[key]!r} (expected True or False)")
@@ -191,7 +193,7 @@ def _sso_factory(h: dict[str, Any]) -> GradientTransformation:
             msign_steps=h["msign_steps"], msign_dtype=h["msign_dtype"], tol=h["tol"],
             max_iterations=h["max_iterations"], bracket_step=h["bracket_step"],
             max_expansions=h["max_expansions"], solver=h["solver"], warm_lambda=h["warm_lambda"],
-            lambda_model=h["lambda_model"], model_steps=h["model_steps"], muon_sphere=h["muon_sphere"], mu_dtype=h["momentum_dtype"], split=h["split"],
+            lambda_model=h["lambda_model"], model_steps=h["model_steps"], direction=h["direction"], muon_sphere=h["muon_sphere"], mu_dtype=h["momentum_dtype"], split=h["split"],
         )
 
     algorithm = h["algorithm"]

@@ -145,6 +145,29 @@ def test_lambda_model_takes_the_same_steps_with_fewer_msigns(shape):
     assert runs[True][2] <= 2 * len(grads)  # measured: 1 per step
 
 
+@pytest.mark.parametrize("shape", [(12, 20), (20, 12), (16, 16)])
+def test_spectral_direction_matches_the_msign_direction(shape):
+    # direction="spectral" builds Φ from the λ model's eigendecomposition instead of iterating:
+    # same map up to the fit, so the same trajectory to ~1e-5, one evaluation per step, tangent.
+    gen = torch.Generator().manual_seed(sum(shape) + 11)
+    W0 = torch.randn(*shape, generator=gen) / math.sqrt(shape[1])
+    grads = [torch.randn(*shape, generator=gen) for _ in range(3)]
+    out = {}
+    for direction in ("msign", "spectral"):
+        tx = spectral_sphere(0.02, 0.95, direction=direction)
+        W, state = W0, tx.init((W0,))
+        for g in grads:
+            W, state = _step(tx, W, g, state)
+            assert float(state.residual[0]) <= 2e-4 and not bool(state.fallback[0])
+        out[direction] = (W, state)
+    torch.testing.assert_close(out["spectral"][0], out["msign"][0], rtol=0, atol=2e-5)
+    assert int(out["spectral"][1].iterations[0]) == 1
+    opt = SpectralSphereOptimizer([nn.Parameter(W0.clone())], direction="spectral")
+    opt.param_groups[0]["params"][0].grad = grads[0].clone()
+    opt.step()
+    assert opt.last_step_stats().iterations.tolist() == [1]
+
+
 def test_muon_sphere_equals_lambda_zero():
     gen = torch.Generator().manual_seed(2)
     W = torch.randn(16, 24, generator=gen)
@@ -421,6 +444,10 @@ class TestMessages(expecttest.TestCase):
                                   """Invalid max_iterations: -1 (expected an integer >= 0)""")
         self.assertExpectedInline(self._msg(lambda: spectral_sphere(model_steps=0)),
                                   """Invalid model_steps: 0 (expected an integer >= 1)""")
+        self.assertExpectedInline(self._msg(lambda: spectral_sphere(direction="svd")),
+                                  """Invalid direction: 'svd' (valid: 'msign', 'spectral')""")
+        self.assertExpectedInline(self._msg(lambda: spectral_sphere(direction="spectral", lambda_model=False)),
+                                  """Invalid direction: 'spectral' computes Φ from the λ model; it needs lambda_model=True and muon_sphere=False""")
         self.assertExpectedInline(self._msg(lambda: spectral_sphere(lambda_model="yes")),
                                   """Invalid lambda_model: 'yes' (expected True or False)""")
         tx = sso()
