@@ -254,6 +254,7 @@ def tangent_residual(
 # ------------------------------------------------------------------------------ the λ model
 _FIT_POLES = 60  # resolvent terms in the fit of the msign's spectral function
 _FIT_SIGMA_MIN = 1e-8  # fit grid: σ/N from 1e-8 to 1 (N = the msign's normalizer ≥ ‖X‖_F ≥ σ_max)
+MODEL_PRECISIONS = ("fp64", "mixed", "fp32")
 _MODEL_REFINE_BELOW = 1e-5  # refine eigenpairs with ℓ < 1e-5·N² in fp64 (σ/N < 3e-3; PE's corner is ~1e-4)
 _MODEL_BISECTIONS = 48  # bisection steps on the model (resolution 2·reach·2^-48, no msign)
 
@@ -306,7 +307,7 @@ def lambda_model(
     *,
     norm_scale: float = 1.0,
     eps: float = 1e-7,
-    refine: bool = False,
+    precision: str | None = None,
 ) -> LambdaModel:
     """Precompute the model of ``h(λ) = uᵀ msign(M̂ + λ u vᵀ) v`` (see the module doc).
 
@@ -314,30 +315,39 @@ def lambda_model(
     matrix; no msign. Tall inputs are transposed with ``u``/``v`` swapped (``h`` is unchanged).
 
     Precision: the model must resolve eigenvalues down to the msign's corner (σ/N ≈ 1e-4, i.e.
-    ℓ ≈ 1e-8·N²), below fp32's ``eps·‖K‖``. ``refine=False`` (default): fp64 Gram and fp64
-    ``eigh``; model error at its root on gpt2-small gradients ≤ 1e-6. ``refine=True`` (eager only:
-    the subspace size is data-dependent): fp32 Gram and ``eigh``, then the eigenpairs with
-    ``ℓ < 1e-5·N²`` (σ/N < 3e-3, where the msign's map bends; ≈ 8 % of a 768² gradient's) are
-    recomputed in fp64 from ``Q_sᵀM̂``. About half the time (60 vs 110 ms per 768²), but the
-    model error grows to 1e-6–1.4e-4 (the fp32 eigenvectors of the rest), 70 % of the default
-    tol at worst: a second msign (0.4–1.2 s) would soon eat the 0.05 s saved, so not the default.
-    A full fp32 model (no refinement) is off by 2e-4–2.3e-3 on 768² (docs/sso.md).
+    ℓ ≈ 1e-8·N²), below fp32's ``eps·‖K‖``. ``precision`` (measured on gpt2-small gradients, h at
+    the model's root, and the cost per 768² / 768×3072 on one thread):
+
+    - ``"fp64"``: fp64 Gram and ``eigh``; |h| ≤ 1e-6; ≈ 0.2 / 0.3 s.
+    - ``"mixed"``: fp32 Gram, fp64 ``eigh``, then the eigenpairs with ``ℓ < 1e-5·N²`` (σ/N < 3e-3,
+      where the msign's map bends; ≈ 8 % of a 768² gradient's) recomputed in fp64 from ``Q_sᵀM̂``
+      (fp32 Gram rounding is ≈ 6e-8·‖M̂‖², 17 % of a corner eigenvalue on 16×16 squares).
+    - ``"fp32"``: like ``"mixed"`` with an fp32 ``eigh``: half the cost of ``"fp64"``, but |h| up to
+      1.4e-4 (the fp32 eigenvectors of the rest), 70 % of SSO's default tol.
+    - ``None``: ``"mixed"`` in eager mode, ``"fp64"`` while compiling or on meta tensors (the
+      refined subspace has a data-dependent size).
 
     Args:
       m_hat: ``(B, m, n)``; u, v: ``(B, m)``, ``(B, n)`` unit vectors.
       fit: ``(weights, poles)`` from :func:`spectral_function_fit` for the msign's schedule.
       norm_scale, eps: the msign's normalization ``X / (norm_scale·‖X‖_F + eps)``.
-      refine: see above.
+      precision: see above.
     """
+    if precision is None:
+        precision = "fp64" if torch.compiler.is_compiling() or m_hat.device.type == "meta" else "mixed"
+    _checks.one_of("precision", precision, MODEL_PRECISIONS)
     tall = m_hat.shape[-2] > m_hat.shape[-1]
     if tall:
         m_hat, u, v = m_hat.mT, v, u
     m_hat, u, v = m_hat.float(), u.float(), v.float()
     mv = (m_hat @ v.unsqueeze(-1)).squeeze(-1)  # (B, m)
     fro2 = m_hat.double().square().sum(dim=(-2, -1))
-    if refine:
+    if precision == "fp64":
+        md, mvd = m_hat.double(), mv.double()
+        eig, Q = torch.linalg.eigh(torch.baddbmm(md @ md.mT, mvd.unsqueeze(-1), mvd.unsqueeze(-2), alpha=-1.0))
+    else:
         gram = torch.baddbmm(m_hat @ m_hat.mT, mv.unsqueeze(-1), mv.unsqueeze(-2), alpha=-1.0)
-        eig, Q = torch.linalg.eigh(gram)
+        eig, Q = torch.linalg.eigh(gram.double() if precision == "mixed" else gram)
         eig, Q = eig.double(), Q.double()
         limit = _MODEL_REFINE_BELOW * (norm_scale**2) * fro2
         small = int((eig < limit[:, None]).sum(-1).max())  # ascending: the first `small` columns
@@ -348,9 +358,6 @@ def lambda_model(
             es, E = torch.linalg.eigh(torch.baddbmm(Y @ Y.mT, y, y.mT, alpha=-1.0))
             Q = torch.cat([Qs @ E, Q[..., small:]], dim=-1)
             eig = torch.cat([es, eig[..., small:]], dim=-1)
-    else:
-        md, mvd = m_hat.double(), mv.double()
-        eig, Q = torch.linalg.eigh(torch.baddbmm(md @ md.mT, mvd.unsqueeze(-1), mvd.unsqueeze(-2), alpha=-1.0))
     a = (Q.mT @ u.double().unsqueeze(-1)).squeeze(-1)
     p = (Q.mT @ mv.double().unsqueeze(-1)).squeeze(-1)
     weights, poles = fit

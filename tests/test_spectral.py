@@ -291,16 +291,16 @@ def test_spectral_function_fit_matches_the_polynomial_composition():
     assert float((fitted - g).abs().max()) <= 5e-5  # measured 2.2e-5
 
 
-@pytest.mark.parametrize("refine", [True, False], ids=["fp32_refined", "fp64"])
+@pytest.mark.parametrize("precision", ["mixed", "fp64", "fp32"])
 @pytest.mark.parametrize("shape", [(24, 40), (40, 24), (16, 16), (4, 30), (33, 33)])
-def test_lambda_model_matches_the_msign_residual(shape, refine):
+def test_lambda_model_matches_the_msign_residual(shape, precision):
     # Square shapes put σ_min/N near Polar Express's corner (~1e-4), the hardest case.
     worst = 0.0
     for seed in range(8):
         for pull in (0.0, 0.2, -0.3):
             m_hat, u, v = _problem(*shape, seed, scale_theta=pull)
             model = spectral.lambda_model(m_hat[None], u[None], v[None], _FIT8, norm_scale=norm_scale("polar_express"),
-                                          eps=1e-7, refine=refine)
+                                          eps=1e-7, precision=precision)
             lams = torch.tensor([-0.1, -0.01, 0.0, 0.003, 0.05])
             for lam in lams:
                 h, _ = spectral.tangent_residual(m_hat, u, v, lam, _msign8)
@@ -328,7 +328,10 @@ def test_model_direction_is_the_msign_at_the_model_root(shape):
     worst_phi = worst_h = 0.0
     for seed in range(6):
         m_hat, u, v = _problem(*shape, seed, scale_theta=0.2 if seed % 2 else 0.0)
-        model = _model(m_hat[None], u[None], v[None])
+        # Φ needs the fp64 model (SSO's direction="spectral" uses it): "mixed" leaves the fp32
+        # Gram's rounding in the eigenvectors of the larger eigenvalues, which Φ sees directly.
+        model = spectral.lambda_model(m_hat[None], u[None], v[None], _FIT8, norm_scale=norm_scale("polar_express"),
+                                      precision="fp64")
         lam, ok = spectral.model_root(model, torch.zeros(1, dtype=torch.float64), 1.023)
         assert bool(ok)
         phi = spectral.model_direction(model, m_hat[None], u[None], v[None], lam)[0]
@@ -402,6 +405,9 @@ class TestMessages(expecttest.TestCase):
                                   """Invalid max_expansions: -2 (expected an integer >= 0)""")
         self.assertExpectedInline(self._msg(lambda: spectral.solve_lambda(W, u, v, _msign8, model_steps=0)),
                                   """Invalid model_steps: 0 (expected an integer >= 1)""")
+        self.assertExpectedInline(
+            self._msg(lambda: spectral.lambda_model(W[None], u[None], v[None], _FIT8, precision="fp16")),
+            """Invalid precision: 'fp16' (valid: 'fp64', 'mixed', 'fp32')""")
         self.assertExpectedInline(self._msg(lambda: spectral.spectral_function_fit(())),
                                   """Invalid schedule: expected at least one (a, b, c) row""")
         self.assertExpectedInline(self._msg(lambda: spectral.target_radius((5,))),
