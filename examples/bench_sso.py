@@ -62,7 +62,7 @@ def main() -> None:
     params, signals, gen = make_problem(args.layers)
     txs = {
         "muon": mf.muon(0.02),
-        "muon_fp32x8": mf.muon(0.02, ns_steps=8, ns_dtype=torch.float32),
+        "muon_fp32x8": mf.muon(0.02, method="polar_express", ns_steps=8, ns_dtype=torch.float32),
         "muon_sphere": sso(0.02, muon_sphere=True),
         "sso": sso(0.02),
         # Economy: msign in bf16 with 5 steps (Muon's), tolerance loosened to bf16's h noise.

@@ -20,7 +20,7 @@ from ._transforms import (
     scale_by_learning_rate,
 )
 
-DEFAULT_METHOD = "polar_express"
+from ._orthogonalize import DEFAULT_METHOD
 
 
 def muon(
@@ -30,7 +30,7 @@ def muon(
     nesterov: bool = True,
     kind: str = "sgd",
     method: Union[str, Callable[[torch.Tensor], torch.Tensor]] = DEFAULT_METHOD,
-    ns_steps: int = 5,
+    ns_steps: int | None = None,
     ns_coefficients: Sequence[Sequence[float]] | None = None,
     ns_dtype: torch.dtype | None = None,
     ns_eps: float = 1e-7,
@@ -48,9 +48,11 @@ def muon(
     ``chain(momentum, orthogonalize, [normalize_rows if beta2], scale_by_shape,
     add_decoupled_weight_decay, scale_by_learning_rate)``: per matrix,
     ``p ← p(1 − lr·wd) − lr·s(out, in)·msign(M)``. Every leaf must be a matrix (ndim ≥ 2);
-    use :func:`hybrid` for trees that also hold biases and norms.
+    use :func:`hybrid` for trees that also hold biases and norms. ``ns_steps=None`` runs the
+    number of iterations ``method`` is designed for (4 for the default ``"aol9"``, 5 for most).
     """
-    _checks.positive_int("ns_steps", ns_steps)
+    if ns_steps is not None:
+        _checks.positive_int("ns_steps", ns_steps)
     _checks.positive("ns_eps", ns_eps)
     _checks.positive("ns_stepsize", ns_stepsize)
     _checks.one_of("adjust_lr_fn", adjust_lr_fn, SHAPE_RULES)

@@ -97,7 +97,7 @@ def _path_str(path: tuple) -> str:
 
 def resolve_method(
     method: str,
-    steps: int,
+    steps: int | None,
     *,
     coefficients: Sequence[Sequence[float]] | None = None,
     stepsize: float = 1.0,
@@ -109,8 +109,8 @@ def resolve_method(
 
 
 def orthogonalize(
-    method: Union[str, Callable[[torch.Tensor], torch.Tensor]] = "polar_express",
-    steps: int = 5,
+    method: Union[str, Callable[[torch.Tensor], torch.Tensor]] = _orthogonalize.DEFAULT_METHOD,
+    steps: int | None = None,
     *,
     coefficients: Sequence[Sequence[float]] | None = None,
     dtype: torch.dtype | None = None,
@@ -123,9 +123,11 @@ def orthogonalize(
     """Replace each matrix update ``G`` by an approximation of ``msign(G) = UVᵀ``.
 
     Args:
-      method: ``"polar_express"``, ``"quintic"`` (Keller), ``"you"``, ``"cubic"``, or a callable
-        ``(…, m, n) -> (…, m, n)`` applied to each (batch of) matrix.
-      steps: iterations of the method's coefficient schedule.
+      method: ``"aol9"`` (default), ``"polar_express"``, ``"quintic"`` (Keller), ``"you"``,
+        ``"cubic"``, ``"aol"``, ``"gram"``, or a callable ``(…, m, n) -> (…, m, n)`` applied to each
+        (batch of) matrix.
+      steps: iterations of the method's coefficient schedule; ``None``: what the method is
+        designed for (4 for ``"aol9"`` and ``"aol"``, else 5).
       coefficients: a custom per-iteration schedule of ``(a, b, c)`` triples.
       dtype: iteration dtype; ``None`` = the device default (bf16).
       eps: added to the Frobenius norm (zero in → zero out, never NaN).
@@ -137,6 +139,8 @@ def orthogonalize(
         min(m, n) < 384; larger matrices run one at a time in eager mode, which is faster on CPU).
     """
     custom = callable(method) and not isinstance(method, str)
+    if steps is None:
+        steps = _orthogonalize.default_steps(method)
     _checks.positive_int("steps", steps)
     if not custom:
         schedule, scale = resolve_method(method, steps, coefficients=coefficients, stepsize=stepsize)

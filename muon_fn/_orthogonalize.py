@@ -92,6 +92,9 @@ AOL9_COEFFICIENTS: tuple[Coefficients, ...] = (
 # Classical cubic Newton–Schulz: converges to the exact polar factor (slowly from small σ).
 CUBIC_COEFFICIENTS: tuple[Coefficients, ...] = ((1.5, -0.5, 0.0),)
 
+# The default orthogonalization: "aol9" runs 0.84x the GEMM FLOPs of a 5-step quintic and is no
+# worse than torch.optim.Muon's quintic on every real momentum measured (docs/performance.md).
+DEFAULT_METHOD = "aol9"
 METHODS = ("polar_express", "quintic", "you", "cubic", "aol", "aol9", "gram")
 
 # How a method's per-iteration schedule extends to ``steps`` iterations.
@@ -229,13 +232,24 @@ def _addmm(bias: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, beta: float, 
     return torch.baddbmm(bias, m1, m2, beta=beta, alpha=alpha)
 
 
+def _degree_terms(row: Coefficients) -> tuple[float, ...]:
+    """``(c₁, …, c_d)`` of a row with trailing zeros dropped (a quintic with c = 0 is a cubic)."""
+    c = tuple(row[1:])
+    while len(c) > 1 and c[-1] == 0.0:
+        c = c[:-1]
+    return c
+
+
+def gram_products(row: Coefficients) -> int:
+    """m×m matrix products one iteration with ``row`` needs: 0 (cubic), 1 (quintic), 2 (degree 7/9)."""
+    return min(len(_degree_terms(row)) - 1, 2)
+
+
 def _poly(gram: torch.Tensor, row: Coefficients) -> torch.Tensor | None:
     """``Σ_{i≥1} cᵢ Aⁱ`` for ``row = (c₀, c₁, …, c_d)``, ``d ≤ 4``, in the fewest m×m products and
     elementwise passes (quintic: one fused ``addmm``; degree 7 and 9: ``A²``, one elementwise pass,
     one ``addmm``). ``None`` for a cubic (no m×m product needed)."""
-    c = row[1:]
-    while len(c) > 1 and c[-1] == 0.0:
-        c = c[:-1]
+    c = _degree_terms(row)
     if len(c) == 1:
         return None
     if len(c) == 2:

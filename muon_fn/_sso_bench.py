@@ -6,7 +6,7 @@
 Rows (each its own optimizer over its own copy of the same matrices):
 
 - ``muon``: ``MuonOptimizer`` defaults (Polar Express, 5 steps, bf16) — the issue's "Muon".
-- ``muon_same``: ``MuonOptimizer(ns_steps=8, ns_dtype=torch.float32)`` — Muon with SSO's own msign
+- ``muon_same``: ``MuonOptimizer(method="polar_express", ns_steps=8, ns_dtype=torch.float32)`` — Muon with SSO's own msign
   (Polar Express, 8 steps, fp32), so the ratio isolates what SSO adds over Muon.
 - ``sso``: ``SpectralSphereOptimizer`` defaults.
 - ``sso_classic``: ``SpectralSphereOptimizer(lambda_model=False)`` (bracket from last step's λ*,
@@ -41,7 +41,8 @@ from ._sso_optim import SpectralSphereOptimizer
 
 ROWS: dict[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]] = {
     "muon": lambda ps: MuonOptimizer(ps, lr=0.02),
-    "muon_same": lambda ps: MuonOptimizer(ps, lr=0.02, ns_steps=8, ns_dtype=torch.float32),
+    "muon_same": lambda ps: MuonOptimizer(ps, lr=0.02, method="polar_express", ns_steps=8,
+                                          ns_dtype=torch.float32),
     "sso": lambda ps: SpectralSphereOptimizer(ps, lr=0.02),
     "sso_classic": lambda ps: SpectralSphereOptimizer(ps, lr=0.02, lambda_model=False),
     "muon_sphere": lambda ps: SpectralSphereOptimizer(ps, lr=0.02, muon_sphere=True),

@@ -489,8 +489,12 @@ class MuonOptimizer(HybridOptimizer):
       momentum: μ. ``momentum_kind="ema"`` (default, torch.optim.Muon's buffer) or ``"sgd"``.
       weight_decay: decoupled, ``p ← p(1 − lr·wd)``.
       nesterov: Nesterov momentum.
-      ns_steps: iterations of the orthogonalization ``method`` (``"polar_express"``,
-        ``"quintic"`` (torch.optim.Muon's), ``"you"``, ``"cubic"``).
+      ns_steps: iterations of the orthogonalization ``method``; ``None`` (default): the count
+        the method is designed for (4 for ``"aol9"`` and ``"aol"``, else 5).
+      method: ``"aol9"`` (default: AOL row scaling, three quintics and one degree-9 step; 0.84x
+        the FLOPs of a 5-step quintic, no worse than torch's on real gradients), ``"polar_express"``,
+        ``"quintic"`` (torch.optim.Muon's), ``"you"``, ``"cubic"``, ``"aol"``, ``"gram"``
+        (see :func:`muon_fn.orthogonalize`).
       adjust_lr_fn: shape rule ``"keller"``/``"original"``, ``"match_rms_adamw"``, ``"spectral"``,
         ``"legacy"`` or ``"none"`` (see :func:`muon_fn.shape_scale`).
       beta2: ``None`` for Muon; a float enables NorMuon row normalization with ``eps``.
@@ -520,7 +524,7 @@ class MuonOptimizer(HybridOptimizer):
         momentum: float = 0.95,
         weight_decay: float = 0.0,
         nesterov: bool = True,
-        ns_steps: int = 5,
+        ns_steps: int | None = None,
         *,
         method: str = DEFAULT_METHOD,
         adjust_lr_fn: str = "keller",
@@ -597,8 +601,9 @@ class MuonOptimizer(HybridOptimizer):
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         super()._validate_group(group)
-        if isinstance(group["ns_steps"], bool) or not isinstance(group["ns_steps"], int) or group["ns_steps"] < 1:
-            raise ValueError(f"Invalid ns_steps value: {group['ns_steps']!r} (expected an integer >= 1)")
+        steps = group["ns_steps"]
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+            raise ValueError(f"Invalid ns_steps value: {steps!r} (expected an integer >= 1, or None)")
         if not callable(group["method"]):
             _checks.one_of("method", group["method"], METHODS)
         _checks.one_of("adjust_lr_fn", group["adjust_lr_fn"], SHAPE_RULES)

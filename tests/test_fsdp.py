@@ -297,6 +297,7 @@ def check_bytes_formula(w):
     from torch.distributed.fsdp import fully_shard
 
     from muon_fn.fsdp import FSDPMuonOptimizer
+    from muon_fn._orthogonalize import coefficient_schedule
     from muon_fn.fsdp._plan import ns_flops
 
     def run():
@@ -322,7 +323,8 @@ def check_bytes_formula(w):
             rep.step()
             assert rep.last_step_stats["bytes_sent"] == (w - 1) / w * s
             # replicate: every rank computes every matrix; owner: the ranks split them.
-            every = sum(ns_flops(mp.shape, 5) for mp in opt.plan.matrices)
+            schedule = coefficient_schedule("aol9", 4)  # the default method and its designed steps
+            every = sum(ns_flops(mp.shape, schedule) for mp in opt.plan.matrices)
             assert rep.last_step_stats["ns_flops"] == every
             mine = torch.tensor([float(opt.last_step_stats["ns_flops"])])
             torch.distributed.all_reduce(mine)

@@ -79,13 +79,13 @@ class TestHyperparameters(expecttest.TestCase):
         lin = _linear()
         self.assertExpectedInline(
             self.message(ValueError, lambda: mf.MuonOptimizer(lin.parameters(), ns_steps=0)),
-            """Invalid ns_steps value: 0 (expected an integer >= 1)""")
+            """Invalid ns_steps value: 0 (expected an integer >= 1, or None)""")
 
     def test_ns_steps_float(self):
         lin = _linear()
         self.assertExpectedInline(
             self.message(ValueError, lambda: mf.MuonOptimizer(lin.parameters(), ns_steps=2.5)),
-            """Invalid ns_steps value: 2.5 (expected an integer >= 1)""")
+            """Invalid ns_steps value: 2.5 (expected an integer >= 1, or None)""")
 
     def test_unknown_method(self):
         # The method list grows (other engineers add methods), so the list is spelled from the

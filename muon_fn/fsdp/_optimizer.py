@@ -30,7 +30,7 @@ from .._base import EmptyState
 from .._combine import chain
 from .._compile import compile_update
 from .._muon import SHAPE_RULES, _stack_pays, orthogonalize, scale_by_shape
-from .._orthogonalize import METHODS, default_compute_dtype, newton_schulz
+from .._orthogonalize import METHODS, coefficient_schedule, default_compute_dtype, default_steps, newton_schulz
 from .._transforms import (
     MomentumState,
     NormalizeRowsState,
@@ -65,7 +65,8 @@ class FSDPMuonOptimizer(torch.optim.Optimizer):
         grad); a group may set
         ``use_muon`` (True: Muon, ndim >= 2 required; False: AdamW; default: by ndim).
       lr, weight_decay, momentum, nesterov: Muon's ``p ← p(1 − lr·wd) − lr·s·msign(M)``.
-      ns_steps, ns_stepsize: iterations and damping η of the orthogonalization ``method``.
+      ns_steps, ns_stepsize: iterations (``None``: what ``method`` is designed for, 4 for the
+        default ``"aol9"``) and damping η of the orthogonalization ``method``.
       beta2, eps: ``None`` for Muon; a float enables NorMuon row normalization.
       gradient_accumulation_steps: ``k``; call ``step()`` after every micro-batch: FSDP2 gradient
         sync is off for the first ``k − 1`` backward passes and on for the last, whose reduced
@@ -103,7 +104,7 @@ class FSDPMuonOptimizer(torch.optim.Optimizer):
         weight_decay: float = 0.01,
         momentum: float = 0.95,
         nesterov: bool = True,
-        ns_steps: int = 5,
+        ns_steps: int | None = None,
         ns_stepsize: float = 1.0,
         beta2: float | None = None,
         eps: float = 1e-8,
@@ -131,6 +132,8 @@ class FSDPMuonOptimizer(torch.optim.Optimizer):
         _checks.non_negative("lr", lr)
         _checks.non_negative("weight_decay", weight_decay)
         _checks.in_unit_interval("momentum", momentum)
+        if ns_steps is None:
+            ns_steps = default_steps(method)
         _checks.positive_int("ns_steps", ns_steps)
         _checks.positive("ns_stepsize", ns_stepsize)
         if beta2 is not None:
@@ -401,6 +404,8 @@ class FSDPMuonOptimizer(torch.optim.Optimizer):
         group_of = [self._muon_group[id(p)] for p in self._muon]
         mids = {i: self._mid(wide_counts[i]) for i, g in enumerate(self.param_groups) if g["use_muon"]}
         flops = 0
+        schedule = c["ns_steps"] if callable(c["method"]) else coefficient_schedule(
+            c["method"], c["ns_steps"], coefficients=c["ns_coefficients"], stepsize=c["ns_stepsize"])
 
         def compute(idx: list[int], mats: list[torch.Tensor]) -> list[torch.Tensor]:
             """mid on the full matrices of ``idx`` (the owner's), one call per parameter group."""
@@ -428,7 +433,7 @@ class FSDPMuonOptimizer(torch.optim.Optimizer):
                     if beta2 is not None:
                         r = torch.cat([r, new_state[1].nu[n].reshape(-1, 1).to(wire_in)], dim=1)
                     results[q] = r
-                    flops += _plan.ns_flops(shape, c["ns_steps"])
+                    flops += _plan.ns_flops(shape, schedule)
             return results  # type: ignore[return-value]
 
         run = _exchange.exchange if self.strategy == "owner" else _exchange.exchange_replicated

@@ -18,6 +18,8 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+from .._orthogonalize import gram_products
+
 Rows = tuple[int, int]  # [start, stop) rows of a matrix
 
 
@@ -51,15 +53,18 @@ def ns_cost(shape: Sequence[int]) -> int:
     return m * n * min(m, n)
 
 
-def ns_flops(shape: Sequence[int], steps: int) -> int:
-    """Dense FLOPs of ``steps`` quintic iterations on one matrix: ``steps·(4s²l + 2s³)``.
+def ns_flops(shape: Sequence[int], steps: int | Sequence[Sequence[float]]) -> int:
+    """Dense GEMM FLOPs of an orthogonalization of one matrix (elementwise terms ignored).
 
-    ``s = min(m, n)``, ``l = max(m, n)``: per iteration ``A = XXᵀ`` (2s²l), ``bA + cA²`` (2s³),
-    ``(…)X`` (2s²l); elementwise terms are ignored.
+    ``steps``: a number of quintic iterations, ``steps·(4s²l + 2s³)`` with ``s = min(m, n)``,
+    ``l = max(m, n)`` (``A = XXᵀ`` 2s²l, ``bA + cA²`` 2s³, ``(…)X`` 2s²l); or a schedule of rows,
+    each ``4s²l + 2s³·k`` with ``k`` its m×m products (0 cubic, 1 quintic, 2 degree 7/9).
     """
     m, n = flat_shape(shape)
     s, l = min(m, n), max(m, n)
-    return steps * (4 * s * s * l + 2 * s**3)
+    if isinstance(steps, int):
+        return steps * (4 * s * s * l + 2 * s**3)
+    return sum(4 * s * s * l + 2 * s**3 * gram_products(row) for row in steps)
 
 
 @dataclass(frozen=True)
