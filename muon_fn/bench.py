@@ -28,11 +28,11 @@ from . import _orthogonalize as _ortho
 
 MODEL_SIZES = {"tiny": (4, 256), "gpt2-small": (12, 768)}  # (layers, width); MLP is 4x width
 MATRIX_NAMES = ("q", "k", "v", "o", "fc", "proj")
-ROWS = ("muon_fn", "muon_fn[aol4]", "muon_fn[like_torch]", "torch.optim.Muon", "torch.optim.AdamW[fused]",
-        "lean[polar_express5]", "lean[aol4]", "replay[polar_express5]", "replay[aol4]", "replay[torch_quintic5]")
+ROWS = ("muon_fn", "muon_fn[like_torch]", "torch.optim.Muon", "torch.optim.AdamW[fused]",
+        "replay[aol9]", "replay[polar_express5]", "replay[torch_quintic5]")
 # Opt-in rows (inductor cold compile takes minutes on a loaded 2-core CPU).
-OPTIONAL_ROWS = ("muon_fn[compiled]", "muon_fn[aol4,compiled]", "muon_fn[aol4,nonfinite=None]",
-                 "muon_fn[aol9]", "lean[aol9]", "replay[aol9]")
+OPTIONAL_ROWS = ("muon_fn[compiled]", "muon_fn[aol4]", "muon_fn[aol4,compiled]", "muon_fn[aol4,nonfinite=None]",
+                 "muon_fn[polar_express5]", "lean[aol9]", "lean[polar_express5]", "lean[aol4]", "replay[aol4]")
 _REFERENCE, _REPLAY = "torch.optim.Muon", "replay[polar_express5]"
 _SEQ, _BATCH, _VOCAB = 64, 2, 256
 
@@ -135,8 +135,8 @@ def _make_row(name: str, params: list[torch.Tensor], lr: float) -> tuple[Any, Ca
         opt = MuonOptimizer(params, lr=lr)
     elif name == "muon_fn[aol4]":
         opt = MuonOptimizer(params, lr=lr, method="aol", ns_steps=4)
-    elif name == "muon_fn[aol9]":
-        opt = MuonOptimizer(params, lr=lr, method="aol9", ns_steps=4)
+    elif name == "muon_fn[polar_express5]":  # the default before "aol9"
+        opt = MuonOptimizer(params, lr=lr, method="polar_express", ns_steps=5)
     elif name == "muon_fn[compiled]":
         opt = MuonOptimizer(params, lr=lr, compile=True)
     elif name == "muon_fn[aol4,compiled]":
@@ -170,24 +170,25 @@ def _make_row(name: str, params: list[torch.Tensor], lr: float) -> tuple[Any, Ca
 
 
 _ROW_ORTHO: dict[str, tuple[str, int]] = {
-    "muon_fn": ("default", 5), "muon_fn[aol4]": ("aol", 4), "muon_fn[like_torch]": ("quintic", 5),
-    "muon_fn[compiled]": ("default", 5), "muon_fn[aol4,compiled]": ("aol", 4),
+    "muon_fn": ("default", None), "muon_fn[aol4]": ("aol", 4), "muon_fn[like_torch]": ("quintic", 5),
+    "muon_fn[compiled]": ("default", None), "muon_fn[polar_express5]": ("polar_express", 5), "muon_fn[aol4,compiled]": ("aol", 4),
     "muon_fn[aol4,nonfinite=None]": ("aol", 4),
     "torch.optim.Muon": ("torch", 5), "replay[polar_express5]": ("polar_express", 5),
     "replay[aol4]": ("aol", 4), "replay[torch_quintic5]": ("torch", 5),
     "lean[polar_express5]": ("polar_express", 5), "lean[aol4]": ("aol", 4),
-    "muon_fn[aol9]": ("aol9", 4), "replay[aol9]": ("aol9", 4), "lean[aol9]": ("aol9", 4),
+    "replay[aol9]": ("aol9", 4), "lean[aol9]": ("aol9", 4),
 }
 
 
 # The replay row with the same schedule as each row (for "ratio to its own replay").
 _OWN_REPLAY = {
-    "muon_fn": "replay[polar_express5]", "muon_fn[compiled]": "replay[polar_express5]",
+    "muon_fn": "replay[aol9]", "muon_fn[compiled]": "replay[aol9]",  # the default method, "aol9"
+    "muon_fn[polar_express5]": "replay[polar_express5]",
     "lean[polar_express5]": "replay[polar_express5]", "muon_fn[aol4]": "replay[aol4]",
     "muon_fn[aol4,compiled]": "replay[aol4]", "muon_fn[aol4,nonfinite=None]": "replay[aol4]",
     "lean[aol4]": "replay[aol4]", "muon_fn[like_torch]": "replay[torch_quintic5]",
     "torch.optim.Muon": "replay[torch_quintic5]",
-    "muon_fn[aol9]": "replay[aol9]", "lean[aol9]": "replay[aol9]",
+    "lean[aol9]": "replay[aol9]",
 }
 
 

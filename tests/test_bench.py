@@ -255,7 +255,7 @@ def test_schedule_rejects_unknown_options():
 
 # ----------------------------------------------------------------------------- bench API
 def test_benchmark_smoke_tiny():
-    rows = ["muon_fn", "torch.optim.Muon", "replay[polar_express5]", "replay[aol4]"]
+    rows = ["muon_fn", "torch.optim.Muon", "replay[polar_express5]", "replay[aol9]"]
     res = bench.benchmark_muon_optimizers("tiny", num_steps=1, lr=0.02, rows=rows, rounds=2,
                                           quality_layers=1, gaussian=False)
     assert res["config"]["model_size"] == "tiny" and res["config"]["matrices"] == 24
