@@ -163,7 +163,7 @@ def spectral_sphere(
         points differ. Measured: 1 msign in 360 of 360 matrix-steps on the full gpt2-small set
         (max |h| 1.4e-6) and 120 of 120 on an MLP run, against ≈3.2–4.3 from last step's λ* with
         Illinois and 6–10 with bisection (docs/sso.md). Costs one fp64 Gram + ``eigh`` of the
-        smaller side (≈ 0.2 s per 768² on one CPU thread, about half a PE-8 fp32 msign).
+        smaller side (≈ 0.1–0.2 s per 768² on one CPU thread; a PE-8 fp32 msign: ≈ 0.26–0.38 s).
       model_steps: msign evaluations guided by the model (each at the model's root shifted by
         the last observed error) before falling back to bracketing; 3.
       direction: how Φ is computed. ``"msign"`` (default): the configured iteration
