@@ -173,13 +173,13 @@ def test_aol9_scalar_band_and_more_steps_converge():
     s = torch.logspace(-2.5, 0, 2000, dtype=torch.float64) * 1.02
     s = s[s >= 3e-3]
     four = _scalar(s, O.coefficient_schedule("aol9", 4))
-    assert four.min() >= 0.9 and four.max() <= 1.1, (four.min(), four.max())
+    assert four.min() >= 0.85 and four.max() <= 1.15, (four.min(), four.max())
     # Past the top of its input interval (where bf16 rounding can push σ) the last step stays bounded.
     sched = O.coefficient_schedule("aol9", 4)
     top = _scalar(s, sched[:3]).max() * 1.005
     past = _scalar(torch.linspace(1.0, 1.07, 200, dtype=torch.float64) * top, sched[3:])
     assert past.min() >= 0.6 and past.max() <= 1.15 + 1e-9
-    assert _scalar(torch.tensor(1.0, dtype=torch.float64), O.coefficient_schedule("aol9", 4)) > 0.9
+    assert 0.9 < _scalar(torch.tensor(1.0, dtype=torch.float64), O.coefficient_schedule("aol9", 4)) < 1.15
     eight = _scalar(s, O.coefficient_schedule("aol9", 8))
     assert (eight - 1).abs().max() < 1e-6
     # Slope at 0 (what lifts the tiny singular values of low-rank gradients): above torch's 3.4445**5.
@@ -201,9 +201,9 @@ def test_aol9_band_on_gaussian(dtype, shape):
        scale=st.sampled_from([1e-3, 1.0, 1e3]))
 def test_aol9_any_shape_is_finite_bounded_and_transpose_equivariant(m, n, batch, seed, scale):
     x = scale * torch.randn(*([batch] if batch else []), m, n, generator=torch.Generator().manual_seed(seed))
-    # Exact map: σ ≤ 1.097. bf16 rounding on tiny matrices (errors do not average out) reaches
-    # about 1.2, as for torch's quintic (1.203 over 2,700 random 2×2 … 24×24 matrices).
-    for dtype, bound in ((torch.float32, 1.11), (torch.bfloat16, 1.25)):
+    # Exact map: σ ≤ 1.142. bf16 rounding on tiny matrices (errors do not average out) reaches
+    # 1.27 over 2,700 random 2×2 … 24×24 matrices (torch's quintic: 1.20).
+    for dtype, bound in ((torch.float32, 1.15), (torch.bfloat16, 1.3)):
         out = O.newton_schulz(x, "aol9", None, dtype=dtype)
         assert out.shape == x.shape and out.dtype == x.dtype and torch.isfinite(out).all()
         assert torch.linalg.matrix_norm(out.double(), ord=2).max() <= bound
