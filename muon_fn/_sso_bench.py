@@ -5,7 +5,9 @@
 
 Rows (each its own optimizer over its own copy of the same matrices):
 
-- ``muon``: ``MuonOptimizer`` defaults (Polar Express, 5 steps, bf16) — the issue's "Muon".
+- ``muon``: ``MuonOptimizer`` defaults — the issue's "Muon" (``aol9``, 4 steps, bf16 since
+  commit 3f1c375; Polar Express, 5 steps, bf16 before, which is what docs/sso.md's tables used).
+- ``muon_pe5``: ``MuonOptimizer(method="polar_express", ns_steps=5)`` (the default before 3f1c375).
 - ``muon_same``: ``MuonOptimizer(method="polar_express", ns_steps=8, ns_dtype=torch.float32)`` — Muon with SSO's own msign
   (Polar Express, 8 steps, fp32), so the ratio isolates what SSO adds over Muon.
 - ``sso``: ``SpectralSphereOptimizer`` defaults.
@@ -41,6 +43,7 @@ from ._sso_optim import SpectralSphereOptimizer
 
 ROWS: dict[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]] = {
     "muon": lambda ps: MuonOptimizer(ps, lr=0.02),
+    "muon_pe5": lambda ps: MuonOptimizer(ps, lr=0.02, method="polar_express", ns_steps=5),
     "muon_same": lambda ps: MuonOptimizer(ps, lr=0.02, method="polar_express", ns_steps=8,
                                           ns_dtype=torch.float32),
     "sso": lambda ps: SpectralSphereOptimizer(ps, lr=0.02),
