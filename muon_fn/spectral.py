@@ -263,8 +263,10 @@ def spectral_function_fit(schedule, *, poles: int = _FIT_POLES) -> tuple[torch.T
     """Weights ``w_k`` and poles ``τ_k`` (fp64, ``(K,)``) with ``g(s)/s ≈ Σ_k w_k/(s² + τ_k)``.
 
     ``g`` is the scalar map an odd-polynomial iteration applies to each singular value of its
-    normalized input (``s = σ/N``): ``g = p_K ∘ … ∘ p_1``, ``p(s) = a s + b s³ + c s⁵`` per row of
-    ``schedule`` (exact arithmetic). ``g(s)/s`` is fitted by least squares on a log grid of
+    normalized input (``s = σ/N``): ``g = p_K ∘ … ∘ p_1``, ``p(s) = a s + b s³ + c s⁵ (+ …)`` per row of
+    ``schedule`` (exact arithmetic; longer rows are higher odd degrees). With an AOL-preconditioned
+    schedule the msign is not a function of σ alone, so the model is approximate there; every λ is
+    still certified by a real msign. ``g(s)/s`` is fitted by least squares on a log grid of
     ``s ∈ [1e-8, 1]`` weighted by ``s`` (i.e. the error of ``g`` itself), with poles log-spaced
     on ``[1e-14, 10]``. For 8 Polar Express steps the fitted ``g`` is within 3e-5 of the exact
     composition on the whole grid (tested). Computed once per schedule, outside any compiled region.
@@ -275,9 +277,11 @@ def spectral_function_fit(schedule, *, poles: int = _FIT_POLES) -> tuple[torch.T
     _checks.positive_int("poles", poles)
     s = torch.logspace(math.log10(_FIT_SIGMA_MIN), 0.0, 4000, dtype=torch.float64)
     g = s.clone()
-    for a, b, c in rows:
-        g2 = g * g
-        g = g * (a + g2 * (b + c * g2))
+    for row in rows:  # p(s) = s·Σ cᵢ s²ⁱ (any odd degree), Horner in s²
+        g2, acc = g * g, torch.zeros_like(g)
+        for c in reversed(row):
+            acc = acc * g2 + c
+        g = g * acc
     tau = torch.logspace(-14.0, 1.0, poles, dtype=torch.float64)
     basis = 1.0 / (s[:, None] ** 2 + tau[None, :])
     weights = torch.linalg.lstsq(basis * s[:, None], g, driver="gelsd").solution  # error of g itself

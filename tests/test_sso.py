@@ -122,6 +122,22 @@ def test_update_is_tangent_to_the_sphere_and_muon_sphere_is_not():
     assert float(st0.lam[0]) == 0.0 and float(st0.residual[0]) == pytest.approx(abs(off), abs=1e-5)
 
 
+@pytest.mark.parametrize("method", ["aol", "aol9"])
+def test_aol_msign_methods_stay_tangent(method):
+    # AOL scales rows, so the λ model (a function of σ only) is approximate; the real msign
+    # still certifies the root. "aol9" has a degree-9 row, which the model's fit must accept.
+    gen = torch.Generator().manual_seed(2)
+    W = torch.randn(24, 40, generator=gen) / math.sqrt(40)
+    g = torch.randn(24, 40, generator=gen) + 3 * torch.outer(torch.randn(24, generator=gen), torch.randn(40, generator=gen))
+    lr, R = 0.02, 2.0 * math.sqrt(24 / 40)
+    U, S, Vh = torch.linalg.svd(W.double())
+    tx = spectral_sphere(lr, msign_method=method)
+    u, st = tx.update((g,), tx.init((W,)), (W,))
+    phi = -(u[0].double() - (R / S[0] - 1) * W.double()) / (lr * R)
+    assert torch.isfinite(u[0]).all() and float(st.residual[0]) <= 2e-4
+    assert abs(float((torch.outer(U[:, 0], Vh[0]) * phi).sum())) <= 2e-4 + 1e-5
+
+
 @pytest.mark.parametrize("shape", [(12, 20), (20, 12), (16, 16)])
 def test_lambda_model_takes_the_same_steps_with_fewer_msigns(shape):
     # The model only chooses where h is evaluated: the trajectory equals the bracketing solver's up
