@@ -10,7 +10,7 @@ computed to report the accuracy of SSO's warm-started σ estimate.
 
   OMP_NUM_THREADS=1 python examples/bench_sso.py --layers 1 --steps 6 --warmup 2
 
-Compared: ``muon`` (muon_fn.muon defaults: Polar Express 5 steps in bf16), ``muon_fp32x8`` (Muon with
+Compared: ``muon`` (muon_fn.muon defaults: aol9, 4 steps in bf16), ``muon_fp32x8`` (Muon with
 SSO's msign: Polar Express 8 steps in fp32), ``muon_sphere`` (MuonSphere: retraction, λ = 0) and
 ``sso`` (muon_fn.sso defaults).
 """

@@ -75,7 +75,8 @@ def _worker(rank: int, w: int, port: int, cfg: dict[str, Any], out: str) -> None
     wire = {None: None, "bf16": torch.bfloat16}
     opts = {
         (s, wd): FSDPMuonOptimizer(model, lr=1e-4, strategy=s, wire_dtype=wire[wd],
-                                   ns_steps=cfg["ns_steps"], num_buckets=cfg["buckets"])
+                                   method="polar_express", ns_steps=cfg["ns_steps"],  # as documented
+                                   num_buckets=cfg["buckets"])
         for s, wd in VARIANTS
     }
     times: dict[str, list[float]] = {f"{s}/{wd or 'fp32'}": [] for s, wd in VARIANTS}
