@@ -10,7 +10,7 @@ import torch
 from . import _checks
 from ._base import GradientTransformation, Scalar, ScalarOrSchedule
 from ._combine import chain, partition
-from ._orthogonalize import validate_coefficients
+from ._orthogonalize import DEFAULT_METHOD, validate_coefficients
 from ._muon import SHAPE_RULES, Split, orthogonalize, scale_by_shape
 from ._transforms import (
     add_decoupled_weight_decay,
@@ -20,7 +20,6 @@ from ._transforms import (
     scale_by_learning_rate,
 )
 
-from ._orthogonalize import DEFAULT_METHOD
 
 
 def muon(

@@ -357,10 +357,7 @@ def muon_step_(
                 members[key].append((pb, scale, tall))
             else:
                 slot = scratch(("one", key, dtype), (key[0], key[1]), dtype, key[2])
-            norm = torch.linalg.vector_norm(x, dtype=torch.promote_types(x.dtype, torch.float32))
-            if norm_scale != 1.0:
-                norm.mul_(norm_scale)
-            torch.mul(x, norm.add_(eps).reciprocal_(), out=slot)  # x · 1/(‖x‖·scale + eps)
+            _orthogonalize.normalize_into(x, slot, norm_scale=norm_scale, eps=eps)
             if key not in batched:
                 o = msign(slot)
                 pb.add_(o.mT if tall else o, alpha=-lr * scale)

@@ -416,6 +416,15 @@ def orthogonalize_matrices(
     return y.to(out_dtype).reshape(shape)
 
 
+def normalize_into(x: torch.Tensor, out: torch.Tensor, *, norm_scale: float, eps: float) -> torch.Tensor:
+    """``out ← x / (norm_scale·‖x‖_F + eps)`` for one matrix: scale and cast in one pass over
+    ``x`` (``out`` may be a lower-precision slot of a batch); returns ``out``."""
+    norm = torch.linalg.vector_norm(x, dtype=torch.promote_types(x.dtype, torch.float32))
+    if norm_scale != 1.0:
+        norm.mul_(norm_scale)
+    return torch.mul(x, norm.add_(eps).reciprocal_(), out=out)
+
+
 def orthogonalize_many(
     xs: Sequence[torch.Tensor],
     schedule: Sequence[Coefficients],
@@ -445,8 +454,7 @@ def orthogonalize_many(
         buf = torch.empty((len(idx), m, n), dtype=dtype, device=device)
         for slot, i in enumerate(idx):
             x = xs[i].mT if xs[i].size(0) > xs[i].size(1) else xs[i]
-            norm = torch.linalg.vector_norm(x, dtype=torch.promote_types(x.dtype, torch.float32))
-            torch.mul(x, 1.0 / (norm * norm_scale + eps), out=buf[slot])
+            normalize_into(x, buf[slot], norm_scale=norm_scale, eps=eps)
         buf = _run_schedule(buf, schedule, eps)
         if out_dtype is not None and out_dtype != dtype:
             buf = buf.to(out_dtype)
