@@ -87,6 +87,13 @@ class TestHyperparameters(expecttest.TestCase):
             self.message(ValueError, lambda: mf.MuonOptimizer(lin.parameters(), ns_steps=2.5)),
             """Invalid ns_steps value: 2.5 (expected an integer >= 1, or None)""")
 
+    def test_fsdp_bad_ns_coefficients_fail_at_construction(self):
+        from muon_fn.fsdp import FSDPMuonOptimizer
+
+        self.assertExpectedInline(
+            self.message(ValueError, lambda: FSDPMuonOptimizer(_linear(), ns_coefficients=[(1.0,)])),
+            """Invalid ns_coefficients: [(1.0,)] (expected a non-empty sequence of (a, b, c) triples)""")
+
     def test_unknown_method(self):
         # The method list grows (other engineers add methods), so the list is spelled from the
         # registry; the wording and the design-contract methods are pinned.

@@ -30,7 +30,8 @@ from .._base import EmptyState
 from .._combine import chain
 from .._compile import compile_update
 from .._muon import SHAPE_RULES, _stack_pays, orthogonalize, scale_by_shape
-from .._orthogonalize import METHODS, coefficient_schedule, default_compute_dtype, default_steps, newton_schulz
+from .._orthogonalize import (METHODS, coefficient_schedule, default_compute_dtype, default_steps, newton_schulz,
+                              validate_coefficients)
 from .._transforms import (
     MomentumState,
     NormalizeRowsState,
@@ -172,6 +173,11 @@ class FSDPMuonOptimizer(torch.optim.Optimizer):
             ns_coefficients=ns_coefficients, momentum_kind=momentum_kind,
             adamw_betas=tuple(adamw_betas), adamw_eps=adamw_eps,
         )
+        if ns_coefficients is not None:
+            validate_coefficients(ns_coefficients, name="ns_coefficients")
+        # What ``last_step_stats()["ns_flops"]`` counts per matrix (static: resolved once).
+        self._flops_schedule = ns_steps if callable(method) else coefficient_schedule(
+            method, ns_steps, coefficients=ns_coefficients, stepsize=ns_stepsize)
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, adamw_lr=adamw_lr,
                         adamw_weight_decay=adamw_weight_decay, use_muon=None)
         if params is None:  # frozen parameters never get gradients: leave them out of the plan
@@ -404,8 +410,7 @@ class FSDPMuonOptimizer(torch.optim.Optimizer):
         group_of = [self._muon_group[id(p)] for p in self._muon]
         mids = {i: self._mid(wide_counts[i]) for i, g in enumerate(self.param_groups) if g["use_muon"]}
         flops = 0
-        schedule = c["ns_steps"] if callable(c["method"]) else coefficient_schedule(
-            c["method"], c["ns_steps"], coefficients=c["ns_coefficients"], stepsize=c["ns_stepsize"])
+        schedule = self._flops_schedule
 
         def compute(idx: list[int], mats: list[torch.Tensor]) -> list[torch.Tensor]:
             """mid on the full matrices of ``idx`` (the owner's), one call per parameter group."""
