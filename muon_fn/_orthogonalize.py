@@ -220,11 +220,9 @@ def norm_scale(method: str) -> float:
 
 
 def _aol_scale(x: torch.Tensor, gram: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """AOL rescale: ``x ← diag(s) x`` and ``gram ← diag(s) gram diag(s)``,
-    ``s_i = (Σ_j|gram_ij|)^-½``; in place in eager mode (both are the caller's scratch buffers)."""
+    """AOL rescale in place: ``x ← diag(s) x`` and ``gram ← diag(s) gram diag(s)``,
+    ``s_i = (Σ_j|gram_ij|)^-½`` (both are the caller's scratch buffers)."""
     s = gram.abs().sum(-1, dtype=torch.promote_types(x.dtype, torch.float32)).add_(eps).rsqrt_().to(x.dtype)
-    if torch.compiler.is_compiling():  # inductor fuses these; in place, x (a graph input) is written back
-        return x * s.unsqueeze(-1), gram * (s.unsqueeze(-1) * s.unsqueeze(-2))
     return x.mul_(s.unsqueeze(-1)), gram.mul_(s.unsqueeze(-1)).mul_(s.unsqueeze(-2))
 
 
