@@ -223,6 +223,32 @@ def test_batched_tree_none_grads_and_conv_kernels():
     assert int(new.count) == 1
 
 
+def test_large_groups_run_in_chunks_with_the_same_result(monkeypatch):
+    """Equal shapes are batched in chunks of ≤ _CHUNK_ELEMENTS elements (memory locality, measured
+    1.59 → 1.32× Muon-same-msign on the full gpt2-small set); chunks of 2 over 5 units (one of them
+    a block of a split leaf) must give the same updates and state as one batch."""
+    from muon_fn import _sso
+
+    gen = torch.Generator().manual_seed(11)
+    params = {f"w{i}": torch.randn(8, 12, generator=gen) / 3 for i in range(3)}
+    params["fused"] = torch.randn(16, 12, generator=gen) / 3  # two (8, 12) blocks
+    grads = {k: torch.randn(p.shape, generator=gen) for k, p in params.items()}
+    tx = sso(0.02, split=lambda p: (8, 8) if p.shape[0] == 16 else None)
+
+    def run():
+        state = tx.init(params)
+        for _ in range(2):
+            u, state = tx.update(grads, state, params)
+        return u, state
+
+    whole = run()
+    monkeypatch.setattr(_sso, "_CHUNK_ELEMENTS", 2 * 8 * 12)
+    chunked = run()
+    torch.testing.assert_close(chunked[0], whole[0], rtol=0, atol=1e-6)
+    for field in ("lam", "sigma", "iterations", "v"):
+        torch.testing.assert_close(getattr(chunked[1], field), getattr(whole[1], field), rtol=0, atol=1e-6)
+
+
 def test_split_blocks_are_separate_spheres():
     gen = torch.Generator().manual_seed(6)
     d = 8
