@@ -38,18 +38,20 @@ import torch
 
 from . import _checks
 
-# The λ-model helpers (LambdaModel, lambda_model, model_residual, model_root, model_direction,
-# spectral_function_fit)
-# are importable but not yet in __all__: docs/api.md (not owned by the SSO files) has no sections
-# for them yet; they are documented here and in docs/sso.md.
 __all__ = [
+    "LambdaModel",
     "SolverStats",
     "compute_spectral_norm",
     "default_start_block",
     "default_start_vector",
+    "lambda_model",
+    "model_direction",
+    "model_residual",
+    "model_root",
     "power_iteration",
     "retract",
     "solve_lambda",
+    "spectral_function_fit",
     "subspace_iteration",
     "tangent_residual",
     "target_radius",
