@@ -8,7 +8,7 @@ direction ``M`` (λ solver, msign). Per step and matrix:
   plan and ``all_to_all_single`` exchange, built for shapes ``(out, 2·in)``);
 - the owner runs :func:`muon_fn.spectral_sphere` (with its momentum switched off: the direction
   arrives ready) on the full matrices it owns and returns the update ``(R/σ − 1)·W − lr·s·Φ``
-  (padded to ``2·in`` columns: the exchange returns what it sends — an open item);
+  (``in`` columns: the exchange's ``result_cols``, so the return costs what Muon's does);
 - each rank adds its rows of the update; the owner's per-matrix state (the warm-start block, λ*,
   σ, solver statistics) is summed into every rank's replicated copy by one ``all_reduce``, so
   every rank holds the same state (distributed checkpoints see one value).
@@ -145,7 +145,7 @@ class FSDPSpectralSphereOptimizer(FSDPMuonOptimizer):
                 if has_grad[j]:
                     by_group.setdefault(group_of[j], []).append(pos)
                 else:
-                    outs[pos] = torch.zeros_like(mats[pos])
+                    outs[pos] = mats[pos].new_zeros(mats[pos].shape[0], mats[pos].shape[1] // 2)
             for gi, positions in by_group.items():
                 tx = self._tx(gi)
                 shapes = [self._muon[idx[q]].shape for q in positions]
@@ -169,8 +169,7 @@ class FSDPSpectralSphereOptimizer(FSDPMuonOptimizer):
                 )
                 updates, new = tx.update(dirs, state, ws)
                 for n_i, (q, u) in enumerate(zip(positions, updates)):
-                    flat = u.reshape(u.shape[0], n_of[n_i])
-                    outs[q] = torch.cat([flat, torch.zeros_like(flat)], dim=1).to(mats[q].dtype)
+                    outs[q] = u.reshape(u.shape[0], n_of[n_i]).to(mats[q].dtype)
                     results[idx[q]] = {"sso_v": new.v[n_i], "sso_lambda": new.lam[n_i],
                                        "sso_sigma": new.sigma[n_i], "sso_residual": new.residual[n_i],
                                        "sso_iterations": new.iterations[n_i],
@@ -178,13 +177,15 @@ class FSDPSpectralSphereOptimizer(FSDPMuonOptimizer):
             return outs  # type: ignore[return-value]
 
         run = _exchange.exchange if self.strategy == "owner" else _exchange.exchange_replicated
-        mine, ex = run(self.plan, topo.rank, held, compute, group=topo.group, wire_dtype=self.wire_dtype)
+        # [M | W] travels to the owner; only the update (in columns) comes back.
+        mine, ex = run(self.plan, topo.rank, held, compute, group=topo.group, wire_dtype=self.wire_dtype,
+                       result_cols=[mp.cols // 2 for mp in self.plan.matrices])
         for j, p in enumerate(self._muon):
             if not has_grad[j]:
                 continue
             lo = _params.local(p)
             n = _plan.flat_shape(p.shape)[1]
-            lo.add_(mine[j][:, :n].reshape(lo.shape).to(lo.dtype))
+            lo.add_(mine[j].reshape(lo.shape).to(lo.dtype))
             self.state[p]["step"].add_(1)
         self._sync_state(results, has_grad)
         return {"strategy": self.strategy, "rank": topo.rank, "world_size": topo.world_size,

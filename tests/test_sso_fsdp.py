@@ -104,7 +104,33 @@ def _check_parity(strategy, **sso_kwargs):
             "ref_iterations": [int(x) for x in ref_stats.iterations]}
 
 
+def _check_bytes():
+    """Shapes divisible by W: [M | W] goes out (2·in columns) and only the update (in columns) comes
+    back, so the mean bytes per rank are 3(W−1)/W²·S (S: fp32 bytes of the matrices); Muon's are
+    2(W−1)/W²·S (tests/test_fsdp.py)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from muon_fn._sso_fsdp import FSDPSpectralSphereOptimizer
+
+    w = dist.get_world_size()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16, bias=False), nn.Linear(16, 8, bias=False), nn.Linear(8, 8, bias=False))
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = FSDPSpectralSphereOptimizer(model)
+    _set_grads(model, 0)
+    opt.step()
+    s = 4 * sum(p.numel() for p in model.parameters())
+    sent = torch.tensor([float(opt.last_step_stats["bytes_sent"])])
+    dist.all_reduce(sent)
+    mean, expected = sent.item() / w, 3 * (w - 1) / w**2 * s
+    return {"mean_bytes": mean, "expected": expected}
+
+
 CHECKS = {"owner": lambda: _check_parity("owner"), "replicate": lambda: _check_parity("replicate"),
+          "bytes": _check_bytes,
           # split=(4, 4, 4) applies to the three 12-row matrices: one sphere per 4-row block.
           "owner_split": lambda: _check_parity("owner", split=(4, 4, 4))}
 
@@ -170,6 +196,16 @@ def test_fsdp_sso_matches_single_device(w, strategy):
         assert r["ranks_agree"], r["lam"]
         assert r["iterations"] == r["ref_iterations"]
         assert r["lam"] == pytest.approx(r["ref_lam"], abs=1e-6)
+
+
+@pytest.mark.parametrize("w", [2, 4])
+def test_fsdp_sso_returns_only_the_update(w):
+    ranks = _job(w)
+    assert isinstance(ranks, list), f"job failed:\n{ranks}"
+    for rank, res in enumerate(ranks):
+        r = res["bytes"]
+        assert r["ok"], f"rank {rank}:\n{r.get('error')}"
+        assert r["mean_bytes"] == r["expected"], r
 
 
 if __name__ == "__main__":

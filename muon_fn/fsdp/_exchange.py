@@ -43,6 +43,7 @@ def exchange(
     *,
     group: dist.ProcessGroup | None = None,
     wire_dtype: torch.dtype | None = None,
+    result_cols: Sequence[int] | None = None,
 ) -> tuple[list[torch.Tensor], ExchangeStats]:
     """Run ``compute`` on every matrix at its owner; return this rank's rows of every result.
 
@@ -56,11 +57,15 @@ def exchange(
       group: the process group (``None``: the default group); ignored when ``world_size == 1``.
       wire_dtype: dtype on the wire (e.g. ``torch.bfloat16``); ``None`` keeps the input dtype.
         Received matrices are cast back to the input dtype before ``compute``.
+      result_cols: per matrix, the columns of ``compute``'s result when they differ from the
+        plan's (e.g. SSO sends ``[M | W]`` and returns only the update); ``None``: the same.
 
     Returns:
-      Per matrix, the ``(receive rows, cols)`` block of the result this rank holds, and the stats.
+      Per matrix, the ``(receive rows, result cols)`` block of the result this rank holds, and
+      the stats.
     """
     w = plan.world_size
+    back_cols = _result_cols(plan, result_cols)
     local_rows = _contributions(plan, rank, held)
     stats = ExchangeStats()
     out: list[torch.Tensor | None] = [None] * len(plan.matrices)
@@ -122,15 +127,22 @@ def exchange(
         results = compute(owned, full) if owned else []
         stats.compute_s += time.perf_counter() - t0
         # Return buffer: ordered by destination rank, then by the owned matrices in bucket order.
+        for j, r in zip(owned, results):
+            if tuple(r.shape) != (plan.matrices[j].rows, back_cols[j]):
+                raise ValueError(f"exchange: compute returned shape {tuple(r.shape)} for matrix {j}, "
+                                 f"expected {(plan.matrices[j].rows, back_cols[j])}")
         back_parts = []
         for d in range(w):
             for j, r in zip(owned, results):
                 start, stop = plan.matrices[j].receive[d]
                 back_parts.append(r[start:stop].reshape(-1))
         back = torch.cat(back_parts).to(wire) if back_parts else torch.empty(0, dtype=wire, device=device)
-        back_recv_splits = b.scatter_recv(rank)
+        if result_cols is None:
+            back_recv_splits, back_send_splits = b.scatter_recv(rank), b.scatter_send(rank)
+        else:
+            back_recv_splits = [_returned(plan, b.matrices, s, rank, back_cols) for s in range(w)]
+            back_send_splits = [_returned(plan, b.matrices, rank, d, back_cols) for d in range(w)]
         back_recv = torch.empty(sum(back_recv_splits), dtype=wire, device=device)
-        back_send_splits = b.scatter_send(rank)
         work = dist.all_to_all_single(
             back_recv, back, back_recv_splits, back_send_splits, group=group, async_op=True
         )
@@ -149,10 +161,33 @@ def exchange(
                 mp = plan.matrices[j]
                 if mp.owner != s:
                     continue
-                k = mp.receive_numel(rank)
-                out[j] = back_recv[offset:offset + k].view(-1, mp.cols).to(dtype)
+                start, stop = mp.receive[rank]
+                k = (stop - start) * back_cols[j]
+                out[j] = back_recv[offset:offset + k].view(-1, back_cols[j]).to(dtype)
                 offset += k
     return out, stats  # type: ignore[return-value]
+
+
+def _result_cols(plan: Plan, result_cols: Sequence[int] | None) -> list[int]:
+    """Columns of every matrix's result (the plan's ``cols`` unless ``result_cols`` says)."""
+    if result_cols is None:
+        return [mp.cols for mp in plan.matrices]
+    cols = [int(c) for c in result_cols]
+    if len(cols) != len(plan.matrices) or any(c < 0 for c in cols):
+        raise ValueError(f"exchange: invalid result_cols {list(result_cols)!r} (expected "
+                         f"{len(plan.matrices)} non-negative column counts)")
+    return cols
+
+
+def _returned(plan: Plan, matrices: Sequence[int], owner: int, dest: int, cols: Sequence[int]) -> int:
+    """Elements ``owner`` returns to ``dest`` for the bucket's ``matrices``."""
+    total = 0
+    for j in matrices:
+        mp = plan.matrices[j]
+        if mp.owner == owner:
+            start, stop = mp.receive[dest]
+            total += (stop - start) * cols[j]
+    return total
 
 
 def _contributions(plan: Plan, rank: int, held: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -180,6 +215,7 @@ def exchange_replicated(
     *,
     group: dist.ProcessGroup | None = None,
     wire_dtype: torch.dtype | None = None,
+    result_cols: Sequence[int] | None = None,
 ) -> tuple[list[torch.Tensor], ExchangeStats]:
     """The baseline: every rank all-gathers every sharded matrix and computes all of them.
 
@@ -189,6 +225,7 @@ def exchange_replicated(
     """
     w = plan.world_size
     _contributions(plan, rank, held)  # shape checks
+    _result_cols(plan, result_cols)  # nothing is returned over the wire: only checked
     stats = ExchangeStats()
     out: list[torch.Tensor | None] = [None] * len(plan.matrices)
     if not held:
