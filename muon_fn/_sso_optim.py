@@ -66,7 +66,9 @@ class SpectralSphereOptimizer(HybridOptimizer):
       split: row blocks of fused weights, each its own sphere (see :func:`muon_fn.spectral_sphere`).
       adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW half in ``"auto"`` groups.
       gradient_accumulation_steps, nonfinite, compile: see :class:`muon_fn.Optimizer`. Compiled,
-        the λ solver runs its full fixed number of msign calls (no early exit); eager is faster.
+        the λ solver cannot exit early: when a first evaluation misses it runs its full fixed
+        search (``torch.cond`` skips it otherwise), and inductor compiles SSO slowly; eager is
+        the default.
 
     State per SSO matrix: ``momentum_buffer``, ``sso_v`` (warm-start vector), ``sso_lambda``,
     ``sso_sigma``, ``sso_residual``, ``sso_iterations``, ``sso_fallback``, ``sso_fallbacks``;

@@ -26,7 +26,8 @@ torch.compile: nothing here calls ``.item()`` on the fixed-iteration path. The s
 ``early_exit=True`` (the eager default) stops when every matrix of the batch converged and evaluates
 only the unconverged ones, which costs one host sync per iteration; ``early_exit=False`` (forced
 while compiling) runs the full fixed number of evaluations with ``torch.where`` and no sync, so it
-traces as one graph but always pays the worst case.
+traces as one graph; while compiling, that search is skipped by ``torch.cond`` when every matrix
+converged at the first evaluation (the λ model's usual case).
 """
 
 from __future__ import annotations
@@ -461,6 +462,21 @@ def _check_solver_args(tol, max_iterations, bracket_step, max_expansions, method
     _checks.positive_int("model_steps", model_steps)
 
 
+class _Search(NamedTuple):
+    """The solver's per-matrix search state (each ``(B,)``; ``phi_best`` ``(B, m, n)``)."""
+
+    lam_best: torch.Tensor  # the evaluated λ with the smallest |h| so far
+    res_best: torch.Tensor  # its |h|
+    f_best: torch.Tensor  # its h
+    phi_best: torch.Tensor  # its Φ
+    done: torch.Tensor  # |h| ≤ tol reached
+    iters: torch.Tensor  # msign evaluations so far (int32)
+    lo: torch.Tensor  # largest evaluated λ with h < 0 (−inf: none)
+    hi: torch.Tensor  # smallest evaluated λ with h ≥ 0 (+inf: none)
+    flo: torch.Tensor  # h(lo)
+    fhi: torch.Tensor  # h(hi)
+
+
 def solve_lambda(
     m_hat: torch.Tensor,
     u: torch.Tensor,
@@ -505,7 +521,9 @@ def solve_lambda(
       model: a :class:`LambdaModel` of this batch (:func:`lambda_model`), or None.
       model_steps: msign evaluations guided by the model before bracketing (>= 1).
       early_exit: stop when the whole batch converged and evaluate only unconverged matrices
-        (one host sync per iteration). ``None``: True in eager mode, False while compiling.
+        (one host sync per iteration). ``None``: True in eager mode, False while compiling (where
+        the fixed search after the first evaluation runs behind ``torch.cond``: only when some
+        matrix did not converge there).
 
     Returns:
       ``(λ, Φ, SolverStats)``; λ ``(B,)`` fp32, Φ like ``msign``'s output.
@@ -536,106 +554,117 @@ def solve_lambda(
         phi = torch.zeros((B,) + phi_a.shape[1:], device=dev, dtype=phi_a.dtype).index_copy(0, idx, phi_a)
         return h, phi
 
-    inf = torch.full((B,), math.inf, device=dev)
-    # Known ends: the largest evaluated λ with h < 0 and the smallest with h >= 0.
-    lo, hi, flo, fhi = -inf, inf, -inf, inf
-
-    def record(active, lam, f, phi):
-        nonlocal lam_best, res_best, f_best, phi_best, done, iters, lo, hi, flo, fhi
-        better = active & (f.abs() < res_best)
-        lam_best = torch.where(better, lam, lam_best)
-        res_best = torch.where(better, f.abs(), res_best)
-        f_best = torch.where(better, f, f_best)
-        phi_best = torch.where(better[:, None, None], phi, phi_best)
-        done = done | (active & (f.abs() <= tol))
-        iters = iters + active.to(torch.int32)
-        new_lo = active & (f < 0) & (lam > lo)
-        new_hi = active & (f >= 0) & (lam < hi)
-        lo, flo = torch.where(new_lo, lam, lo), torch.where(new_lo, f, flo)
-        hi, fhi = torch.where(new_hi, lam, hi), torch.where(new_hi, f, fhi)
-
     all_rows = torch.ones(B, dtype=torch.bool, device=dev)
     start, guided = lam0, torch.zeros(B, dtype=torch.bool, device=dev)
     if model is not None:
         guess, guided = model_root(model, torch.zeros(B, device=dev), reach)
         start = torch.where(guided, guess, lam0)
-    f0, phi_best = evaluate(start, all_rows)
-    iters = torch.ones(B, dtype=torch.int32, device=dev)
-    lam_best, res_best, f_best = start, f0.abs(), f0
-    done = res_best <= tol
-    lo = torch.where(f0 < 0, start, lo)
-    flo = torch.where(f0 < 0, f0, flo)
-    hi = torch.where(f0 >= 0, start, hi)
-    fhi = torch.where(f0 >= 0, f0, fhi)
+    f0, phi0 = evaluate(start, all_rows)
+    inf = torch.full((B,), math.inf, device=dev)
+    below = f0 < 0  # known ends: the largest evaluated λ with h < 0 and the smallest with h >= 0
+    first = _Search(lam_best=start, res_best=f0.abs(), f_best=f0, phi_best=phi0, done=f0.abs() <= tol,
+                    iters=torch.ones(B, dtype=torch.int32, device=dev),
+                    lo=torch.where(below, start, -inf), hi=torch.where(below, inf, start),
+                    flo=torch.where(below, f0, -inf), fhi=torch.where(below, inf, f0))
 
-    # Model-guided secant steps: the root of the model shifted by the last observed error.
-    last, f_last = start, f0
-    for _ in range(model_steps - 1 if model is not None else 0):
-        active = guided & ~done
-        if early_exit and not bool(active.any()):
-            break
-        shift = f_last.double() - model_residual(model, last)
-        nxt, ok = model_root(model, shift, reach)
-        inside = (nxt > lo) & (nxt < hi)
-        mid = torch.where(torch.isfinite(lo) & torch.isfinite(hi), 0.5 * (lo + hi), last)
-        nxt = torch.where(inside, nxt, mid)
-        active = active & ok & (inside | torch.isfinite(lo) & torch.isfinite(hi))
-        f, phi = evaluate(nxt, active)
-        record(active, nxt, f, phi)
-        last, f_last = torch.where(active, nxt, last), torch.where(active, f, f_last)
-        guided = active
+    def record(s: _Search, active, lam, f, phi) -> _Search:
+        better = active & (f.abs() < s.res_best)
+        new_lo = active & (f < 0) & (lam > s.lo)
+        new_hi = active & (f >= 0) & (lam < s.hi)
+        return _Search(
+            lam_best=torch.where(better, lam, s.lam_best), res_best=torch.where(better, f.abs(), s.res_best),
+            f_best=torch.where(better, f, s.f_best), phi_best=torch.where(better[:, None, None], phi, s.phi_best),
+            done=s.done | (active & (f.abs() <= tol)), iters=s.iters + active.to(torch.int32),
+            lo=torch.where(new_lo, lam, s.lo), hi=torch.where(new_hi, lam, s.hi),
+            flo=torch.where(new_lo, f, s.flo), fhi=torch.where(new_hi, f, s.fhi))
 
-    # Bracket by expansion from the best point. `a` is the near end, the root lies beyond it.
-    bracketed = torch.isfinite(lo) & torch.isfinite(hi)
-    direction = torch.where(f_best < 0, 1.0, -1.0)
-    a = lam_best
-    step = torch.full((B,), float(bracket_step), device=dev)
-    for _ in range(max_expansions):
-        active = ~done & ~bracketed
-        if early_exit and not bool(active.any()):
-            break
-        b = a + direction * step
-        fb, phi = evaluate(b, active)
-        record(active, b, fb, phi)
-        crossed = active & ~done & (fb * direction >= 0)
-        bracketed = bracketed | crossed
-        moved = active & ~done & ~crossed
-        a = torch.where(moved, b, a)
-        step = torch.where(moved, 2 * step, step)
-    bracketed = torch.isfinite(lo) & torch.isfinite(hi)
-    fallback = ~done & ~bracketed
+    def search(*fields):
+        """Everything after the first evaluation: model-guided steps, bracket, bracketed search."""
+        s = _Search(*fields[:-2])
+        guided, f_last = fields[-2:]
+        # Model-guided secant steps: the root of the model shifted by the last observed error.
+        last = s.lam_best
+        for _ in range(model_steps - 1 if model is not None else 0):
+            active = guided & ~s.done
+            if early_exit and not bool(active.any()):
+                break
+            shift = f_last.double() - model_residual(model, last)
+            nxt, ok = model_root(model, shift, reach)
+            inside = (nxt > s.lo) & (nxt < s.hi)
+            mid = torch.where(torch.isfinite(s.lo) & torch.isfinite(s.hi), 0.5 * (s.lo + s.hi), last)
+            nxt = torch.where(inside, nxt, mid)
+            active = active & ok & (inside | torch.isfinite(s.lo) & torch.isfinite(s.hi))
+            f, phi = evaluate(nxt, active)
+            s = record(s, active, nxt, f, phi)
+            last, f_last = torch.where(active, nxt, last), torch.where(active, f, f_last)
+            guided = active
 
-    # Bracketed search: invariant f(lo) < 0 <= f(hi) on bracketed, unconverged rows.
-    side = torch.zeros(B, dtype=torch.int8, device=dev)  # Illinois: which end moved last (-1 lo, +1 hi)
-    lo, hi = torch.where(bracketed, lo, 0.0), torch.where(bracketed, hi, 0.0)
-    flo, fhi = torch.where(bracketed, flo, -1.0), torch.where(bracketed, fhi, 1.0)
-    for _ in range(max_iterations):
-        active = bracketed & ~done
-        if early_exit and not bool(active.any()):
-            break
-        mid = 0.5 * (lo + hi)
-        if method == "illinois":
-            denom = fhi - flo
-            fp = (lo * fhi - hi * flo) / torch.where(denom > 0, denom, 1.0)
-            ok = (denom > 0) & (fp > lo) & (fp < hi)
-            mid = torch.where(ok, fp, mid)
-        fm, phi = evaluate(mid, active)
-        record(active, mid, fm, phi)
-        go_lo = active & (fm < 0)  # root above mid
-        go_hi = active & (fm >= 0)
-        if method == "illinois":
-            # The end that did not move twice in a row gets its f halved (keeps superlinear speed).
-            fhi = torch.where(go_lo & (side == -1), 0.5 * fhi, fhi)
-            flo = torch.where(go_hi & (side == 1), 0.5 * flo, flo)
-            side = torch.where(go_lo, -1, torch.where(go_hi, 1, side)).to(torch.int8)
+        # Bracket by expansion from the best point. `a` is the near end, the root lies beyond it.
+        bracketed = torch.isfinite(s.lo) & torch.isfinite(s.hi)
+        direction = torch.where(s.f_best < 0, 1.0, -1.0)
+        a = s.lam_best
+        step = torch.full((B,), float(bracket_step), device=dev)
+        for _ in range(max_expansions):
+            active = ~s.done & ~bracketed
+            if early_exit and not bool(active.any()):
+                break
+            b = a + direction * step
+            fb, phi = evaluate(b, active)
+            s = record(s, active, b, fb, phi)
+            crossed = active & ~s.done & (fb * direction >= 0)
+            bracketed = bracketed | crossed
+            moved = active & ~s.done & ~crossed
+            a = torch.where(moved, b, a)
+            step = torch.where(moved, 2 * step, step)
+        bracketed = torch.isfinite(s.lo) & torch.isfinite(s.hi)
+        fallback = ~s.done & ~bracketed
 
-    lam = torch.where(fallback, 0.0, lam_best)
-    residual = res_best
-    if not early_exit or bool(fallback.any()):
-        f_zero, phi_zero = evaluate(torch.zeros(B, device=dev), fallback if early_exit else all_rows)
-        phi_best = torch.where(fallback[:, None, None], phi_zero, phi_best)
-        residual = torch.where(fallback, f_zero.abs(), residual)
-        iters = iters + fallback.to(torch.int32)
+        # Bracketed search: invariant f(lo) < 0 <= f(hi) on bracketed, unconverged rows.
+        side = torch.zeros(B, dtype=torch.int8, device=dev)  # Illinois: which end moved last (-1 lo, +1 hi)
+        lo, hi = torch.where(bracketed, s.lo, 0.0), torch.where(bracketed, s.hi, 0.0)
+        flo, fhi = torch.where(bracketed, s.flo, -1.0), torch.where(bracketed, s.fhi, 1.0)
+        s = s._replace(lo=lo, hi=hi, flo=flo, fhi=fhi)
+        for _ in range(max_iterations):
+            active = bracketed & ~s.done
+            if early_exit and not bool(active.any()):
+                break
+            mid = 0.5 * (s.lo + s.hi)
+            if method == "illinois":
+                denom = s.fhi - s.flo
+                fp = (s.lo * s.fhi - s.hi * s.flo) / torch.where(denom > 0, denom, 1.0)
+                ok = (denom > 0) & (fp > s.lo) & (fp < s.hi)
+                mid = torch.where(ok, fp, mid)
+            fm, phi = evaluate(mid, active)
+            s = record(s, active, mid, fm, phi)
+            go_lo = active & (fm < 0)  # root above mid
+            go_hi = active & (fm >= 0)
+            if method == "illinois":
+                # The end that did not move twice in a row gets its f halved (keeps superlinear speed).
+                s = s._replace(fhi=torch.where(go_lo & (side == -1), 0.5 * s.fhi, s.fhi),
+                               flo=torch.where(go_hi & (side == 1), 0.5 * s.flo, s.flo))
+                side = torch.where(go_lo, -1, torch.where(go_hi, 1, side)).to(torch.int8)
+
+        lam = torch.where(fallback, 0.0, s.lam_best)
+        phi_best, residual, iters = s.phi_best, s.res_best, s.iters
+        if not early_exit or bool(fallback.any()):
+            f_zero, phi_zero = evaluate(torch.zeros(B, device=dev), fallback if early_exit else all_rows)
+            phi_best = torch.where(fallback[:, None, None], phi_zero, phi_best)
+            residual = torch.where(fallback, f_zero.abs(), residual)
+            iters = iters + fallback.to(torch.int32)
+        return lam, phi_best, residual, iters, fallback
+
+    def converged_first(*fields):
+        """The first evaluation converged everywhere: nothing to search (new tensors: cond's rule)."""
+        s = _Search(*fields[:-2])
+        return (s.lam_best.clone(), s.phi_best.clone(), s.res_best.clone(), s.iters.clone(),
+                torch.zeros(B, dtype=torch.bool, device=dev))
+
+    operands = tuple(first) + (guided, f0)
+    if torch.compiler.is_compiling():
+        # One graph either way; the fixed worst-case search runs only when a matrix needs it.
+        lam, phi_best, residual, iters, fallback = torch.cond(first.done.all(), converged_first, search, operands)
+    else:
+        lam, phi_best, residual, iters, fallback = search(*operands)
     converged = residual <= tol
     stats = SolverStats(iterations=iters, residual=residual, converged=converged & ~fallback, fallback=fallback)
     if unbatched:

@@ -462,6 +462,39 @@ def test_compiled_step_equals_eager():
     torch.testing.assert_close(opt_c.last_step_stats().iterations, opt_e.last_step_stats().iterations)
 
 
+def _matmuls(fn):
+    """``fn()`` and the number of GEMM calls it ran (profiler events: they include compiled code)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = fn()
+    gemms = ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm")
+    return out, sum(e.name in gemms for e in prof.events())
+
+
+@pytest.mark.parametrize("lambda_model", [True, False])
+def test_compiled_solver_searches_only_when_the_first_evaluation_misses(lambda_model):
+    """Compiled, the solver cannot exit early; ``torch.cond`` skips the fixed-length search when
+    every matrix converged at the first evaluation (the λ model's usual case), so the compiled
+    step runs the eager step's GEMMs instead of the worst case (8× more here, measured)."""
+    gen = torch.Generator().manual_seed(5)
+    params = tuple(torch.randn(16, 24, generator=gen) / 4 for _ in range(2))
+    grads = tuple(torch.randn(16, 24, generator=gen) for _ in range(2))
+    short = {} if lambda_model else dict(max_expansions=4, max_iterations=4)  # a shorter trace
+    tx = sso(0.02, lambda_model=lambda_model, **short)
+    state = tx.init(params)
+    (u_e, s_e), n_eager = _matmuls(lambda: tx.update(grads, state, params))
+    compiled = torch.compile(tx.update, backend="eager", fullgraph=True)
+    compiled(grads, state, params)
+    (u_c, s_c), n_compiled = _matmuls(lambda: compiled(grads, state, params))
+    torch.testing.assert_close(u_c, u_e, rtol=0, atol=1e-6)
+    torch.testing.assert_close(s_c.iterations, s_e.iterations)
+    if lambda_model:
+        assert all(int(i) == 1 for i in s_e.iterations)
+        assert n_compiled == n_eager
+    else:  # the search ran: compiled pays its fixed schedule, eager stops early
+        assert any(int(i) > 1 for i in s_e.iterations)
+        assert n_compiled > n_eager
+
+
 # ------------------------------------------------------------------------------ messages
 class TestMessages(expecttest.TestCase):
     def _msg(self, fn, exc=ValueError):
