@@ -14,6 +14,8 @@ Rows (each its own optimizer over its own copy of the same matrices):
 - ``sso_classic``: ``SpectralSphereOptimizer(lambda_model=False)`` (bracket from last step's λ*,
   Illinois; the solver before the λ model).
 - ``muon_sphere``: ``SpectralSphereOptimizer(muon_sphere=True)`` (retraction, λ = 0).
+- ``sso_bf16`` / ``muon_sphere_bf16``: SSO / MuonSphere with Muon's default msign (``aol9``, 4 steps,
+  bf16) and, for SSO, ``tol=5e-3`` (bf16 tangency).
 - ``sso_spectral``: ``SpectralSphereOptimizer(direction="spectral")`` (λ* and Φ from the λ model's
   eigendecomposition, no Newton–Schulz iteration; opt-in).
 
@@ -50,6 +52,11 @@ ROWS: dict[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]] = {
     "sso_classic": lambda ps: SpectralSphereOptimizer(ps, lr=0.02, lambda_model=False),
     "muon_sphere": lambda ps: SpectralSphereOptimizer(ps, lr=0.02, muon_sphere=True),
     "sso_spectral": lambda ps: SpectralSphereOptimizer(ps, lr=0.02, direction="spectral"),
+    # Muon's own msign (aol9, 4 steps, bf16); tangency only to bf16 accuracy, hence tol 5e-3.
+    "sso_bf16": lambda ps: SpectralSphereOptimizer(ps, lr=0.02, msign_method="aol9", msign_steps=4,
+                                                   msign_dtype=torch.bfloat16, tol=5e-3),
+    "muon_sphere_bf16": lambda ps: SpectralSphereOptimizer(ps, lr=0.02, muon_sphere=True, msign_method="aol9",
+                                                           msign_steps=4, msign_dtype=torch.bfloat16),
 }
 DEFAULT_ROWS = ("muon", "muon_same", "sso")
 

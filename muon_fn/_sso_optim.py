@@ -12,6 +12,7 @@ from . import _checks
 from ._alias import adamw
 from ._base import GradientTransformation
 from ._combine import partition
+from ._orthogonalize import METHODS
 from ._sso import DIRECTIONS, SCALE_MODES, spectral_sphere
 from .optim import CompileOption, HybridOptimizer
 from .spectral import SOLVER_METHODS
@@ -59,9 +60,9 @@ class SpectralSphereOptimizer(HybridOptimizer):
       lr, momentum, nesterov: see :func:`muon_fn.spectral_sphere` (``lr`` is the relative spectral
         step with the default ``scale_mode="radius"``).
       weight_decay: only used by ``algorithm="adamw"`` groups (SSO's retraction undoes decay).
-      radius_scale, scale_mode, power_steps, power_block, cold_start, msign_steps, msign_dtype, tol,
-        max_iterations, bracket_step, max_expansions, solver, warm_lambda, lambda_model, model_steps,
-        direction, muon_sphere: see :func:`muon_fn.spectral_sphere`.
+      radius_scale, scale_mode, power_steps, power_block, cold_start, msign_method, msign_steps,
+        msign_dtype, tol, max_iterations, bracket_step, max_expansions, solver, warm_lambda,
+        lambda_model, model_steps, direction, muon_sphere: see :func:`muon_fn.spectral_sphere`.
       momentum_dtype: dtype of the momentum buffer (default: the parameter's).
       split: row blocks of fused weights, each its own sphere (see :func:`muon_fn.spectral_sphere`).
       adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW half in ``"auto"`` groups.
@@ -90,6 +91,7 @@ class SpectralSphereOptimizer(HybridOptimizer):
         power_steps: int = 8,
         power_block: int = 16,
         cold_start: bool = False,
+        msign_method: str = "polar_express",
         msign_steps: int = 8,
         msign_dtype: torch.dtype = torch.float32,
         tol: float = 2e-4,
@@ -116,7 +118,7 @@ class SpectralSphereOptimizer(HybridOptimizer):
         defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
             radius_scale=radius_scale, scale_mode=scale_mode, power_steps=power_steps,
-            power_block=power_block, cold_start=cold_start, msign_steps=msign_steps, msign_dtype=msign_dtype, tol=tol,
+            power_block=power_block, cold_start=cold_start, msign_method=msign_method, msign_steps=msign_steps, msign_dtype=msign_dtype, tol=tol,
             max_iterations=max_iterations, bracket_step=bracket_step,
             max_expansions=max_expansions, solver=solver, warm_lambda=warm_lambda,
             lambda_model=lambda_model, model_steps=model_steps, direction=direction,
@@ -146,6 +148,7 @@ class SpectralSphereOptimizer(HybridOptimizer):
         _checks.positive("tol", group["tol"])
         _checks.positive_int("power_steps", group["power_steps"])
         _checks.positive_int("power_block", group["power_block"])
+        _checks.one_of("msign_method", group["msign_method"], METHODS)
         _checks.positive_int("msign_steps", group["msign_steps"])
         _checks.positive_int("model_steps", group["model_steps"])
         _checks.one_of("direction", group["direction"], DIRECTIONS)
@@ -191,7 +194,7 @@ def _sso_factory(h: dict[str, Any]) -> GradientTransformation:
         return spectral_sphere(
             h["lr"], h["momentum"], nesterov=h["nesterov"], radius_scale=h["radius_scale"],
             scale_mode=h["scale_mode"], power_steps=h["power_steps"], power_block=h["power_block"],
-            cold_start=h["cold_start"],
+            cold_start=h["cold_start"], msign_method=h["msign_method"],
             msign_steps=h["msign_steps"], msign_dtype=h["msign_dtype"], tol=h["tol"],
             max_iterations=h["max_iterations"], bracket_step=h["bracket_step"],
             max_expansions=h["max_expansions"], solver=h["solver"], warm_lambda=h["warm_lambda"],

@@ -292,6 +292,23 @@ def test_optimizer_with_split_trains_and_checkpoints():
     assert opt2.state[qkv.weight]["sso_iterations"].dtype == torch.int32
 
 
+def test_optimizer_msign_method_reaches_the_transform():
+    """``SpectralSphereOptimizer(msign_method=...)`` runs the same step as the transform with it
+    (here Muon's default msign, aol9 in bf16, with a bf16-sized tolerance)."""
+    torch.manual_seed(8)
+    layer = nn.Linear(24, 16, bias=False)
+    W0, g = layer.weight.detach().clone(), torch.randn(16, 24)
+    kw = dict(msign_method="aol9", msign_steps=4, msign_dtype=torch.bfloat16, tol=5e-3)
+    opt = SpectralSphereOptimizer(layer.parameters(), lr=0.02, **kw)
+    layer.weight.grad = g.clone()
+    opt.step()
+    tx = spectral_sphere(0.02, **kw)
+    u, st = tx.update((g,), tx.init((W0,)), (W0,))
+    torch.testing.assert_close(layer.weight.detach(), W0 + u[0], rtol=0, atol=1e-6)
+    stats = opt.last_step_stats()
+    assert int(stats.iterations[0]) == int(st.iterations[0]) and float(stats.residual[0]) <= 5e-3
+
+
 def test_lr_schedule_and_scale_modes():
     W = torch.randn(8, 32, generator=torch.Generator().manual_seed(4))
     g = torch.randn(8, 32, generator=torch.Generator().manual_seed(5))
@@ -542,6 +559,8 @@ class TestMessages(expecttest.TestCase):
                                   """Invalid lambda_model: 1 (expected True or False)""")
         self.assertExpectedInline(self._msg(lambda: SpectralSphereOptimizer(p, model_steps=0)),
                                   """Invalid model_steps: 0 (expected an integer >= 1)""")
+        self.assertExpectedInline(self._msg(lambda: SpectralSphereOptimizer(p, msign_method="svd")),
+                                  """Invalid msign_method: 'svd' (valid: 'polar_express', 'quintic', 'you', 'cubic', 'aol', 'aol9', 'gram')""")
         self.assertExpectedInline(self._msg(lambda: SpectralSphereOptimizer(p, algorithm="lion")),
                                   """Invalid algorithm: 'lion' (valid: 'auto', 'sso', 'muon', 'adamw')""")
         self.assertExpectedInline(
