@@ -416,13 +416,29 @@ def orthogonalize_matrices(
     return y.to(out_dtype).reshape(shape)
 
 
-def normalize_into(x: torch.Tensor, out: torch.Tensor, *, norm_scale: float, eps: float) -> torch.Tensor:
+def normalize_into(x: torch.Tensor, out: torch.Tensor, *, norm_scale: float, eps: float,
+                   scratch: torch.Tensor | None = None) -> torch.Tensor:
     """``out ← x / (norm_scale·‖x‖_F + eps)`` for one matrix: scale and cast in one pass over
-    ``x`` (``out`` may be a lower-precision slot of a batch); returns ``out``."""
+    ``x`` (``out`` may be a lower-precision slot of a batch); returns ``out``.
+
+    A transposed view ``x`` (a tall matrix in wide orientation) is scaled and cast in its own
+    layout into ``scratch`` (``x.mT``'s shape, ``out``'s dtype; allocated if None), then copied
+    transposed: a same-dtype transposed copy is blocked in ATen, a strided cast is not (3072×768
+    fp32 → bf16: 2.3 instead of 5.0 ms). Bitwise the same result."""
     norm = torch.linalg.vector_norm(x, dtype=torch.promote_types(x.dtype, torch.float32))
     if norm_scale != 1.0:
         norm.mul_(norm_scale)
-    return torch.mul(x, norm.add_(eps).reciprocal_(), out=out)
+    inv = norm.add_(eps).reciprocal_()
+    if is_transposed_view(x):
+        if scratch is None or scratch.shape != x.mT.shape or scratch.dtype != out.dtype:
+            scratch = torch.empty(x.mT.shape, dtype=out.dtype, device=x.device)
+        return out.copy_(torch.mul(x.mT, inv, out=scratch).mT)
+    return torch.mul(x, inv, out=out)
+
+
+def is_transposed_view(x: torch.Tensor) -> bool:
+    """Whether 2-D ``x`` is the ``.mT`` of a contiguous matrix (and not contiguous itself)."""
+    return x.ndim == 2 and x.size(0) > 1 and x.size(1) > 1 and not x.is_contiguous() and x.mT.is_contiguous()
 
 
 def orthogonalize_many(
