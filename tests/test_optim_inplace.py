@@ -258,3 +258,26 @@ def test_workspace_is_not_state():
     adam = sum(p.numel() * 8 + 4 for p in a.parameters() if p.ndim < 2)
     assert nbytes == mom + adam
     assert "workspace" not in str(fast.state_dict())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_tall_matrix_layout_paths_are_bitwise_the_plain_ones(dtype):
+    """Tall matrices run in wide orientation; their scale-and-cast and their final add go through a
+    scratch in the matrix's own layout (fast same-dtype transposed copies) instead of strided
+    ops. Both must give exactly what the plain strided ops give."""
+    from muon_fn._muon import add_update_
+    from muon_fn._orthogonalize import is_transposed_view, normalize_into
+
+    gen = torch.Generator().manual_seed(3)
+    tall = torch.randn(96, 40, generator=gen) * 1e-3
+    assert is_transposed_view(tall.mT) and not is_transposed_view(tall)
+    fast = torch.empty(40, 96, dtype=dtype)
+    normalize_into(tall.mT, fast, norm_scale=1.01, eps=1e-7, scratch=torch.empty(96, 40, dtype=dtype))
+    inv = 1.0 / (1.01 * torch.linalg.vector_norm(tall) + 1e-7)
+    plain = torch.mul(tall.mT, inv, out=torch.empty(40, 96, dtype=dtype))
+    assert torch.equal(fast, plain)
+    p = torch.randn(96, 40, generator=gen)
+    q = p.clone()
+    add_update_(p, fast, -0.013, torch.empty(96, 40, dtype=dtype))
+    q.add_(plain.mT, alpha=-0.013)
+    assert torch.equal(p, q)
