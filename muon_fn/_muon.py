@@ -311,8 +311,10 @@ def muon_step_(
     dtype = dtype or _orthogonalize.default_compute_dtype()
     _orthogonalize.check_dtype(schedule, dtype)
     if msign is None:
+        ns_buffers = workspace.setdefault("ns", {})  # products reuse scratch (no page faults)
+
         def msign(y: torch.Tensor) -> torch.Tensor:
-            return _orthogonalize._run_schedule(y, schedule, eps)
+            return _orthogonalize._run_schedule(y, schedule, eps, ns_buffers)
     lr = float(lr)
     decay = 1.0 - lr * float(weight_decay) if weight_decay else None
     weights = momentum_weights(momentum)  # read a 0-d tensor once, not per matrix

@@ -531,3 +531,23 @@ class TestValidationMessages(expecttest.TestCase):
             self.msg(coefficient_schedule, "cubic", 3, stepsize=-1.0),
             """Invalid stepsize: -1.0 (expected a finite value > 0)""",
         )
+
+
+@pytest.mark.parametrize("method,steps", [("aol9", 4), ("polar_express", 5), ("cubic", 3)])
+@pytest.mark.parametrize("shape", [(24, 40), (3, 16, 16)])
+def test_reused_buffers_give_bitwise_the_same_iteration(method, steps, shape):
+    """The eager in-place step writes every product into buffers it keeps across steps (no fresh
+    allocation to page-fault); values must be exactly those of the allocating iteration, also on
+    a second call that overwrites the first call's buffers."""
+    from muon_fn import _orthogonalize as O
+
+    schedule = O.coefficient_schedule(method, steps)
+    gen = torch.Generator().manual_seed(2)
+    buffers: dict = {}
+    for _ in range(2):
+        x = torch.randn(shape, generator=gen)
+        y = (x / (x.norm(dim=(-2, -1), keepdim=True) * 1.01)).to(torch.bfloat16)
+        plain = O._run_schedule(y.clone(), schedule, 1e-7)
+        reused = O._run_schedule(y.clone(), schedule, 1e-7, buffers)
+        assert torch.equal(reused, plain)
+    assert buffers and all(t.dtype == torch.bfloat16 for t in buffers.values())
