@@ -105,17 +105,21 @@ def _replay_fn(params: Sequence[torch.Tensor], method: str, steps: int, batched:
 
     wides = [prepared(p) for p in params]
     if batched:
+        # As the eager step: equal shapes batched below LOOP_MIN_DIM, one matrix at a time above.
         groups: dict[tuple[int, int], list[torch.Tensor]] = {}
         for w in wides:
             groups.setdefault(tuple(w.shape), []).append(w)
-        inputs = [torch.stack(ws) for ws in groups.values()]
+        inputs = [x for (m, _), ws in groups.items()
+                  for x in ([torch.stack(ws)] if m < _ortho.LOOP_MIN_DIM else ws)]
     else:
         inputs = wides
+    buffers: dict = {}  # products into reused scratch, as the eager step (no allocation per product)
 
     def run() -> None:
         for x in inputs:
-            gram = x @ x.mT if aol else None
-            _ortho.iterate(x, schedule, gram)
+            gram = _ortho._matmul(x, x.mT, _ortho._buffer(buffers, "gram", x.shape[:-1] + x.shape[-2:-1], x)) \
+                if aol else None
+            _ortho.iterate(x, schedule, gram, buffers)
     return run
 
 
