@@ -311,10 +311,12 @@ def muon_step_(
     dtype = dtype or _orthogonalize.default_compute_dtype()
     _orthogonalize.check_dtype(schedule, dtype)
     if msign is None:
-        ns_buffers = workspace.setdefault("ns", {})  # products reuse scratch (no page faults)
+        # On CPU the products reuse scratch kept across steps (a fresh allocation page-faults on
+        # first touch); CUDA's caching allocator already reuses blocks, so there they allocate.
+        ns_buffers = workspace.setdefault("ns", {})
 
         def msign(y: torch.Tensor) -> torch.Tensor:
-            return _orthogonalize._run_schedule(y, schedule, eps, ns_buffers)
+            return _orthogonalize._run_schedule(y, schedule, eps, ns_buffers if y.device.type == "cpu" else None)
     lr = float(lr)
     decay = 1.0 - lr * float(weight_decay) if weight_decay else None
     weights = momentum_weights(momentum)  # read a 0-d tensor once, not per matrix
