@@ -373,9 +373,10 @@ def lambda_model(
                        float(norm_scale), float(eps), Q, tall)
 
 
-def model_residual(model: LambdaModel, lam: torch.Tensor) -> torch.Tensor:
-    """The model's ``h(λ)``, ``(B,)`` fp64, for ``lam`` of shape ``(B,)``."""
-    lam = lam.double()
+def _resolvent_terms(model: LambdaModel, lam: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """At fp64 ``lam`` ``(B,)``: the fit's weights ``c_k = N·w_k`` ``(B, K)``, ``w = Qᵀ(M̂v + λu)``
+    ``(B, m)`` and the resolvents ``1/(ℓ_i + d_k)``, ``d_k = N²τ_k``, ``(B, m, K)``, with ``N`` the
+    msign's normalizer of ``M̂ + λuvᵀ``."""
     a, p = model.a, model.p
     # ‖M̂ + λuvᵀ‖_F² = ‖M̂‖² + 2λ uᵀM̂v + λ², and uᵀM̂v = aᵀp (Q is orthogonal).
     fro2 = model.fro2 + 2 * lam * (a * p).sum(-1) + lam * lam
@@ -383,8 +384,13 @@ def model_residual(model: LambdaModel, lam: torch.Tensor) -> torch.Tensor:
     c = norm[:, None] * model.weights  # (B, K)
     d = norm[:, None].square() * model.poles  # (B, K)
     w = p + lam[:, None] * a  # (B, m)
-    inv = 1.0 / (model.eig.unsqueeze(-1) + d.unsqueeze(-2))  # (B, m, K)
-    phi_a = ((a * w).unsqueeze(-2) @ inv).squeeze(-2)  # (B, K)
+    return c, w, 1.0 / (model.eig.unsqueeze(-1) + d.unsqueeze(-2))
+
+
+def model_residual(model: LambdaModel, lam: torch.Tensor) -> torch.Tensor:
+    """The model's ``h(λ)``, ``(B,)`` fp64, for ``lam`` of shape ``(B,)``."""
+    c, w, inv = _resolvent_terms(model, lam.double())
+    phi_a = ((model.a * w).unsqueeze(-2) @ inv).squeeze(-2)  # (B, K)
     phi_w = ((w * w).unsqueeze(-2) @ inv).squeeze(-2)
     return (c * phi_a / (1 + phi_w)).sum(-1)
 
@@ -406,13 +412,7 @@ def model_direction(model: LambdaModel, m_hat: torch.Tensor, u: torch.Tensor, v:
     if model.tall:
         m_hat, u, v = m_hat.mT, v, u
     lam64 = lam.double()
-    a, p = model.a, model.p
-    fro2 = model.fro2 + 2 * lam64 * (a * p).sum(-1) + lam64 * lam64
-    norm = model.norm_scale * fro2.clamp_min(0).sqrt() + model.eps
-    c = norm[:, None] * model.weights
-    d = norm[:, None].square() * model.poles
-    w = p + lam64[:, None] * a
-    inv = 1.0 / (model.eig.unsqueeze(-1) + d.unsqueeze(-2))  # (B, m, K)
+    c, w, inv = _resolvent_terms(model, lam64)
     diag = (inv * c.unsqueeze(-2)).sum(-1)  # (B, m)
     Y = inv * w.unsqueeze(-1)  # (B, m, K)
     beta = c / (1 + ((w * w).unsqueeze(-2) @ inv).squeeze(-2))  # (B, K)
