@@ -255,6 +255,11 @@ def _buffer(buffers: Buffers | None, role: str, shape: tuple[int, ...], like: to
     return t
 
 
+def gram_matrix(x: torch.Tensor, buffers: Buffers | None = None) -> torch.Tensor:
+    """``XXᵀ`` of a (batch of) wide matrices, into the ``"gram"`` buffer if ``buffers`` is given."""
+    return _matmul(x, x.mT, _buffer(buffers, "gram", x.shape[:-1] + x.shape[-2:-1], x))
+
+
 def _degree_terms(row: Coefficients) -> tuple[float, ...]:
     """``(c₁, …, c_d)`` of a row with trailing zeros dropped (a quintic with c = 0 is a cubic)."""
     c = tuple(row[1:])
@@ -322,9 +327,8 @@ def iterate(x: torch.Tensor, schedule: Sequence[Coefficients], gram: torch.Tenso
         grams = [None] * x.size(0) if gram is None else gram.unbind(0)
         return torch.stack([iterate(xi, schedule, gi) for xi, gi in zip(x.unbind(0), grams)])
     for k, row in enumerate(schedule):
-        if gram is None:
-            gram = _matmul(x, x.mT, _buffer(buffers, "gram", x.shape[:-1] + x.shape[-2:-1], x))
-        x = _step(x, gram, row, buffers, _buffer(buffers, f"x{k % 2}", x.shape, x))
+        a = gram_matrix(x, buffers) if gram is None else gram
+        x = _step(x, a, row, buffers, _buffer(buffers, f"x{k % 2}", x.shape, x))
         gram = None
     return x
 
@@ -410,7 +414,7 @@ def _run_schedule(y: torch.Tensor, schedule: Sequence[Coefficients], eps: float,
     ``buffers``: see :func:`iterate` (the Gram form does not use them)."""
     gram = None
     if getattr(schedule, "precondition", "frobenius") == "aol":
-        y, gram = _aol_scale(y, _matmul(y, y.mT, _buffer(buffers, "gram", y.shape[:-1] + y.shape[-2:-1], y)), eps)
+        y, gram = _aol_scale(y, gram_matrix(y, buffers), eps)
     if getattr(schedule, "form", "standard") == "gram":
         return iterate_gram(y, schedule, gram)
     return iterate(y, schedule, gram, buffers)

@@ -100,8 +100,8 @@ def _replay_fn(params: Sequence[torch.Tensor], method: str, steps: int, batched:
 
     def prepared(p: torch.Tensor) -> torch.Tensor:
         w = (p.detach().mT if p.size(0) > p.size(1) else p.detach()).float()
-        x = (w / (scale * torch.linalg.matrix_norm(w) + eps)).to(torch.bfloat16).contiguous()
-        return _ortho._aol_scale(x, x @ x.mT, eps)[0] if aol else x
+        x = _ortho.normalize_into(w, torch.empty(w.shape, dtype=torch.bfloat16), norm_scale=scale, eps=eps)
+        return _ortho._aol_scale(x, _ortho.gram_matrix(x), eps)[0] if aol else x
 
     wides = [prepared(p) for p in params]
     if batched:
@@ -117,9 +117,7 @@ def _replay_fn(params: Sequence[torch.Tensor], method: str, steps: int, batched:
 
     def run() -> None:
         for x in inputs:
-            gram = _ortho._matmul(x, x.mT, _ortho._buffer(buffers, "gram", x.shape[:-1] + x.shape[-2:-1], x)) \
-                if aol else None
-            _ortho.iterate(x, schedule, gram, buffers)
+            _ortho.iterate(x, schedule, _ortho.gram_matrix(x, buffers) if aol else None, buffers)
     return run
 
 
