@@ -21,7 +21,6 @@ from ._transforms import (
 )
 
 
-
 def muon(
     lr: ScalarOrSchedule = 0.02,
     momentum: Scalar = 0.95,

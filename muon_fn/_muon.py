@@ -336,7 +336,7 @@ def muon_step_(
 
     batches = {key: scratch(("batch", key, dtype), (counts[key], key[0], key[1]), dtype, key[2])
                for key in batched}
-    members: dict[tuple, list[tuple[torch.Tensor, float, bool]]] = {key: [] for key in batched}
+    members: dict[tuple, list[tuple[torch.Tensor, float, torch.Tensor | None]]] = {key: [] for key in batched}
     for p, g, b, mine in zip(params, grads, bufs, blocks):
         if g is None:
             continue
@@ -356,12 +356,13 @@ def muon_step_(
             db = dm[start:stop] if len(mine) > 1 else dm
             pb = pm[start:stop] if len(mine) > 1 else pm
             x = db.mT if tall else db
+            # Tall blocks: scale/cast and the final add go through a scratch in their own layout.
+            tall_scratch = scratch(("tall", key, dtype), (key[1], key[0]), dtype, key[2]) if tall else None
             if key in batched:
                 slot = batches[key][len(members[key])]
-                members[key].append((pb, scale, tall))
+                members[key].append((pb, scale, tall_scratch))
             else:
                 slot = scratch(("one", key, dtype), (key[0], key[1]), dtype, key[2])
-            tall_scratch = scratch(("tall", key, dtype), (key[1], key[0]), dtype, key[2]) if tall else None
             _orthogonalize.normalize_into(x, slot, norm_scale=norm_scale, eps=eps, scratch=tall_scratch)
             if key not in batched:
                 add_update_(pb, msign(slot), -lr * scale, tall_scratch)
@@ -369,9 +370,8 @@ def muon_step_(
         if not mem:
             continue
         outs = msign(batches[key])
-        for (pb, scale, tall), o in zip(mem, outs.unbind(0)):
-            add_update_(pb, o, -lr * scale,
-                        scratch(("tall", key, dtype), (key[1], key[0]), dtype, key[2]) if tall else None)
+        for (pb, scale, tall_scratch), o in zip(mem, outs.unbind(0)):
+            add_update_(pb, o, -lr * scale, tall_scratch)
 
 
 def add_update_(p: torch.Tensor, o: torch.Tensor, alpha: float, tall_scratch: torch.Tensor | None) -> None:
