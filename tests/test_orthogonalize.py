@@ -551,3 +551,48 @@ def test_reused_buffers_give_bitwise_the_same_iteration(method, steps, shape):
         reused = O._run_schedule(y.clone(), schedule, 1e-7, buffers)
         assert torch.equal(reused, plain)
     assert buffers and all(t.dtype == torch.bfloat16 for t in buffers.values())
+
+
+@given(m=st.integers(1, 70), k=st.integers(1, 70), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       beta=st.floats(-4.0, 4.0), alpha=st.floats(-4.0, 4.0), seed=st.integers(0, 2**16))
+def test_symmetric_products_computed_blockwise(m, k, dtype, beta, alpha, seed):
+    """XXᵀ and βA + αA² from the blocks on and above the diagonal (split down to 4-row blocks
+    here, several levels deep) equal one GEMM's result to rounding."""
+    from muon_fn import _orthogonalize as O
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    old = O.SYMMETRIC_MIN_BLOCK
+    O.SYMMETRIC_MIN_BLOCK = 4
+    try:
+        gram = O.gram_matrix(x)
+        a = x @ x.mT
+        a = 0.5 * (a + a.mT)  # exactly symmetric, as the function requires
+        square = O._product(a, a, None, a, beta=beta, alpha=alpha, symmetric=True)
+    finally:
+        O.SYMMETRIC_MIN_BLOCK = old
+    ref = torch.addmm(a, a, a, beta=beta, alpha=alpha)
+    # Rounding bound: a few units of the dtype's eps times the magnitudes that are summed.
+    unit = 8 * torch.finfo(dtype).eps
+    xmax, amax = float(x.float().abs().max()), float(a.float().abs().max())
+    torch.testing.assert_close(gram, x @ x.mT, rtol=0, atol=unit * k * xmax**2 + 1e-30)
+    torch.testing.assert_close(square, ref, rtol=0, atol=unit * (abs(beta) * amax + abs(alpha) * m * amax**2) + 1e-30)
+
+
+@pytest.mark.parametrize("method,steps", [("aol9", 4), ("polar_express", 5), ("quintic", 5)])
+def test_blockwise_symmetric_products_leave_bf16_iterations_bitwise_unchanged(method, steps):
+    """On CPU, matrices with ≥ 384 rows compute XXᵀ and A² blockwise (a quarter fewer FLOPs per
+    split); in bf16 the whole iteration must be bitwise what one GEMM per product gives, including
+    AOL's first step, whose rescaled Gram matrix is not exactly symmetric (its square stays one GEMM)."""
+    from muon_fn import _orthogonalize as O
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(400, 520, generator=gen)
+    split = muon_fn.newton_schulz(x, method, steps, dtype=torch.bfloat16)
+    old = O.SYMMETRIC_MIN_BLOCK
+    O.SYMMETRIC_MIN_BLOCK = 10**9
+    try:
+        whole = muon_fn.newton_schulz(x, method, steps, dtype=torch.bfloat16)
+    finally:
+        O.SYMMETRIC_MIN_BLOCK = old
+    assert torch.equal(split, whole)
