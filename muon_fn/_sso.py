@@ -326,10 +326,15 @@ def spectral_sphere(
                     fallback=torch.zeros(len(units), dtype=torch.bool, device=W.device))
             else:
                 lam0 = torch.stack([pick("lam", i, j) for i, j, _ in units]) if warm_lambda else None
-                # direction="spectral" builds Φ from the model: fp64 throughout (docs/sso.md).
-                model = None if fit is None else spectral.lambda_model(
-                    m_hat, u, v, fit, norm_scale=norm_scale, eps=_MSIGN_EPS,
-                    precision="fp64" if direction == "spectral" else None)
+                # Clearly rectangular batches get the Krylov model (no m³ eigh) when it converges;
+                # direction="spectral" builds Φ from the full model: fp64 throughout (docs/sso.md).
+                model = None
+                if fit is not None and direction == "msign":
+                    model = spectral.krylov_lambda_model(m_hat, u, v, fit, norm_scale=norm_scale, eps=_MSIGN_EPS,
+                                                         tol=tol, reach=reach)
+                if fit is not None and model is None:
+                    model = spectral.lambda_model(m_hat, u, v, fit, norm_scale=norm_scale, eps=_MSIGN_EPS,
+                                                  precision="fp64" if direction == "spectral" else None)
                 solved = None
                 if direction == "spectral":
                     solved = _spectral_direction(model, m_hat, u, v, tol, reach)

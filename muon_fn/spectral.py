@@ -38,6 +38,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from . import _checks
+from ._orthogonalize import gram_matrix
 
 __all__ = [
     "LambdaModel",
@@ -45,6 +46,7 @@ __all__ = [
     "compute_spectral_norm",
     "default_start_block",
     "default_start_vector",
+    "krylov_lambda_model",
     "lambda_model",
     "model_direction",
     "model_residual",
@@ -347,13 +349,16 @@ def lambda_model(
     if tall:
         m_hat, u, v = m_hat.mT, v, u
     m_hat, u, v = m_hat.float(), u.float(), v.float()
-    mv = (m_hat @ v.unsqueeze(-1)).squeeze(-1)  # (B, m)
-    fro2 = m_hat.double().square().sum(dim=(-2, -1))
+    mv = (v.unsqueeze(-2) @ m_hat.mT).squeeze(-2)  # M̂v (B, m), as a row: the fast skinny form
     if precision == "fp64":
         md, mvd = m_hat.double(), mv.double()
-        eig, Q = torch.linalg.eigh(torch.baddbmm(md @ md.mT, mvd.unsqueeze(-1), mvd.unsqueeze(-2), alpha=-1.0))
+        full = gram_matrix(md)
+        fro2 = full.diagonal(dim1=-2, dim2=-1).sum(-1)  # ‖M̂‖_F² = tr M̂M̂ᵀ
+        eig, Q = torch.linalg.eigh(torch.baddbmm(full, mvd.unsqueeze(-1), mvd.unsqueeze(-2), alpha=-1.0))
     else:
-        gram = torch.baddbmm(m_hat @ m_hat.mT, mv.unsqueeze(-1), mv.unsqueeze(-2), alpha=-1.0)
+        full = gram_matrix(m_hat)
+        fro2 = full.diagonal(dim1=-2, dim2=-1).sum(-1, dtype=torch.float64)
+        gram = torch.baddbmm(full, mv.unsqueeze(-1), mv.unsqueeze(-2), alpha=-1.0)
         eig, Q = torch.linalg.eigh(gram.double() if precision == "mixed" else gram)
         eig, Q = eig.double(), Q.double()
         limit = _MODEL_REFINE_BELOW * (norm_scale**2) * fro2
@@ -371,6 +376,91 @@ def lambda_model(
     dev = eig.device
     return LambdaModel(eig.clamp_min(0.0), a, p, fro2, weights.to(dev), poles.to(dev),
                        float(norm_scale), float(eps), Q, tall)
+
+
+# Krylov model (krylov_lambda_model): block Lanczos on K from [u, M̂v], checked every 8 block steps.
+_KRYLOV_CHECKPOINTS = (8, 16, 24, 32)
+_KRYLOV_MIN_ASPECT = 2  # n ≥ 2m (wide orientation): K's noise bulk stays away from 0
+_KRYLOV_MIN_ROWS = 256  # below this a full eigh costs little, and the basis would near m
+
+
+def krylov_lambda_model(
+    m_hat: torch.Tensor,
+    u: torch.Tensor,
+    v: torch.Tensor,
+    fit: tuple[torch.Tensor, torch.Tensor],
+    *,
+    norm_scale: float = 1.0,
+    eps: float = 1e-7,
+    tol: float = 2e-4,
+    reach: float = 1.023,
+) -> LambdaModel | None:
+    """The model of :func:`lambda_model` from a Krylov projection, for clearly rectangular batches.
+
+    ``h(λ) = uᵀφ(K + wwᵀ)w`` only needs quadratic forms of resolvents of ``K = M̂(I − vvᵀ)M̂ᵀ``
+    in ``span{u, M̂v}`` (``w = M̂v + λu`` stays there), so a block Lanczos basis of
+    ``K``'s Krylov space from ``[u, M̂v]`` (full reorthogonalization, fp32) and the eigenpairs of
+    the projected ``2k × 2k`` matrix (fp64) give the same model form — Gauss quadrature, exact for
+    polynomials of degree ``< 2k`` — in ``O(k·m²)`` after one Gram matrix, instead of an ``m³``
+    ``eigh``. It converges fast when ``K``'s spectrum stays away from 0, as for ``n ≥ 2m``
+    (Marchenko–Pastur: the noise bulk starts near ``(1 − √(m/n))²`` of its scale); on square
+    matrices the tail of tiny singular values stalls it (measured: |Δh| 1e-3 after 80 block steps
+    on 768² gradients, 6e-8 after 20 on 768×3072). Every 8 block steps the model's root is
+    recomputed; it is returned once the previous root solves the new model to ``tol/8``.
+
+    Returns None — use :func:`lambda_model` — while compiling, for batches with fewer than 256
+    rows or ``n < 2m`` (wide orientation), on a Lanczos breakdown (``K`` of rank below the basis
+    size), or if 32 block steps did not converge. Like every model it only chooses where the real
+    msign is evaluated first. ``Q`` is None (:func:`model_direction` needs :func:`lambda_model`).
+    """
+    tall = m_hat.shape[-2] > m_hat.shape[-1]
+    if tall:
+        m_hat, u, v = m_hat.mT, v, u
+    m, n = m_hat.shape[-2:]
+    if (m_hat.ndim != 3 or torch.compiler.is_compiling() or m_hat.device.type == "meta"
+            or m < _KRYLOV_MIN_ROWS or n < _KRYLOV_MIN_ASPECT * m):
+        return None
+    m_hat, u, v = m_hat.float(), u.float(), v.float()
+    mv = (v.unsqueeze(-2) @ m_hat.mT).squeeze(-2)  # M̂v as a row (B, m): the fast skinny form
+    gram = gram_matrix(m_hat)
+    fro2 = gram.diagonal(dim1=-2, dim2=-1).sum(-1, dtype=torch.float64)  # ‖M̂‖_F² = tr M̂M̂ᵀ
+    K = torch.baddbmm(gram, mv.unsqueeze(-1), mv.unsqueeze(-2), alpha=-1.0)
+    B = m_hat.shape[0]
+    start = torch.stack([u, mv], dim=-1)  # (B, m, 2)
+    scale = torch.linalg.matrix_norm(K).clamp_min(_TINY)  # (B,)
+    Q, R = torch.linalg.qr(start)
+    if not bool((R.diagonal(dim1=-2, dim2=-1).abs() > 1e-6).all()):
+        return None  # u ∥ M̂v (or M̂v = 0): a 1-D start; the full model handles it
+    basis, previous = [Q], None
+    weights, poles = fit
+    for steps in range(1, _KRYLOV_CHECKPOINTS[-1] + 1):
+        if steps in _KRYLOV_CHECKPOINTS:
+            V = torch.cat(basis, dim=-1)  # (B, m, 2·steps), orthonormal
+            KV = (V.mT @ K).mT  # K V (K is symmetric; this form is the fast one for thin V)
+            T = (V.mT @ KV).double()
+            theta, Z = torch.linalg.eigh(0.5 * (T + T.mT))
+            ritz = V.double() @ Z
+            a = (u.double().unsqueeze(-2) @ ritz).squeeze(-2)
+            p = (mv.double().unsqueeze(-2) @ ritz).squeeze(-2)
+            model = LambdaModel(theta.clamp_min(0.0), a, p, fro2, weights.to(K.device), poles.to(K.device),
+                                float(norm_scale), float(eps), None, tall)
+            root, ok = model_root(model, torch.zeros(B, dtype=torch.float64, device=K.device), reach)
+            if previous is not None:
+                agree = model_residual(model, previous[0].double()).abs() <= tol / 8
+                if bool((ok & previous[1] & agree).all()):
+                    return model
+            previous = (root, ok)
+            if steps == _KRYLOV_CHECKPOINTS[-1]:
+                return None
+        Z = (basis[-1].mT @ K).mT  # K Q_j
+        V = torch.cat(basis, dim=-1)
+        for _ in range(2):  # full reorthogonalization, twice (classical Gram–Schmidt)
+            Z = Z - V @ (V.mT @ Z)
+        Q, R = torch.linalg.qr(Z)
+        if not bool((R.diagonal(dim1=-2, dim2=-1).abs() > 1e-6 * scale[:, None]).all()):
+            return None  # breakdown: K restricted to the basis is (nearly) invariant
+        basis.append(Q)
+    return None
 
 
 def _resolvent_terms(model: LambdaModel, lam: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

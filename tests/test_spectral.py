@@ -341,6 +341,77 @@ def test_model_direction_is_the_msign_at_the_model_root(shape):
     assert worst_phi <= 1e-4 and worst_h <= 1e-4  # measured ≤ 3.9e-5 (Φ), ≤ 1.1e-5 (h)
 
 
+def _low_rank_plus_noise(m, n, seed, rank=4, noise=0.3):
+    """A momentum-like M̂ (a few strong directions over a noise floor) and W's top pair."""
+    g = torch.Generator().manual_seed(seed)
+    M = torch.randn(m, rank, generator=g) @ torch.randn(rank, n, generator=g) / math.sqrt(rank)
+    M = M + noise * torch.randn(m, n, generator=g)
+    W = torch.randn(m, n, generator=g) / math.sqrt(n)
+    _, u, v = spectral.top_singular(W)
+    return M / torch.linalg.matrix_norm(M), u, v
+
+
+@pytest.mark.parametrize("shape", [(256, 640), (640, 256)])
+def test_krylov_model_matches_the_full_model(shape):
+    """On clearly rectangular matrices the Krylov projection gives the full model's h(λ) (and
+    root) without an eigendecomposition of the m×m Gram matrix."""
+    rows = [_low_rank_plus_noise(*shape, seed) for seed in (1, 2)]
+    m_hat, U, V = (torch.stack(x) for x in zip(*rows))
+    kw = dict(norm_scale=norm_scale("polar_express"), eps=1e-7)
+    krylov = spectral.krylov_lambda_model(m_hat, U, V, _FIT8, **kw)
+    full = spectral.lambda_model(m_hat, U, V, _FIT8, precision="fp64", **kw)
+    assert krylov is not None and krylov.Q is None and krylov.tall == (shape[0] > shape[1])
+    assert krylov.eig.shape[-1] < min(shape) // 4  # a small projected problem, not m eigenpairs
+    for lam in (-0.05, -0.003, 0.0, 0.002, 0.04):
+        at = torch.full((2,), lam, dtype=torch.float64)
+        diff = (spectral.model_residual(krylov, at) - spectral.model_residual(full, at)).abs().max()
+        assert float(diff) <= 1e-5  # measured ≤ 2e-7
+    zero = torch.zeros(2, dtype=torch.float64)
+    (r_k, ok_k), (r_f, ok_f) = spectral.model_root(krylov, zero, 1.023), spectral.model_root(full, zero, 1.023)
+    assert bool(ok_k.all() and ok_f.all())
+    torch.testing.assert_close(r_k, r_f, rtol=0, atol=1e-6)
+
+
+def test_krylov_model_declines_where_it_would_not_pay_or_converge():
+    kw = dict(norm_scale=norm_scale("polar_express"), eps=1e-7)
+    for shape in ((300, 300), (256, 500), (128, 1024)):  # square, aspect < 2, too few rows
+        m_hat, u, v = _low_rank_plus_noise(*shape, 0)
+        assert spectral.krylov_lambda_model(m_hat[None], u[None], v[None], _FIT8, **kw) is None
+    # A rank-1 M̂: the Krylov space is invariant after one step (breakdown).
+    m_hat, u, v = _low_rank_plus_noise(256, 640, 3, rank=1, noise=0.0)
+    assert spectral.krylov_lambda_model(m_hat[None], u[None], v[None], _FIT8, **kw) is None
+
+
+def test_sso_on_rectangular_matrices_uses_one_msign_with_the_krylov_model():
+    """The transform picks the Krylov model for a 256×640 weight (and its transpose); the solver
+    still certifies every λ with one msign per matrix and step."""
+    import muon_fn
+
+    g = torch.Generator().manual_seed(4)
+    params = [torch.randn(256, 640, generator=g) / 25, torch.randn(640, 256, generator=g) / 25]
+    tx = muon_fn.spectral_sphere(lr=0.02)
+    state = tx.init(params)
+    calls = []
+    original = spectral.krylov_lambda_model
+
+    def counting(*args, **kwargs):
+        model = original(*args, **kwargs)
+        calls.append(model is not None)
+        return model
+
+    spectral.krylov_lambda_model = counting
+    try:
+        for step in range(3):
+            grads = [torch.randn(p.shape, generator=g) + 3 * p for p in params]
+            updates, state = tx.update(grads, state, params)
+            params = muon_fn.apply_updates(params, updates)
+            assert [int(i) for i in state.iterations] == [1, 1]
+            assert max(float(r) for r in state.residual) <= 2e-4
+    finally:
+        spectral.krylov_lambda_model = original
+    assert calls and all(calls)
+
+
 def test_model_steps_then_bracket_when_the_model_is_off():
     # A model of a different matrix is a bad guide: the solver must still converge to the right
     # root (secant steps, then the bracket), with every evaluation counted.
