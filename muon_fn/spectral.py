@@ -20,7 +20,9 @@ sum of resolvents ``Σ_k c_k/(μ + d_k)`` (:func:`spectral_function_fit`), Sherm
 (``a = Qᵀu``) in ``O(m·K)`` per λ instead of one msign. Its root is where the solver evaluates the
 real msign first; if ``|h|`` there is above tol, the next point is the root of the model shifted
 by the observed error (a secant step with the model's slope). The model only chooses where h is
-evaluated: every accepted λ is certified by a real msign, and Φ is that msign.
+evaluated: every accepted λ is certified by a real msign, and Φ is that msign. For clearly
+rectangular batches :func:`krylov_lambda_model` builds the same model from a block Lanczos
+projection instead of the ``m³`` eigendecomposition.
 
 torch.compile: nothing here calls ``.item()`` on the fixed-iteration path. The solver has two modes:
 ``early_exit=True`` (the eager default) stops when every matrix of the batch converged and evaluates
@@ -370,8 +372,8 @@ def lambda_model(
             es, E = torch.linalg.eigh(torch.baddbmm(Y @ Y.mT, y, y.mT, alpha=-1.0))
             Q = torch.cat([Qs @ E, Q[..., small:]], dim=-1)
             eig = torch.cat([es, eig[..., small:]], dim=-1)
-    a = (Q.mT @ u.double().unsqueeze(-1)).squeeze(-1)
-    p = (Q.mT @ mv.double().unsqueeze(-1)).squeeze(-1)
+    a = (u.double().unsqueeze(-2) @ Q).squeeze(-2)  # Qᵀu, as a row (the fast thin form)
+    p = (mv.double().unsqueeze(-2) @ Q).squeeze(-2)
     weights, poles = fit
     dev = eig.device
     return LambdaModel(eig.clamp_min(0.0), a, p, fro2, weights.to(dev), poles.to(dev),

@@ -596,3 +596,17 @@ def test_blockwise_symmetric_products_leave_bf16_iterations_bitwise_unchanged(me
     finally:
         O.SYMMETRIC_MIN_BLOCK = old
     assert torch.equal(split, whole)
+
+
+def test_symmetric_products_of_a_batch_are_split_per_matrix():
+    from muon_fn import _orthogonalize as O
+
+    x = torch.randn(3, 20, 30, generator=torch.Generator().manual_seed(8))
+    old = O.SYMMETRIC_MIN_BLOCK
+    O.SYMMETRIC_MIN_BLOCK = 4
+    try:
+        gram = O.gram_matrix(x)
+    finally:
+        O.SYMMETRIC_MIN_BLOCK = old
+    for i in range(3):
+        torch.testing.assert_close(gram[i], x[i] @ x[i].mT, rtol=0, atol=1e-5)
