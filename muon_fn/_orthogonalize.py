@@ -14,6 +14,7 @@ Newton–Schulz (m×m products only, one restart). Pure tensor functions; no sta
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Callable, Sequence, Union
 
@@ -272,6 +273,26 @@ def _split_symmetric(m: int, device: torch.device) -> bool:
     return m >= 2 * SYMMETRIC_MIN_BLOCK and device.type == "cpu" and not torch.compiler.is_compiling()
 
 
+@functools.lru_cache(maxsize=None)
+def _symmetric_blocks(m: int, min_block: int) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int, int], ...]]:
+    """The diagonal leaves ``(r0, r1)`` and the corners ``(r0, r1, r2)`` (rows ``r0:r1`` × columns
+    ``r1:r2``, mirrored below the diagonal) of the recursive 2×2 split of an ``m × m`` product."""
+    leaves: list[tuple[int, int]] = []
+    corners: list[tuple[int, int, int]] = []
+
+    def split(r0: int, r2: int) -> None:
+        h = (r2 - r0) // 2
+        if h < min_block:
+            leaves.append((r0, r2))
+            return
+        split(r0, r0 + h)
+        split(r0 + h, r2)
+        corners.append((r0, r0 + h, r2))
+
+    split(0, m)
+    return tuple(leaves), tuple(corners)
+
+
 def _product(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, bias: torch.Tensor | None = None,
              beta: float = 1.0, alpha: float = 1.0, *, symmetric: bool = False) -> torch.Tensor:
     """``a @ b``, or ``beta·bias + alpha·(a @ b)`` with a ``bias``, into ``out`` if given.
@@ -288,14 +309,18 @@ def _product(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, 
         for i in range(a.size(0)):
             _product(a[i], b[i], out[i], None if bias is None else bias[i], beta, alpha, symmetric=True)
         return out
-    h = m // 2
-    top, bottom = slice(0, h), slice(h, m)
-    for rows in (top, bottom):  # the diagonal blocks are symmetric again
-        _product(a[..., rows, :], b[..., :, rows], out[..., rows, rows],
-                 None if bias is None else bias[..., rows, rows], beta, alpha, symmetric=True)
-    _product(a[..., top, :], b[..., :, bottom], out[..., top, bottom],
-             None if bias is None else bias[..., top, bottom], beta, alpha)
-    out[..., bottom, top].copy_(out[..., top, bottom].mT)
+    leaves, corners = _symmetric_blocks(m, SYMMETRIC_MIN_BLOCK)
+    for r0, r1, r2 in [(r0, r0, r2) for r0, r2 in leaves] + list(corners):
+        # rows r0:(r1 or r2) × columns r1:r2 — a diagonal leaf when r0 == r1, else a corner
+        rows = slice(r0, r2) if r0 == r1 else slice(r0, r1)
+        cols = slice(r1, r2)
+        block = out[rows, cols]
+        if bias is None:
+            _matmul(a[rows], b[:, cols], block)
+        else:
+            _addmm(bias[rows, cols], a[rows], b[:, cols], beta=beta, alpha=alpha, out=block)
+        if r0 != r1:  # mirrored below the diagonal
+            out[cols, rows].copy_(block.mT)
     return out
 
 
