@@ -310,6 +310,16 @@ class LambdaModel(NamedTuple):
     tall: bool = False  # the inputs were tall and the model is of the transposes
 
 
+def _wide(m_hat: torch.Tensor, u: torch.Tensor, v: torch.Tensor):
+    """``(M̂, u, v, M̂v, tall)`` in the wide orientation and fp32: tall inputs are transposed with
+    ``u``/``v`` swapped (``h`` is unchanged); ``M̂v`` as a row (the fast form of a thin product)."""
+    tall = m_hat.shape[-2] > m_hat.shape[-1]
+    if tall:
+        m_hat, u, v = m_hat.mT, v, u
+    m_hat, u, v = m_hat.float(), u.float(), v.float()
+    return m_hat, u, v, (v.unsqueeze(-2) @ m_hat.mT).squeeze(-2), tall
+
+
 def lambda_model(
     m_hat: torch.Tensor,
     u: torch.Tensor,
@@ -347,11 +357,7 @@ def lambda_model(
     if precision is None:
         precision = "fp64" if torch.compiler.is_compiling() or m_hat.device.type == "meta" else "mixed"
     _checks.one_of("precision", precision, MODEL_PRECISIONS)
-    tall = m_hat.shape[-2] > m_hat.shape[-1]
-    if tall:
-        m_hat, u, v = m_hat.mT, v, u
-    m_hat, u, v = m_hat.float(), u.float(), v.float()
-    mv = (v.unsqueeze(-2) @ m_hat.mT).squeeze(-2)  # M̂v (B, m), as a row: the fast skinny form
+    m_hat, u, v, mv, tall = _wide(m_hat, u, v)
     if precision == "fp64":
         md, mvd = m_hat.double(), mv.double()
         full = gram_matrix(md)
@@ -415,15 +421,12 @@ def krylov_lambda_model(
     size), or if 32 block steps did not converge. Like every model it only chooses where the real
     msign is evaluated first. ``Q`` is None (:func:`model_direction` needs :func:`lambda_model`).
     """
-    tall = m_hat.shape[-2] > m_hat.shape[-1]
-    if tall:
-        m_hat, u, v = m_hat.mT, v, u
-    m, n = m_hat.shape[-2:]
-    if (m_hat.ndim != 3 or torch.compiler.is_compiling() or m_hat.device.type == "meta"
-            or m < _KRYLOV_MIN_ROWS or n < _KRYLOV_MIN_ASPECT * m):
+    if m_hat.ndim != 3 or torch.compiler.is_compiling() or m_hat.device.type == "meta":
         return None
-    m_hat, u, v = m_hat.float(), u.float(), v.float()
-    mv = (v.unsqueeze(-2) @ m_hat.mT).squeeze(-2)  # M̂v as a row (B, m): the fast skinny form
+    m, n = sorted(m_hat.shape[-2:])
+    if m < _KRYLOV_MIN_ROWS or n < _KRYLOV_MIN_ASPECT * m:
+        return None
+    m_hat, u, v, mv, tall = _wide(m_hat, u, v)
     gram = gram_matrix(m_hat)
     fro2 = gram.diagonal(dim1=-2, dim2=-1).sum(-1, dtype=torch.float64)  # ‖M̂‖_F² = tr M̂M̂ᵀ
     K = torch.addcmul(gram, mv.unsqueeze(-1), mv.unsqueeze(-2), value=-1.0)
