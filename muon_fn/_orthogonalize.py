@@ -260,8 +260,8 @@ def _buffer(buffers: Buffers | None, role: str, shape: tuple[int, ...], like: to
 # the diagonal of a 2×2 split, recursively while a block keeps at least this many rows, and the
 # block below is a transposed copy: 3/4 of the FLOPs per level. Each entry is the same dot product:
 # in bf16 the result is bitwise one GEMM's (checked on every size below, and for every method's
-# full iteration); fp32 GEMM kernels differ by shape (8 fp32 Polar Express steps: 2e-7). Measured on the
-# 2-core Zen 4 CPU, bf16, ms (one GEMM → split): XXᵀ 768×3072 8.4 → 5.4, 768² 2.2 → 1.9,
+# full iteration); fp32 GEMM kernels differ by shape (8 fp32 Polar Express steps: 2e-7).
+# Measured on the 2-core Zen 4 CPU, bf16, ms (one GEMM → split): XXᵀ 768×3072 8.4 → 5.4, 768² 2.2 → 1.9,
 # 1024×4096 20.1 → 12.9, 2048² 39.4 → 28.0; A² 768² 2.1 → 1.7, 2048² 42.6 → 30.4. Below 384 rows
 # (the batched sizes) the halves lose more GEMM efficiency than they save (16×256²: 1.2 → 2.1).
 # CPU and eager only: on CUDA each level adds kernel launches (not measured there), and compiled
@@ -347,8 +347,9 @@ def _poly(gram: torch.Tensor, row: Coefficients, buffers: Buffers | None = None,
     """``Σ_{i≥1} cᵢ Aⁱ`` for ``row = (c₀, c₁, …, c_d)``, ``d ≤ 4``, in the fewest m×m products and
     elementwise passes (quintic: one fused ``addmm``; degree 7 and 9: ``A²``, one elementwise pass,
     one ``addmm``). ``None`` for a cubic (no m×m product needed). ``buffers``: see :func:`iterate`.
-    ``symmetric``: ``gram`` is exactly symmetric (a fresh ``XXᵀ``), so ``A²`` may be computed
-    blockwise (:func:`_product`; in bf16 bitwise the same result)."""
+    ``symmetric``: compute ``A²`` blockwise (:func:`_product`) for a symmetric ``gram``: with an
+    exactly symmetric one (a fresh ``XXᵀ``) the bf16 result is bitwise one GEMM's; Gram
+    Newton–Schulz's ``R`` (fp32/fp16, symmetric up to rounding) differs from it by rounding."""
     c = _degree_terms(row)
     if len(c) == 1:
         return None
