@@ -167,7 +167,11 @@ def spectral_sphere(
         points differ. Measured: 1 msign in 360 of 360 matrix-steps on the full gpt2-small set
         (max |h| 1.4e-6) and 120 of 120 on an MLP run, against ≈3.2–4.3 from last step's λ* with
         Illinois and 6–10 with bisection (docs/sso.md). Costs one fp64 Gram + ``eigh`` of the
-        smaller side (≈ 0.1–0.2 s per 768² on one CPU thread; a PE-8 fp32 msign: ≈ 0.26–0.38 s).
+        smaller side (≈ 0.1–0.2 s per 768² on one CPU thread; a PE-8 fp32 msign: ≈ 0.17–0.38 s).
+        Clearly rectangular batches use the Krylov form instead
+        (:func:`muon_fn.spectral.krylov_lambda_model`, no ``eigh``). With a bf16/fp16 msign
+        (cheaper than that fp64 ``eigh``: 30 vs 78 ms on 768²) the other batches skip the model
+        and bracket from last step's λ*.
       model_steps: msign evaluations guided by the model (each at the model's root shifted by
         the last observed error) before falling back to bracketing; 3.
       direction: how Φ is computed. ``"msign"`` (default): the configured iteration
@@ -211,6 +215,9 @@ def spectral_sphere(
     norm_scale = _orthogonalize.norm_scale(msign_method)
     # The msign's scalar map g, fitted once here (outside any compiled region) for the λ model.
     fit = spectral.spectral_function_fit(schedule) if lambda_model and not muon_sphere else None
+    # The full model costs an fp64 eigh (78 ms per 768²): worth it against fp32 msigns (173 ms
+    # for PE-8), not against half-precision ones (aol9 bf16: 30 ms), where the warm bracket wins.
+    eigh_model = msign_dtype in (torch.float32, torch.float64)
     reach = float(bracket_step) * (2.0 ** max_expansions - 1)
     lr_schedule: Callable[[torch.Tensor], Any] | None = (
         lr if callable(lr) and not isinstance(lr, torch.Tensor) else None
@@ -332,7 +339,7 @@ def spectral_sphere(
                 if fit is not None and direction == "msign":
                     model = spectral.krylov_lambda_model(m_hat, u, v, fit, norm_scale=norm_scale, eps=_MSIGN_EPS,
                                                          tol=tol, reach=reach)
-                if fit is not None and model is None:
+                if fit is not None and model is None and (eigh_model or direction == "spectral"):
                     model = spectral.lambda_model(m_hat, u, v, fit, norm_scale=norm_scale, eps=_MSIGN_EPS,
                                                   precision="fp64" if direction == "spectral" else None)
                 solved = None

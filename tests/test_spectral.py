@@ -483,3 +483,33 @@ class TestMessages(expecttest.TestCase):
                                   """Invalid schedule: expected at least one (a, b, c) row""")
         self.assertExpectedInline(self._msg(lambda: spectral.target_radius((5,))),
                                   """target_radius expects a matrix shape, got (5,)""")
+
+
+@pytest.mark.parametrize("dtype,uses_eigh_model", [(torch.float32, True), (torch.bfloat16, False)], ids=str)
+def test_sso_skips_the_eigh_model_with_a_half_precision_msign(dtype, uses_eigh_model):
+    """A bf16 msign costs less than the model's fp64 eigh, so non-Krylov batches bracket from
+    last step's λ* instead; the certification by the real msign is the same either way."""
+    import muon_fn
+
+    g = torch.Generator().manual_seed(6)
+    params = [torch.randn(48, 48, generator=g) / 7]
+    tol = 2e-4 if dtype == torch.float32 else 5e-3
+    tx = muon_fn.spectral_sphere(lr=0.02, msign_dtype=dtype, tol=tol)
+    state = tx.init(params)
+    calls = []
+    original = spectral.lambda_model
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    spectral.lambda_model = counting
+    try:
+        for _ in range(3):
+            grads = [torch.randn(p.shape, generator=g) for p in params]
+            updates, state = tx.update(grads, state, params)
+            params = muon_fn.apply_updates(params, updates)
+            assert float(state.residual[0]) <= tol and not bool(state.fallback[0])
+    finally:
+        spectral.lambda_model = original
+    assert bool(calls) == uses_eigh_model
