@@ -610,3 +610,20 @@ def test_symmetric_products_of_a_batch_are_split_per_matrix():
         O.SYMMETRIC_MIN_BLOCK = old
     for i in range(3):
         torch.testing.assert_close(gram[i], x[i] @ x[i].mT, rtol=0, atol=1e-5)
+
+
+@given(m=st.integers(1, 3000), min_block=st.integers(1, 400))
+def test_symmetric_block_plan_tiles_the_matrix_once(m, min_block):
+    """Leaves on the diagonal plus each corner and its mirror cover every entry exactly once."""
+    from muon_fn import _orthogonalize as O
+
+    leaves, corners = O._symmetric_blocks(m, min_block)
+    covered = torch.zeros(m, m, dtype=torch.int32)
+    for r0, r2 in leaves:
+        covered[r0:r2, r0:r2] += 1
+    for r0, r1, r2 in corners:
+        covered[r0:r1, r1:r2] += 1
+        covered[r1:r2, r0:r1] += 1
+    assert bool((covered == 1).all())
+    assert all(r2 - r0 < 2 * min_block for r0, r2 in leaves)  # a leaf is a block too small to split
+    assert bool(corners) == (m >= 2 * min_block)
