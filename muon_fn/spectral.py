@@ -641,7 +641,7 @@ def solve_lambda(
 
     def evaluate(lam: torch.Tensor, active: torch.Tensor):
         """h and Φ at ``lam``; in early-exit mode only the ``active`` rows are computed."""
-        if not early_exit:
+        if not early_exit or bool(active.all()):  # all rows: no gather of M̂, no scatter of Φ
             return tangent_residual(m_hat, u, v, lam, msign)
         idx = active.nonzero().squeeze(-1)
         h_a, phi_a = tangent_residual(m_hat[idx], u[idx], v[idx], lam[idx], msign)
