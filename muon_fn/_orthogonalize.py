@@ -483,13 +483,12 @@ def check_dtype(schedule: Sequence[Coefficients], dtype: torch.dtype) -> None:
 
 
 def _run_schedule(y: torch.Tensor, schedule: Sequence[Coefficients], eps: float,
-                  buffers: Buffers | None = None) -> torch.Tensor:
+                  buffers: Buffers | None = None, gram: torch.Tensor | None = None) -> torch.Tensor:
     """Iterate a normalized ``y`` (wide, compute dtype) with ``schedule``: the AOL rescale first if
     the schedule asks for it (its Gram matrix feeds the first iteration), in the schedule's form.
-    ``buffers``: see :func:`iterate` (the Gram form does not use them)."""
-    gram = None
+    ``buffers``: see :func:`iterate` (the Gram form does not use them). ``gram``: ``yyᵀ`` if known."""
     if getattr(schedule, "precondition", "frobenius") == "aol":
-        y, gram = _aol_scale(y, gram_matrix(y, buffers), eps)
+        y, gram = _aol_scale(y, gram_matrix(y, buffers) if gram is None else gram, eps)
     if getattr(schedule, "form", "standard") == "gram":
         return iterate_gram(y, schedule, gram)
     return iterate(y, schedule, gram, buffers)
@@ -502,16 +501,21 @@ def orthogonalize_matrices(
     dtype: torch.dtype,
     eps: float,
     norm_scale: float = 1.0,
+    gram: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The iteration behind :func:`newton_schulz` with a resolved schedule.
 
     A :class:`Schedule` brings its preconditioner and form; a plain tuple of triples runs the
-    standard iteration after Frobenius normalization.
+    standard iteration after Frobenius normalization. ``gram``: ``XXᵀ`` of ``x``'s wide
+    orientation (``XᵀX`` for tall ``x``), ``(..., k, k)`` with ``k = min(m, n)``, if the caller
+    already has it (SSO forms it by a rank-two update); the first iteration then uses it, scaled
+    and cast like ``x``, instead of a product.
     """
     check_dtype(schedule, dtype)
     out_dtype, shape = x.dtype, x.shape
     if x.ndim > 3:
         x = x.reshape(-1, *shape[-2:])
+        gram = None if gram is None else gram.reshape(-1, *gram.shape[-2:])
     tall = x.size(-2) > x.size(-1)
     if tall:
         x = x.mT
@@ -522,7 +526,9 @@ def orthogonalize_matrices(
     else:  # eager: scale and cast in one pass over x
         y = torch.empty(x.shape, dtype=dtype, device=x.device)
         torch.mul(x, inv, out=y)
-    y = _run_schedule(y, schedule, eps)
+    if gram is not None:
+        gram = (gram * inv.square()).to(dtype)
+    y = _run_schedule(y, schedule, eps, gram=gram)
     if tall:
         y = y.mT
     return y.to(out_dtype).reshape(shape)

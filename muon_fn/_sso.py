@@ -223,9 +223,9 @@ def spectral_sphere(
         lr if callable(lr) and not isinstance(lr, torch.Tensor) else None
     )
 
-    def msign(x: torch.Tensor) -> torch.Tensor:
+    def msign(x: torch.Tensor, gram: torch.Tensor | None = None) -> torch.Tensor:
         return _orthogonalize.orthogonalize_matrices(
-            x, schedule, dtype=msign_dtype, eps=_MSIGN_EPS, norm_scale=norm_scale
+            x, schedule, dtype=msign_dtype, eps=_MSIGN_EPS, norm_scale=norm_scale, gram=gram
         ).float()
 
     def blocks_of(p: torch.Tensor) -> list[int] | None:
@@ -351,7 +351,7 @@ def spectral_sphere(
                 lam, phi, stats = solved if solved is not None else spectral.solve_lambda(
                     m_hat, u, v, msign, lambda0=lam0, tol=tol, max_iterations=max_iterations,
                     bracket_step=bracket_step, max_expansions=max_expansions, method=solver,
-                    model=model, model_steps=model_steps)
+                    model=model, model_steps=model_steps, gram=None if model is None else model.gram)
             factor = radius / sigma.clamp_min(1e-30)
             delta = (factor - 1)[:, None, None] * W - (step_lr * s) * phi
             for k, (i, j, _) in enumerate(units):

@@ -249,11 +249,24 @@ def _rank_one(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 
 def tangent_residual(
-    m_hat: torch.Tensor, u: torch.Tensor, v: torch.Tensor, lam: torch.Tensor, msign: Msign
+    m_hat: torch.Tensor, u: torch.Tensor, v: torch.Tensor, lam: torch.Tensor, msign: Msign,
+    gram: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(h(λ), Φ)`` with ``Φ = msign(M̂ + λ u vᵀ)`` and ``h(λ) = uᵀ Φ v`` (batched over ``(B, m, n)``)."""
+    """``(h(λ), Φ)`` with ``Φ = msign(M̂ + λ u vᵀ)`` and ``h(λ) = uᵀ Φ v`` (batched over ``(B, m, n)``).
+
+    ``gram``: ``M̂M̂ᵀ`` of the wide orientation (``M̂ᵀM̂`` if ``M̂`` is tall), if known; then the
+    Gram matrix of ``X = M̂ + λuvᵀ`` is its rank-two update (``a = u``, ``q = M̂v``; ``v, M̂ᵀu``
+    if tall; ``‖v‖ = 1``): ``G + λ(aqᵀ + qaᵀ) + λ²aaᵀ``, passed on as ``msign(X, gram=...)``."""
     x = m_hat + lam[..., None, None] * _rank_one(u, v)
-    phi = msign(x)
+    if gram is None:
+        phi = msign(x)
+    else:
+        tall = m_hat.shape[-2] > m_hat.shape[-1]
+        a = v if tall else u
+        q = (u.unsqueeze(-2) @ m_hat if tall else v.unsqueeze(-2) @ m_hat.mT).squeeze(-2)  # thin, row form
+        lam2 = lam[..., None, None]
+        aq = _rank_one(a, q)
+        phi = msign(x, gram=gram + lam2 * (aq + aq.mT) + lam2.square() * _rank_one(a, a))
     h = (u.unsqueeze(-2) @ phi.float() @ v.unsqueeze(-1)).squeeze(-1).squeeze(-1)
     return h, phi
 
@@ -308,6 +321,7 @@ class LambdaModel(NamedTuple):
     eps: float
     Q: torch.Tensor | None = None  # (B, m, m): eigenvectors of that Gram matrix (for model_direction)
     tall: bool = False  # the inputs were tall and the model is of the transposes
+    gram: torch.Tensor | None = None  # (B, m, m) fp32: M̂M̂ᵀ (wide), for the solver's msign calls
 
 
 def _wide(m_hat: torch.Tensor, u: torch.Tensor, v: torch.Tensor):
@@ -383,7 +397,7 @@ def lambda_model(
     weights, poles = fit
     dev = eig.device
     return LambdaModel(eig.clamp_min(0.0), a, p, fro2, weights.to(dev), poles.to(dev),
-                       float(norm_scale), float(eps), Q, tall)
+                       float(norm_scale), float(eps), Q, tall, full.float())
 
 
 # Krylov model (krylov_lambda_model): block Lanczos on K from [u, M̂v], checked every 8 block steps.
@@ -448,7 +462,7 @@ def krylov_lambda_model(
             a = (u.double().unsqueeze(-2) @ ritz).squeeze(-2)
             p = (mv.double().unsqueeze(-2) @ ritz).squeeze(-2)
             model = LambdaModel(theta.clamp_min(0.0), a, p, fro2, weights.to(K.device), poles.to(K.device),
-                                float(norm_scale), float(eps), None, tall)
+                                float(norm_scale), float(eps), None, tall, gram)
             root, ok = model_root(model, torch.zeros(B, dtype=torch.float64, device=K.device), reach)
             if previous is not None:
                 agree = model_residual(model, previous[0].double()).abs() <= tol / 8
@@ -587,6 +601,7 @@ def solve_lambda(
     model: LambdaModel | None = None,
     model_steps: int = 3,
     early_exit: bool | None = None,
+    gram: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, SolverStats]:
     """Root λ* of ``h(λ) = uᵀ msign(M̂ + λ u vᵀ) v`` and the direction ``Φ = msign(M̂ + λ* u vᵀ)``.
 
@@ -615,6 +630,10 @@ def solve_lambda(
       method: ``"bisection"`` or ``"illinois"``.
       model: a :class:`LambdaModel` of this batch (:func:`lambda_model`), or None.
       model_steps: msign evaluations guided by the model before bracketing (>= 1).
+      gram: ``M̂M̂ᵀ`` of the wide orientation, fp32 ``(B, k, k)`` (e.g. :attr:`LambdaModel.gram`):
+        each evaluation then calls ``msign(X, gram=XXᵀ)`` with that Gram matrix formed by a
+        rank-two update (:func:`tangent_residual`), so ``msign`` must accept the keyword. Eager
+        only (ignored while compiling).
       early_exit: stop when the whole batch converged and evaluate only unconverged matrices
         (one host sync per iteration). ``None``: True in eager mode, False while compiling (where
         the fixed search after the first evaluation runs behind ``torch.cond``: only when some
@@ -630,7 +649,11 @@ def solve_lambda(
         lambda0 = None if lambda0 is None else lambda0.reshape(1)
         if model is not None and model.eig.ndim == 1:
             model = model._replace(eig=model.eig[None], a=model.a[None], p=model.p[None], fro2=model.fro2[None],
-                                   Q=None if model.Q is None else model.Q[None])
+                                   Q=None if model.Q is None else model.Q[None],
+                                   gram=None if model.gram is None else model.gram[None])
+        gram = None if gram is None else gram.unsqueeze(0)
+    if torch.compiler.is_compiling():
+        gram = None  # eager only: lifted into torch.cond next to the model, it aliased an input
     if early_exit is None:
         early_exit = not torch.compiler.is_compiling() and m_hat.device.type != "meta"
     B = m_hat.shape[0]
@@ -642,9 +665,10 @@ def solve_lambda(
     def evaluate(lam: torch.Tensor, active: torch.Tensor):
         """h and Φ at ``lam``; in early-exit mode only the ``active`` rows are computed."""
         if not early_exit or bool(active.all()):  # all rows: no gather of M̂, no scatter of Φ
-            return tangent_residual(m_hat, u, v, lam, msign)
+            return tangent_residual(m_hat, u, v, lam, msign, gram)
         idx = active.nonzero().squeeze(-1)
-        h_a, phi_a = tangent_residual(m_hat[idx], u[idx], v[idx], lam[idx], msign)
+        h_a, phi_a = tangent_residual(m_hat[idx], u[idx], v[idx], lam[idx], msign,
+                                      None if gram is None else gram[idx])
         h = torch.zeros(B, device=dev).index_copy(0, idx, h_a)
         phi = torch.zeros((B,) + phi_a.shape[1:], device=dev, dtype=phi_a.dtype).index_copy(0, idx, phi_a)
         return h, phi

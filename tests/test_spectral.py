@@ -513,3 +513,30 @@ def test_sso_skips_the_eigh_model_with_a_half_precision_msign(dtype, uses_eigh_m
     finally:
         spectral.lambda_model = original
     assert bool(calls) == uses_eigh_model
+
+
+@pytest.mark.parametrize("shape", [(24, 40), (40, 24)])
+def test_msign_with_the_rank_two_gram_equals_the_plain_one(shape):
+    """The solver may hand the msign XXᵀ formed from M̂M̂ᵀ by a rank-two update instead of a
+    product: the same h and Φ to fp32 rounding, for wide and tall batches and any λ."""
+    from muon_fn._orthogonalize import coefficient_schedule, orthogonalize_matrices
+
+    schedule = coefficient_schedule("polar_express", 8)
+
+    def msign(x, gram=None):
+        return orthogonalize_matrices(x, schedule, dtype=torch.float32, eps=1e-7, norm_scale=1.01, gram=gram)
+
+    rows = [_problem(*shape, seed, scale_theta=0.2) for seed in (1, 2)]
+    m_hat, U, V = (torch.stack(x) for x in zip(*rows))
+    wide = m_hat if shape[0] <= shape[1] else m_hat.mT
+    gram = wide @ wide.mT
+    for lam in (-0.3, 0.0, 0.004, 0.7):
+        lam = torch.full((2,), lam)
+        h, phi = spectral.tangent_residual(m_hat, U, V, lam, msign)
+        h_g, phi_g = spectral.tangent_residual(m_hat, U, V, lam, msign, gram)
+        torch.testing.assert_close(phi_g, phi, rtol=0, atol=2e-5)  # PE-8 amplifies fp32 rounding
+        torch.testing.assert_close(h_g, h, rtol=0, atol=2e-5)
+    lam, phi, st = spectral.solve_lambda(m_hat, U, V, msign, tol=1e-5, method="illinois", model=_model(m_hat, U, V),
+                                         gram=gram)
+    assert bool(st.converged.all()) and st.iterations.tolist() == [1, 1]
+    torch.testing.assert_close(phi, spectral.tangent_residual(m_hat, U, V, lam, msign)[1], rtol=0, atol=2e-5)
