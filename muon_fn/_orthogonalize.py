@@ -265,12 +265,16 @@ def _buffer(buffers: Buffers | None, role: str, shape: tuple[int, ...], like: to
 # 1024×4096 20.1 → 12.9, 2048² 39.4 → 28.0; A² 768² 2.1 → 1.7, 2048² 42.6 → 30.4. Below 384 rows
 # (the batched sizes) the halves lose more GEMM efficiency than they save (16×256²: 1.2 → 2.1).
 # CPU and eager only: on CUDA each level adds kernel launches (not measured there), and compiled
-# graphs keep one GEMM.
+# graphs keep one GEMM; so do products that autograd records.
 SYMMETRIC_MIN_BLOCK = 192
 
 
-def _split_symmetric(m: int, device: torch.device) -> bool:
-    return m >= 2 * SYMMETRIC_MIN_BLOCK and device.type == "cpu" and not torch.compiler.is_compiling()
+def _split_symmetric(m: int, *tensors: torch.Tensor | None) -> bool:
+    """Whether to split: CPU, eager, big enough, and no autograd graph to record (the blocks are
+    written with ``out=``, which autograd does not support)."""
+    if m < 2 * SYMMETRIC_MIN_BLOCK or tensors[0].device.type != "cpu" or torch.compiler.is_compiling():
+        return False
+    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
 
 
 @functools.lru_cache(maxsize=None)
@@ -301,7 +305,7 @@ def _product(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, 
     ``bias`` for an exactly symmetric ``A``); then it is computed blockwise on CPU from 384 rows up
     (see ``SYMMETRIC_MIN_BLOCK``); 2-D, or 3-D batches (split per matrix)."""
     m = a.shape[-2]
-    if not (symmetric and _split_symmetric(m, a.device)):
+    if not (symmetric and _split_symmetric(m, a, b, bias)):
         return _matmul(a, b, out) if bias is None else _addmm(bias, a, b, beta=beta, alpha=alpha, out=out)
     if out is None:
         out = torch.empty(a.shape[:-1] + b.shape[-1:], dtype=a.dtype, device=a.device)

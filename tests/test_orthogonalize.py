@@ -627,3 +627,15 @@ def test_symmetric_block_plan_tiles_the_matrix_once(m, min_block):
     assert bool((covered == 1).all())
     assert all(r2 - r0 < 2 * min_block for r0, r2 in leaves)  # a leaf is a block too small to split
     assert bool(corners) == (m >= 2 * min_block)
+
+
+def test_blockwise_products_leave_autograd_working():
+    """Differentiating through the iteration must keep working for matrices big enough to be
+    split (the blocks are written with out=, which autograd does not support): then one GEMM."""
+    x = torch.randn(400, 520, generator=torch.Generator().manual_seed(9), requires_grad=True)
+    y = muon_fn.newton_schulz(x, "polar_express", 5, dtype=torch.float32)
+    y.square().sum().backward()
+    assert x.grad is not None and bool(torch.isfinite(x.grad).all())
+    with torch.no_grad():
+        torch.testing.assert_close(muon_fn.newton_schulz(x, "polar_express", 5, dtype=torch.float32), y,
+                                   rtol=0, atol=1e-5)
