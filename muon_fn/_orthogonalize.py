@@ -265,16 +265,24 @@ def _buffer(buffers: Buffers | None, role: str, shape: tuple[int, ...], like: to
 # 1024×4096 20.1 → 12.9, 2048² 39.4 → 28.0; A² 768² 2.1 → 1.7, 2048² 42.6 → 30.4. Below 384 rows
 # (the batched sizes) the halves lose more GEMM efficiency than they save (16×256²: 1.2 → 2.1).
 # CPU and eager only: on CUDA each level adds kernel launches (not measured there), and compiled
-# graphs keep one GEMM; so do products that autograd records.
+# graphs keep one GEMM; so do products that autograd records or torch.func transforms.
 SYMMETRIC_MIN_BLOCK = 192
 
 
+# torch.func (vmap, grad) wraps tensors; out= has no batching rule, so wrapped inputs keep one GEMM.
+_is_functorch_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor",
+                                lambda t: False)
+
+
 def _split_symmetric(m: int, *tensors: torch.Tensor | None) -> bool:
-    """Whether to split: CPU, eager, big enough, and no autograd graph to record (the blocks are
-    written with ``out=``, which autograd does not support)."""
+    """Whether to split: CPU, eager, big enough, and no autograd graph to record and no torch.func
+    wrapper (the blocks are written with ``out=``, which neither supports)."""
     if m < 2 * SYMMETRIC_MIN_BLOCK or tensors[0].device.type != "cpu" or torch.compiler.is_compiling():
         return False
-    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+    given = [t for t in tensors if t is not None]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in given):
+        return False
+    return not any(_is_functorch_wrapped(t) for t in given)
 
 
 @functools.lru_cache(maxsize=None)

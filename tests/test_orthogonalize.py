@@ -639,3 +639,15 @@ def test_blockwise_products_leave_autograd_working():
     with torch.no_grad():
         torch.testing.assert_close(muon_fn.newton_schulz(x, "polar_express", 5, dtype=torch.float32), y,
                                    rtol=0, atol=1e-5)
+
+
+def test_blockwise_products_leave_torch_func_working():
+    """vmap and torch.func.grad wrap tensors, and out= has no batching rule: one GEMM there."""
+    x = torch.randn(2, 400, 520, generator=torch.Generator().manual_seed(10))
+
+    def f(t):
+        return muon_fn.newton_schulz(t, "polar_express", 5, dtype=torch.float32)
+
+    torch.testing.assert_close(torch.vmap(f)(x), f(x), rtol=0, atol=1e-5)
+    g = torch.func.grad(lambda t: f(t).square().sum())(x[0])
+    assert bool(torch.isfinite(g).all())
