@@ -286,23 +286,24 @@ def _split_symmetric(m: int, *tensors: torch.Tensor | None) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _symmetric_blocks(m: int, min_block: int) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int, int], ...]]:
-    """The diagonal leaves ``(r0, r1)`` and the corners ``(r0, r1, r2)`` (rows ``r0:r1`` × columns
-    ``r1:r2``, mirrored below the diagonal) of the recursive 2×2 split of an ``m × m`` product."""
-    leaves: list[tuple[int, int]] = []
-    corners: list[tuple[int, int, int]] = []
+def _symmetric_blocks(m: int, min_block: int) -> tuple[tuple[slice, slice, bool], ...]:
+    """The blocks ``(rows, cols, mirrored)`` computed for a symmetric ``m × m`` product split
+    recursively 2×2 while halves keep ``min_block`` rows: the diagonal leaves, then each corner
+    above the diagonal (``mirrored``: its transpose fills the block below)."""
+    leaves: list[tuple[slice, slice, bool]] = []
+    corners: list[tuple[slice, slice, bool]] = []
 
     def split(r0: int, r2: int) -> None:
         h = (r2 - r0) // 2
         if h < min_block:
-            leaves.append((r0, r2))
+            leaves.append((slice(r0, r2), slice(r0, r2), False))
             return
         split(r0, r0 + h)
         split(r0 + h, r2)
-        corners.append((r0, r0 + h, r2))
+        corners.append((slice(r0, r0 + h), slice(r0 + h, r2), True))
 
     split(0, m)
-    return tuple(leaves), tuple(corners)
+    return tuple(leaves + corners)
 
 
 def _product(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, bias: torch.Tensor | None = None,
@@ -321,17 +322,13 @@ def _product(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, 
         for i in range(a.size(0)):
             _product(a[i], b[i], out[i], None if bias is None else bias[i], beta, alpha, symmetric=True)
         return out
-    leaves, corners = _symmetric_blocks(m, SYMMETRIC_MIN_BLOCK)
-    for r0, r1, r2 in [(r0, r0, r2) for r0, r2 in leaves] + list(corners):
-        # rows r0:(r1 or r2) × columns r1:r2 — a diagonal leaf when r0 == r1, else a corner
-        rows = slice(r0, r2) if r0 == r1 else slice(r0, r1)
-        cols = slice(r1, r2)
+    for rows, cols, mirrored in _symmetric_blocks(m, SYMMETRIC_MIN_BLOCK):
         block = out[rows, cols]
         if bias is None:
             _matmul(a[rows], b[:, cols], block)
         else:
             _addmm(bias[rows, cols], a[rows], b[:, cols], beta=beta, alpha=alpha, out=block)
-        if r0 != r1:  # mirrored below the diagonal
+        if mirrored:
             out[cols, rows].copy_(block.mT)
     return out
 

@@ -617,16 +617,17 @@ def test_symmetric_block_plan_tiles_the_matrix_once(m, min_block):
     """Leaves on the diagonal plus each corner and its mirror cover every entry exactly once."""
     from muon_fn import _orthogonalize as O
 
-    leaves, corners = O._symmetric_blocks(m, min_block)
+    blocks = O._symmetric_blocks(m, min_block)
     covered = torch.zeros(m, m, dtype=torch.int32)
-    for r0, r2 in leaves:
-        covered[r0:r2, r0:r2] += 1
-    for r0, r1, r2 in corners:
-        covered[r0:r1, r1:r2] += 1
-        covered[r1:r2, r0:r1] += 1
+    for rows, cols, mirrored in blocks:
+        covered[rows, cols] += 1
+        if mirrored:
+            covered[cols, rows] += 1
     assert bool((covered == 1).all())
-    assert all(r2 - r0 < 2 * min_block for r0, r2 in leaves)  # a leaf is a block too small to split
-    assert bool(corners) == (m >= 2 * min_block)
+    leaves = [rows for rows, cols, mirrored in blocks if not mirrored]
+    assert all(rows == cols for rows, cols, mirrored in blocks if not mirrored)  # leaves sit on the diagonal
+    assert all(r.stop - r.start < 2 * min_block for r in leaves)  # a leaf is a block too small to split
+    assert (len(blocks) > len(leaves)) == (m >= 2 * min_block)
 
 
 def test_blockwise_products_leave_autograd_working():
