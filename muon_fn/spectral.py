@@ -334,6 +334,14 @@ def _wide(m_hat: torch.Tensor, u: torch.Tensor, v: torch.Tensor):
     return m_hat, u, v, (v.unsqueeze(-2) @ m_hat.mT).squeeze(-2), tall
 
 
+def _deflated_gram(m_hat: torch.Tensor, mv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(M̂M̂ᵀ, ‖M̂‖_F², K)`` of a wide batch: ``‖M̂‖_F²`` is the Gram matrix's trace (fp64 sum) and
+    ``K = M̂M̂ᵀ − (M̂v)(M̂v)ᵀ = M̂(I − vvᵀ)M̂ᵀ`` (``addcmul``: rank one, 15× faster than ``baddbmm``)."""
+    full = gram_matrix(m_hat)
+    fro2 = full.diagonal(dim1=-2, dim2=-1).sum(-1, dtype=torch.float64)
+    return full, fro2, torch.addcmul(full, mv.unsqueeze(-1), mv.unsqueeze(-2), value=-1.0)
+
+
 def lambda_model(
     m_hat: torch.Tensor,
     u: torch.Tensor,
@@ -373,14 +381,10 @@ def lambda_model(
     _checks.one_of("precision", precision, MODEL_PRECISIONS)
     m_hat, u, v, mv, tall = _wide(m_hat, u, v)
     if precision == "fp64":
-        md, mvd = m_hat.double(), mv.double()
-        full = gram_matrix(md)
-        fro2 = full.diagonal(dim1=-2, dim2=-1).sum(-1)  # ‖M̂‖_F² = tr M̂M̂ᵀ
-        eig, Q = torch.linalg.eigh(torch.addcmul(full, mvd.unsqueeze(-1), mvd.unsqueeze(-2), value=-1.0))
+        full, fro2, gram = _deflated_gram(m_hat.double(), mv.double())
+        eig, Q = torch.linalg.eigh(gram)
     else:
-        full = gram_matrix(m_hat)
-        fro2 = full.diagonal(dim1=-2, dim2=-1).sum(-1, dtype=torch.float64)
-        gram = torch.addcmul(full, mv.unsqueeze(-1), mv.unsqueeze(-2), value=-1.0)  # rank one: 15× faster than baddbmm
+        full, fro2, gram = _deflated_gram(m_hat, mv)
         eig, Q = torch.linalg.eigh(gram.double() if precision == "mixed" else gram)
         eig, Q = eig.double(), Q.double()
         limit = _MODEL_REFINE_BELOW * (norm_scale**2) * fro2
@@ -441,9 +445,7 @@ def krylov_lambda_model(
     if m < _KRYLOV_MIN_ROWS or n < _KRYLOV_MIN_ASPECT * m:
         return None
     m_hat, u, v, mv, tall = _wide(m_hat, u, v)
-    gram = gram_matrix(m_hat)
-    fro2 = gram.diagonal(dim1=-2, dim2=-1).sum(-1, dtype=torch.float64)  # ‖M̂‖_F² = tr M̂M̂ᵀ
-    K = torch.addcmul(gram, mv.unsqueeze(-1), mv.unsqueeze(-2), value=-1.0)
+    gram, fro2, K = _deflated_gram(m_hat, mv)
     B = m_hat.shape[0]
     start = torch.stack([u, mv], dim=-1)  # (B, m, 2)
     scale = torch.linalg.matrix_norm(K).clamp_min(_TINY)  # (B,)
@@ -453,8 +455,8 @@ def krylov_lambda_model(
     basis, previous = [Q], None
     weights, poles = fit
     for steps in range(1, _KRYLOV_CHECKPOINTS[-1] + 1):
+        V = torch.cat(basis, dim=-1)  # (B, m, 2·steps), orthonormal
         if steps in _KRYLOV_CHECKPOINTS:
-            V = torch.cat(basis, dim=-1)  # (B, m, 2·steps), orthonormal
             KV = (V.mT @ K).mT  # K V (K is symmetric; this form is the fast one for thin V)
             T = (V.mT @ KV).double()
             theta, Z = torch.linalg.eigh(0.5 * (T + T.mT))
@@ -472,7 +474,6 @@ def krylov_lambda_model(
             if steps == _KRYLOV_CHECKPOINTS[-1]:
                 return None
         Z = (basis[-1].mT @ K).mT  # K Q_j
-        V = torch.cat(basis, dim=-1)
         for _ in range(2):  # full reorthogonalization, twice (classical Gram–Schmidt)
             Z = Z - V @ (V.mT @ Z)
         Q, R = torch.linalg.qr(Z)
