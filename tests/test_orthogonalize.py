@@ -28,6 +28,7 @@ Tolerances (all measured on torch 2.13 CPU, then given a ~2-4x margin):
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import expecttest
@@ -553,6 +554,20 @@ def test_reused_buffers_give_bitwise_the_same_iteration(method, steps, shape):
     assert buffers and all(t.dtype == torch.bfloat16 for t in buffers.values())
 
 
+@contextlib.contextmanager
+def _split_symmetric_products(min_block: int):
+    """Split symmetric products down to ``min_block`` rows for every dtype (also where bf16 runs
+    on AMX and only long Gram products are split), or never with a huge ``min_block``."""
+    from muon_fn import _orthogonalize as O
+
+    old = O.SYMMETRIC_MIN_BLOCK, O._amx_dtypes
+    O.SYMMETRIC_MIN_BLOCK, O._amx_dtypes = min_block, frozenset
+    try:
+        yield
+    finally:
+        O.SYMMETRIC_MIN_BLOCK, O._amx_dtypes = old
+
+
 @given(m=st.integers(1, 70), k=st.integers(1, 70), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
        beta=st.floats(-4.0, 4.0), alpha=st.floats(-4.0, 4.0), seed=st.integers(0, 2**16))
 def test_symmetric_products_computed_blockwise(m, k, dtype, beta, alpha, seed):
@@ -562,15 +577,11 @@ def test_symmetric_products_computed_blockwise(m, k, dtype, beta, alpha, seed):
 
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=gen).to(dtype)
-    old = O.SYMMETRIC_MIN_BLOCK
-    O.SYMMETRIC_MIN_BLOCK = 4
-    try:
+    with _split_symmetric_products(4):
         gram = O.gram_matrix(x)
         a = x @ x.mT
         a = 0.5 * (a + a.mT)  # exactly symmetric, as the function requires
         square = O._product(a, a, None, a, beta=beta, alpha=alpha, symmetric=True)
-    finally:
-        O.SYMMETRIC_MIN_BLOCK = old
     ref = torch.addmm(a, a, a, beta=beta, alpha=alpha)
     # Rounding bound: a few units of the dtype's eps times the magnitudes that are summed.
     unit = 8 * torch.finfo(dtype).eps
@@ -588,13 +599,10 @@ def test_blockwise_symmetric_products_leave_bf16_iterations_bitwise_unchanged(me
 
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(400, 520, generator=gen)
-    split = muon_fn.newton_schulz(x, method, steps, dtype=torch.bfloat16)
-    old = O.SYMMETRIC_MIN_BLOCK
-    O.SYMMETRIC_MIN_BLOCK = 10**9
-    try:
+    with _split_symmetric_products(O.SYMMETRIC_MIN_BLOCK):
+        split = muon_fn.newton_schulz(x, method, steps, dtype=torch.bfloat16)
+    with _split_symmetric_products(10**9):
         whole = muon_fn.newton_schulz(x, method, steps, dtype=torch.bfloat16)
-    finally:
-        O.SYMMETRIC_MIN_BLOCK = old
     assert torch.equal(split, whole)
 
 
@@ -602,12 +610,8 @@ def test_symmetric_products_of_a_batch_are_split_per_matrix():
     from muon_fn import _orthogonalize as O
 
     x = torch.randn(3, 20, 30, generator=torch.Generator().manual_seed(8))
-    old = O.SYMMETRIC_MIN_BLOCK
-    O.SYMMETRIC_MIN_BLOCK = 4
-    try:
+    with _split_symmetric_products(4):
         gram = O.gram_matrix(x)
-    finally:
-        O.SYMMETRIC_MIN_BLOCK = old
     for i in range(3):
         torch.testing.assert_close(gram[i], x[i] @ x[i].mT, rtol=0, atol=1e-5)
 
@@ -628,6 +632,21 @@ def test_symmetric_block_plan_tiles_the_matrix_once(m, min_block):
     assert all(rows == cols for rows, cols, mirrored in blocks if not mirrored)  # leaves sit on the diagonal
     assert all(r.stop - r.start < 2 * min_block for r in leaves)  # a leaf is a block too small to split
     assert (len(blocks) > len(leaves)) == (m >= 2 * min_block)
+
+
+def test_symmetric_split_policy_follows_the_gemm_hardware(monkeypatch):
+    """Where a dtype's GEMMs run on AMX only Gram products with a long inner dimension are split
+    (k ≥ AMX_SPLIT_MIN_RATIO·m); elsewhere every symmetric product from 2·SYMMETRIC_MIN_BLOCK rows."""
+    from muon_fn import _orthogonalize as O
+
+    bf16, fp32 = torch.empty(1, dtype=torch.bfloat16), torch.empty(1)
+    monkeypatch.setattr(O, "_amx_dtypes", lambda: frozenset({torch.bfloat16}))
+    assert not O._split_symmetric(768, 768, bf16)  # A², or a square's XXᵀ
+    assert O._split_symmetric(768, 3072, bf16)  # XXᵀ of a 768×3072 matrix
+    assert O._split_symmetric(768, 768, fp32)
+    assert not O._split_symmetric(2 * O.SYMMETRIC_MIN_BLOCK - 1, 10**4, fp32)
+    monkeypatch.setattr(O, "_amx_dtypes", frozenset)
+    assert O._split_symmetric(768, 768, bf16)
 
 
 def test_blockwise_products_leave_autograd_working():
