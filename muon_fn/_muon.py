@@ -363,7 +363,8 @@ def muon_step_(
                 members[key].append((pb, scale, tall_scratch))
             else:
                 slot = scratch(("one", key, dtype), (key[0], key[1]), dtype, key[2])
-            _orthogonalize.normalize_into(x, slot, norm_scale=norm_scale, eps=eps, scratch=tall_scratch)
+            _orthogonalize.normalize_into(x, slot, norm_scale=norm_scale, eps=eps, scratch=tall_scratch,
+                                          overwrite=out is not None)  # the Nesterov scratch
             if key not in batched:
                 add_update_(pb, msign(slot), -lr * scale, tall_scratch)
     for key, mem in members.items():
