@@ -218,6 +218,22 @@ def test_momentum_ema_and_sgd_differ_under_a_schedule():
     assert diff > 1e-2
 
 
+@pytest.mark.parametrize("mu", [0.9, torch.tensor(0.9)])
+def test_momentum_off_cpu_takes_a_cpu_scalar(mu):
+    """Off CPU the heavy-ball step takes the multiply-and-add form, which accepts a CPU 0-d μ next
+    to device tensors (run here on meta tensors: shapes and devices only; no GPU to run it on); on
+    CPU the fused form agrees with it to one rounding."""
+    from muon_fn._transforms import scaled_add
+
+    g, b = torch.randn(4, 6), torch.randn(4, 6)
+    meta = scaled_add(g.to("meta"), b.to("meta"), mu)
+    assert meta.device.type == "meta" and meta.shape == (4, 6)
+    tx = mf.momentum(mu)
+    updates, state = tx.update((g.to("meta"),), tx.init((b.to("meta"),)))
+    assert updates[0].device.type == "meta" and state.mu[0].device.type == "meta"
+    torch.testing.assert_close(scaled_add(g, b, mu), b * mu + g, rtol=1e-6, atol=1e-6)
+
+
 def test_momentum_mu_dtype():
     tx = mf.momentum(0.9, mu_dtype=torch.float32)
     p = {"w": torch.randn(3, 4, dtype=torch.bfloat16)}
