@@ -79,11 +79,12 @@ def momentum(
 
 def scaled_add(g: torch.Tensor, b: torch.Tensor, mu: Scalar, out: torch.Tensor | None = None) -> torch.Tensor:
     """``μ·b + g`` (into ``out`` if given; it may be ``b``), the heavy-ball arithmetic shared by
-    :func:`momentum` and :func:`momentum_step_` so both round alike. On CPU one fused ``addcmul``
+    :func:`momentum` and :func:`momentum_step_` so both round alike. On CPU, fp32/fp64, one fused ``addcmul``
     pass (one rounding; on gpt2-small's 85 M parameters 107 instead of 151 ms for a step's two of
     them); elsewhere a multiply and an add, which accept a CPU 0-d ``μ`` next to device tensors
     (ATen builds ``addcmul`` as a ternary op, which does not allow CPU scalars; not run on a GPU here)."""
-    if b.device.type == "cpu":
+    if b.device.type == "cpu" and b.dtype in (torch.float32, torch.float64):
+        # Not for half buffers: addcmul computes in b's dtype and would round μ itself to it.
         m = mu if isinstance(mu, torch.Tensor) else torch.tensor(mu, dtype=b.dtype)
         return torch.addcmul(g, b, m) if out is None else torch.addcmul(g, b, m, out=out)
     if out is None:

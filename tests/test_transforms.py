@@ -232,6 +232,9 @@ def test_momentum_off_cpu_takes_a_cpu_scalar(mu):
     updates, state = tx.update((g.to("meta"),), tx.init((b.to("meta"),)))
     assert updates[0].device.type == "meta" and state.mu[0].device.type == "meta"
     torch.testing.assert_close(scaled_add(g, b, mu), b * mu + g, rtol=1e-6, atol=1e-6)
+    # bf16 buffers keep the multiply and add (addcmul would compute with μ rounded to bf16)
+    g16, b16 = g.bfloat16(), b.bfloat16()
+    assert torch.equal(scaled_add(g16, b16, 0.9), b16 * 0.9 + g16)
 
 
 def test_momentum_mu_dtype():
