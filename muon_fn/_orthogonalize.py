@@ -331,8 +331,10 @@ def _product(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, 
     """``a @ b``, or ``beta·bias + alpha·(a @ b)`` with a ``bias``, into ``out`` if given.
 
     ``symmetric``: the caller knows the result is exactly symmetric (``XXᵀ``, or ``A·A`` and
-    ``bias`` for an exactly symmetric ``A``); then it is computed blockwise on CPU from 384 rows up
-    (see ``SYMMETRIC_MIN_BLOCK``); 2-D, or 3-D batches (split per matrix)."""
+    ``bias`` for an exactly symmetric ``A``); then it is computed blockwise where
+    :func:`_split_symmetric` allows (eager CPU from 384 rows up, see ``SYMMETRIC_MIN_BLOCK``; on
+    AMX dtypes only for inner dimensions ≥ ``AMX_SPLIT_MIN_RATIO``·rows); 2-D, or 3-D batches
+    (split per matrix)."""
     m = a.shape[-2]
     if not (symmetric and _split_symmetric(m, a.shape[-1], a, b, bias)):
         return _matmul(a, b, out) if bias is None else _addmm(bias, a, b, beta=beta, alpha=alpha, out=out)
