@@ -649,25 +649,71 @@ def test_symmetric_split_policy_follows_the_gemm_hardware(monkeypatch):
     assert O._split_symmetric(768, 768, bf16)
 
 
-def test_blockwise_products_leave_autograd_working():
+@pytest.mark.parametrize("method", ["polar_express", "aol9"])
+def test_blockwise_products_leave_autograd_working(method):
     """Differentiating through the iteration must keep working for matrices big enough to be
-    split (the blocks are written with out=, which autograd does not support): then one GEMM."""
+    split (the blocks are written with out=, which autograd does not support): then one GEMM;
+    aol9's AOL rescale and degree-9 step, in place on scratch otherwise, then leave the tensors
+    backward needs alone (AOL schedules raised here before)."""
     x = torch.randn(400, 520, generator=torch.Generator().manual_seed(9), requires_grad=True)
-    y = muon_fn.newton_schulz(x, "polar_express", 5, dtype=torch.float32)
+    y = muon_fn.newton_schulz(x, method, None, dtype=torch.float32)
     y.square().sum().backward()
     assert x.grad is not None and bool(torch.isfinite(x.grad).all())
     with torch.no_grad():
-        torch.testing.assert_close(muon_fn.newton_schulz(x, "polar_express", 5, dtype=torch.float32), y,
+        torch.testing.assert_close(muon_fn.newton_schulz(x, method, None, dtype=torch.float32), y,
                                    rtol=0, atol=1e-5)
 
 
-def test_blockwise_products_leave_torch_func_working():
-    """vmap and torch.func.grad wrap tensors, and out= has no batching rule: one GEMM there."""
+@pytest.mark.parametrize("method", ["polar_express", "aol9"])
+def test_blockwise_products_leave_torch_func_working(method):
+    """vmap and torch.func.grad wrap tensors, and out= has no batching rule: one GEMM there (and
+    no in-place accumulation into the Gram matrix)."""
     x = torch.randn(2, 400, 520, generator=torch.Generator().manual_seed(10))
 
     def f(t):
-        return muon_fn.newton_schulz(t, "polar_express", 5, dtype=torch.float32)
+        return muon_fn.newton_schulz(t, method, None, dtype=torch.float32)
 
     torch.testing.assert_close(torch.vmap(f)(x), f(x), rtol=0, atol=1e-5)
     g = torch.func.grad(lambda t: f(t).square().sum())(x[0])
     assert bool(torch.isfinite(g).all())
+
+
+def test_folding_c0_into_the_diagonal_is_the_same_iteration():
+    """``Schedule.fold_from``: from that iteration on ``X ← (c₀I + P)X`` instead of ``c₀X + PX``
+    (no m×n bias pass); the same map, so equal in fp64 to rounding. Only aol9's own schedule
+    folds, from its second step (the first one rounds coarser that way, see ``_FOLD_FROM``)."""
+    from muon_fn import _orthogonalize as O
+
+    base = O.coefficient_schedule("aol9", 6)  # three quintics, the degree-9 step, two more quintics
+    x = torch.randn(40, 70, dtype=torch.float64, generator=torch.Generator().manual_seed(11))
+    unfolded, *folded = (O.orthogonalize_matrices(x, O.Schedule(base, precondition="aol", fold_from=f),
+                                                  dtype=torch.float64, eps=1e-7) for f in (None, 0, 1, 5))
+    for y in folded:
+        torch.testing.assert_close(y, unfolded, rtol=0, atol=1e-12)
+    assert not torch.equal(folded[0], unfolded)  # a different sum, not the same code path
+    assert {m: O.coefficient_schedule(m, None).fold_from for m in O.METHODS} == {
+        m: 1 if m == "aol9" else None for m in O.METHODS}
+    assert O.coefficient_schedule("aol9", 4, coefficients=[(3.0, -3.2, 1.2)]).fold_from is None
+    with pytest.raises(ValueError, match=r"Invalid fold_from: -1 \(expected None or an integer >= 0\)"):
+        O.Schedule(base, fold_from=-1)
+
+
+@pytest.mark.parametrize("batch", [(), (3,)])
+def test_degree9_step_accumulates_into_its_scratch_gram(batch):
+    """The degree-9 polynomial ``c₁A + A²(…)`` is accumulated into ``A`` itself when the caller
+    says ``A`` is scratch (no copy of ``c₁A`` into the output first): bitwise the same values.
+    Where autograd recorded ``A`` it must not be overwritten (backward needs it)."""
+    from muon_fn import _orthogonalize as O
+
+    row = O.AOL9_COEFFICIENTS[3]
+    x = torch.randn(*batch, 30, 50, generator=torch.Generator().manual_seed(12)).to(torch.bfloat16)
+    gram = x @ x.mT
+    expected = O._poly(gram.clone(), row)
+    scratch = gram.clone()
+    out = O._poly(scratch, row, overwrite=True)
+    assert out.data_ptr() == scratch.data_ptr() and torch.equal(out, expected)
+    recorded = gram.float().requires_grad_()
+    out = O._poly(recorded, row, overwrite=True)
+    assert out.data_ptr() != recorded.data_ptr()
+    out.sum().backward()
+    assert recorded.grad is not None
