@@ -438,7 +438,7 @@ def _poly(gram: torch.Tensor, row: Coefficients, buffers: Buffers | None = None,
 
 def _step(x: torch.Tensor, gram: torch.Tensor, row: Coefficients, buffers: Buffers | None = None,
           out: torch.Tensor | None = None, symmetric: bool = True, overwrite: bool = False,
-          fold: bool = True) -> torch.Tensor:
+          fold: bool = False) -> torch.Tensor:
     """One iteration ``X ← (c₀I + Σ_{i≥1} cᵢAⁱ)X`` given ``A = XXᵀ`` (into ``out`` if given;
     ``symmetric`` and ``overwrite``: see :func:`_poly`).
 
