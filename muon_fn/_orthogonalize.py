@@ -243,7 +243,7 @@ def _aol_scale(x: torch.Tensor, gram: torch.Tensor, eps: float) -> tuple[torch.T
     in place (both are the caller's scratch) unless autograd or torch.func needs the inputs."""
     s = gram.abs().sum(-1, dtype=torch.promote_types(x.dtype, torch.float32)).add_(eps).rsqrt_().to(x.dtype)
     row, col = s.unsqueeze(-1), s.unsqueeze(-2)
-    if _may_overwrite(x) and _may_overwrite(gram):
+    if _untracked(x) and _untracked(gram):
         return x.mul_(row), gram.mul_(row).mul_(col)
     return x * row, gram * row * col
 
@@ -295,6 +295,15 @@ _is_functorch_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_funct
                                 lambda t: False)
 
 
+def _untracked(t: torch.Tensor) -> bool:
+    """Whether neither autograd (recording ``t`` for backward) nor torch.func (wrapping it) sees
+    ``t``, so it may be written with ``out=`` or, as scratch, overwritten in place once read. The
+    wrapper check is skipped under torch.compile, which cannot trace it and functionalizes anyway."""
+    if torch.is_grad_enabled() and t.requires_grad:
+        return False
+    return torch.compiler.is_compiling() or not _is_functorch_wrapped(t)
+
+
 @functools.cache
 def _amx_dtypes() -> frozenset[torch.dtype]:
     """The half dtypes whose CPU GEMMs oneDNN runs on AMX tiles here (Intel Sapphire Rapids and
@@ -320,10 +329,7 @@ def _split_symmetric(m: int, k: int, *tensors: torch.Tensor | None) -> bool:
         return False
     if a.dtype in _amx_dtypes() and k < AMX_SPLIT_MIN_RATIO * m:
         return False
-    given = [t for t in tensors if t is not None]
-    if torch.is_grad_enabled() and any(t.requires_grad for t in given):
-        return False
-    return not any(_is_functorch_wrapped(t) for t in given)
+    return all(_untracked(t) for t in tensors if t is not None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -394,14 +400,6 @@ def gram_products(row: Coefficients) -> int:
     return min(len(_degree_terms(row)) - 1, 2)
 
 
-def _may_overwrite(t: torch.Tensor) -> bool:
-    """Whether scratch ``t`` may be overwritten in place once read: no autograd graph needs it for
-    backward and no torch.func wrapper (not visible to, nor needed under, torch.compile)."""
-    if torch.is_grad_enabled() and t.requires_grad:
-        return False
-    return torch.compiler.is_compiling() or not _is_functorch_wrapped(t)
-
-
 def _poly(gram: torch.Tensor, row: Coefficients, buffers: Buffers | None = None,
           symmetric: bool = True, overwrite: bool = False) -> torch.Tensor | None:
     """``Σ_{i≥1} cᵢ Aⁱ`` for ``row = (c₀, c₁, …, c_d)``, ``d ≤ 4``, in the fewest m×m products and
@@ -430,7 +428,7 @@ def _poly(gram: torch.Tensor, row: Coefficients, buffers: Buffers | None = None,
     else:  # c₁A + A²(c₄A² + c₂I)
         inner, alpha = torch.mul(sq, c[3], out=inner), 1.0
         inner.diagonal(dim1=-2, dim2=-1).add_(c[1])
-    if overwrite and _may_overwrite(gram):
+    if overwrite and _untracked(gram):
         return gram.addmm_(sq, inner, beta=c[0], alpha=alpha) if gram.ndim == 2 else \
             gram.baddbmm_(sq, inner, beta=c[0], alpha=alpha)
     return _addmm(gram, sq, inner, beta=c[0], alpha=alpha, out=out)
