@@ -257,7 +257,7 @@ def tangent_residual(
     ``gram``: ``M̂M̂ᵀ`` of the wide orientation (``M̂ᵀM̂`` if ``M̂`` is tall), if known; then the
     Gram matrix of ``X = M̂ + λuvᵀ`` is its rank-two update (``a = u``, ``q = M̂v``; ``v, M̂ᵀu``
     if tall; ``‖v‖ = 1``): ``G + λ(aqᵀ + qaᵀ) + λ²aaᵀ``, passed on as ``msign(X, gram=...)``."""
-    x = m_hat + lam[..., None, None] * _rank_one(u, v)
+    x = torch.addcmul(m_hat, (lam[..., None] * u).unsqueeze(-1), v.unsqueeze(-2))  # one m×n pass
     if gram is None:
         phi = msign(x)
     else:
@@ -276,7 +276,8 @@ _FIT_POLES = 60  # resolvent terms in the fit of the msign's spectral function
 _FIT_SIGMA_MIN = 1e-8  # fit grid: σ/N from 1e-8 to 1 (N = the msign's normalizer ≥ ‖X‖_F ≥ σ_max)
 MODEL_PRECISIONS = ("fp64", "mixed", "fp32")
 _MODEL_REFINE_BELOW = 1e-5  # refine eigenpairs with ℓ < 1e-5·N² in fp64 (σ/N < 3e-3; PE's corner is ~1e-4)
-_MODEL_BISECTIONS = 48  # bisection steps on the model (resolution 2·reach·2^-48, no msign)
+_MODEL_ROOT_STEPS = 48  # cap on model evaluations in model_root (no msign); eager stops at convergence
+_MODEL_ROOT_ATOL = 1e-12  # |model h| at which model_root stops (h ∈ [−1, 1]; fp64 evaluation)
 
 
 def spectral_function_fit(schedule, *, poles: int = _FIT_POLES) -> tuple[torch.Tensor, torch.Tensor]:
@@ -538,25 +539,46 @@ def model_direction(model: LambdaModel, m_hat: torch.Tensor, u: torch.Tensor, v:
 def model_root(
     model: LambdaModel, offset: torch.Tensor, reach: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Root of ``model_residual(λ) + offset`` in ``[−reach, reach]`` by bisection (no msign).
+    """Root of ``model_residual(λ) + offset`` in ``[−reach, reach]`` (no msign).
 
-    Returns ``(λ, ok)``, both ``(B,)``; ``ok`` is False where the shifted model does not change
-    sign on the interval (then λ is meaningless). λ = 0 exactly when the root is at 0.
+    False position with the Illinois halving on the bracket ``[−reach, reach]``; a step that
+    halves neither the bracket nor the best ``|h|`` is followed by a bisection step. At most
+    ``_MODEL_ROOT_STEPS`` steps; in eager mode it stops once every row has ``|h| ≤ 1e-12`` or a
+    bracket at fp64 resolution (≈ 9 model evaluations per call on gpt2-small gradients, against 50
+    for the plain bisection it replaced). Returns ``(λ, ok)``, both ``(B,)``; ``ok`` is False where
+    the shifted model does not change sign on the interval (then λ is meaningless).
     """
     B = model.eig.shape[0]
     dev = model.eig.device
     offset = offset.double()
     lo = torch.full((B,), -float(reach), dtype=torch.float64, device=dev)
     hi = -lo
-    ok = (model_residual(model, lo) + offset < 0) & (model_residual(model, hi) + offset >= 0)
-    fhi = torch.full((B,), math.inf, dtype=torch.float64, device=dev)
-    flo = -fhi
-    for _ in range(_MODEL_BISECTIONS):
-        mid = 0.5 * (lo + hi)
-        f = model_residual(model, mid) + offset
+    flo, fhi = model_residual(model, lo) + offset, model_residual(model, hi) + offset
+    ok = (flo < 0) & (fhi >= 0)
+    # The bracket's true values (flo, fhi) and the ones false position uses (glo, ghi: Illinois
+    # halves the value of an end that stays put twice, so the next point moves past the root).
+    glo, ghi = flo, fhi
+    moved = torch.zeros(B, dtype=torch.int8, device=dev)  # which end moved last: −1 lo, +1 hi
+    bisect = torch.zeros(B, dtype=torch.bool, device=dev)
+    eager = not torch.compiler.is_compiling() and dev.type != "meta"
+    for _ in range(_MODEL_ROOT_STEPS):
+        width, best = hi - lo, torch.minimum(flo.abs(), fhi.abs())
+        if eager:
+            done = ~ok | (best <= _MODEL_ROOT_ATOL)
+            done |= width <= 4 * torch.finfo(torch.float64).eps * torch.maximum(lo.abs(), hi.abs())
+            if bool(done.all()):
+                break
+        x = (lo * ghi - hi * glo) / (ghi - glo)
+        x = torch.where(bisect | ~((x > lo) & (x < hi)), 0.5 * (lo + hi), x)
+        f = model_residual(model, x) + offset
         up = f < 0
-        lo, flo = torch.where(up, mid, lo), torch.where(up, f, flo)
-        hi, fhi = torch.where(up, hi, mid), torch.where(up, fhi, f)
+        ghi = torch.where(up & (moved == -1), 0.5 * ghi, ghi)
+        glo = torch.where(~up & (moved == 1), 0.5 * glo, glo)
+        lo, flo, glo = torch.where(up, x, lo), torch.where(up, f, flo), torch.where(up, f, glo)
+        hi, fhi, ghi = torch.where(up, hi, x), torch.where(up, fhi, f), torch.where(up, ghi, f)
+        moved = torch.where(up, -1, 1).to(torch.int8)
+        # Progress is a bracket or a best |h| at least halved; without it, bisect next.
+        bisect = (hi - lo > 0.5 * width) & (torch.minimum(flo.abs(), fhi.abs()) > 0.5 * best)
     lam = torch.where(fhi <= -flo, hi, lo)
     return lam.float(), ok
 
