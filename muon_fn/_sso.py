@@ -317,9 +317,13 @@ def spectral_sphere(
         for (m, n), units in _chunks(groups):
             radius = spectral.target_radius((m, n), radius_scale)
             s = update_scale(scale_mode, (m, n), radius)
-            W = torch.stack([p_leaves[i].reshape(-1, n)[rows] for i, _, rows in units]).float()
-            M = torch.stack([directions[i].reshape(-1, n)[rows] for i, _, rows in units]).float()
-            m_hat = M / torch.linalg.matrix_norm(M, keepdim=True).clamp_min(_M_FLOOR)
+            W = _batch([p_leaves[i].reshape(-1, n)[rows] for i, _, rows in units]).float()
+            # M̂ in place where M is ours: a stack, a cast, or the Nesterov direction (not the state).
+            M = _batch([directions[i].reshape(-1, n)[rows] for i, _, rows in units])
+            owned = len(units) > 1 or nesterov or M.dtype != torch.float32
+            M = M.float()
+            norm = torch.linalg.matrix_norm(M, keepdim=True).clamp_min(_M_FLOOR)
+            m_hat = M.div_(norm) if owned else M / norm
             V0 = torch.stack([pick("v", i, j) for i, j, _ in units])
             if cold_start:
                 V0 = spectral.default_start_block(n, V0.shape[-1], device=W.device).expand_as(V0)
@@ -353,7 +357,8 @@ def spectral_sphere(
                     bracket_step=bracket_step, max_expansions=max_expansions, method=solver,
                     model=model, model_steps=model_steps, gram=None if model is None else model.gram)
             factor = radius / sigma.clamp_min(1e-30)
-            delta = (factor - 1)[:, None, None] * W - (step_lr * s) * phi
+            # u = (R/σ − 1)·W − lr·s·Φ, in place on Φ (the solver's fresh output): two m×n passes.
+            delta = phi.mul_(-(step_lr * s)).addcmul_(W, (factor - 1)[:, None, None])
             for k, (i, j, _) in enumerate(units):
                 pieces[i][0 if j is None else j] = delta[k]
                 for field, value in (("v", V), ("lam", lam), ("sigma", sigma), ("residual", stats.residual),
@@ -387,6 +392,11 @@ def spectral_sphere(
     if split is not None:
         config["split"] = split
     return named(GradientTransformation(init, update), "spectral_sphere", **config)
+
+
+def _batch(mats: list[torch.Tensor]) -> torch.Tensor:
+    """``(B, m, n)`` from B equal-shape matrices: a view for one, a stack (a copy) for more."""
+    return mats[0].unsqueeze(0) if len(mats) == 1 else torch.stack(mats)
 
 
 def _chunks(groups: dict[tuple, list]):
