@@ -101,7 +101,7 @@ def spectral_sphere(
     nesterov: bool = True,
     radius_scale: float = 2.0,
     scale_mode: str = "radius",
-    power_steps: int = 8,
+    power_steps: int = 5,
     power_block: int = 16,
     cold_start: bool = False,
     msign_method: str = "polar_express",
@@ -136,10 +136,12 @@ def spectral_sphere(
       scale_mode: ``s`` in ``W − lr·s·Φ``: ``"radius"`` (s = R, the paper's "spectral µP scaler"),
         or a :func:`muon_fn.shape_scale` rule (``"spectral"`` = √(out/in), the later configs';
         ``"match_rms_adamw"`` = SB's align_adamw_rms; ``"keller"``, ``"legacy"``, ``"none"``).
-      power_steps: block power-iteration rounds per step; 8, warm-started from last step's block
-        (SB: 10, Megatron: 20, both one vector, cold from all-ones; the paper caches vectors).
-        Measured retraction error on 768×768 with noise gradients, k = 16: 2.4e-3 (2 rounds),
-        5.5e-4 (4), 2.7e-5 (8); the rounds cost < 0.5 % of the step (docs/sso.md).
+      power_steps: products with ``WᵀW`` per step in the Chebyshev-filtered block iteration
+        (:func:`muon_fn.spectral.subspace_iteration`); 5, warm-started from last step's block
+        (SB: 10, Megatron: 20 plain power steps, both one vector, cold from all-ones; the paper
+        caches vectors). Measured retraction error, max over steps 3–15 with noise gradients,
+        k = 16, 768×768 / 768×3072: 1.3e-6 / 5.4e-6 (5 Chebyshev steps), 6.5e-7 / 2.3e-6 (6),
+        against 1.8e-5 / 5.3e-5 for the 8 plain power steps used before (docs/sso.md).
       power_block: k vectors iterated together, σ from Rayleigh–Ritz
         (:func:`muon_fn.spectral.subspace_iteration`); 16: SSO flattens the top of the spectrum
         (tangent steps raise σ₂, σ₃, … but not σ₁), where one vector fails — measured retraction

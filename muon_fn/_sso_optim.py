@@ -88,7 +88,7 @@ class SpectralSphereOptimizer(HybridOptimizer):
         weight_decay: float = 0.0,
         radius_scale: float = 2.0,
         scale_mode: str = "radius",
-        power_steps: int = 8,
+        power_steps: int = 5,
         power_block: int = 16,
         cold_start: bool = False,
         msign_method: str = "polar_express",

@@ -58,6 +58,7 @@ __all__ = [
     "solve_lambda",
     "spectral_function_fit",
     "subspace_iteration",
+    "SUBSPACE_METHODS",
     "tangent_residual",
     "target_radius",
     "top_singular",
@@ -145,23 +146,38 @@ def default_start_block(n: int, k: int, *, device=None, dtype: torch.dtype = tor
     return torch.linalg.qr(x)[0].to(dtype)
 
 
-def subspace_iteration(
-    W: torch.Tensor, steps: int, V0: torch.Tensor | None = None, *, block: int = 8
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Top singular triple by block power iteration on ``k`` vectors with a Rayleigh–Ritz step.
+SUBSPACE_METHODS = ("chebyshev", "power")
 
-    ``V ← qr(Wᵀ W V)`` ``steps`` times, then the top singular pair of ``W V`` (a ``k × k``
-    eigenproblem). It converges at rate ``(σ_{k+1}/σ₁)²`` per step instead of ``(σ₂/σ₁)²``, and a
-    warm-started block keeps tracking the top when the leading singular values cross — which SSO
-    makes common: tangent steps leave σ₁ alone and raise the others, so the top of the spectrum
-    flattens (measured σ₅/σ₁ ≈ 0.93–0.98 after 30 noisy steps).
+
+def subspace_iteration(
+    W: torch.Tensor, steps: int, V0: torch.Tensor | None = None, *, block: int = 8, method: str = "chebyshev"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top singular triple by block iteration on ``k`` vectors with a Rayleigh–Ritz step.
+
+    ``steps`` products with ``WᵀW`` (two thin GEMMs each) on an orthonormal block, then the top
+    singular pair of ``W V`` (a ``k × k`` eigenproblem). A warm-started block keeps tracking the top
+    when the leading singular values cross — which SSO makes common: tangent steps leave σ₁ alone
+    and raise the others, so the top of the spectrum flattens (σ₁₇/σ₁ ≈ 0.95–0.98 after 15 noisy
+    steps, measured).
+
+    ``method``:
+
+    - ``"chebyshev"`` (default): the block gets the degree-``steps`` Chebyshev polynomial of
+      ``WᵀW`` that is bounded by 1 on ``[0, b]``, ``b`` = the smallest Ritz value of the start
+      block (≤ σ_k² by interlacing), so everything below ``b`` is damped and everything above
+      grows like ``T_steps``: far more separation than ``(WᵀW)^steps`` on a flat top. The
+      three-term recurrence runs on column-normalized blocks and ends with one QR. On those
+      flat 768² and 768×3072 SSO weights, |σ/σ₁ − 1| from a warm block: 4 steps 4.5e-6 /
+      2.0e-5, 8 steps 2.0e-7 / 4.1e-7, against 1.0e-5 / 3.5e-5 for 8 power steps.
+    - ``"power"``: ``V ← qr(WᵀW V)`` per step, rate ``(σ_{k+1}/σ₁)²``.
 
     Args:
       W: ``(m, n)`` or ``(..., m, n)``; fp32 math.
-      steps: rounds (>= 0).
+      steps: products with ``WᵀW`` (>= 0).
       V0: start block ``(..., n, k)`` (last step's block: a warm start); ``None``: a fixed block of
         ``min(block, m, n)`` columns.
       block: ``k`` when ``V0`` is None.
+      method: ``"chebyshev"`` or ``"power"``.
 
     Returns:
       ``(σ, u, v, V)``: the Ritz estimate of σ₁ (a lower bound), unit ``u``, ``v`` with
@@ -171,6 +187,7 @@ def subspace_iteration(
         raise ValueError(f"subspace_iteration expects a matrix or a batch of matrices, got shape {tuple(W.shape)}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise ValueError(f"Invalid steps: {steps!r} (expected an integer >= 0)")
+    _checks.one_of("method", method, SUBSPACE_METHODS)
     W = W.float()
     m, n = W.shape[-2:]
     if V0 is None:
@@ -179,8 +196,23 @@ def subspace_iteration(
     elif V0.shape[-2] != n:
         raise ValueError(f"Invalid V0: shape {tuple(V0.shape)} does not match W's {n} columns")
     V = torch.linalg.qr(V0.float().expand(W.shape[:-2] + V0.shape[-2:]))[0]
-    for _ in range(steps):
-        V = torch.linalg.qr(W.mT @ (W @ V))[0]
+    if method == "power":
+        for _ in range(steps):
+            V = torch.linalg.qr(W.mT @ (W @ V))[0]
+    elif steps > 0:
+        # Chebyshev on [0, b]: x ↦ (x − c)/e maps it to [−1, 1]; T_{j+1} = 2·t·T_j − T_{j−1}.
+        Y = W @ V
+        ritz = torch.linalg.eigvalsh(Y.mT @ Y)  # ascending, (..., k)
+        b = torch.maximum(ritz[..., :1], ritz[..., -1:] * 1e-6).clamp_min(_TINY)[..., None]  # (..., 1, 1)
+        c = half = 0.5 * b
+        prev, cur = V, (W.mT @ Y - c * V) / half
+        for _ in range(steps - 1):
+            # Unit columns against overflow; the previous block gets the same diagonal scaling,
+            # which leaves the polynomial unchanged: p(A)(V D) = p(A)V D.
+            d = torch.linalg.vector_norm(cur, dim=-2, keepdim=True).clamp_min(_TINY)  # (..., 1, k)
+            prev, cur = cur / d, prev / d
+            cur = 2 * (W.mT @ (W @ prev) - c * prev) / half - cur
+        V = torch.linalg.qr(cur)[0]
     Y = W @ V
     evals, E = torch.linalg.eigh(Y.mT @ Y)
     e = E[..., -1:]  # top Ritz vector, (..., k, 1)
