@@ -58,7 +58,6 @@ __all__ = [
     "solve_lambda",
     "spectral_function_fit",
     "subspace_iteration",
-    "SUBSPACE_METHODS",
     "tangent_residual",
     "target_radius",
     "top_singular",
