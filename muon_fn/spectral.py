@@ -307,7 +307,8 @@ _FIT_POLES = 60  # resolvent terms in the fit of the msign's spectral function
 _FIT_SIGMA_MIN = 1e-8  # fit grid: σ/N from 1e-8 to 1 (N = the msign's normalizer ≥ ‖X‖_F ≥ σ_max)
 MODEL_PRECISIONS = ("fp64", "mixed", "fp32")
 _MODEL_REFINE_BELOW = 1e-5  # refine eigenpairs with ℓ < 1e-5·N² in fp64 (σ/N < 3e-3; PE's corner is ~1e-4)
-_MODEL_ROOT_STEPS = 48  # cap on model evaluations in model_root (no msign); eager stops at convergence
+_MODEL_ROOT_STEPS = 48  # cap on model_root's steps in eager mode, which stops at convergence
+_MODEL_ROOT_STEPS_COMPILED = 24  # fixed steps while compiling (unrolled; the bracket halves every ≤ 2)
 _MODEL_ROOT_ATOL = 1e-12  # |model h| at which model_root stops (h ∈ [−1, 1]; fp64 evaluation)
 
 
@@ -573,10 +574,10 @@ def model_root(
     """Root of ``model_residual(λ) + offset`` in ``[−reach, reach]`` (no msign).
 
     False position with the Illinois halving on the bracket ``[−reach, reach]``; a step that
-    halves neither the bracket nor the best ``|h|`` is followed by a bisection step. At most
-    ``_MODEL_ROOT_STEPS`` steps; in eager mode it stops once every row has ``|h| ≤ 1e-12`` or a
-    bracket at fp64 resolution (≈ 9 model evaluations per call on gpt2-small gradients, against 50
-    for the plain bisection it replaced). Returns ``(λ, ok)``, both ``(B,)``; ``ok`` is False where
+    halves neither the bracket nor the best ``|h|`` is followed by a bisection step. Eager mode
+    stops once every row has ``|h| ≤ 1e-12`` or a bracket at fp64 resolution (at most 48 steps;
+    ≈ 9 model evaluations per call on gpt2-small gradients, against 50 for the plain bisection it
+    replaced); compiled, it runs 24 steps (unrolled), still at least 12 halvings of the bracket. Returns ``(λ, ok)``, both ``(B,)``; ``ok`` is False where
     the shifted model does not change sign on the interval (then λ is meaningless).
     """
     B = model.eig.shape[0]
@@ -592,7 +593,7 @@ def model_root(
     moved = torch.zeros(B, dtype=torch.int8, device=dev)  # which end moved last: −1 lo, +1 hi
     bisect = torch.zeros(B, dtype=torch.bool, device=dev)
     eager = not torch.compiler.is_compiling() and dev.type != "meta"
-    for _ in range(_MODEL_ROOT_STEPS):
+    for _ in range(_MODEL_ROOT_STEPS if eager else _MODEL_ROOT_STEPS_COMPILED):
         width, best = hi - lo, torch.minimum(flo.abs(), fhi.abs())
         if eager:
             done = ~ok | (best <= _MODEL_ROOT_ATOL)
