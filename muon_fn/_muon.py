@@ -129,7 +129,8 @@ def orthogonalize(
       steps: iterations of the method's coefficient schedule; ``None``: what the method is
         designed for (4 for ``"aol9"`` and ``"aol"``, else 5).
       coefficients: a custom per-iteration schedule of ``(a, b, c)`` triples.
-      dtype: iteration dtype; ``None`` = the device default (bf16).
+      dtype: iteration dtype; ``None`` = the device default
+        (:func:`~muon_fn._orthogonalize.default_compute_dtype`: bf16, fp32 on CPUs without bf16 GEMMs).
       eps: added to the Frobenius norm (zero in → zero out, never NaN).
       stepsize: damping η of each iteration, ``X ← X + η(p(X) − X)``.
       flatten: view N-D leaves as ``(out, prod(rest))``; if False, leading dims are a batch.
@@ -308,7 +309,7 @@ def muon_step_(
     """
     from ._transforms import momentum_step_, momentum_weights
 
-    dtype = dtype or _orthogonalize.default_compute_dtype()
+    dtype = dtype or _orthogonalize.default_compute_dtype(params[0].device if params else None)
     _orthogonalize.check_dtype(schedule, dtype)
     if msign is None:
         # On CPU the products reuse scratch kept across steps (a fresh allocation page-faults on

@@ -498,7 +498,7 @@ class MuonOptimizer(HybridOptimizer):
       adjust_lr_fn: shape rule ``"keller"``/``"original"``, ``"match_rms_adamw"``, ``"spectral"``,
         ``"legacy"`` or ``"none"`` (see :func:`muon_fn.shape_scale`).
       beta2: ``None`` for Muon; a float enables NorMuon row normalization with ``eps``.
-      ns_dtype: iteration dtype (default bf16), ``ns_eps``, ``ns_stepsize``, ``ns_coefficients``:
+      ns_dtype: iteration dtype (default: bf16, fp32 on CPUs without bf16 GEMMs), ``ns_eps``, ``ns_stepsize``, ``ns_coefficients``:
         see :func:`muon_fn.orthogonalize`. ``split``: row blocks of fused weights.
       momentum_dtype: dtype of the momentum buffer (default: the parameter's), e.g. fp32 for
         bf16 parameters.

@@ -398,6 +398,38 @@ def test_custom_coefficients_accept_lists_and_tensors_rows():
 # The "shown after you stop" checks and the notes' deterministic cases.
 
 
+@pytest.mark.parametrize("has_bf16", [True, False])
+def test_default_compute_dtype_is_fp32_only_on_cpus_without_bf16_gemms(monkeypatch, has_bf16):
+    monkeypatch.setattr(orth, "CPU_HAS_BF16_GEMM", has_bf16)
+    cpu = torch.bfloat16 if has_bf16 else torch.float32
+    assert orth.default_compute_dtype() == orth.default_compute_dtype("cpu") == cpu
+    assert orth.default_compute_dtype(torch.device("cuda", 0)) == torch.bfloat16
+    # The default is what the optimizer's eager step and the transform actually run.
+    p = [torch.randn(32, 48, generator=torch.Generator().manual_seed(k)) for k in range(2)]
+    g = [torch.randn(32, 48, generator=torch.Generator().manual_seed(10 + k)) for k in range(2)]
+    outs = []
+    for ns_dtype in (None, cpu):
+        q = [x.clone().requires_grad_() for x in p]
+        for x, d in zip(q, g):
+            x.grad = d.clone()
+        muon_fn.MuonOptimizer(q, lr=0.1, ns_dtype=ns_dtype).step()
+        tx = muon_fn.orthogonalize(dtype=ns_dtype)
+        u, _ = tx.update(list(g), tx.init(g))
+        outs.append((q, u))
+    for a, b in zip(outs[0][0] + outs[0][1], outs[1][0] + outs[1][1]):
+        assert torch.equal(a, b)
+
+
+def test_cpu_has_bf16_gemm_reads_the_cpu_flags(monkeypatch):
+    flags = {"_is_avx512_bf16_supported": False, "_is_amx_tile_supported": False}
+    for name in flags:
+        monkeypatch.setattr(torch.cpu, name, lambda name=name: flags[name])
+    monkeypatch.setattr(orth.platform, "machine", lambda: "x86_64")
+    assert orth.cpu_has_bf16_gemm() is False
+    flags["_is_amx_tile_supported"] = True
+    assert orth.cpu_has_bf16_gemm() is True
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_zeropower_via_newtonschulz5_band(seed):
     torch.manual_seed(seed)
