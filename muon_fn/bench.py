@@ -498,18 +498,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", default="muon_fn_bench.json", help="write the results here ('' to skip)")
     ap.add_argument("--quick", action="store_true",
-                    help="tiny set, 12 rounds, quality on layer 0 and 256x1024 Gaussians (< 60 s)")
+                    help="tiny set, 12 rounds (2 and no bf16 rows but torch's on CPUs without bf16 "
+                         "instructions), quality on layer 0 and 256x1024 Gaussians (< 60 s)")
     ap.add_argument("--compile", action="store_true", help="also measure cold compile and recompiles")
     ap.add_argument("--no-quality", action="store_true")
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     sizes = ["tiny"] if args.quick else (list(MODEL_SIZES) if args.model_size == "all" else [args.model_size])
+    rows, quick_rounds = args.rows, 12
+    if not _ortho.CPU_HAS_BF16_GEMM:
+        print("note: this CPU has no bf16 instructions, so torch emulates the bf16 GEMMs of torch.optim.Muon "
+              "and the other bf16 rows (tens of times slower than fp32; about 10 s per tiny step, over "
+              "15 min per gpt2-small step); muon_fn's default runs in fp32 here", file=sys.stderr, flush=True)
+        if args.quick and rows is None:  # keep --quick under a minute: torch.optim.Muon as the only bf16 row
+            rows, quick_rounds = [r for r in ROWS if r not in _BF16_ROWS or r == _REFERENCE], 2
     results: dict[str, Any] = {}
     for size in sizes:
         # One step per round and many rounds: adjacent single steps share the machine's load best.
         steps = args.steps or 1
-        rounds = args.rounds or (12 if args.quick else 25 if size == "tiny" else 5)
-        res = benchmark_muon_optimizers(size, steps, args.lr, rows=args.rows, rounds=rounds,
+        rounds = args.rounds or (quick_rounds if args.quick else 25 if size == "tiny" else 5)
+        res = benchmark_muon_optimizers(size, steps, args.lr, rows=rows, rounds=rounds,
                                         quality=not args.no_quality, threads=args.threads,
                                         quality_layers=1 if args.quick else 2,
                                         gaussian=(256, 1024) if args.quick else True)
