@@ -5,8 +5,9 @@
 
 Rows (each its own optimizer over its own copy of the same matrices):
 
-- ``muon``: ``MuonOptimizer`` defaults — the issue's "Muon" (``aol9``, 4 steps, bf16 since
-  commit 3f1c375; Polar Express, 5 steps, bf16 before, which is what docs/sso.md's tables used).
+- ``muon``: ``MuonOptimizer`` defaults — the issue's "Muon" (``aol9``, 4 steps, since commit
+  3f1c375; Polar Express, 5 steps before, which is what docs/sso.md's early tables used), in the
+  default dtype: bf16, or fp32 on CPUs without bf16 GEMMs (since 2026-11-24).
 - ``muon_pe5``: ``MuonOptimizer(method="polar_express", ns_steps=5)`` (the default before 3f1c375).
 - ``muon_same``: ``MuonOptimizer(method="polar_express", ns_steps=8, ns_dtype=torch.float32)`` — Muon with SSO's own msign
   (Polar Express, 8 steps, fp32), so the ratio isolates what SSO adds over Muon.
