@@ -5,7 +5,8 @@ Per matrix ``W`` (``(out, in)``, conv kernels folded into ``in``), with gradient
 
 1. momentum (EMA, Nesterov): ``b ← lerp(b, g, 1−μ)``, ``M = lerp(g, b, μ)``; ``M̂ = M/max(‖M‖_F, 1e-8)``;
 2. ``σ, u, v`` = block power iteration on ``W`` started from last step's block (a warm start);
-3. retraction to the sphere ``‖W‖₂ = R``, ``R = c·√(out/in)``: ``W ← (R/σ)·W``;
+3. retraction to the sphere ``‖W‖₂ = R``, ``R = c·√(out/in)``: ``W ← (R/σ)·W`` (``"hard"``, the
+   default), or a relative step ``α·lr`` toward it (``"dynamic"``: ``W ← (1 ∓ α·lr)·W``);
 4. ``λ*`` = root of ``h(λ) = uᵀ msign(M̂ + λ u vᵀ) v`` (:func:`muon_fn.spectral.solve_lambda`),
    first evaluated where a closed-form model of h puts it (:func:`muon_fn.spectral.lambda_model`);
 5. ``Φ = msign(M̂ + λ* u vᵀ)`` — tangent to the sphere at W (``⟨u vᵀ, Φ⟩ ≈ 0``);
@@ -16,11 +17,12 @@ Per matrix ``W`` (``(out, in)``, conv kernels folded into ``in``), with gradient
 
     u = (R/σ − 1)·p − lr·s·Φ
 
-which is why ``spectral_sphere`` takes ``lr`` itself and is **final**: do not chain
-``scale_by_learning_rate`` (or weight decay) after it. The retraction at the start of step t equals
+(with ``retract_mode="dynamic"``, ``∓α·lr·p`` in place of ``(R/σ − 1)·p``), which is why
+``spectral_sphere`` takes ``lr`` itself and is **final**: do not chain ``scale_by_learning_rate``
+(or weight decay) after it. The retraction at the start of step t equals
 one at the end of step t−1 (singular vectors do not change under scaling), so one power iteration
 serves both; right after an update ``‖W‖₂`` is within about ``lr·s`` of ``R`` and the next step
-retracts it exactly.
+retracts it exactly (hard mode).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from ._base import GradientTransformation, ScalarOrSchedule, Updates, named
 from ._muon import SHAPE_RULES, Split, _not_matrix, _validate_split, block_sizes, matrix_shape, shape_scale
 
 SCALE_MODES = ("radius",) + SHAPE_RULES
+RETRACT_MODES = ("hard", "dynamic")
 DIRECTIONS = ("msign", "spectral")
 _M_FLOOR = 1e-8  # floor of ‖M‖_F in the normalization (reference code)
 _MSIGN_EPS = 1e-7  # the msign's normalization X / (norm_scale·‖X‖_F + eps) (reference code)
@@ -80,7 +83,8 @@ def update_scale(scale_mode: str, shape: tuple[int, ...], radius: float) -> floa
 
 
 def _validate(lr, momentum, radius_scale, power_steps, power_block, msign_steps, msign_method, scale_mode, tol,
-              max_iterations, bracket_step, max_expansions, solver, model_steps=1) -> None:
+              max_iterations, bracket_step, max_expansions, solver, model_steps=1, retract_mode="hard",
+              retract_alpha=0.05) -> None:
     _checks.scalar_or_schedule("lr", lr)
     _checks.in_unit_interval("momentum", momentum)
     _checks.positive("radius_scale", radius_scale)
@@ -90,6 +94,8 @@ def _validate(lr, momentum, radius_scale, power_steps, power_block, msign_steps,
     _checks.positive_int("msign_steps", msign_steps)
     _checks.one_of("msign_method", msign_method, _orthogonalize.METHODS)
     _checks.one_of("scale_mode", scale_mode, SCALE_MODES)
+    _checks.one_of("retract_mode", retract_mode, RETRACT_MODES)
+    _checks.positive("retract_alpha", retract_alpha)
     _checks.one_of("solver", solver, spectral.SOLVER_METHODS)
     spectral._check_solver_args(tol, max_iterations, bracket_step, max_expansions, solver, model_steps)
 
@@ -101,6 +107,8 @@ def spectral_sphere(
     nesterov: bool = True,
     radius_scale: float = 2.0,
     scale_mode: str = "radius",
+    retract_mode: str = "hard",
+    retract_alpha: float = 0.05,
     power_steps: int = 5,
     power_block: int = 16,
     cold_start: bool = False,
@@ -136,6 +144,12 @@ def spectral_sphere(
       scale_mode: ``s`` in ``W − lr·s·Φ``: ``"radius"`` (s = R, the paper's "spectral µP scaler"),
         or a :func:`muon_fn.shape_scale` rule (``"spectral"`` = √(out/in), the later configs';
         ``"match_rms_adamw"`` = SB's align_adamw_rms; ``"keller"``, ``"legacy"``, ``"none"``).
+      retract_mode: how W is brought back to the sphere each step. ``"hard"`` (every source's
+        default, and the paper's): ``W ← (R/σ)·W``, exactly onto it. ``"dynamic"`` (the reference
+        code's alternative): ``W ← (1 + α·lr·d)·W`` with ``d = −1`` if ``σ > R``, else ``+1`` — a
+        relative step of ``α·lr`` toward the sphere, so a weight far from it (e.g. a fresh
+        initialization) gets there in about ``|ln(σ/R)|/(α·lr)`` steps instead of one.
+      retract_alpha: α of ``"dynamic"``; 0.05 (the reference code's). Unused by ``"hard"``.
       power_steps: products with ``WᵀW`` per step in the Chebyshev-filtered block iteration
         (:func:`muon_fn.spectral.subspace_iteration`); 5, warm-started from last step's block
         (SB: 10, Megatron: 20 plain power steps, both one vector, cold from all-ones; the paper
@@ -195,15 +209,15 @@ def spectral_sphere(
         per-matrix state gains a leading block dimension: ``v`` ``(blocks, in, k)``, ``lam`` etc.
         ``(blocks,)``.
 
-    Weight decay is not offered: the hard retraction undoes it every step (paper: none on 2-D
-    hidden weights). Every non-None leaf must be a matrix (ndim ≥ 2).
+    Weight decay is not offered: the retraction undoes it (at once, or, dynamic, over a few steps;
+    paper: none on 2-D hidden weights). Every non-None leaf must be a matrix (ndim ≥ 2).
 
     Returns:
       A :class:`~muon_fn.GradientTransformation` with state :class:`SpectralSphereState`; it needs
       ``params`` in ``update``.
     """
     _validate(lr, momentum, radius_scale, power_steps, power_block, msign_steps, msign_method, scale_mode, tol,
-              max_iterations, bracket_step, max_expansions, solver, model_steps)
+              max_iterations, bracket_step, max_expansions, solver, model_steps, retract_mode, retract_alpha)
     for name, flag in (("nesterov", nesterov), ("cold_start", cold_start), ("warm_lambda", warm_lambda),
                        ("lambda_model", lambda_model), ("muon_sphere", muon_sphere)):
         if not isinstance(flag, bool):
@@ -358,8 +372,12 @@ def spectral_sphere(
                     m_hat, u, v, msign, lambda0=lam0, tol=tol, max_iterations=max_iterations,
                     bracket_step=bracket_step, max_expansions=max_expansions, method=solver,
                     model=model, model_steps=model_steps, gram=None if model is None else model.gram)
-            factor = radius / sigma.clamp_min(1e-30)
-            # u = (R/σ − 1)·W − lr·s·Φ, in place on Φ (the solver's fresh output): two m×n passes.
+            if retract_mode == "hard":
+                factor = radius / sigma.clamp_min(1e-30)
+            else:  # a relative step α·lr toward the sphere: shrink above R, grow otherwise
+                factor = 1 + (retract_alpha * step_lr) * torch.where(sigma > radius, -1.0, 1.0)
+            # u = (f − 1)·W − lr·s·Φ (f: the retraction factor), in place on Φ (the solver's fresh
+            # output): two m×n passes.
             delta = phi.mul_(-(step_lr * s)).addcmul_(W, (factor - 1)[:, None, None])
             for k, (i, j, _) in enumerate(units):
                 pieces[i][0 if j is None else j] = delta[k]
@@ -391,6 +409,8 @@ def spectral_sphere(
                   lambda_model=lambda_model, model_steps=model_steps, muon_sphere=muon_sphere)
     if direction != "msign":
         config["direction"] = direction
+    if retract_mode != "hard":
+        config.update(retract_mode=retract_mode, retract_alpha=retract_alpha)
     if split is not None:
         config["split"] = split
     return named(GradientTransformation(init, update), "spectral_sphere", **config)

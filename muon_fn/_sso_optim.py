@@ -13,7 +13,7 @@ from ._alias import adamw
 from ._base import GradientTransformation
 from ._combine import partition
 from ._orthogonalize import METHODS
-from ._sso import DIRECTIONS, SCALE_MODES, spectral_sphere
+from ._sso import DIRECTIONS, RETRACT_MODES, SCALE_MODES, spectral_sphere
 from .optim import CompileOption, HybridOptimizer
 from .spectral import SOLVER_METHODS
 
@@ -60,9 +60,10 @@ class SpectralSphereOptimizer(HybridOptimizer):
       lr, momentum, nesterov: see :func:`muon_fn.spectral_sphere` (``lr`` is the relative spectral
         step with the default ``scale_mode="radius"``).
       weight_decay: only used by ``algorithm="adamw"`` groups (SSO's retraction undoes decay).
-      radius_scale, scale_mode, power_steps, power_block, cold_start, msign_method, msign_steps,
-        msign_dtype, tol, max_iterations, bracket_step, max_expansions, solver, warm_lambda,
-        lambda_model, model_steps, direction, muon_sphere: see :func:`muon_fn.spectral_sphere`.
+      radius_scale, scale_mode, retract_mode, retract_alpha, power_steps, power_block, cold_start,
+        msign_method, msign_steps, msign_dtype, tol, max_iterations, bracket_step, max_expansions,
+        solver, warm_lambda, lambda_model, model_steps, direction, muon_sphere: see
+        :func:`muon_fn.spectral_sphere`.
       momentum_dtype: dtype of the momentum buffer (default: the parameter's).
       split: row blocks of fused weights, each its own sphere (see :func:`muon_fn.spectral_sphere`).
       adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW half in ``"auto"`` groups.
@@ -88,6 +89,8 @@ class SpectralSphereOptimizer(HybridOptimizer):
         weight_decay: float = 0.0,
         radius_scale: float = 2.0,
         scale_mode: str = "radius",
+        retract_mode: str = "hard",
+        retract_alpha: float = 0.05,
         power_steps: int = 5,
         power_block: int = 16,
         cold_start: bool = False,
@@ -117,7 +120,8 @@ class SpectralSphereOptimizer(HybridOptimizer):
     ) -> None:
         defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
-            radius_scale=radius_scale, scale_mode=scale_mode, power_steps=power_steps,
+            radius_scale=radius_scale, scale_mode=scale_mode, retract_mode=retract_mode,
+            retract_alpha=retract_alpha, power_steps=power_steps,
             power_block=power_block, cold_start=cold_start, msign_method=msign_method, msign_steps=msign_steps, msign_dtype=msign_dtype, tol=tol,
             max_iterations=max_iterations, bracket_step=bracket_step,
             max_expansions=max_expansions, solver=solver, warm_lambda=warm_lambda,
@@ -143,6 +147,8 @@ class SpectralSphereOptimizer(HybridOptimizer):
     def _validate_group(self, group: dict[str, Any]) -> None:
         super()._validate_group(group)
         _checks.one_of("scale_mode", group["scale_mode"], SCALE_MODES)
+        _checks.one_of("retract_mode", group["retract_mode"], RETRACT_MODES)
+        _checks.positive("retract_alpha", group["retract_alpha"])
         _checks.one_of("solver", group["solver"], SOLVER_METHODS)
         _checks.positive("radius_scale", group["radius_scale"])
         _checks.positive("tol", group["tol"])
@@ -193,7 +199,8 @@ def _sso_factory(h: dict[str, Any]) -> GradientTransformation:
     def sso_tx():
         return spectral_sphere(
             h["lr"], h["momentum"], nesterov=h["nesterov"], radius_scale=h["radius_scale"],
-            scale_mode=h["scale_mode"], power_steps=h["power_steps"], power_block=h["power_block"],
+            scale_mode=h["scale_mode"], retract_mode=h["retract_mode"], retract_alpha=h["retract_alpha"],
+            power_steps=h["power_steps"], power_block=h["power_block"],
             cold_start=h["cold_start"], msign_method=h["msign_method"],
             msign_steps=h["msign_steps"], msign_dtype=h["msign_dtype"], tol=h["tol"],
             max_iterations=h["max_iterations"], bracket_step=h["bracket_step"],

@@ -127,6 +127,57 @@ def test_update_is_tangent_to_the_sphere_and_muon_sphere_is_not():
     assert float(st0.lam[0]) == 0.0 and float(st0.residual[0]) == pytest.approx(abs(off), abs=1e-5)
 
 
+@pytest.mark.parametrize("scale", [3.0, 0.2])  # σ(W) = 3R (above the sphere), 0.2R (below)
+def test_dynamic_retraction_differs_from_hard_only_by_its_factor(scale):
+    """From the same state the two modes solve the same λ* and Φ; the update differs by
+    ``((1 + α·lr·d) − R/σ)·W`` with ``d = −1`` above the sphere and ``+1`` below it."""
+    gen = torch.Generator().manual_seed(11)
+    W0 = torch.randn(16, 24, generator=gen)
+    R = 2.0 * math.sqrt(16 / 24)
+    W = W0 * (scale * R / torch.linalg.matrix_norm(W0, ord=2))
+    g = torch.randn(16, 24, generator=gen)
+    lr, alpha = 0.03, 0.4
+    hard = spectral_sphere(lr)
+    dyn = spectral_sphere(lr, retract_mode="dynamic", retract_alpha=alpha)
+    u_h, st_h = hard.update((g,), hard.init((W,)), (W,))
+    u_d, st_d = dyn.update((g,), dyn.init((W,)), (W,))
+    sigma = float(st_d.sigma[0])
+    assert sigma == pytest.approx(scale * R, rel=1e-5)
+    assert sigma == float(st_h.sigma[0]) and float(st_d.lam[0]) == float(st_h.lam[0])
+    d = -1.0 if scale > 1 else 1.0
+    expected = u_h[0].double() + ((1 + alpha * lr * d) - R / sigma) * W.double()
+    torch.testing.assert_close(u_d[0].double(), expected, rtol=0, atol=1e-5)
+
+
+def test_dynamic_retraction_with_zero_lr_leaves_w_where_it_is():
+    W = 5 * torch.randn(12, 20, generator=torch.Generator().manual_seed(13))
+    tx = spectral_sphere(0.0, retract_mode="dynamic")
+    u, _ = tx.update((torch.randn(12, 20),), tx.init((W,)), (W,))
+    assert int(torch.count_nonzero(u[0])) == 0  # the hard mode would retract here (test above)
+
+
+def test_dynamic_retraction_approaches_the_sphere_geometrically():
+    """σ/R shrinks by exactly 1 − α·lr per step while W is far above the sphere (the tangent
+    step moves σ only at second order: measured |ratio − 0.95| ≤ 4.4e-4 above 1.5R), then stays
+    within about α·lr of R (measured ≤ 0.056 with α·lr = 0.05)."""
+    gen = torch.Generator().manual_seed(12)
+    torch.manual_seed(12)
+    W = nn.Linear(32, 24).weight.detach().clone()
+    R = 2.0 * math.sqrt(24 / 32)
+    W = W * (4 * R / torch.linalg.matrix_norm(W, ord=2))
+    lr, alpha = 0.02, 2.5
+    tx = spectral_sphere(lr, retract_mode="dynamic", retract_alpha=alpha)
+    state = tx.init((W,))
+    ratios = [4.0]
+    for _ in range(45):
+        W, state = _step(tx, W, torch.randn(24, 32, generator=gen), state)
+        assert float(state.sigma[0]) / R == pytest.approx(ratios[-1], rel=1e-4)  # σ before this step
+        ratios.append(float(torch.linalg.matrix_norm(W.double(), ord=2)) / R)
+    far = [(a, b) for a, b in zip(ratios, ratios[1:]) if a > 1.5]
+    assert len(far) >= 15 and all(abs(b / a - (1 - alpha * lr)) <= 1e-3 for a, b in far)
+    assert max(abs(r - 1) for r in ratios[-15:]) <= 0.08
+
+
 @pytest.mark.parametrize("method", ["aol", "aol9"])
 def test_aol_msign_methods_stay_tangent(method):
     # AOL scales rows, so the λ model (a function of σ only) is approximate; the real msign
@@ -297,21 +348,36 @@ def test_optimizer_with_split_trains_and_checkpoints():
     assert opt2.state[qkv.weight]["sso_iterations"].dtype == torch.int32
 
 
-def test_optimizer_msign_method_reaches_the_transform():
-    """``SpectralSphereOptimizer(msign_method=...)`` runs the same step as the transform with it
-    (here Muon's default msign, aol9 in bf16, with a bf16-sized tolerance)."""
-    torch.manual_seed(8)
+def _optimizer_and_transform(seed: int, **kw):
+    """One ``SpectralSphereOptimizer(lr=0.02, **kw)`` step on a 16×24 ``nn.Linear`` weight, and
+    ``W0 + u`` from the transform with the same settings, weight and gradient; also the
+    optimizer and the transform's state."""
+    torch.manual_seed(seed)
     layer = nn.Linear(24, 16, bias=False)
     W0, g = layer.weight.detach().clone(), torch.randn(16, 24)
-    kw = dict(msign_method="aol9", msign_steps=4, msign_dtype=torch.bfloat16, tol=5e-3)
     opt = SpectralSphereOptimizer(layer.parameters(), lr=0.02, **kw)
     layer.weight.grad = g.clone()
     opt.step()
     tx = spectral_sphere(0.02, **kw)
     u, st = tx.update((g,), tx.init((W0,)), (W0,))
-    torch.testing.assert_close(layer.weight.detach(), W0 + u[0], rtol=0, atol=1e-6)
+    return layer.weight.detach(), W0 + u[0], opt, st
+
+
+def test_optimizer_msign_method_reaches_the_transform():
+    """``SpectralSphereOptimizer(msign_method=...)`` runs the same step as the transform with it
+    (here Muon's default msign, aol9 in bf16, with a bf16-sized tolerance)."""
+    stepped, expected, opt, st = _optimizer_and_transform(
+        8, msign_method="aol9", msign_steps=4, msign_dtype=torch.bfloat16, tol=5e-3)
+    torch.testing.assert_close(stepped, expected, rtol=0, atol=1e-6)
     stats = opt.last_step_stats()
     assert int(stats.iterations[0]) == int(st.iterations[0]) and float(stats.residual[0]) <= 5e-3
+
+
+def test_optimizer_dynamic_retraction_equals_the_transform():
+    stepped, expected, _, _ = _optimizer_and_transform(9, retract_mode="dynamic", retract_alpha=0.5)
+    torch.testing.assert_close(stepped, expected, rtol=0, atol=1e-6)
+    hard, _, _, _ = _optimizer_and_transform(9)
+    assert float((stepped - hard).abs().max()) > 1e-3  # the mode reached the step
 
 
 def test_lr_schedule_and_scale_modes():
@@ -542,6 +608,10 @@ class TestMessages(expecttest.TestCase):
                                   """Invalid power_steps: 0 (expected an integer >= 1)""")
         self.assertExpectedInline(self._msg(lambda: spectral_sphere(scale_mode="adam")),
                                   """Invalid scale_mode: 'adam' (valid: 'radius', 'keller', 'original', 'match_rms_adamw', 'spectral', 'legacy', 'none')""")
+        self.assertExpectedInline(self._msg(lambda: spectral_sphere(retract_mode="soft")),
+                                  """Invalid retract_mode: 'soft' (valid: 'hard', 'dynamic')""")
+        self.assertExpectedInline(self._msg(lambda: spectral_sphere(retract_alpha=0.0)),
+                                  """Invalid retract_alpha: 0.0 (expected a finite value > 0)""")
         self.assertExpectedInline(self._msg(lambda: spectral_sphere(solver="secant")),
                                   """Invalid solver: 'secant' (valid: 'bisection', 'illinois')""")
         self.assertExpectedInline(self._msg(lambda: spectral_sphere(max_iterations=-1)),
@@ -567,6 +637,10 @@ class TestMessages(expecttest.TestCase):
                                   """Invalid learning rate: -0.1""")
         self.assertExpectedInline(self._msg(lambda: SpectralSphereOptimizer(p, solver="x")),
                                   """Invalid solver: 'x' (valid: 'bisection', 'illinois')""")
+        self.assertExpectedInline(self._msg(lambda: SpectralSphereOptimizer(p, retract_mode="Hard")),
+                                  """Invalid retract_mode: 'Hard' (valid: 'hard', 'dynamic')""")
+        self.assertExpectedInline(self._msg(lambda: SpectralSphereOptimizer(p, retract_alpha=-1)),
+                                  """Invalid retract_alpha: -1 (expected a finite value > 0)""")
         self.assertExpectedInline(self._msg(lambda: SpectralSphereOptimizer(p, lambda_model=1)),
                                   """Invalid lambda_model: 1 (expected True or False)""")
         self.assertExpectedInline(self._msg(lambda: SpectralSphereOptimizer(p, model_steps=0)),

@@ -132,7 +132,9 @@ def _check_bytes():
 CHECKS = {"owner": lambda: _check_parity("owner"), "replicate": lambda: _check_parity("replicate"),
           "bytes": _check_bytes,
           # split=(4, 4, 4) applies to the three 12-row matrices: one sphere per 4-row block.
-          "owner_split": lambda: _check_parity("owner", split=(4, 4, 4))}
+          "owner_split": lambda: _check_parity("owner", split=(4, 4, 4)),
+          # The dynamic retraction (α·lr = 1 %) through sso_kwargs: the owner runs the same transform.
+          "owner_dynamic": lambda: _check_parity("owner", retract_mode="dynamic", retract_alpha=0.5)}
 
 
 def _worker(rank, w, port, out):
@@ -185,7 +187,7 @@ def _job(w):
 
 
 @pytest.mark.parametrize("w", [2, 4])
-@pytest.mark.parametrize("strategy", ["owner", "replicate", "owner_split"])
+@pytest.mark.parametrize("strategy", ["owner", "replicate", "owner_split", "owner_dynamic"])
 def test_fsdp_sso_matches_single_device(w, strategy):
     ranks = _job(w)
     assert isinstance(ranks, list), f"job failed:\n{ranks}"
