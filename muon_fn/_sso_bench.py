@@ -1,7 +1,10 @@
 """SSO step time against Muon on the gpt2-small matrix set (a benchmark, not a test).
 
-    OMP_NUM_THREADS=1 python -m muon_fn._sso_bench                       # 12 layers, 5 timed rounds
-    OMP_NUM_THREADS=1 python -m muon_fn._sso_bench --layers 1 --rounds 4 --rows muon,muon_same,sso,sso_classic
+    OMP_NUM_THREADS=1 muon-fn bench-sso                       # 12 layers, 1 + 5 rounds (about 7 min)
+    OMP_NUM_THREADS=1 muon-fn bench-sso --layers 1 --rounds 4 --rows muon,muon_same,sso,sso_classic
+    python -m muon_fn._sso_bench ...                          # the same, without the console script
+
+A table goes to stdout (progress lines to stderr), the full result to ``--json`` if given.
 
 Rows (each its own optimizer over its own copy of the same matrices):
 
@@ -34,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from collections import Counter
 from typing import Any, Callable, Sequence
@@ -72,6 +76,8 @@ def run(layers: int = 12, rounds: int = 5, warmup: int = 1, rows: Sequence[str] 
         raise ValueError("Invalid rows: must include 'muon' (the reference of every ratio)")
     if not 1 <= layers <= 12:
         raise ValueError(f"Invalid layers: {layers} (expected 1..12)")
+    if rounds < 1 or warmup < 0:
+        raise ValueError(f"Invalid rounds/warmup: {rounds}/{warmup} (expected rounds >= 1, warmup >= 0)")
     params0, grad0, names = real_gradients("gpt2-small", seed=seed)
     n = len(MATRIX_NAMES) * layers
     params0, grad0, names = params0[:n], grad0[:n], names[:n]
@@ -126,22 +132,46 @@ def run(layers: int = 12, rounds: int = 5, warmup: int = 1, rows: Sequence[str] 
     return result
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m muon_fn._sso_bench", description=__doc__.split("\n\n")[0])
+def format_table(result: dict[str, Any]) -> str:
+    """The human-readable summary of a :func:`run` result: median step per row, each ratio's
+    median / min / max and per-round values, and the SSO rows' solver statistics."""
+    lines = [f"gpt2-small matrix set, {result['layers']} layer(s) = {result['matrices']} matrices; "
+             f"{result['warmup']} warm-up + {result['rounds']} paired rounds, {result['threads']} thread(s)",
+             f"{'row':<18}{'median s/step':>14}"]
+    lines += [f"{r:<18}{t:>14.3f}" for r, t in result["median_step_s"].items()]
+    lines.append(f"{'ratio':<24}{'median':>8}{'min':>8}{'max':>8}  per round")
+    for name, q in result["ratios"].items():
+        if q is not None:
+            rounds = " ".join(f"{x:.3f}" for x in q["per_round"])
+            lines.append(f"{name:<24}{q['median']:>8.3f}{q['min']:>8.3f}{q['max']:>8.3f}  {rounds}")
+    for r, st in result["solver"].items():
+        hist = ", ".join(f"{k}: {v}" for k, v in st["msigns_per_matrix_histogram"].items())
+        lines.append(f"{r}: msigns per matrix-step {{{hist}}} (mean {st['msigns_per_matrix_mean']:.2f}), "
+                     f"max |h| {st['residual_max']:.1e}, fallbacks {st['fallbacks']}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "python -m muon_fn._sso_bench") -> int:
+    """Entry point of ``muon-fn bench-sso`` (and ``python -m muon_fn._sso_bench``)."""
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=12, help="gpt2-small layers (6 matrices each), 1..12")
     ap.add_argument("--rounds", type=int, default=5, help="timed paired rounds")
     ap.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
     ap.add_argument("--rows", default=",".join(DEFAULT_ROWS), help=f"comma-separated subset of {', '.join(ROWS)}")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--json", default="", help="write the result here")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: see docs/performance.md)")
+    ap.add_argument("--json", default="", help="also write the full result (per-round times, ratios) here")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    result = run(args.layers, args.rounds, args.warmup, args.rows.split(","))
-    text = json.dumps(result, indent=2)
-    print(text)
+    try:
+        result = run(args.layers, args.rounds, args.warmup, args.rows.split(","),
+                     log=lambda line: print(line, file=sys.stderr, flush=True))
+    except ValueError as e:
+        ap.error(str(e))
+    print(format_table(result))
     if args.json:
         with open(args.json, "w") as f:
-            f.write(text + "\n")
+            f.write(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.json}")
     return 0
 
 

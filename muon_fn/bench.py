@@ -489,19 +489,20 @@ def format_table(result: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``muon-fn bench``."""
     ap = argparse.ArgumentParser(prog="muon-fn bench", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model-size", choices=[*MODEL_SIZES, "all"], default="all")
+    ap.add_argument("--model-size", choices=[*MODEL_SIZES, "all"], default="all",
+                    help="parameter set: tiny (4 layers, d = 256), gpt2-small (12 layers, d = 768) or both")
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps per row per round")
     ap.add_argument("--rounds", type=int, default=None, help="paired rounds")
-    ap.add_argument("--lr", type=float, default=0.02)
-    ap.add_argument("--rows", nargs="+", choices=ROWS + OPTIONAL_ROWS, default=None,
-                    help="rows to time (default: all but the compiled ones)")
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--lr", type=float, default=0.02, help="learning rate of every optimizer row")
+    ap.add_argument("--rows", nargs="+", choices=ROWS + OPTIONAL_ROWS, default=None, metavar="ROW",
+                    help="rows to time (default: " + ", ".join(ROWS) + "; also: " + ", ".join(OPTIONAL_ROWS) + ")")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: see docs/performance.md)")
     ap.add_argument("--json", default="muon_fn_bench.json", help="write the results here ('' to skip)")
     ap.add_argument("--quick", action="store_true",
                     help="tiny set, 12 rounds (2 and no bf16 rows but torch's on CPUs without bf16 "
                          "instructions), quality on layer 0 and 256x1024 Gaussians (< 60 s)")
     ap.add_argument("--compile", action="store_true", help="also measure cold compile and recompiles")
-    ap.add_argument("--no-quality", action="store_true")
+    ap.add_argument("--no-quality", action="store_true", help="skip the orthogonality quality measurements")
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     sizes = ["tiny"] if args.quick else (list(MODEL_SIZES) if args.model_size == "all" else [args.model_size])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import expecttest
 import pytest
 import torch
 from hypothesis import given, settings
@@ -338,3 +339,52 @@ def test_lean_row_matches_torch_muon_with_the_quintic():
     for p, r, p0 in zip(params, ref, start):  # bf16 NS: equal up to rounding (~1e-2 relative)
         ours, theirs = p.detach() - p0, r.detach() - p0
         assert (ours - theirs).norm() < 0.03 * theirs.norm()
+
+
+# ------------------------------------------------------------------------------ the SSO bench
+def test_sso_bench_runs_and_reports_ratios_and_solver_statistics():
+    from muon_fn import _sso_bench
+
+    lines = []
+    res = _sso_bench.run(layers=1, rounds=1, warmup=0, rows=("muon", "sso"), log=lines.append)
+    assert res["matrices"] == 6 and set(res["median_step_s"]) == {"muon", "sso"}
+    assert set(res["ratios"]) == {"sso/muon"} and len(res["ratios"]["sso/muon"]["per_round"]) == 1
+    solver = res["solver"]["sso"]
+    assert sum(solver["msigns_per_matrix_histogram"].values()) == 6  # one entry per matrix-step
+    assert solver["fallbacks"] == 0 and solver["residual_max"] <= 2e-4
+    assert len(lines) == 1 and lines[0].startswith("round 0: ")
+
+
+def test_sso_bench_rejects_bad_arguments():
+    from muon_fn import _sso_bench
+
+    for kwargs, message in [(dict(rows=("sso",)), "must include 'muon'"), (dict(layers=13), "Invalid layers: 13"),
+                            (dict(rounds=0), "Invalid rounds/warmup: 0/1"), (dict(rows=("muon", "x")), "Invalid row: 'x'")]:
+        with pytest.raises(ValueError, match=message):
+            _sso_bench.run(**kwargs)
+
+
+class TestSSOBenchTable(expecttest.TestCase):
+    def test_table(self):
+        from muon_fn import _sso_bench
+
+        result = {
+            "layers": 12, "matrices": 72, "rounds": 2, "warmup": 1, "threads": 1, "wall_s": 100.0,
+            "median_step_s": {"muon": 5.93, "muon_same": 22.77, "sso": 30.53},
+            "ratios": {"muon_same/muon": {"median": 3.79, "min": 3.49, "max": 3.85, "per_round": [3.49, 3.85]},
+                       "sso/muon": {"median": 5.02, "min": 4.59, "max": 5.16, "per_round": [4.59, 5.16]},
+                       "sso/muon_same": {"median": 1.323, "min": 1.304, "max": 1.342, "per_round": [1.304, 1.342]}},
+            "solver": {"sso": {"msigns_per_matrix_histogram": {1: 143, 2: 1}, "msigns_per_matrix_mean": 1.0069,
+                               "residual_max": 1.13e-5, "fallbacks": 0}},
+        }
+        self.assertExpectedInline(_sso_bench.format_table(result), """\
+gpt2-small matrix set, 12 layer(s) = 72 matrices; 1 warm-up + 2 paired rounds, 1 thread(s)
+row                median s/step
+muon                       5.930
+muon_same                 22.770
+sso                       30.530
+ratio                     median     min     max  per round
+muon_same/muon             3.790   3.490   3.850  3.490 3.850
+sso/muon                   5.020   4.590   5.160  4.590 5.160
+sso/muon_same              1.323   1.304   1.342  1.304 1.342
+sso: msigns per matrix-step {1: 143, 2: 1} (mean 1.01), max |h| 1.1e-05, fallbacks 0""")

@@ -124,6 +124,22 @@ def test_cli_bench_delegates(monkeypatch):
     assert seen["argv"] == ["--quick"]
 
 
+def test_cli_bench_sso_delegates(monkeypatch):
+    from muon_fn import _sso_bench
+
+    seen = {}
+    monkeypatch.setattr(_sso_bench, "main", lambda argv, prog: seen.update(argv=argv, prog=prog) or 0)
+    assert cli.main(["bench-sso", "--layers", "1"]) == 0
+    assert seen == {"argv": ["--layers", "1"], "prog": "muon-fn bench-sso"}
+
+
+def test_cli_bench_sso_reports_bad_arguments(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench-sso", "--layers", "0"])
+    assert exc.value.code == 2
+    assert "muon-fn bench-sso: error: Invalid layers: 0 (expected 1..12)" in capsys.readouterr().err
+
+
 def test_example_mixed_adamw(capsys):
     assert load_example("mixed_adamw").main(["--steps", "2"]) == 0
     out = capsys.readouterr().out
