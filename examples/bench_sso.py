@@ -49,7 +49,7 @@ def grads_for(signals, g):
     return tuple(s + torch.randn(s.shape, generator=g) for s in signals)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=1)
     ap.add_argument("--steps", type=int, default=6, help="timed steps")
@@ -57,7 +57,7 @@ def main() -> None:
     ap.add_argument("--json", type=str, default=None, help="write the results here")
     ap.add_argument("--variants", type=str, default="muon,muon_fp32x8,muon_sphere,sso",
                     help="comma-separated subset of: muon, muon_fp32x8, muon_sphere, sso, sso_bf16")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(1)
     params, signals, gen = make_problem(args.layers)
     txs = {
@@ -129,7 +129,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

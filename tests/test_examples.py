@@ -159,6 +159,17 @@ def test_example_train_sso(capsys):
     assert "solver iterations" in out and "σ(W) vs target radius" in out
 
 
+def test_example_bench_sso(tmp_path):
+    """The transform-level SSO benchmark runs and reports the solver and σ accuracy (not timed)."""
+    out = tmp_path / "sso.json"
+    assert load_example("bench_sso").main(["--layers", "1", "--steps", "1", "--warmup", "0",
+                                           "--variants", "muon,sso", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["matrices"] == 6 and res["ratio_sso_over_muon"] is not None
+    assert sum(res["solver_iterations_histogram"].values()) == 6 and res["fallbacks"] == 0
+    assert res["residual_max"] <= 2e-4 and res["sigma_rel_error_max"] <= 1e-5
+
+
 def test_example_hf_transformers(capsys):
     for mod in ("transformers", "accelerate"):  # Trainer needs accelerate
         pytest.importorskip(mod, reason=f"optional extra 'hf' not installed ({mod}): pip install 'muon-fn[hf]'")
