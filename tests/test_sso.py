@@ -532,12 +532,14 @@ def test_from_model_split_and_scheduler():
     assert opt.last_step_stats().names == ["'hidden.weight'".strip("'")]
 
 
-def test_compiled_step_equals_eager():
+@pytest.mark.parametrize("retract_mode", ["hard", "dynamic"])
+def test_compiled_step_equals_eager(retract_mode):
     torch.manual_seed(4)
     make = lambda: nn.Linear(12, 8, bias=False)  # noqa: E731
     a, b = make(), make()
     b.load_state_dict(a.state_dict())
-    kw = dict(max_iterations=3, max_expansions=3, msign_steps=3, power_steps=1)  # short trace
+    kw = dict(max_iterations=3, max_expansions=3, msign_steps=3, power_steps=1,  # short trace
+              retract_mode=retract_mode)
     opt_e = SpectralSphereOptimizer(a.parameters(), **kw)
     opt_c = SpectralSphereOptimizer(b.parameters(), compile={"backend": "eager"}, **kw)
     X = torch.randn(16, 12)
