@@ -27,6 +27,7 @@ retracts it exactly (hard mode).
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -82,9 +83,10 @@ def update_scale(scale_mode: str, shape: tuple[int, ...], radius: float) -> floa
     return radius if scale_mode == "radius" else shape_scale(scale_mode, shape)
 
 
-def _validate(lr, momentum, radius_scale, power_steps, power_block, msign_steps, msign_method, scale_mode, tol,
-              max_iterations, bracket_step, max_expansions, solver, model_steps=1, retract_mode="hard",
-              retract_alpha=0.05) -> None:
+def _validate(*, lr, momentum, nesterov, radius_scale, scale_mode, retract_mode, retract_alpha, power_steps,
+              power_block, cold_start, msign_method, msign_steps, tol, max_iterations, bracket_step,
+              max_expansions, solver, warm_lambda, lambda_model, model_steps, direction, muon_sphere) -> None:
+    """Check :func:`spectral_sphere`'s hyperparameters (also each ``SpectralSphereOptimizer`` group's)."""
     _checks.scalar_or_schedule("lr", lr)
     _checks.in_unit_interval("momentum", momentum)
     _checks.positive("radius_scale", radius_scale)
@@ -98,6 +100,18 @@ def _validate(lr, momentum, radius_scale, power_steps, power_block, msign_steps,
     _checks.positive("retract_alpha", retract_alpha)
     _checks.one_of("solver", solver, spectral.SOLVER_METHODS)
     spectral._check_solver_args(tol, max_iterations, bracket_step, max_expansions, solver, model_steps)
+    for name, flag in (("nesterov", nesterov), ("cold_start", cold_start), ("warm_lambda", warm_lambda),
+                       ("lambda_model", lambda_model), ("muon_sphere", muon_sphere)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"Invalid {name}: {flag!r} (expected True or False)")
+    _checks.one_of("direction", direction, DIRECTIONS)
+    if direction == "spectral" and (not lambda_model or muon_sphere):
+        raise ValueError("Invalid direction: 'spectral' computes Φ from the λ model; it needs "
+                         "lambda_model=True and muon_sphere=False")
+
+
+# The hyperparameters _validate checks, by name (the optimizer's group keys are the same names).
+VALIDATED_KEYS = tuple(inspect.signature(_validate).parameters)
 
 
 def spectral_sphere(
@@ -216,16 +230,13 @@ def spectral_sphere(
       A :class:`~muon_fn.GradientTransformation` with state :class:`SpectralSphereState`; it needs
       ``params`` in ``update``.
     """
-    _validate(lr, momentum, radius_scale, power_steps, power_block, msign_steps, msign_method, scale_mode, tol,
-              max_iterations, bracket_step, max_expansions, solver, model_steps, retract_mode, retract_alpha)
-    for name, flag in (("nesterov", nesterov), ("cold_start", cold_start), ("warm_lambda", warm_lambda),
-                       ("lambda_model", lambda_model), ("muon_sphere", muon_sphere)):
-        if not isinstance(flag, bool):
-            raise ValueError(f"Invalid {name}: {flag!r} (expected True or False)")
-    _checks.one_of("direction", direction, DIRECTIONS)
-    if direction == "spectral" and (not lambda_model or muon_sphere):
-        raise ValueError("Invalid direction: 'spectral' computes Φ from the λ model; it needs "
-                         "lambda_model=True and muon_sphere=False")
+    _validate(lr=lr, momentum=momentum, nesterov=nesterov, radius_scale=radius_scale, scale_mode=scale_mode,
+              retract_mode=retract_mode, retract_alpha=retract_alpha, power_steps=power_steps,
+              power_block=power_block, cold_start=cold_start, msign_method=msign_method,
+              msign_steps=msign_steps, tol=tol, max_iterations=max_iterations, bracket_step=bracket_step,
+              max_expansions=max_expansions, solver=solver, warm_lambda=warm_lambda,
+              lambda_model=lambda_model, model_steps=model_steps, direction=direction,
+              muon_sphere=muon_sphere)
     _validate_split(split)
     schedule = _orthogonalize.coefficient_schedule(msign_method, msign_steps)
     norm_scale = _orthogonalize.norm_scale(msign_method)

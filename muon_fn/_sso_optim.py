@@ -8,14 +8,11 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from . import _checks
 from ._alias import adamw
 from ._base import GradientTransformation
 from ._combine import partition
-from ._orthogonalize import METHODS
-from ._sso import DIRECTIONS, RETRACT_MODES, SCALE_MODES, spectral_sphere
+from ._sso import VALIDATED_KEYS, _validate, spectral_sphere
 from .optim import CompileOption, HybridOptimizer
-from .spectral import SOLVER_METHODS
 
 # "muon" is accepted as an alias of "sso" so groups built for MuonOptimizer (e.g. by
 # muon_fn.split_parameters / create_hybrid_optimizer) work unchanged.
@@ -145,22 +142,8 @@ class SpectralSphereOptimizer(HybridOptimizer):
         return create_hybrid_optimizer(model, lr, adamw_lr, adamw_weight_decay, optimizer_cls=cls, **kwargs)
 
     def _validate_group(self, group: dict[str, Any]) -> None:
-        super()._validate_group(group)
-        _checks.one_of("scale_mode", group["scale_mode"], SCALE_MODES)
-        _checks.one_of("retract_mode", group["retract_mode"], RETRACT_MODES)
-        _checks.positive("retract_alpha", group["retract_alpha"])
-        _checks.one_of("solver", group["solver"], SOLVER_METHODS)
-        _checks.positive("radius_scale", group["radius_scale"])
-        _checks.positive("tol", group["tol"])
-        _checks.positive_int("power_steps", group["power_steps"])
-        _checks.positive_int("power_block", group["power_block"])
-        _checks.one_of("msign_method", group["msign_method"], METHODS)
-        _checks.positive_int("msign_steps", group["msign_steps"])
-        _checks.positive_int("model_steps", group["model_steps"])
-        _checks.one_of("direction", group["direction"], DIRECTIONS)
-        for key in ("lambda_model", "warm_lambda", "muon_sphere", "cold_start", "nesterov"):
-            if not isinstance(group[key], bool):
-                raise ValueError(f"Invalid {key}: {group[key]!r} (expected True or False)")
+        super()._validate_group(group)  # lr, momentum and the AdamW half, in torch's wording
+        _validate(**{key: group[key] for key in VALIDATED_KEYS})  # the transform's own checks
         if group["algorithm"] in ("sso", "muon"):
             for p in group["params"]:
                 if p.ndim < 2:
