@@ -66,9 +66,8 @@ ROWS: dict[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]] = {
 DEFAULT_ROWS = ("muon", "muon_same", "sso")
 
 
-def run(layers: int = 12, rounds: int = 5, warmup: int = 1, rows: Sequence[str] = DEFAULT_ROWS,
-        seed: int = 0, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Paired rounds over ``rows``; returns medians, per-round ratios and SSO solver statistics."""
+def check_args(layers: int, rounds: int, warmup: int, rows: Sequence[str]) -> None:
+    """Raise ``ValueError`` for arguments :func:`run` cannot use (before any work)."""
     for r in rows:
         if r not in ROWS:
             raise ValueError(f"Invalid row: {r!r} (valid: {', '.join(ROWS)})")
@@ -78,6 +77,12 @@ def run(layers: int = 12, rounds: int = 5, warmup: int = 1, rows: Sequence[str] 
         raise ValueError(f"Invalid layers: {layers} (expected 1..12)")
     if rounds < 1 or warmup < 0:
         raise ValueError(f"Invalid rounds/warmup: {rounds}/{warmup} (expected rounds >= 1, warmup >= 0)")
+
+
+def run(layers: int = 12, rounds: int = 5, warmup: int = 1, rows: Sequence[str] = DEFAULT_ROWS,
+        seed: int = 0, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Paired rounds over ``rows``; returns medians, per-round ratios and SSO solver statistics."""
+    check_args(layers, rounds, warmup, rows)
     params0, grad0, names = real_gradients("gpt2-small", seed=seed)
     n = len(MATRIX_NAMES) * layers
     params0, grad0, names = params0[:n], grad0[:n], names[:n]
@@ -161,12 +166,14 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m muon_fn._sso_
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: see docs/performance.md)")
     ap.add_argument("--json", default="", help="also write the full result (per-round times, ratios) here")
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    rows = args.rows.split(",")
     try:
-        result = run(args.layers, args.rounds, args.warmup, args.rows.split(","),
-                     log=lambda line: print(line, file=sys.stderr, flush=True))
+        check_args(args.layers, args.rounds, args.warmup, rows)
     except ValueError as e:
-        ap.error(str(e))
+        ap.error(str(e))  # a usage error; errors inside the run are not
+    torch.set_num_threads(args.threads)
+    result = run(args.layers, args.rounds, args.warmup, rows,
+                 log=lambda line: print(line, file=sys.stderr, flush=True))
     print(format_table(result))
     if args.json:
         with open(args.json, "w") as f:
