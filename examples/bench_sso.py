@@ -12,7 +12,7 @@ computed to report the accuracy of SSO's warm-started σ estimate.
 
 Compared: ``muon`` (muon_fn.muon defaults: aol9, 4 steps in bf16), ``muon_fp32x8`` (Muon with
 SSO's msign: Polar Express 8 steps in fp32), ``muon_sphere`` (MuonSphere: retraction, λ = 0) and
-``sso`` (muon_fn.sso defaults).
+``sso`` (muon_fn.sso defaults); opt-in ``sso_bf16`` (SSO with Muon's msign: aol9, 4 steps in bf16).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 
 import muon_fn as mf
 from muon_fn import spectral
-from muon_fn._sso import sso
+from muon_fn.bench import paired_ratio
 
 GPT2_LAYER = [(768, 768)] * 4 + [(3072, 768), (768, 3072)]
 
@@ -63,10 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     txs = {
         "muon": mf.muon(0.02),
         "muon_fp32x8": mf.muon(0.02, method="polar_express", ns_steps=8, ns_dtype=torch.float32),
-        "muon_sphere": sso(0.02, muon_sphere=True),
-        "sso": sso(0.02),
-        # Economy: msign in bf16 with 5 steps (Muon's), tolerance loosened to bf16's h noise.
-        "sso_bf16": sso(0.02, msign_dtype=torch.bfloat16, msign_steps=5, tol=5e-3),
+        "muon_sphere": mf.sso(0.02, muon_sphere=True),
+        "sso": mf.sso(0.02),
+        # Economy: Muon's default msign (aol9, 4 steps, bf16), tolerance loosened to bf16's h noise.
+        "sso_bf16": mf.sso(0.02, msign_method="aol9", msign_steps=4, msign_dtype=torch.bfloat16, tol=5e-3),
     }
     wanted = args.variants.split(",")
     unknown = set(wanted) - set(txs)
@@ -101,11 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"step {step}: " + ", ".join(f"{k} {times[k][-1]:.2f}s" for k in txs if times[k] and step >= args.warmup)
               + (f"  {sso_name} iterations {[int(i) for i in st.iterations]}" if st is not None else ""), flush=True)
 
-    def ratio(a, b):
-        if a not in times or b not in times:
-            return None
-        r = [x / y for x, y in zip(times[a], times[b])]
-        return {"median": statistics.median(r), "min": min(r), "max": max(r)}
+    def ratio(a, b):  # per-step ratios of two variants timed back to back, or None if one was not run
+        return paired_ratio(times[a], times[b]) if a in times and b in times else None
 
     total = sum(iters.values())
     result = {

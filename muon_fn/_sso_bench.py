@@ -44,7 +44,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .bench import MATRIX_NAMES, real_gradients
+from .bench import MATRIX_NAMES, paired_ratio, real_gradients
 from .optim import MuonOptimizer
 from ._sso_optim import SpectralSphereOptimizer
 
@@ -118,17 +118,11 @@ def run(layers: int = 12, rounds: int = 5, warmup: int = 1, rows: Sequence[str] 
         log(f"round {k}{' (warm-up)' if k < warmup else ''}: " + ", ".join(line))
     setup_s = time.perf_counter() - t0
 
-    def ratio(a: str, b: str) -> dict[str, Any] | None:
-        if a not in times or b not in times:
-            return None
-        rs = [x / y for x, y in zip(times[a], times[b])]
-        return {"median": statistics.median(rs), "min": min(rs), "max": max(rs), "per_round": rs}
-
     result: dict[str, Any] = {
         "layers": layers, "matrices": n, "rounds": rounds, "warmup": warmup,
         "threads": torch.get_num_threads(), "wall_s": setup_s,
         "median_step_s": {r: statistics.median(v) for r, v in times.items()},
-        "ratios": {f"{a}/{b}": ratio(a, b) for b in ("muon", "muon_same") if b in rows
+        "ratios": {f"{a}/{b}": paired_ratio(times[a], times[b]) for b in ("muon", "muon_same") if b in rows
                    for a in rows if a not in ("muon", b)},
         "solver": {r: {"msigns_per_matrix_histogram": dict(sorted(h.items())),
                        "msigns_per_matrix_mean": sum(a * b for a, b in h.items()) / max(sum(h.values()), 1),

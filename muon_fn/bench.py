@@ -85,6 +85,15 @@ def real_gradients(model_size: str, *, seed: int = 0) -> tuple[list[torch.Tensor
     return [p.detach().requires_grad_() for p in params], grads, [n for n, _ in shapes]
 
 
+def paired_ratio(times: Sequence[float], reference: Sequence[float]) -> dict[str, Any]:
+    """Per-round ratios ``times[k] / reference[k]`` of two rows timed in the same rounds, with
+    their median, min and max (the paired figure the benchmarks report; robust to machine load)."""
+    if len(times) != len(reference) or not times:
+        raise ValueError(f"Invalid rounds: {len(times)} and {len(reference)} (expected the same number, at least 1)")
+    rs = [a / b for a, b in zip(times, reference)]
+    return {"median": statistics.median(rs), "min": min(rs), "max": max(rs), "per_round": rs}
+
+
 # ----------------------------------------------------------------------------- rows
 def _replay_fn(params: Sequence[torch.Tensor], method: str, steps: int, batched: bool,
               dtype: torch.dtype | None = None) -> Callable[[], None]:

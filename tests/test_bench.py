@@ -341,6 +341,14 @@ def test_lean_row_matches_torch_muon_with_the_quintic():
         assert (ours - theirs).norm() < 0.03 * theirs.norm()
 
 
+def test_paired_ratio_is_per_round():
+    r = bench.paired_ratio([2.0, 3.0, 12.0], [1.0, 2.0, 4.0])
+    assert r == {"median": 2.0, "min": 1.5, "max": 3.0, "per_round": [2.0, 1.5, 3.0]}
+    for times, ref in (([1.0], [1.0, 2.0]), ([], [])):
+        with pytest.raises(ValueError, match="Invalid rounds"):
+            bench.paired_ratio(times, ref)
+
+
 # ------------------------------------------------------------------------------ the SSO bench
 def test_sso_bench_runs_and_reports_ratios_and_solver_statistics():
     from muon_fn import _sso_bench
