@@ -55,11 +55,13 @@ def _corpus() -> torch.Tensor:
     return torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
 
 
-def real_gradients(model_size: str, *, seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor], list[str]]:
+def real_gradients(model_size: str, *, seed: int = 0, device: torch.device | str | None = None,
+                   ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[str]]:
     """Hidden matrices of a byte-level pre-LN transformer of ``model_size`` and their gradients.
 
     One forward/backward on a batch of Python source bytes (low stable rank, like real training
-    gradients; Gaussian noise would flatter 4-step schedules). Returns ``(params, grads, names)``.
+    gradients; Gaussian noise would flatter 4-step schedules). Returns ``(params, grads, names)``,
+    computed on the CPU (the same values for every device) and moved to ``device`` if given.
     """
     shapes = matrix_shapes(model_size)
     layers, d = MODEL_SIZES[model_size]
@@ -81,8 +83,8 @@ def real_gradients(model_size: str, *, seed: int = 0) -> tuple[list[torch.Tensor
         h = h + F.gelu(F.layer_norm(h, (d,)) @ wfc.T) @ wproj.T
     loss = F.cross_entropy((F.layer_norm(h, (d,)) @ emb.T).view(-1, _VOCAB), y.view(-1))
     loss.backward()
-    grads = [p.grad.detach().clone() for p in params]
-    return [p.detach().requires_grad_() for p in params], grads, [n for n, _ in shapes]
+    grads = [p.grad.detach().to(device, copy=True) for p in params]
+    return [p.detach().to(device).requires_grad_() for p in params], grads, [n for n, _ in shapes]
 
 
 def paired_ratio(times: Sequence[float], reference: Sequence[float]) -> dict[str, Any]:
@@ -112,7 +114,7 @@ def _replay_fn(params: Sequence[torch.Tensor], method: str, steps: int, batched:
 
     def prepared(p: torch.Tensor) -> torch.Tensor:
         w = (p.detach().mT if p.size(0) > p.size(1) else p.detach()).float()
-        x = _ortho.normalize_into(w, torch.empty(w.shape, dtype=dtype), norm_scale=scale, eps=eps)
+        x = _ortho.normalize_into(w, torch.empty(w.shape, dtype=dtype, device=w.device), norm_scale=scale, eps=eps)
         return _ortho._aol_scale(x, _ortho.gram_matrix(x), eps)[0] if aol else x
 
     wides = [prepared(p) for p in params]
@@ -240,12 +242,12 @@ def orthogonality(g: torch.Tensor, out: torch.Tensor, svd: tuple[torch.Tensor, t
 
     ``signed_rms`` is the RMS of ``u_iᵀ out v_i − 1`` over g's singular pairs (``svd = (U, Vᴴ)`` of
     ``g`` if already computed), which also catches a flipped direction that singular values hide.
-    Computed in fp32 (σ to ~1e-6, far below the differences measured).
+    Computed in fp32 on the CPU (σ to ~1e-6, far below the differences measured).
     """
-    o = out.float()
+    o = out.float().cpu()
     sv = torch.linalg.svdvals(o)
     if svd is None:
-        u, _, vh = torch.linalg.svd(g.float(), full_matrices=False)
+        u, _, vh = torch.linalg.svd(g.float().cpu(), full_matrices=False)
     else:
         u, vh = svd
     signed = ((u.mT @ o) * vh).sum(-1)
@@ -272,7 +274,7 @@ def _quality(rows: Sequence[str], inputs: dict[str, torch.Tensor]) -> dict[str, 
     torch_ortho = _orthogonalizer("torch.optim.Muon")
     svds = {}
     for n, g in inputs.items():
-        u, _, vh = torch.linalg.svd(g.float(), full_matrices=False)
+        u, _, vh = torch.linalg.svd(g.float().cpu(), full_matrices=False)
         svds[n] = (u, vh)
     ref = {n: orthogonality(g, torch_ortho(g), svds[n]) for n, g in inputs.items()}
     refs = {torch.bfloat16: ref}
@@ -308,15 +310,37 @@ def _quality(rows: Sequence[str], inputs: dict[str, torch.Tensor]) -> dict[str, 
     return out
 
 
-def gaussian_quality(rows: Sequence[str], *, seed: int = 0, size: tuple[int, int] = (768, 3072)) -> dict[str, Any]:
-    """σ range and RMS per row on rectangular Gaussian inputs of ``size`` and its transpose."""
+def gaussian_quality(rows: Sequence[str], *, seed: int = 0, size: tuple[int, int] = (768, 3072),
+                     device: torch.device | str | None = None) -> dict[str, Any]:
+    """σ range and RMS per row on rectangular Gaussian inputs of ``size`` and its transpose
+    (drawn on the CPU, orthogonalized on ``device``)."""
     g = torch.Generator().manual_seed(seed)
     m, n = size
-    inputs = {f"gauss.{m}x{n}": torch.randn(m, n, generator=g), f"gauss.{n}x{m}": torch.randn(n, m, generator=g)}
+    inputs = {f"gauss.{m}x{n}": torch.randn(m, n, generator=g).to(device),
+              f"gauss.{n}x{m}": torch.randn(n, m, generator=g).to(device)}
     return _quality(rows, inputs)
 
 
 # ----------------------------------------------------------------------------- timing
+def check_device(device: torch.device | str | None) -> torch.device:
+    """``device`` as a ``torch.device`` (default CPU), or ``ValueError`` if torch cannot use it here."""
+    try:
+        dev = torch.device("cpu" if device is None else device)
+        torch.empty(1, device=dev).add_(1)  # CUDA without a GPU or a build without the backend fail here
+    except (RuntimeError, AssertionError) as e:
+        reason = str(e).splitlines()[0].split(". ")[0]  # torch's first sentence
+        raise ValueError(f"Invalid device: {device!r} ({reason})") from None
+    if dev.type == "meta":
+        raise ValueError(f"Invalid device: {device!r} (meta tensors hold no data to time)")
+    return dev
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (a no-op on the CPU), so a clock read covers it."""
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
 def state_bytes(opt: Any, key: str | None = None) -> int:
     """Bytes of the tensors in ``opt.state`` (persistent optimizer state); only ``key`` if given."""
     if opt is None:
@@ -345,6 +369,7 @@ def benchmark_muon_optimizers(
     gaussian: bool | tuple[int, int] = True,
     threads: int = 1,
     seed: int = 0,
+    device: torch.device | str | None = None,
 ) -> dict[str, Any]:
     """Time every row for ``rounds`` paired rounds of ``num_steps`` steps on ``model_size``.
 
@@ -360,6 +385,8 @@ def benchmark_muon_optimizers(
         (or on the ``(m, n)`` given).
       threads: ``torch.set_num_threads`` for the run.
       seed: parameters and the data batch.
+      device: where the parameters live and every row runs (default CPU). On an accelerator each
+        timed row ends with :func:`synchronize`; the quality SVDs run on the CPU.
 
     Returns:
       A JSON-serializable dict: ``config``, ``rows`` (per row: seconds per step per round,
@@ -373,6 +400,7 @@ def benchmark_muon_optimizers(
             raise ValueError(f"Invalid {arg}: {v!r} (expected an integer >= 1)")
     if not (isinstance(lr, (int, float)) and lr > 0 and math.isfinite(lr)):
         raise ValueError(f"Invalid lr: {lr!r} (expected a positive finite float)")
+    device = check_device(device)
     rows = list(ROWS if rows is None else rows)
     for r in rows:
         if r not in ROWS + OPTIONAL_ROWS:
@@ -383,7 +411,7 @@ def benchmark_muon_optimizers(
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        params, grads, names = real_gradients(model_size, seed=seed)
+        params, grads, names = real_gradients(model_size, seed=seed, device=device)
         for p, g in zip(params, grads):
             p.grad = g
         built = {r: _make_row(r, params, lr) for r in rows}
@@ -395,9 +423,11 @@ def benchmark_muon_optimizers(
             order = rows[k % len(rows):] + rows[:k % len(rows)]
             for r in order:
                 step = built[r][1]
+                synchronize(device)
                 t0 = time.perf_counter()
                 for _ in range(num_steps):
                     step()
+                synchronize(device)
                 times[r].append((time.perf_counter() - t0) / num_steps)
             with torch.no_grad():  # keep the parameters near their start (lr does not matter here)
                 for p, s in zip(params, saved):
@@ -422,7 +452,7 @@ def benchmark_muon_optimizers(
                     result_rows[r][key + "_median"] = statistics.median(result_rows[r][key])
         out: dict[str, Any] = {
             "config": {"model_size": model_size, "num_steps": num_steps, "lr": lr, "rounds": rounds,
-                       "threads": threads, "torch": torch.__version__, "matrices": len(params),
+                       "threads": threads, "device": str(device), "torch": torch.__version__, "matrices": len(params),
                        "params": sum(p.numel() for p in params),
                        "compute_dtype": str(_ortho.default_compute_dtype(params[0].device)).removeprefix("torch."),
                        "cpu_bf16_gemm": _ortho.cpu_has_bf16_gemm()},
@@ -436,21 +466,24 @@ def benchmark_muon_optimizers(
             out["quality"] = _quality(rows, inputs)
             if gaussian:
                 size = (768, 3072) if gaussian is True else tuple(gaussian)
-                out["gaussian_quality"] = gaussian_quality(rows, seed=seed, size=size)
+                out["gaussian_quality"] = gaussian_quality(rows, seed=seed, size=size, device=device)
         return out
     finally:
         torch.set_num_threads(old_threads)
 
 
 # ----------------------------------------------------------------------------- compile checks
-def compile_check(model_size: str = "tiny", *, steps: int = 100, lr: float = 0.02, **kwargs: Any) -> dict[str, Any]:
-    """Cold first step of ``MuonOptimizer(compile=True)`` and recompiles over ``steps`` LR-scheduled steps."""
+def compile_check(model_size: str = "tiny", *, steps: int = 100, lr: float = 0.02,
+                  device: torch.device | str | None = None, **kwargs: Any) -> dict[str, Any]:
+    """Cold first step of ``MuonOptimizer(compile=True)`` and recompiles over ``steps`` LR-scheduled
+    steps, on ``device`` (default CPU)."""
     from torch._dynamo.utils import counters
 
     from .optim import MuonOptimizer
 
+    device = check_device(device)
     torch._dynamo.reset()
-    params, grads, _ = real_gradients(model_size)
+    params, grads, _ = real_gradients(model_size, device=device)
     for p, g in zip(params, grads):
         p.grad = g
     opt = MuonOptimizer(params, lr=lr, compile=True, **kwargs)
@@ -458,12 +491,14 @@ def compile_check(model_size: str = "tiny", *, steps: int = 100, lr: float = 0.0
     before = counters["stats"]["unique_graphs"]  # counters are process-wide
     t0 = time.perf_counter()
     opt.step()
+    synchronize(device)
     cold = time.perf_counter() - t0
     graphs_after_first = counters["stats"]["unique_graphs"]
     t0 = time.perf_counter()
     for _ in range(steps - 1):
         sched.step()
         opt.step()
+    synchronize(device)
     warm = (time.perf_counter() - t0) / max(1, steps - 1)
     return {"model_size": model_size, "cold_first_step_seconds": cold, "warm_seconds_per_step": warm,
             "graphs_first_step": graphs_after_first - before,
@@ -475,7 +510,7 @@ def format_table(result: dict[str, Any]) -> str:
     """The timing/quality table printed by :func:`main`."""
     cfg = result["config"]
     lines = [f"{cfg['model_size']}: {cfg['matrices']} matrices, {cfg['params'] / 1e6:.1f} M params, "
-             f"{cfg['rounds']} paired rounds x {cfg['num_steps']} steps, {cfg['threads']} thread(s), torch {cfg['torch']}, "
+             f"{cfg['rounds']} paired rounds x {cfg['num_steps']} steps, {cfg.get('device', 'cpu')}, {cfg['threads']} thread(s), torch {cfg['torch']}, "
              f"default compute dtype {cfg.get('compute_dtype', '?')} (CPU bf16 GEMMs: {cfg.get('cpu_bf16_gemm', '?')})",
              f"{'row':28s} {'s/step min':>10s} {'median':>8s} {'max':>8s} {'/torch':>7s} {'/replay':>8s} {'/own':>6s} {'state MB':>9s}"
              "  worst RMS ratio to torch per matrix (σ range)"]
@@ -506,6 +541,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--rows", nargs="+", choices=ROWS + OPTIONAL_ROWS, default=None, metavar="ROW",
                     help="rows to time (default: " + ", ".join(ROWS) + "; also: " + ", ".join(OPTIONAL_ROWS) + ")")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: see docs/performance.md)")
+    ap.add_argument("--device", default="cpu",
+                    help="where every row runs: cpu (default), cuda, cuda:1, ... (timed with a synchronize per row)")
     ap.add_argument("--json", default="muon_fn_bench.json", help="write the results here ('' to skip)")
     ap.add_argument("--quick", action="store_true",
                     help="tiny set, 12 rounds (2 and no bf16 rows but torch's on CPUs without bf16 "
@@ -513,10 +550,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--compile", action="store_true", help="also measure cold compile and recompiles")
     ap.add_argument("--no-quality", action="store_true", help="skip the orthogonality quality measurements")
     args = ap.parse_args(argv)
+    try:
+        device = check_device(args.device)
+    except ValueError as e:
+        ap.error(str(e))
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     sizes = ["tiny"] if args.quick else (list(MODEL_SIZES) if args.model_size == "all" else [args.model_size])
     rows, quick_rounds = args.rows, 12
-    if not _ortho.CPU_HAS_BF16_GEMM:
+    if device.type == "cpu" and not _ortho.CPU_HAS_BF16_GEMM:
         print("note: this CPU has no bf16 instructions, so torch emulates the bf16 GEMMs of torch.optim.Muon "
               "and the other bf16 rows (tens of times slower than fp32; about 10 s per tiny step, over "
               "15 min per gpt2-small step); muon_fn's default runs in fp32 here", file=sys.stderr, flush=True)
@@ -528,12 +569,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         steps = args.steps or 1
         rounds = args.rounds or (quick_rounds if args.quick else 25 if size == "tiny" else 5)
         res = benchmark_muon_optimizers(size, steps, args.lr, rows=rows, rounds=rounds,
-                                        quality=not args.no_quality, threads=args.threads,
+                                        quality=not args.no_quality, threads=args.threads, device=device,
                                         quality_layers=1 if args.quick else 2,
                                         gaussian=(256, 1024) if args.quick else True)
         print(format_table(res), flush=True)
         if args.compile:
-            res["compile"] = [compile_check("tiny", steps=100), compile_check(size, steps=3)]
+            res["compile"] = [compile_check("tiny", steps=100, device=device), compile_check(size, steps=3, device=device)]
             for c in res["compile"]:
                 print(f"compile ({c['model_size']}): cold first step {c['cold_first_step_seconds']:.1f} s, "
                       f"{c['recompiles']} recompiles over {c['steps']} LR-scheduled steps", flush=True)

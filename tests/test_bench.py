@@ -299,10 +299,37 @@ def test_main_writes_json(tmp_path, capsys):
     ({"rounds": 1.5}, "rounds"),
     ({"lr": -1.0}, "lr"),
     ({"rows": ["sgd"]}, "row"),
+    ({"device": "bogus"}, "Invalid device: 'bogus'"),
+    ({"device": "meta"}, "meta tensors hold no data to time"),
 ])
 def test_benchmark_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         bench.benchmark_muon_optimizers(**kwargs)
+
+
+def test_every_timed_row_is_bracketed_by_a_device_synchronize(monkeypatch):
+    calls = []
+    monkeypatch.setattr(bench, "synchronize", calls.append)
+    res = bench.benchmark_muon_optimizers("tiny", rows=["torch.optim.Muon"], rounds=2, quality=False,
+                                          device="cpu")
+    timed = len(res["rows"]) * 2  # the reference and replay rows, 2 rounds
+    assert calls == [torch.device("cpu")] * (2 * timed) and res["config"]["device"] == "cpu"
+    assert ", cpu, 1 thread(s)," in bench.format_table(res).splitlines()[0]
+
+
+def test_synchronize_waits_only_off_the_cpu(monkeypatch):
+    seen = []
+    monkeypatch.setattr(torch.accelerator, "synchronize", seen.append)
+    bench.synchronize(torch.device("cpu"))
+    bench.synchronize(torch.device("cuda", 1))  # never reaches CUDA itself: the call is recorded
+    assert seen == [torch.device("cuda", 1)]
+
+
+def test_main_rejects_a_device_torch_cannot_use(capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--device", "meta", "--quick"])
+    assert exc.value.code == 2
+    assert "muon-fn bench: error: Invalid device: 'meta' (meta tensors hold no data to time)" in capsys.readouterr().err
 
 
 def test_orthogonalize_many_equals_per_matrix():
