@@ -438,18 +438,17 @@ def benchmark_muon_optimizers(
             t = times[r]
             result_rows[r] = {
                 "seconds_per_step": t, "min": min(t), "median": statistics.median(t), "max": max(t),
-                "ratio_to_torch_muon": [a / b for a, b in zip(t, times[_REFERENCE])],
-                "ratio_to_replay": [a / b for a, b in zip(t, times[_REPLAY])],
                 "state_bytes": state_bytes(built[r][0]),
                 "momentum_bytes": state_bytes(built[r][0], "momentum_buffer"),
             }
             own = _OWN_REPLAY.get(r)
             if own in times:
                 result_rows[r]["own_replay"] = own
-                result_rows[r]["ratio_to_own_replay"] = [a / b for a, b in zip(t, times[own])]
-            for key in ("ratio_to_torch_muon", "ratio_to_replay", "ratio_to_own_replay"):
-                if key in result_rows[r]:
-                    result_rows[r][key + "_median"] = statistics.median(result_rows[r][key])
+            for key, ref in (("ratio_to_torch_muon", _REFERENCE), ("ratio_to_replay", _REPLAY),
+                             ("ratio_to_own_replay", own)):
+                if ref in times:
+                    q = paired_ratio(t, times[ref])
+                    result_rows[r][key], result_rows[r][key + "_median"] = q["per_round"], q["median"]
         out: dict[str, Any] = {
             "config": {"model_size": model_size, "num_steps": num_steps, "lr": lr, "rounds": rounds,
                        "threads": threads, "device": str(device), "torch": torch.__version__, "matrices": len(params),
