@@ -20,7 +20,7 @@ except ImportError:  # a source checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import muon_fn as mf
 
-from muon_fn._orthogonalize import METHODS, default_steps  # every built-in method and its designed step count
+from muon_fn._newton_schulz import METHODS, default_steps  # every built-in method and its designed step count
 
 
 def measure(G: torch.Tensor, method: str, steps: int, dtype: torch.dtype) -> tuple[float, float, float]:

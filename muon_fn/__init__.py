@@ -6,15 +6,14 @@ FSDP2. See ``docs/api.md``.
 """
 
 from ._alias import adamw, hybrid, matrix_labels, muon, normuon
-from ._base import EmptyState, GradientTransformation, identity, stateless
-from ._combine import PartitionState, chain, partition
+from ._base import EmptyState, GradientTransformation, TransformInfo, identity, info, stateless
+from ._combine import PartitionState, chain, leafwise_labels, partition
 from ._compile import compile_update
-from ._hybrid import create_hybrid_optimizer, split_parameters
 from ._muon import orthogonalize, scale_by_shape, shape_scale
-from ._orthogonalize import newton_schulz, polar_express, zeropower_via_newtonschulz5
-from .optim import MuonOptimizer, Optimizer
+from ._newton_schulz import newton_schulz, polar_express, zeropower_via_newtonschulz5
 from ._sso import SpectralSphereState, spectral_sphere, sso
-from ._sso_optim import SolverReport, SpectralSphereOptimizer
+from .optim import (MuonOptimizer, Optimizer, SolverReport, SpectralSphereOptimizer, create_hybrid_optimizer,
+                    split_parameters)
 from . import spectral
 from ._transforms import (
     MomentumState,
@@ -40,6 +39,9 @@ __all__ = [
     "chain",
     "partition",
     "PartitionState",
+    "leafwise_labels",
+    "TransformInfo",
+    "info",
     "apply_updates",
     "compile_update",
     # transforms

@@ -9,8 +9,8 @@ import torch
 
 from . import _checks
 from ._base import GradientTransformation, Scalar, ScalarOrSchedule
-from ._combine import chain, partition
-from ._orthogonalize import DEFAULT_METHOD, validate_coefficients
+from ._combine import chain, leafwise_labels, partition
+from ._newton_schulz import DEFAULT_METHOD, validate_coefficients
 from ._muon import SHAPE_RULES, Split, orthogonalize, scale_by_shape
 from ._transforms import (
     add_decoupled_weight_decay,
@@ -102,11 +102,13 @@ def adamw(
                  scale_by_learning_rate(lr))
 
 
-def matrix_labels(params: Any) -> Any:
-    """``"muon"`` for leaves with ndim ≥ 2, ``"adamw"`` for the rest (the default hybrid split)."""
-    from . import _tree
+def _matrix_label(p: torch.Tensor) -> str:
+    return "muon" if p.ndim >= 2 else "adamw"
 
-    return _tree.tree_map(lambda p: None if p is None else ("muon" if p.ndim >= 2 else "adamw"), params)
+
+matrix_labels = leafwise_labels(_matrix_label)
+matrix_labels.__name__ = "matrix_labels"
+matrix_labels.__doc__ = """``"muon"`` for leaves with ndim ≥ 2, ``"adamw"`` for the rest (the default hybrid split)."""
 
 
 def hybrid(

@@ -1,4 +1,5 @@
-"""Base types of the functional core: ``GradientTransformation``, ``EmptyState`` and aliases."""
+"""Base types of the functional core: ``GradientTransformation``, ``EmptyState``, aliases, and the
+:class:`TransformInfo` an adapter reads to split an update into buckets or phases."""
 
 from __future__ import annotations
 
@@ -13,15 +14,20 @@ Scalar = Union[float, torch.Tensor]  # a Python float or a 0-d tensor
 Schedule = Callable[[torch.Tensor], torch.Tensor]  # step count (0-d tensor) -> value
 ScalarOrSchedule = Union[float, torch.Tensor, Schedule]
 
-
-class TransformInitFn(Protocol):
-    def __call__(self, params: Params) -> OptState: ...
+# How much of a leaf a transform needs to see (TransformInfo.scope).
+ELEMENTWISE = "elementwise"  # each element from the same element of the inputs and its state: works on any shard
+MATRIX = "matrix"  # whole matrices (orthogonalization, norms of a matrix, shape scales)
+SCOPES = (ELEMENTWISE, MATRIX)
 
 
 class TransformUpdateFn(Protocol):
     def __call__(
         self, updates: Updates, state: OptState, params: Params | None = None, **extra: Any
     ) -> tuple[Updates, OptState]: ...
+
+
+class TransformInitFn(Protocol):
+    def __call__(self, params: Params) -> OptState: ...
 
 
 class GradientTransformation(NamedTuple):
@@ -41,6 +47,37 @@ class GradientTransformation(NamedTuple):
         return name if name is not None else f"GradientTransformation(init={self.init!r}, update={self.update!r})"
 
 
+class TransformInfo(NamedTuple):
+    """What an adapter may assume about a transform (read with :func:`info`).
+
+    ``leafwise``: each leaf's update and new state depend only on that leaf's update, state and
+    param, so a tree may be updated in parts (the adapters' buckets) with the same result.
+    ``scope``: :data:`ELEMENTWISE` (works on any row shard of a leaf: the FSDP adapter runs it
+    on local shards) or :data:`MATRIX` (needs whole matrices: it runs on the matrix's owner);
+    ``None`` when unknown. ``parts``: the transforms of a :func:`~muon_fn.chain`, in order.
+    ``final``: the update already contains everything (SSO's retraction): nothing may follow it.
+    ``needs_params``: ``update`` reads ``params`` (weight decay, SSO's retraction), so an
+    adapter that runs it elsewhere than the parameter (the FSDP owner) must bring them along.
+    """
+
+    leafwise: bool = False
+    scope: str | None = None
+    parts: tuple[GradientTransformation, ...] = ()
+    final: bool = False
+    needs_params: bool = False
+
+
+def info(tx: GradientTransformation) -> TransformInfo:
+    """The :class:`TransformInfo` of ``tx`` (unknown transforms: not leafwise, no scope)."""
+    return getattr(tx.update, "_muon_fn_info", TransformInfo())
+
+
+def with_info(tx: GradientTransformation, **fields: Any) -> GradientTransformation:
+    """Attach a :class:`TransformInfo` to ``tx`` (returned for chaining)."""
+    tx.update._muon_fn_info = TransformInfo(**fields)  # type: ignore[attr-defined]
+    return tx
+
+
 class EmptyState(NamedTuple):
     """The state of a stateless transform."""
 
@@ -57,7 +94,7 @@ def identity() -> GradientTransformation:
         del params, extra
         return updates, state
 
-    return GradientTransformation(init_empty_state, update)
+    return with_info(GradientTransformation(init_empty_state, update), leafwise=True, scope=ELEMENTWISE)
 
 
 def stateless(fn: Callable[[Updates, Params | None], Updates]) -> GradientTransformation:

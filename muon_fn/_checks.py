@@ -56,3 +56,63 @@ def scalar_or_schedule(name: str, value: Any) -> None:
     if callable(value) and not isinstance(value, torch.Tensor):
         return
     non_negative(name, value)
+
+
+
+def dtype(name: str, value: Any, valid: Iterable[torch.dtype]) -> None:
+    """``value`` is one of the torch dtypes ``valid`` (a string such as ``"bf16"`` is a TypeError)."""
+    valid = tuple(valid)
+    listed = ", ".join(str(v) for v in valid)
+    if not isinstance(value, torch.dtype):
+        raise TypeError(f"Invalid {name}: {value!r} (expected a torch.dtype: {listed})")
+    if value not in valid:
+        raise ValueError(f"Invalid {name}: {value} (expected one of {listed})")
+
+
+# ----------------------------------------------------------------------------- optimizer groups
+# The adapters' hyperparameter checks, in torch.optim's wording, shared by every optimizer class
+# (constructor, add_param_group and load_state_dict alike).
+def learning_rate(lr: Any) -> None:
+    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+        raise ValueError("Tensor lr must be 1-element")
+    if isinstance(lr, bool) or not isinstance(lr, (int, float, torch.Tensor)):
+        raise TypeError(f"Invalid learning rate: {lr!r} (expected a float or a 0-d tensor)")
+    v = _as_float("lr", lr)
+    if not 0.0 <= v or math.isinf(v):
+        raise ValueError(f"Invalid learning rate: {lr}")
+
+
+def momentum_value(momentum: Any, name: str = "momentum", hint: str = "") -> None:
+    v = _as_float(name, momentum)
+    if not 0.0 <= v < 1.0:
+        raise ValueError(f"Invalid {name} value: {momentum} (expected 0 <= {name} < 1{hint})")
+
+
+def decay_value(name: str, value: Any) -> None:
+    v = _as_float(name, value)
+    if not 0.0 <= v or math.isinf(v):
+        raise ValueError(f"Invalid {name} value: {value}")
+
+
+def eps_value(name: str, value: Any) -> None:
+    v = _as_float(name, value)
+    if not v > 0.0 or math.isinf(v):
+        raise ValueError(f"Invalid {name} value: {value} (expected > 0)")
+
+
+def betas_value(name: str, betas: Any) -> None:
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"Invalid {name}: {betas!r} (expected a pair (beta1, beta2))")
+    for i, b in enumerate(betas):
+        v = _as_float(f"{name}[{i}]", b)
+        if not 0.0 <= v < 1.0:
+            raise ValueError(f"Invalid {name} parameter at index {i}: {b}")
+
+
+def adamw_half(group: dict[str, Any]) -> None:
+    """The AdamW half of a hybrid group (``adamw_lr``, ``adamw_betas``, ``adamw_eps``,
+    ``adamw_weight_decay``) and its ``weight_decay``."""
+    for key in ("weight_decay", "adamw_weight_decay", "adamw_lr"):
+        decay_value(key, group[key])
+    eps_value("adamw_eps", group["adamw_eps"])
+    betas_value("adamw_betas", group["adamw_betas"])

@@ -6,7 +6,7 @@ from collections.abc import Hashable, Mapping
 from typing import Any, Callable, NamedTuple, Union
 
 from . import _tree
-from ._base import GradientTransformation, OptState, Params, Updates
+from ._base import ELEMENTWISE, MATRIX, GradientTransformation, OptState, Params, Updates, info, with_info
 
 Labels = Union[Any, Callable[[Params], Any]]  # a pytree of labels, or params -> pytree of labels
 
@@ -32,7 +32,18 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     update._muon_fn_repr = "chain(" + "".join(  # type: ignore[attr-defined]
         "\n  " + repr(tx).replace("\n", "\n  ") + "," for tx in transforms
     ) + ("\n)" if transforms else ")")
-    return GradientTransformation(init, update)
+    infos = [info(tx) for tx in transforms]
+    return with_info(GradientTransformation(init, update), leafwise=all(i.leafwise for i in infos),
+                     scope=_common_scope(infos), parts=tuple(transforms),
+                     final=bool(infos) and infos[-1].final, needs_params=any(i.needs_params for i in infos))
+
+
+def _common_scope(infos) -> str | None:
+    """ELEMENTWISE if every part is, MATRIX if every part is known and one needs matrices."""
+    scopes = {i.scope for i in infos}
+    if None in scopes:
+        return None
+    return MATRIX if MATRIX in scopes else ELEMENTWISE
 
 
 class PartitionState(NamedTuple):
@@ -108,7 +119,24 @@ def partition(
         )
         return merged, PartitionState(new_inner)
 
+    infos = [info(tx) for tx in transforms.values()]
+    leafwise = getattr(labels, "_muon_fn_leafwise", False) and all(i.leafwise for i in infos)
     update._muon_fn_repr = "partition({" + "".join(  # type: ignore[attr-defined]
         f"\n  {label!r}: " + repr(tx).replace("\n", "\n  ") + "," for label, tx in transforms.items()
     ) + "\n}, labels=" + (getattr(labels, "__name__", "<fn>") if callable(labels) else "<tree>") + ")"
-    return GradientTransformation(init, update)
+    return with_info(GradientTransformation(init, update), leafwise=leafwise, scope=_common_scope(infos),
+                     needs_params=any(i.needs_params for i in infos))
+
+
+def leafwise_labels(fn: Callable[[Any], Hashable]) -> Callable[[Params], Any]:
+    """Labels for :func:`partition` from a function of one leaf (``param -> label``).
+
+    Because each leaf's label depends on that leaf alone, the partition stays *leafwise*
+    (:class:`~muon_fn.TransformInfo`): adapters may update the tree in parts."""
+
+    def labels(params: Params) -> Any:
+        return _tree.tree_map(lambda p: None if p is None else fn(p), params)
+
+    labels.__name__ = getattr(fn, "__name__", "labels")
+    labels._muon_fn_leafwise = True  # type: ignore[attr-defined]
+    return labels

@@ -1,13 +1,28 @@
-"""``compile_update``: one torch.compile'd graph per transform update; ``compile_per_shape``."""
+"""Compilation: ``compile_update`` for the functional core, and the compiled-by-default rule the
+adapters follow (one ``fullgraph=True`` graph per signature, eager with one warning where
+compiling is impossible).
+
+``compile=True`` (every adapter's default) means ``torch.compile(fullgraph=True)`` with inductor;
+a dict passes ``torch.compile`` options (e.g. ``{"backend": "eager"}``); ``False`` runs eager. The
+environment variable ``MUON_FN_COMPILE=0`` turns the default off process-wide (as
+``TORCH_COMPILE_DISABLE`` does for torch) — for debugging, and for test suites that do not test
+compilation.
+"""
 
 from __future__ import annotations
 
+import os
+import sys
 import types
-from typing import Any, Callable
+import warnings
+from collections.abc import Hashable, Mapping
+from typing import Any, Callable, Union
 
 import torch
 
-from ._base import GradientTransformation
+from ._base import GradientTransformation, info, with_info
+
+CompileOption = Union[bool, Mapping[str, Any]]
 
 
 def compile_update(tx: GradientTransformation, **torch_compile_kwargs: Any) -> GradientTransformation:
@@ -21,30 +36,75 @@ def compile_update(tx: GradientTransformation, **torch_compile_kwargs: Any) -> G
     name = getattr(tx.update, "_muon_fn_repr", None)
     if name is not None:
         compiled._muon_fn_repr = f"compile_update({name})"
-    return GradientTransformation(tx.init, compiled)
+    return with_info(GradientTransformation(tx.init, compiled), **info(tx)._asdict())
 
 
-def compile_per_shape(fn: Callable[[torch.Tensor], torch.Tensor], **torch_compile_kwargs: Any
-                      ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``fn(x)`` compiled once per distinct shape, dtype, device and strides of ``x``.
+def check_option(compile: Any) -> None:
+    """``compile`` is a bool or a mapping of ``torch.compile`` options."""
+    if not isinstance(compile, (bool, Mapping)):
+        raise TypeError(f"compile must be a bool or a dict of torch.compile options, got {compile!r}")
 
-    Each shape gets its own static graph (``fullgraph=True, dynamic=False`` unless overridden)
-    through a fresh copy of ``fn``'s code object, so Dynamo's per-code recompile limit never
-    applies however many shapes a model has, and a shape seen before never recompiles. Used by
-    :class:`muon_fn.MuonOptimizer` (``compile=True``) for the orthogonalization of each
-    ``(B, m, n)`` batch of same-shape matrices.
+
+def resolve(compile: CompileOption) -> dict[str, Any] | None:
+    """The ``torch.compile`` keyword arguments ``compile`` asks for, or None for eager."""
+    check_option(compile)
+    if compile is False or (compile is True and os.environ.get("MUON_FN_COMPILE", "1") == "0"):
+        return None
+    if not torch._dynamo.is_dynamo_supported():  # e.g. a Python version Dynamo does not support yet
+        _fall_back(RuntimeError(f"torch.compile does not support Python {sys.version.split()[0]}"))
+        return None
+    return {"fullgraph": True, **(dict(compile) if isinstance(compile, Mapping) else {})}
+
+
+_FALLBACK_WARNED = False
+
+
+def _fall_back(error: Exception) -> None:
+    global _FALLBACK_WARNED
+    if not _FALLBACK_WARNED:
+        _FALLBACK_WARNED = True
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        warnings.warn(
+            f"muon_fn: torch.compile is not usable here ({type(error).__name__}: {reason}); the "
+            "optimizer step runs eagerly (same results, slower). Pass compile=False to choose eager "
+            "and silence this warning.", RuntimeWarning, stacklevel=4)
+
+
+class PerSignature:
+    """``fn`` compiled once per signature key, each with a fresh copy of ``fn``'s code object, so
+    Dynamo's per-code recompile limit never applies however many signatures there are, and a
+    signature seen before never recompiles. ``options=None`` runs ``fn`` eagerly.
+
+    If compiling is impossible (no C++ compiler, an unsupported platform or Python), the first
+    failure warns once and every later call runs eagerly: a failed compilation runs nothing, so
+    no state has changed when it is retried eagerly.
     """
-    kwargs = {"fullgraph": True, "dynamic": False, **torch_compile_kwargs}
-    compiled: dict[tuple, Callable[[torch.Tensor], torch.Tensor]] = {}
 
-    def call(x: torch.Tensor) -> torch.Tensor:
-        key = (tuple(x.shape), x.stride(), x.dtype, x.device)
-        f = compiled.get(key)
+    def __init__(self, fn: Callable[..., Any], options: dict[str, Any] | None) -> None:
+        self.fn, self.options = fn, options
+        self.compiled: dict[Hashable, Callable[..., Any]] = {}
+
+    def __call__(self, key: Hashable, *args: Any) -> Any:
+        if self.options is None:
+            return self.fn(*args)
+        f = self.compiled.get(key)
         if f is None:
-            copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
-                                      fn.__defaults__, fn.__closure__)
-            f = compiled[key] = torch.compile(copy, **kwargs)
-        return f(x)
+            code = self.fn.__code__.replace()
+            copy = types.FunctionType(code, self.fn.__globals__, self.fn.__name__, self.fn.__defaults__,
+                                      self.fn.__closure__)
+            f = self.compiled[key] = torch.compile(copy, **self.options)
+        try:
+            return f(*args)
+        except Exception as e:  # the compiler itself failed: nothing ran
+            if not _cannot_compile(e):
+                raise
+            _fall_back(e)
+            self.options = None
+            return self.fn(*args)
 
-    call.graphs = compiled  # type: ignore[attr-defined]
-    return call
+
+def _cannot_compile(error: BaseException) -> bool:
+    """Whether ``error`` says this platform cannot compile (no usable C++ compiler), as opposed
+    to an error in the update itself, which is raised as is."""
+    inner = getattr(error, "inner_exception", None) or error.__cause__ or error
+    return bool({type(error).__name__, type(inner).__name__} & {"InvalidCxxCompiler", "CppCompileError"})

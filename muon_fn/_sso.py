@@ -32,7 +32,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from . import _checks, _orthogonalize, _tree, spectral
+from . import _checks, _newton_schulz as _orthogonalize, _tree, spectral
 from ._base import GradientTransformation, ScalarOrSchedule, Updates, named
 from ._muon import SHAPE_RULES, Split, _not_matrix, _validate_split, block_sizes, matrix_shape, shape_scale
 

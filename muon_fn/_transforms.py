@@ -12,6 +12,8 @@ import torch
 
 from . import _checks, _tree
 from ._base import (
+    ELEMENTWISE,
+    MATRIX,
     GradientTransformation,
     Params,
     Scalar,
@@ -20,6 +22,7 @@ from ._base import (
     identity,
     init_empty_state,
     named,
+    with_info,
 )
 
 MOMENTUM_KINDS = ("sgd", "ema")
@@ -73,13 +76,13 @@ def momentum(
         mu = _tree.tree_map(lambda _, pair: pair[1], updates, pairs)
         return out, MomentumState(mu=mu)
 
-    return named(GradientTransformation(init, update), "momentum", momentum=momentum,
-                 nesterov=nesterov, kind=kind)
+    tx = named(GradientTransformation(init, update), "momentum", momentum=momentum, nesterov=nesterov, kind=kind)
+    return with_info(tx, leafwise=True, scope=ELEMENTWISE)
 
 
 def scaled_add(g: torch.Tensor, b: torch.Tensor, mu: Scalar, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``μ·b + g`` (into ``out`` if given; it may be ``b``), the heavy-ball arithmetic shared by
-    :func:`momentum` and :func:`momentum_step_` so both round alike. On CPU, fp32/fp64, one fused ``addcmul``
+    """``μ·b + g`` (into ``out`` if given; it may be ``b``), the heavy-ball arithmetic of
+    :func:`momentum`. On CPU, fp32/fp64, one fused ``addcmul``
     pass (one rounding; on gpt2-small's 85 M parameters 107 instead of 151 ms for a step's two of
     them); elsewhere a multiply and an add, which accept a CPU 0-d ``μ`` next to device tensors
     (ATen builds ``addcmul`` as a ternary op, which does not allow CPU scalars; not run on a GPU here)."""
@@ -90,43 +93,6 @@ def scaled_add(g: torch.Tensor, b: torch.Tensor, mu: Scalar, out: torch.Tensor |
     if out is None:
         return b * mu + g
     return torch.mul(b, mu, out=out).add_(g)
-
-
-def momentum_weights(momentum: Scalar) -> tuple[float, float]:
-    """``(μ, 1 − μ)`` as floats equal to what :func:`momentum` computes with (for a 0-d tensor
-    μ, ``1 − μ`` is formed in the tensor's dtype)."""
-    if isinstance(momentum, torch.Tensor):
-        return float(momentum), float(1 - momentum)
-    return float(momentum), 1 - momentum
-
-
-def momentum_step_(
-    buf: torch.Tensor,
-    grad: torch.Tensor,
-    momentum: Scalar,
-    *,
-    nesterov: bool = True,
-    kind: str = "sgd",
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The in-place form of one leaf of :func:`momentum` (the adapters' eager fast path).
-
-    Updates ``buf`` in place with the arithmetic of :func:`momentum` and returns the direction:
-    ``buf`` itself without Nesterov (read it, do not modify it), else a tensor written into
-    ``out`` (a scratch tensor shaped like ``buf``) when given. ``momentum``: a float, a 0-d
-    tensor, or its :func:`momentum_weights` (to read a tensor once for many leaves).
-    """
-    mu, one_minus_mu = momentum if isinstance(momentum, tuple) else momentum_weights(momentum)
-    g = grad if grad.dtype == buf.dtype else grad.to(buf.dtype)
-    if kind == "ema":
-        buf.lerp_(g, one_minus_mu)
-        if not nesterov:
-            return buf
-        return torch.lerp(g, buf, mu) if out is None else torch.lerp(g, buf, mu, out=out)
-    scaled_add(g, buf, mu, out=buf)
-    if not nesterov:
-        return buf
-    return scaled_add(g, buf, mu, out=out)
 
 
 class ScaleByScheduleState(NamedTuple):
@@ -153,15 +119,17 @@ def scale_by_learning_rate(lr: ScalarOrSchedule) -> GradientTransformation:
             out = _tree.tree_map(lambda u: None if u is None else u * -step_lr, updates)
             return out, ScaleByScheduleState(count=state.count + 1)
 
-        return named(GradientTransformation(init, update), "scale_by_learning_rate",
-                     lr=getattr(schedule, "__name__", schedule))
+        # Not leafwise: the count is one per tree, so updating the tree in parts would count twice.
+        tx = named(GradientTransformation(init, update), "scale_by_learning_rate",
+                   lr=getattr(schedule, "__name__", schedule))
+        return with_info(tx, leafwise=False, scope=ELEMENTWISE)
 
     def update_const(updates, state, params=None, **extra):
         del params, extra
         return _tree.tree_map(lambda u: None if u is None else u * -lr, updates), state
 
-    return named(GradientTransformation(init_empty_state, update_const), "scale_by_learning_rate",
-                 lr=lr)
+    tx = named(GradientTransformation(init_empty_state, update_const), "scale_by_learning_rate", lr=lr)
+    return with_info(tx, leafwise=True, scope=ELEMENTWISE)
 
 
 def add_decoupled_weight_decay(weight_decay: Scalar = 0.0) -> GradientTransformation:
@@ -169,7 +137,8 @@ def add_decoupled_weight_decay(weight_decay: Scalar = 0.0) -> GradientTransforma
     _checks.non_negative("weight_decay", weight_decay)
 
     if not isinstance(weight_decay, torch.Tensor) and weight_decay == 0:
-        return named(identity(), "add_decoupled_weight_decay", weight_decay=weight_decay)
+        return with_info(named(identity(), "add_decoupled_weight_decay", weight_decay=weight_decay),
+                         leafwise=True, scope=ELEMENTWISE)
 
     def update(updates, state, params=None, **extra):
         del extra
@@ -180,8 +149,9 @@ def add_decoupled_weight_decay(weight_decay: Scalar = 0.0) -> GradientTransforma
         )
         return out, state
 
-    return named(GradientTransformation(init_empty_state, update), "add_decoupled_weight_decay",
-                 weight_decay=weight_decay)
+    tx = named(GradientTransformation(init_empty_state, update), "add_decoupled_weight_decay",
+               weight_decay=weight_decay)
+    return with_info(tx, leafwise=True, scope=ELEMENTWISE, needs_params=True)
 
 
 class ScaleByAdamState(NamedTuple):
@@ -229,7 +199,8 @@ def scale_by_adam(
         pick = lambda i: _tree.tree_map(lambda _, r: r[i], updates, res)  # noqa: E731
         return pick(0), ScaleByAdamState(pick(1), pick(2), pick(3))
 
-    return named(GradientTransformation(init, update), "scale_by_adam", betas=tuple(betas), eps=eps)
+    tx = named(GradientTransformation(init, update), "scale_by_adam", betas=tuple(betas), eps=eps)
+    return with_info(tx, leafwise=True, scope=ELEMENTWISE)
 
 
 class NormalizeRowsState(NamedTuple):
@@ -275,5 +246,7 @@ def normalize_rows(beta2: float = 0.95, eps: float = 1e-8) -> GradientTransforma
         nu = _tree.tree_map(lambda _, r: r[1], updates, res)
         return out, NormalizeRowsState(nu)
 
-    return named(GradientTransformation(init, update), "normalize_rows", beta2=beta2, eps=eps)
+    # MATRIX: the rows are normalized and then rescaled to the matrix's Frobenius norm.
+    tx = named(GradientTransformation(init, update), "normalize_rows", beta2=beta2, eps=eps)
+    return with_info(tx, leafwise=True, scope=MATRIX)
 

@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from . import _orthogonalize as _ortho
+from . import _newton_schulz as _ortho
 
 MODEL_SIZES = {"tiny": (4, 256), "gpt2-small": (12, 768)}  # (layers, width); MLP is 4x width
 MATRIX_NAMES = ("q", "k", "v", "o", "fc", "proj")
@@ -114,7 +114,7 @@ def _replay_fn(params: Sequence[torch.Tensor], method: str, steps: int, batched:
 
     def prepared(p: torch.Tensor) -> torch.Tensor:
         w = (p.detach().mT if p.size(0) > p.size(1) else p.detach()).float()
-        x = _ortho.normalize_into(w, torch.empty(w.shape, dtype=dtype, device=w.device), norm_scale=scale, eps=eps)
+        x = (w * _ortho._inverse_norm(w, scale, eps)).to(dtype)
         return _ortho._aol_scale(x, _ortho.gram_matrix(x), eps)[0] if aol else x
 
     wides = [prepared(p) for p in params]
@@ -153,9 +153,9 @@ def _lean_fn(params: Sequence[torch.Tensor], lr: float, method: str, steps: int,
         for p, b in zip(params, bufs):
             b.lerp_(p.grad, 1 - momentum)
             ups.append(p.grad.lerp(b, momentum))
-        outs = _ortho.orthogonalize_many(ups, schedule, dtype=dtype, eps=1e-7, norm_scale=scale)
-        for p, o, a in zip(params, outs, alphas):
-            p.add_(o, alpha=a)
+        for p, u, a in zip(params, ups, alphas):
+            o = _ortho.orthogonalize_batch([u], schedule, dtype=dtype, eps=1e-7, norm_scale=scale)[0]
+            p.add_(o.mT if p.size(0) > p.size(1) else o, alpha=a)
     return run
 
 

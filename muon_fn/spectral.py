@@ -40,7 +40,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from . import _checks
-from ._orthogonalize import gram_matrix
+from ._newton_schulz import gram_matrix
 
 __all__ = [
     "LambdaModel",

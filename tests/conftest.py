@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The adapters compile by default; most tests check behaviour, not compilation, and run eagerly.
+# Tests of the compiled default use the ``compiled_default`` fixture (or pass compile options).
+os.environ.setdefault("MUON_FN_COMPILE", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -34,3 +37,9 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 def _reset_dynamo():
     torch._dynamo.reset()
     yield
+
+
+@pytest.fixture
+def compiled_default(monkeypatch):
+    """The adapters' real default: compiled with inductor."""
+    monkeypatch.setenv("MUON_FN_COMPILE", "1")

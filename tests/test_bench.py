@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from muon_fn import _orthogonalize as O
+from muon_fn import _newton_schulz as O
 from muon_fn import bench
 
 

@@ -297,7 +297,7 @@ def check_bytes_formula(w):
     from torch.distributed.fsdp import fully_shard
 
     from muon_fn.fsdp import FSDPMuonOptimizer
-    from muon_fn._orthogonalize import coefficient_schedule
+    from muon_fn._newton_schulz import coefficient_schedule
     from muon_fn.fsdp._plan import ns_flops
 
     def run():

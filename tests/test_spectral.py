@@ -22,7 +22,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from muon_fn import spectral
-from muon_fn._orthogonalize import coefficient_schedule, newton_schulz, norm_scale
+from muon_fn._newton_schulz import coefficient_schedule, newton_schulz, norm_scale
 
 
 def _with_spectrum(m: int, n: int, s: torch.Tensor, seed: int) -> torch.Tensor:
@@ -598,7 +598,7 @@ def test_sso_skips_the_eigh_model_with_a_half_precision_msign(dtype, uses_eigh_m
 def test_msign_with_the_rank_two_gram_equals_the_plain_one(shape):
     """The solver may hand the msign XXᵀ formed from M̂M̂ᵀ by a rank-two update instead of a
     product: the same h and Φ to fp32 rounding, for wide and tall batches and any λ."""
-    from muon_fn._orthogonalize import coefficient_schedule, orthogonalize_matrices
+    from muon_fn._newton_schulz import coefficient_schedule, orthogonalize_matrices
 
     schedule = coefficient_schedule("polar_express", 8)
 

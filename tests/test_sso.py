@@ -23,7 +23,7 @@ from torch import nn
 
 import muon_fn
 from muon_fn import _tree, spectral
-from muon_fn._orthogonalize import newton_schulz
+from muon_fn._newton_schulz import newton_schulz
 from muon_fn._sso import SpectralSphereState, spectral_sphere, sso
 from muon_fn._sso_optim import SpectralSphereOptimizer
 

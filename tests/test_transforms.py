@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import muon_fn as mf
 from muon_fn import _tree
-from muon_fn._orthogonalize import newton_schulz
+from muon_fn._newton_schulz import newton_schulz
 
 # --------------------------------------------------------------------------------------------
 # One table of every transform: (factory, accepts 0-/1-D leaves).

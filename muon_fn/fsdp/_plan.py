@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from .._orthogonalize import gram_products
+from .._newton_schulz import gram_products
 
 Rows = tuple[int, int]  # [start, stop) rows of a matrix
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import itertools
 import platform
+import threading
 from typing import Callable, Sequence, Union
 
 import torch
@@ -91,6 +92,9 @@ AOL9_COEFFICIENTS: tuple[Coefficients, ...] = (
     (3.5265508922905515, -6.161220213822824, 4.998960885558363, -1.7109004864490664, 0.20562587308897573),
     (1.875, -1.25, 0.375),
 )
+
+# Iteration dtypes ``orthogonalize(dtype=...)`` accepts.
+COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 # Classical cubic Newton–Schulz: converges to the exact polar factor (slowly from small σ).
 CUBIC_COEFFICIENTS: tuple[Coefficients, ...] = ((1.5, -0.5, 0.0),)
@@ -472,32 +476,34 @@ def _step(x: torch.Tensor, gram: torch.Tensor, row: Coefficients, buffers: Buffe
     return _matmul(poly, x, out)
 
 
-# Eager batches of matrices with min(m, n) >= this run as a loop of 2-D GEMMs: on the 2-core Zen 4
-# CPU, bf16 baddbmm is 9-14 % slower than a loop of addmm from 512² up (16×768²: 603 vs 525 ms)
-# and 5-16 % faster below 384 (16×256²: 19.1 vs 22.8 ms).
+# Batches of matrices with min(m, n) >= this run one matrix at a time (2-D GEMMs) in eager mode,
+# whatever the batch size, so a matrix's result never depends on its batch mates (the FSDP owner
+# batches other matrices than a single device does): on the 2-core Zen 4 CPU, bf16 baddbmm is
+# 9-14 % slower than a loop of addmm from 512² up (16×768²: 603 vs 525 ms) and 5-16 % faster below
+# 384 (16×256²: 19.1 vs 22.8 ms).
 LOOP_MIN_DIM = 384
 
 
 def iterate(x: torch.Tensor, schedule: Sequence[Coefficients], gram: torch.Tensor | None = None,
-            buffers: Buffers | None = None) -> torch.Tensor:
+            buffers: Buffers | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Apply ``X ← c₀X + (Σ_{i≥1} cᵢAⁱ)X``, ``A = XXᵀ``, once per row (``aX + (bA + cA²)X`` for a
     quintic). ``x``: (m, n) or (B, m, n). A :class:`Schedule`'s ``fold_from`` says from which
     iteration on ``c₀`` goes onto the polynomial's diagonal (:func:`_step`).
 
     ``gram``: ``XXᵀ`` of the input if already computed (used by the first iteration; it need not
     be exactly symmetric, e.g. after the AOL rescale, so its square is one GEMM).
-    ``buffers``: a dict the caller keeps across calls (eager only): every product is written into
-    a reused scratch tensor (X alternates between two), so the result is one of them and is
-    overwritten by the next call with the same shapes. Bitwise the same values.
+    ``buffers``: a dict the caller keeps across calls (eager only): every intermediate product is
+    written into a reused scratch tensor (X alternates between two). ``out``: where the last
+    iteration writes (it must not alias ``x``); without it the result may be a scratch tensor,
+    overwritten by the next call with the same shapes. Bitwise the same values either way.
     """
-    if x.ndim == 3 and x.size(0) > 1 and x.size(-2) >= LOOP_MIN_DIM and not torch.compiler.is_compiling():
-        grams = [None] * x.size(0) if gram is None else gram.unbind(0)
-        return torch.stack([iterate(xi, schedule, gi) for xi, gi in zip(x.unbind(0), grams)])
     fold_from = getattr(schedule, "fold_from", None)
+    last = len(schedule) - 1
     for k, row in enumerate(schedule):
         a = gram_matrix(x, buffers) if gram is None else gram
-        x = _step(x, a, row, buffers, _buffer(buffers, f"x{k % 2}", x.shape, x), symmetric=gram is None,
-                  overwrite=gram is None, fold=fold_from is not None and k >= fold_from)
+        target = out if k == last and out is not None else _buffer(buffers, f"x{k % 2}", x.shape, x)
+        x = _step(x, a, row, buffers, target, symmetric=gram is None, overwrite=gram is None,
+                  fold=fold_from is not None and k >= fold_from)
         gram = None
     return x
 
@@ -548,8 +554,8 @@ def newton_schulz(
     Args:
       x: input of shape ``(..., m, n)``; tall matrices are transposed internally.
       method: ``"polar_express"``, ``"quintic"`` (Keller), ``"you"``, ``"cubic"``, ``"aol"``
-        (AOL-preconditioned, 4 steps by default) or ``"gram"`` (Polar Express as Gram NS;
-        fp32/fp16 only).
+        (AOL-preconditioned, 4 steps by default), ``"aol9"`` or ``"gram"`` (Polar Express as
+        Gram NS; fp32/fp16 only).
       steps: number of iterations (``None``: :func:`default_steps`).
       coefficients: a custom schedule of ``(a, b, c)`` triples (overrides ``method``'s).
       dtype: iteration dtype; ``None`` iterates in ``x.dtype``.
@@ -577,15 +583,31 @@ def check_dtype(schedule: Sequence[Coefficients], dtype: torch.dtype) -> None:
 
 
 def _run_schedule(y: torch.Tensor, schedule: Sequence[Coefficients], eps: float,
-                  buffers: Buffers | None = None, gram: torch.Tensor | None = None) -> torch.Tensor:
+                  buffers: Buffers | None = None, gram: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """Iterate a normalized ``y`` (wide, compute dtype) with ``schedule``: the AOL rescale first if
     the schedule asks for it (its Gram matrix feeds the first iteration), in the schedule's form.
-    ``buffers``: see :func:`iterate` (the Gram form does not use them). ``gram``: ``yyᵀ`` if known."""
+    ``y`` may be rescaled in place (it is the caller's normalized copy). ``buffers`` and ``out``:
+    see :func:`iterate` (the Gram form uses neither). ``gram``: ``yyᵀ`` if known. Eager batches of
+    matrices of at least :data:`LOOP_MIN_DIM` rows run one matrix at a time."""
+    if y.ndim == 3 and y.size(-2) >= LOOP_MIN_DIM and not torch.compiler.is_compiling():
+        out = torch.empty_like(y) if out is None else out
+        for i in range(y.size(0)):
+            _run_schedule(y[i], schedule, eps, buffers, None if gram is None else gram[i], out[i])
+        return out
     if getattr(schedule, "precondition", "frobenius") == "aol":
         y, gram = _aol_scale(y, gram_matrix(y, buffers) if gram is None else gram, eps)
     if getattr(schedule, "form", "standard") == "gram":
-        return iterate_gram(y, schedule, gram)
-    return iterate(y, schedule, gram, buffers)
+        result = iterate_gram(y, schedule, gram)
+        return result if out is None else out.copy_(result)
+    return iterate(y, schedule, gram, buffers, out)
+
+
+def _inverse_norm(x: torch.Tensor, norm_scale: float, eps: float, dims: tuple[int, ...] | None = None) -> torch.Tensor:
+    """``1 / (norm_scale·‖x‖_F + eps)`` in at least fp32 (over ``dims``, kept, for a batch)."""
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    norm = torch.linalg.vector_norm(x, dim=dims, keepdim=dims is not None, dtype=dtype)
+    return 1.0 / (norm * norm_scale + eps)
 
 
 def orthogonalize_matrices(
@@ -597,7 +619,8 @@ def orthogonalize_matrices(
     norm_scale: float = 1.0,
     gram: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The iteration behind :func:`newton_schulz` with a resolved schedule.
+    """The iteration behind :func:`newton_schulz` with a resolved schedule (plain tensor code:
+    traceable by autograd, torch.func and torch.compile).
 
     A :class:`Schedule` brings its preconditioner and form; a plain tuple of triples runs the
     standard iteration after Frobenius normalization. ``gram``: ``XXᵀ`` of ``x``'s wide
@@ -611,15 +634,10 @@ def orthogonalize_matrices(
         x = x.reshape(-1, *shape[-2:])
         gram = None if gram is None else gram.reshape(-1, *gram.shape[-2:])
     tall = x.size(-2) > x.size(-1)
+    inv = _inverse_norm(x, norm_scale, eps, dims=(-2, -1))
+    y = (x * inv).to(dtype)
     if tall:
-        x = x.mT
-    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=torch.promote_types(x.dtype, torch.float32))
-    inv = 1.0 / (norm * norm_scale + eps)
-    if torch.compiler.is_compiling() or dtype == x.dtype:
-        y = (x * inv).to(dtype)  # inductor fuses the scale and the cast
-    else:  # eager: scale and cast in one pass over x
-        y = torch.empty(x.shape, dtype=dtype, device=x.device)
-        torch.mul(x, inv, out=y)
+        y = y.mT
     if gram is not None:
         gram = (gram * inv.square()).to(dtype)
     y = _run_schedule(y, schedule, eps, gram=gram)
@@ -628,74 +646,94 @@ def orthogonalize_matrices(
     return y.to(out_dtype).reshape(shape)
 
 
-def normalize_into(x: torch.Tensor, out: torch.Tensor, *, norm_scale: float, eps: float,
-                   scratch: torch.Tensor | None = None, overwrite: bool = False) -> torch.Tensor:
-    """``out ← x / (norm_scale·‖x‖_F + eps)`` for one matrix, into ``out`` (which may be a
-    lower-precision slot of a batch); returns ``out``.
-
-    A transposed view ``x`` (a tall matrix in wide orientation) is scaled and cast in its own
-    layout into ``scratch`` (``x.mT``'s shape, ``out``'s dtype; allocated if None), then copied
-    transposed: a same-dtype transposed copy is blocked in ATen, a strided cast is not (3072×768
-    fp32 → bf16: 2.3 instead of 5.0 ms). ``overwrite``: ``x`` is the caller's scratch, so it is
-    scaled in place and then cast, bitwise the same values: a mixed-dtype ``mul`` into ``out``
-    runs unvectorized on some CPUs (768×3072 fp32 → bf16 on a Xeon with AMX: 1.25 ms, against
-    0.34 + 0.50 ms for an in-place scale and a cast)."""
-    norm = torch.linalg.vector_norm(x, dtype=torch.promote_types(x.dtype, torch.float32))
-    if norm_scale != 1.0:
-        norm.mul_(norm_scale)
-    inv = norm.add_(eps).reciprocal_()
-    transposed = is_transposed_view(x)
-    if transposed and (scratch is None or scratch.shape != x.mT.shape or scratch.dtype != out.dtype):
-        scratch = torch.empty(x.mT.shape, dtype=out.dtype, device=x.device)
-    if overwrite and x.dtype != out.dtype:
-        x.mul_(inv)
-        return out.copy_(scratch.copy_(x.mT).mT) if transposed else out.copy_(x)
-    if transposed:
-        return out.copy_(torch.mul(x.mT, inv, out=scratch).mT)
-    return torch.mul(x, inv, out=out)
+# --------------------------------------------------------------------------- the batched operator
+def wide_shape(shape: Sequence[int]) -> tuple[int, int]:
+    """``(min(m, n), max(m, n))`` of a matrix shape: the orientation the iteration runs in."""
+    m, n = int(shape[-2]), int(shape[-1])
+    return (m, n) if m <= n else (n, m)
 
 
-def is_transposed_view(x: torch.Tensor) -> bool:
-    """Whether 2-D ``x`` is the ``.mT`` of a contiguous matrix (and not contiguous itself)."""
-    return x.ndim == 2 and x.size(0) > 1 and x.size(1) > 1 and not x.is_contiguous() and x.mT.is_contiguous()
+def orthogonalize_batch(xs: Sequence[torch.Tensor], schedule: Sequence[Coefficients], *, dtype: torch.dtype,
+                        eps: float, norm_scale: float = 1.0, buffers: Buffers | None = None) -> torch.Tensor:
+    """msign of each matrix of ``xs`` (2-D, one wide shape ``(m, n)`` in either orientation) as
+    one ``(B, m, n)`` tensor in ``dtype``, wide orientation (transpose tall results back).
 
-
-def orthogonalize_many(
-    xs: Sequence[torch.Tensor],
-    schedule: Sequence[Coefficients],
-    *,
-    dtype: torch.dtype,
-    eps: float,
-    norm_scale: float = 1.0,
-    out_dtype: torch.dtype | None = None,
-) -> list[torch.Tensor]:
-    """:func:`orthogonalize_matrices` over a list of 2-D matrices, batching equal wide shapes.
-
-    Each matrix is normalized and cast straight into its slot of a per-shape ``(B, m, n)`` buffer
-    (one pass over the input, no fp32 stack copy); the outputs are views of the iterated batch in
-    the input orientation, in ``out_dtype`` (default: ``dtype``, no cast-back pass, e.g. for
-    ``p.add_(o, alpha=-lr * scale)``). Equal to calling :func:`orthogonalize_matrices` per matrix
-    (bitwise in fp32/fp64 up to BLAS batching).
+    Each matrix is normalized by its own Frobenius norm (in at least fp32, on its own layout) and
+    cast straight into its slot of the batch, then the batch is iterated: batched GEMMs below
+    :data:`LOOP_MIN_DIM` rows, one matrix at a time from there (eager). Every step is computed per
+    matrix, so a matrix's result does not depend on which others share its batch.
+    ``buffers``: scratch kept across calls (see :func:`iterate`); the result is always fresh.
     """
     check_dtype(schedule, dtype)
-    groups: dict[tuple[int, int, torch.device], list[int]] = {}
+    m, n = wide_shape(xs[0].shape)
+    device = xs[0].device
+    out = torch.empty((len(xs), m, n), dtype=dtype, device=device)
+    loop = m >= LOOP_MIN_DIM and not torch.compiler.is_compiling()
+    shape = (m, n) if loop else (len(xs), m, n)
+    y = _buffer(buffers, "input", shape, out)
+    y = torch.empty(shape, dtype=dtype, device=device) if y is None else y
     for i, x in enumerate(xs):
-        if x.ndim != 2:
-            raise ValueError(f"orthogonalize_many expects 2-D matrices, got shape {tuple(x.shape)} at index {i}")
-        m, n = sorted(x.shape)
-        groups.setdefault((m, n, x.device), []).append(i)
-    outs: list[torch.Tensor | None] = [None] * len(xs)
-    for (m, n, device), idx in groups.items():
-        buf = torch.empty((len(idx), m, n), dtype=dtype, device=device)
-        for slot, i in enumerate(idx):
-            x = xs[i].mT if xs[i].size(0) > xs[i].size(1) else xs[i]
-            normalize_into(x, buf[slot], norm_scale=norm_scale, eps=eps)
-        buf = _run_schedule(buf, schedule, eps)
-        if out_dtype is not None and out_dtype != dtype:
-            buf = buf.to(out_dtype)
-        for slot, i in enumerate(idx):
-            outs[i] = buf[slot].mT if xs[i].size(0) > xs[i].size(1) else buf[slot]
-    return outs  # type: ignore[return-value]
+        slot = y if loop else y[i]
+        inv = _inverse_norm(x, norm_scale, eps)
+        torch.mul(x.mT if x.size(-2) > x.size(-1) else x, inv, out=slot)
+        if loop:
+            _run_schedule(slot, schedule, eps, buffers, out=out[i])
+    if not loop:
+        _run_schedule(y, schedule, eps, buffers, out=out)
+    return out
+
+
+_SCRATCH = threading.local()  # per thread: {(role, shape, dtype, device): tensor}, CPU only
+
+
+def clear_scratch() -> None:
+    """Free the scratch tensors this thread's eager orthogonalizations keep between calls."""
+    _SCRATCH.__dict__.clear()
+
+
+def _scratch(device: torch.device) -> Buffers | None:
+    """Reused scratch on the CPU, where a fresh allocation page-faults on first touch (about 10 %
+    of a small step); CUDA's caching allocator already reuses memory."""
+    if device.type != "cpu":
+        return None
+    if not hasattr(_SCRATCH, "buffers"):
+        _SCRATCH.buffers = {}
+    return _SCRATCH.buffers
+
+
+@torch.library.custom_op("muon_fn::orthogonalize_batch", mutates_args=())
+def _orthogonalize_batch_op(xs: list[torch.Tensor], coefficients: list[float], degrees: list[int],
+                            precondition: str, form: str, fold_from: int, eps: float, norm_scale: float,
+                            dtype: torch.dtype) -> torch.Tensor:
+    rows, k = [], 0
+    for d in degrees:
+        rows.append(tuple(coefficients[k:k + d]))
+        k += d
+    schedule = Schedule(rows, precondition=precondition, form=form, fold_from=None if fold_from < 0 else fold_from)
+    return orthogonalize_batch(xs, schedule, dtype=dtype, eps=eps, norm_scale=norm_scale,
+                               buffers=_scratch(xs[0].device))
+
+
+@_orthogonalize_batch_op.register_fake
+def _(xs, coefficients, degrees, precondition, form, fold_from, eps, norm_scale, dtype):
+    return torch.empty((len(xs),) + wide_shape(xs[0].shape), dtype=dtype, device=xs[0].device)
+
+
+def msign_batch(xs: Sequence[torch.Tensor], schedule: Sequence[Coefficients], *, dtype: torch.dtype,
+                eps: float, norm_scale: float = 1.0) -> torch.Tensor:
+    """:func:`orthogonalize_batch` as one operator (``torch.ops.muon_fn.orthogonalize_batch``).
+
+    Under ``torch.compile`` the iteration stays one opaque call that runs the tuned eager kernels
+    above (reused scratch, symmetric Gram products) while inductor fuses everything around it.
+    Inputs that autograd records take the plain tensor path instead (no backward is defined).
+    """
+    if torch.is_grad_enabled() and any(x.requires_grad for x in xs):
+        return orthogonalize_batch(xs, schedule, dtype=dtype, eps=eps, norm_scale=norm_scale)
+    return _orthogonalize_batch_op(
+        list(xs), [float(c) for row in schedule for c in row], [len(row) for row in schedule],
+        getattr(schedule, "precondition", "frobenius"), getattr(schedule, "form", "standard"),
+        -1 if getattr(schedule, "fold_from", None) is None else schedule.fold_from, float(eps),
+        float(norm_scale), dtype)
 
 
 def zeropower_via_newtonschulz5(G: torch.Tensor, steps: int = 5) -> torch.Tensor:

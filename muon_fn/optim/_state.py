@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import _tree
+from .. import _tree
 
 
 class Slot(NamedTuple):

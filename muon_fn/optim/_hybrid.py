@@ -8,7 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .optim import MuonOptimizer, Optimizer
+from ._adapter import Optimizer
+from ._muon import MuonOptimizer
 
 
 def _head_names(model: nn.Module, embedding_params: set[int]) -> set[str]:

@@ -8,11 +8,13 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from ._alias import adamw
-from ._base import GradientTransformation
-from ._combine import partition
-from ._sso import VALIDATED_KEYS, _validate, spectral_sphere
-from .optim import CompileOption, HybridOptimizer
+from .. import _compile
+from .._alias import adamw
+from .._base import GradientTransformation
+from .._combine import leafwise_labels, partition
+from .._sso import VALIDATED_KEYS, _validate, spectral_sphere
+from ._adapter import BUCKET_SIZE
+from ._muon import HybridOptimizer
 
 # "muon" is accepted as an alias of "sso" so groups built for MuonOptimizer (e.g. by
 # muon_fn.split_parameters / create_hybrid_optimizer) work unchanged.
@@ -112,8 +114,9 @@ class SpectralSphereOptimizer(HybridOptimizer):
         adamw_weight_decay: float = 0.0,
         algorithm: str = "auto",
         gradient_accumulation_steps: int = 1,
-        nonfinite: str | None = "error",
-        compile: CompileOption = False,
+        nonfinite: str | None = "skip",
+        compile: _compile.CompileOption = False,
+        bucket_size: int = BUCKET_SIZE,
     ) -> None:
         defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
@@ -129,7 +132,7 @@ class SpectralSphereOptimizer(HybridOptimizer):
         )
         super().__init__(params, _sso_factory, defaults,
                          gradient_accumulation_steps=gradient_accumulation_steps,
-                         nonfinite=nonfinite, compile=compile)
+                         nonfinite=nonfinite, compile=compile, bucket_size=bucket_size)
 
     @classmethod
     def from_model(cls, model: nn.Module, lr: float = 0.02, adamw_lr: float = 1e-3,
@@ -199,11 +202,12 @@ def _sso_factory(h: dict[str, Any]) -> GradientTransformation:
     return partition(
         {"sso": sso_tx(),
          "adamw": adamw(h["adamw_lr_effective"], h["adamw_betas"], h["adamw_eps"], h["adamw_weight_decay"])},
-        lambda params: _labels(params),
+        _sso_labels,
     )
 
 
-def _labels(params: Any) -> Any:
-    from . import _tree
+def _sso_label(p: torch.Tensor) -> str:
+    return "sso" if p.ndim >= 2 else "adamw"
 
-    return _tree.tree_map(lambda p: None if p is None else ("sso" if p.ndim >= 2 else "adamw"), params)
+
+_sso_labels = leafwise_labels(_sso_label)

@@ -1,0 +1,17 @@
+"""The ``torch.optim`` adapter and the optimizers built on it.
+
+:class:`Optimizer` runs any functional transform behind torch's optimizer interface (the generic
+apply: ``tx.update`` per bucket, written back in place, compiled by default). The optimizer
+classes are configuration only: :class:`MuonOptimizer` (Muon + AdamW),
+:class:`SpectralSphereOptimizer` (SSO + AdamW) and :func:`create_hybrid_optimizer` (one optimizer,
+parameters split by role).
+"""
+
+from ._adapter import BUCKET_SIZE, NONFINITE_POLICIES, Optimizer, StepReport
+from ._hybrid import HybridSplit, create_hybrid_optimizer, split_parameters
+from ._muon import HybridOptimizer, MuonOptimizer
+from ._sso import SolverReport, SpectralSphereOptimizer
+
+__all__ = ["Optimizer", "MuonOptimizer", "SpectralSphereOptimizer", "HybridOptimizer", "SolverReport",
+           "StepReport", "create_hybrid_optimizer", "split_parameters", "HybridSplit", "BUCKET_SIZE",
+           "NONFINITE_POLICIES"]

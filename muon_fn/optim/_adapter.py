@@ -1,0 +1,438 @@
+"""The stateful adapter: a functional transform behind the ``torch.optim.Optimizer`` interface.
+
+Each parameter group is a tuple pytree of its parameters. Its transform is built by a factory from
+the group's hyperparameters: per-step scalars (``lr``, ``momentum`` and any tensor-valued key) reach
+the transform as 0-d tensors that the optimizer owns and refreshes in place before every step, so
+LR and momentum schedules never recompile; any other value (``weight_decay``, ints, strings,
+tuples) is static and rebuilds the transform when it changes. State lives in torch's per-parameter
+dicts holding exactly the transform's state (``state[p]["momentum_buffer"]`` for Muon, as
+torch.optim.Muon; ``step``/``exp_avg``/``exp_avg_sq`` for AdamW; see ``_state``).
+
+The step is generic: for each *bucket* of a group (see :func:`buckets`) it runs
+``updates, new_state = tx.update(grads, state, params)`` and writes back in place
+(``state.copy_(new_state)``, ``p.add_(updates)``) — as one ``torch.compile(fullgraph=True)``
+graph per bucket signature by default, or eagerly with the same ops in the same order. Every
+algorithm (Muon, the hybrid, NorMuon, SSO, AdamW) is a transform run through this one apply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, NamedTuple, Union
+
+import torch
+
+from .. import _checks, _compile, _tree
+from .._base import GradientTransformation, info
+from .._muon import group_by
+from . import _state
+
+Factory = Callable[[dict[str, Any]], GradientTransformation]
+
+NONFINITE_POLICIES = ("skip", "error", None)
+# Group keys the adapter itself uses; they never reach the factory.
+_ADAPTER_KEYS = frozenset({"params", "param_names", "gradient_accumulation_steps", "micro_step",
+                           "initial_lr", "base_lr"})
+# Hyperparameters passed to the factory as 0-d tensors refreshed before every step (any
+# tensor-valued key is one too); other keys are static and rebuild the transform on change.
+# weight_decay is static: it rarely changes, and a static 0 removes the decay term entirely.
+SCALAR_KEYS = frozenset({"lr", "momentum"})
+# At most this many same-shape parameters share one compiled call. Inductor's compile time grows
+# by about a second per parameter in a graph (2-core CPU), while equal buckets reuse one graph:
+# gpt2-small's 72 matrices compile as 3 graphs of at most 4. Larger buckets batch more matrices
+# per orthogonalization call (see MuonOptimizer(bucket_size=...)).
+BUCKET_SIZE = 4
+
+
+def buckets(params: list[torch.Tensor], size: int | None) -> list[tuple[int, ...]]:
+    """Positions of ``params`` in buckets of at most ``size`` parameters of one shape, dtype and
+    device (``None``: the whole group is one bucket)."""
+    if size is None:
+        return [tuple(range(len(params)))]
+    keys = [(tuple(p.shape), p.dtype, p.device) for p in params]
+    return [tuple(b) for b in group_by(keys, size)]
+
+
+class _Bucket(NamedTuple):
+    indices: tuple[int, ...]  # positions in group["params"]
+    layout: _state.StateLayout  # where the bucket's state leaves live in torch's state dicts
+
+
+class _GroupRuntime:
+    """Per-group cache: the transform, its buckets, the step, the scalar tensors."""
+
+    def __init__(self) -> None:
+        self.static_key: Any = None
+        self.scalars: dict[str, torch.Tensor] = {}
+        self.tx: GradientTransformation | None = None
+        self.buckets: list[_Bucket] = []
+        self.step: _compile.PerSignature | None = None
+
+
+class StepReport(NamedTuple):
+    """What the last ``step()`` did (reading ``finite`` as a bool syncs with the device)."""
+
+    finite: torch.Tensor  # shape=(), bool: False if the step was skipped for non-finite grads
+    applied: bool  # False for an accumulation micro-step that changed no parameter
+
+
+def apply_bucket(tx: GradientTransformation, params: tuple, grads: tuple, state: Any,
+                 finite: torch.Tensor | None) -> None:
+    """``tx.update`` on one bucket, then the new state copied into the old buffers and the
+    updates added to the parameters, in place. ``finite`` (a 0-d bool tensor or None): when it is
+    False nothing changes (decided on the device, without reading the flag)."""
+    updates, new_state = tx.update(grads, state, params)
+    _tree.tree_map(lambda old, new: _write(old, new, finite), state, new_state)
+    for p, u in zip(params, updates):
+        if u is not None:
+            p.add_(u if finite is None else torch.where(finite, u, 0))
+
+
+def _write(old: torch.Tensor | None, new: torch.Tensor | None, finite: torch.Tensor | None) -> None:
+    if old is None or new is old:
+        return
+    old.copy_(new if finite is None else torch.where(finite, new, old))
+
+
+def _signature(params: tuple, grads: tuple, finite: torch.Tensor | None) -> tuple:
+    """What a compiled bucket step is specialized on (a new one compiles once)."""
+    return (finite is None,) + tuple(
+        (tuple(p.shape), p.stride(), p.dtype, p.device)
+        + (None if g is None else (g.dtype, g.stride(), g.device),) for p, g in zip(params, grads))
+
+
+class Optimizer(torch.optim.Optimizer):
+    """A ``torch.optim.Optimizer`` running a functional transform per parameter group.
+
+    Args:
+      params: parameters, ``(name, param)`` pairs, or param-group dicts, as for torch optimizers.
+      tx_or_factory: a :class:`~muon_fn.GradientTransformation` used for every group as is, or a
+        factory ``hyperparams -> GradientTransformation`` called with each group's hyperparameters
+        (``lr``, ``momentum`` and tensor values as 0-d tensors). Only a factory lets schedulers
+        change ``lr``.
+      defaults: default hyperparameters of the groups (e.g. ``{"lr": 0.02}``).
+      gradient_accumulation_steps: ``k``: call ``step()`` after every micro-batch; every ``k``-th
+        call applies the mean of the last ``k`` gradients, the others change no parameter.
+      nonfinite: what a step with an inf/nan gradient does. ``"skip"`` (default) leaves every
+        parameter and state unchanged, decided on the device (no host read), and counts it in
+        :attr:`nonfinite_steps`; ``"error"`` also raises, naming the parameters (one read of a
+        flag per step); ``None`` does not check.
+      compile: ``True`` (default: ``torch.compile(fullgraph=True)`` with inductor, one graph per
+        bucket signature; eager with one warning where compiling is impossible), ``False``
+        (eager), or a dict of ``torch.compile`` options (e.g. ``{"backend": "eager"}``).
+      bucket_size: same-shape parameters updated by one call (see :data:`BUCKET_SIZE`); only
+        for transforms that are *leafwise* (:class:`muon_fn.TransformInfo`; every built-in one
+        is), others update each group as a whole.
+    """
+
+    _extra_scalar_keys: tuple[str, ...] = ()
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        tx_or_factory: Union[GradientTransformation, Factory],
+        defaults: Mapping[str, Any] | None = None,
+        *,
+        gradient_accumulation_steps: int = 1,
+        nonfinite: str | None = "skip",
+        compile: _compile.CompileOption = True,
+        bucket_size: int = BUCKET_SIZE,
+    ) -> None:
+        if isinstance(tx_or_factory, GradientTransformation):
+            self._factory: Factory = lambda hyper, _tx=tx_or_factory: _tx  # noqa: E731
+        elif callable(tx_or_factory):
+            self._factory = tx_or_factory
+        else:
+            raise TypeError(
+                "tx_or_factory must be a GradientTransformation or a function of the group's "
+                f"hyperparameters, got {type(tx_or_factory).__name__}"
+            )
+        _checks.positive_int("gradient_accumulation_steps", gradient_accumulation_steps)
+        _checks.one_of("nonfinite", nonfinite, NONFINITE_POLICIES)
+        _checks.positive_int("bucket_size", bucket_size)
+        self.nonfinite = nonfinite
+        self._compile_options = _compile.resolve(compile)
+        self._bucket_size = bucket_size
+        self._scalar_keys = SCALAR_KEYS | frozenset(self._extra_scalar_keys)
+        self._runtimes: list[_GroupRuntime] = []
+        self._nonfinite_count: torch.Tensor | None = None
+        self.last_step: StepReport | None = None
+        defaults = dict(defaults or {})
+        defaults.setdefault("gradient_accumulation_steps", gradient_accumulation_steps)
+        super().__init__(params, defaults)
+
+    # ----------------------------------------------------------------------- groups
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        group.setdefault("micro_step", 0)
+        for p in group["params"]:
+            if torch.is_complex(p):
+                raise ValueError(f"muon_fn does not support complex parameters, got {self._name(group, p)}")
+        self._validate_group(group)
+        self._runtimes.append(_GroupRuntime())
+        self._dry_run(len(self.param_groups) - 1)
+
+    def _validate_group(self, group: dict[str, Any]) -> None:
+        """Hook for subclasses: check a group's hyperparameters (raise ValueError)."""
+
+    def _derived_scalars(self, group: dict[str, Any], scalars: dict[str, torch.Tensor]) -> None:
+        """Hook for subclasses: refresh per-step scalars computed from the group's on the device
+        (written into ``scalars``, passed to the factory like ``lr``)."""
+
+    def _name(self, group: dict[str, Any], p: torch.Tensor) -> str:
+        names = group.get("param_names")
+        idx = next(i for i, q in enumerate(group["params"]) if q is p)
+        return repr(names[idx]) if names else f"#{idx} of shape {tuple(p.shape)}"
+
+    # ----------------------------------------------------------------------- transforms
+    def _hyper(self, group: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+        scalars, static = {}, {}
+        for k, v in group.items():
+            if k in _ADAPTER_KEYS:
+                continue
+            if isinstance(v, torch.Tensor) or k in self._scalar_keys:
+                scalars[k] = v
+            else:
+                static[k] = v
+        return scalars, tuple(sorted((k, repr(v)) for k, v in static.items()))
+
+    def _runtime(self, index: int) -> _GroupRuntime:
+        """The group's runtime with its scalars refreshed (rebuilt if a static value changed)."""
+        group, rt = self.param_groups[index], self._runtimes[index]
+        scalars, static_key = self._hyper(group)
+        for k, v in scalars.items():
+            t = rt.scalars.get(k)
+            if t is None:
+                dtype = torch.float64 if group["params"][0].dtype == torch.float64 else torch.float32
+                rt.scalars[k] = t = torch.zeros((), dtype=dtype, device=group["params"][0].device)
+                rt.tx = None
+            if isinstance(v, torch.Tensor):
+                t.copy_(v.detach().reshape(()))
+            else:
+                t.fill_(v)
+        self._derived_scalars(group, rt.scalars)
+        if rt.tx is None or static_key != rt.static_key:
+            self._build(group, rt, static_key)
+        return rt
+
+    def _build(self, group: dict[str, Any], rt: _GroupRuntime, static_key: Any) -> None:
+        hyper = {k: v for k, v in group.items() if k not in _ADAPTER_KEYS}
+        hyper.update(rt.scalars)
+        hyper["_names"] = group.get("param_names")
+        rt.tx = tx = self._factory(hyper)
+        rt.static_key = static_key
+        size = self._bucket_size if info(tx).leafwise else None
+        params = group["params"]
+        rt.buckets = []
+        for indices in buckets(params, size):
+            meta = self._meta([params[i] for i in indices])
+            rt.buckets.append(_Bucket(indices, _state.build_layout(tx.init(meta), len(indices))))
+
+        def step(params, grads, state, finite):
+            apply_bucket(tx, params, grads, state, finite)
+
+        rt.step = _compile.PerSignature(step, self._compile_options)
+
+    @staticmethod
+    def _meta(params: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.empty_like(p, device="meta") for p in params)
+
+    def _dry_run(self, index: int) -> None:
+        """Trace one update of the whole group on meta tensors, so shape errors surface at
+        construction, naming the parameter."""
+        rt = self._runtime(index)
+        group = self.param_groups[index]
+        params = self._meta(group["params"])
+        with torch.no_grad():
+            try:
+                rt.tx.update(params, rt.tx.init(params), params)
+            except ValueError as error:
+                for i, p in enumerate(group["params"]):  # find the parameter that fails alone
+                    only = tuple(q if j == i else None for j, q in enumerate(params))
+                    try:
+                        rt.tx.update(only, rt.tx.init(params), params)
+                    except ValueError:
+                        raise ValueError(f"parameter {self._name(group, p)}: {error}") from None
+                raise
+
+    # ----------------------------------------------------------------------- step
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Perform one optimization step (or accumulate one micro-batch).
+
+        Reads nothing back from the device unless ``nonfinite="error"``; ``.grad`` is never
+        modified. Already compiled: ``torch.compile(opt.step)`` leaves it to these graphs."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._step()
+        return loss
+
+    @torch.compiler.disable
+    def _step(self) -> None:
+        work = []
+        for index, group in enumerate(self.param_groups):
+            grads = self._grads(group)
+            if grads is None:
+                continue
+            k = group["gradient_accumulation_steps"]
+            if k > 1:
+                grads = self._accumulate(group, grads, k)
+                if grads is None:
+                    continue
+            work.append((index, grads))
+        finite = None
+        if self.nonfinite is not None and work:
+            # One check over every gradient before anything changes: a skipped or failed step
+            # leaves every group's parameters and state as they were.
+            finite = _all_finite([g for _, grads in work for g in grads if g is not None])
+            if self.nonfinite == "error" and not bool(finite):
+                self._count_nonfinite(finite)
+                raise RuntimeError(
+                    "non-finite gradient (inf or nan) in " + ", ".join(self._nonfinite_params(work))
+                    + "; parameters and optimizer state were left unchanged. Pass nonfinite='skip' "
+                    "to skip such steps, or use torch.amp.GradScaler."
+                )
+        for index, grads in work:
+            self._apply_group(index, grads, finite)
+        if work and finite is not None:
+            self._count_nonfinite(finite)
+        self.last_step = StepReport(torch.ones((), dtype=torch.bool) if finite is None else finite, bool(work))
+
+    def _apply_group(self, index: int, grads: tuple, finite: torch.Tensor | None) -> None:
+        group = self.param_groups[index]
+        rt = self._runtime(index)
+        params = group["params"]
+        for bucket in rt.buckets:
+            bucket_grads = tuple(grads[i] for i in bucket.indices)
+            if all(g is None for g in bucket_grads):
+                continue
+            bucket_params = tuple(params[i] for i in bucket.indices)
+            state = self._bucket_state(rt.tx, bucket, bucket_params)
+            rt.step(_signature(bucket_params, bucket_grads, finite), bucket_params, bucket_grads, state, finite)
+
+    def _bucket_state(self, tx: GradientTransformation, bucket: _Bucket, params: tuple) -> Any:
+        states = [self.state[p] for p in params]
+        if not _state.complete(bucket.layout, states):  # first step, or a param added later
+            fresh = tx.init(tuple(p.detach() for p in params))
+            _state.scatter(bucket.layout, fresh, states, overwrite=False)  # keep loaded state
+        return _state.gather(bucket.layout, states)
+
+    def _count_nonfinite(self, finite: torch.Tensor) -> None:
+        bad = (~finite).long()
+        self._nonfinite_count = bad if self._nonfinite_count is None else self._nonfinite_count + bad
+
+    @property
+    def nonfinite_steps(self) -> int:
+        """How many steps were skipped (or raised) because of non-finite gradients (reading it
+        syncs with the device)."""
+        return 0 if self._nonfinite_count is None else int(self._nonfinite_count)
+
+    def _nonfinite_params(self, work: list) -> list[str]:
+        bad = []
+        for index, grads in work:
+            group = self.param_groups[index]
+            for p, g in zip(group["params"], grads):
+                if g is not None and not bool(torch.isfinite(g).all()):
+                    bad.append(self._name(group, p))
+        return bad
+
+    def _grads(self, group: dict[str, Any]) -> tuple[torch.Tensor | None, ...] | None:
+        grads = []
+        for p in group["params"]:
+            g = p.grad
+            if g is not None and g.is_sparse:
+                raise RuntimeError(f"muon_fn does not support sparse gradients (parameter {self._name(group, p)})")
+            grads.append(None if g is None else g.detach())
+        return None if all(g is None for g in grads) else tuple(grads)
+
+    def _accumulate(self, group, grads, k):
+        """Add this micro-batch's grads; return the mean over ``k`` on every k-th call, else None."""
+        group["micro_step"] = group.get("micro_step", 0) + 1
+        total = []
+        for p, g in zip(group["params"], grads):
+            st = self.state[p]
+            acc = st.get("grad_accumulator")
+            if g is not None:
+                acc = g.clone() if acc is None else acc.add_(g)
+                st["grad_accumulator"] = acc
+            total.append(acc)
+        if group["micro_step"] < k:
+            return None
+        group["micro_step"] = 0
+        out = tuple(None if a is None else a / k for a in total)
+        for p in group["params"]:
+            self.state[p].pop("grad_accumulator", None)
+        return out
+
+    # ----------------------------------------------------------------------- checkpoints
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's ``load_state_dict``, with every state tensor in the dtype its transform uses
+        (torch would cast all tensor state to the parameter's dtype, e.g. fp32 momentum of a bf16
+        parameter, or integer counters), the loaded hyperparameters checked as the constructor
+        checks them, and a check that the state_dict has this optimizer's layout; a rejected
+        state_dict leaves the optimizer as it was."""
+        self._check_saved_groups(state_dict)
+        saved = state_dict["state"]
+        backup_state, backup_groups = self.state, self.param_groups
+        try:
+            super().load_state_dict(state_dict)
+            for group in self.param_groups:
+                self._validate_group(group)
+            params = [p for g in self.param_groups for p in g["params"]]
+            for idx, p in enumerate(params):
+                entry = saved.get(idx, saved.get(str(idx)))
+                for key, value in (entry or {}).items():
+                    if isinstance(value, torch.Tensor):
+                        self.state[p][key] = value.detach().to(device=p.device, copy=True)
+            for index, group in enumerate(self.param_groups):
+                self._check_loaded_state(index)
+        except Exception:
+            self.state, self.param_groups = backup_state, backup_groups
+            for index in range(len(self.param_groups)):
+                self._runtime(index)
+            raise
+
+    def _check_loaded_state(self, index: int) -> None:
+        group = self.param_groups[index]
+        rt = self._runtime(index)
+        for bucket in rt.buckets:
+            params = [group["params"][i] for i in bucket.indices]
+            states = [self.state[p] for p in params]
+            names = [self._name(group, p) for p in params]
+            _state.drop_legacy_keys(bucket.layout, states)
+            _state.check(bucket.layout, states, names)
+            _state.cast_to_layout(bucket.layout, states)
+
+    def _check_saved_groups(self, state_dict: dict[str, Any]) -> None:
+        saved_groups = state_dict.get("param_groups")
+        if not isinstance(saved_groups, list) or "state" not in state_dict:
+            raise ValueError("state_dict must have 'state' and 'param_groups' entries")
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        for i, (ours, theirs) in enumerate(zip(self.param_groups, saved_groups)):
+            missing = sorted(set(ours) - set(theirs) - {"params", "param_names"} - _ADAPTER_KEYS)
+            if missing:
+                raise ValueError(
+                    f"loaded param group {i} lacks this optimizer's hyperparameters {missing}: the "
+                    "state_dict comes from a different optimizer layout"
+                )
+
+    def describe(self) -> str:
+        """A table of the parameter groups, their transforms and buckets."""
+        lines = []
+        for index, group in enumerate(self.param_groups):
+            rt = self._runtime(index)
+            lines.append(f"group {index}: {len(group['params'])} params in {len(rt.buckets)} buckets, {repr(rt.tx)}")
+        return "\n".join(lines)
+
+
+def _all_finite(grads: list[torch.Tensor]) -> torch.Tensor:
+    """One reduction per gradient: a sum is non-finite iff an entry is (or the sum overflows fp32)."""
+    low = (torch.float16, torch.bfloat16)
+    sums = [g.sum(dtype=torch.float32) if g.dtype in low else g.sum() for g in grads]
+    if len({(s.dtype, s.device) for s in sums}) > 1:
+        sums = [s.to(device=sums[0].device, dtype=torch.float64) for s in sums]
+    return torch.stack(sums).isfinite().all()

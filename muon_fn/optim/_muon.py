@@ -1,0 +1,179 @@
+"""``MuonOptimizer``: the Muon recipe as ``torch.optim`` configuration (no math of its own), and
+``HybridOptimizer``, the base it shares with ``SpectralSphereOptimizer`` (a matrix algorithm for
+ndim ≥ 2, AdamW for the rest)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from .. import _checks, _compile
+from .._alias import DEFAULT_METHOD, adamw, matrix_labels, muon
+from .._base import GradientTransformation
+from .._combine import partition
+from .._muon import SHAPE_RULES
+from .._newton_schulz import COMPUTE_DTYPES, METHODS
+from .._transforms import MOMENTUM_KINDS
+from ._adapter import BUCKET_SIZE, Optimizer
+
+ALGORITHMS = ("auto", "muon", "adamw")
+
+
+class HybridOptimizer(Optimizer):
+    """Base of :class:`MuonOptimizer` and :class:`muon_fn.SpectralSphereOptimizer`: a matrix
+    algorithm for ndim ≥ 2 and AdamW for the rest in ``algorithm="auto"`` groups, with the AdamW
+    learning rate ``adamw_lr · lr / base_lr`` so schedulers scale both halves alike."""
+
+    algorithms: tuple[str, ...] = ALGORITHMS
+    _extra_scalar_keys = ("adamw_lr",)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        lr = param_group.get("lr", self.defaults["lr"])
+        _checks.learning_rate(lr)
+        param_group.setdefault("base_lr", float(lr))
+        super().add_param_group(param_group)
+
+    def _validate_group(self, group: dict[str, Any]) -> None:
+        _checks.learning_rate(group["lr"])
+        _checks.momentum_value(group["momentum"])
+        _checks.adamw_half(group)
+        _checks.one_of("algorithm", group["algorithm"], self.algorithms)
+
+    def _derived_scalars(self, group: dict[str, Any], scalars: dict[str, torch.Tensor]) -> None:
+        # adamw_lr · lr / base_lr, on the device (lr may be a tensor; nothing is read back). A
+        # group built with lr = 0 runs its AdamW half at adamw_lr whenever lr > 0.
+        base = float(group.get("base_lr") or 0.0)
+        lr, adamw_lr = scalars["lr"], scalars["adamw_lr"]
+        ratio = lr / base if base > 0 else (lr > 0).to(lr.dtype)
+        effective = scalars.get("adamw_lr_effective")
+        if effective is None:
+            scalars["adamw_lr_effective"] = effective = torch.zeros_like(lr)
+        torch.mul(adamw_lr, ratio, out=effective)
+
+
+class MuonOptimizer(HybridOptimizer):
+    """Muon for matrices, AdamW for everything else, as one ``torch.optim`` optimizer.
+
+    In a group with ``algorithm="auto"`` (the default) parameters with ndim ≥ 2 (conv weights
+    flattened to (out, in·kh·kw)) get Muon: ``p ← p(1 − lr·wd) − lr·s(out, in)·msign(M)``; 0-/1-D
+    parameters (biases, norm gains) get AdamW with ``adamw_betas``, ``adamw_eps``,
+    ``adamw_weight_decay`` and learning rate ``adamw_lr · lr / base_lr`` — so LR schedulers scale
+    both halves alike (``base_lr`` is the group's ``lr`` at construction). Groups with
+    ``algorithm="muon"`` or ``"adamw"`` use one algorithm with the group's own ``lr`` and
+    ``weight_decay`` (this is what :func:`create_hybrid_optimizer` builds).
+
+    The step is :func:`muon_fn.muon` (and :func:`muon_fn.adamw`) run through the generic
+    :class:`muon_fn.Optimizer` apply: compiled by default, nothing read back from the device.
+
+    Args:
+      lr: Muon learning rate (0.02, Keller's default, pairs with ``adjust_lr_fn="keller"``).
+      momentum: μ. ``momentum_kind="ema"`` (default, torch.optim.Muon's buffer) or ``"sgd"``.
+      weight_decay: decoupled, ``p ← p(1 − lr·wd)``.
+      nesterov: Nesterov momentum.
+      ns_steps: iterations of the orthogonalization ``method``; ``None`` (default): the count
+        the method is designed for (4 for ``"aol9"`` and ``"aol"``, else 5).
+      method: ``"aol9"`` (default: AOL row scaling, three quintics and one degree-9 step; 0.84x
+        the FLOPs of a 5-step quintic), ``"polar_express"``, ``"quintic"`` (torch.optim.Muon's),
+        ``"you"``, ``"cubic"``, ``"aol"``, ``"gram"``, or a callable (see
+        :func:`muon_fn.orthogonalize`).
+      adjust_lr_fn: shape rule ``"keller"``/``"original"``, ``"match_rms_adamw"``, ``"spectral"``,
+        ``"legacy"`` or ``"none"`` (see :func:`muon_fn.shape_scale`).
+      beta2: ``None`` for Muon; a float enables NorMuon row normalization with ``eps``.
+      ns_dtype: iteration dtype (default: bf16, fp32 on CPUs without bf16 GEMMs), ``ns_eps``,
+        ``ns_stepsize``, ``ns_coefficients``: see :func:`muon_fn.orthogonalize`. ``split``: row
+        blocks of fused weights.
+      momentum_dtype: dtype of the momentum buffer (default: the parameter's), e.g. fp32 for
+        bf16 parameters.
+      adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW half in ``"auto"`` groups.
+      gradient_accumulation_steps, nonfinite, compile, bucket_size: see :class:`muon_fn.Optimizer`.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float | torch.Tensor = 0.02,
+        *,
+        momentum: float = 0.95,
+        weight_decay: float = 0.0,
+        nesterov: bool = True,
+        ns_steps: int | None = None,
+        method: Any = DEFAULT_METHOD,
+        adjust_lr_fn: str = "keller",
+        beta2: float | None = None,
+        eps: float = 1e-8,
+        ns_coefficients: Any = None,
+        ns_dtype: torch.dtype | None = None,
+        ns_eps: float = 1e-7,
+        ns_stepsize: float = 1.0,
+        momentum_kind: str = "ema",
+        momentum_dtype: torch.dtype | None = None,
+        split: Any = None,
+        adamw_lr: float = 3e-4,
+        adamw_betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float = 0.0,
+        algorithm: str = "auto",
+        gradient_accumulation_steps: int = 1,
+        nonfinite: str | None = "skip",
+        compile: _compile.CompileOption = True,
+        bucket_size: int = BUCKET_SIZE,
+    ) -> None:
+        defaults = dict(
+            lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov,
+            ns_steps=ns_steps, method=method, adjust_lr_fn=adjust_lr_fn, beta2=beta2, eps=eps,
+            ns_coefficients=ns_coefficients, ns_dtype=ns_dtype, ns_eps=ns_eps,
+            ns_stepsize=ns_stepsize, momentum_kind=momentum_kind, momentum_dtype=momentum_dtype,
+            split=split, adamw_lr=adamw_lr, adamw_betas=tuple(adamw_betas), adamw_eps=adamw_eps,
+            adamw_weight_decay=adamw_weight_decay, algorithm=algorithm,
+        )
+        super().__init__(params, muon_factory, defaults,
+                         gradient_accumulation_steps=gradient_accumulation_steps,
+                         nonfinite=nonfinite, compile=compile, bucket_size=bucket_size)
+
+    def _validate_group(self, group: dict[str, Any]) -> None:
+        super()._validate_group(group)
+        validate_muon_group(group)
+
+
+def validate_muon_group(group: dict[str, Any]) -> None:
+    """The Muon-specific hyperparameters of a group (also the FSDP adapter's)."""
+    steps = group["ns_steps"]
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise ValueError(f"Invalid ns_steps value: {steps!r} (expected an integer >= 1, or None)")
+    if not callable(group["method"]):
+        _checks.one_of("method", group["method"], METHODS)
+    _checks.one_of("adjust_lr_fn", group["adjust_lr_fn"], SHAPE_RULES)
+    _checks.one_of("momentum_kind", group["momentum_kind"], MOMENTUM_KINDS)
+    if group["beta2"] is not None:
+        _checks.momentum_value(group["beta2"], "beta2", ", or None for Muon")
+    for key in ("eps", "ns_eps"):
+        _checks.eps_value(key, group[key])
+    for key, valid in (("ns_dtype", COMPUTE_DTYPES), ("momentum_dtype", COMPUTE_DTYPES)):
+        if group[key] is not None:
+            _checks.dtype(key, group[key], valid)
+
+
+def muon_factory(h: dict[str, Any]) -> GradientTransformation:
+    """The transform of a :class:`MuonOptimizer` group from its hyperparameters."""
+
+    def muon_tx():
+        return muon(
+            h["lr"], h["momentum"], nesterov=h["nesterov"], kind=h["momentum_kind"],
+            method=h["method"], ns_steps=h["ns_steps"], ns_coefficients=h["ns_coefficients"],
+            ns_dtype=h["ns_dtype"], ns_eps=h["ns_eps"], ns_stepsize=h["ns_stepsize"],
+            adjust_lr_fn=h["adjust_lr_fn"], weight_decay=h["weight_decay"], beta2=h["beta2"],
+            eps=h["eps"], split=h["split"], mu_dtype=h["momentum_dtype"],
+        )
+
+    algorithm = h["algorithm"]
+    if algorithm == "muon":
+        return muon_tx()
+    if algorithm == "adamw":
+        return adamw(h["lr"], h["adamw_betas"], h["adamw_eps"], h["weight_decay"])
+    return partition(
+        {"muon": muon_tx(),
+         "adamw": adamw(h["adamw_lr_effective"], h["adamw_betas"], h["adamw_eps"], h["adamw_weight_decay"])},
+        matrix_labels,
+    )
