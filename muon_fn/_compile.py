@@ -11,6 +11,7 @@ compilation.
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 import types
@@ -56,13 +57,22 @@ def resolve(compile: CompileOption) -> dict[str, Any] | None:
     return {"fullgraph": True, **(dict(compile) if isinstance(compile, Mapping) else {})}
 
 
-_FALLBACK_WARNED = False
+def not_traced(reason: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``torch.compiler.disable`` with ``reason`` (shown by ``fullgraph=True`` errors) where
+    this torch accepts one: the adapters' step code runs its own compiled graphs."""
+    if "reason" in inspect.signature(torch.compiler.disable).parameters:
+        return torch.compiler.disable(reason=reason)
+    return torch.compiler.disable
+
+
+_UNUSABLE: Exception | None = None  # the first compiler failure of this process, if any
 
 
 def _fall_back(error: Exception) -> None:
-    global _FALLBACK_WARNED
-    if not _FALLBACK_WARNED:
-        _FALLBACK_WARNED = True
+    """Warn once and remember: every later default compile in this process runs eagerly."""
+    global _UNUSABLE
+    if _UNUSABLE is None:
+        _UNUSABLE = error
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         warnings.warn(
             f"muon_fn: torch.compile is not usable here ({type(error).__name__}: {reason}); the "
@@ -85,7 +95,7 @@ class PerSignature:
         self.compiled: dict[Hashable, Callable[..., Any]] = {}
 
     def __call__(self, key: Hashable, *args: Any) -> Any:
-        if self.options is None:
+        if self.options is None or (_UNUSABLE is not None and self.options.get("backend", "inductor") == "inductor"):
             return self.fn(*args)
         f = self.compiled.get(key)
         if f is None:

@@ -248,3 +248,140 @@ def test_per_signature_one_graph_per_signature_beyond_the_recompile_limit():
             x = torch.randn(s)
             torch.testing.assert_close(fn(s, x), (x @ x.mT) @ x * 0.5)
     assert counter.frame_count == len(shapes) > torch._dynamo.config.recompile_limit
+
+
+# ----------------------------------------------------------------------------- the step contract
+def _host_reads(fn) -> int:
+    """``aten::item`` / ``aten::_local_scalar_dense`` calls (device-to-host reads) while ``fn`` runs,
+    seen by the profiler in eager code, in the custom iteration operator and in compiled graphs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(1 for e in prof.events() if e.name in ("aten::_local_scalar_dense", "aten::item"))
+
+
+def _small_model(bias: bool):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16, bias=bias), torch.nn.GELU(),
+                               torch.nn.Linear(16, 16, bias=bias), torch.nn.Linear(16, 4, bias=bias))
+
+
+def _backward(model, step):
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(step))
+    model.zero_grad()
+    model(x).square().mean().backward()
+
+
+def test_probe_counts_host_reads():
+    x = torch.ones(())
+    assert _host_reads(lambda: float(x)) >= 1 and _host_reads(lambda: x + 1) == 0
+
+
+@pytest.mark.parametrize("compile", [False, {"backend": "eager"}], ids=["eager", "compiled"])
+@pytest.mark.parametrize("bias", [False, True], ids=["muon", "hybrid"])
+def test_step_reads_nothing_back(compile, bias):
+    """No .item()/float()/bool() of a device tensor in a step, eager or compiled, Muon-only or
+    hybrid (torch.optim.AdamW itself reads its step count back every step), nonfinite="skip"."""
+    model = _small_model(bias)
+    opt = mf.MuonOptimizer(model.parameters(), compile=compile, weight_decay=0.01, beta2=None)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=10, cycle_momentum=True,
+                                                base_momentum=0.85, max_momentum=0.95)
+    _backward(model, 0)
+    opt.step()  # the first compiled step compiles (inductor and Dynamo read constants then)
+    for step in range(1, 4):
+        _backward(model, step)
+        assert _host_reads(opt.step) == 0, step
+        sched.step()
+
+
+@pytest.mark.inductor
+def test_inductor_step_reads_nothing_back(compiled_default):
+    model = _small_model(True)
+    opt = mf.create_hybrid_optimizer(model, beta2=0.95)
+    _backward(model, 0)
+    opt.step()
+    _backward(model, 1)
+    assert _host_reads(opt.step) == 0
+
+
+def test_no_recompiles_over_100_steps_with_lr_and_momentum_schedules():
+    counter = CompileCounterWithBackend("eager")
+    model = _small_model(True)
+    opt = mf.MuonOptimizer(model.parameters(), compile={"backend": counter}, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=100, cycle_momentum=True,
+                                                base_momentum=0.8, max_momentum=0.95)
+    _backward(model, 0)
+    opt.step()
+    sched.step()
+    first = counter.frame_count
+    assert first == len(opt._runtimes[0].buckets)
+    seen = set()
+    for step in range(1, 100):
+        _backward(model, step)
+        opt.step()
+        seen.add((opt.param_groups[0]["lr"], opt.param_groups[0]["momentum"]))
+        sched.step()
+    assert len(seen) > 50 and counter.frame_count == first
+
+
+def test_adding_a_param_group_compiles_that_group_once():
+    counter = CompileCounterWithBackend("eager")
+    model = _small_model(False)
+    first, rest = list(model.parameters())[:1], list(model.parameters())[1:]
+    opt = mf.MuonOptimizer(first, compile={"backend": counter})
+    _backward(model, 0)
+    opt.step()
+    assert counter.frame_count == 1
+    opt.add_param_group({"params": rest, "lr": 0.01})
+    for step in range(1, 5):
+        _backward(model, step)
+        opt.step()
+    assert counter.frame_count == 1 + len(opt._runtimes[1].buckets) == 3  # 16x16, 4x16
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: mf.MuonOptimizer(ps),
+    lambda ps: mf.MuonOptimizer(ps, beta2=0.95),
+    lambda ps: mf.SpectralSphereOptimizer(ps),
+    lambda ps: mf.Optimizer(ps, lambda h: mf.hybrid(h["lr"]), {"lr": 0.02}),
+], ids=["muon", "normuon", "sso", "generic"])
+def test_torch_compile_of_opt_step(make):
+    """torch's compiled-optimizer recipe, torch.compile(opt.step), runs and gives the plain step's
+    results: the step is already compiled, so the outer compile leaves it to those graphs."""
+    from torch._dynamo.testing import CompileCounter
+
+    a, b = _small_model(True), _small_model(True)
+    opt_a, opt_b = make(a.parameters()), make(b.parameters())
+    outer = CompileCounter()
+    step_b = torch.compile(opt_b.step, backend=outer)
+    for step in range(3):
+        for model, fn in ((a, opt_a.step), (b, step_b)):
+            _backward(model, step)
+            fn()
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+    assert outer.frame_count == 0  # nothing of the step traced twice, nothing recompiled
+    with pytest.raises(Exception, match="compile their own step"):
+        torch.compile(opt_b.step, fullgraph=True, backend="eager")()
+
+
+@pytest.mark.inductor
+def test_compiling_impossible_falls_back_to_eager_with_one_warning(compiled_default, monkeypatch):
+    """No usable C++ compiler: one RuntimeWarning naming the cause and compile=False, then eager
+    steps with the eager results."""
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(mf._compile, "_UNUSABLE", None)
+    monkeypatch.setattr(inductor_config.cpp, "cxx", ("/nonexistent/g++",))
+    a, b = _small_model(False), _small_model(False)
+    opt_a = mf.MuonOptimizer(a.parameters())
+    opt_b = mf.MuonOptimizer(b.parameters(), compile=False)
+    with pytest.warns(RuntimeWarning, match="C\\+\\+ compiler.*compile=False") as record:
+        for step in range(2):
+            for model, opt in ((a, opt_a), (b, opt_b)):
+                _backward(model, step)
+                opt.step()
+    assert len([w for w in record if "muon_fn" in str(w.message)]) == 1
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)

@@ -270,7 +270,9 @@ class Optimizer(torch.optim.Optimizer):
         self._step()
         return loss
 
-    @torch.compiler.disable
+    @_compile.not_traced(
+        "muon_fn optimizers compile their own step (see their compile= argument); "
+        "torch.compile(opt.step) leaves the step to those graphs, so use it with fullgraph=False")
     def _step(self) -> None:
         work = []
         for index, group in enumerate(self.param_groups):
