@@ -39,21 +39,25 @@ def _metrics(out: Path) -> dict:
     return json.loads((out / "metrics.json").read_text())
 
 
+def _run(metrics: dict, label: str, seed: int = 0) -> dict:
+    return next(r for r in metrics["runs"] if r["label"] == label and r["seed"] == seed)
+
+
 def test_train_compare_writes_table_metrics_and_plot(tmp_path, capsys):
     out = tmp_path / "run"
     assert cli.main(["train", "--compare", "muon,adamw", *SMALL, "--out", str(out), "--no-checkpoint"]) == 0
     printed = capsys.readouterr().out
-    assert "val loss (final)" in printed and "lowest validation loss at equal steps" in printed
+    assert "val loss mean" in printed and "lowest mean validation loss at equal steps" in printed
     m = _metrics(out)
-    assert set(m["runs"]) == {"muon", "adamw"}
-    for name, run in m["runs"].items():
+    assert [r["label"] for r in m["runs"]] == ["muon", "adamw"]
+    for run in m["runs"]:
         assert run["steps"] == 4
         assert [s for s, _ in run["history"]["train"]] == [1, 2, 3, 4]
         assert [s for s, _ in run["history"]["val"]] == [0, 2, 4]
         assert all(torch.isfinite(torch.tensor(v)) for _, v in run["history"]["train"])
         # from ln(256) = 5.55 at init, training must move the validation loss down
-        assert run["history"]["val"][-1][1] < run["history"]["val"][0][1] - 0.3, name
-    assert "create_hybrid_optimizer" in m["runs"]["muon"]["description"]
+        assert run["history"]["val"][-1][1] < run["history"]["val"][0][1] - 0.3, run["label"]
+    assert "create_hybrid_optimizer" in _run(m, "muon")["description"]
     png = out / "loss.png"
     if importlib.util.find_spec("matplotlib") is None:  # not installed: no plot, a hint instead
         assert not png.exists()
@@ -62,16 +66,64 @@ def test_train_compare_writes_table_metrics_and_plot(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_train_compare_torch_muon_over_seeds(tmp_path, capsys):
+    """The quality comparison: torch.optim.Muon (+ AdamW, muon's split) as a row, several seeds,
+    mean and spread per optimizer, steps to AdamW's final loss; runs of one seed share the
+    initial weights and batches, and seeds differ."""
+    out = tmp_path / "run"
+    specs = "torch-muon,muon[method=quintic,ns_steps=5,lr=0.03],adamw"
+    assert cli.main(["train", "--compare", specs, "--seeds", "2", *SMALL, "--out", str(out),
+                     "--no-checkpoint", "--no-plot"]) == 0
+    printed = capsys.readouterr().out
+    m = _metrics(out)
+    assert [(r["label"], r["seed"]) for r in m["runs"]] == [
+        (label, seed) for seed in (0, 1) for label in ("torch-muon", "muon[method=quintic,ns_steps=5,lr=0.03]", "adamw")]
+    assert "torch.optim.Muon" in _run(m, "torch-muon")["description"]
+    assert "method=quintic" in _run(m, "muon[method=quintic,ns_steps=5,lr=0.03]", 1)["description"]
+    for label, s in m["summary"].items():
+        runs = [r["final_val_loss"] for r in m["runs"] if r["label"] == label]
+        assert s["mean"] == pytest.approx(sum(runs) / 2) and s["min"] == min(runs) and s["max"] == max(runs)
+        assert label in printed
+    # same init: every run of one seed starts from the same validation loss; seeds differ
+    starts = {seed: {r["history"]["val"][0][1] for r in m["runs"] if r["seed"] == seed} for seed in (0, 1)}
+    assert len(starts[0]) == len(starts[1]) == 1 and starts[0] != starts[1]
+    assert _run(m, "adamw")["steps_to_adamw_final"] == 4.0
+    assert m["summary"]["torch-muon"]["steps_to_adamw_final"] <= 4.0
+
+
+def test_steps_to_reach_interpolates():
+    from muon_fn._train.report import steps_to_reach
+
+    val = [[0, 5.5], [10, 4.0], [20, 3.0], [30, 2.5]]
+    assert steps_to_reach(val, 3.5) == pytest.approx(15.0)
+    assert steps_to_reach(val, 3.0) == pytest.approx(20.0)
+    assert steps_to_reach(val, 2.0) is None
+    assert steps_to_reach(val, 6.0) == 0.0
+
+
+def test_optimizer_specs():
+    from muon_fn._train.optimizers import parse_spec, split_specs
+
+    assert split_specs("torch-muon, muon[method=quintic,ns_steps=5],adamw") == [
+        "torch-muon", "muon[method=quintic,ns_steps=5]", "adamw"]
+    assert parse_spec("muon[ns_dtype=bf16,nesterov=false,lr=0.04,method=you]") == (
+        "muon", {"ns_dtype": torch.bfloat16, "nesterov": False, "lr": 0.04, "method": "you"})
+    with pytest.raises(ValueError, match="unknown optimizer 'sgd'"):
+        parse_spec("sgd")
+    with pytest.raises(ValueError, match="expected key=value"):
+        parse_spec("muon[quintic]")
+
+
 def test_train_resume_continues_exactly(tmp_path):
     """Stopping at step 2 and resuming gives the uninterrupted run's losses bit for bit."""
     straight, split = tmp_path / "straight", tmp_path / "split"
     common = ["--optimizer", "muon", *SMALL, "--no-plot"]
     assert cli.main(["train", *common, "--out", str(straight), "--no-checkpoint"]) == 0
     assert cli.main(["train", *common, "--out", str(split), "--stop-at", "2"]) == 0
-    assert _metrics(split)["runs"]["muon"]["steps"] == 2
+    assert _run(_metrics(split), "muon")["steps"] == 2
     assert (split / "muon" / "checkpoint" / "state.pt").exists()
     assert cli.main(["train", *common, "--out", str(split), "--resume"]) == 0
-    a, b = _metrics(straight)["runs"]["muon"], _metrics(split)["runs"]["muon"]
+    a, b = _run(_metrics(straight), "muon"), _run(_metrics(split), "muon")
     assert b["history"]["train"] == a["history"]["train"]
     assert b["final_val_loss"] == a["final_val_loss"]
 
@@ -83,6 +135,10 @@ def test_train_rejects_bad_options(tmp_path):
         cli.main(["train", "--steps", "3", "--epochs", "1", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="needs torchrun"):
         cli.main(["train", "--fsdp", "--steps", "1", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--seeds must be >= 1"):
+        cli.main(["train", "--seeds", "0", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="muon: .*unexpected keyword argument 'frob'"):
+        cli.main(["train", "--optimizer", "muon[frob=1]", *SMALL, "--out", str(tmp_path)])
 
 
 def test_train_data_path_text_file(tmp_path):

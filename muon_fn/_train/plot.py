@@ -6,7 +6,8 @@ from pathlib import Path
 
 __all__ = ["plot_runs", "ema"]
 
-_COLORS = {"muon": "#1f77b4", "adamw": "#d62728", "normuon": "#2ca02c", "sso": "#9467bd"}
+_COLORS = {"muon": "#1f77b4", "adamw": "#d62728", "normuon": "#2ca02c", "sso": "#9467bd",
+           "torch-muon": "#ff7f0e"}
 
 
 def ema(values: list[float], alpha: float = 0.1) -> list[float]:
@@ -17,8 +18,29 @@ def ema(values: list[float], alpha: float = 0.1) -> list[float]:
     return out
 
 
+def _curves(results: list[dict], key: str) -> dict[str, tuple[list[int], list[list[float]]]]:
+    """Per label: the steps of ``history[key]`` and, per step, the values of every seed's run."""
+    out: dict[str, tuple[list[int], list[list[float]]]] = {}
+    for r in results:
+        points = r["history"][key]
+        steps = [s for s, _ in points]
+        values = [v for _, v in points] if key == "val" else ema([v for _, v in points])
+        if r["label"] not in out:
+            out[r["label"]] = (steps, [[v] for v in values])
+        else:
+            for column, v in zip(out[r["label"]][1], values):
+                column.append(v)
+    return out
+
+
+def _color(label: str, index: int) -> str:
+    name = label.split("[")[0]
+    return _COLORS[name] if name == label and name in _COLORS else f"C{index % 10}"
+
+
 def plot_runs(results: list[dict], path: str | Path, *, title: str = "") -> Path | None:
-    """Two panels: training loss (raw, faint; EMA-smoothed, bold) and validation loss vs step."""
+    """Two panels, training loss (EMA-smoothed) and validation loss vs step: the mean over seeds
+    of each optimizer, with a band from the lowest to the highest seed."""
     try:
         import matplotlib
 
@@ -30,16 +52,16 @@ def plot_runs(results: list[dict], path: str | Path, *, title: str = "") -> Path
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig, (ax_t, ax_v) = plt.subplots(1, 2, figsize=(12, 4.8), dpi=120)
-    for r in results:
-        name = r["optimizer"]
-        color = _COLORS.get(name)
-        steps, losses = zip(*r["history"]["train"]) if r["history"]["train"] else ((), ())
-        ax_t.plot(steps, losses, color=color, alpha=0.2, linewidth=0.8)
-        ax_t.plot(steps, ema(list(losses)), color=color, linewidth=2, label=name)
-        vs, vl = zip(*r["history"]["val"])
-        ax_v.plot(vs, vl, color=color, marker="o", markersize=4, linewidth=2,
-                  label=f"{name}: final {vl[-1]:.3f}")
-    titles = {"training loss": "Training loss (faint: per step; bold: EMA)",
+    for ax, key in ((ax_t, "train"), (ax_v, "val")):
+        for i, (label, (steps, columns)) in enumerate(_curves(results, key).items()):
+            mean = [sum(c) / len(c) for c in columns]
+            extra = {"marker": "o", "markersize": 4} if key == "val" else {}
+            shown = f"{label}: final {mean[-1]:.3f}" if key == "val" else label
+            ax.plot(steps, mean, color=_color(label, i), linewidth=2, label=shown, **extra)
+            if len(columns[0]) > 1:
+                ax.fill_between(steps, [min(c) for c in columns], [max(c) for c in columns],
+                                color=_color(label, i), alpha=0.2, linewidth=0)
+    titles = {"training loss": "Training loss (EMA of the per-step loss)",
               "validation loss": "Validation loss (fixed held-out windows)"}
     for ax, what in ((ax_t, "training loss"), (ax_v, "validation loss")):
         ax.set_xlabel("optimizer step")
@@ -47,7 +69,16 @@ def plot_runs(results: list[dict], path: str | Path, *, title: str = "") -> Path
         ax.set_title(titles[what])
         ax.grid(True, alpha=0.3)
         ax.legend()
-    # Zoom in on the interesting range: the first evaluations are all ~ln(256) = 5.5.
+    _zoom(results, ax_t, ax_v)
+    fig.suptitle(title or "muon_fn: loss curves", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _zoom(results: list[dict], ax_t, ax_v) -> None:
+    """Zoom in on the interesting range: the first evaluations are all ~ln(256) = 5.5."""
     all_val = [v for r in results for _, v in r["history"]["val"][1:]] or [5.6]
     all_train = [v for r in results for v in ema([x for _, x in r["history"]["train"]])[len(r["history"]["train"]) // 10:]]
     if all_train:
@@ -56,8 +87,3 @@ def plot_runs(results: list[dict], path: str | Path, *, title: str = "") -> Path
     if len(all_val) < sum(len(r["history"]["val"]) for r in results):
         ax_v.annotate("step 0: ln 256 ≈ 5.55 (above the axis)", xy=(0.02, 0.03), xycoords="axes fraction",
                       va="bottom", fontsize=8, color="gray")
-    fig.suptitle(title or "muon_fn: loss curves", fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path

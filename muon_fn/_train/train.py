@@ -3,8 +3,10 @@
 One run = one optimizer: build the model from a seed, train for ``--steps`` with a warmup +
 cosine learning-rate schedule, evaluate a fixed set of validation windows every
 ``--eval-interval`` steps, checkpoint, and return the history. ``--compare a,b`` repeats the run
-for each optimizer from the same initial weights and the same batches, then prints a table and
-plots the curves. ``--fsdp`` (under ``torchrun``) shards the model with FSDP2 and checkpoints with
+for each optimizer from the same initial weights and the same batches, ``--seeds N`` repeats the
+whole comparison for N seeds (initial weights and batch order), then prints per optimizer the mean
+and spread of the final validation loss and the steps to reach AdamW's, and plots the curves.
+``--fsdp`` (under ``torchrun``) shards the model with FSDP2 and checkpoints with
 ``torch.distributed.checkpoint``.
 """
 
@@ -24,17 +26,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import optimizers, report
 from .data import Batcher, Corpus, load_corpus, val_starts, windows
 from .model import GPT, PRESETS, config_for
-
-OPTIMIZERS = ("muon", "adamw", "normuon", "sso")
-
-# Defaults per optimizer. Muon-family matrices use Keller's scale (lr 0.02 ≈ RMS-matched to
-# AdamW at 1e-3..3e-3); embeddings, the head and 1-D params use AdamW at the AdamW lr, so the
-# comparison changes only what happens to the hidden matrices. See docs/algorithms.md.
-DEFAULT_LR = {"muon": 0.02, "normuon": 0.02, "sso": 0.02, "adamw": 3e-3}
-DEFAULT_ADAMW_LR = 3e-3
-ADAMW_BETAS = (0.9, 0.95)
+from .optimizers import DEFAULT_ADAMW_LR, DEFAULT_LR, OPTIMIZERS
 
 # `--quick`: a few minutes on 2 CPU cores for muon + adamw (see docs/index.md for the figures).
 # One thread: the tiny model's 128-wide GEMMs gain little from a second thread, and on a machine
@@ -57,9 +52,14 @@ def build_parser(prog: str = "train_gpt.py") -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help=f"a few-minute CPU run: {', '.join(f'{k}={v}' for k, v in QUICK.items())}, "
                    "and --compare muon,adamw unless --optimizer/--compare is given")
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default=None, help="optimizer of a single run (default muon)")
+    p.add_argument("--optimizer", default=None, metavar="SPEC",
+                   help=f"optimizer of a single run (default muon): one of {', '.join(OPTIMIZERS)}, optionally "
+                   "with options, e.g. muon[method=quintic,ns_steps=5,lr=0.04]")
     p.add_argument("--compare", default=None, metavar="A,B",
-                   help="comma-separated optimizers trained from the same init and batches, e.g. muon,adamw")
+                   help="comma-separated optimizer specs trained from the same init and batches, e.g. "
+                   "torch-muon,muon,adamw (torch-muon: torch.optim.Muon + torch.optim.AdamW, muon's split)")
+    p.add_argument("--seeds", type=int, default=1,
+                   help="repeat the comparison for this many seeds (--seed, --seed+1, ...): mean and spread")
     p.add_argument("--model", choices=sorted(PRESETS), default=None, help="architecture preset, random init (default tiny)")
     p.add_argument("--data", default=None, metavar="PATH",
                    help="a text file or a directory (default: the Python standard library's *.py files)")
@@ -88,7 +88,8 @@ def build_parser(prog: str = "train_gpt.py") -> argparse.ArgumentParser:
                    help="checkpoint and stop after this step (the schedule still spans --steps); continue with --resume")
     p.add_argument("--fsdp", action="store_true",
                    help="shard with FSDP2 (run under torchrun; gloo on CPU, nccl on CUDA)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the optimizer's update")
+    p.add_argument("--no-compile", action="store_true",
+                   help="run muon_fn's optimizer step eagerly (default: compiled, as the library does)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
@@ -110,16 +111,17 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     args.seq_len = args.seq_len or PRESETS[args.model]["block_size"]
     args.eval_interval = args.eval_interval or 50
     args.eval_windows = args.eval_windows or 64
-    if args.compare:
-        names = [n.strip() for n in args.compare.split(",") if n.strip()]
-        bad = [n for n in names if n not in OPTIMIZERS]
-        if bad or not names:
-            raise SystemExit(f"--compare: unknown optimizer(s) {bad}; valid: {', '.join(OPTIMIZERS)}")
-        if args.optimizer is not None:
-            raise SystemExit("give either --optimizer or --compare, not both")
-        args.optimizers = names
-    else:
-        args.optimizers = [args.optimizer or "muon"]
+    if args.compare and args.optimizer is not None:
+        raise SystemExit("give either --optimizer or --compare, not both")
+    specs = optimizers.split_specs(args.compare) if args.compare else [args.optimizer or "muon"]
+    try:
+        args.runs = [(spec, *optimizers.parse_spec(spec)) for spec in specs]
+    except ValueError as e:
+        raise SystemExit(f"{'--compare' if args.compare else '--optimizer'}: {e}") from None
+    if not args.runs or len({label for label, _, _ in args.runs}) != len(args.runs):
+        raise SystemExit(f"--compare: give each optimizer spec once, got {args.compare!r}")
+    if args.seeds < 1:
+        raise SystemExit(f"--seeds must be >= 1, got {args.seeds}")
     if args.steps is not None and args.epochs is not None:
         raise SystemExit("give either --steps or --epochs, not both")
     return args
@@ -194,56 +196,36 @@ def build_model(args: argparse.Namespace, ctx: Dist) -> nn.Module:
     return model
 
 
-def _adamw_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+def build_optimizer(name: str, options: dict, model: nn.Module, args: argparse.Namespace, ctx: Dist):
+    """The optimizer of one run and a one-line description of it (``lr``/``adamw_lr`` in
+    ``options`` override ``--lr``/``--adamw-lr``)."""
+    options = dict(options)
+    lr = options.pop("lr", args.lr if args.lr is not None else DEFAULT_LR[name])
+    adamw_lr = options.pop("adamw_lr", args.adamw_lr if args.adamw_lr is not None else DEFAULT_ADAMW_LR)
+    try:
+        if ctx.enabled:
+            return optimizers.build_fsdp(name, options, model, lr, adamw_lr, args.weight_decay, ctx.world)
+        return optimizers.build_single(name, options, model, lr, adamw_lr, args.weight_decay, not args.no_compile)
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"{name}: {e}") from None
 
 
-def build_optimizer(name: str, model: nn.Module, args: argparse.Namespace, ctx: Dist) -> tuple[torch.optim.Optimizer, str]:
-    """The optimizer of one run and a one-line description of how parameters were split."""
-    lr = args.lr if args.lr is not None else DEFAULT_LR[name]
-    adamw_lr = args.adamw_lr if args.adamw_lr is not None else DEFAULT_ADAMW_LR
-    wd = args.weight_decay
-    if name == "adamw":
-        opt = torch.optim.AdamW(_adamw_groups(model, wd), lr=lr, betas=ADAMW_BETAS)
-        return opt, f"torch.optim.AdamW(lr={lr}, betas={ADAMW_BETAS}, weight_decay={wd} on matrices)"
+class Schedulers:
+    """One warmup + cosine ``LambdaLR`` per optimizer a run steps (``torch-muon`` has two)."""
 
-    import muon_fn as mf
+    def __init__(self, opt, fn) -> None:
+        self.items = [torch.optim.lr_scheduler.LambdaLR(o, fn) for o in getattr(opt, "optimizers", [opt])]
 
-    compile_opt = {"compile": bool(args.compile)}
-    if ctx.enabled:
-        # The same split as create_hybrid_optimizer: hidden matrices -> Muon (or SSO); embeddings,
-        # the head and 1-D params -> AdamW (on local shards, no communication).
-        muon_params, adamw_params = mf.split_parameters(model)
-        groups = [{"params": [p for _, p, _ in muon_params], "use_muon": True},
-                  {"params": [p for _, p, _ in adamw_params], "use_muon": False}]
-        if name == "sso":
-            if not hasattr(mf, "FSDPSpectralSphereOptimizer"):
-                raise SystemExit("--fsdp --optimizer sso needs muon_fn.FSDPSpectralSphereOptimizer")
-            opt = mf.FSDPSpectralSphereOptimizer(model, groups, lr=lr, adamw_lr=adamw_lr,
-                                                 adamw_betas=ADAMW_BETAS, adamw_weight_decay=wd)
-            return opt, f"muon_fn.FSDPSpectralSphereOptimizer(lr={lr}, adamw_lr={adamw_lr}, world={ctx.world})"
-        try:
-            from muon_fn.fsdp import FSDPMuonOptimizer
-        except ImportError as e:  # pragma: no cover - depends on what is installed
-            raise SystemExit(f"--fsdp needs muon_fn.fsdp.FSDPMuonOptimizer ({e})") from e
-        opt = FSDPMuonOptimizer(model, groups, lr=lr, weight_decay=wd, beta2=0.95 if name == "normuon" else None,
-                                adamw_lr=adamw_lr, adamw_betas=ADAMW_BETAS, adamw_weight_decay=wd)
-        return opt, f"muon_fn.fsdp.FSDPMuonOptimizer(lr={lr}, adamw_lr={adamw_lr}, world={ctx.world})"
-    if name in ("muon", "normuon"):
-        extra = {"beta2": 0.95} if name == "normuon" else {}
-        opt = mf.create_hybrid_optimizer(model, muon_lr=lr, adamw_lr=adamw_lr, adamw_weight_decay=wd,
-                                         muon_weight_decay=wd, adamw_betas=ADAMW_BETAS, **extra, **compile_opt)
-        return opt, f"muon_fn.create_hybrid_optimizer(muon_lr={lr}, adamw_lr={adamw_lr}{', beta2=0.95' if extra else ''})"
-    if name == "sso":
-        if not hasattr(mf, "SpectralSphereOptimizer"):
-            raise SystemExit("--optimizer sso needs muon_fn.SpectralSphereOptimizer, which this installation lacks")
-        # Same split as create_hybrid_optimizer (hidden matrices -> SSO, the rest -> AdamW).
-        opt = mf.SpectralSphereOptimizer.from_model(model, lr=lr, adamw_lr=adamw_lr, adamw_weight_decay=wd,
-                                                    adamw_betas=ADAMW_BETAS, **compile_opt)
-        return opt, f"muon_fn.SpectralSphereOptimizer.from_model(lr={lr}, adamw_lr={adamw_lr})"
-    raise SystemExit(f"unknown optimizer {name!r}; valid: {', '.join(OPTIMIZERS)}")
+    def step(self) -> None:
+        for s in self.items:
+            s.step()
+
+    def state_dict(self) -> list:
+        return [s.state_dict() for s in self.items]
+
+    def load_state_dict(self, state: list | dict) -> None:
+        for s, st in zip(self.items, state if isinstance(state, list) else [state]):
+            s.load_state_dict(st)
 
 
 def lr_lambda(total: int, warmup: int, min_ratio: float):
@@ -260,8 +242,9 @@ def lr_lambda(total: int, warmup: int, min_ratio: float):
 # checkpoints
 
 
-def _ckpt_dir(args: argparse.Namespace, name: str) -> Path:
-    return Path(args.out) / name / "checkpoint"
+def _ckpt_dir(args: argparse.Namespace, label: str) -> Path:
+    path = Path(args.out) / label
+    return (path / f"seed{args.seed}" if args.seeds > 1 else path) / "checkpoint"
 
 
 def save_checkpoint(path: Path, model, opt, sched, batcher, step: int, history: dict, ctx: Dist) -> None:
@@ -344,41 +327,57 @@ def total_steps(args, corpus: Corpus, world: int) -> int:
     return 300
 
 
-def run_one(name: str, args, corpus: Corpus, ctx: Dist) -> dict[str, Any]:
+def run_one(label: str, name: str, options: dict, args, corpus: Corpus, ctx: Dist) -> dict[str, Any]:
+    """Train one model with one optimizer (spec ``label``) for ``args.seed``; the run's record."""
     steps = total_steps(args, corpus, ctx.world)
     warmup = args.warmup if args.warmup is not None else max(1, steps // 10)
     model = build_model(args, ctx)
-    opt, opt_desc = build_optimizer(name, model, args, ctx)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(steps, warmup, args.min_lr_ratio))
+    opt, opt_desc = build_optimizer(name, options, model, args, ctx)
+    sched = Schedulers(opt, lr_lambda(steps, warmup, args.min_lr_ratio))
     batcher = Batcher(corpus.train, args.batch_size, args.seq_len, seed=args.seed * 1000 + ctx.rank)
-    starts = val_starts(corpus.val, args.eval_windows, args.seq_len)
     history: dict[str, list] = {"train": [], "val": [], "tokens_per_s": []}
-    start = 0
-    ckpt = _ckpt_dir(args, name)
+    start, ckpt = 0, _ckpt_dir(args, label)
     if args.resume:
         loaded = load_checkpoint(ckpt, model, opt, sched, batcher, ctx)
         if loaded is not None:
             start, history = loaded
-            _log(ctx, f"[{name}] resumed from {ckpt} at step {start}")
-    if ctx.main:
-        n_params = sum(p.numel() for p in model.parameters())
-        _log(ctx, f"[{name}] {args.model} GPT, {n_params / 1e6:.2f}M params, {steps} steps × "
-                  f"{args.batch_size * ctx.world}×{args.seq_len} tokens; {opt_desc}")
-        if getattr(opt, "split", None) is not None and args.verbose:
-            _log(ctx, _indent(str(opt.split)))
-
-    tokens_per_step = args.batch_size * args.seq_len * ctx.world
-    bar = _progress(args, ctx, steps, start, name)
-    t_run, cpu_run = time.perf_counter(), time.process_time()
-    t_last, tok_last = time.perf_counter(), 0
-    tok_s = 0.0
+            _log(ctx, f"[{label}] resumed from {ckpt} at step {start}")
+    n_params = sum(p.numel() for p in model.parameters())
+    _log(ctx, f"[{label}] {args.model} GPT, {n_params / 1e6:.2f}M params, seed {args.seed}, {steps} steps × "
+              f"{args.batch_size * ctx.world}×{args.seq_len} tokens; {opt_desc}")
+    if getattr(opt, "split", None) is not None and args.verbose:
+        _log(ctx, _indent(str(opt.split)))
     stop = steps if args.stop_at is None else max(start, min(args.stop_at, steps))
-    for step in range(start, stop):
+    t_run, cpu_run = time.perf_counter(), time.process_time()
+    _train_loop(label, model, opt, sched, batcher, history, range(start, stop), steps, args, corpus, ctx, ckpt)
+    wall, cpu = time.perf_counter() - t_run, time.process_time() - cpu_run
+    if not args.no_checkpoint or stop < steps:
+        save_checkpoint(ckpt, model, opt, sched, batcher, stop, history, ctx)
+        if stop < steps:
+            _log(ctx, f"[{label}] stopped at step {stop} of {steps}; checkpoint in {ckpt} (continue with --resume)")
+    tps = [t for _, t in history["tokens_per_s"]]
+    return {
+        "label": label, "optimizer": name, "options": {k: str(v) for k, v in options.items()},
+        "seed": args.seed, "description": opt_desc, "steps": stop, "scheduled_steps": steps, "warmup": warmup,
+        "final_val_loss": history["val"][-1][1],
+        "best_val_loss": min(v for _, v in history["val"]),
+        "final_train_loss": _tail_mean(history["train"], 10),
+        "tokens_per_s": sorted(tps)[len(tps) // 2] if tps else None,
+        "wall_s": wall,
+        "cpu_s": cpu,  # process CPU time of this run, all threads (less load-dependent than wall time)
+        "history": history,
+    }
+
+
+def _train_loop(label, model, opt, sched, batcher, history, steps_range, total, args, corpus, ctx, ckpt) -> None:
+    """The steps of one run: evaluate every ``--eval-interval``, step, schedule, checkpoint."""
+    starts = val_starts(corpus.val, args.eval_windows, args.seq_len)
+    tokens_per_step = args.batch_size * args.seq_len * ctx.world
+    bar = _progress(args, ctx, total, steps_range.start, label)
+    t_last, tok_last, tok_s = time.perf_counter(), 0, 0.0
+    for step in steps_range:
         if step % args.eval_interval == 0 and not (history["val"] and history["val"][-1][0] == step):
-            v = evaluate(model, corpus.val, starts, args, ctx)
-            history["val"].append([step, v])
-            if bar is not None:
-                bar.set_postfix_str(_postfix(history, tok_s))
+            history["val"].append([step, evaluate(model, corpus.val, starts, args, ctx)])
         x, y = batcher.next()
         _, loss = model(x.to(ctx.device), y.to(ctx.device))
         loss.backward()
@@ -387,11 +386,11 @@ def run_one(name: str, args, corpus: Corpus, ctx: Dist) -> dict[str, Any]:
         opt.zero_grad(set_to_none=True)
         loss_v = ctx.mean(loss.item())
         if not math.isfinite(loss_v):
-            raise FloatingPointError(f"[{name}] training loss is {loss_v} at step {step}; see docs/faq.md (NaN)")
+            raise FloatingPointError(f"[{label}] training loss is {loss_v} at step {step}; see docs/faq.md (NaN)")
         history["train"].append([step + 1, loss_v])
         tok_last += tokens_per_step
         now = time.perf_counter()
-        if now - t_last >= 2.0 or step + 1 == steps:
+        if now - t_last >= 2.0 or step + 1 == total:
             tok_s = tok_last / (now - t_last)
             history["tokens_per_s"].append([step + 1, tok_s])
             t_last, tok_last = now, 0
@@ -399,34 +398,14 @@ def run_one(name: str, args, corpus: Corpus, ctx: Dist) -> dict[str, Any]:
             bar.update(1)
             bar.set_postfix_str(_postfix(history, tok_s))
         if (not args.no_checkpoint and args.checkpoint_interval
-                and (step + 1) % args.checkpoint_interval == 0 and step + 1 < stop):
+                and (step + 1) % args.checkpoint_interval == 0 and step + 1 < steps_range.stop):
             save_checkpoint(ckpt, model, opt, sched, batcher, step + 1, history, ctx)
-    if not (history["val"] and history["val"][-1][0] == stop):
-        history["val"].append([stop, evaluate(model, corpus.val, starts, args, ctx)])
+    end = steps_range.stop
+    if not (history["val"] and history["val"][-1][0] == end):
+        history["val"].append([end, evaluate(model, corpus.val, starts, args, ctx)])
     if bar is not None:
         bar.set_postfix_str(_postfix(history, tok_s))
         bar.close()
-    wall, cpu = time.perf_counter() - t_run, time.process_time() - cpu_run
-    if not args.no_checkpoint or stop < steps:
-        save_checkpoint(ckpt, model, opt, sched, batcher, stop, history, ctx)
-        if stop < steps:
-            _log(ctx, f"[{name}] stopped at step {stop} of {steps}; checkpoint in {ckpt} (continue with --resume)")
-    tps = [t for _, t in history["tokens_per_s"]]
-    return {
-        "optimizer": name,
-        "description": opt_desc,
-        "steps": stop,
-        "scheduled_steps": steps,
-        "warmup": warmup,
-        "final_val_loss": history["val"][-1][1],
-        "best_val_loss": min(v for _, v in history["val"]),
-        "final_train_loss": _tail_mean(history["train"], 10),
-        "tokens_per_s": sorted(tps)[len(tps) // 2] if tps else None,
-        "wall_s": wall,
-        "cpu_s": cpu,  # process CPU time of this run, all threads (less load-dependent than wall time)
-        "history": history,
-        "model": model,
-    }
 
 
 def _tail_mean(points: list, n: int) -> float:
@@ -469,37 +448,31 @@ def _indent(text: str) -> str:
 # reporting
 
 
-def comparison_table(results: list[dict]) -> str:
-    head = ["optimizer", "steps", "val loss (final)", "val loss (best)", "train loss (last 10)", "tokens/s", "time",
-            "CPU time"]
-    rows = [
-        [r["optimizer"], str(r["steps"]), f"{r['final_val_loss']:.4f}", f"{r['best_val_loss']:.4f}",
-         f"{r['final_train_loss']:.4f}", f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-",
-         f"{r['wall_s']:.0f} s", f"{r['cpu_s']:.0f} s"]
-        for r in results
-    ]
-    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
-    fmt = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
-    lines = [fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
-    if len(results) >= 2:
-        best = min(results, key=lambda r: r["final_val_loss"])
-        others = [r for r in results if r is not best]
-        gaps = ", ".join(f"{o['optimizer']} +{o['final_val_loss'] - best['final_val_loss']:.4f}" for o in others)
-        lines.append(f"lowest validation loss at equal steps: {best['optimizer']} ({gaps})")
-    return "\n".join(lines)
-
-
-def write_metrics(path: Path, args, corpus: Corpus, results: list[dict], argv: list[str]) -> None:
+def write_metrics(path: Path, args, corpus: Corpus, results: list[dict], summary: dict, argv: list[str]) -> None:
     doc = {
         "command": "muon-fn train " + " ".join(argv),
         "corpus": corpus.describe(),
         "model": config_for(args.model).to_dict(),
-        "settings": {k: v for k, v in vars(args).items() if k not in ("optimizers",)},
+        "settings": {k: v for k, v in vars(args).items() if k != "runs"},
         "torch": torch.__version__,
-        "runs": {r["optimizer"]: {k: v for k, v in r.items() if k != "model"} for r in results},
+        "summary": summary,
+        "runs": results,
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(path, json.dumps(doc, indent=1))
+    _atomic_write(path, json.dumps(doc, indent=1, default=str))
+
+
+def run_all(args, corpus: Corpus, ctx: Dist) -> list[dict[str, Any]]:
+    """Every optimizer spec for every seed (seed-major: one seed's runs share init and batches)."""
+    first, results = args.seed, []
+    try:
+        for seed in range(first, first + args.seeds):
+            args.seed = seed
+            results += [run_one(label, name, options, args, corpus, ctx) for label, name, options in args.runs]
+    finally:
+        args.seed = first
+    report.add_steps_to_adamw(results)
+    return results
 
 
 def main(argv: list[str] | None = None, *, prog: str = "train_gpt.py") -> int:
@@ -512,27 +485,33 @@ def main(argv: list[str] | None = None, *, prog: str = "train_gpt.py") -> int:
     try:
         corpus = load_corpus(args.data, max_bytes=args.max_bytes)
         _log(ctx, corpus.describe())
-        results = [run_one(name, args, corpus, ctx) for name in args.optimizers]
+        results = run_all(args, corpus, ctx)
         if ctx.main:
-            out = Path(args.out)
-            write_metrics(out / "metrics.json", args, corpus, results, argv)
-            print()
-            print(comparison_table(results))
-            print(f"metrics: {out / 'metrics.json'}")
-            if not args.no_plot:
-                from .plot import plot_runs
-
-                png = plot_runs(results, out / "loss.png", title=_plot_title(args, corpus, ctx))
-                if png is not None:
-                    print(f"plot:    {png}")
+            _report(args, corpus, results, argv, ctx)
         ctx.barrier()
     finally:
         ctx.close()
     return 0
 
 
+def _report(args, corpus: Corpus, results: list[dict], argv: list[str], ctx: Dist) -> None:
+    out = Path(args.out)
+    summary = report.summarize(results)
+    write_metrics(out / "metrics.json", args, corpus, results, summary, argv)
+    print()
+    print(report.comparison_table(summary, results[0]["scheduled_steps"]))
+    print(f"metrics: {out / 'metrics.json'}")
+    if not args.no_plot:
+        from .plot import plot_runs
+
+        png = plot_runs(results, out / "loss.png", title=_plot_title(args, corpus, ctx))
+        if png is not None:
+            print(f"plot:    {png}")
+
+
 def _plot_title(args, corpus: Corpus, ctx: Dist) -> str:
     cfg = config_for(args.model)
     src = "Python stdlib" if args.data is None else Path(args.data).name
+    seeds = f"seed {args.seed}" if args.seeds == 1 else f"seeds {args.seed}–{args.seed + args.seeds - 1} (mean, band: min–max)"
     return (f"byte-level GPT '{args.model}' ({cfg.n_layer}L, d={cfg.n_embd}) on {src}; "
-            f"batch {args.batch_size * ctx.world}×{args.seq_len}, seed {args.seed}")
+            f"batch {args.batch_size * ctx.world}×{args.seq_len}, {seeds}")

@@ -1,0 +1,154 @@
+"""The optimizers ``muon-fn train`` compares, and the ``name[key=value,...]`` specs that configure them.
+
+``muon`` is :func:`muon_fn.create_hybrid_optimizer` (hidden matrices → Muon, embeddings, the head
+and 1-D parameters → AdamW); ``torch-muon`` is the same split with ``torch.optim.Muon`` on the
+matrices and ``torch.optim.AdamW`` on the rest; ``adamw`` is ``torch.optim.AdamW`` on everything.
+A spec such as ``muon[method=quintic,ns_steps=5,lr=0.04]`` sets ``lr``/``adamw_lr`` of the run
+and passes the other keys to the optimizer.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from torch import nn
+
+OPTIMIZERS = ("muon", "torch-muon", "adamw", "normuon", "sso")
+
+# Defaults per optimizer. Muon-family matrices use Keller's scale (lr 0.02 ≈ RMS-matched to
+# AdamW at 1e-3..3e-3); embeddings, the head and 1-D params use AdamW at the AdamW lr, so the
+# comparison changes only what happens to the hidden matrices. See docs/algorithms.md.
+DEFAULT_LR = {"muon": 0.02, "torch-muon": 0.02, "normuon": 0.02, "sso": 0.02, "adamw": 3e-3}
+DEFAULT_ADAMW_LR = 3e-3
+ADAMW_BETAS = (0.9, 0.95)
+
+_SPEC = re.compile(r"^([a-z][a-z-]*)(?:\[(.*)\])?$")
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+           "fp32": torch.float32, "float32": torch.float32}
+
+
+def split_specs(text: str) -> list[str]:
+    """``"muon[a=1,b=2],adamw"`` → ``["muon[a=1,b=2]", "adamw"]`` (commas inside brackets kept)."""
+    specs, depth, current = [], 0, ""
+    for ch in text:
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            specs.append(current.strip())
+            current = ""
+        else:
+            current += ch
+    specs.append(current.strip())
+    return [s for s in specs if s]
+
+
+def _value(text: str) -> Any:
+    low = text.strip().lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("none", "null"):
+        return None
+    if low in _DTYPES:
+        return _DTYPES[low]
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text.strip()
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """``(optimizer, options)`` of a spec; ``ValueError`` naming the spec if it is malformed."""
+    m = _SPEC.match(spec.strip())
+    if not m or m.group(1) not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {spec!r}; valid: {', '.join(OPTIMIZERS)} "
+                         "(optionally with [key=value,...] options)")
+    options: dict[str, Any] = {}
+    for item in (m.group(2) or "").split(","):
+        if not item.strip():
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"invalid option {item!r} in {spec!r} (expected key=value)")
+        options[key.strip()] = _value(value)
+    return m.group(1), options
+
+
+class TorchMuonHybrid:
+    """``torch.optim.Muon`` on the hidden matrices and ``torch.optim.AdamW`` on the rest, stepped
+    together (the ``torch-muon`` row); ``optimizers`` is what the LR schedulers wrap."""
+
+    def __init__(self, muon: torch.optim.Optimizer, adamw: torch.optim.Optimizer) -> None:
+        self.optimizers = [muon, adamw]
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"muon": self.optimizers[0].state_dict(), "adamw": self.optimizers[1].state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizers[0].load_state_dict(state_dict["muon"])
+        self.optimizers[1].load_state_dict(state_dict["adamw"])
+
+
+def _adamw_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_single(name: str, options: dict[str, Any], model: nn.Module, lr: float, adamw_lr: float, wd: float,
+                 compile: bool) -> tuple[Any, str]:
+    """One single-device optimizer and a one-line description of it."""
+    import muon_fn as mf
+
+    if name == "adamw":
+        opt = torch.optim.AdamW(_adamw_groups(model, wd), lr=lr, betas=ADAMW_BETAS, **options)
+        return opt, f"torch.optim.AdamW(lr={lr}, betas={ADAMW_BETAS}, weight_decay={wd} on matrices)"
+    if name == "torch-muon":
+        muon_params, adamw_params = mf.split_parameters(model)
+        muon = torch.optim.Muon([p for _, p, _ in muon_params], lr=lr, weight_decay=wd, adjust_lr_fn="original",
+                                **options)
+        adamw = torch.optim.AdamW([p for _, p, _ in adamw_params], lr=adamw_lr, betas=ADAMW_BETAS, weight_decay=wd)
+        return TorchMuonHybrid(muon, adamw), f"torch.optim.Muon(lr={lr}) + torch.optim.AdamW(lr={adamw_lr})"
+    compile_opt = {} if compile else {"compile": False}
+    if name in ("muon", "normuon"):
+        extra = {"beta2": 0.95, **options} if name == "normuon" else dict(options)
+        opt = mf.create_hybrid_optimizer(model, muon_lr=lr, adamw_lr=adamw_lr, adamw_weight_decay=wd,
+                                         muon_weight_decay=wd, adamw_betas=ADAMW_BETAS, **extra, **compile_opt)
+        shown = "".join(f", {k}={v}" for k, v in extra.items())
+        return opt, f"muon_fn.create_hybrid_optimizer(muon_lr={lr}, adamw_lr={adamw_lr}{shown})"
+    opt = mf.SpectralSphereOptimizer.from_model(model, lr=lr, adamw_lr=adamw_lr, adamw_weight_decay=wd,
+                                                adamw_betas=ADAMW_BETAS, **options, **compile_opt)
+    return opt, f"muon_fn.SpectralSphereOptimizer.from_model(lr={lr}, adamw_lr={adamw_lr})"
+
+
+def build_fsdp(name: str, options: dict[str, Any], model: nn.Module, lr: float, adamw_lr: float, wd: float,
+               world: int) -> tuple[Any, str]:
+    """The FSDP2 optimizer of one run (same split as create_hybrid_optimizer: hidden matrices →
+    Muon or SSO; embeddings, the head and 1-D params → AdamW, on local shards)."""
+    import muon_fn as mf
+
+    if name in ("adamw", "torch-muon"):
+        raise ValueError(f"--fsdp supports the muon_fn optimizers, not {name!r}")
+    muon_params, adamw_params = mf.split_parameters(model)
+    groups = [{"params": [p for _, p, _ in muon_params], "use_muon": True},
+              {"params": [p for _, p, _ in adamw_params], "use_muon": False}]
+    if name == "sso":
+        opt = mf.FSDPSpectralSphereOptimizer(model, groups, lr=lr, adamw_lr=adamw_lr, adamw_betas=ADAMW_BETAS,
+                                             adamw_weight_decay=wd, **options)
+        return opt, f"muon_fn.FSDPSpectralSphereOptimizer(lr={lr}, adamw_lr={adamw_lr}, world={world})"
+    from muon_fn.fsdp import FSDPMuonOptimizer
+
+    beta2 = options.pop("beta2", 0.95 if name == "normuon" else None)
+    opt = FSDPMuonOptimizer(model, groups, lr=lr, weight_decay=wd, beta2=beta2, adamw_lr=adamw_lr,
+                            adamw_betas=ADAMW_BETAS, adamw_weight_decay=wd, **options)
+    return opt, f"muon_fn.fsdp.FSDPMuonOptimizer(lr={lr}, adamw_lr={adamw_lr}, world={world})"
