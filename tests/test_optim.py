@@ -1205,3 +1205,40 @@ def test_compiled_matches_eager_and_survives_load_without_recompiling():
     assert cnt.frame_count == graph_count(m2.parameters()), cnt.frame_count
     for p, q in zip(m1.parameters(), m2.parameters()):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=0)
+
+
+# --------------------------------------------------------------------------- copies
+@pytest.mark.parametrize("make", [
+    lambda m: mf.MuonOptimizer(m.parameters(), weight_decay=0.01, nonfinite="error"),
+    lambda m: mf.MuonOptimizer(m.parameters(), beta2=0.95, compile={"backend": "eager"}),
+    lambda m: mf.create_hybrid_optimizer(m),
+    lambda m: mf.SpectralSphereOptimizer(m.parameters()),
+], ids=["muon", "normuon-compiled", "hybrid", "sso"])
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_copied_optimizer_steps_like_the_original(make, how):
+    """copy.deepcopy / pickle (EMA and SWA helpers, Lightning, evaluation copies): the copy carries
+    the configuration (not only torch's defaults/state/param_groups) and steps identically."""
+    import pickle
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Linear(8, 3))
+    opt = make(model)
+    for step in range(2):
+        opt.zero_grad()
+        model(torch.randn(4, 6, generator=torch.Generator().manual_seed(step))).square().mean().backward()
+        opt.step()
+    clone = copy.deepcopy(opt) if how == "deepcopy" else pickle.loads(pickle.dumps(opt))
+    assert clone.nonfinite == opt.nonfinite and clone._bucket_size == opt._bucket_size
+    params = [p for g in clone.param_groups for p in g["params"]]
+    originals = [p for g in opt.param_groups for p in g["params"]]
+    assert len(params) == len(originals) == len(list(model.parameters()))
+    for p, q in zip(params, originals):
+        assert torch.equal(p, q) and p is not q
+        p.grad = torch.full_like(p, 0.1)
+        q.grad = torch.full_like(q, 0.1)
+    clone.step()
+    opt.step()
+    for p, q in zip(params, originals):
+        assert torch.equal(p, q)
+    if hasattr(opt, "split"):
+        assert str(clone.split) == str(opt.split)

@@ -161,6 +161,22 @@ class Optimizer(torch.optim.Optimizer):
         defaults.setdefault("gradient_accumulation_steps", gradient_accumulation_steps)
         super().__init__(params, defaults)
 
+    # ----------------------------------------------------------------------- copies
+    # torch's Optimizer pickles only defaults, state and param_groups; the configuration below
+    # travels too, so copy.deepcopy and pickle give an optimizer that steps like the original.
+    # Compiled steps, scalar tensors and transforms are caches, rebuilt on the copy's first use.
+    _CONFIG = ("nonfinite", "_factory", "_compile_options", "_bucket_size", "_scalar_keys",
+               "_nonfinite_count", "last_step", "split")
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.update({k: self.__dict__[k] for k in self._CONFIG if k in self.__dict__})
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._runtimes = [_GroupRuntime() for _ in self.param_groups]
+
     # ----------------------------------------------------------------------- groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
