@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 from .. import _newton_schulz
 from ._fsdp import benchmark_fsdp, format_fsdp_result
-from ._muon import benchmark_muon_optimizers, compile_check, format_table
+from ._muon import benchmark_muon_optimizers, check_muon_args, compile_check, format_table
 from ._problem import MODEL_SIZES
 from ._rows import OPTIONAL_ROWS, ROW_SPECS, ROWS, default_rows
 from ._sso import SSO_DEFAULT_ROWS, SSO_ROWS, benchmark_sso, check_sso_args, format_sso_table
@@ -91,20 +91,24 @@ def _muon_main(argv: list[str], prog: str) -> int:
     if emulated and args.rows is None:
         left_out = sorted({r for s in sizes for r in ROWS if r not in default_rows(s, device)})
         print(_EMULATED_BF16.format(", ".join(left_out)), file=sys.stderr, flush=True)
-    results: dict[str, Any] = {}
+    runs = []
     for size in sizes:
-        rows = args.rows or default_rows(size, device)
         rounds = args.rounds or (25 if size == "tiny" else 5)
         if args.quick:  # 2 rounds where torch.optim.Muon's bf16 is emulated, to stay near a minute
             rounds = args.rounds or (2 if emulated and args.rows is None else 12)
+        kwargs = dict(num_steps=args.steps or 1, lr=args.lr, rows=args.rows or default_rows(size, device),
+                      rounds=rounds, layers=args.layers, device=device)
+        try:  # every run's arguments before the first run (e.g. --layers 9 of the tiny set)
+            check_muon_args(size, **kwargs)
+        except ValueError as e:
+            ap.error(str(e))
+        runs.append((size, kwargs))
+    results: dict[str, Any] = {}
+    for size, kwargs in runs:
         for threads in args.threads:
-            try:
-                res = benchmark_muon_optimizers(
-                    size, args.steps or 1, args.lr, rows=rows, rounds=rounds, layers=args.layers,
-                    quality=not args.no_quality, memory=not args.no_memory, threads=threads, device=device,
-                    quality_layers=1 if args.quick else 2, gaussian=(256, 1024) if args.quick else True)
-            except ValueError as e:  # arguments the parser cannot check alone (--layers of this set, ...)
-                ap.error(str(e))
+            res = benchmark_muon_optimizers(size, **kwargs, threads=threads, quality=not args.no_quality,
+                                            memory=not args.no_memory, quality_layers=1 if args.quick else 2,
+                                            gaussian=(256, 1024) if args.quick else True)
             print(format_table(res), flush=True)
             results[f"{size},threads={threads}"] = res
         if args.compile:

@@ -69,7 +69,7 @@ def benchmark_muon_optimizers(
       per-round ratios to torch.optim.Muon and to its own replay), and ``quality`` and
       ``gaussian_quality`` (per row and matrix kind).
     """
-    rows, device = _check_args(model_size, num_steps, lr, rows, rounds, layers, threads, device)
+    rows, device = check_muon_args(model_size, num_steps, lr, rows, rounds, layers, threads, device)
     with using_threads(threads) as n_threads:
         params, grads, names = real_gradients(model_size, layers=layers, seed=seed, device=device)
         for p, g in zip(params, grads):
@@ -88,8 +88,11 @@ def benchmark_muon_optimizers(
     return out
 
 
-def _check_args(model_size: str, num_steps: int, lr: float, rows: Sequence[str] | None, rounds: int,
-                layers: int | None, threads: Threads, device: Any) -> tuple[list[str], torch.device]:
+def check_muon_args(model_size: str = "tiny", num_steps: int = 1, lr: float = 0.02, rows: Sequence[str] | None = None,
+                    rounds: int = 1, layers: int | None = None, threads: Threads = 1, device: Any = None,
+                    ) -> tuple[list[str], torch.device]:
+    """The rows and the device of a :func:`benchmark_muon_optimizers` call, or ``ValueError``
+    naming the first argument it cannot use (before any work)."""
     check_size(model_size, layers)
     for arg, v in (("num_steps", num_steps), ("rounds", rounds)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
