@@ -105,8 +105,8 @@ def _muon_main(argv: list[str], prog: str) -> int:
         runs.append((size, kwargs))
     results: dict[str, Any] = {}
     for size, kwargs in runs:
-        for threads in args.threads:
-            res = benchmark_muon_optimizers(size, **kwargs, threads=threads, quality=not args.no_quality,
+        for i, threads in enumerate(args.threads):  # quality does not depend on threads: measured once
+            res = benchmark_muon_optimizers(size, **kwargs, threads=threads, quality=not args.no_quality and i == 0,
                                             memory=not args.no_memory, quality_layers=1 if args.quick else 2,
                                             gaussian=(256, 1024) if args.quick else True)
             print(format_table(res), flush=True)

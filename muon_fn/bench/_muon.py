@@ -17,7 +17,7 @@ import torch
 
 from .. import _compile, _newton_schulz
 from ._memory import PEAK_METHODS, peak_step_bytes, state_bytes
-from ._problem import check_size, real_gradients
+from ._problem import MATRIX_NAMES, check_size, real_gradients
 from . import _quality
 from ._rows import REFERENCE, ROW_SPECS, ROWS, Built, check_rows
 from ._timing import Threads, check_device, check_threads, paired_ratio, paired_rounds, synchronize, using_threads
@@ -88,9 +88,9 @@ def benchmark_muon_optimizers(
     return out
 
 
-def check_muon_args(model_size: str = "tiny", num_steps: int = 1, lr: float = 0.02, rows: Sequence[str] | None = None,
-                    rounds: int = 1, layers: int | None = None, threads: Threads = 1, device: Any = None,
-                    ) -> tuple[list[str], torch.device]:
+def check_muon_args(model_size: str = "tiny", num_steps: int = 1, lr: float = 0.02,
+                    rows: Sequence[str] | None = None, rounds: int = 1, layers: int | None = None,
+                    threads: Threads = 1, device: Any = None) -> tuple[list[str], torch.device]:
     """The rows and the device of a :func:`benchmark_muon_optimizers` call, or ``ValueError``
     naming the first argument it cannot use (before any work)."""
     check_size(model_size, layers)
@@ -151,7 +151,7 @@ def _summarize(built: dict[str, Built], first: dict[str, float],
 def _config(model_size: str, params: list[torch.Tensor], num_steps: int, lr: float, rounds: int,
             threads: Threads, n_threads: int, device: torch.device) -> dict[str, Any]:
     return {
-        "model_size": model_size, "layers": len(params) // 6, "num_steps": num_steps, "lr": lr,
+        "model_size": model_size, "layers": len(params) // len(MATRIX_NAMES), "num_steps": num_steps, "lr": lr,
         "rounds": rounds, "threads": n_threads, "threads_requested": threads, "device": str(device),
         "torch": torch.__version__, "matrices": len(params), "params": sum(p.numel() for p in params),
         "compute_dtype": str(_newton_schulz.default_compute_dtype(device)).removeprefix("torch."),
