@@ -1,8 +1,8 @@
 """The ``muon-fn`` console command.
 
-    muon-fn train [options]   train a byte-level GPT with muon_fn (``muon-fn train --quick``)
-    muon-fn bench [options]   time the Muon step against torch.optim.Muon (muon_fn.bench)
-    muon-fn bench-sso [opts]  time the SSO step against Muon (muon_fn._sso_bench)
+    muon-fn train [options]            train a byte-level GPT with muon_fn (``muon-fn train --quick``)
+    muon-fn bench [options]            time the Muon step against torch.optim.Muon (muon_fn.bench)
+    muon-fn bench sso|fsdp [options]   the SSO and FSDP benchmarks (``bench-sso``: alias of ``bench sso``)
 
 ``muon-fn <command> --help`` lists a command's options.
 """
@@ -16,9 +16,9 @@ USAGE = """usage: muon-fn <command> [options]
 commands:
   train   train a small byte-level GPT from scratch (default corpus: the Python standard library);
           `muon-fn train --quick` compares Muon with AdamW in a few minutes on a CPU
-  bench   benchmark the Muon step (muon_fn default, torch-like, torch.optim.Muon, AdamW, GEMM replay)
-  bench-sso
-          benchmark the Spectral Sphere Optimizer's step against Muon (same msign, and default)
+  bench   benchmark the Muon step (muon_fn compiled and eager, torch.optim.Muon, AdamW, GEMM replays);
+          `muon-fn bench sso`: the Spectral Sphere Optimizer's step against Muon (alias: bench-sso);
+          `muon-fn bench fsdp`: the FSDP adapter, owner-computes against replicate
 
 `muon-fn <command> --help` lists the command's options. Docs: docs/index.md
 """
@@ -40,17 +40,13 @@ def main(argv: list[str] | None = None) -> int:
         from muon_fn._train.train import main as train_main
 
         return int(train_main(rest, prog="muon-fn train") or 0)
-    if command == "bench":
+    if command in ("bench", "bench-sso"):
         try:
             from muon_fn import bench
         except ImportError as e:
-            print(f"muon-fn bench: muon_fn.bench is not available in this installation ({e})", file=sys.stderr)
+            print(f"muon-fn {command}: muon_fn.bench is not available in this installation ({e})", file=sys.stderr)
             return 2
-        return int(bench.main(rest) or 0)
-    if command == "bench-sso":
-        from muon_fn import _sso_bench
-
-        return int(_sso_bench.main(rest, prog="muon-fn bench-sso") or 0)
+        return int(bench.main(rest if command == "bench" else ["sso", *rest]) or 0)
     print(f"muon-fn: unknown command {command!r}\n\n{USAGE}", end="", file=sys.stderr)
     return 2
 

@@ -1,6 +1,8 @@
-"""muon_fn.bench smoke tests, and correctness of the "aol" and "gram" orthogonalization variants.
+"""muon_fn.bench: structure of the results, the shared pieces, and the command line.
 
-No timing is asserted anywhere (shared CPUs swing 2x); the bench is only checked for structure.
+No timing is asserted anywhere (shared CPUs swing 2x). Runs use the tiny set's first layer;
+conftest sets ``MUON_FN_COMPILE=0``, so the default row runs eagerly unless a test asks for the
+compiled default.
 """
 
 from __future__ import annotations
@@ -10,295 +12,78 @@ import json
 import expecttest
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from torch.profiler import ProfilerActivity, profile
 
+from muon_fn import MuonOptimizer, bench
 from muon_fn import _newton_schulz as O
-from muon_fn import bench
+from muon_fn.bench import _rows, _timing
+
+ONE_LAYER = dict(model_size="tiny", layers=1, rounds=1, quality_layers=1, gaussian=False)
 
 
-def _svals(x: torch.Tensor) -> torch.Tensor:
-    return torch.linalg.svdvals(x.double())
-
-
-def _scalar(s: torch.Tensor, schedule) -> torch.Tensor:
-    """Each row (c0, ..., cd) maps σ to σ·Σ cᵢσ²ⁱ (written out term by term, not Horner)."""
-    for row in schedule:
-        s = sum(c * s ** (2 * i + 1) for i, c in enumerate(row))
-    return s
-
-
-# ----------------------------------------------------------------------------- Gram Newton–Schulz
-@pytest.mark.parametrize("shape", [(24, 80), (80, 24), (3, 16, 50), (30, 30)])
-@pytest.mark.parametrize("steps", [1, 3, 5, 7])
-def test_gram_equals_standard_iteration_in_float64(shape, steps):
-    x = torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(steps))
-    ref = O.newton_schulz(x, "polar_express", steps)
-    torch.testing.assert_close(O.newton_schulz(x, "gram", steps), ref, atol=1e-10, rtol=0)
-
-
-def test_gram_float32_close_to_standard():
-    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
-    out = O.newton_schulz(x, "gram", 5, dtype=torch.float32)
-    torch.testing.assert_close(out, O.newton_schulz(x, "polar_express", 5, dtype=torch.float32), atol=2e-3, rtol=0)
-
-
-def test_gram_rejects_bfloat16_with_a_clear_error():
-    with pytest.raises(ValueError, match="method 'gram'.*bfloat16"):
-        O.newton_schulz(torch.randn(8, 16), "gram", 5, dtype=torch.bfloat16)
-
-
-@pytest.mark.parametrize("method,dtype", [("gram", torch.float32), ("aol", torch.bfloat16), ("aol", torch.float32),
-                                          ("aol9", torch.bfloat16), ("aol9", torch.float32)])
-def test_zero_maps_to_zero(method, dtype):
-    out = O.newton_schulz(torch.zeros(2, 12, 40), method, None, dtype=dtype)
-    assert out.shape == (2, 12, 40) and torch.isfinite(out).all() and not out.any()
-
-
-# ----------------------------------------------------------------------------- AOL
-def _aol64(x: torch.Tensor) -> torch.Tensor:
-    x = x.double()
-    wide = x.mT if x.size(-2) > x.size(-1) else x
-    wide = wide / (torch.linalg.vector_norm(wide) + 1e-7)
-    s = ((wide @ wide.mT).abs().sum(-1) + 1e-7).rsqrt()  # the same eps as the library
-    return wide * s[:, None]
-
-
-def test_aol_is_the_standard_iteration_after_row_scaling_float64():
-    x = torch.randn(40, 100, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    sched = O.coefficient_schedule("aol", 4)
-    torch.testing.assert_close(O.newton_schulz(x, "aol", 4), O.iterate(_aol64(x), sched), atol=1e-10, rtol=0)
-
-
-def test_aol_singular_values_follow_the_scalar_polynomial():
-    x = torch.randn(50, 120, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
-    sched = O.coefficient_schedule("aol", 4)
-    expect = _scalar(_svals(_aol64(x)), sched).sort().values
-    torch.testing.assert_close(_svals(O.newton_schulz(x, "aol", 4)).sort().values, expect, atol=1e-9, rtol=0)
-
-
-def test_aol_bound_holds_and_scaling_lifts_sigma():
-    x = torch.randn(64, 200, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
-    s_aol, s_frob = _svals(_aol64(x)), _svals(x / torch.linalg.vector_norm(x))
-    assert s_aol.max() <= 1 + 1e-12
-    assert s_aol.min() > 2 * s_frob.min()
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(128, 512), (512, 128)])
-def test_aol_four_steps_band_on_rectangular_gaussian(dtype, shape):
-    # Issue 6 criterion: every σ in [0.6, 1.2]; torch's 5-step quintic gives about [0.68, 1.14].
-    x = torch.randn(*shape, generator=torch.Generator().manual_seed(4))
-    sv = _svals(O.newton_schulz(x, "aol", 4, dtype=dtype))
-    assert 0.6 <= sv.min() and sv.max() <= 1.2, (sv.min(), sv.max())
-
-
-def test_aol_rank_one_direction_is_not_flipped():
-    # AOL scales a rank-1 matrix to σ = 1 exactly: the schedule must map 1 near 1, not to -1.
-    g = torch.Generator().manual_seed(5)
-    u, v = torch.randn(64, 1, generator=g), torch.randn(1, 160, generator=g)
-    x = u @ v + 1e-4 * torch.randn(64, 160, generator=g)
-    out = O.newton_schulz(x, "aol", 4, dtype=torch.bfloat16).double()
-    proj = (u.double().T @ out @ v.double().T).item() / (u.norm() * v.norm()).item()
-    assert 0.75 < proj < 1.25
-
-
-def test_published_aol_triples_would_flip_sigma_one():
-    eo_aol = [(4.0098, -7.0585, 2.4635), (3.4585, -5.5479, 2.5959), (2.7573, -3.2939, 1.4254), (2.7215, -3.0494, 1.3169)]
-    assert _scalar(torch.tensor(1.0, dtype=torch.float64), eo_aol) < 0
-    assert 0.75 < _scalar(torch.tensor(1.0, dtype=torch.float64), O.coefficient_schedule("aol", 4)) < 1.2
-
-
-def test_aol_scalar_band_and_more_steps_converge():
-    s = torch.logspace(-2.5, 0, 2000, dtype=torch.float64) * 1.02
-    s = s[s >= 3e-3]
-    four = _scalar(s, O.coefficient_schedule("aol", 4))
-    assert four.min() >= 0.75 and four.max() <= 1.19
-    five = _scalar(s, O.coefficient_schedule("aol", 5))
-    assert (five - 1).abs().max() < 0.03
-    eight = _scalar(s, O.coefficient_schedule("aol", 8))
-    assert (eight - 1).abs().max() < 1e-6
-
-
-def test_aol_transpose_equivariance():
-    x = torch.randn(3, 30, 70, generator=torch.Generator().manual_seed(6))
-    torch.testing.assert_close(O.newton_schulz(x.mT, "aol", 4).mT, O.newton_schulz(x, "aol", 4), atol=1e-5, rtol=0)
-
-
-def test_aol_quality_matches_torch_quintic_on_real_gradient():
-    params, grads, names = bench.real_gradients("tiny")
-    g = grads[names.index("h1.fc")]
-    ref = bench.orthogonality(g, bench._orthogonalizer("torch.optim.Muon")(g))
-    ours = bench.orthogonality(g, O.newton_schulz(g, "aol", 4, dtype=torch.bfloat16))
-    assert ours["rms"] <= 1.1 * ref["rms"] and ours["max"] <= 1.2
-
-
-# ----------------------------------------------------------------------------- degree-7/9 rows, "aol9"
-@pytest.mark.parametrize("row", [(1.5, -0.5), (3.0, -3.2, 1.2, 0.0), (2.0, -1.5, 0.8, -0.2),
-                                 (3.4, -6.3, 5.8, -2.3, 0.33), (1.0, 0.5, -0.25, 0.125, -0.0625),
-                                 (2.0, -1.0, 0.3, 0.0, 0.05)])
-def test_any_degree_row_applies_its_scalar_polynomial_float64(row):
-    x = torch.randn(30, 70, dtype=torch.float64, generator=torch.Generator().manual_seed(len(row)))
-    x = x / torch.linalg.vector_norm(x)
-    out = O.iterate(x, [row, (1.875, -1.25, 0.375)])
-    torch.testing.assert_close(_svals(out).sort().values, _scalar(_svals(x), [row, (1.875, -1.25, 0.375)]).abs().sort().values,
-                               atol=1e-12, rtol=0)
-
-
-def test_degree_nine_rows_in_gram_form_and_damped_equal_the_standard_form():
-    x = torch.randn(2, 20, 90, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
-    x = x / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
-    rows = O.coefficient_schedule("aol9", 6)
-    torch.testing.assert_close(O.iterate_gram(x, rows), O.iterate(x, rows), atol=1e-10, rtol=0)
-    damped = O.coefficient_schedule("aol9", 4, stepsize=0.5)
-    plain = O.coefficient_schedule("aol9", 4)
-    for d, r in zip(damped, plain):
-        assert len(d) == len(r) and d[0] == pytest.approx(0.5 + 0.5 * r[0])
-        assert list(d[1:]) == pytest.approx([0.5 * c for c in r[1:]])
-
-
-def test_rows_above_degree_nine_are_rejected():
-    with pytest.raises(ValueError, match="at most degree 9"):
-        O.iterate(torch.randn(4, 8), [(1.0, 0.1, 0.1, 0.1, 0.1, 0.1)])
-
-
-def test_aol9_singular_values_follow_the_scalar_polynomial():
-    x = torch.randn(50, 120, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
-    sched = O.coefficient_schedule("aol9", None)
-    assert len(sched) == 4 and sched.precondition == "aol" and len(sched[3]) == 5
-    expect = _scalar(_svals(_aol64(x)), sched).sort().values
-    torch.testing.assert_close(_svals(O.newton_schulz(x, "aol9", None)).sort().values, expect, atol=1e-9, rtol=0)
-
-
-def test_aol9_scalar_band_and_more_steps_converge():
-    s = torch.logspace(-2.5, 0, 2000, dtype=torch.float64) * 1.02
-    s = s[s >= 3e-3]
-    four = _scalar(s, O.coefficient_schedule("aol9", 4))
-    assert four.min() >= 0.85 and four.max() <= 1.15, (four.min(), four.max())
-    # Past the top of its input interval (where bf16 rounding can push σ) the last step stays bounded.
-    sched = O.coefficient_schedule("aol9", 4)
-    top = _scalar(s, sched[:3]).max() * 1.005
-    past = _scalar(torch.linspace(1.0, 1.07, 200, dtype=torch.float64) * top, sched[3:])
-    assert past.min() >= 0.6 and past.max() <= 1.15 + 1e-9
-    assert 0.9 < _scalar(torch.tensor(1.0, dtype=torch.float64), O.coefficient_schedule("aol9", 4)) < 1.15
-    eight = _scalar(s, O.coefficient_schedule("aol9", 8))
-    assert (eight - 1).abs().max() < 1e-6
-    # Slope at 0 (what lifts the tiny singular values of low-rank gradients): above torch's 3.4445**5.
-    assert torch.tensor([r[0] for r in O.coefficient_schedule("aol9", 4)]).prod() > 3.4445**5 * 0.65
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(128, 512), (512, 128), (96, 96)])
-def test_aol9_band_on_gaussian(dtype, shape):
-    x = torch.randn(*shape, generator=torch.Generator().manual_seed(4))
-    sv = _svals(O.newton_schulz(x, "aol9", None, dtype=dtype))
-    assert sv.max() <= 1.2, sv.max()
-    if shape[0] != shape[1]:  # square Gaussians have σ near 0 that no 4-5 step schedule lifts
-        assert 0.6 <= sv.min(), sv.min()
-
-
-@settings(max_examples=25, deadline=None)
-@given(m=st.integers(1, 40), n=st.integers(1, 40), batch=st.integers(0, 2), seed=st.integers(0, 2**31 - 1),
-       scale=st.sampled_from([1e-3, 1.0, 1e3]))
-def test_aol9_any_shape_is_finite_bounded_and_transpose_equivariant(m, n, batch, seed, scale):
-    x = scale * torch.randn(*([batch] if batch else []), m, n, generator=torch.Generator().manual_seed(seed))
-    # Exact map: σ ≤ 1.142. bf16 rounding on tiny matrices (errors do not average out) reaches
-    # 1.27 over 2,700 random 2×2 … 24×24 matrices (torch's quintic: 1.20).
-    for dtype, bound in ((torch.float32, 1.15), (torch.bfloat16, 1.3)):
-        out = O.newton_schulz(x, "aol9", None, dtype=dtype)
-        assert out.shape == x.shape and out.dtype == x.dtype and torch.isfinite(out).all()
-        assert torch.linalg.matrix_norm(out.double(), ord=2).max() <= bound
-    if m != n:  # AOL scales rows, so a square input and its transpose are scaled differently
-        out = O.newton_schulz(x, "aol9", None, dtype=torch.float64)
-        torch.testing.assert_close(O.newton_schulz(x.mT, "aol9", None, dtype=torch.float64), out.mT, atol=1e-6, rtol=0)
-
-
-def test_aol9_rank_one_direction_is_not_flipped():
-    g = torch.Generator().manual_seed(5)
-    u, v = torch.randn(64, 1, generator=g), torch.randn(1, 160, generator=g)
-    x = u @ v + 1e-4 * torch.randn(64, 160, generator=g)
-    out = O.newton_schulz(x, "aol9", None, dtype=torch.bfloat16).double()
-    proj = (u.double().T @ out @ v.double().T).item() / (u.norm() * v.norm()).item()
-    assert 0.85 < proj < 1.15
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_aol9_no_worse_than_torch_quintic_on_every_real_tiny_gradient(dtype):
-    _, grads, names = bench.real_gradients("tiny")
-    torch_ortho = bench._orthogonalizer("torch.optim.Muon")  # bf16, as torch.optim.Muon runs it
-    if dtype != torch.bfloat16:  # the same quintic in fp32 (bf16 noise lifts zero σ: lower RMS)
-        torch_ortho = lambda g: O.newton_schulz(g, "quintic", 5, dtype=dtype)  # noqa: E731
-    for name, g in zip(names, grads):
-        ref = bench.orthogonality(g, torch_ortho(g))
-        ours = bench.orthogonality(g, O.newton_schulz(g, "aol9", None, dtype=dtype))
-        assert ours["rms"] <= ref["rms"] and ours["signed_rms"] <= ref["signed_rms"] and ours["max"] <= 1.2, name
-
-
-# ----------------------------------------------------------------------------- schedules
-def test_default_steps_and_schedule_options():
-    assert O.default_steps("aol") == 4 and O.default_steps("polar_express") == 5
-    sched = O.coefficient_schedule("aol", None)
-    assert len(sched) == 4 and sched.precondition == "aol" and sched.form == "standard"
-    damped = O.coefficient_schedule("aol", 6, stepsize=0.5)
-    assert len(damped) == 6 and damped.precondition == "aol"
-    assert O.coefficient_schedule("gram", 5).form == "gram"
-    assert O.coefficient_schedule("quintic", 5).precondition == "frobenius"
-    # A plain tuple of triples still runs (Frobenius, standard form).
-    x = torch.randn(8, 20, dtype=torch.float64)
-    torch.testing.assert_close(
-        O.orthogonalize_matrices(x, tuple(O.coefficient_schedule("quintic", 5)), dtype=torch.float64, eps=1e-7),
-        O.newton_schulz(x, "quintic", 5))
-
-
-def test_schedule_rejects_unknown_options():
-    with pytest.raises(ValueError, match="precondition"):
-        O.Schedule([(1.5, -0.5, 0.0)], precondition="spectral")
-    with pytest.raises(ValueError, match="form"):
-        O.Schedule([(1.5, -0.5, 0.0)], form="fast")
-
-
-# ----------------------------------------------------------------------------- bench API
-def test_benchmark_smoke_tiny():
-    rows = ["muon_fn", "torch.optim.Muon", "replay[polar_express5]", "replay[aol9]"]
-    res = bench.benchmark_muon_optimizers("tiny", num_steps=1, lr=0.02, rows=rows, rounds=2,
-                                          quality_layers=1, gaussian=False)
-    assert res["config"]["model_size"] == "tiny" and res["config"]["matrices"] == 24
-    assert set(res["rows"]) == set(rows)
+# ----------------------------------------------------------------------------- the Muon step benchmark
+def test_benchmark_smoke_with_torch_reference():
+    rows = ["muon_fn", "muon_fn[eager]", "torch.optim.Muon", "replay[aol9]"]
+    res = bench.benchmark_muon_optimizers(rows=rows, **ONE_LAYER)
+    cfg = res["config"]
+    assert (cfg["matrices"], cfg["layers"], cfg["threads"]) == (6, 1, 1) and set(res["rows"]) == set(rows)
+    assert cfg["compile_default"] is False  # MUON_FN_COMPILE=0 in the tests
     for r in res["rows"].values():
-        assert len(r["seconds_per_step"]) == 2 and r["min"] <= r["median"] <= r["max"]
-        assert len(r["ratio_to_torch_muon"]) == 2 and len(r["ratio_to_replay"]) == 2
-    assert res["rows"]["torch.optim.Muon"]["ratio_to_torch_muon"] == [1.0, 1.0]
-    # Persistent state: torch keeps one fp32 momentum buffer per matrix; so must muon_fn.
-    n = sum(s[0] * s[1] for _, s in bench.matrix_shapes("tiny"))
-    assert res["rows"]["torch.optim.Muon"]["state_bytes"] == 4 * n
-    assert res["rows"]["muon_fn"]["momentum_bytes"] == 4 * n
+        assert len(r["seconds_per_step"]) == 1 and r["min"] <= r["median"] <= r["max"] and r["first_step_s"] > 0
+        assert len(r["ratio_to_torch_muon"]) == 1
+    ref, default = res["rows"]["torch.optim.Muon"], res["rows"]["muon_fn"]
+    assert ref["ratio_to_torch_muon"] == [1.0] and ref["compiled"] is None and default["compiled"] is False
+    assert default["own_replay"] == "replay[aol9]" and len(default["ratio_to_own_replay"]) == 1
+    assert "own_replay" not in ref  # replay[torch_quintic5] did not run
+    # Persistent state: one fp32 momentum buffer per matrix, as torch.optim.Muon keeps.
+    n = sum(s[0] * s[1] for _, s in bench.matrix_shapes("tiny", layers=1))
+    assert ref["state_bytes"] == default["momentum_bytes"] == default["state_bytes"] == 4 * n
+    assert default["state_ratio_to_torch_muon"] == 1.0
+    assert default["peak_step_bytes"] > 0 and ref["peak_step_bytes"] > 0
+    assert res["rows"]["replay[aol9]"]["peak_step_bytes"] is None
     q = res["quality"]
-    assert set(q["muon_fn"]) == {"q", "k", "v", "o", "fc", "proj"}
+    assert set(q["muon_fn"]) == {"q", "k", "v", "o", "fc", "proj"} and q["muon_fn"] == q["muon_fn[eager]"]
     for kind in q["torch.optim.Muon"].values():
         assert kind["ratio_to_torch"] == pytest.approx(1.0)
     for kind in q["muon_fn"].values():  # default schedule: no worse than the quintic in its dtype
         assert kind["ratio_to_quintic_same_dtype"] <= 1.0 + 1e-6 and kind["max"] < 1.2
-        if res["config"]["compute_dtype"] == "bfloat16":  # there that quintic is torch's own
-            assert kind["ratio_to_torch"] == kind["ratio_to_quintic_same_dtype"]
     json.dumps(res)
-    assert "muon_fn" in bench.format_table(res)
+    table = bench.format_table(res)
+    assert all(r in table for r in rows) and "tiny: 6 matrices" in table
 
 
-def test_main_writes_json(tmp_path, capsys):
-    path = tmp_path / "b.json"
-    assert bench.main(["--model-size", "tiny", "--steps", "1", "--rounds", "1", "--rows", "torch.optim.Muon",
-                       "--no-quality", "--json", str(path)]) == 0
-    data = json.loads(path.read_text())
-    assert "torch.optim.Muon" in data["tiny"]["rows"] and "replay[polar_express5]" in data["tiny"]["rows"]
-    assert "s/step" in capsys.readouterr().out
+def test_ratios_and_quality_need_their_reference_rows():
+    res = bench.benchmark_muon_optimizers(rows=["muon_fn[eager]", "replay[polar_express5]"], memory=False,
+                                          **{**ONE_LAYER, "gaussian": (32, 64)})
+    row = res["rows"]["muon_fn[eager]"]
+    assert not {"ratio_to_torch_muon", "ratio_to_own_replay", "own_replay", "state_ratio_to_torch_muon",
+                "peak_step_bytes"} & set(row)
+    assert res["rows"]["replay[polar_express5]"]["ratio_to_own_replay"] == [1.0]
+    for per_kind in (res["quality"]["muon_fn[eager]"], res["gaussian_quality"]["muon_fn[eager]"]):
+        for kind in per_kind.values():
+            assert "ratio_to_torch" not in kind and kind["ratio_to_quintic_same_dtype"] > 0
+    assert set(res["gaussian_quality"]["muon_fn[eager]"]) == {"32x64", "64x32"}
+    assert " - " in bench.format_table(res).splitlines()[2]  # the absent ratios print as '-'
+
+
+@pytest.mark.inductor
+def test_default_row_compiles_on_its_first_step(compiled_default):
+    res = bench.benchmark_muon_optimizers(rows=["muon_fn", "muon_fn[eager]"], quality=False, memory=False,
+                                          **ONE_LAYER)
+    assert res["config"]["compile_default"] is True
+    assert res["rows"]["muon_fn"]["compiled"] is True and res["rows"]["muon_fn[eager]"]["compiled"] is False
+    lines = bench.format_table(res).splitlines()
+    assert lines[2].split()[1].endswith("c") and not lines[3].split()[1].endswith("c")  # the 1st step column
 
 
 @pytest.mark.parametrize("kwargs,match", [
     ({"model_size": "gpt3"}, "model_size"),
+    ({"layers": 5}, r"Invalid layers: 5 \(expected 1..4 for tiny\)"),
     ({"num_steps": 0}, "num_steps"),
     ({"rounds": 1.5}, "rounds"),
     ({"lr": -1.0}, "lr"),
-    ({"rows": ["sgd"]}, "row"),
+    ({"rows": ["sgd"]}, "Invalid row: 'sgd'"),
+    ({"threads": 0}, "Invalid threads: 0"),
     ({"device": "bogus"}, "Invalid device: 'bogus'"),
     ({"device": "meta"}, "meta tensors hold no data to time"),
 ])
@@ -307,65 +92,83 @@ def test_benchmark_validation(kwargs, match):
         bench.benchmark_muon_optimizers(**kwargs)
 
 
-def test_every_timed_row_is_bracketed_by_a_device_synchronize(monkeypatch):
+def test_every_timed_step_is_bracketed_by_a_device_synchronize(monkeypatch):
     calls = []
-    monkeypatch.setattr(bench, "synchronize", calls.append)
-    res = bench.benchmark_muon_optimizers("tiny", rows=["torch.optim.Muon"], rounds=2, quality=False,
-                                          device="cpu")
-    timed = len(res["rows"]) * 2  # the reference and replay rows, 2 rounds
-    assert calls == [torch.device("cpu")] * (2 * timed) and res["config"]["device"] == "cpu"
+    monkeypatch.setattr(_timing, "synchronize", calls.append)
+    res = bench.benchmark_muon_optimizers(rows=["muon_fn[eager]", "replay[aol9]"], quality=False, memory=False,
+                                          device="cpu", **{**ONE_LAYER, "rounds": 2})
+    assert calls == [torch.device("cpu")] * (2 * 2 * 3)  # 2 rows, the first step and 2 rounds
+    assert res["config"]["device"] == "cpu"
     assert ", cpu, 1 thread(s)," in bench.format_table(res).splitlines()[0]
 
 
-def test_synchronize_waits_only_off_the_cpu(monkeypatch):
+def test_rows_name_their_own_replay_with_the_same_orthogonalization():
+    cpu = torch.device("cpu")
+    for name, spec in bench.ROW_SPECS.items():
+        if spec.own_replay is not None:
+            assert spec.own_replay in bench.ROW_SPECS, name
+            if spec.method != "torch.optim.Muon":
+                assert bench.ROW_SPECS[spec.own_replay].ortho(cpu) == spec.ortho(cpu), name
+    assert set(bench.ROWS) | set(bench.OPTIONAL_ROWS) == set(bench.ROW_SPECS)
+
+
+def test_default_rows_leave_out_emulated_bf16(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(O, "CPU_HAS_BF16_GEMM", True)
+    assert bench.default_rows("gpt2-small", cpu) == list(bench.ROWS)
+    monkeypatch.setattr(O, "CPU_HAS_BF16_GEMM", False)
+    tiny, gpt2 = bench.default_rows("tiny", cpu), bench.default_rows("gpt2-small", cpu)
+    assert "torch.optim.Muon" in tiny and "torch.optim.Muon" not in gpt2
+    assert not {"muon_fn[like_torch]", "replay[torch_quintic5]"} & (set(tiny) | set(gpt2))
+    assert "muon_fn" in gpt2 and "replay[aol9]" in gpt2
+
+
+def _gemm_flops(fn) -> int:
+    with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
+        fn()
+    return sum(e.flops for e in prof.events() if e.name in ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"))
+
+
+@pytest.mark.parametrize("method,steps", [("aol9", None), ("polar_express", 5)])
+def test_replay_runs_exactly_the_gemms_of_the_step(method, steps):
+    # A bucket of 4 and one of 1 below LOOP_MIN_DIM (batched), and one shape at it (per matrix).
+    g = torch.Generator().manual_seed(0)
+    shapes = [(64, 96)] * 5 + [(O.LOOP_MIN_DIM, 400)] * 2 + [(400, O.LOOP_MIN_DIM)]
+    params = [torch.randn(s, generator=g).requires_grad_() for s in shapes]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g)
+    opt = MuonOptimizer(params, lr=0.02, method=method, ns_steps=steps, compile=False)
+    opt.step()
+    replay = bench.replay(params, method, steps, bucket_size=_rows.BUCKET_SIZE)
+    assert _gemm_flops(replay) == _gemm_flops(opt.step) > 0
+
+
+# ----------------------------------------------------------------------------- shared pieces
+def test_peak_step_bytes_counts_what_a_step_allocates_at_its_highest():
+    cpu = torch.device("cpu")
+    x = torch.ones(1000, 1000)
+
+    def step():
+        a = x * 2  # 4 MB
+        b = a + 1  # 8 MB live at the peak
+        del a
+        return b.sum()
+
+    assert bench.peak_step_bytes(step, cpu) == pytest.approx(8e6, abs=1e3)
+    assert bench.peak_step_bytes(lambda: x.add_(1), cpu) < 100  # in place: nothing (the profiler: a few bytes)
+    assert bench.peak_step_bytes(step, torch.device("meta")) is None  # not measured there
+
+
+def test_paired_rounds_rotate_the_order_and_run_the_hooks_outside_the_clock():
     seen = []
-    monkeypatch.setattr(torch.accelerator, "synchronize", seen.append)
-    bench.synchronize(torch.device("cpu"))
-    bench.synchronize(torch.device("cuda", 1))  # never reaches CUDA itself: the call is recorded
-    assert seen == [torch.device("cuda", 1)]
-
-
-def test_main_rejects_a_device_torch_cannot_use(capsys):
-    with pytest.raises(SystemExit) as exc:
-        bench.main(["--device", "meta", "--quick"])
-    assert exc.value.code == 2
-    assert "muon-fn bench: error: Invalid device: 'meta' (meta tensors hold no data to time)" in capsys.readouterr().err
-
-
-def test_orthogonalize_many_equals_per_matrix():
-    g = torch.Generator().manual_seed(7)
-    xs = [torch.randn(s, generator=g, dtype=torch.float64) for s in [(20, 20), (60, 20), (20, 60), (20, 20), (5, 7)]]
-    for method in ("polar_express", "aol", "gram"):
-        sched, scale = O.coefficient_schedule(method, None), O.norm_scale(method)
-        outs = O.orthogonalize_many(xs, sched, dtype=torch.float64, eps=1e-7, norm_scale=scale)
-        for x, o in zip(xs, outs):
-            ref = O.orthogonalize_matrices(x, sched, dtype=torch.float64, eps=1e-7, norm_scale=scale)
-            torch.testing.assert_close(o, ref, atol=1e-12, rtol=0)
-    with pytest.raises(ValueError, match="2-D"):
-        O.orthogonalize_many([torch.zeros(2, 3, 4)], sched, dtype=torch.float32, eps=1e-7)
-
-
-def test_lean_row_matches_torch_muon_with_the_quintic():
-    # Full-rank gradients: on low-rank real gradients bf16 rounding dominates the tiny-σ subspace
-    # (two bf16 implementations then differ by 10-20 %), which would hide a real mismatch.
-    gen = torch.Generator().manual_seed(8)
-    shapes = [(64, 64), (256, 64), (64, 256)]
-    params = [torch.randn(s, generator=gen).requires_grad_() for s in shapes]
-    grads = [torch.randn(s, generator=gen) for s in shapes]
-    for p, g in zip(params, grads):
-        p.grad = g
-    start = [p.detach().clone() for p in params]
-    ref = [p.detach().clone().requires_grad_() for p in params]
-    for r, g in zip(ref, grads):
-        r.grad = g
-    run = bench._lean_fn(params, 0.02, "quintic", 5)
-    opt = torch.optim.Muon(ref, lr=0.02, weight_decay=0.0, adjust_lr_fn="original")
-    for _ in range(2):
-        run()
-        opt.step()
-    for p, r, p0 in zip(params, ref, start):  # bf16 NS: equal up to rounding (~1e-2 relative)
-        ours, theirs = p.detach() - p0, r.detach() - p0
-        assert (ours - theirs).norm() < 0.03 * theirs.norm()
+    times = bench.paired_rounds(["a", "b", "c"], lambda r: seen.append(r), 3, device=torch.device("cpu"),
+                                steps_per_round=2, before_round=lambda k: seen.append(k),
+                                before_row=lambda r, k: seen.append(f"<{r}"),
+                                after_row=lambda r, k, s: seen.append(f"{r}>"))
+    assert seen[:8] == [0, "<a", "a", "a", "a>", "<b", "b", "b"]
+    assert [x for x in seen if x in (0, 1, 2) or x in ("<a", "<b", "<c")] == [
+        0, "<a", "<b", "<c", 1, "<b", "<c", "<a", 2, "<c", "<a", "<b"]
+    assert {r: len(t) for r, t in times.items()} == {"a": 3, "b": 3, "c": 3}
 
 
 def test_paired_ratio_is_per_round():
@@ -376,33 +179,86 @@ def test_paired_ratio_is_per_round():
             bench.paired_ratio(times, ref)
 
 
-# ------------------------------------------------------------------------------ the SSO bench
-def test_sso_bench_runs_and_reports_ratios_and_solver_statistics():
-    from muon_fn import _sso_bench
+def test_synchronize_waits_only_off_the_cpu(monkeypatch):
+    seen = []
+    monkeypatch.setattr(torch.accelerator, "synchronize", seen.append)
+    bench.synchronize(torch.device("cpu"))
+    bench.synchronize(torch.device("cuda", 1))  # never reaches CUDA itself: the call is recorded
+    assert seen == [torch.device("cuda", 1)]
 
-    lines = []
-    res = _sso_bench.run(layers=1, rounds=1, warmup=0, rows=("muon", "sso"), log=lines.append)
-    assert res["matrices"] == 6 and set(res["median_step_s"]) == {"muon", "sso"}
-    assert set(res["ratios"]) == {"sso/muon"} and len(res["ratios"]["sso/muon"]["per_round"]) == 1
-    solver = res["solver"]["sso"]
-    assert sum(solver["msigns_per_matrix_histogram"].values()) == 6  # one entry per matrix-step
-    assert solver["fallbacks"] == 0 and solver["residual_max"] <= 2e-4
-    assert len(lines) == 1 and lines[0].startswith("round 0: ")
+
+def test_thread_lists():
+    assert bench.parse_threads("1,default") == [1, "default"] and bench.parse_threads("2") == [2]
+    for bad in ("0", "x", "1,"):
+        with pytest.raises(ValueError, match="Invalid threads"):
+            bench.parse_threads(bad)
+    assert bench.default_threads() >= 1
+
+
+def test_real_gradients_of_some_layers_are_those_of_the_whole_set():
+    _, all_grads, all_names = bench.real_gradients("tiny")
+    _, grads, names = bench.real_gradients("tiny", layers=1)
+    assert names == all_names[:6] == ["h0.q", "h0.k", "h0.v", "h0.o", "h0.fc", "h0.proj"]
+    for g, h in zip(grads, all_grads):
+        assert torch.equal(g, h)
+
+
+# ----------------------------------------------------------------------------- the command line
+def test_main_runs_each_thread_count_and_writes_json(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(_timing, "default_threads", lambda: 1)  # 2 threads on a shared 2-core CPU crawl
+    path = tmp_path / "b.json"
+    assert bench.main(["--model-size", "tiny", "--layers", "1", "--rounds", "1", "--rows", "muon_fn[eager]",
+                       "replay[aol9]", "--threads", "1,default", "--no-quality", "--json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    assert list(data) == ["tiny,threads=1", "tiny,threads=default"]
+    assert [data[k]["config"]["threads_requested"] for k in data] == [1, "default"]
+    assert data["tiny,threads=1"]["rows"]["muon_fn[eager]"]["ratio_to_own_replay_median"] > 0
+    assert capsys.readouterr().out.count("s/step min") == 2
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--device", "meta", "--quick"], "Invalid device: 'meta' (meta tensors hold no data to time)"),
+    (["--threads", "0"], "argument --threads: Invalid threads: 0"),
+    (["--model-size", "tiny", "--layers", "9", "--no-quality"], "Invalid layers: 9 (expected 1..4 for tiny)"),
+    (["sso", "--rows", "sso"], "Invalid rows: must include 'muon'"),
+    (["fsdp", "--world-sizes", "1"], "Invalid --world-sizes: [1] (expected each >= 2)"),
+])
+def test_main_reports_bad_arguments_as_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    prog = "muon-fn bench" + (f" {argv[0]}" if argv[0] in ("sso", "fsdp") else "")
+    assert f"{prog}: error: {message}" in err
+
+
+# ----------------------------------------------------------------------------- SSO and FSDP benchmarks
+def test_sso_command_reports_ratios_and_warmup_times(tmp_path, capsys):
+    path = tmp_path / "sso.json"
+    assert bench.main(["sso", "--layers", "1", "--rounds", "1", "--warmup", "1", "--rows", "muon,muon_pe5",
+                       "--json", str(path)]) == 0
+    res = json.loads(path.read_text())["threads=1"]
+    assert res["matrices"] == 6 and set(res["ratios"]) == {"muon_pe5/muon"} and res["solver"] == {}
+    assert {r: len(t) for r, t in res["warmup_step_s"].items()} == {"muon": 1, "muon_pe5": 1}
+    captured = capsys.readouterr()
+    assert "round 0 (warm-up): " in captured.err and "round 1: " in captured.err
+    assert "muon_pe5/muon" in captured.out
 
 
 def test_sso_bench_rejects_bad_arguments():
-    from muon_fn import _sso_bench
-
     for kwargs, message in [(dict(rows=("sso",)), "must include 'muon'"), (dict(layers=13), "Invalid layers: 13"),
-                            (dict(rounds=0), "Invalid rounds/warmup: 0/1"), (dict(rows=("muon", "x")), "Invalid row: 'x'")]:
+                            (dict(rounds=0), "Invalid rounds: 0"), (dict(warmup=-1), "Invalid warmup: -1"),
+                            (dict(rows=("muon", "x")), "Invalid row: 'x'")]:
         with pytest.raises(ValueError, match=message):
-            _sso_bench.run(**kwargs)
+            bench.benchmark_sso(**kwargs)
+
+
+def test_fsdp_benchmark_is_importable_without_running_ranks():
+    assert callable(bench.benchmark_fsdp) and callable(bench.format_fsdp_result)
 
 
 class TestSSOBenchTable(expecttest.TestCase):
     def test_table(self):
-        from muon_fn import _sso_bench
-
         result = {
             "layers": 12, "matrices": 72, "rounds": 2, "warmup": 1, "threads": 1, "wall_s": 100.0,
             "median_step_s": {"muon": 5.93, "muon_same": 22.77, "sso": 30.53},
@@ -410,9 +266,9 @@ class TestSSOBenchTable(expecttest.TestCase):
                        "sso/muon": {"median": 5.02, "min": 4.59, "max": 5.16, "per_round": [4.59, 5.16]},
                        "sso/muon_same": {"median": 1.323, "min": 1.304, "max": 1.342, "per_round": [1.304, 1.342]}},
             "solver": {"sso": {"msigns_per_matrix_histogram": {1: 143, 2: 1}, "msigns_per_matrix_mean": 1.0069,
-                               "residual_max": 1.13e-5, "fallbacks": 0}},
+                               "residual_max": 1.13e-5, "fallbacks": 0, "sigma_rel_error_max": 2.5e-7}},
         }
-        self.assertExpectedInline(_sso_bench.format_table(result), """\
+        self.assertExpectedInline(bench.format_sso_table(result), """\
 gpt2-small matrix set, 12 layer(s) = 72 matrices; 1 warm-up + 2 paired rounds, 1 thread(s)
 row                median s/step
 muon                       5.930
@@ -422,4 +278,4 @@ ratio                     median     min     max  per round
 muon_same/muon             3.790   3.490   3.850  3.490 3.850
 sso/muon                   5.020   4.590   5.160  4.590 5.160
 sso/muon_same              1.323   1.304   1.342  1.304 1.342
-sso: msigns per matrix-step {1: 143, 2: 1} (mean 1.01), max |h| 1.1e-05, fallbacks 0""")
+sso: msigns per matrix-step {1: 143, 2: 1} (mean 1.01), max |h| 1.1e-05, fallbacks 0, σ estimate rel. error max 2.5e-07""")

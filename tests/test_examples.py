@@ -174,26 +174,19 @@ def test_cli_usage_and_unknown_command(capsys):
 def test_cli_bench_delegates(monkeypatch):
     from muon_fn import bench
 
-    seen = {}
-    monkeypatch.setattr(bench, "main", lambda argv: seen.setdefault("argv", argv) and 0)
+    seen = []
+    monkeypatch.setattr(bench, "main", lambda argv: seen.append(argv) or 0)
     assert cli.main(["bench", "--quick"]) == 0
-    assert seen["argv"] == ["--quick"]
-
-
-def test_cli_bench_sso_delegates(monkeypatch):
-    from muon_fn import _sso_bench
-
-    seen = {}
-    monkeypatch.setattr(_sso_bench, "main", lambda argv, prog: seen.update(argv=argv, prog=prog) or 0)
-    assert cli.main(["bench-sso", "--layers", "1"]) == 0
-    assert seen == {"argv": ["--layers", "1"], "prog": "muon-fn bench-sso"}
+    assert cli.main(["bench", "fsdp", "--world-sizes", "2"]) == 0
+    assert cli.main(["bench-sso", "--layers", "1"]) == 0  # the alias of `muon-fn bench sso`
+    assert seen == [["--quick"], ["fsdp", "--world-sizes", "2"], ["sso", "--layers", "1"]]
 
 
 def test_cli_bench_sso_reports_bad_arguments(capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["bench-sso", "--layers", "0"])
     assert exc.value.code == 2
-    assert "muon-fn bench-sso: error: Invalid layers: 0 (expected 1..12)" in capsys.readouterr().err
+    assert "muon-fn bench sso: error: Invalid layers: 0 (expected 1..12 for gpt2-small)" in capsys.readouterr().err
 
 
 def test_example_mixed_adamw(capsys):
@@ -215,15 +208,17 @@ def test_example_train_sso(capsys):
     assert "solver iterations" in out and "σ(W) vs target radius" in out
 
 
-def test_example_bench_sso(tmp_path):
-    """The transform-level SSO benchmark runs and reports the solver and σ accuracy (not timed)."""
+def test_example_bench_sso(tmp_path, capsys):
+    """The SSO benchmark called from Python: ratios, the solver, the σ estimate (not timed)."""
     out = tmp_path / "sso.json"
-    assert load_example("bench_sso").main(["--layers", "1", "--steps", "1", "--warmup", "0",
-                                           "--variants", "muon,sso", "--json", str(out)]) == 0
+    assert load_example("bench_sso").main(["--layers", "1", "--rounds", "1", "--warmup", "0",
+                                           "--rows", "muon,sso", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
-    assert res["matrices"] == 6 and res["ratio_sso_over_muon"] is not None
-    assert sum(res["solver_iterations_histogram"].values()) == 6 and res["fallbacks"] == 0
-    assert res["residual_max"] <= 2e-4 and res["sigma_rel_error_max"] <= 1e-5
+    assert res["matrices"] == 6 and len(res["ratios"]["sso/muon"]["per_round"]) == 1
+    solver = res["solver"]["sso"]
+    assert sum(solver["msigns_per_matrix_histogram"].values()) == 6 and solver["fallbacks"] == 0
+    assert solver["residual_max"] <= 2e-4 and solver["sigma_rel_error_max"] <= 1e-5
+    assert "sso/muon" in capsys.readouterr().out
 
 
 def test_example_hf_transformers(capsys):

@@ -1,27 +1,26 @@
-"""Benchmark: owner-computes vs replicate on the gpt2-small matrix set (CPU, gloo).
+"""The FSDP benchmark: owner-computes vs replicate on the gpt2-small matrix set (CPU, gloo).
 
-``python -m muon_fn.fsdp.bench [--world-sizes 2 4] [--repeats 3] [--ns-steps 5]``
-
-For each world size W it spawns W processes, shards 12 × [4 × 768², 3072×768, 768×3072] with
-``fully_shard`` (one block per layer) and times ``FSDPMuonOptimizer.step()`` with
-``strategy="owner"`` (fp32 and bf16 on the wire) and ``"replicate"``, paired: each repeat runs
-the three back to back on the same gradients. A step's time is the slowest rank's. It prints the
-median step times and their ratio, bytes sent per rank against 2(W−1)/W²·S, and the per-rank
-Newton–Schulz FLOPs max/mean. ``run_benchmark(...)`` returns the same figures as a dict.
+For each world size W, :func:`benchmark_fsdp` spawns W processes, shards 12 × [4 × 768²,
+3072×768, 768×3072] with ``fully_shard`` (one block per layer) and times
+``FSDPMuonOptimizer.step()`` with ``strategy="owner"`` (fp32 and bf16 on the wire) and
+``"replicate"``, paired: each repeat runs the three back to back on the same gradients. A step's
+time is the slowest rank's. The result has the median step times and their ratio, bytes sent per
+rank against 2(W−1)/W²·S, and the per-rank Newton–Schulz FLOPs max/mean. ``muon_fn.fsdp`` is
+imported only in the spawned ranks.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
 import statistics
-import sys
 import tempfile
 import time
 from datetime import timedelta
 from typing import Any
+
+from ._timing import paired_ratio
 
 GPT2_LAYER = [(768, 768)] * 4 + [(3072, 768), (768, 3072)]
 VARIANTS = (("owner", None), ("owner", "bf16"), ("replicate", None))
@@ -107,7 +106,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_benchmark(world_size: int, *, repeats: int = 3, ns_steps: int = 5, layers: int = 12,
+def benchmark_fsdp(world_size: int, *, repeats: int = 3, ns_steps: int = 5, layers: int = 12,
                   dim: int = 768, buckets: int = 4) -> dict[str, Any]:
     """Spawn ``world_size`` gloo ranks and measure; returns times, per-rank stats and the formula."""
     import torch.multiprocessing as mp
@@ -138,11 +137,12 @@ def run_benchmark(world_size: int, *, repeats: int = 3, ns_steps: int = 5, layer
     v = result["variants"]
     result["owner_over_replicate"] = v["owner/fp32"]["median_step_s"] / v["replicate/fp32"]["median_step_s"]
     # Paired: owner and replicate of the same repeat ran back to back under the same load.
-    result["paired_ratios"] = [o / r for o, r in zip(v["owner/fp32"]["step_s"], v["replicate/fp32"]["step_s"])]
+    result["paired_ratios"] = paired_ratio(v["owner/fp32"]["step_s"], v["replicate/fp32"]["step_s"])["per_round"]
     return result
 
 
-def format_result(r: dict[str, Any]) -> str:
+def format_fsdp_result(r: dict[str, Any]) -> str:
+    """The human-readable summary of a :func:`benchmark_fsdp` result."""
     w, v = r["world_size"], r["variants"]
     mb = 1e6
     lines = [f"W={w}  S={r['S_bytes'] / mb:.1f} MB (fp32 matrices)  config={r['config']}"]
@@ -161,29 +161,3 @@ def format_result(r: dict[str, Any]) -> str:
         f" (medians; per repeat {', '.join(f'{x:.3f}' for x in r['paired_ratios'])})"
     )
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m muon_fn.fsdp.bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--ns-steps", type=int, default=5)
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--dim", type=int, default=768, help="model width (768 = gpt2-small)")
-    parser.add_argument("--buckets", type=int, default=4)
-    parser.add_argument("--json", help="also write the results to this file")
-    args = parser.parse_args(argv)
-    results = []
-    for w in args.world_sizes:
-        r = run_benchmark(w, repeats=args.repeats, ns_steps=args.ns_steps, layers=args.layers,
-                          dim=args.dim, buckets=args.buckets)
-        print(format_result(r), flush=True)
-        results.append(r)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,32 @@
+"""Benchmarks of muon_fn's optimizers, and their command line (``muon-fn bench``).
+
+- The Muon step (:func:`benchmark_muon_optimizers`, ``muon-fn bench``): paired step times of
+  muon_fn's compiled default, its eager form, torch.optim.Muon, fused AdamW and GEMM replays;
+  each row's first (compiling) step, persistent state and peak step memory; orthogonality
+  quality on real gradients.
+- SSO (:func:`benchmark_sso`, ``muon-fn bench sso``): SpectralSphereOptimizer against Muon.
+- FSDP (:func:`benchmark_fsdp`, ``muon-fn bench fsdp``): owner-computes against replicate on
+  gloo ranks.
+
+Shared pieces: the parameter sets and their real gradients (:func:`real_gradients`), paired
+rounds and :func:`paired_ratio`, device synchronization, thread counts, state and peak bytes.
+"""
+
+from ._cli import main
+from ._fsdp import benchmark_fsdp, format_fsdp_result
+from ._memory import peak_step_bytes, state_bytes
+from ._muon import benchmark_muon_optimizers, compile_check, format_table
+from ._problem import MATRIX_NAMES, MODEL_SIZES, matrix_shapes, real_gradients
+from ._quality import TORCH_ORTHO, Ortho, orthogonality, orthogonalizer
+from ._replay import replay
+from ._rows import OPTIONAL_ROWS, ROW_SPECS, ROWS, default_rows
+from ._sso import SSO_DEFAULT_ROWS, SSO_ROWS, benchmark_sso, format_sso_table
+from ._timing import check_device, default_threads, paired_ratio, paired_rounds, parse_threads, synchronize
+
+__all__ = [
+    "main", "benchmark_muon_optimizers", "compile_check", "format_table", "benchmark_sso", "format_sso_table",
+    "benchmark_fsdp", "format_fsdp_result", "real_gradients", "matrix_shapes", "MODEL_SIZES", "MATRIX_NAMES",
+    "paired_ratio", "paired_rounds", "check_device", "synchronize", "default_threads", "parse_threads",
+    "state_bytes", "peak_step_bytes", "orthogonality", "orthogonalizer", "Ortho", "TORCH_ORTHO", "replay", "ROWS",
+    "OPTIONAL_ROWS", "ROW_SPECS", "default_rows", "SSO_ROWS", "SSO_DEFAULT_ROWS",
+]

@@ -1,0 +1,179 @@
+"""``muon-fn bench [muon|sso|fsdp] [options]``: the benchmarks' command line.
+
+    muon-fn bench --quick                          # the Muon step, tiny set (about a minute)
+    muon-fn bench --model-size gpt2-small --threads 1,default --json bench.json
+    muon-fn bench sso --layers 2 --rounds 4        # SSO against Muon (alias: muon-fn bench-sso)
+    muon-fn bench fsdp --world-sizes 2 4           # FSDP owner-computes against replicate (gloo)
+
+Each prints a table (progress lines to stderr) and writes the full result to ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Sequence
+
+from .. import _newton_schulz
+from ._fsdp import benchmark_fsdp, format_fsdp_result
+from ._muon import benchmark_muon_optimizers, check_muon_args, compile_check, format_table
+from ._problem import MODEL_SIZES
+from ._rows import OPTIONAL_ROWS, ROW_SPECS, ROWS, default_rows
+from ._sso import SSO_DEFAULT_ROWS, SSO_ROWS, benchmark_sso, check_sso_args, format_sso_table
+from ._timing import Threads, check_device, parse_threads
+
+COMMANDS = ("muon", "sso", "fsdp")
+_EMULATED_BF16 = ("note: this CPU has no bf16 instructions, so torch emulates bf16 GEMMs (tens of times slower "
+                  "than fp32: about 10 s per tiny step of torch.optim.Muon, over 15 min per gpt2-small step); "
+                  "muon_fn's default runs in fp32 here. Left out unless named in --rows: {}")
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "muon-fn bench") -> int:
+    """Entry point of ``muon-fn bench``: ``argv[0]`` may name a benchmark (default ``muon``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv.pop(0) if argv and argv[0] in COMMANDS else "muon"
+    run = {"muon": _muon_main, "sso": _sso_main, "fsdp": _fsdp_main}[command]
+    return run(argv, prog if command == "muon" else f"{prog} {command}")
+
+
+def _threads_arg(text: str) -> list[Threads]:
+    try:
+        return parse_threads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _write_json(path: str, results: Any) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
+        print(f"wrote {path}")
+
+
+def _muon_parser(prog: str) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog=prog, description="Paired step times, memory and orthogonality quality of Muon optimizer steps.",
+        epilog="Other benchmarks: muon-fn bench sso --help, muon-fn bench fsdp --help.")
+    ap.add_argument("--model-size", choices=[*MODEL_SIZES, "all"], default="all",
+                    help="parameter set: tiny (4 layers, d = 256), gpt2-small (12 layers, d = 768) or both")
+    ap.add_argument("--layers", type=int, default=None, help="only the set's first N layers (default all)")
+    ap.add_argument("--steps", type=int, default=None, help="optimizer steps per row per round (default 1)")
+    ap.add_argument("--rounds", type=int, default=None, help="paired rounds (default 25 tiny, 5 gpt2-small)")
+    ap.add_argument("--lr", type=float, default=0.02, help="learning rate of every optimizer row")
+    ap.add_argument("--rows", nargs="+", choices=list(ROW_SPECS), default=None, metavar="ROW",
+                    help="rows to time (default: " + ", ".join(ROWS) + "; also: " + ", ".join(OPTIONAL_ROWS) + ")")
+    ap.add_argument("--threads", type=_threads_arg, default=[1], metavar="N[,N...]",
+                    help="torch threads, a comma-separated list run one after the other; 'default' is the "
+                         "count torch picks itself (e.g. --threads 1,default; default 1: docs/performance.md)")
+    ap.add_argument("--device", default="cpu",
+                    help="where every row runs: cpu (default), cuda, cuda:1, ... (timed with a synchronize per row)")
+    ap.add_argument("--json", default="muon_fn_bench.json", help="write the results here ('' to skip)")
+    ap.add_argument("--quick", action="store_true",
+                    help="tiny set, 12 rounds (2 on CPUs without bf16 instructions), quality on layer 0 "
+                         "and 256x1024 Gaussians")
+    ap.add_argument("--compile", action="store_true",
+                    help="also measure a cold compile and the recompiles over LR-scheduled steps")
+    ap.add_argument("--no-quality", action="store_true", help="skip the orthogonality quality measurements")
+    ap.add_argument("--no-memory", action="store_true", help="skip the peak step memory measurement")
+    return ap
+
+
+def _muon_main(argv: list[str], prog: str) -> int:
+    ap = _muon_parser(prog)
+    args = ap.parse_args(argv)
+    try:
+        device = check_device(args.device)
+    except ValueError as e:
+        ap.error(str(e))
+    sizes = ["tiny"] if args.quick else (list(MODEL_SIZES) if args.model_size == "all" else [args.model_size])
+    emulated = device.type == "cpu" and not _newton_schulz.CPU_HAS_BF16_GEMM
+    if emulated and args.rows is None:
+        left_out = sorted({r for s in sizes for r in ROWS if r not in default_rows(s, device)})
+        print(_EMULATED_BF16.format(", ".join(left_out)), file=sys.stderr, flush=True)
+    runs = []
+    for size in sizes:
+        rounds = args.rounds or (25 if size == "tiny" else 5)
+        if args.quick:  # 2 rounds where torch.optim.Muon's bf16 is emulated, to stay near a minute
+            rounds = args.rounds or (2 if emulated and args.rows is None else 12)
+        kwargs = dict(num_steps=args.steps or 1, lr=args.lr, rows=args.rows or default_rows(size, device),
+                      rounds=rounds, layers=args.layers, device=device)
+        try:  # every run's arguments before the first run (e.g. --layers 9 of the tiny set)
+            check_muon_args(size, **kwargs)
+        except ValueError as e:
+            ap.error(str(e))
+        runs.append((size, kwargs))
+    results: dict[str, Any] = {}
+    for size, kwargs in runs:
+        for i, threads in enumerate(args.threads):  # quality does not depend on threads: measured once
+            res = benchmark_muon_optimizers(size, **kwargs, threads=threads, quality=not args.no_quality and i == 0,
+                                            memory=not args.no_memory, quality_layers=1 if args.quick else 2,
+                                            gaussian=(256, 1024) if args.quick else True)
+            print(format_table(res), flush=True)
+            results[f"{size},threads={threads}"] = res
+        if args.compile:
+            checks = [compile_check("tiny", steps=100, device=device), compile_check(size, steps=3, device=device)]
+            results[f"{size},compile"] = checks
+            for c in checks:
+                print(f"compile ({c['model_size']}): cold first step {c['cold_first_step_seconds']:.1f} s, "
+                      f"{c['recompiles']} recompiles over {c['steps']} LR-scheduled steps", flush=True)
+    _write_json(args.json, results)
+    return 0
+
+
+def _sso_main(argv: list[str], prog: str) -> int:
+    ap = argparse.ArgumentParser(prog=prog, description="SSO step time against Muon on the gpt2-small matrix set.")
+    ap.add_argument("--layers", type=int, default=12, help="gpt2-small layers (6 matrices each), 1..12")
+    ap.add_argument("--rounds", type=int, default=5, help="timed paired rounds")
+    ap.add_argument("--warmup", type=int, default=1, help="rounds timed apart first (the first compiles)")
+    ap.add_argument("--rows", default=",".join(SSO_DEFAULT_ROWS),
+                    help=f"comma-separated subset of {', '.join(SSO_ROWS)}")
+    ap.add_argument("--threads", type=_threads_arg, default=[1], metavar="N[,N...]",
+                    help="torch threads, a comma-separated list ('default': torch's own count; default 1)")
+    ap.add_argument("--sigma", action="store_true", help="also measure the σ(W) estimate's error (an SVD per matrix)")
+    ap.add_argument("--eager", action="store_true", help="run the optimizers with compile=False")
+    ap.add_argument("--json", default="", help="also write the full result (per-round times, ratios) here")
+    args = ap.parse_args(argv)
+    rows = args.rows.split(",")
+    try:
+        check_sso_args(args.layers, args.rounds, args.warmup, rows)
+    except ValueError as e:
+        ap.error(str(e))  # a usage error; errors inside the run are not
+    results = {}
+    for threads in args.threads:
+        res = benchmark_sso(args.layers, args.rounds, args.warmup, rows, sigma=args.sigma, compile=not args.eager,
+                            threads=threads, log=_stderr_line)
+        print(format_sso_table(res), flush=True)
+        results[f"threads={threads}"] = res
+    _write_json(args.json, results)
+    return 0
+
+
+def _fsdp_main(argv: list[str], prog: str) -> int:
+    ap = argparse.ArgumentParser(prog=prog, description="FSDP owner-computes against replicate (CPU, gloo).")
+    ap.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--ns-steps", type=int, default=5)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--dim", type=int, default=768, help="model width (768 = gpt2-small)")
+    ap.add_argument("--buckets", type=int, default=4)
+    ap.add_argument("--json", default="", help="also write the results to this file")
+    args = ap.parse_args(argv)
+    for name in ("repeats", "ns_steps", "layers", "dim", "buckets"):
+        if getattr(args, name) < 1:
+            ap.error(f"Invalid --{name.replace('_', '-')}: {getattr(args, name)} (expected >= 1)")
+    if any(w < 2 for w in args.world_sizes):
+        ap.error(f"Invalid --world-sizes: {args.world_sizes} (expected each >= 2)")
+    results = []
+    for w in args.world_sizes:
+        r = benchmark_fsdp(w, repeats=args.repeats, ns_steps=args.ns_steps, layers=args.layers,
+                           dim=args.dim, buckets=args.buckets)
+        print(format_fsdp_result(r), flush=True)
+        results.append(r)
+    _write_json(args.json, results)
+    return 0
+
+
+def _stderr_line(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+

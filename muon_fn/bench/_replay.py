@@ -1,0 +1,56 @@
+"""The GEMM replay: exactly the matrix products of a schedule, nothing else (the empirical limit of
+a step that orthogonalizes with it)."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from .. import _newton_schulz
+from .._muon import group_by
+
+
+def replay(params: Sequence[torch.Tensor], method: str, steps: int | None, *, bucket_size: int | None,
+           dtype: torch.dtype | None = None) -> Callable[[], None]:
+    """A function running the GEMMs of ``method``'s schedule on ``params``' shapes, in ``dtype``
+    (default: the device's compute dtype, as the optimizer picks it), through
+    :func:`muon_fn._newton_schulz.iterate`, the iteration the op runs.
+
+    Batching follows the op: matrices of one shape in buckets of at most ``bucket_size``
+    (``None``: one matrix per call, as torch.optim.Muon runs), each bucket one batched call below
+    :data:`~muon_fn._newton_schulz.LOOP_MIN_DIM` rows and one matrix at a time from there.
+
+    The inputs are prepared once, outside the returned function, as the real path prepares them
+    (wide orientation, Frobenius-normalized, then AOL-rescaled for an AOL schedule), so the GEMMs
+    run on the values they would see: unnormalized weights make every schedule overflow to
+    inf/NaN within a few steps. Products go into reused scratch, as the op's do on the CPU.
+    """
+    schedule = _newton_schulz.coefficient_schedule(method, steps)
+    aol = getattr(schedule, "precondition", "frobenius") == "aol"
+    dtype = dtype or _newton_schulz.default_compute_dtype(params[0].device)
+    scale = _newton_schulz.norm_scale(method)
+    wides = [_prepared(p, scale, aol).to(dtype) for p in params]
+    calls: list[torch.Tensor] = []
+    for members in group_by([tuple(p.shape) for p in params], bucket_size or 1):
+        bucket = [wides[i] for i in members]
+        if bucket_size is None or bucket[0].size(0) >= _newton_schulz.LOOP_MIN_DIM:
+            calls += bucket
+        else:
+            calls.append(torch.stack(bucket))
+    buffers: dict = {}
+
+    def run() -> None:
+        for x in calls:
+            gram = _newton_schulz.gram_matrix(x, buffers) if aol else None  # AOL's Gram feeds step 1
+            _newton_schulz.iterate(x, schedule, gram, buffers)
+    return run
+
+
+def _prepared(p: torch.Tensor, norm_scale: float, aol: bool, eps: float = 1e-7) -> torch.Tensor:
+    w = p.detach().float()
+    w = w.mT if w.size(0) > w.size(1) else w
+    w = w / (norm_scale * torch.linalg.vector_norm(w) + eps)
+    if aol:  # AOL: rows scaled by (Σⱼ |WWᵀ|ᵢⱼ)^(-1/2), bounding σ by 1
+        w = w * ((w @ w.mT).abs().sum(-1, keepdim=True) + eps).rsqrt()
+    return w

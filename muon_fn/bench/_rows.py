@@ -1,0 +1,114 @@
+"""The rows of the Muon step benchmark: what each runs, which orthogonalization it uses (for the
+quality measures) and which replay has the same GEMMs (for the ratio to its own replay)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Optional, Sequence
+
+import torch
+
+from .. import _compile, _newton_schulz
+from .._alias import DEFAULT_METHOD
+from ..optim import BUCKET_SIZE, MuonOptimizer
+from ._quality import TORCH, TORCH_ORTHO, Ortho
+from ._replay import replay
+
+Built = tuple[Any, Callable[[], None]]  # (the optimizer, or None for a replay; one step)
+
+
+class Row(NamedTuple):
+    """A timed row."""
+
+    build: Callable[[list[torch.Tensor], float], Built]  # (params with .grad set, lr)
+    method: Optional[str]  # orthogonalization method (TORCH: torch's own), None for AdamW
+    steps: Optional[int]  # None: the method's default count
+    dtype: Optional[torch.dtype]  # iteration dtype; None: the device's compute dtype
+    own_replay: Optional[str]  # the replay row running the same GEMMs
+    compile: Optional[bool]  # a muon_fn row's compile option (None: not a muon_fn row)
+
+    def ortho(self, device: torch.device) -> Ortho | None:
+        """The orthogonalization this row runs on ``device``, for the quality measures."""
+        if self.method is None:
+            return None
+        if self.method == TORCH:
+            return TORCH_ORTHO
+        steps = self.steps or _newton_schulz.default_steps(self.method)
+        return Ortho(self.method, steps, self.dtype or _newton_schulz.default_compute_dtype(device))
+
+    def compiled(self) -> bool | None:
+        """Whether the row runs compiled here (``MUON_FN_COMPILE=0`` turns the default off); None
+        for rows that are not muon_fn optimizers."""
+        return None if self.compile is None else _compile.resolve(self.compile) is not None
+
+
+def _muon_fn(compile: bool = True, **kwargs: Any) -> Callable[[list[torch.Tensor], float], Built]:
+    def build(params: list[torch.Tensor], lr: float) -> Built:
+        opt = MuonOptimizer(params, lr=lr, compile=compile, **kwargs)
+        return opt, opt.step
+    return build
+
+
+def _torch_muon(params: list[torch.Tensor], lr: float) -> Built:
+    opt = torch.optim.Muon(params, lr=lr, weight_decay=0.0, adjust_lr_fn="original")
+    return opt, opt.step
+
+
+def _torch_adamw(params: list[torch.Tensor], lr: float) -> Built:
+    opt = torch.optim.AdamW(params, lr=lr * 0.05, weight_decay=0.0, fused=True)
+    return opt, opt.step
+
+
+def _replay(method: str, steps: int | None, bucket_size: int | None = BUCKET_SIZE,
+            dtype: torch.dtype | None = None) -> Callable[[list[torch.Tensor], float], Built]:
+    def build(params: list[torch.Tensor], lr: float) -> Built:
+        return None, replay(params, method, steps, bucket_size=bucket_size, dtype=dtype)
+    return build
+
+
+_BF16 = torch.bfloat16
+_LIKE_TORCH = dict(method="quintic", ns_steps=5, momentum_kind="ema", adjust_lr_fn="original", ns_dtype=_BF16)
+
+ROW_SPECS: dict[str, Row] = {
+    # The default MuonOptimizer: compiled (inductor) on its first step.
+    "muon_fn": Row(_muon_fn(), DEFAULT_METHOD, None, None, "replay[aol9]", True),
+    "muon_fn[eager]": Row(_muon_fn(compile=False), DEFAULT_METHOD, None, None, "replay[aol9]", False),
+    # torch.optim.Muon's math (quintic ×5 in bf16, EMA momentum, its shape rule) through muon_fn.
+    "muon_fn[like_torch]": Row(_muon_fn(**_LIKE_TORCH), "quintic", 5, _BF16, "replay[torch_quintic5]", True),
+    "torch.optim.Muon": Row(_torch_muon, TORCH, 5, _BF16, "replay[torch_quintic5]", None),
+    "torch.optim.AdamW[fused]": Row(_torch_adamw, None, None, None, None, None),
+    "replay[aol9]": Row(_replay("aol9", None), "aol9", None, None, "replay[aol9]", None),
+    "replay[polar_express5]": Row(_replay("polar_express", 5), "polar_express", 5, None,
+                                  "replay[polar_express5]", None),
+    # torch.optim.Muon orthogonalizes one matrix at a time, in bf16.
+    "replay[torch_quintic5]": Row(_replay("quintic", 5, None, _BF16), "quintic", 5, _BF16,
+                                  "replay[torch_quintic5]", None),
+    # Opt-in rows.
+    "muon_fn[polar_express5]": Row(_muon_fn(method="polar_express", ns_steps=5), "polar_express", 5, None,
+                                   "replay[polar_express5]", True),
+    "muon_fn[aol4]": Row(_muon_fn(method="aol", ns_steps=4), "aol", 4, None, "replay[aol4]", True),
+    "muon_fn[nonfinite=None]": Row(_muon_fn(nonfinite=None), DEFAULT_METHOD, None, None, "replay[aol9]", True),
+    "replay[aol4]": Row(_replay("aol", 4), "aol", 4, None, "replay[aol4]", None),
+}
+ROWS = ("muon_fn", "muon_fn[eager]", "muon_fn[like_torch]", "torch.optim.Muon", "torch.optim.AdamW[fused]",
+        "replay[aol9]", "replay[polar_express5]", "replay[torch_quintic5]")
+OPTIONAL_ROWS = tuple(r for r in ROW_SPECS if r not in ROWS)
+REFERENCE = "torch.optim.Muon"
+# Rows iterating in bf16 whatever the device: emulated (slow) on CPUs without bf16 instructions.
+BF16_ROWS = tuple(r for r, spec in ROW_SPECS.items() if spec.dtype == _BF16)
+
+
+def check_rows(rows: Sequence[str]) -> list[str]:
+    """``rows`` as a list, or ``ValueError`` naming an unknown one."""
+    for r in rows:
+        if r not in ROW_SPECS:
+            raise ValueError(f"Invalid row: {r!r} (expected one of {list(ROW_SPECS)})")
+    return list(rows)
+
+
+def default_rows(model_size: str, device: torch.device) -> list[str]:
+    """:data:`ROWS`, less the bf16 rows where bf16 GEMMs are emulated (a CPU without bf16
+    instructions), except torch.optim.Muon on the tiny set: there it takes about 10 s a tiny
+    step, over 15 minutes a gpt2-small step."""
+    if device.type != "cpu" or _newton_schulz.CPU_HAS_BF16_GEMM:
+        return list(ROWS)
+    return [r for r in ROWS if r not in BF16_ROWS or (r == REFERENCE and model_size == "tiny")]
