@@ -279,3 +279,17 @@ muon_same/muon             3.790   3.490   3.850  3.490 3.850
 sso/muon                   5.020   4.590   5.160  4.590 5.160
 sso/muon_same              1.323   1.304   1.342  1.304 1.342
 sso: msigns per matrix-step {1: 143, 2: 1} (mean 1.01), max |h| 1.1e-05, fallbacks 0, σ estimate rel. error max 2.5e-07""")
+
+
+def test_quality_leak_separates_preconditioned_iterations():
+    """``leak``: polynomial iterations in XXᵀ keep the gradient's singular basis (0 up to
+    rounding); AOL's row rescaling does not (its fixed point is msign(D·X), not msign(X))."""
+    from muon_fn.bench import _quality as Q
+
+    gen = torch.Generator().manual_seed(0)
+    basis = torch.linalg.qr(torch.randn(32, 32, generator=gen))[0]
+    g = torch.randn(64, 32, generator=gen) @ torch.diag(torch.logspace(0, -4, 32)) @ basis
+    leak = {m: Q.orthogonality(g, Q.orthogonalizer(Q.Ortho(m, None, torch.float32))(g))["leak"]
+            for m in ("quintic", "polar_express", "aol9", "aol")}
+    assert leak["quintic"] < 1e-5 and leak["polar_express"] < 1e-5
+    assert leak["aol9"] > 0.02 and leak["aol"] > 0.02

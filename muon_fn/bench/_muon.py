@@ -232,7 +232,8 @@ def format_table(result: dict[str, Any]) -> str:
                      f"{v['state_bytes'] / 2**20:9.2f} {_fmt(None if peak is None else peak / 2**20, 8, 2)}  "
                      f"{_quality_cell(q.get(r), gq.get(r))}")
     lines.append("1st step: the first step alone (state allocation; 'c': compiled there). Quality: ratios to "
-                 "torch.optim.Muon's quintic if it is a row; 'same dtype': to the quintic in the row's dtype.")
+                 "torch.optim.Muon's quintic if it is a row; 'same dtype': to the quintic in the row's dtype; "
+                 "'leak': RMS off-diagonal of Uᵀ·O·V on the gradient's leading singular pairs (0 for msign).")
     return "\n".join(lines)
 
 
@@ -248,6 +249,9 @@ def _quality_cell(per_kind: dict[str, Any] | None, gauss: dict[str, Any] | None)
     cell = " ".join(f"{k}:{d[key]:.2f}[{d['min']:.2f},{d['max']:.2f}]" for k, d in per_kind.items())
     if any(d[key] != d[same] for d in per_kind.values()):  # an fp32 row against torch's bf16
         cell += " | same dtype " + " ".join(f"{k}:{d[same]:.2f}" for k, d in per_kind.items())
+    leak = max(d["leak"] for d in per_kind.values())
+    if leak > 1e-3:  # the update left the gradient's singular basis (e.g. an AOL preconditioner)
+        cell += f" | leak {leak:.3f}"
     if gauss:
         cell += " | gauss " + " ".join(f"{d['rms']:.3f}[{d['min']:.2f},{d['max']:.2f}]" for d in gauss.values())
     return cell

@@ -44,6 +44,10 @@ def orthogonality(g: torch.Tensor, out: torch.Tensor,
 
     ``signed_rms`` is the RMS of ``u_iᵀ out v_i − 1`` over g's singular pairs (``svd = (U, Vᴴ)`` of
     ``g`` if already computed), which also catches a flipped direction that singular values hide.
+    ``leak`` measures how far ``out`` leaves g's singular basis: the RMS of the off-diagonal
+    entries of ``Uᵀ·out·V`` on g's leading pairs (σ > 1e-2·σ₁), per pair. msign(g) and every
+    polynomial iteration in ``ggᵀ`` keep the basis (leak 0 up to rounding); a preconditioner that
+    rescales rows first (AOL) does not.
     """
     o = out.float().cpu()
     sv = torch.linalg.svdvals(o)
@@ -51,9 +55,14 @@ def orthogonality(g: torch.Tensor, out: torch.Tensor,
         u, _, vh = torch.linalg.svd(g.float().cpu(), full_matrices=False)
     else:
         u, vh = svd
-    signed = ((u.mT @ o) * vh).sum(-1)
+    projected = u.mT @ o @ vh.mT
+    signed = projected.diagonal()
+    sg = torch.linalg.svdvals(g.float().cpu())
+    k = max(1, int((sg > 1e-2 * sg[0]).sum()))
+    lead = projected[:k, :k]
+    leak = (lead - torch.diag(lead.diagonal())).norm() / k ** 0.5
     return {"rms": float(((sv - 1) ** 2).mean().sqrt()), "min": float(sv.min()), "max": float(sv.max()),
-            "signed_rms": float(((signed - 1) ** 2).mean().sqrt())}
+            "signed_rms": float(((signed - 1) ** 2).mean().sqrt()), "leak": float(leak)}
 
 
 def quality(specs: Mapping[str, Ortho], inputs: Mapping[str, torch.Tensor], *,
@@ -86,8 +95,8 @@ def quality(specs: Mapping[str, Ortho], inputs: Mapping[str, torch.Tensor], *,
         per_kind: dict[str, dict[str, float]] = {}
         for n, q in mine.items():
             k = per_kind.setdefault(n.split(".")[-1], {"rms": 0.0, "min": float("inf"), "max": 0.0,
-                                                       "ratio_to_quintic_same_dtype": 0.0})
-            k["rms"] = max(k["rms"], q["rms"])
+                                                       "leak": 0.0, "ratio_to_quintic_same_dtype": 0.0})
+            k["rms"], k["leak"] = max(k["rms"], q["rms"]), max(k["leak"], q["leak"])
             k["min"], k["max"] = min(k["min"], q["min"]), max(k["max"], q["max"])
             _worst(k, "ratio_to_quintic_same_dtype", q["rms"] / same[n]["rms"])
             if ref is not None:
