@@ -444,9 +444,9 @@ def _poly(gram: torch.Tensor, row: Coefficients, buffers: Buffers | None = None,
     sq = _product(gram, gram, _buffer(buffers, "square", gram.shape, gram), symmetric=symmetric)
     inner = _buffer(buffers, "inner", gram.shape, gram)
     if len(c) == 3:  # c₁A + c₃·A(A² + (c₂/c₃)A)
-        return _addmm(gram, gram, torch.add(sq, gram, alpha=c[1] / c[2], out=inner), beta=c[0], alpha=c[2], out=out)
+        return _addmm(gram, gram, _scaled_sum(sq, gram, c[1] / c[2], inner), beta=c[0], alpha=c[2], out=out)
     if c[2] != 0.0:  # c₁A + c₃·A²(A + (c₄/c₃)A² + (c₂/c₃)I)
-        inner, alpha = torch.add(gram, sq, alpha=c[3] / c[2], out=inner), c[2]
+        inner, alpha = _scaled_sum(gram, sq, c[3] / c[2], inner), c[2]
         inner.diagonal(dim1=-2, dim2=-1).add_(c[1] / c[2])
     else:  # c₁A + A²(c₄A² + c₂I)
         inner, alpha = torch.mul(sq, c[3], out=inner), 1.0
@@ -455,6 +455,18 @@ def _poly(gram: torch.Tensor, row: Coefficients, buffers: Buffers | None = None,
         return gram.addmm_(sq, inner, beta=c[0], alpha=alpha) if gram.ndim == 2 else \
             gram.baddbmm_(sq, inner, beta=c[0], alpha=alpha)
     return _addmm(gram, sq, inner, beta=c[0], alpha=alpha, out=out)
+
+
+def _scaled_sum(a: torch.Tensor, b: torch.Tensor, alpha: float, out: torch.Tensor | None) -> torch.Tensor:
+    """``a + alpha·b`` (into ``out`` if given), one matrix at a time for a batch: ATen's vectorized
+    loop and its scalar tail round ``a + alpha·b`` differently in bf16, and in a batch only the
+    last matrix's last elements reach the tail, so batching would change a matrix's result."""
+    if a.ndim == 2 or torch.compiler.is_compiling():
+        return torch.add(a, b, alpha=alpha, out=out)
+    out = torch.empty_like(a) if out is None else out
+    for i in range(a.size(0)):
+        torch.add(a[i], b[i], alpha=alpha, out=out[i])
+    return out
 
 
 def _step(x: torch.Tensor, gram: torch.Tensor, row: Coefficients, buffers: Buffers | None = None,

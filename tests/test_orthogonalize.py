@@ -34,7 +34,7 @@ import math
 import expecttest
 import pytest
 import torch
-from hypothesis import assume, given
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import muon_fn
@@ -749,3 +749,22 @@ def test_degree9_step_accumulates_into_its_scratch_gram(batch):
     assert out.data_ptr() != recorded.data_ptr()
     out.sum().backward()
     assert recorded.grad is not None
+
+
+@settings(max_examples=15, deadline=None)
+@given(m=st.integers(1, 40), n=st.integers(1, 40), method=st.sampled_from(orth.METHODS),
+       bf16=st.booleans(), seed=st.integers(0, 2**16))
+def test_batched_operator_result_does_not_depend_on_batch_mates(m, n, method, bf16, seed):
+    """orthogonalize_batch computes every step per matrix: a matrix gives the same bits alone, last
+    in a batch or first in one (the FSDP owner batches other matrices than a single device)."""
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    if method == "gram" and bf16:
+        dtype = torch.float16 if torch.cuda.is_available() else torch.float32
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(m, n, generator=g) for _ in range(3)]
+    schedule = orth.coefficient_schedule(method, None)
+    run = lambda batch: orth.orthogonalize_batch(batch, schedule, dtype=dtype, eps=1e-7,  # noqa: E731
+                                              norm_scale=orth.norm_scale(method))
+    alone = run([xs[2]])[0]
+    assert torch.equal(run(xs)[2], alone)
+    assert torch.equal(run([xs[2], xs[0]])[0], alone)
