@@ -9,12 +9,11 @@ import torch
 from torch import nn
 
 from .. import _compile
-from .._alias import adamw
 from .._base import GradientTransformation
-from .._combine import leafwise_labels, partition
-from .._sso import VALIDATED_KEYS, _validate, spectral_sphere
+from .._combine import leafwise_labels
+from .._sso import VALIDATED_KEYS, check_options, sso
 from ._adapter import BUCKET_SIZE
-from ._muon import HybridOptimizer
+from ._muon import HybridOptimizer, hybrid_transform
 
 # "muon" is accepted as an alias of "sso" so groups built for MuonOptimizer (e.g. by
 # muon_fn.split_parameters / create_hybrid_optimizer) work unchanged.
@@ -130,7 +129,7 @@ class SpectralSphereOptimizer(HybridOptimizer):
             adamw_betas=tuple(adamw_betas), adamw_eps=adamw_eps,
             adamw_weight_decay=adamw_weight_decay, algorithm=algorithm,
         )
-        super().__init__(params, _sso_factory, defaults,
+        super().__init__(params, sso_factory, defaults,
                          gradient_accumulation_steps=gradient_accumulation_steps,
                          nonfinite=nonfinite, compile=compile, bucket_size=bucket_size)
 
@@ -146,7 +145,7 @@ class SpectralSphereOptimizer(HybridOptimizer):
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         super()._validate_group(group)  # lr, momentum and the AdamW half, in torch's wording
-        _validate(**{key: group[key] for key in VALIDATED_KEYS})  # the transform's own checks
+        check_options(**{key: group[key] for key in VALIDATED_KEYS})  # the recipe's own checks
         if group["algorithm"] in ("sso", "muon"):
             for p in group["params"]:
                 if p.ndim < 2:
@@ -181,29 +180,23 @@ class SpectralSphereOptimizer(HybridOptimizer):
                             stack("sso_fallback", torch.bool), stack("sso_fallbacks", torch.int64))
 
 
-def _sso_factory(h: dict[str, Any]) -> GradientTransformation:
+def sso_factory(h: dict[str, Any]) -> GradientTransformation:
+    """The transform of a :class:`SpectralSphereOptimizer` group from its hyperparameters: the
+    :func:`muon_fn.sso` recipe, AdamW, or both through :func:`muon_fn.partition`."""
+
     def sso_tx():
-        return spectral_sphere(
-            h["lr"], h["momentum"], nesterov=h["nesterov"], radius_scale=h["radius_scale"],
-            scale_mode=h["scale_mode"], retract_mode=h["retract_mode"], retract_alpha=h["retract_alpha"],
-            power_steps=h["power_steps"], power_block=h["power_block"],
-            cold_start=h["cold_start"], msign_method=h["msign_method"],
-            msign_steps=h["msign_steps"], msign_dtype=h["msign_dtype"], tol=h["tol"],
-            max_iterations=h["max_iterations"], bracket_step=h["bracket_step"],
-            max_expansions=h["max_expansions"], solver=h["solver"], warm_lambda=h["warm_lambda"],
-            lambda_model=h["lambda_model"], model_steps=h["model_steps"], direction=h["direction"], muon_sphere=h["muon_sphere"], mu_dtype=h["momentum_dtype"], split=h["split"],
+        return sso(
+            h["lr"], h["momentum"], nesterov=h["nesterov"], mu_dtype=h["momentum_dtype"],
+            radius_scale=h["radius_scale"], scale_mode=h["scale_mode"], retract_mode=h["retract_mode"],
+            retract_alpha=h["retract_alpha"], power_steps=h["power_steps"], power_block=h["power_block"],
+            cold_start=h["cold_start"], msign_method=h["msign_method"], msign_steps=h["msign_steps"],
+            msign_dtype=h["msign_dtype"], tol=h["tol"], max_iterations=h["max_iterations"],
+            bracket_step=h["bracket_step"], max_expansions=h["max_expansions"], solver=h["solver"],
+            warm_lambda=h["warm_lambda"], lambda_model=h["lambda_model"], model_steps=h["model_steps"],
+            direction=h["direction"], muon_sphere=h["muon_sphere"], split=h["split"],
         )
 
-    algorithm = h["algorithm"]
-    if algorithm in ("sso", "muon"):
-        return sso_tx()
-    if algorithm == "adamw":
-        return adamw(h["lr"], h["adamw_betas"], h["adamw_eps"], h["weight_decay"])
-    return partition(
-        {"sso": sso_tx(),
-         "adamw": adamw(h["adamw_lr_effective"], h["adamw_betas"], h["adamw_eps"], h["adamw_weight_decay"])},
-        _sso_labels,
-    )
+    return hybrid_transform(h, "sso", sso_tx, _sso_labels)
 
 
 def _sso_label(p: torch.Tensor) -> str:
