@@ -23,10 +23,11 @@ search (given an msign whose per-matrix result does not depend on its batch, as 
 
 **Host reads.** In eager mode (``early_exit=True``, the default there) the solver reads back
 whether any matrix is still active after each evaluation, stops when none is, and evaluates only
-the active ones: one host sync per evaluation, the only place SSO reads the device. While
-compiling it reads nothing: each phase runs its fixed number of masked evaluations, and the
-phases after the first evaluation sit behind ``torch.cond`` (skipped when every matrix converged
-at the first evaluation, the λ model's usual case), so the update traces as one graph.
+the active ones: one host sync per evaluation. While compiling it reads nothing: each phase runs
+its fixed number of masked evaluations, and the phases after the first evaluation sit behind
+``torch.cond`` (skipped when every matrix converged at the first evaluation, the λ model's usual
+case), so a compiled caller traces one graph. SSO itself runs the solver eagerly inside its
+operator (``muon_fn._sso``).
 """
 
 from __future__ import annotations

@@ -20,6 +20,10 @@ products through :func:`muon_fn.spectral.matvec`, the refined subspace of ``"mix
 sized per matrix, and :func:`model_root` freezes a matrix once it has converged. The Krylov
 model's stopping rule is per batch (it returns a model only when every matrix has converged at
 the same checkpoint); SSO calls it one matrix at a time.
+
+**Host reads** (eager only; none while compiling): :func:`model_root` stops when every matrix is
+done, :func:`krylov_lambda_model` checks its start, breakdowns and convergence, and ``"mixed"``
+precision reads the refined subspaces' sizes.
 """
 
 from __future__ import annotations

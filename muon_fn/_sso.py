@@ -26,16 +26,21 @@ next step retracts it exactly (hard mode).
 
 **Batches.** Each matrix (or row block of a ``split`` leaf) is a unit; units of one shape, dtype
 and device are batched, in chunks of at most ``_CHUNK_ELEMENTS`` elements. A unit's result does
-not depend on which units share its batch (bit for bit, eager, fp32; tested): vector products
-go through batch-invariant helpers (:mod:`muon_fn.spectral`), the solver and the model root
-freeze finished matrices, the Krylov model is built one matrix at a time, and every kernel path
-is chosen by shape (the msign's per-matrix loop from ``LOOP_MIN_DIM`` rows).
+not depend on which units share its batch (bit for bit with an fp32 msign; tested): vector
+products go through batch-invariant helpers (:mod:`muon_fn.spectral`), the solver and the model
+root freeze finished matrices, the Krylov model is built one matrix at a time, and every kernel
+path is chosen by shape (the msign's per-matrix loop from ``LOOP_MIN_DIM`` rows). A half-precision
+msign is not covered: CPU elementwise kernels round a tensor's vectorized body and its tail
+differently (bf16 ``torch.add(..., alpha=)``), so its last elements depend on the batch size.
 
-**Host reads.** Compiled, the update reads nothing back from the device. In eager mode it reads
-back only where these document it: the solver's early exit (``muon_fn._lambda``), the model
-root's stop, the Krylov model's convergence checks and the ``"mixed"``-precision refinement's
-subspace sizes (``muon_fn._lambda_model``), and ``direction="spectral"``'s fallback to the msign
-solver for matrices its model did not certify (:func:`_solve`).
+**One operator, compiled or not.** Phases 1–6 of a chunk run as one operator
+(``torch.ops.muon_fn.spectral_sphere_step``): under ``torch.compile`` it is an opaque call, so
+inductor compiles only the momentum, the stacking and the write-back around it, and the math
+inside runs eagerly either way (the same results compiled or not). It reads the device back only
+where the parts document it: the solver's early exit (``muon_fn._lambda``), the model root's stop,
+the Krylov model's convergence checks and the ``"mixed"``-precision refinement's subspace sizes
+(``muon_fn._lambda_model``), and ``direction="spectral"``'s fallback to the msign solver for the
+matrices its model did not certify (:func:`_solve`).
 """
 
 from __future__ import annotations
@@ -464,7 +469,8 @@ def _sphere_step(sp: _Sphere, W: torch.Tensor, M: torch.Tensor, V0: torch.Tensor
     factor = _retraction_factor(sp, sigma, radius, lr)
     lam, phi, stats = _lambda_and_direction(sp, m_hat, u, v, lam0)
     delta = _assemble_update(phi, W, factor, lr, update_scale(sp.scale_mode, (rows, n), radius))
-    return delta, V, lam, sigma, stats.residual, stats.iterations, stats.fallback
+    # Contiguous, as the operator's fake outputs (Φ of a tall matrix and QR's V are transposed layouts).
+    return tuple(x.contiguous() for x in (delta, V, lam, sigma, stats.residual, stats.iterations, stats.fallback))
 
 
 def _normalize(M: torch.Tensor) -> torch.Tensor:
@@ -586,8 +592,8 @@ def _model_groups(sp: _Sphere, m_hat, u, v) -> list[tuple[torch.Tensor | None, A
 
 def _solve(sp: _Sphere, m_hat, u, v, lam0, model):
     """λ*, Φ and statistics of one group: the msign solver, or ``direction="spectral"``'s model
-    root and model direction; in eager mode a matrix that model did not certify (|h| > tol) is
-    solved again by the msign solver (a host read)."""
+    root and model direction; a matrix that model did not certify (|h| > tol) is solved again by
+    the msign solver (eager: a host read; while compiling it is reported unconverged instead)."""
     if sp.direction == "spectral":
         lam, phi, stats = _spectral_direction(model, m_hat, u, v, sp.solver["tol"], sp.reach)
         eager = not torch.compiler.is_compiling() and m_hat.device.type != "meta"

@@ -346,7 +346,8 @@ def test_model_solver_fixed_schedule_matches_early_exit_and_traces():
     far = -0.99 * torch.outer(u, v) + 0.01 * torch.randn(12, 20, generator=g)
     b = (far / torch.linalg.matrix_norm(far), u, v)
     m_hat, U, V = (torch.stack([x, y]) for x, y in zip(a, b))
-    kw = dict(tol=1e-4, max_expansions=8, max_iterations=6, method="illinois")  # row b: no root within ±0.255
+    # Short caps keep the traced (unrolled) search small; the bracket reaches ±0.35: row b has no root there.
+    kw = dict(tol=1e-4, bracket_step=0.05, max_expansions=3, max_iterations=2, model_steps=2, method="illinois")
     model = _model(m_hat, U, V)
     lam, phi, st = _lambda.solve_lambda(m_hat, U, V, _msign8, model=model, **kw)
     assert st.converged.tolist() == [True, False] and st.fallback.tolist() == [False, True]
@@ -356,11 +357,27 @@ def test_model_solver_fixed_schedule_matches_early_exit_and_traces():
     assert torch.equal(st_f.iterations, st.iterations) and torch.equal(st_f.fallback, st.fallback)
 
     def solve(m, u, v):
-        return _lambda.solve_lambda(m, u, v, _msign8, model=_model(m, u, v), **kw)
+        model = _lambda_model.lambda_model(m, u, v, _FIT8, norm_scale=norm_scale("polar_express"), precision="fp64")
+        return _lambda.solve_lambda(m, u, v, _msign8, model=model, **kw)
 
-    lam_c, phi_c, _ = torch.compile(solve, backend="eager", fullgraph=True)(m_hat, U, V)
+    compiled = torch.compile(solve, backend="eager", fullgraph=True)
+    (lam_c, phi_c, _), gemms_c = _gemms(lambda: compiled(m_hat, U, V))
     torch.testing.assert_close(lam_c, lam, rtol=0, atol=1e-7)
     torch.testing.assert_close(phi_c, phi, rtol=0, atol=1e-5)  # fp32 rounding: 1.0e-6 seen on a Zen 3
+    assert gemms_c > _gemms(lambda: solve(m_hat, U, V))[1]  # row b: the fixed search ran, eager stopped early
+    # Compiled, the search after the first evaluation sits behind torch.cond: when every matrix
+    # converged there (the λ model's usual case), the step runs exactly the eager step's GEMMs.
+    both = tuple(torch.stack([x, x]) for x in a)
+    (_, _, st_c), gemms_c = _gemms(lambda: compiled(*both))
+    (_, _, st_e), gemms_e = _gemms(lambda: solve(*both))
+    assert st_c.iterations.tolist() == st_e.iterations.tolist() == [1, 1] and gemms_c == gemms_e
+
+
+def _gemms(fn):
+    """``fn()`` and the number of GEMM calls it ran (profiler events: they include compiled code)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = fn()
+    return out, sum(e.name in ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm") for e in prof.events())
 
 
 # ------------------------------------------------------------------------------ messages
