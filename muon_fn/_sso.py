@@ -609,6 +609,7 @@ def _solve(sp: _Sphere, m_hat, u, v, lam0, model):
 
 
 def _msign_solver(sp: _Sphere, m_hat, u, v, lam0, model):
+    """The λ solver with this msign, started at the model's root (its Gram matrix reused)."""
     return _lambda.solve_lambda(m_hat, u, v, sp.msign, lambda0=lam0, model=model,
                                 gram=None if model is None else model.gram, **sp.solver)
 

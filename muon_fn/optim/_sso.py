@@ -193,16 +193,10 @@ def sso_factory(h: dict[str, Any]) -> GradientTransformation:
     :func:`muon_fn.sso` recipe, AdamW, or both through :func:`muon_fn.partition`."""
 
     def sso_tx():
-        return sso(
-            h["lr"], h["momentum"], nesterov=h["nesterov"], mu_dtype=h["momentum_dtype"],
-            radius_scale=h["radius_scale"], scale_mode=h["scale_mode"], retract_mode=h["retract_mode"],
-            retract_alpha=h["retract_alpha"], power_steps=h["power_steps"], power_block=h["power_block"],
-            cold_start=h["cold_start"], msign_method=h["msign_method"], msign_steps=h["msign_steps"],
-            msign_dtype=h["msign_dtype"], tol=h["tol"], max_iterations=h["max_iterations"],
-            bracket_step=h["bracket_step"], max_expansions=h["max_expansions"], solver=h["solver"],
-            warm_lambda=h["warm_lambda"], lambda_model=h["lambda_model"], model_steps=h["model_steps"],
-            direction=h["direction"], muon_sphere=h["muon_sphere"], split=h["split"],
-        )
+        # The group's keys are the recipe's argument names (VALIDATED_KEYS: lr, momentum, nesterov
+        # and spectral_sphere's checked options); three more are passed by name.
+        return sso(mu_dtype=h["momentum_dtype"], msign_dtype=h["msign_dtype"], split=h["split"],
+                   **{key: h[key] for key in VALIDATED_KEYS})
 
     return hybrid_transform(h, "sso", sso_tx, _sso_labels)
 
