@@ -1,40 +1,62 @@
-"""The Spectral Sphere Optimizer (SSO) transform ``spectral_sphere`` and its recipe ``sso``.
+"""The Spectral Sphere Optimizer (SSO): the transform ``spectral_sphere`` and the recipe ``sso``.
 
-Per matrix ``W`` (``(out, in)``, conv kernels folded into ``in``), with gradient ``g``
-(notes/algorithms.md §1, arXiv:2601.08393):
+``sso(lr, μ) = chain(momentum(μ, nesterov=True, kind="ema"), spectral_sphere(lr))``. The momentum
+is the shared transform (``b ← lerp(b, g, 1−μ)``, ``M = lerp(g, b, μ)``); ``spectral_sphere``
+takes the direction ``M`` as its update and, per matrix ``W`` (``(out, in)``, conv kernels folded
+into ``in``; notes/algorithms.md §1, arXiv:2601.08393), runs these phases:
 
-1. momentum (EMA, Nesterov): ``b ← lerp(b, g, 1−μ)``, ``M = lerp(g, b, μ)``; ``M̂ = M/max(‖M‖_F, 1e-8)``;
-2. ``σ, u, v`` = block power iteration on ``W`` started from last step's block (a warm start);
-3. retraction to the sphere ``‖W‖₂ = R``, ``R = c·√(out/in)``: ``W ← (R/σ)·W`` (``"hard"``, the
-   default), or a relative step ``α·lr`` toward it (``"dynamic"``: ``W ← (1 ∓ α·lr)·W``);
-4. ``λ*`` = root of ``h(λ) = uᵀ msign(M̂ + λ u vᵀ) v`` (:func:`muon_fn.spectral.solve_lambda`),
-   first evaluated where a closed-form model of h puts it (:func:`muon_fn.spectral.lambda_model`);
-5. ``Φ = msign(M̂ + λ* u vᵀ)`` — tangent to the sphere at W (``⟨u vᵀ, Φ⟩ ≈ 0``);
-6. ``W ← W − lr·s·Φ``.
+1. normalize: ``M̂ = M/max(‖M‖_F, 1e-8)``;
+2. top singular triple ``σ, u, v`` of ``W``: block iteration started from last step's block
+   (a warm start; :func:`muon_fn.spectral.subspace_iteration`);
+3. retraction factor ``f`` onto the sphere ``‖W‖₂ = R``, ``R = c·√(out/in)``: ``R/σ``
+   (``"hard"``, the default) or a relative step ``1 ∓ α·lr`` toward it (``"dynamic"``);
+4. λ solve: ``λ*`` = root of ``h(λ) = uᵀ msign(M̂ + λ u vᵀ) v`` (``muon_fn._lambda``), first
+   evaluated where a closed-form model of h puts it (``muon_fn._lambda_model``);
+5. direction: ``Φ = msign(M̂ + λ* u vᵀ)``, the solver's accepted evaluation — tangent to the
+   sphere at W (``⟨u vᵀ, Φ⟩ ≈ 0``); with ``direction="spectral"`` built from the model instead;
+6. update assembly: ``u = (f − 1)·W − lr·s·Φ``.
 
 **Retract, then update, as one additive update.** A transform may only return ``u`` with
-``p_new = p + u``. Steps 3 and 6 together give ``p_new = (R/σ)·p − lr·s·Φ``, so the update is
+``p_new = p + u``; steps 3 and 6 together give ``p_new = f·p − lr·s·Φ``. So ``spectral_sphere``
+takes ``lr`` itself and is **final** (:class:`~muon_fn.TransformInfo`): do not chain
+``scale_by_learning_rate`` (or weight decay) after it. The retraction at the start of step t
+equals one at the end of step t−1 (singular vectors do not change under scaling), so one block
+iteration serves both; right after an update ``‖W‖₂`` is within about ``lr·s`` of ``R`` and the
+next step retracts it exactly (hard mode).
 
-    u = (R/σ − 1)·p − lr·s·Φ
+**Batches.** Each matrix (or row block of a ``split`` leaf) is a unit; units of one shape, dtype
+and device are batched, in chunks of at most ``_CHUNK_ELEMENTS`` elements. A unit's result does
+not depend on which units share its batch (bit for bit with an fp32 msign; tested): vector
+products go through batch-invariant helpers (:mod:`muon_fn.spectral`), the solver and the model
+root freeze finished matrices, the Krylov model is built one matrix at a time, and every kernel
+path is chosen by shape (the msign's per-matrix loop from ``LOOP_MIN_DIM`` rows). A half-precision
+msign is not covered: CPU elementwise kernels round a tensor's vectorized body and its tail
+differently (bf16 ``torch.add(..., alpha=)``), so its last elements depend on the batch size.
 
-(with ``retract_mode="dynamic"``, ``∓α·lr·p`` in place of ``(R/σ − 1)·p``), which is why
-``spectral_sphere`` takes ``lr`` itself and is **final**: do not chain ``scale_by_learning_rate``
-(or weight decay) after it. The retraction at the start of step t equals
-one at the end of step t−1 (singular vectors do not change under scaling), so one power iteration
-serves both; right after an update ``‖W‖₂`` is within about ``lr·s`` of ``R`` and the next step
-retracts it exactly (hard mode).
+**One operator, compiled or not.** Phases 1–6 of a chunk run as one operator
+(``torch.ops.muon_fn.spectral_sphere_step``): under ``torch.compile`` it is an opaque call, so
+inductor compiles only the momentum, the stacking and the write-back around it, and the math
+inside runs eagerly either way (the same results compiled or not). It reads the device back only
+where the parts document it: the solver's early exit (``muon_fn._lambda``), the model root's stop,
+the Krylov model's convergence checks and the ``"mixed"``-precision refinement's subspace sizes
+(``muon_fn._lambda_model``), and ``direction="spectral"``'s fallback to the msign solver for the
+matrices its model did not certify (:func:`_solve`).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
-from typing import Any, Callable, NamedTuple
+import json
+from typing import Any, NamedTuple, Optional
 
 import torch
 
-from . import _checks, _newton_schulz as _orthogonalize, _tree, spectral
-from ._base import GradientTransformation, ScalarOrSchedule, Updates, named
-from ._muon import SHAPE_RULES, Split, _not_matrix, _validate_split, block_sizes, matrix_shape, shape_scale
+from . import _checks, _lambda, _lambda_model, _newton_schulz, _tree, spectral
+from ._base import MATRIX, GradientTransformation, ScalarOrSchedule, Updates, named, with_info
+from ._combine import chain
+from ._muon import SHAPE_RULES, Split, _not_matrix, _validate_split, block_sizes, group_by, matrix_shape, shape_scale
+from ._transforms import momentum as momentum_tx
 
 SCALE_MODES = ("radius",) + SHAPE_RULES
 RETRACT_MODES = ("hard", "dynamic")
@@ -52,10 +74,10 @@ _CHUNK_ELEMENTS = 1 << 21
 
 
 class SpectralSphereState(NamedTuple):
-    """State of :func:`spectral_sphere`. Per-matrix fields have the params' tree structure."""
+    """State of :func:`spectral_sphere`; every field has the params' tree structure (a split
+    leaf's per-matrix fields gain a leading block dimension)."""
 
-    count: torch.Tensor  # shape=(), int64: updates so far (drives an lr schedule)
-    mu: Updates  # momentum buffer, like params (dtype mu_dtype or the param's)
+    count: Updates  # shape=(), int64: updates of this leaf so far (drives an lr schedule)
     v: Updates  # shape=(in, k), fp32: orthonormal block tracking W's top right singular vectors
     #            (the warm start; init puts the accurate top vector in its first column)
     lam: Updates  # shape=(), fp32: λ* of the last step (the solver's start point)
@@ -67,7 +89,6 @@ class SpectralSphereState(NamedTuple):
 
     state_keys = {
         "count": "sso_count",
-        "mu": "momentum_buffer",
         "v": "sso_v",
         "lam": "sso_lambda",
         "sigma": "sso_sigma",
@@ -78,353 +99,324 @@ class SpectralSphereState(NamedTuple):
     }
 
 
+_STATS = ("v", "lam", "sigma", "residual", "iterations", "fallback")  # replaced every step per unit
+
+
 def update_scale(scale_mode: str, shape: tuple[int, ...], radius: float) -> float:
     """The multiplier ``s`` of ``Φ``: ``"radius"`` gives ``s = R`` (the paper), else a shape rule."""
     return radius if scale_mode == "radius" else shape_scale(scale_mode, shape)
 
 
-def _validate(*, lr, momentum, nesterov, radius_scale, scale_mode, retract_mode, retract_alpha, power_steps,
-              power_block, cold_start, msign_method, msign_steps, tol, max_iterations, bracket_step,
-              max_expansions, solver, warm_lambda, lambda_model, model_steps, direction, muon_sphere) -> None:
-    """Check :func:`spectral_sphere`'s hyperparameters (also each ``SpectralSphereOptimizer`` group's)."""
-    _checks.scalar_or_schedule("lr", lr)
+def check_options(*, momentum, nesterov, **sphere_options) -> None:
+    """Check :func:`sso`'s hyperparameters (also each ``SpectralSphereOptimizer`` group's)."""
     _checks.in_unit_interval("momentum", momentum)
+    _check_flag("nesterov", nesterov)
+    _check_sphere_options(**sphere_options)
+
+
+def _check_flag(name: str, flag: Any) -> None:
+    if not isinstance(flag, bool):
+        raise ValueError(f"Invalid {name}: {flag!r} (expected True or False)")
+
+
+def _check_sphere_options(*, lr, radius_scale, scale_mode, retract_mode, retract_alpha, power_steps, power_block,
+                          cold_start, msign_method, msign_steps, tol, max_iterations, bracket_step, max_expansions,
+                          solver, warm_lambda, lambda_model, model_steps, direction, muon_sphere) -> None:
+    """Check :func:`spectral_sphere`'s hyperparameters."""
+    _checks.scalar_or_schedule("lr", lr)
     _checks.positive("radius_scale", radius_scale)
     if isinstance(power_steps, bool) or not isinstance(power_steps, int) or power_steps < 1:
         raise ValueError(f"Invalid power_steps: {power_steps!r} (expected an integer >= 1)")
     _checks.positive_int("power_block", power_block)
     _checks.positive_int("msign_steps", msign_steps)
-    _checks.one_of("msign_method", msign_method, _orthogonalize.METHODS)
+    _checks.one_of("msign_method", msign_method, _newton_schulz.METHODS)
     _checks.one_of("scale_mode", scale_mode, SCALE_MODES)
     _checks.one_of("retract_mode", retract_mode, RETRACT_MODES)
     _checks.positive("retract_alpha", retract_alpha)
-    _checks.one_of("solver", solver, spectral.SOLVER_METHODS)
-    spectral._check_solver_args(tol, max_iterations, bracket_step, max_expansions, solver, model_steps)
-    for name, flag in (("nesterov", nesterov), ("cold_start", cold_start), ("warm_lambda", warm_lambda),
-                       ("lambda_model", lambda_model), ("muon_sphere", muon_sphere)):
-        if not isinstance(flag, bool):
-            raise ValueError(f"Invalid {name}: {flag!r} (expected True or False)")
+    _checks.one_of("solver", solver, _lambda.SOLVER_METHODS)
+    _lambda.check_solver_args(tol, max_iterations, bracket_step, max_expansions, solver, model_steps)
+    for name, flag in (("cold_start", cold_start), ("warm_lambda", warm_lambda), ("lambda_model", lambda_model),
+                       ("muon_sphere", muon_sphere)):
+        _check_flag(name, flag)
     _checks.one_of("direction", direction, DIRECTIONS)
     if direction == "spectral" and (not lambda_model or muon_sphere):
         raise ValueError("Invalid direction: 'spectral' computes Φ from the λ model; it needs "
                          "lambda_model=True and muon_sphere=False")
 
 
-# The hyperparameters _validate checks, by name (the optimizer's group keys are the same names).
-VALIDATED_KEYS = tuple(inspect.signature(_validate).parameters)
+# The hyperparameters check_options checks, by name (the optimizer's group keys are the same names).
+VALIDATED_KEYS = ("momentum", "nesterov") + tuple(inspect.signature(_check_sphere_options).parameters)
+
+
+class _Sphere(NamedTuple):
+    """The static configuration of the per-chunk math, resolved once per key (:func:`_sphere`)."""
+
+    radius_scale: float
+    scale_mode: str
+    retract_mode: str
+    retract_alpha: float
+    power_steps: int
+    cold_start: bool
+    schedule: Any  # the msign's coefficient schedule
+    norm_scale: float
+    msign_dtype: torch.dtype
+    solver: dict[str, Any]  # solve_lambda's keywords (tol, caps, method, model_steps)
+    fit: Any  # the msign's fitted spectral function (None: no λ model)
+    eigh_model: bool  # the full (eigh) model pays off against this msign
+    reach: float  # the bracket's reach ±bracket_step·(2^max_expansions − 1)
+    direction: str
+    muon_sphere: bool
+
+    def msign(self, x: torch.Tensor, gram: torch.Tensor | None = None) -> torch.Tensor:
+        return _newton_schulz.orthogonalize_matrices(
+            x, self.schedule, dtype=self.msign_dtype, eps=_MSIGN_EPS, norm_scale=self.norm_scale, gram=gram
+        ).float()
+
+
+@functools.lru_cache(maxsize=None)
+def _sphere(key: str) -> _Sphere:
+    """The :class:`_Sphere` of a JSON key of the per-chunk math's options (the options of
+    :func:`spectral_sphere` that phases 1–6 read; the fit is computed here, once per key)."""
+    o = json.loads(key)
+    schedule = _newton_schulz.coefficient_schedule(o["msign_method"], o["msign_steps"])
+    msign_dtype = getattr(torch, o["msign_dtype"])
+    return _Sphere(
+        radius_scale=o["radius_scale"], scale_mode=o["scale_mode"], retract_mode=o["retract_mode"],
+        retract_alpha=o["retract_alpha"], power_steps=o["power_steps"], cold_start=o["cold_start"],
+        schedule=schedule, norm_scale=_newton_schulz.norm_scale(o["msign_method"]), msign_dtype=msign_dtype,
+        solver=dict(tol=o["tol"], max_iterations=o["max_iterations"], bracket_step=o["bracket_step"],
+                    max_expansions=o["max_expansions"], method=o["solver"], model_steps=o["model_steps"]),
+        fit=_lambda_model.spectral_function_fit(schedule) if o["lambda_model"] and not o["muon_sphere"] else None,
+        # The full model costs an fp64 eigh (78 ms per 768²): worth it against fp32 msigns (173 ms
+        # for PE-8), not against half-precision ones (aol9 bf16: 30 ms), where the warm bracket wins.
+        eigh_model=msign_dtype in (torch.float32, torch.float64),
+        reach=float(o["bracket_step"]) * (2.0 ** o["max_expansions"] - 1),
+        direction=o["direction"], muon_sphere=o["muon_sphere"])
+
+
+class _Transform(NamedTuple):
+    """What ``spectral_sphere``'s ``init`` and ``update`` need besides the per-chunk math."""
+
+    lr: Any  # float, 0-d tensor or schedule count -> lr
+    lr_schedule: bool
+    power_block: int
+    warm_lambda: bool
+    split: Split
+    key: str  # the per-chunk math's options (JSON, see _sphere)
 
 
 def spectral_sphere(
+    lr: ScalarOrSchedule = 0.02, *, radius_scale: float = 2.0, scale_mode: str = "radius",
+    retract_mode: str = "hard", retract_alpha: float = 0.05, power_steps: int = 5, power_block: int = 16,
+    cold_start: bool = False, msign_method: str = "polar_express", msign_steps: int = 8,
+    msign_dtype: torch.dtype = torch.float32, tol: float = 2e-4, max_iterations: int = 20,
+    bracket_step: float = 1e-3, max_expansions: int = 10, solver: str = "illinois", warm_lambda: bool = True,
+    lambda_model: bool = True, model_steps: int = 3, direction: str = "msign", muon_sphere: bool = False,
+    split: Split = None,
+) -> GradientTransformation:
+    """SSO's step after the momentum: the final update ``(f − 1)·W − lr·s·Φ`` (module doc).
+
+    The update input is the momentum direction ``M`` of each matrix; ``params`` are required.
+    Defaults and the measurements behind them: docs/sso.md (sources disagree, notes §1.4).
+
+    Args:
+      lr: float, 0-d tensor or schedule ``count -> lr`` (count per leaf). With ``scale_mode=
+        "radius"`` it is the relative spectral step ``‖ΔW‖₂/‖W‖₂``.
+      radius_scale: c in ``R = c·√(out/in)``; 2.0, the paper's best.
+      scale_mode: ``s`` in ``W − lr·s·Φ``: ``"radius"`` (s = R, the paper's) or a
+        :func:`muon_fn.shape_scale` rule (``"spectral"``, ``"match_rms_adamw"``, ...).
+      retract_mode: ``"hard"``: ``W ← (R/σ)·W``; ``"dynamic"``: ``W ← (1 + α·lr·d)·W``, ``d = −1``
+        if ``σ > R`` else ``+1`` (a relative step toward the sphere). retract_alpha: that α.
+      power_steps, power_block: products with ``WᵀW`` per step and vectors ``k`` of the
+        Chebyshev-filtered block iteration (:func:`muon_fn.spectral.subspace_iteration`), warm
+        started from last step's block; 5 and 16. cold_start: restart from a fixed block instead.
+      msign_method, msign_steps, msign_dtype: the msign; Polar Express, 8 steps, fp32 (the
+        paper's "FP32 msign": tangency to ``tol`` needs an accurate msign).
+      tol, max_iterations, bracket_step, max_expansions, solver: the λ solver
+        (``muon_fn._lambda.solve_lambda``): tolerance on ``|h|`` 2e-4, 20 bracketed steps, a
+        bracket of 1e-3 doubled up to 10 times, ``"illinois"`` (or ``"bisection"``).
+      warm_lambda: start at last step's λ* when the model gives no start.
+      lambda_model, model_steps: evaluate h first where a closed-form model of it puts the root
+        (``muon_fn._lambda_model``; the full model costs an ``eigh`` of the smaller side, clearly
+        rectangular matrices use a Krylov form), then up to ``model_steps`` model-guided points.
+        With a bf16/fp16 msign only the Krylov form is used.
+      direction: ``"msign"`` (Φ from the configured iteration) or ``"spectral"`` (Φ = φ(XXᵀ)·X from
+        the model's eigendecomposition: the same map up to the fit, no iteration; needs
+        ``lambda_model=True``, ``muon_sphere=False``).
+      muon_sphere: MuonSphere: λ fixed at 0 (``Φ = msign(M̂)``), no solver; keeps the retraction.
+      split: row blocks of fused weights (sizes along dim 0, or ``leaf -> sizes | None``): each
+        block is its own sphere with its own R, s, σ, λ* and warm block.
+
+    Weight decay is not offered: the retraction undoes it. Every non-None leaf must be a matrix
+    (ndim ≥ 2); an empty one gets a zero update.
+
+    Returns:
+      A final, leafwise, matrix-scope :class:`~muon_fn.GradientTransformation` with state
+      :class:`SpectralSphereState` that needs ``params``.
+    """
+    options = dict(radius_scale=radius_scale, scale_mode=scale_mode, retract_mode=retract_mode,
+                   retract_alpha=retract_alpha, power_steps=power_steps, cold_start=cold_start,
+                   msign_method=msign_method, msign_steps=msign_steps, tol=tol, max_iterations=max_iterations,
+                   bracket_step=bracket_step, max_expansions=max_expansions, solver=solver,
+                   lambda_model=lambda_model, model_steps=model_steps, direction=direction, muon_sphere=muon_sphere)
+    _check_sphere_options(lr=lr, power_block=power_block, warm_lambda=warm_lambda, **options)
+    _checks.dtype("msign_dtype", msign_dtype, _newton_schulz.COMPUTE_DTYPES)
+    _validate_split(split)
+    key = json.dumps(dict(options, radius_scale=float(radius_scale), retract_alpha=float(retract_alpha),
+                          tol=float(tol), bracket_step=float(bracket_step),
+                          msign_dtype=str(msign_dtype).removeprefix("torch.")), sort_keys=True)
+    _sphere(key)  # fits the msign's spectral function now, outside any compiled region
+    lr_schedule = callable(lr) and not isinstance(lr, torch.Tensor)
+    cfg = _Transform(lr=lr, lr_schedule=lr_schedule, power_block=power_block, warm_lambda=warm_lambda, split=split,
+                     key=key)
+
+    def init(params):
+        return _init(cfg, params)
+
+    def update(updates, state, params=None, **extra):
+        del extra
+        if params is None:
+            raise ValueError("spectral_sphere needs params: call update(updates, state, params)")
+        return _update(cfg, updates, state, params)
+
+    shown = dict(lr=getattr(lr, "__name__", lr) if lr_schedule else lr, power_block=power_block,
+                 msign_dtype=msign_dtype, warm_lambda=warm_lambda, split=split, **options)
+    tx = named(GradientTransformation(init, update), "spectral_sphere", **_shown_config(shown))
+    return with_info(tx, leafwise=True, scope=MATRIX, final=True, needs_params=True)
+
+
+_SHOWN = ("lr", "radius_scale", "scale_mode", "power_steps", "power_block", "cold_start", "msign_method",
+          "msign_steps", "msign_dtype", "tol", "max_iterations", "solver", "warm_lambda", "lambda_model",
+          "model_steps", "muon_sphere")
+
+
+def _shown_config(options: dict[str, Any]) -> dict[str, Any]:
+    """The repr's settings: the usual ones, then those only shown when not at their default."""
+    config = {k: options[k] for k in _SHOWN}
+    if options["direction"] != "msign":
+        config["direction"] = options["direction"]
+    if options["retract_mode"] != "hard":
+        config.update(retract_mode=options["retract_mode"], retract_alpha=options["retract_alpha"])
+    if options["split"] is not None:
+        config["split"] = options["split"]
+    return config
+
+
+def sso(
     lr: ScalarOrSchedule = 0.02,
     momentum: float | torch.Tensor = 0.95,
     *,
     nesterov: bool = True,
-    radius_scale: float = 2.0,
-    scale_mode: str = "radius",
-    retract_mode: str = "hard",
-    retract_alpha: float = 0.05,
-    power_steps: int = 5,
-    power_block: int = 16,
-    cold_start: bool = False,
-    msign_method: str = "polar_express",
-    msign_steps: int = 8,
-    msign_dtype: torch.dtype = torch.float32,
-    tol: float = 2e-4,
-    max_iterations: int = 20,
-    bracket_step: float = 1e-3,
-    max_expansions: int = 10,
-    solver: str = "illinois",
-    warm_lambda: bool = True,
-    lambda_model: bool = True,
-    model_steps: int = 3,
-    direction: str = "msign",
-    muon_sphere: bool = False,
     mu_dtype: torch.dtype | None = None,
-    split: Split = None,
+    **kwargs: Any,
 ) -> GradientTransformation:
-    """SSO on a tree of matrices; returns the final update ``(R/σ − 1)·W − lr·s·Φ`` (see module doc).
-
-    Defaults, against the sources in notes/algorithms.md §1.4 (which disagree):
+    """The Spectral Sphere Optimizer for a tree of matrices:
+    ``chain(momentum(momentum, nesterov=nesterov, kind="ema", mu_dtype=mu_dtype), spectral_sphere(lr, **kwargs))``.
 
     Args:
-      lr: float, 0-d tensor or schedule ``count -> lr``. 0.02: with ``scale_mode="radius"``
-        (``s = R``) lr is the relative spectral step ``‖ΔW‖₂/‖W‖₂`` per update; 0.02 is Muon's
-        default and the issue's (the paper's runs: 1e-2 preferred, 5e-3 used; SB's class default
-        3e-4 goes with align_adamw_rms).
-      momentum: EMA coefficient μ; 0.95 (Muon's, and the issue's; SB/configs use 0.9). EMA vs SGD
-        form does not matter: ``M̂`` is scale-invariant.
-      nesterov: True (all sources).
-      radius_scale: c in ``R = c·√(out/in)``; 2.0, the paper's best (code default 1.0).
-      scale_mode: ``s`` in ``W − lr·s·Φ``: ``"radius"`` (s = R, the paper's "spectral µP scaler"),
-        or a :func:`muon_fn.shape_scale` rule (``"spectral"`` = √(out/in), the later configs';
-        ``"match_rms_adamw"`` = SB's align_adamw_rms; ``"keller"``, ``"legacy"``, ``"none"``).
-      retract_mode: how W is brought back to the sphere each step. ``"hard"`` (every source's
-        default, and the paper's): ``W ← (R/σ)·W``, exactly onto it. ``"dynamic"`` (the reference
-        code's alternative): ``W ← (1 + α·lr·d)·W`` with ``d = −1`` if ``σ > R``, else ``+1`` — a
-        relative step of ``α·lr`` toward the sphere, so a weight far from it (e.g. a fresh
-        initialization) gets there in about ``|ln(σ/R)|/(α·lr)`` steps instead of one.
-      retract_alpha: α of ``"dynamic"``; 0.05 (the reference code's). Unused by ``"hard"``.
-      power_steps: products with ``WᵀW`` per step in the Chebyshev-filtered block iteration
-        (:func:`muon_fn.spectral.subspace_iteration`); 5, warm-started from last step's block
-        (SB: 10, Megatron: 20 plain power steps, both one vector, cold from all-ones; the paper
-        caches vectors). Measured retraction error, max over steps 3–15 with noise gradients,
-        k = 16, 768×768 / 768×3072: 1.3e-6 / 5.4e-6 (5 Chebyshev steps), 6.5e-7 / 2.3e-6 (6),
-        against 1.8e-5 / 5.3e-5 for the 8 plain power steps used before (docs/sso.md).
-      power_block: k vectors iterated together, σ from Rayleigh–Ritz
-        (:func:`muon_fn.spectral.subspace_iteration`); 16: SSO flattens the top of the spectrum
-        (tangent steps raise σ₂, σ₃, … but not σ₁), where one vector fails — measured retraction
-        error with noise gradients 1e-1 (k = 1), 1e-3 (k = 8), 5e-5 (k = 16) on 64×96. Costs
-        ``4·m·n·k`` flops per round, < 1 % of one msign for k = 16, m ≥ 768.
-      cold_start: restart from a fixed block every step (the reference code restarts from
-        all-ones); then use ``power_steps`` ≥ 10.
-      msign_method, msign_steps, msign_dtype: ``"polar_express"``, 8 steps, fp32 — the paper's
-        "FP32 msign" (8 PE steps converge in fp32, notes §4). Tangency to ``tol`` needs an accurate
-        msign: bf16 perturbs σ by ~5e-3.
-      tol, max_iterations: solver tolerance on ``|h|`` and cap on bracketed steps; 2e-4 / 20, the
-        paper runs' values (SB: 1e-8 / 100, unreachable with 8-step msign in fp32).
-      bracket_step, max_expansions: 1e-3 doubled up to 10 times (SB's): reaches ±1.023 around
-        the start point; measured |λ*| range from ~1e-3 (768-wide noisy gradients) to ~0.1
-        (small or structured ones).
-      solver: ``"illinois"`` (default: false position with Illinois halving on the same bracket;
-        measured 3–5 msigns vs 6–10 for bisection at the same tolerance) or ``"bisection"`` (SB).
-      warm_lambda: start the solver at last step's λ* instead of 0 (cost only; the root is unique).
-        With ``lambda_model`` it is only the start when the model finds no root.
-      lambda_model: True (default): predict λ* from a closed-form model of h
-        (:func:`muon_fn.spectral.lambda_model`: one Gram matrix and one eigendecomposition of the
-        smaller side, then each model evaluation is O(m·60) instead of one msign) and evaluate
-        the real msign there first. The reference brackets from λ = 0 (notes §1.2 e); the root,
-        the tolerance and the certification by a real msign are unchanged, only the evaluation
-        points differ. Measured: 1 msign in 360 of 360 matrix-steps on the full gpt2-small set
-        (max |h| 1.4e-6) and 120 of 120 on an MLP run, against ≈3.2–4.3 from last step's λ* with
-        Illinois and 6–10 with bisection (docs/sso.md). Costs one fp64 Gram + ``eigh`` of the
-        smaller side (≈ 0.1–0.2 s per 768² on one CPU thread; a PE-8 fp32 msign: ≈ 0.17–0.38 s).
-        Clearly rectangular batches use the Krylov form instead
-        (:func:`muon_fn.spectral.krylov_lambda_model`, no ``eigh``). With a bf16/fp16 msign
-        (cheaper than that fp64 ``eigh``: 30 vs 78 ms on 768²) the other batches skip the model
-        and bracket from last step's λ*.
-      model_steps: msign evaluations guided by the model (each at the model's root shifted by
-        the last observed error) before falling back to bracketing; 3.
-      direction: how Φ is computed. ``"msign"`` (default): the configured iteration
-        (``msign_method`` / ``msign_steps`` / ``msign_dtype``), as in the paper and the reference.
-        ``"spectral"`` (opt-in, CPU speed): λ* is the λ model's root and Φ = φ(XXᵀ)·X is built
-        from the model's eigendecomposition (:func:`muon_fn.spectral.model_direction`): the same
-        map as the configured iteration in exact arithmetic, up to the fit (|Δg| ≤ 2.2e-5), with
-        no Newton–Schulz iteration at all; measured max |ΔΦ| ≤ 1.1e-5 against fp32 PE-8 and
-        0.55× its time on 768² / 0.35× on 768×3072. Tangency is still measured on the returned Φ;
-        in eager mode a group whose |h| exceeds ``tol`` falls back to the msign solver (while
-        compiling it cannot, and reports ``converged=False``). ``iterations`` then counts the one
-        spectral evaluation. Needs ``lambda_model=True`` and ``muon_sphere=False``.
-      muon_sphere: MuonSphere: λ fixed at 0 (``Φ = msign(M̂)``), no solver; keeps the retraction.
+      lr: see :func:`spectral_sphere`; 0.02.
+      momentum: EMA coefficient μ; 0.95 (Muon's; the reference code's 0.9). EMA or SGD form does
+        not matter: ``M̂`` is scale-invariant.
+      nesterov: Nesterov momentum (every source's default).
       mu_dtype: dtype of the momentum buffer (default: the param's).
-      split: row blocks of fused weights (QKV, gate/up: sizes along dim 0, or a function
-        ``leaf -> sizes | None``, as in :func:`muon_fn.orthogonalize`). Each block is its own
-        sphere — its own R, s, σ, λ*, M̂ and warm-start block — as in the reference's QKV/SwiGLU
-        splitting (notes §1.3; per-head splitting gave the paper's largest gain). A split leaf's
-        per-matrix state gains a leading block dimension: ``v`` ``(blocks, in, k)``, ``lam`` etc.
-        ``(blocks,)``.
+      kwargs: any other :func:`spectral_sphere` option; ``muon_sphere=True`` gives MuonSphere.
 
-    Weight decay is not offered: the retraction undoes it (at once, or, dynamic, over a few steps;
-    paper: none on 2-D hidden weights). Every non-None leaf must be a matrix (ndim ≥ 2).
-
-    Returns:
-      A :class:`~muon_fn.GradientTransformation` with state :class:`SpectralSphereState`; it needs
-      ``params`` in ``update``.
+    The chain is final (it contains the retraction). Use :func:`muon_fn.partition` (or
+    :class:`muon_fn.SpectralSphereOptimizer`) to send 0-/1-D params to AdamW.
     """
-    _validate(lr=lr, momentum=momentum, nesterov=nesterov, radius_scale=radius_scale, scale_mode=scale_mode,
-              retract_mode=retract_mode, retract_alpha=retract_alpha, power_steps=power_steps,
-              power_block=power_block, cold_start=cold_start, msign_method=msign_method,
-              msign_steps=msign_steps, tol=tol, max_iterations=max_iterations, bracket_step=bracket_step,
-              max_expansions=max_expansions, solver=solver, warm_lambda=warm_lambda,
-              lambda_model=lambda_model, model_steps=model_steps, direction=direction,
-              muon_sphere=muon_sphere)
-    _validate_split(split)
-    schedule = _orthogonalize.coefficient_schedule(msign_method, msign_steps)
-    norm_scale = _orthogonalize.norm_scale(msign_method)
-    # The msign's scalar map g, fitted once here (outside any compiled region) for the λ model.
-    fit = spectral.spectral_function_fit(schedule) if lambda_model and not muon_sphere else None
-    # The full model costs an fp64 eigh (78 ms per 768²): worth it against fp32 msigns (173 ms
-    # for PE-8), not against half-precision ones (aol9 bf16: 30 ms), where the warm bracket wins.
-    eigh_model = msign_dtype in (torch.float32, torch.float64)
-    reach = float(bracket_step) * (2.0 ** max_expansions - 1)
-    lr_schedule: Callable[[torch.Tensor], Any] | None = (
-        lr if callable(lr) and not isinstance(lr, torch.Tensor) else None
-    )
+    _check_flag("nesterov", nesterov)
+    return chain(momentum_tx(momentum, nesterov=nesterov, kind="ema", mu_dtype=mu_dtype),
+                 spectral_sphere(lr, **kwargs))
 
-    def msign(x: torch.Tensor, gram: torch.Tensor | None = None) -> torch.Tensor:
-        return _orthogonalize.orthogonalize_matrices(
-            x, schedule, dtype=msign_dtype, eps=_MSIGN_EPS, norm_scale=norm_scale, gram=gram
-        ).float()
 
-    def blocks_of(p: torch.Tensor) -> list[int] | None:
-        """Row-block sizes of leaf ``p`` (None: the whole matrix is one sphere)."""
-        if p.ndim < 2:
-            raise _not_matrix(p.shape, "spectral_sphere")
+# ------------------------------------------------------------------------------ init
+def _blocks_of(cfg: _Transform, p: torch.Tensor) -> list[int] | None:
+    """Row-block sizes of leaf ``p`` (None: the whole matrix is one sphere)."""
+    if p.ndim < 2:
+        raise _not_matrix(p.shape, "spectral_sphere")
+    m, n = matrix_shape(p.shape)
+    return block_sizes(cfg.split, p.reshape(m, n))
+
+
+def _start_block(w: torch.Tensor, k: int) -> torch.Tensor:
+    """The first warm block of matrix ``w``: the accurate top vector, then a fixed block."""
+    n = w.shape[-1]
+    start = spectral.default_start_block(n, k, device=w.device)
+    if w.numel() == 0 or k == 0:  # an empty matrix: nothing to track
+        return start
+    top = spectral.top_singular(w.detach(), squarings=_INIT_SQUARINGS)[2]
+    return torch.linalg.qr(torch.cat([top[:, None], start[:, 1:]], dim=1))[0]
+
+
+def _init(cfg: _Transform, params) -> SpectralSphereState:
+    def block(p):
+        if p is None:
+            return None
+        sizes = _blocks_of(cfg, p)
         m, n = matrix_shape(p.shape)
-        return block_sizes(split, p.reshape(m, n))
+        w = p.reshape(m, n)
+        if sizes is None:
+            return _start_block(w, min(cfg.power_block, m, n))
+        k = min(cfg.power_block, min(sizes), n)
+        return torch.stack([_start_block(b, k) for b in w.split(sizes)])
 
-    def init(params):
-        def one_block(w: torch.Tensor, k: int) -> torch.Tensor:
-            n = w.shape[-1]
-            start = spectral.default_start_block(n, k, device=w.device)
-            top = spectral.top_singular(w.detach(), squarings=_INIT_SQUARINGS)[2]
-            return torch.linalg.qr(torch.cat([top[:, None], start[:, 1:]], dim=1))[0]
-
-        def vec(p):
+    def per_matrix(dtype, per_block=True):
+        def make(p):
             if p is None:
                 return None
-            sizes = blocks_of(p)
-            m, n = matrix_shape(p.shape)
-            w = p.reshape(m, n)
-            if sizes is None:
-                return one_block(w, min(power_block, m, n))
-            k = min(power_block, min(sizes), n)
-            return torch.stack([one_block(b, k) for b in w.split(sizes)])
+            sizes = _blocks_of(cfg, p) if per_block else None
+            return torch.zeros(() if sizes is None else (len(sizes),), dtype=dtype, device=p.device)
+        return _tree.tree_map(make, params)
 
-        def scalar(dtype):
-            def make(p):
-                if p is None:
-                    return None
-                sizes = blocks_of(p)
-                shape = () if sizes is None else (len(sizes),)
-                return torch.zeros(shape, dtype=dtype, device=p.device)
-            return make
+    return SpectralSphereState(
+        count=per_matrix(torch.int64, per_block=False), v=_tree.tree_map(block, params),
+        lam=per_matrix(torch.float32), sigma=per_matrix(torch.float32), residual=per_matrix(torch.float32),
+        iterations=per_matrix(torch.int32), fallback=per_matrix(torch.bool), fallbacks=per_matrix(torch.int64))
 
-        return SpectralSphereState(
-            count=torch.zeros((), dtype=torch.int64),
-            mu=_tree.zeros_like(params, dtype=mu_dtype),
-            v=_tree.tree_map(vec, params),
-            lam=_tree.tree_map(scalar(torch.float32), params),
-            sigma=_tree.tree_map(scalar(torch.float32), params),
-            residual=_tree.tree_map(scalar(torch.float32), params),
-            iterations=_tree.tree_map(scalar(torch.int32), params),
-            fallback=_tree.tree_map(scalar(torch.bool), params),
-            fallbacks=_tree.tree_map(scalar(torch.int64), params),
-        )
 
-    def update(updates, state: SpectralSphereState, params=None, **extra):
-        del extra
-        if params is None:
-            raise ValueError("spectral_sphere needs params: call update(updates, state, params)")
-        step_lr = lr_schedule(state.count) if lr_schedule is not None else lr
-        g_leaves, spec = _tree.tree_flatten(updates)
-        p_leaves = spec.flatten_up_to(params)
-        fields = {f: spec.flatten_up_to(getattr(state, f)) for f in SpectralSphereState._fields[1:]}
-        new = {f: list(vals) for f, vals in fields.items()}
-        out: list[torch.Tensor | None] = [None] * len(g_leaves)
+# ------------------------------------------------------------------------------ update
+class _Unit(NamedTuple):
+    """One sphere: leaf ``leaf``'s rows ``rows`` of its ``(m, n)`` view (block ``block``, or None)."""
 
-        # Momentum (elementwise), then every leaf cut into spheres (blocks; one unless split),
-        # grouped by equal shape for batched math. A unit is (leaf i, block b or None, rows).
-        groups: dict[tuple, list[tuple[int, int | None, slice]]] = {}
-        directions: dict[int, torch.Tensor] = {}
-        pieces: dict[int, list[torch.Tensor | None]] = {}
-        for i, (g, p) in enumerate(zip(g_leaves, p_leaves)):
-            if g is None:
-                continue
-            if g.ndim < 2:
-                raise _not_matrix(g.shape, "spectral_sphere")
-            b = fields["mu"][i]
-            g_b = g.to(b.dtype)
-            b = b.lerp(g_b, 1 - momentum)
-            new["mu"][i] = b
-            directions[i] = g_b.lerp(b, momentum) if nesterov else b
-            m, n = matrix_shape(p.shape)
-            sizes = blocks_of(p)
-            units = [(None, slice(0, m))] if sizes is None else [
-                (j, slice(sum(sizes[:j]), sum(sizes[:j + 1]))) for j in range(len(sizes))]
-            pieces[i] = [None] * len(units)
-            for j, rows in units:
-                key = ((rows.stop - rows.start, n), p.dtype, p.device)
-                groups.setdefault(key, []).append((i, j, rows))
+    leaf: int
+    block: int | None
+    rows: slice
 
-        def pick(field: str, i: int, j: int | None) -> torch.Tensor:
-            return fields[field][i] if j is None else fields[field][i][j]
 
-        results: dict[str, dict[tuple[int, int | None], torch.Tensor]] = {
-            f: {} for f in ("v", "lam", "sigma", "residual", "iterations", "fallback")}
-        for (m, n), units in _chunks(groups):
-            radius = spectral.target_radius((m, n), radius_scale)
-            s = update_scale(scale_mode, (m, n), radius)
-            W = _batch([p_leaves[i].reshape(-1, n)[rows] for i, _, rows in units]).float()
-            # M̂ in place where M is ours: a stack, a cast, or the Nesterov direction (not the state).
-            M = _batch([directions[i].reshape(-1, n)[rows] for i, _, rows in units])
-            owned = len(units) > 1 or nesterov or M.dtype != torch.float32
-            M = M.float()
-            norm = torch.linalg.matrix_norm(M, keepdim=True).clamp_min(_M_FLOOR)
-            m_hat = M.div_(norm) if owned else M / norm
-            V0 = torch.stack([pick("v", i, j) for i, j, _ in units])
-            if cold_start:
-                V0 = spectral.default_start_block(n, V0.shape[-1], device=W.device).expand_as(V0)
-            sigma, u, v, V = spectral.subspace_iteration(W, power_steps, V0)
-            if muon_sphere:
-                lam = torch.zeros(len(units), device=W.device)
-                h, phi = spectral.tangent_residual(m_hat, u, v, lam, msign)
-                stats = spectral.SolverStats(
-                    iterations=torch.ones(len(units), dtype=torch.int32, device=W.device),
-                    residual=h.abs(), converged=h.abs() <= tol,
-                    fallback=torch.zeros(len(units), dtype=torch.bool, device=W.device))
-            else:
-                lam0 = torch.stack([pick("lam", i, j) for i, j, _ in units]) if warm_lambda else None
-                # Clearly rectangular batches get the Krylov model (no m³ eigh) when it converges;
-                # direction="spectral" builds Φ from the full model: fp64 throughout (docs/sso.md).
-                model = None
-                if fit is not None and direction == "msign":
-                    model = spectral.krylov_lambda_model(m_hat, u, v, fit, norm_scale=norm_scale, eps=_MSIGN_EPS,
-                                                         tol=tol, reach=reach)
-                if fit is not None and model is None and (eigh_model or direction == "spectral"):
-                    model = spectral.lambda_model(m_hat, u, v, fit, norm_scale=norm_scale, eps=_MSIGN_EPS,
-                                                  precision="fp64" if direction == "spectral" else None)
-                solved = None
-                if direction == "spectral":
-                    solved = _spectral_direction(model, m_hat, u, v, tol, reach)
-                    eager = not torch.compiler.is_compiling() and m_hat.device.type != "meta"
-                    if eager and not bool(solved[2].converged.all()):
-                        solved = None  # the model did not certify: use the msign solver
-                lam, phi, stats = solved if solved is not None else spectral.solve_lambda(
-                    m_hat, u, v, msign, lambda0=lam0, tol=tol, max_iterations=max_iterations,
-                    bracket_step=bracket_step, max_expansions=max_expansions, method=solver,
-                    model=model, model_steps=model_steps, gram=None if model is None else model.gram)
-            if retract_mode == "hard":
-                factor = radius / sigma.clamp_min(1e-30)
-            else:  # a relative step α·lr toward the sphere: shrink above R, grow otherwise
-                factor = 1 + (retract_alpha * step_lr) * torch.where(sigma > radius, -1.0, 1.0)
-            # u = (f − 1)·W − lr·s·Φ (f: the retraction factor), in place on Φ (the solver's fresh
-            # output): two m×n passes.
-            delta = phi.mul_(-(step_lr * s)).addcmul_(W, (factor - 1)[:, None, None])
-            for k, (i, j, _) in enumerate(units):
-                pieces[i][0 if j is None else j] = delta[k]
-                for field, value in (("v", V), ("lam", lam), ("sigma", sigma), ("residual", stats.residual),
-                                     ("iterations", stats.iterations), ("fallback", stats.fallback)):
-                    results[field][(i, j)] = value[k]
+def _update(cfg: _Transform, updates, state: SpectralSphereState, params):
+    m_leaves, spec = _tree.tree_flatten(updates)
+    p_leaves = spec.flatten_up_to(params)
+    fields = {f: spec.flatten_up_to(getattr(state, f)) for f in SpectralSphereState._fields}
+    units, keys, out = [], [], [None] * len(m_leaves)
+    for i, (g, p) in enumerate(zip(m_leaves, p_leaves)):
+        if g is None:
+            continue
+        if g.ndim < 2:
+            raise _not_matrix(g.shape, "spectral_sphere")
+        m, n = matrix_shape(p.shape)
+        if m * n == 0:  # an empty matrix: no update, its state as it was
+            out[i] = torch.zeros_like(p)
+            continue
+        sizes = _blocks_of(cfg, p)
+        starts = [0] if sizes is None else [sum(sizes[:j]) for j in range(len(sizes))]
+        for j, (start, rows) in enumerate(zip(starts, [m] if sizes is None else sizes)):
+            units.append(_Unit(i, None if sizes is None else j, slice(start, start + rows)))
+            keys.append(((rows, n), p.dtype, p.device))
+    results: dict[tuple[int, int | None], dict[str, torch.Tensor]] = {}
+    for members in group_by(keys):
+        rows, n = keys[members[0]][0]
+        size = max(1, _CHUNK_ELEMENTS // (rows * n))
+        for k in range(0, len(members), size):
+            chunk = [units[c] for c in members[k:k + size]]
+            results.update(_chunk_step(cfg, chunk, m_leaves, p_leaves, fields))
+    new = _assemble_leaves(m_leaves, p_leaves, fields, results, out)
+    return _tree.tree_unflatten(spec, out), SpectralSphereState(
+        **{f: _tree.tree_unflatten(spec, vals) for f, vals in new.items()})
 
-        for i, parts in pieces.items():
-            p = p_leaves[i]
-            whole = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-            out[i] = whole.reshape(p.shape).to(p.dtype)
-            split_leaf = fields["lam"][i].ndim == 1
-            for field, by_unit in results.items():
-                if split_leaf:
-                    new[field][i] = torch.stack([by_unit[(i, j)] for j in range(len(parts))])
-                else:
-                    new[field][i] = by_unit[(i, None)]
-            new["fallbacks"][i] = fields["fallbacks"][i] + new["fallback"][i].to(torch.int64)
 
-        new_state = SpectralSphereState(
-            count=state.count + 1, **{f: _tree.tree_unflatten(spec, vals) for f, vals in new.items()})
-        return _tree.tree_unflatten(spec, out), new_state
-
-    config = dict(lr=getattr(lr, "__name__", lr) if lr_schedule else lr, momentum=momentum,
-                  nesterov=nesterov, radius_scale=radius_scale, scale_mode=scale_mode,
-                  power_steps=power_steps, power_block=power_block, cold_start=cold_start, msign_method=msign_method,
-                  msign_steps=msign_steps, msign_dtype=msign_dtype, tol=tol,
-                  max_iterations=max_iterations, solver=solver, warm_lambda=warm_lambda,
-                  lambda_model=lambda_model, model_steps=model_steps, muon_sphere=muon_sphere)
-    if direction != "msign":
-        config["direction"] = direction
-    if retract_mode != "hard":
-        config.update(retract_mode=retract_mode, retract_alpha=retract_alpha)
-    if split is not None:
-        config["split"] = split
-    return named(GradientTransformation(init, update), "spectral_sphere", **config)
+def _pick(fields, field: str, unit: _Unit) -> torch.Tensor:
+    value = fields[field][unit.leaf]
+    return value if unit.block is None else value[unit.block]
 
 
 def _batch(mats: list[torch.Tensor]) -> torch.Tensor:
@@ -432,31 +424,217 @@ def _batch(mats: list[torch.Tensor]) -> torch.Tensor:
     return mats[0].unsqueeze(0) if len(mats) == 1 else torch.stack(mats)
 
 
-def _chunks(groups: dict[tuple, list]):
-    """Each shape group's units in batches of at most ``_CHUNK_ELEMENTS`` matrix elements."""
-    for ((m, n), _, _), units in groups.items():
-        size = max(1, _CHUNK_ELEMENTS // (m * n))
-        for k in range(0, len(units), size):
-            yield (m, n), units[k:k + size]
+def _chunk_step(cfg: _Transform, chunk: list[_Unit], m_leaves, p_leaves, fields):
+    """Phases 1–6 on a batch of equal-shape units (one call of the sphere operator); returns each
+    unit's update and new statistics."""
+    n = matrix_shape(p_leaves[chunk[0].leaf].shape)[1]
+    W = _batch([p_leaves[c.leaf].reshape(-1, n)[c.rows] for c in chunk])
+    M = _batch([m_leaves[c.leaf].reshape(-1, n)[c.rows] for c in chunk])
+    V0 = torch.stack([_pick(fields, "v", c) for c in chunk])
+    lam0 = torch.stack([_pick(fields, "lam", c) for c in chunk]) if cfg.warm_lambda else None
+    lr = _unit_lr(cfg, [fields["count"][c.leaf] for c in chunk], W.device)
+    outs = torch.ops.muon_fn.spectral_sphere_step(W, M, V0, lam0, lr, cfg.key)
+    return {(c.leaf, c.block): {f: x[k] for f, x in zip(_STEP_OUTPUTS, outs)} for k, c in enumerate(chunk)}
+
+
+_STEP_OUTPUTS = ("delta", "v", "lam", "sigma", "residual", "iterations", "fallback")
+
+
+@torch.library.custom_op("muon_fn::spectral_sphere_step", mutates_args=())
+def _sphere_step_op(W: torch.Tensor, M: torch.Tensor, V0: torch.Tensor, lam0: Optional[torch.Tensor],
+                    lr: torch.Tensor, key: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                         torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_sphere_step` as one operator: under ``torch.compile`` it stays one opaque call that
+    runs the eager math (the solver's early exit included), so a compiled update traces only the
+    momentum, the stacking and the write-back (see ``SpectralSphereOptimizer``'s ``compile``)."""
+    return _sphere_step(_sphere(key), W, M, V0, lam0, lr)
+
+
+@_sphere_step_op.register_fake
+def _(W, M, V0, lam0, lr, key):
+    B = W.shape[0]
+    per_matrix = [W.new_empty(B, dtype=torch.float32) for _ in range(3)]
+    return (W.new_empty(W.shape, dtype=torch.float32), V0.new_empty(V0.shape, dtype=torch.float32), *per_matrix,
+            W.new_empty(B, dtype=torch.int32), W.new_empty(B, dtype=torch.bool))
+
+
+def _sphere_step(sp: _Sphere, W: torch.Tensor, M: torch.Tensor, V0: torch.Tensor, lam0, lr):
+    """Phases 1–6 of the module doc on ``W``, ``M`` ``(B, m, n)``: ``(u, V, λ*, σ, |h|, evaluations,
+    fallback)``, each matrix's independent of the others in the batch."""
+    rows, n = W.shape[-2:]
+    W = W.float()
+    m_hat = _normalize(M)
+    sigma, u, v, V = _top_singular(sp, W, V0)
+    radius = spectral.target_radius((rows, n), sp.radius_scale)
+    factor = _retraction_factor(sp, sigma, radius, lr)
+    lam, phi, stats = _lambda_and_direction(sp, m_hat, u, v, lam0)
+    delta = _assemble_update(phi, W, factor, lr, update_scale(sp.scale_mode, (rows, n), radius))
+    # Contiguous, as the operator's fake outputs (Φ of a tall matrix and QR's V are transposed layouts).
+    return tuple(x.contiguous() for x in (delta, V, lam, sigma, stats.residual, stats.iterations, stats.fallback))
+
+
+def _normalize(M: torch.Tensor) -> torch.Tensor:
+    """Phase 1: ``M̂ = M/max(‖M‖_F, 1e-8)`` in fp32 (in place on the fp32 copy of a half ``M``)."""
+    owned = M.dtype != torch.float32
+    M = M.float()
+    norm = torch.linalg.matrix_norm(M, keepdim=True).clamp_min(_M_FLOOR)
+    return M.div_(norm) if owned else M / norm
+
+
+def _top_singular(sp: _Sphere, W: torch.Tensor, V0: torch.Tensor):
+    """Phase 2: ``(σ, u, v, V)`` of ``W`` from the warm block ``V0`` (or a fixed one: cold start)."""
+    if sp.cold_start:
+        V0 = spectral.default_start_block(W.shape[-1], V0.shape[-1], device=W.device).expand_as(V0)
+    return spectral.subspace_iteration(W, sp.power_steps, V0)
+
+
+def _unit_lr(cfg: _Transform, counts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The learning rate as a tensor: ``()``, or ``(B,)`` with a schedule (one count per leaf)."""
+    if cfg.lr_schedule:
+        return torch.stack([torch.as_tensor(cfg.lr(c), dtype=torch.float32, device=c.device) for c in counts])
+    if isinstance(cfg.lr, torch.Tensor):
+        return cfg.lr.reshape(())
+    return torch.tensor(cfg.lr, dtype=torch.float64, device=device)
+
+
+def _per_matrix(x: torch.Tensor) -> torch.Tensor:
+    """``x`` broadcast against ``(B, m, n)``: a ``(B,)`` tensor gains two dims, a 0-d one stays."""
+    return x[:, None, None] if x.ndim == 1 else x
+
+
+def _retraction_factor(sp: _Sphere, sigma: torch.Tensor, radius: float, lr) -> torch.Tensor:
+    """Phase 3: ``f`` with ``W ← f·W`` on (``"hard"``) or toward (``"dynamic"``) the sphere, ``(B,)``."""
+    if sp.retract_mode == "hard":
+        return radius / sigma.clamp_min(spectral._TINY)
+    # a relative step α·lr toward the sphere: shrink above R, grow otherwise
+    return 1 + (sp.retract_alpha * lr) * torch.where(sigma > radius, -1.0, 1.0)
+
+
+def _assemble_update(phi: torch.Tensor, W: torch.Tensor, factor: torch.Tensor, lr, s: float) -> torch.Tensor:
+    """Phase 6: ``u = (f − 1)·W − lr·s·Φ``, in place on Φ (the solver's fresh output): two m×n passes."""
+    return phi.mul_(_per_matrix(-(lr * s))).addcmul_(W, (factor - 1)[:, None, None])
+
+
+def _assemble_leaves(m_leaves, p_leaves, fields, results, out):
+    """Each leaf's update from its units' (a split leaf: its blocks concatenated) and its new state."""
+    new = {f: list(vals) for f, vals in fields.items()}
+    for i, (g, p) in enumerate(zip(m_leaves, p_leaves)):
+        if g is None:
+            continue
+        new["count"][i] = fields["count"][i] + 1
+        if out[i] is not None:  # empty: nothing else changes
+            continue
+        split_leaf = fields["lam"][i].ndim == 1
+        parts = [results[(i, j)] for j in (range(fields["lam"][i].shape[0]) if split_leaf else (None,))]
+        whole = parts[0]["delta"] if len(parts) == 1 else torch.cat([r["delta"] for r in parts])
+        out[i] = whole.reshape(p.shape).to(p.dtype)
+        for field in _STATS:
+            new[field][i] = torch.stack([r[field] for r in parts]) if split_leaf else parts[0][field]
+        new["fallbacks"][i] = fields["fallbacks"][i] + new["fallback"][i].to(torch.int64)
+    return new
+
+
+# ------------------------------------------------------------------------------ λ and Φ
+def _lambda_and_direction(sp: _Sphere, m_hat, u, v, lam0):
+    """Phases 4–5: ``(λ*, Φ, SolverStats)`` of a batch; matrices with different kinds of λ model
+    are solved in separate groups (a matrix's model is its own: see :func:`_model_groups`)."""
+    if sp.muon_sphere:
+        lam = m_hat.new_zeros(m_hat.shape[0])
+        h, phi = _lambda.tangent_residual(m_hat, u, v, lam, sp.msign)
+        return lam, phi, _lambda.SolverStats(
+            iterations=torch.ones_like(lam, dtype=torch.int32), residual=h.abs(),
+            converged=h.abs() <= sp.solver["tol"], fallback=torch.zeros_like(lam, dtype=torch.bool))
+    groups = _model_groups(sp, m_hat, u, v)
+    if len(groups) == 1 and groups[0][0] is None:
+        return _solve(sp, m_hat, u, v, lam0, groups[0][1])
+    solved = [(rows, _solve(sp, m_hat[rows], u[rows], v[rows], None if lam0 is None else lam0[rows], model))
+              for rows, model in groups]
+    return _merge(m_hat.shape[0], solved)
+
+
+def _model_groups(sp: _Sphere, m_hat, u, v) -> list[tuple[torch.Tensor | None, Any]]:
+    """``[(rows, model)]``: the λ model of each group of matrices (``rows`` None: all of them).
+
+    Clearly rectangular shapes try the Krylov model one matrix at a time (its stopping rule is
+    per batch) and are grouped by its size; the rest get the full (eigh) model when it pays off
+    for this msign or ``direction="spectral"`` needs it (fp64 throughout, docs/sso.md), else none."""
+    if sp.fit is None:
+        return [(None, None)]
+    full = sp.eigh_model or sp.direction == "spectral"
+    kw = dict(norm_scale=sp.norm_scale, eps=_MSIGN_EPS)
+
+    def full_model(rows):
+        if not full:
+            return None
+        x = (m_hat, u, v) if rows is None else (m_hat[rows], u[rows], v[rows])
+        return _lambda_model.lambda_model(*x, sp.fit, precision="fp64" if sp.direction == "spectral" else None,
+                                          **kw)
+
+    eager = not torch.compiler.is_compiling() and m_hat.device.type != "meta"
+    if not (eager and sp.direction == "msign" and _lambda_model.krylov_shape(m_hat.shape)):
+        return [(None, full_model(None))]
+    by_size: dict[int, list[int]] = {}
+    models, rest = {}, []
+    for i in range(m_hat.shape[0]):
+        models[i] = _lambda_model.krylov_lambda_model(m_hat[i:i + 1], u[i:i + 1], v[i:i + 1], sp.fit,
+                                                      tol=sp.solver["tol"], reach=sp.reach, **kw)
+        if models[i] is None:
+            rest.append(i)
+        else:
+            by_size.setdefault(models[i].eig.shape[-1], []).append(i)
+    groups = [(torch.tensor(idx, device=m_hat.device), _lambda_model.cat_models([models[i] for i in idx]))
+              for idx in by_size.values()]
+    if rest:
+        idx = torch.tensor(rest, device=m_hat.device)
+        groups.append((idx, full_model(idx)))
+    return groups
+
+
+def _solve(sp: _Sphere, m_hat, u, v, lam0, model):
+    """λ*, Φ and statistics of one group: the msign solver, or ``direction="spectral"``'s model
+    root and model direction; a matrix that model did not certify (|h| > tol) is solved again by
+    the msign solver (eager: a host read; while compiling it is reported unconverged instead)."""
+    if sp.direction == "spectral":
+        lam, phi, stats = _spectral_direction(model, m_hat, u, v, sp.solver["tol"], sp.reach)
+        eager = not torch.compiler.is_compiling() and m_hat.device.type != "meta"
+        if not eager or bool(stats.converged.all()):
+            return lam, phi, stats
+        bad = (~stats.converged).nonzero().squeeze(-1)
+        again = _msign_solver(sp, m_hat[bad], u[bad], v[bad], None if lam0 is None else lam0[bad],
+                              _lambda_model.select_rows(model, bad))
+        good = stats.converged.nonzero().squeeze(-1)
+        return _merge(m_hat.shape[0], [(good, (lam[good], phi[good], _lambda.SolverStats(*[s[good] for s in stats]))),
+                                       (bad, again)])
+    return _msign_solver(sp, m_hat, u, v, lam0, model)
+
+
+def _msign_solver(sp: _Sphere, m_hat, u, v, lam0, model):
+    """The λ solver with this msign, started at the model's root (its Gram matrix reused)."""
+    return _lambda.solve_lambda(m_hat, u, v, sp.msign, lambda0=lam0, model=model,
+                                gram=None if model is None else model.gram, **sp.solver)
 
 
 def _spectral_direction(model, m_hat, u, v, tol, reach):
     """``direction="spectral"``: λ* = the model's root, Φ from the model, |h| measured on Φ."""
-    lam, ok = spectral.model_root(model, torch.zeros(m_hat.shape[0], dtype=torch.float64, device=m_hat.device),
-                                  reach)
+    lam, ok = _lambda_model.model_root(model, m_hat.new_zeros(m_hat.shape[0], dtype=torch.float64), reach)
     lam = torch.where(ok, lam, 0.0)
-    phi = spectral.model_direction(model, m_hat, u, v, lam)
-    h = (u.float().unsqueeze(-2) @ phi @ v.float().unsqueeze(-1)).reshape(-1).abs()
-    stats = spectral.SolverStats(iterations=torch.ones_like(h, dtype=torch.int32), residual=h,
-                                 converged=ok & (h <= tol), fallback=~ok)
+    phi = _lambda_model.model_direction(model, m_hat, u, v, lam)
+    h = spectral.bilinear(u.float(), phi, v.float()).abs()
+    stats = _lambda.SolverStats(iterations=torch.ones_like(h, dtype=torch.int32), residual=h,
+                                converged=ok & (h <= tol), fallback=~ok)
     return lam, phi, stats
 
 
-def sso(lr: ScalarOrSchedule = 0.02, momentum: float | torch.Tensor = 0.95, **kwargs: Any) -> GradientTransformation:
-    """The Spectral Sphere Optimizer for a tree of matrices: :func:`spectral_sphere` alone.
+def _merge(B: int, solved: list[tuple[torch.Tensor, tuple]]):
+    """``(λ, Φ, SolverStats)`` of a batch of ``B`` from those of disjoint groups ``(rows, result)``."""
+    def scatter(parts: list[torch.Tensor]) -> torch.Tensor:
+        first = parts[0]
+        out = first.new_empty((B,) + tuple(first.shape[1:]))
+        for (rows, _), part in zip(solved, parts):
+            out.index_copy_(0, rows, part)
+        return out
 
-    SSO's update is final (it contains the retraction), so the recipe is the transform with its
-    documented defaults; ``muon_sphere=True`` gives MuonSphere. Use :func:`muon_fn.partition` (or
-    :class:`muon_fn.SpectralSphereOptimizer`) to send 0-/1-D params to AdamW.
-    """
-    return spectral_sphere(lr, momentum, **kwargs)
+    lam = scatter([r[0] for _, r in solved])
+    phi = scatter([r[1] for _, r in solved])
+    stats = _lambda.SolverStats(*[scatter([r[2][f] for _, r in solved]) for f in range(4)])
+    return lam, phi, stats

@@ -5,7 +5,7 @@ ndim ≥ 2, AdamW for the rest)."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -167,13 +167,22 @@ def muon_factory(h: dict[str, Any]) -> GradientTransformation:
             eps=h["eps"], split=h["split"], mu_dtype=h["momentum_dtype"],
         )
 
+    return hybrid_transform(h, "muon", muon_tx, matrix_labels)
+
+
+def hybrid_transform(h: dict[str, Any], name: str, matrix_tx: Callable[[], GradientTransformation],
+                     labels: Any) -> GradientTransformation:
+    """A :class:`HybridOptimizer` group's transform: ``matrix_tx()`` alone (``algorithm`` ``name``
+    or an alias), AdamW alone (``"adamw"``, with the group's ``lr`` and ``weight_decay``), or both
+    through :func:`muon_fn.partition` (``"auto"``: ``labels`` sends each leaf to ``name`` or
+    ``"adamw"``; AdamW with the ``adamw_*`` settings)."""
     algorithm = h["algorithm"]
-    if algorithm == "muon":
-        return muon_tx()
     if algorithm == "adamw":
         return adamw(h["lr"], h["adamw_betas"], h["adamw_eps"], h["weight_decay"])
+    if algorithm != "auto":
+        return matrix_tx()
     return partition(
-        {"muon": muon_tx(),
+        {name: matrix_tx(),
          "adamw": adamw(h["adamw_lr_effective"], h["adamw_betas"], h["adamw_eps"], h["adamw_weight_decay"])},
-        matrix_labels,
+        labels,
     )
