@@ -174,8 +174,9 @@ class Optimizer(torch.optim.Optimizer):
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        self._runtimes = [_GroupRuntime() for _ in self.param_groups]
+        super().__setstate__(state)  # torch's load_state_dict calls it too: keep the caches then
+        if len(self.__dict__.get("_runtimes", ())) != len(self.param_groups):
+            self._runtimes = [_GroupRuntime() for _ in self.param_groups]
 
     # ----------------------------------------------------------------------- groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
