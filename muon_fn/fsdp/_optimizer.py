@@ -1,93 +1,90 @@
-"""``FSDPMuonOptimizer``: Muon on FSDP2 (``fully_shard``) models, each matrix computed by one owner.
+"""``FSDPMuonOptimizer``: :class:`muon_fn.MuonOptimizer` on FSDP2 (``fully_shard``) models, each
+matrix computed whole by one owner.
 
-Per step and parameter group, with the functional core's public transforms:
+The groups, their checks and their transforms are MuonOptimizer's (the same factory on the same
+hyperparameters); only where each part of a transform runs differs. Each group's routes
+(:mod:`._routes`) split their transforms into phases (:mod:`._phases`); per step:
 
-- pre (local shards): ``momentum`` on each rank's rows;
-- mid (full matrices, on the owner): ``orthogonalize`` (+ ``normalize_rows`` for NorMuon) and
-  ``scale_by_shape`` of the global shape; shards travel to the owner and back through
-  :mod:`._exchange` following the cached :mod:`._plan`;
-- post (local shards): ``add_decoupled_weight_decay`` and ``scale_by_learning_rate``, then
-  ``p += u``.
+1. **pre** on every rank's local rows (Muon: momentum), in place;
+2. the rows of every matrix travel to its owner (:mod:`._rows`, :mod:`._plan`, :mod:`._exchange`),
+   which runs the **mid** phase on the whole matrices (Muon: orthogonalize … scale_by_shape) and
+   returns each rank's rows of the result;
+3. **post** on local rows (Muon: weight decay and learning rate), then ``p += u`` in place.
 
-0-/1-D parameters (and groups with ``use_muon=False``) get AdamW on local shards, with no
-communication. Every scalar hyperparameter reaches the transforms as a 0-d float32 tensor, as in
-:class:`muon_fn.MuonOptimizer`, so an fp32 run is bit-identical to it.
+Transforms without a matrix part (AdamW) run whole on local rows with no communication.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import itertools
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from collections.abc import Iterable, Iterator
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
 
-from .. import _checks
-from .._alias import DEFAULT_METHOD
-from .._base import EmptyState
-from .._combine import chain
-from .._compile import compile_update
-from .._muon import SHAPE_RULES, _stack_pays, orthogonalize, scale_by_shape
-from .._orthogonalize import (METHODS, coefficient_schedule, default_compute_dtype, default_steps, newton_schulz,
-                              validate_coefficients)
-from .._transforms import (
-    MomentumState,
-    NormalizeRowsState,
-    ScaleByAdamState,
-    add_decoupled_weight_decay,
-    momentum as momentum_tx,
-    normalize_rows,
-    scale_by_adam,
-    scale_by_learning_rate,
-)
-from . import _exchange, _params, _plan
+from .. import _checks, _tree
+from .._muon import group_by, resolve_method
+from .._newton_schulz import default_steps
+from ..optim import _state
+from ..optim._adapter import Optimizer, StepReport, _all_finite
+from ..optim._muon import MuonOptimizer
+from . import _exchange, _params, _phases, _plan, _rows
+from ._routes import Route, group_routes
 
 STRATEGIES = ("owner", "replicate")
 WIRE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
-# Group keys that are per-step scalars (0-d float32 tensors refreshed before every step).
-_SCALARS = ("lr", "weight_decay", "momentum", "adamw_weight_decay")
 
 
-class FSDPMuonOptimizer(torch.optim.Optimizer):
-    """Muon for FSDP2-sharded (or DDP-replicated) models; AdamW for everything else.
+class _Matrix(NamedTuple):
+    """A matrix of the plan: a parameter of a route with a mid phase."""
 
-    Results equal single-device :class:`muon_fn.MuonOptimizer` with the same settings (bit-exact
-    in fp32 for ``strategy="owner"`` against ``MuonOptimizer(foreach=False)``, whose functional
-    arithmetic this adapter follows; its default in-place path agrees to rounding): each matrix is
-    orthogonalized whole by one rank. Defaults
-    match ``MuonOptimizer``'s except ``weight_decay``.
+    group: int
+    route: Route
+    position: int  # in group["params"]
+    param: torch.Tensor
+    fmt: _rows.RowFormat
+    flops: int  # of its orthogonalization (for last_step_stats)
+
+
+class FSDPMuonOptimizer(MuonOptimizer):
+    """:class:`muon_fn.MuonOptimizer` for FSDP2-sharded (or DDP-replicated) models.
+
+    Results equal single-device :class:`muon_fn.MuonOptimizer` with the same settings bit for bit
+    (``strategy="owner"`` or ``"replicate"``, eager or compiled alike): every transform is
+    MuonOptimizer's, each matrix's orthogonalization runs on its whole matrix on one rank, and
+    the elementwise parts run on each rank's rows. Defaults are MuonOptimizer's except
+    ``weight_decay=0.01``.
 
     Args:
       model: the module whose parameters are optimized (wrapped with ``fully_shard``, any
         nesting, 1-D mesh or HSDP; a plain module's parameters are treated as replicated).
       params: parameters or param-group dicts (default: the model's parameters that require
-        grad); a group may set
-        ``use_muon`` (True: Muon, ndim >= 2 required; False: AdamW; default: by ndim).
-      lr, weight_decay, momentum, nesterov: Muon's ``p ← p(1 − lr·wd) − lr·s·msign(M)``.
-      ns_steps, ns_stepsize: iterations (``None``: what ``method`` is designed for, 4 for the
-        default ``"aol9"``) and damping η of the orthogonalization ``method``.
-      beta2, eps: ``None`` for Muon; a float enables NorMuon row normalization.
+        grad). Groups take MuonOptimizer's keys: ``algorithm`` ``"auto"`` (default: Muon for
+        ndim ≥ 2, AdamW at ``adamw_lr·lr/base_lr`` for the rest), ``"muon"`` or ``"adamw"`` (the
+        group's own ``lr`` and ``weight_decay``). ``use_muon`` is accepted too: ``True`` is
+        ``algorithm="muon"``, ``False`` is ``algorithm="adamw"`` at the group's ``adamw_lr`` and
+        ``adamw_weight_decay``.
+      lr, weight_decay, momentum, nesterov, ns_steps, ns_stepsize, beta2, eps: as in
+        MuonOptimizer (``beta2`` a float enables NorMuon).
       gradient_accumulation_steps: ``k``; call ``step()`` after every micro-batch: FSDP2 gradient
         sync is off for the first ``k − 1`` backward passes and on for the last, whose reduced
         gradient (divided by ``k``) is applied. Requires a ``fully_shard`` model when ``k > 1``.
       strategy: ``"owner"`` (each matrix computed once, on its owner) or ``"replicate"`` (every
         rank all-gathers and computes every matrix; the baseline).
-      method, adjust_lr_fn, ns_dtype, ns_eps, ns_coefficients, momentum_kind: as in
-        :class:`muon_fn.MuonOptimizer`.
-      adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW half; its learning rate
-        follows ``lr`` (``adamw_lr · lr / base_lr``) so schedulers scale both.
-      wire_dtype: dtype of the shards on the wire (``torch.bfloat16`` halves the bytes).
+      wire_dtype: dtype of the rows on the wire (``torch.bfloat16`` halves the bytes; rounds them).
       num_buckets: exchanges per step (communication of later buckets overlaps computation).
       process_group: the group to use for plain (replicated) parameters; must match the
         DTensor parameters' shard group if given.
-      compile: ``True`` (or a dict of ``torch.compile`` options, e.g. ``{"backend": "eager"}``)
-        compiles the owner's matrix update (``orthogonalize`` … ``scale_by_shape``) with
-        :func:`muon_fn.compile_update`, one graph per set of shapes it computes together.
-      nonfinite: if any rank has an inf/nan gradient, ``"error"`` raises on every rank and
-        ``"skip"`` skips the step (counted in ``nonfinite_steps``), both leaving parameters and
-        state unchanged; ``None`` does not check (saves one tiny all-reduce per step).
+      **muon_options: every other keyword of MuonOptimizer (``method``, ``adjust_lr_fn``,
+        ``ns_dtype``, ``momentum_kind``, ``adamw_*``, ``nonfinite``, ``compile``, ...), with its
+        meaning and default. ``compile`` compiles the pre and post phases per bucket and the
+        owner's mid phase per batch of same-shape matrices; ``nonfinite="skip"`` decides on the
+        device after one tiny all-reduce of a flag, so a step skipped for an inf/nan on any rank
+        is skipped on every rank.
 
     A parameter whose ``.grad`` is ``None`` on a rank still joins every exchange (with zeros), so
     nothing hangs; that rank leaves the parameter and its state unchanged.
@@ -112,399 +109,299 @@ class FSDPMuonOptimizer(torch.optim.Optimizer):
         gradient_accumulation_steps: int = 1,
         *,
         strategy: str = "owner",
-        method: str = DEFAULT_METHOD,
-        adjust_lr_fn: str = "keller",
-        ns_dtype: torch.dtype | None = None,
-        ns_eps: float = 1e-7,
-        ns_coefficients: Any = None,
-        momentum_kind: str = "ema",
-        adamw_lr: float = 3e-4,
-        adamw_betas: tuple[float, float] = (0.9, 0.95),
-        adamw_eps: float = 1e-8,
-        adamw_weight_decay: float = 0.0,
         wire_dtype: torch.dtype | None = None,
         num_buckets: int = 4,
         process_group: Any = None,
-        nonfinite: str | None = "error",
-        compile: bool | Mapping[str, Any] = False,
+        **muon_options: Any,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        _checks.non_negative("lr", lr)
-        _checks.non_negative("weight_decay", weight_decay)
-        _checks.in_unit_interval("momentum", momentum)
-        if ns_steps is None:
-            ns_steps = default_steps(method)
-        _checks.positive_int("ns_steps", ns_steps)
-        _checks.positive("ns_stepsize", ns_stepsize)
-        if beta2 is not None:
-            _checks.in_unit_interval("beta2", beta2)
-        _checks.positive("eps", eps)
-        _checks.positive("ns_eps", ns_eps)
-        _checks.positive_int("gradient_accumulation_steps", gradient_accumulation_steps)
         _checks.one_of("strategy", strategy, STRATEGIES)
-        if not callable(method):
-            _checks.one_of("method", method, METHODS)
-        _checks.one_of("adjust_lr_fn", adjust_lr_fn, SHAPE_RULES)
-        _checks.one_of("momentum_kind", momentum_kind, ("ema", "sgd"))
-        _checks.non_negative("adamw_lr", adamw_lr)
-        _checks.in_unit_interval("adamw_betas[0]", adamw_betas[0])
-        _checks.in_unit_interval("adamw_betas[1]", adamw_betas[1])
-        _checks.positive("adamw_eps", adamw_eps)
-        _checks.non_negative("adamw_weight_decay", adamw_weight_decay)
         _checks.one_of("wire_dtype", wire_dtype, WIRE_DTYPES)
         _checks.positive_int("num_buckets", num_buckets)
-        _checks.one_of("nonfinite", nonfinite, ("error", "skip", None))
-        if not isinstance(compile, (bool, Mapping)):
-            raise TypeError(f"compile must be a bool or a dict of torch.compile options, got {compile!r}")
-        self._compile = compile
-        self._mid_cache: dict[Any, Any] = {}
-        self.nonfinite = nonfinite
-        self.nonfinite_steps = 0
-        self._model = model
+        self._model, self.strategy, self.wire_dtype, self._num_buckets = model, strategy, wire_dtype, num_buckets
         self._names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-        self.strategy = strategy
-        self.wire_dtype = wire_dtype
-        self.accumulation_steps = gradient_accumulation_steps
-        self._micro_step = 0
-        self._config = dict(
-            nesterov=nesterov, ns_steps=ns_steps, ns_stepsize=ns_stepsize, beta2=beta2, eps=eps,
-            method=method, adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype, ns_eps=ns_eps,
-            ns_coefficients=ns_coefficients, momentum_kind=momentum_kind,
-            adamw_betas=tuple(adamw_betas), adamw_eps=adamw_eps,
-        )
-        if ns_coefficients is not None:
-            validate_coefficients(ns_coefficients, name="ns_coefficients")
-        # What ``last_step_stats()["ns_flops"]`` counts per matrix (static: resolved once).
-        self._flops_schedule = ns_steps if callable(method) else coefficient_schedule(
-            method, ns_steps, coefficients=ns_coefficients, stepsize=ns_stepsize)
-        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, adamw_lr=adamw_lr,
-                        adamw_weight_decay=adamw_weight_decay, use_muon=None)
+        self._distributed = False
+        self._builds = itertools.count()
         if params is None:  # frozen parameters never get gradients: leave them out of the plan
             params = [p for p in model.parameters() if p.requires_grad]
-        super().__init__(params, defaults)
+        super().__init__(params, lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov,
+                         ns_steps=ns_steps, ns_stepsize=ns_stepsize, beta2=beta2, eps=eps,
+                         gradient_accumulation_steps=gradient_accumulation_steps, **muon_options)
+        self._distribute(process_group, gradient_accumulation_steps)
 
-        named = [(self._name(p), p) for g in self.param_groups for p in g["params"]]
+    def _distribute(self, process_group: Any, k: int) -> None:
+        """Where every parameter lives, its state, and the plan (once all groups are in)."""
+        named = [(self._names.get(id(p), ""), p) for g in self.param_groups for p in g["params"]]
         self.topology = _params.resolve_topology(named, process_group)
         self._layouts = {id(p): _params.layout_of(n, p, self.topology) for n, p in named}
-        self._fsdp_modules = _fsdp_modules(model)
-        if gradient_accumulation_steps > 1 and not self._fsdp_modules:
+        self._fsdp_modules = _fsdp_modules(self._model)
+        if k > 1 and not self._fsdp_modules:
             raise ValueError(
-                f"gradient_accumulation_steps={gradient_accumulation_steps} needs a model wrapped "
-                f"with torch.distributed.fsdp.fully_shard (FSDP2), but {type(model).__name__} "
-                "contains no FSDPModule"
-            )
-        # The matrices, in group order, and the plan every rank derives identically from them.
-        self._muon = [p for g in self.param_groups if g["use_muon"] for p in g["params"]]
-        self._muon_group = {id(p): i for i, g in enumerate(self.param_groups) if g["use_muon"]
-                            for p in g["params"]}
-        self.plan = _plan.make_plan(
-            [tuple(p.shape) for p in self._muon], self.topology.world_size,
-            replicated=[not self._layouts[id(p)].sharded for p in self._muon],
-            num_buckets=num_buckets, extra_cols=0 if beta2 is None else 1,
-        )
-        self._batched_singletons = _orthogonalize_batches_singletons()
-        self._scalars: list[dict[str, torch.Tensor]] = [{} for _ in self.param_groups]
-        self._init_state()
-        self._set_gradient_sync(gradient_accumulation_steps == 1)
+                f"gradient_accumulation_steps={k} needs a model wrapped with "
+                f"torch.distributed.fsdp.fully_shard (FSDP2), but {type(self._model).__name__} "
+                "contains no FSDPModule")
+        self._accumulation_steps, self._micro_step = k, 0
+        self._device = _params.local(named[0][1]).device if named else torch.device("cpu")
+        self._plan_key: Any = None
         self.last_step_stats: dict[str, Any] = {}
+        for index in range(len(self.param_groups)):
+            self._init_state(index)
+        self._matrices()
+        self._set_gradient_sync(k == 1)
+        self._distributed = True
 
     # ------------------------------------------------------------------ groups and state
-    def _name(self, p: torch.Tensor) -> str:
-        return self._names.get(id(p), f"<parameter of shape {tuple(p.shape)} not in model>")
+    def _name(self, group: dict[str, Any], p: torch.Tensor) -> str:
+        return repr(self._names.get(id(p), f"<parameter of shape {tuple(p.shape)} not in model>"))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if hasattr(self, "plan"):
+        if self._distributed:
             raise RuntimeError("FSDPMuonOptimizer cannot add parameter groups after construction "
                                "(the communication plan is fixed); pass every group to __init__")
+        use_muon = param_group.pop("use_muon", None)
+        if use_muon is not None:
+            param_group["algorithm"] = "muon" if use_muon else "adamw"
+            if not use_muon:  # AdamW at the AdamW half's settings, as "auto" groups run it
+                for key, source in (("lr", "adamw_lr"), ("weight_decay", "adamw_weight_decay")):
+                    param_group[key] = param_group.get(source, self.defaults[source])
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        for key in ("lr", "weight_decay", "adamw_lr", "adamw_weight_decay"):
-            _checks.non_negative(key, group[key])
-        _checks.in_unit_interval("momentum", group["momentum"])
-        lr = group["lr"]
-        group.setdefault("base_lr", float(lr))
-        for p in group["params"]:
-            if torch.is_complex(p):
-                raise ValueError(f"muon_fn does not support complex parameters, got {self._name(p)!r}")
-        use = group["use_muon"]
-        if use is None:
-            matrices = [p.ndim >= 2 for p in group["params"]]
-            if any(matrices) and not all(matrices):
-                # Split the group: Muon for matrices, AdamW for the rest, same hyperparameters.
-                rest = [p for p, m in zip(group["params"], matrices) if not m]
-                group["params"] = [p for p, m in zip(group["params"], matrices) if m]
-                group["use_muon"] = True
-                super().add_param_group({**{k: v for k, v in group.items() if k != "params"},
-                                         "params": rest, "use_muon": False})
-            else:
-                group["use_muon"] = bool(matrices) and all(matrices)
-        elif use:
-            for p in group["params"]:
-                if p.ndim < 2:
-                    raise ValueError(
-                        f"parameter {self._name(p)!r} of shape {tuple(p.shape)} is in a group with "
-                        "use_muon=True, but Muon needs a matrix (ndim >= 2); put it in an AdamW group"
-                    )
 
-    def _init_state(self) -> None:
-        """Create every state entry now, so state_dict keys are the same on every rank (DCP)."""
-        for group in self.param_groups:
-            for p in group["params"]:
-                st = self.state[p]
-                if st:
-                    continue
-                st["step"] = torch.zeros((), dtype=torch.float32, device=_params.local(p).device)
-                if group["use_muon"]:
-                    st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                    if self._config["beta2"] is not None:
-                        st["row_variance"] = _params.zeros_rows_state(p, (1,) * (p.ndim - 1), torch.float32)
-                else:
-                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+    @staticmethod
+    def _meta(params: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.empty(tuple(p.shape), dtype=p.dtype, device="meta") for p in params)
 
-    def _refresh_scalars(self, index: int) -> dict[str, torch.Tensor]:
-        """0-d float32 tensors holding the group's current scalars (as MuonOptimizer passes them)."""
-        group, scalars = self.param_groups[index], self._scalars[index]
-        device = _params.local(group["params"][0]).device if group["params"] else None
-        values = {k: group[k] for k in _SCALARS}
-        lr = float(group["lr"])
-        base = group.get("base_lr") or 0.0
-        values["adamw_lr_effective"] = float(group["adamw_lr"]) * (lr / base if base > 0 else 1.0)
-        for k, v in values.items():
-            t = scalars.get(k)
-            if t is None:
-                scalars[k] = t = torch.zeros((), dtype=torch.float32, device=device)
-            if isinstance(v, torch.Tensor):
-                t.copy_(v.detach().reshape(()))
-            else:
-                t.fill_(float(v))
-        return scalars
+    def _build(self, group: dict[str, Any], rt: Any, static_key: Any) -> None:
+        super()._build(group, rt, static_key)
+        rt.routes = group_routes(group, self._group_hyper(group, rt), self._factory, self._meta,
+                                 self._bucket_size, self._compile_options)
+        rt.build = next(self._builds)
 
-    # ------------------------------------------------------------------ the matrix update
-    def _msign(self, wide_counts: dict[tuple, int]) -> Callable[[torch.Tensor], torch.Tensor]:
-        """The orthogonalization the owner runs, taking the same kernel path (batched or not) as a
-        single-device ``orthogonalize`` over the whole group would for each matrix."""
-        c = self._config
+    def _init_state(self, index: int) -> None:
+        """Every state entry now, so state_dict keys are the same on every rank (DCP): rows of a
+        sharded parameter's state are DTensors laid out like the parameter, the rest plain."""
+        params = self.param_groups[index]["params"]
+        for route in self._runtime(index).routes:
+            for bucket in route.buckets:
+                ps = [params[i] for i in bucket.indices]
+                fresh = route.phases.whole.init(tuple(_params.local(p) for p in ps))
+                leaves = [None if leaf is None else self._state_leaf(ps[slot.index], slot, leaf)
+                          for slot, leaf in zip(bucket.layout.slots, _tree.tree_leaves(fresh))]
+                states = [self.state[p] for p in ps]
+                _state.scatter(bucket.layout, _tree.tree_unflatten(bucket.layout.spec, leaves), states,
+                               overwrite=False)
 
-        def msign(x: torch.Tensor) -> torch.Tensor:
-            dtype = c["ns_dtype"] or default_compute_dtype(x.device)
-            run = lambda y: newton_schulz(  # noqa: E731
-                y, c["method"], c["ns_steps"], coefficients=c["ns_coefficients"], dtype=dtype,
-                eps=c["ns_eps"], stepsize=c["ns_stepsize"])
-            if callable(c["method"]):
-                return c["method"](x)
-            if x.ndim == 2 and (self._batched_singletons or (
-                    wide_counts.get((tuple(x.shape), x.dtype), 0) > 1 and _stack_pays(x))):
-                # As torch.stack would: a contiguous batch (a transposed view takes another kernel).
-                return run(x.unsqueeze(0).contiguous()).squeeze(0)
-            return run(x)
+    def _state_leaf(self, p: torch.Tensor, slot: _state.Slot, local: torch.Tensor) -> torch.Tensor:
+        if slot.shape and slot.shape[0] == p.shape[0]:
+            return _params.rows_like(p, local, slot.shape)
+        if tuple(local.shape) != slot.shape:
+            raise ValueError(f"state {slot.key!r} of parameter {self._names.get(id(p))!r} has shape "
+                             f"{tuple(local.shape)} on this rank's rows but {slot.shape} on the whole "
+                             "parameter: the FSDP adapter cannot hold it (neither per row nor whole)")
+        return local
 
-        return msign
+    def _local_state(self, bucket: Any, params: list[torch.Tensor]) -> Any:
+        """The bucket's state as this rank's tensors (views of the stored ones)."""
+        stored = _state.gather(bucket.layout, [self.state[params[i]] for i in bucket.indices])
+        return _tree.tree_map(lambda t: None if t is None else _params.local(t), stored)
 
-    def _mid(self, wide_counts: dict[tuple, int]):
-        """The owner's transform: orthogonalize (+ normalize_rows) + scale_by_shape, cached per
-        batching pattern (so a compiled one is reused step after step)."""
-        key = tuple(sorted((k, v > 1) for k, v in wide_counts.items()))
-        mid = self._mid_cache.get(key)
-        if mid is None:
-            c = self._config
-            parts = [orthogonalize(self._msign(dict(wide_counts)))]
-            if c["beta2"] is not None:
-                parts.append(normalize_rows(c["beta2"], c["eps"]))
-            parts.append(scale_by_shape(c["adjust_lr_fn"]))
-            mid = chain(*parts)
-            if self._compile is not False:
-                options = dict(self._compile) if isinstance(self._compile, Mapping) else {}
-                mid = compile_update(mid, **options)
-            self._mid_cache[key] = mid
-        return mid
+    # ------------------------------------------------------------------ the plan
+    def _matrices(self) -> list[_Matrix]:
+        """Every matrix with a mid phase, in group order; the plan is rebuilt when they change."""
+        runtimes = [self._runtime(i) for i in range(len(self.param_groups))]
+        key = tuple(rt.build for rt in runtimes)
+        if key == self._plan_key:
+            return self._matrix_list
+        matrices = []
+        for gi, (group, rt) in enumerate(zip(self.param_groups, runtimes)):
+            routes = {i: r for r in rt.routes for i in r.indices}
+            for i, p in enumerate(group["params"]):
+                route = routes[i]
+                if route.phases.mid is not None:
+                    matrices.append(_Matrix(gi, route, i, p, route.formats[i], _flops(group, p.shape)))
+        self._set_plan(matrices)
+        self._plan_key, self._matrix_list = key, matrices
+        self._index = {(m.group, m.position): j for j, m in enumerate(matrices)}
+        return matrices
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One optimization step (or one accumulation micro-step). Never modifies ``.grad``."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        t_start = time.perf_counter()
-        k = self.accumulation_steps
-        if k > 1:
-            self._micro_step += 1
-            final = self._micro_step == k
-            if final:
-                self._micro_step = 0
-            # Sync the next backward only if it is the last micro-batch of a step.
-            self._set_gradient_sync(self._micro_step == k - 1)
-            if not final:
-                self.last_step_stats = {"applied": False, "micro_step": self._micro_step}
-                return loss
-        if self.nonfinite is not None and not self._grads_finite(k):
-            self.nonfinite_steps += 1
-            self.last_step_stats = {"applied": False, "nonfinite": True}
-            if self.nonfinite == "error":
-                bad = [self._name(p) for g in self.param_groups for p in g["params"]
-                       if p.grad is not None and not bool(torch.isfinite(_params.local(p.grad)).all())]
-                where = ", ".join(repr(b) for b in bad) if bad else "parameters of another rank"
-                raise RuntimeError(
-                    f"non-finite gradient (inf or nan) in {where}; parameters and optimizer state "
-                    "were left unchanged. Pass nonfinite='skip' to skip such steps."
-                )
-            return loss
-        stats = self._muon_step(k)
-        self._adamw_step(k)
-        stats["step_s"] = time.perf_counter() - t_start
-        stats["applied"] = True
-        self.last_step_stats = stats
-        return loss
-
-    def _grads_finite(self, k: int) -> bool:
-        """True if every rank's gradients are finite (agreed by all ranks, so none hangs)."""
-        flags = [torch.isfinite(_params.local(p.grad)).all()
-                 for g in self.param_groups for p in g["params"] if p.grad is not None]
-        local_ok = bool(torch.stack(flags).all()) if flags else True
+    def _set_plan(self, matrices: list[_Matrix]) -> None:
         topo = self.topology
-        return _exchange.all_ranks_true(local_ok, topo.group, topo.world_size)
+        plan = _plan.make_plan(
+            [tuple(m.param.shape) for m in matrices], topo.world_size,
+            replicated=[not self._layouts[id(m.param)].sharded for m in matrices],
+            num_buckets=self._num_buckets, extra_cols=[m.fmt.sent_cols - m.fmt.cols for m in matrices])
+        _exchange.check_same(repr(plan), "the communication plan (parameter shapes and groups)",
+                             topo.group, topo.world_size)
+        self.plan, self._wire_in = plan, _rows.common_dtype([m.fmt for m in matrices])
 
-    def _grad(self, p: torch.Tensor, k: int) -> torch.Tensor | None:
-        g = p.grad
-        if g is None:
+    # ------------------------------------------------------------------ the step
+    @torch.compiler.disable
+    def _step(self) -> None:
+        start = time.perf_counter()
+        k = self._accumulation_steps
+        if k > 1 and not self._last_micro_batch(k):
+            return
+        grads = [self._local_grads(group, k) for group in self.param_groups]
+        finite = self._finite(grads)
+        stats = self._apply(grads, finite)
+        if finite is not None:
+            self._count_nonfinite(finite)
+        self.last_step = StepReport(torch.ones((), dtype=torch.bool) if finite is None else finite, True)
+        self.last_step_stats = {**stats, "step_s": time.perf_counter() - start, "applied": True}
+
+    def _last_micro_batch(self, k: int) -> bool:
+        """Count a micro-step; sync the next backward only if it is the last of a step."""
+        self._micro_step += 1
+        final = self._micro_step == k
+        if final:
+            self._micro_step = 0
+        self._set_gradient_sync(self._micro_step == k - 1)
+        if not final:
+            self.last_step = StepReport(torch.ones((), dtype=torch.bool), False)
+            self.last_step_stats = {"applied": False, "micro_step": self._micro_step}
+        return final
+
+    def _local_grads(self, group: dict[str, Any], k: int) -> tuple[torch.Tensor | None, ...]:
+        grads = []
+        for p in group["params"]:
+            g = p.grad
+            if g is not None and g.is_sparse:
+                raise RuntimeError(f"muon_fn does not support sparse gradients (parameter {self._name(group, p)})")
+            g = None if g is None else _params.local(g.detach())
+            grads.append(g / k if g is not None and k > 1 else g)
+        return tuple(grads)
+
+    def _finite(self, grads: list[tuple]) -> torch.Tensor | None:
+        """Whether every rank's gradients are finite (agreed by all ranks, decided on the device)."""
+        if self.nonfinite is None:
             return None
-        if g.is_sparse:
-            raise RuntimeError(f"muon_fn does not support sparse gradients (parameter {self._name(p)!r})")
-        g = _params.local(g.detach())
-        return g / k if k > 1 else g
+        local = [g for gs in grads for g in gs if g is not None]
+        flag = _all_finite(local) if local else torch.ones((), dtype=torch.bool, device=self._device)
+        finite = _exchange.all_ranks_finite(flag, self.topology.group, self.topology.world_size)
+        if self.nonfinite == "error" and not bool(finite):
+            self._count_nonfinite(finite)
+            bad = self._nonfinite_params(list(enumerate(grads)))
+            raise RuntimeError(
+                f"non-finite gradient (inf or nan) in {', '.join(bad) or 'parameters of another rank'}; "
+                "parameters and optimizer state were left unchanged. Pass nonfinite='skip' to skip "
+                "such steps.")
+        return finite
 
-    def _muon_step(self, k: int) -> dict[str, Any]:
-        c, topo, beta2 = self._config, self.topology, self._config["beta2"]
-        mu_dtypes = [self.state[p]["momentum_buffer"].dtype for p in self._muon]
-        # One dtype on the way to the owner (the exchange needs it): fp32 if any matrix or the
-        # NorMuon row state is fp32; up-casts are exact, and the owner casts back.
-        wire_in = torch.float32 if beta2 is not None or torch.float32 in mu_dtypes else mu_dtypes[0] \
-            if mu_dtypes else torch.float32
-        held: list[torch.Tensor] = []
-        has_grad: list[bool] = []
-        wide_counts: list[dict[tuple, int]] = [{} for _ in self.param_groups]
-        # pre: momentum on local rows, one call per group.
-        for index, group in enumerate(self.param_groups):
-            if not group["use_muon"]:
-                continue
-            s = self._refresh_scalars(index)
-            params = group["params"]
-            grads = tuple(self._grad(p, k) for p in params)
-            bufs = tuple(_params.local(self.state[p]["momentum_buffer"]) for p in params)
-            pre = momentum_tx(s["momentum"], nesterov=c["nesterov"], kind=c["momentum_kind"])
-            out, new = pre.update(grads, MomentumState(mu=bufs))
-            for p, g, b, nb, u in zip(params, grads, bufs, new.mu, out):
-                rows, cols = _plan.flat_shape(p.shape)
-                has_grad.append(g is not None)
-                if g is not None:
-                    b.copy_(nb)
-                    key = ((min(rows, cols), max(rows, cols)), u.dtype)  # wide orientation
-                    wide_counts[index][key] = wide_counts[index].get(key, 0) + 1
-                x = (u if u is not None else torch.zeros_like(b)).reshape(b.shape[0], cols).to(wire_in)
-                if beta2 is not None:
-                    v = _params.local(self.state[p]["row_variance"]).reshape(b.shape[0], 1)
-                    x = torch.cat([x, v.to(wire_in)], dim=1)
-                held.append(x)
-        group_of = [self._muon_group[id(p)] for p in self._muon]
-        mids = {i: self._mid(wide_counts[i]) for i, g in enumerate(self.param_groups) if g["use_muon"]}
-        flops = 0
-        schedule = self._flops_schedule
-
-        def compute(idx: list[int], mats: list[torch.Tensor]) -> list[torch.Tensor]:
-            """mid on the full matrices of ``idx`` (the owner's), one call per parameter group."""
-            nonlocal flops
-            results: list[torch.Tensor | None] = [None] * len(idx)
-            by_group: dict[int, list[int]] = {}
-            for pos, j in enumerate(idx):
-                by_group.setdefault(group_of[j], []).append(pos)
-            for gi, positions in by_group.items():
-                shapes = [self.plan.matrices[idx[q]].shape for q in positions]
-                fulls = tuple(
-                    (mats[q][:, :-1] if beta2 is not None else mats[q]).to(mu_dtypes[idx[q]])
-                    .contiguous().reshape(shape)
-                    for q, shape in zip(positions, shapes)
-                )
-                mid = mids[gi]
-                state = tuple(mid.init(fulls))
-                if beta2 is not None:  # the rows' NorMuon state travelled as the last column
-                    nus = tuple(mats[q][:, -1:].float().reshape((shape[0],) + (1,) * (len(shape) - 1))
-                                for q, shape in zip(positions, shapes))
-                    state = (state[0], NormalizeRowsState(nu=nus), state[2])
-                outs, new_state = mid.update(fulls, state)
-                for n, (q, o, shape) in enumerate(zip(positions, outs, shapes)):
-                    r = o.reshape(shape[0], -1).to(wire_in)
-                    if beta2 is not None:
-                        r = torch.cat([r, new_state[1].nu[n].reshape(-1, 1).to(wire_in)], dim=1)
-                    results[q] = r
-                    flops += _plan.ns_flops(shape, schedule)
-            return results  # type: ignore[return-value]
-
+    def _apply(self, grads: list[tuple], finite: torch.Tensor | None) -> dict[str, Any]:
+        matrices, topo = self._matrices(), self.topology
+        held = self._pre(matrices, grads, finite)
+        new_replicated: dict[int, list[torch.Tensor]] = {}
+        compute = functools.partial(self._mid, matrices, new_replicated)
         run = _exchange.exchange if self.strategy == "owner" else _exchange.exchange_replicated
-        mine, ex = run(self.plan, topo.rank, held, compute, group=topo.group, wire_dtype=self.wire_dtype)
-        # post: weight decay and learning rate on local rows, then p += u.
-        j = 0
-        for index, group in enumerate(self.param_groups):
-            if not group["use_muon"]:
-                continue
-            s = self._scalars[index]
-            params = group["params"]
-            locs = tuple(_params.local(p) for p in params)
-            dirs = []
-            for p, lo in zip(params, locs):
-                r = mine[j]
-                if beta2 is not None:
-                    if has_grad[j]:
-                        v = _params.local(self.state[p]["row_variance"])
-                        v.copy_(r[:, -1:].reshape(v.shape))
-                    r = r[:, :-1]
-                dirs.append(r.to(mu_dtypes[j]).reshape(lo.shape) if has_grad[j] else None)
-                j += 1
-            post = chain(add_decoupled_weight_decay(s["weight_decay"]), scale_by_learning_rate(s["lr"]))
-            updates, _ = post.update(tuple(dirs), (EmptyState(), EmptyState()), locs)
-            for p, lo, u in zip(params, locs, updates):
-                if u is not None:
-                    lo.add_(u.to(lo.dtype))
-                    self.state[p]["step"].add_(1)
-        computed = sum(1 for mp in self.plan.matrices
-                       if self.strategy == "replicate" or mp.owner == topo.rank)
-        return {
-            "strategy": self.strategy, "rank": topo.rank, "world_size": topo.world_size,
-            "bytes_sent": ex.bytes_sent, "bytes_received": ex.bytes_received,
-            "ns_flops": flops, "matrices_computed": computed,
-            "comm_wait_s": ex.comm_wait_s, "compute_s": ex.compute_s,
-        }
+        mine, ex = run(self.plan, topo.rank, held, compute, group=topo.group, wire_dtype=self.wire_dtype,
+                       result_cols=[m.fmt.returned_cols for m in matrices])
+        self._post(matrices, grads, mine, self._share(matrices, new_replicated), finite)
+        self._elementwise(grads, finite)
+        computed = [j for j in range(len(matrices)) if self.strategy == "replicate" or
+                    self.plan.matrices[j].owner == topo.rank]
+        return {"strategy": self.strategy, "rank": topo.rank, "world_size": topo.world_size,
+                "bytes_sent": ex.bytes_sent, "bytes_received": ex.bytes_received,
+                "ns_flops": sum(matrices[j].flops for j in computed), "matrices_computed": len(computed),
+                "comm_wait_s": ex.comm_wait_s, "compute_s": ex.compute_s}
 
-    def _adamw_step(self, k: int) -> None:
-        c = self._config
-        for index, group in enumerate(self.param_groups):
-            if group["use_muon"] or not group["params"]:
-                continue
-            s = self._refresh_scalars(index)
-            params = group["params"]
-            grads = tuple(self._grad(p, k) for p in params)
-            locs = tuple(_params.local(p) for p in params)
-            sts = [self.state[p] for p in params]
-            state = ScaleByAdamState(
-                count=tuple(st["step"] for st in sts),
-                mu=tuple(_params.local(st["exp_avg"]) for st in sts),
-                nu=tuple(_params.local(st["exp_avg_sq"]) for st in sts),
-            )
-            tx = chain(scale_by_adam(c["adamw_betas"], c["adamw_eps"]),
-                       add_decoupled_weight_decay(s["adamw_weight_decay"]),
-                       scale_by_learning_rate(s["adamw_lr_effective"]))
-            updates, new = tx.update(grads, (state, EmptyState(), EmptyState()), locs)
-            adam = new[0]
-            for st, g, cnt, m, v in zip(sts, grads, adam.count, adam.mu, adam.nu):
-                if g is None:
+    def _mid_buckets(self) -> Iterator[tuple[int, Route, Any, list[torch.Tensor]]]:
+        """(group index, route, bucket, local params) of every route with a mid phase."""
+        for gi, (group, rt) in enumerate(zip(self.param_groups, self._runtimes)):
+            for route in rt.routes:
+                if route.phases.mid is not None:
+                    for bucket in route.buckets:
+                        yield gi, route, bucket, group["params"]
+
+    def _pre(self, matrices: list[_Matrix], grads: list[tuple], finite: torch.Tensor | None) -> list[torch.Tensor]:
+        """The pre phase on local rows; returns every matrix's rows to send (:mod:`._rows`)."""
+        held: list[torch.Tensor | None] = [None] * len(matrices)
+        for gi, route, bucket, params in self._mid_buckets():
+            local = tuple(_params.local(params[i]) for i in bucket.indices)
+            g = tuple(grads[gi][i] for i in bucket.indices)
+            state, _, _ = route.phases.states(self._local_state(bucket, params))
+            updates = (None,) * len(g) if all(x is None for x in g) else route.steps.pre(
+                _phases.signature(local, g, state, finite), local, g, state, finite)
+            for i, p, u in zip(bucket.indices, local, updates):
+                j = self._index[(gi, i)]
+                fmt = matrices[j].fmt
+                rows = [_params.local(self.state[params[i]][leaf.key]) for leaf in fmt.row_states]
+                held[j] = _rows.pack(fmt, u, p, rows, self._wire_in)
+        return held  # type: ignore[return-value]
+
+    def _mid(self, matrices: list[_Matrix], new_replicated: dict, idx: list[int],
+             mats: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The owner's mid phase on whole matrices ``mats`` (plan indices ``idx``), batched per
+        route and shape; new replicated state goes to ``new_replicated``."""
+        results: dict[int, torch.Tensor] = {}
+        keys = [(id(matrices[j].route), matrices[j].fmt.shape, matrices[j].param.dtype) for j in idx]
+        for members in group_by(keys, self._bucket_size):
+            batch = [idx[q] for q in members]
+            route, fmt0 = matrices[batch[0]].route, matrices[batch[0]].fmt
+            sent = [_rows.unpack_sent(matrices[j].fmt, mats[q]) for j, q in zip(batch, members)]
+            for j, (_, _, states) in zip(batch, sent):
+                for leaf in matrices[j].fmt.replicated:
+                    states[leaf.key] = _params.local(self.state[matrices[j].param][leaf.key])
+            layout = route.mid_layout(fmt0.shape, matrices[batch[0]].param.dtype, len(batch))
+            state = _state.gather(layout, [states for _, _, states in sent])
+            updates = tuple(u for u, _, _ in sent)
+            params = tuple(p for _, p, _ in sent) if route.phases.mid_needs_params else None
+            out, new_state = route.steps.mid(_phases.signature(params, updates, state), params, updates, state)
+            new = [{} for _ in batch]
+            _state.scatter(layout, new_state, new)
+            for j, u, n in zip(batch, out, new):
+                results[j] = _rows.pack_result(matrices[j].fmt, u, n, self._wire_in)
+                new_replicated[j] = [n[leaf.key] for leaf in matrices[j].fmt.replicated]
+        return [results[j] for j in idx]
+
+    def _share(self, matrices: list[_Matrix], new: dict[int, list[torch.Tensor]]) -> dict[int, list[torch.Tensor]]:
+        """Every rank's copy of the replicated mid state each owner computed (one all-reduce)."""
+        topo = self.topology
+        with_state = [j for j, m in enumerate(matrices) if m.fmt.replicated]
+        if not with_state or self.strategy == "replicate" or topo.world_size == 1:
+            return new
+        like = [_params.local(self.state[matrices[j].param][leaf.key]) for j in with_state
+                for leaf in matrices[j].fmt.replicated]
+        values = [v for j in with_state for v in new.get(j, [None] * len(matrices[j].fmt.replicated))]
+        flat = iter(_exchange.share_from_owners(values, like, topo.group))
+        return {j: [next(flat) for _ in matrices[j].fmt.replicated] for j in with_state}
+
+    def _post(self, matrices: list[_Matrix], grads: list[tuple], mine: list[torch.Tensor],
+              shared: dict[int, list[torch.Tensor]], finite: torch.Tensor | None) -> None:
+        """The mid state written back and the post phase applied, on local rows."""
+        for gi, route, bucket, params in self._mid_buckets():
+            local = tuple(_params.local(params[i]) for i in bucket.indices)
+            _, _, state = route.phases.states(self._local_state(bucket, params))
+            updates, old_mid, new_mid = [], [], []
+            for i, p in zip(bucket.indices, local):
+                j = self._index[(gi, i)]
+                fmt = matrices[j].fmt
+                if grads[gi][i] is None:  # this rank leaves the parameter and its state alone
+                    u = old = new = None
+                else:
+                    u, rows = _rows.unpack_result(fmt, mine[j], p.shape)
+                    old = tuple(_params.local(self.state[params[i]][leaf.key])
+                                for leaf in fmt.row_states + fmt.replicated)
+                    new = tuple(rows) + tuple(shared.get(j, ()))
+                updates.append(u)
+                old_mid.append(old)
+                new_mid.append(new)
+            if any(u is not None for u in updates):
+                args = (local, tuple(updates), state, tuple(old_mid), tuple(new_mid), finite)
+                route.steps.post(_phases.signature(*args), *args)
+
+    def _elementwise(self, grads: list[tuple], finite: torch.Tensor | None) -> None:
+        """Transforms without a mid phase (AdamW), whole on local rows."""
+        for gi, (group, rt) in enumerate(zip(self.param_groups, self._runtimes)):
+            for route in rt.routes:
+                if route.phases.mid is not None:
                     continue
-                st["step"].copy_(cnt)
-                _params.local(st["exp_avg"]).copy_(m)
-                _params.local(st["exp_avg_sq"]).copy_(v)
-            for lo, u in zip(locs, updates):
-                if u is not None:
-                    lo.add_(u.to(lo.dtype))
+                for bucket in route.buckets:
+                    g = tuple(grads[gi][i] for i in bucket.indices)
+                    if all(x is None for x in g):
+                        continue
+                    local = tuple(_params.local(group["params"][i]) for i in bucket.indices)
+                    args = (local, g, self._local_state(bucket, group["params"]), finite)
+                    route.steps.whole(_phases.signature(*args), *args)
 
     # ------------------------------------------------------------------ FSDP2 helpers
     def _set_gradient_sync(self, enabled: bool) -> None:
@@ -528,26 +425,29 @@ class FSDPMuonOptimizer(torch.optim.Optimizer):
                 m.reshard()
 
     def describe(self) -> str:
-        """Which parameters get Muon or AdamW, and who computes each matrix."""
+        """Which transform each parameter gets, and who computes each matrix."""
         lines = [f"FSDPMuonOptimizer(strategy={self.strategy!r}, world_size={self.topology.world_size})"]
-        for j, p in enumerate(self._muon):
-            mp = self.plan.matrices[j]
-            lines.append(f"  muon  {self._name(p)} {tuple(p.shape)} owner={mp.owner} bucket={mp.bucket}")
-        for g in self.param_groups:
-            if not g["use_muon"]:
-                lines += [f"  adamw {self._name(p)} {tuple(p.shape)}" for p in g["params"]]
+        owners = {(m.group, m.position): self.plan.matrices[j] for j, m in enumerate(self._matrices())}
+        for gi, group in enumerate(self.param_groups):
+            for route in self._runtime(gi).routes:
+                for i in route.indices:
+                    p, mp = group["params"][i], owners.get((gi, i))
+                    where = "" if mp is None else f" owner={mp.owner} bucket={mp.bucket}"
+                    lines.append(f"  {route.label:<5} {self._names.get(id(p))} {tuple(p.shape)}{where}")
         return "\n".join(lines)
+
+
+def _flops(group: dict[str, Any], shape: tuple[int, ...]) -> int:
+    """Newton–Schulz FLOPs of one matrix under the group's orthogonalization settings."""
+    method, steps = group["method"], group["ns_steps"] or default_steps(group["method"])
+    if callable(method):
+        return _plan.ns_flops(shape, steps)
+    schedule, _ = resolve_method(method, steps, coefficients=group["ns_coefficients"],
+                                 stepsize=group["ns_stepsize"])
+    return _plan.ns_flops(shape, schedule)
 
 
 def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
     from torch.distributed.fsdp import FSDPModule
 
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
-
-
-def _orthogonalize_batches_singletons() -> bool:
-    """Whether the core's ``orthogonalize`` hands a lone matrix to ``method`` as a batch of one."""
-    seen = []
-    probe = orthogonalize(lambda x: seen.append(x.ndim) or x)
-    probe.update((torch.zeros(2, 3),), EmptyState())
-    return seen == [3]

@@ -188,7 +188,7 @@ def make_plan(
     *,
     replicated: Sequence[bool] | None = None,
     num_buckets: int = 4,
-    extra_cols: int = 0,
+    extra_cols: int | Sequence[int] = 0,
 ) -> Plan:
     """Owners, row splits and buckets for matrices of global ``shapes`` on ``world_size`` ranks.
 
@@ -200,21 +200,20 @@ def make_plan(
         Default: all sharded as ``Shard(0)`` with ``torch.chunk`` rows.
       num_buckets: exchanges per step (fewer if there are fewer matrices).
       extra_cols: columns appended to every row on the wire (e.g. a per-row state travelling
-        with the matrix); they add to ``cols`` but not to the cost.
+        with the matrix), one count for every matrix or one per matrix; they add to ``cols`` but
+        not to the cost.
 
     Owners are assigned by LPT on ``m·n·min(m, n)`` bucket by bucket, each bucket starting from the
     loads of the previous ones: every bucket keeps all ranks busy and the total is balanced.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"Invalid world_size: {world_size!r} (expected an integer >= 1)")
-    if extra_cols < 0:
-        raise ValueError(f"Invalid extra_cols: {extra_cols} (expected >= 0)")
     shapes = [tuple(int(s) for s in shape) for shape in shapes]
     flat = [flat_shape(s) for s in shapes]
-    if replicated is None:
-        replicated = [False] * len(shapes)
-    if len(replicated) != len(shapes):
-        raise ValueError(f"replicated has {len(replicated)} entries for {len(shapes)} shapes")
+    replicated = _per_matrix("replicated", False if replicated is None else replicated, len(shapes))
+    extra = _per_matrix("extra_cols", extra_cols, len(shapes))
+    if any(e < 0 for e in extra):
+        raise ValueError(f"Invalid extra_cols: {extra_cols} (expected >= 0)")
     groups = make_buckets([m * n for m, n in flat], num_buckets)
     owners = [0] * len(shapes)
     bucket_of = [0] * len(shapes)
@@ -233,7 +232,7 @@ def make_plan(
         else:
             contrib = receive = chunk_rows(m, world_size)
         matrices.append(
-            MatrixPlan(j, shape, m, n + extra_cols, owners[j], bucket_of[j], contrib, receive)
+            MatrixPlan(j, shape, m, n + extra[j], owners[j], bucket_of[j], contrib, receive)
         )
     buckets = []
     for b, members in enumerate(groups):
@@ -248,3 +247,13 @@ def make_plan(
             BucketPlan(b, tuple(members), tuple(map(tuple, gather)), tuple(map(tuple, scatter)))
         )
     return Plan(world_size, tuple(matrices), tuple(buckets))
+
+
+def _per_matrix(name: str, value, n: int) -> list:
+    """``value`` for each of ``n`` matrices: a sequence of ``n`` entries, or one value for all."""
+    if isinstance(value, (bool, int)):
+        return [value] * n
+    value = list(value)
+    if len(value) != n:
+        raise ValueError(f"{name} has {len(value)} entries for {n} shapes")
+    return value

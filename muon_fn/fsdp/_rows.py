@@ -1,0 +1,130 @@
+"""How a matrix travels to its owner and back: the columns of its rows.
+
+Sent, per row of the matrix (``(out, in)``, conv kernels folded into ``in``): the update (``in``
+columns), the parameter's row when the mid phase reads parameters (``in`` more), then every *row
+state* of the mid phase — a state leaf whose leading dim is the matrix's rows, such as NorMuon's
+``row_variance`` — flattened to ``(out, k)``. Returned: the mid phase's update, then the new row
+states. Every other mid-state leaf is *replicated*: each rank holds it whole, the owner computes
+its new value, and the adapter shares it after the exchange. Everything travels in one dtype
+(:func:`common_dtype`, an exact up-cast) and is cast back on arrival.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Sequence
+
+import torch
+
+from ..optim._state import Slot
+
+
+class Leaf(NamedTuple):
+    """One mid-state leaf of one matrix."""
+
+    key: str  # its key in torch's state dict
+    shape: tuple[int, ...]  # global
+    dtype: torch.dtype
+
+    @property
+    def width(self) -> int:
+        """Columns it takes on the wire (a row state)."""
+        return math.prod(self.shape[1:])
+
+
+class RowFormat(NamedTuple):
+    """The columns of one matrix on the wire."""
+
+    shape: tuple[int, ...]  # the parameter's global shape
+    update_dtype: torch.dtype  # of the update entering the mid phase
+    result_dtype: torch.dtype  # of the update the mid phase returns
+    param_dtype: torch.dtype | None  # None: the parameter does not travel
+    row_states: tuple[Leaf, ...]
+    replicated: tuple[Leaf, ...]
+
+    @property
+    def cols(self) -> int:
+        return math.prod(self.shape[1:])
+
+    @property
+    def sent_cols(self) -> int:
+        return self.cols * (2 if self.param_dtype is not None else 1) + self._state_cols
+
+    @property
+    def returned_cols(self) -> int:
+        return self.cols + self._state_cols
+
+    @property
+    def _state_cols(self) -> int:
+        return sum(leaf.width for leaf in self.row_states)
+
+    def dtypes(self) -> set[torch.dtype]:
+        return {self.update_dtype, self.result_dtype, *(leaf.dtype for leaf in self.row_states)} | (
+            set() if self.param_dtype is None else {self.param_dtype})
+
+
+def row_format(shape: Sequence[int], update_dtype: torch.dtype, result_dtype: torch.dtype,
+               param_dtype: torch.dtype | None, mid_slots: Sequence[Slot | None]) -> RowFormat:
+    """The format of a matrix of global ``shape`` whose mid phase has the state ``mid_slots``
+    (the slots of a one-matrix layout); ``param_dtype`` None when the mid phase reads no params."""
+    rows, replicated = [], []
+    for slot in mid_slots:
+        if slot is None:
+            continue
+        leaf = Leaf(slot.key, slot.shape, slot.dtype)
+        (rows if len(slot.shape) >= 1 and slot.shape[0] == shape[0] else replicated).append(leaf)
+    return RowFormat(tuple(shape), update_dtype, result_dtype, param_dtype, tuple(rows), tuple(replicated))
+
+
+def common_dtype(formats: Sequence[RowFormat]) -> torch.dtype:
+    """One dtype that holds every column of every format exactly (fp32 for fp32 and bf16)."""
+    dtypes = {d for f in formats for d in f.dtypes()}
+    out = torch.float32 if not dtypes else dtypes.pop()
+    for d in dtypes:
+        out = torch.promote_types(out, d)
+    return out
+
+
+def _columns(tensors: Sequence[torch.Tensor], rows: int, dtype: torch.dtype) -> torch.Tensor:
+    flat = [t.reshape(rows, -1).to(dtype) for t in tensors]
+    return flat[0] if len(flat) == 1 else torch.cat(flat, dim=1)
+
+
+def _split(x: torch.Tensor, widths: Sequence[int]) -> list[torch.Tensor]:
+    return list(torch.split(x, list(widths), dim=1))
+
+
+def pack(fmt: RowFormat, update: torch.Tensor | None, param: torch.Tensor, states: Sequence[torch.Tensor],
+         dtype: torch.dtype) -> torch.Tensor:
+    """This rank's rows to send, ``(rows, sent_cols)``: ``update`` (zeros if None), ``param`` (if
+    the format carries it) and the row ``states`` in the format's order."""
+    rows = param.shape[0]
+    if update is None:
+        update = torch.zeros((rows, fmt.cols), dtype=dtype, device=param.device)
+    return _columns([update] + ([param] if fmt.param_dtype is not None else []) + list(states), rows, dtype)
+
+
+def unpack_sent(fmt: RowFormat, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+    """On the owner, the whole matrix's update, parameter (or None) and row states, each in its
+    own dtype and global shape, contiguous (as a single-device step would see them)."""
+    widths = [fmt.cols] * (2 if fmt.param_dtype is not None else 1) + [leaf.width for leaf in fmt.row_states]
+    cols = _split(x, widths)
+    update = cols.pop(0).to(fmt.update_dtype).contiguous().reshape(fmt.shape)
+    param = None if fmt.param_dtype is None else cols.pop(0).to(fmt.param_dtype).contiguous().reshape(fmt.shape)
+    states = {leaf.key: c.to(leaf.dtype).contiguous().reshape(leaf.shape) for leaf, c in zip(fmt.row_states, cols)}
+    return update, param, states
+
+
+def pack_result(fmt: RowFormat, update: torch.Tensor, states: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """On the owner, the result to return, ``(out, returned_cols)``."""
+    return _columns([update] + [states[leaf.key] for leaf in fmt.row_states], fmt.shape[0], dtype)
+
+
+def unpack_result(fmt: RowFormat, x: torch.Tensor, local_shape: Sequence[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """This rank's rows of the result: the update shaped like the local parameter, and the new
+    row states shaped like the local state leaves."""
+    rows = x.shape[0]
+    cols = _split(x, [fmt.cols] + [leaf.width for leaf in fmt.row_states])
+    update = cols[0].to(fmt.result_dtype).reshape(tuple(local_shape))
+    states = [c.to(leaf.dtype).reshape((rows,) + leaf.shape[1:]) for leaf, c in zip(fmt.row_states, cols[1:])]
+    return update, states
