@@ -33,7 +33,7 @@ from ..optim import _state
 from ..optim._adapter import Optimizer, StepReport, _all_finite
 from ..optim._muon import MuonOptimizer
 from . import _exchange, _params, _phases, _plan, _rows
-from ._routes import Route, group_routes
+from ._routes import Bucket, Route, group_routes
 
 STRATEGIES = ("owner", "replicate")
 WIRE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
@@ -44,6 +44,7 @@ class _Matrix(NamedTuple):
 
     group: int
     route: Route
+    bucket: Bucket  # the matrices its owner computes together (as single-device MuonOptimizer)
     position: int  # in group["params"]
     param: torch.Tensor
     fmt: _rows.RowFormat
@@ -173,26 +174,32 @@ class FSDPMuonOptimizer(MuonOptimizer):
 
     def _build(self, group: dict[str, Any], rt: Any, static_key: Any) -> None:
         super()._build(group, rt, static_key)
-        rt.routes = group_routes(group, self._group_hyper(group, rt), self._factory, self._meta,
-                                 self._bucket_size, self._compile_options)
-        rt.build = next(self._builds)
+        rt.routes, rt.build = None, next(self._builds)  # built on first use, after the dry run
+
+    def _routes(self, index: int) -> list[Route]:
+        rt = self._runtimes[index]
+        if rt.routes is None:
+            group = self.param_groups[index]
+            rt.routes = group_routes(group, self._group_hyper(group, rt), self._factory, self._meta,
+                                     self._bucket_size, self._compile_options)
+        return rt.routes
 
     def _init_state(self, index: int) -> None:
         """Every state entry now, so state_dict keys are the same on every rank (DCP): rows of a
         sharded parameter's state are DTensors laid out like the parameter, the rest plain."""
         params = self.param_groups[index]["params"]
-        for route in self._runtime(index).routes:
+        for route in self._routes(index):
             for bucket in route.buckets:
                 ps = [params[i] for i in bucket.indices]
                 fresh = route.phases.whole.init(tuple(_params.local(p) for p in ps))
-                leaves = [None if leaf is None else self._state_leaf(ps[slot.index], slot, leaf)
-                          for slot, leaf in zip(bucket.layout.slots, _tree.tree_leaves(fresh))]
+                leaves = [None if leaf is None else self._state_leaf(ps[slot.index], slot, leaf, rows)
+                          for slot, rows, leaf in zip(bucket.layout.slots, bucket.rows, _tree.tree_leaves(fresh))]
                 states = [self.state[p] for p in ps]
                 _state.scatter(bucket.layout, _tree.tree_unflatten(bucket.layout.spec, leaves), states,
                                overwrite=False)
 
-    def _state_leaf(self, p: torch.Tensor, slot: _state.Slot, local: torch.Tensor) -> torch.Tensor:
-        if slot.shape and slot.shape[0] == p.shape[0]:
+    def _state_leaf(self, p: torch.Tensor, slot: _state.Slot, local: torch.Tensor, rows: bool) -> torch.Tensor:
+        if rows:
             return _params.rows_like(p, local, slot.shape)
         if tuple(local.shape) != slot.shape:
             raise ValueError(f"state {slot.key!r} of parameter {self._names.get(id(p))!r} has shape "
@@ -208,17 +215,16 @@ class FSDPMuonOptimizer(MuonOptimizer):
     # ------------------------------------------------------------------ the plan
     def _matrices(self) -> list[_Matrix]:
         """Every matrix with a mid phase, in group order; the plan is rebuilt when they change."""
-        runtimes = [self._runtime(i) for i in range(len(self.param_groups))]
-        key = tuple(rt.build for rt in runtimes)
+        key = tuple(self._runtime(i).build for i in range(len(self.param_groups)))
         if key == self._plan_key:
             return self._matrix_list
         matrices = []
-        for gi, (group, rt) in enumerate(zip(self.param_groups, runtimes)):
-            routes = {i: r for r in rt.routes for i in r.indices}
+        for gi, group in enumerate(self.param_groups):
+            buckets = {i: (r, b) for r in self._routes(gi) for b in r.buckets for i in b.indices}
             for i, p in enumerate(group["params"]):
-                route = routes[i]
+                route, bucket = buckets[i]
                 if route.phases.mid is not None:
-                    matrices.append(_Matrix(gi, route, i, p, route.formats[i], _flops(group, p.shape)))
+                    matrices.append(_Matrix(gi, route, bucket, i, p, route.formats[i], _flops(group, p.shape)))
         self._set_plan(matrices)
         self._plan_key, self._matrix_list = key, matrices
         self._index = {(m.group, m.position): j for j, m in enumerate(matrices)}
@@ -229,7 +235,8 @@ class FSDPMuonOptimizer(MuonOptimizer):
         plan = _plan.make_plan(
             [tuple(m.param.shape) for m in matrices], topo.world_size,
             replicated=[not self._layouts[id(m.param)].sharded for m in matrices],
-            num_buckets=self._num_buckets, extra_cols=[m.fmt.sent_cols - m.fmt.cols for m in matrices])
+            num_buckets=self._num_buckets, extra_cols=[m.fmt.sent_cols - m.fmt.cols for m in matrices],
+            units=[[j for j, m in enumerate(matrices) if m.bucket is b] for b in _unique(m.bucket for m in matrices)])
         _exchange.check_same(repr(plan), "the communication plan (parameter shapes and groups)",
                              topo.group, topo.world_size)
         self.plan, self._wire_in = plan, _rows.common_dtype([m.fmt for m in matrices])
@@ -306,8 +313,8 @@ class FSDPMuonOptimizer(MuonOptimizer):
 
     def _mid_buckets(self) -> Iterator[tuple[int, Route, Any, list[torch.Tensor]]]:
         """(group index, route, bucket, local params) of every route with a mid phase."""
-        for gi, (group, rt) in enumerate(zip(self.param_groups, self._runtimes)):
-            for route in rt.routes:
+        for gi, group in enumerate(self.param_groups):
+            for route in self._routes(gi):
                 if route.phases.mid is not None:
                     for bucket in route.buckets:
                         yield gi, route, bucket, group["params"]
@@ -330,18 +337,19 @@ class FSDPMuonOptimizer(MuonOptimizer):
 
     def _mid(self, matrices: list[_Matrix], new_replicated: dict, idx: list[int],
              mats: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The owner's mid phase on whole matrices ``mats`` (plan indices ``idx``), batched per
-        route and shape; new replicated state goes to ``new_replicated``."""
+        """The owner's mid phase on whole matrices ``mats`` (plan indices ``idx``), one call per
+        bucket, as single-device MuonOptimizer batches them; new replicated state goes to
+        ``new_replicated``."""
         results: dict[int, torch.Tensor] = {}
-        keys = [(id(matrices[j].route), matrices[j].fmt.shape, matrices[j].param.dtype) for j in idx]
-        for members in group_by(keys, self._bucket_size):
+        for members in group_by([id(matrices[j].bucket) for j in idx]):
             batch = [idx[q] for q in members]
-            route, fmt0 = matrices[batch[0]].route, matrices[batch[0]].fmt
+            route, bucket = matrices[batch[0]].route, matrices[batch[0]].bucket
+            assert [matrices[j].position for j in batch] == list(bucket.indices)  # the plan's units
             sent = [_rows.unpack_sent(matrices[j].fmt, mats[q]) for j, q in zip(batch, members)]
             for j, (_, _, states) in zip(batch, sent):
                 for leaf in matrices[j].fmt.replicated:
                     states[leaf.key] = _params.local(self.state[matrices[j].param][leaf.key])
-            layout = route.mid_layout(fmt0.shape, matrices[batch[0]].param.dtype, len(batch))
+            layout = bucket.phase_layouts[1]
             state = _state.gather(layout, [states for _, _, states in sent])
             updates = tuple(u for u, _, _ in sent)
             params = tuple(p for _, p, _ in sent) if route.phases.mid_needs_params else None
@@ -391,8 +399,8 @@ class FSDPMuonOptimizer(MuonOptimizer):
 
     def _elementwise(self, grads: list[tuple], finite: torch.Tensor | None) -> None:
         """Transforms without a mid phase (AdamW), whole on local rows."""
-        for gi, (group, rt) in enumerate(zip(self.param_groups, self._runtimes)):
-            for route in rt.routes:
+        for gi, group in enumerate(self.param_groups):
+            for route in self._routes(gi):
                 if route.phases.mid is not None:
                     continue
                 for bucket in route.buckets:
@@ -429,7 +437,7 @@ class FSDPMuonOptimizer(MuonOptimizer):
         lines = [f"FSDPMuonOptimizer(strategy={self.strategy!r}, world_size={self.topology.world_size})"]
         owners = {(m.group, m.position): self.plan.matrices[j] for j, m in enumerate(self._matrices())}
         for gi, group in enumerate(self.param_groups):
-            for route in self._runtime(gi).routes:
+            for route in self._routes(gi):
                 for i in route.indices:
                     p, mp = group["params"][i], owners.get((gi, i))
                     where = "" if mp is None else f" owner={mp.owner} bucket={mp.bucket}"
@@ -445,6 +453,14 @@ def _flops(group: dict[str, Any], shape: tuple[int, ...]) -> int:
     schedule, _ = resolve_method(method, steps, coefficients=group["ns_coefficients"],
                                  stepsize=group["ns_stepsize"])
     return _plan.ns_flops(shape, schedule)
+
+
+def _unique(items: Iterable[Any]) -> list[Any]:
+    """``items`` without repeats (by identity), in order."""
+    seen: dict[int, Any] = {}
+    for x in items:
+        seen.setdefault(id(x), x)
+    return list(seen.values())
 
 
 def _fsdp_modules(model: nn.Module) -> list[nn.Module]:

@@ -23,11 +23,13 @@ Meta = Callable[[list[torch.Tensor]], tuple[torch.Tensor, ...]]  # params -> met
 
 
 class Bucket(NamedTuple):
-    """Same-shape parameters of a route updated by one call."""
+    """Same-shape parameters of a route updated by one call, as single-device MuonOptimizer
+    buckets them (the owner computes a bucket's matrices together)."""
 
     indices: tuple[int, ...]  # positions in group["params"]
     layout: _state.StateLayout  # of the route's whole transform: keys in torch's state dicts
-    phase_layouts: tuple[_state.StateLayout, ...]  # its pre, mid and post slices
+    rows: tuple[bool, ...]  # per slot of ``layout``: the leaf has one row per parameter row
+    phase_layouts: tuple[_state.StateLayout, ...]  # the layout's pre, mid and post slices
 
 
 class Route:
@@ -36,34 +38,39 @@ class Route:
     def __init__(self, label: str, tx: GradientTransformation, indices: tuple[int, ...],
                  params: list[torch.Tensor], meta: Meta, bucket_size: int,
                  compile_options: dict[str, Any] | None) -> None:
-        self.label, self.indices, self._meta = label, indices, meta
+        self.label, self.indices = label, indices
         self.phases = _phases.split(tx, f"the {label!r} transform")
         self.steps = _phases.steps(self.phases, compile_options)
-        self._mid_layouts: dict[tuple, _state.StateLayout] = {}
         self.buckets: list[Bucket] = []
         self.formats: dict[int, _rows.RowFormat] = {}  # position in the group -> wire format
         for members in buckets([params[i] for i in indices], bucket_size):
             idx = tuple(indices[k] for k in members)
-            full, sliced = _phases.layouts(self.phases, meta([params[i] for i in idx]))
-            self.buckets.append(Bucket(idx, full, sliced))
+            bucket = _bucket(self.phases, idx, meta([params[i] for i in idx]))
+            self.buckets.append(bucket)
             if self.phases.mid is not None:
-                self._add_formats(idx, params)
+                self._add_formats(bucket, meta([params[i] for i in idx]))
 
-    def _add_formats(self, idx: tuple[int, ...], params: list[torch.Tensor]) -> None:
-        ins, outs = _phases.update_dtypes(self.phases, self._meta([params[i] for i in idx]))
-        for i, update_dtype, result_dtype in zip(idx, ins, outs):
-            p = params[i]
-            slots = self.mid_layout(tuple(p.shape), p.dtype, 1).slots
-            param_dtype = p.dtype if self.phases.mid_needs_params else None
-            self.formats[i] = _rows.row_format(tuple(p.shape), update_dtype, result_dtype, param_dtype, slots)
+    def _add_formats(self, bucket: Bucket, meta: tuple[torch.Tensor, ...]) -> None:
+        ins, outs = _phases.update_dtypes(self.phases, meta)
+        pre, mid, _ = bucket.phase_layouts
+        first = len(pre.slots)
+        for k, i in enumerate(bucket.indices):
+            slots = [(slot, bucket.rows[first + n]) for n, slot in enumerate(mid.slots)
+                     if slot is not None and slot.index == k]
+            param_dtype = meta[k].dtype if self.phases.mid_needs_params else None
+            self.formats[i] = _rows.row_format(tuple(meta[k].shape), ins[k], outs[k], param_dtype, slots)
 
-    def mid_layout(self, shape: tuple[int, ...], dtype: torch.dtype, n: int) -> _state.StateLayout:
-        """The mid phase's state layout over ``n`` matrices of one shape and dtype (cached)."""
-        key = (shape, dtype, n)
-        if key not in self._mid_layouts:
-            meta = tuple(torch.empty(shape, dtype=dtype, device="meta") for _ in range(n))
-            self._mid_layouts[key] = _phases.layouts(self.phases, meta)[1][1]
-        return self._mid_layouts[key]
+
+def _bucket(phases: _phases.Phases, idx: tuple[int, ...], meta: tuple[torch.Tensor, ...]) -> Bucket:
+    """A bucket's layouts, and which state leaves follow the rows: traced at the parameters'
+    rows and at one row more (the same on every rank, whatever rows it holds)."""
+    full, sliced = _phases.layouts(phases, meta)
+    grown, _ = _phases.layouts(phases, tuple(torch.empty((p.shape[0] + 1,) + p.shape[1:], dtype=p.dtype,
+                                                         device="meta") for p in meta))
+    rows = tuple(a is not None and len(a.shape) >= 1 and a.shape[0] == meta[a.index].shape[0]
+                 and b.shape == (a.shape[0] + 1,) + a.shape[1:]
+                 for a, b in zip(full.slots, grown.slots))
+    return Bucket(idx, full, rows, sliced)
 
 
 def group_routes(group: dict[str, Any], hyper: dict[str, Any], factory: Callable[[dict], GradientTransformation],

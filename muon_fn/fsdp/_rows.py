@@ -64,15 +64,12 @@ class RowFormat(NamedTuple):
 
 
 def row_format(shape: Sequence[int], update_dtype: torch.dtype, result_dtype: torch.dtype,
-               param_dtype: torch.dtype | None, mid_slots: Sequence[Slot | None]) -> RowFormat:
-    """The format of a matrix of global ``shape`` whose mid phase has the state ``mid_slots``
-    (the slots of a one-matrix layout); ``param_dtype`` None when the mid phase reads no params."""
+               param_dtype: torch.dtype | None, mid_slots: Sequence[tuple[Slot, bool]]) -> RowFormat:
+    """The format of a matrix of global ``shape`` whose mid-phase state is ``mid_slots``
+    (``(slot, follows the rows)`` pairs); ``param_dtype`` None when the mid phase reads no params."""
     rows, replicated = [], []
-    for slot in mid_slots:
-        if slot is None:
-            continue
-        leaf = Leaf(slot.key, slot.shape, slot.dtype)
-        (rows if len(slot.shape) >= 1 and slot.shape[0] == shape[0] else replicated).append(leaf)
+    for slot, follows_rows in mid_slots:
+        (rows if follows_rows else replicated).append(Leaf(slot.key, slot.shape, slot.dtype))
     return RowFormat(tuple(shape), update_dtype, result_dtype, param_dtype, tuple(rows), tuple(replicated))
 
 
@@ -85,8 +82,10 @@ def common_dtype(formats: Sequence[RowFormat]) -> torch.dtype:
     return out
 
 
-def _columns(tensors: Sequence[torch.Tensor], rows: int, dtype: torch.dtype) -> torch.Tensor:
-    flat = [t.reshape(rows, -1).to(dtype) for t in tensors]
+def _columns(tensors: Sequence[torch.Tensor], widths: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """``tensors`` side by side as ``(rows, sum(widths))`` columns (rows may be 0)."""
+    rows = tensors[0].shape[0]
+    flat = [t.reshape(rows, w).to(dtype) for t, w in zip(tensors, widths)]
     return flat[0] if len(flat) == 1 else torch.cat(flat, dim=1)
 
 
@@ -98,17 +97,24 @@ def pack(fmt: RowFormat, update: torch.Tensor | None, param: torch.Tensor, state
          dtype: torch.dtype) -> torch.Tensor:
     """This rank's rows to send, ``(rows, sent_cols)``: ``update`` (zeros if None), ``param`` (if
     the format carries it) and the row ``states`` in the format's order."""
-    rows = param.shape[0]
     if update is None:
-        update = torch.zeros((rows, fmt.cols), dtype=dtype, device=param.device)
-    return _columns([update] + ([param] if fmt.param_dtype is not None else []) + list(states), rows, dtype)
+        update = torch.zeros((param.shape[0], fmt.cols), dtype=dtype, device=param.device)
+    carried = [param] if fmt.param_dtype is not None else []
+    return _columns([update, *carried, *states], _sent_widths(fmt), dtype)
+
+
+def _sent_widths(fmt: RowFormat) -> list[int]:
+    return [fmt.cols] * (2 if fmt.param_dtype is not None else 1) + [leaf.width for leaf in fmt.row_states]
+
+
+def _returned_widths(fmt: RowFormat) -> list[int]:
+    return [fmt.cols] + [leaf.width for leaf in fmt.row_states]
 
 
 def unpack_sent(fmt: RowFormat, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
     """On the owner, the whole matrix's update, parameter (or None) and row states, each in its
     own dtype and global shape, contiguous (as a single-device step would see them)."""
-    widths = [fmt.cols] * (2 if fmt.param_dtype is not None else 1) + [leaf.width for leaf in fmt.row_states]
-    cols = _split(x, widths)
+    cols = _split(x, _sent_widths(fmt))
     update = cols.pop(0).to(fmt.update_dtype).contiguous().reshape(fmt.shape)
     param = None if fmt.param_dtype is None else cols.pop(0).to(fmt.param_dtype).contiguous().reshape(fmt.shape)
     states = {leaf.key: c.to(leaf.dtype).contiguous().reshape(leaf.shape) for leaf, c in zip(fmt.row_states, cols)}
@@ -117,14 +123,14 @@ def unpack_sent(fmt: RowFormat, x: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 def pack_result(fmt: RowFormat, update: torch.Tensor, states: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     """On the owner, the result to return, ``(out, returned_cols)``."""
-    return _columns([update] + [states[leaf.key] for leaf in fmt.row_states], fmt.shape[0], dtype)
+    return _columns([update] + [states[leaf.key] for leaf in fmt.row_states], _returned_widths(fmt), dtype)
 
 
 def unpack_result(fmt: RowFormat, x: torch.Tensor, local_shape: Sequence[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """This rank's rows of the result: the update shaped like the local parameter, and the new
     row states shaped like the local state leaves."""
     rows = x.shape[0]
-    cols = _split(x, [fmt.cols] + [leaf.width for leaf in fmt.row_states])
+    cols = _split(x, _returned_widths(fmt))
     update = cols[0].to(fmt.result_dtype).reshape(tuple(local_shape))
     states = [c.to(leaf.dtype).reshape((rows,) + leaf.shape[1:]) for leaf, c in zip(fmt.row_states, cols[1:])]
     return update, states
