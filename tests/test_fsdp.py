@@ -9,7 +9,6 @@ timeout (60 s) and a job timeout bound every hang.
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import socket
@@ -114,6 +113,19 @@ def mlp_loss(model: nn.Module, step: int, rows: slice | None = None) -> torch.Te
     return (model(x) - y).square().mean()
 
 
+def single_mlp(steps: int, **kw):
+    """The single-device Mlp and MuonOptimizer after ``steps`` backward passes and steps."""
+    import muon_fn as mf
+
+    ref = make(Mlp)
+    opt = mf.MuonOptimizer(ref.parameters(), **muon_kwargs(**kw))
+    for t in range(steps):
+        mlp_loss(ref, t).backward()
+        opt.step()
+        opt.zero_grad()
+    return ref, opt
+
+
 def synthetic_grad(shape, step: int, index: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(1000 * step + index)
     return torch.randn(shape, generator=gen)
@@ -154,12 +166,47 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def assert_same(model, opt, ref, ref_opt, *, atol: float = 0.0, what: str = "") -> float:
+def on_rank0(run) -> list:
+    """``run()`` (a single-device model and optimizer after their steps) on rank 0 only; every
+    rank gets its parameters and optimizer state (each rank running it costs as much again)."""
+    import torch.distributed as dist
+
+    out = [None]
+    if dist.get_rank() == 0:
+        model, opt = run()
+        out = [[(q.detach().clone(), {k: v.clone() for k, v in opt.state[q].items()})
+                for q in model.parameters()]]
+    dist.broadcast_object_list(out, src=0)
+    return out[0]
+
+
+def muon_single(cls=Toy, groups=None, **kw):
+    """Builds the single-device model and default MuonOptimizer, for :func:`reference`."""
+    import muon_fn as mf
+
+    def build():
+        ref = make(cls)
+        return ref, mf.MuonOptimizer((groups or (lambda m: m.parameters()))(ref), **muon_kwargs(**kw))
+
+    return build
+
+
+def reference(build, steps: int = STEPS) -> list:
+    """``steps`` steps of the single-device ``build()`` (-> model, optimizer), on rank 0."""
+    def run():
+        model, opt = build()
+        train([(model, opt)], steps)
+        return model, opt
+
+    return on_rank0(run)
+
+
+def assert_same(model, opt, expected: list, *, atol: float = 0.0, what: str = "") -> float:
     """Parameters and every state entry of the reference equal (bitwise if atol == 0); returns
     the max abs error of the parameters."""
     worst = 0.0
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        entries = [("", p, q)] + [(f" state {k}", opt.state[p][k], v) for k, v in ref_opt.state[q].items()]
+    for (name, p), (q, state) in zip(model.named_parameters(), expected):
+        entries = [("", p, q)] + [(f" state {k}", opt.state[p][k], v) for k, v in state.items()]
         for label, mine, theirs in entries:
             a, b = full(mine.detach()), theirs.detach()
             err = (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
@@ -171,34 +218,38 @@ def assert_same(model, opt, ref, ref_opt, *, atol: float = 0.0, what: str = "") 
 
 
 # ---------------------------------------------------------------------------- checks
-def check_parity(w, cls=Toy, strategy="owner", compile=False, **kw):
-    """STEPS steps equal the default single-device MuonOptimizer's, compiled the same way."""
-    import muon_fn as mf
+def check_parity(w, cls=Toy, strategy="owner", compile=False, groups=None, **kw):
+    """STEPS steps equal the default single-device MuonOptimizer's, compiled the same way.
+    ``groups(model)``: param groups (default: all parameters in one)."""
     from muon_fn.fsdp import FSDPMuonOptimizer
 
     def run():
-        ref = make(cls)
-        model = shard(copy.deepcopy(ref))
-        opt = FSDPMuonOptimizer(model, strategy=strategy, compile=compile, **muon_kwargs(**kw))
-        ref_opt = mf.MuonOptimizer(ref.parameters(), compile=compile, **muon_kwargs(**kw))
-        train([(model, opt), (ref, ref_opt)], STEPS)
-        assert_same(model, opt, ref, ref_opt, what=f"W={w} {strategy} {kw}: ")
+        model = shard(make(cls))
+        params = groups(model) if groups else None
+        opt = FSDPMuonOptimizer(model, params, strategy=strategy, compile=compile, **muon_kwargs(**kw))
+        train([(model, opt)], STEPS)
+        expected = reference(muon_single(cls, groups, compile=compile, **kw))
+        assert_same(model, opt, expected, what=f"W={w} {strategy} {kw}: ")
         return {"applied": opt.last_step_stats["applied"]}
 
     return run
 
 
+def two_iterations(m):
+    """Pair's groups: the first layer with the default iteration and NorMuon, the second with
+    the bf16 iteration (one set of compiled graphs covers both)."""
+    return [{"params": [m.l1.weight, m.l1.bias], "beta2": 0.95},
+            {"params": [m.l2.weight], "ns_dtype": torch.bfloat16}]
+
+
 def check_wire_bf16(w):
-    import muon_fn as mf
     from muon_fn.fsdp import FSDPMuonOptimizer
 
     def run():
-        ref = make()
-        model = shard(copy.deepcopy(ref))
+        model = shard(make())
         opt = FSDPMuonOptimizer(model, wire_dtype=torch.bfloat16, **muon_kwargs())
-        ref_opt = mf.MuonOptimizer(ref.parameters(), **muon_kwargs())
-        train([(model, opt), (ref, ref_opt)], STEPS)
-        err = assert_same(model, opt, ref, ref_opt, atol=WIRE_BF16_ATOL)
+        train([(model, opt)], STEPS)
+        err = assert_same(model, opt, reference(muon_single()), atol=WIRE_BF16_ATOL)
         assert err > 0.0, "bf16 on the wire should not be bit-exact (was the wire dtype used?)"
         return {"max_abs_err": err}
 
@@ -207,17 +258,14 @@ def check_wire_bf16(w):
 
 def check_plain_replicated(w):
     """A plain (non-FSDP) model on every rank: DDP-style, owners compute, results shared."""
-    import muon_fn as mf
     from muon_fn.fsdp import FSDPMuonOptimizer
 
     def run():
-        ref = make()
-        model = copy.deepcopy(ref)
+        model = make()
         opt = FSDPMuonOptimizer(model, **muon_kwargs())
         assert {mp.owner for mp in opt.plan.matrices} == set(range(w))
-        ref_opt = mf.MuonOptimizer(ref.parameters(), **muon_kwargs())
-        train([(model, opt), (ref, ref_opt)], STEPS)
-        assert_same(model, opt, ref, ref_opt)
+        train([(model, opt)], STEPS)
+        assert_same(model, opt, reference(muon_single()))
         assert opt.last_step_stats["bytes_sent"] > 0 or opt.last_step_stats["matrices_computed"] == 0
 
     return run
@@ -226,7 +274,6 @@ def check_plain_replicated(w):
 def check_hybrid_groups(w):
     """Explicit groups: first layer and head on AdamW (``algorithm="adamw"``, and the older
     ``use_muon=False`` with the AdamW half's settings), the rest "auto"."""
-    import muon_fn as mf
     from muon_fn.fsdp import FSDPMuonOptimizer
 
     def groups(m, **adam):
@@ -234,16 +281,15 @@ def check_hybrid_groups(w):
         return [{"params": rest}, {"params": [m.l1.weight, m.l7.weight], **adam}]
 
     def run():
-        ref = make()
-        model, legacy = shard(copy.deepcopy(ref)), shard(copy.deepcopy(ref))
+        model, legacy = shard(make()), shard(make())
         adam = {"algorithm": "adamw", "lr": 1e-3, "weight_decay": 0.1}
         opt = FSDPMuonOptimizer(model, groups(model, **adam), **muon_kwargs())
         old = FSDPMuonOptimizer(legacy, groups(legacy, use_muon=False, adamw_lr=1e-3, adamw_weight_decay=0.1),
                                 **muon_kwargs())
-        ref_opt = mf.MuonOptimizer(groups(ref, **adam), **muon_kwargs())
-        train([(model, opt), (legacy, old), (ref, ref_opt)], STEPS)
-        assert_same(model, opt, ref, ref_opt, what="hybrid: ")
-        assert_same(legacy, old, ref, ref_opt, what="use_muon=False: ")
+        train([(model, opt), (legacy, old)], STEPS)
+        expected = reference(muon_single(groups=lambda m: groups(m, **adam)))
+        assert_same(model, opt, expected, what="hybrid: ")
+        assert_same(legacy, old, expected, what="use_muon=False: ")
         assert "adamw l1.weight" in opt.describe()
 
     return run
@@ -289,26 +335,34 @@ def custom_factory(h):
 
 
 def check_generic_mid_state(w):
-    """Mid-phase state off the rows (replicated, shared from the owner) and a mid phase that
-    reads params: equals the single-device Optimizer running the same recipe."""
+    """Any recipe through the adapter (FSDPAdapter over muon_fn.Optimizer): mid-phase state off
+    the rows (replicated, shared from the owner) and a mid phase that reads params equal the
+    single-device Optimizer running the same recipe."""
     import muon_fn as mf
-    from muon_fn.fsdp import FSDPMuonOptimizer
+    from muon_fn.fsdp import FSDPAdapter
 
-    class Custom(FSDPMuonOptimizer):
-        def _build(self, group, rt, static_key):
-            self._factory = custom_factory
-            super()._build(group, rt, static_key)
+    class Custom(FSDPAdapter, mf.Optimizer):
+        def __init__(self, model):
+            self._setup(model, "owner", None, 4)
+            super().__init__(list(model.parameters()), custom_factory, {"lr": 0.02, "momentum": 0.95})
+            self._distribute(None, 1)
+
+    def single(ref):
+        return ref, mf.Optimizer(ref.parameters(), custom_factory, {"lr": 0.02, "momentum": 0.95})
+
+    def matrices_only():
+        m = make()
+        m.l1.bias, m.l3.bias, m.l5.bias, m.l7.bias, m.norm = None, None, None, None, nn.Identity()
+        return m
 
     def run():
-        ref = make()
-        ref.l1.bias, ref.l3.bias, ref.l5.bias, ref.l7.bias, ref.norm = None, None, None, None, nn.Identity()
-        model = shard(copy.deepcopy(ref))
-        opt = Custom(model, algorithm="muon", **muon_kwargs())
-        ref_opt = mf.Optimizer(ref.parameters(), custom_factory, {"lr": 0.02, "momentum": 0.95})
+        model = shard(matrices_only())
+        opt = Custom(model)
         assert opt.plan.matrices[0].cols == 2 * 6 + 1  # update | param | row_variance
-        train([(model, opt), (ref, ref_opt)], STEPS)
-        assert_same(model, opt, ref, ref_opt, what="custom recipe: ")
-        assert sorted(opt.state[model.l6.weight]) == sorted(ref_opt.state[ref.l6.weight])
+        train([(model, opt)], STEPS)
+        expected = reference(lambda: single(matrices_only()))
+        assert_same(model, opt, expected, what="custom recipe: ")
+        assert sorted(opt.state[model.l6.weight]) == sorted(expected[4][1])
 
     return run
 
@@ -446,7 +500,6 @@ def check_dcp_load(w, ckpt_dir):
         set_optimizer_state_dict,
     )
 
-    import muon_fn as mf
     from muon_fn.fsdp import FSDPMuonOptimizer
 
     def run():
@@ -458,11 +511,9 @@ def check_dcp_load(w, ckpt_dir):
         dcp.load(state, checkpoint_id=ckpt_dir)
         set_model_state_dict(model, state["model"])
         set_optimizer_state_dict(model, opt, state["optim"])
-        ref = make()
-        ref_opt = mf.MuonOptimizer(ref.parameters(), beta2=0.9, **muon_kwargs())
-        train([(ref, ref_opt)], 2)
-        train([(model, opt), (ref, ref_opt)], 2, first=2)
-        assert_same(model, opt, ref, ref_opt, what=f"DCP W=4 -> W={w}: ")
+        train([(model, opt)], 2, first=2)
+        expected = reference(muon_single(beta2=0.9), steps=4)
+        assert_same(model, opt, expected, what=f"DCP W=4 -> W={w}: ")
 
     return run
 
@@ -470,16 +521,13 @@ def check_dcp_load(w, ckpt_dir):
 def check_accumulation(w):
     """k=2 micro-batches with real backward: sync off for the first (grads stay None), on for the
     last; equals single-device MuonOptimizer(gradient_accumulation_steps=2) within BACKWARD_ATOL."""
-    import muon_fn as mf
     from muon_fn.fsdp import FSDPMuonOptimizer
 
     def run():
         rank = torch.distributed.get_rank()
         rows = slice(rank * 64 // w, (rank + 1) * 64 // w)
-        ref = make(Mlp)
-        model = shard(copy.deepcopy(ref))
+        model = shard(make(Mlp))
         opt = FSDPMuonOptimizer(model, gradient_accumulation_steps=2, **muon_kwargs())
-        ref_opt = mf.MuonOptimizer(ref.parameters(), gradient_accumulation_steps=2, **muon_kwargs())
         saw_none = saw_grad = 0
         for t in range(8):  # 4 optimizer steps
             mlp_loss(model, t, rows).backward()
@@ -493,11 +541,9 @@ def check_accumulation(w):
             after = [g.to_local() for g in grads if g is not None]
             assert all(torch.equal(a, b) for a, b in zip(before, after)), "step() modified .grad"
             opt.zero_grad()
-            mlp_loss(ref, t).backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
         assert saw_none == 4 and saw_grad == 4, (saw_none, saw_grad)
-        return {"max_abs_err": assert_same(model, opt, ref, ref_opt, atol=BACKWARD_ATOL)}
+        expected = on_rank0(lambda: single_mlp(8, gradient_accumulation_steps=2))
+        return {"max_abs_err": assert_same(model, opt, expected, atol=BACKWARD_ATOL)}
 
     return run
 
@@ -506,27 +552,22 @@ def check_mixed_precision(w):
     """MixedPrecisionPolicy(bf16 params, fp32 reduce) runs and stays within MP_ATOL of fp32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    import muon_fn as mf
     from muon_fn.fsdp import FSDPMuonOptimizer
 
     def run():
         rank = torch.distributed.get_rank()
         rows = slice(rank * 64 // w, (rank + 1) * 64 // w)
-        ref = make(Mlp)
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        model = shard(copy.deepcopy(ref), mp_policy=policy)
+        model = shard(make(Mlp), mp_policy=policy)
         opt = FSDPMuonOptimizer(model, **muon_kwargs())
-        ref_opt = mf.MuonOptimizer(ref.parameters(), **muon_kwargs())
         for t in range(5):
             mlp_loss(model, t, rows).backward()
             assert all(p.grad.dtype == torch.float32 for p in model.parameters())
             opt.step()
             opt.zero_grad()
-            mlp_loss(ref, t).backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
         assert all(p.dtype == torch.float32 for p in model.parameters())
-        return {"max_abs_err": assert_same(model, opt, ref, ref_opt, atol=MP_ATOL)}
+        expected = on_rank0(lambda: single_mlp(5))
+        return {"max_abs_err": assert_same(model, opt, expected, atol=MP_ATOL)}
 
     return run
 
@@ -537,13 +578,12 @@ def check_unshard(w):
     from muon_fn.fsdp import FSDPMuonOptimizer
 
     def run():
-        ref = make()
-        model = shard(copy.deepcopy(ref))
+        model = shard(make())
         opt = FSDPMuonOptimizer(model, **muon_kwargs())
         with opt.unshard_params() as m:
             w1 = m.l1.weight
             assert not isinstance(w1, DTensor) and tuple(w1.shape) == (10, 6), type(w1)
-            assert torch.equal(w1.detach(), ref.l1.weight.detach())
+            assert torch.equal(w1.detach(), make().l1.weight.detach())
         assert isinstance(model.l1.weight, DTensor)
 
     return run
@@ -553,18 +593,16 @@ def check_hsdp(w):
     """HSDP (2-D mesh: replicate x shard): the shard sub-mesh is used; bit-exact parity."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    import muon_fn as mf
     from muon_fn.fsdp import FSDPMuonOptimizer
 
     def run():
         mesh = init_device_mesh("cpu", (2, w // 2), mesh_dim_names=("replicate", "shard"))
-        ref = make()
-        model = shard(copy.deepcopy(ref), mesh=mesh)
+        model = shard(make(), mesh=mesh)
         opt = FSDPMuonOptimizer(model, beta2=0.9, **muon_kwargs())
         assert opt.topology.world_size == w // 2
-        ref_opt = mf.MuonOptimizer(ref.parameters(), beta2=0.9, **muon_kwargs())
-        train([(model, opt), (ref, ref_opt)], STEPS)
-        assert_same(model, opt, ref, ref_opt, what="HSDP: ")
+        train([(model, opt)], STEPS)
+        expected = reference(muon_single(beta2=0.9))
+        assert_same(model, opt, expected, what="HSDP: ")
 
     return run
 
@@ -624,16 +662,15 @@ def check_errors(w):
 
 
 def checks_for(w: int, ckpt_dir: str) -> dict:
-    """Every world size runs the parity checks (fp32 and bf16 iterations, eager, compiled with
-    the eager backend on the small Pair model: compiling costs about a second per graph); the
-    rest are spread over the jobs. W=2 compiles with inductor."""
+    """Every world size runs the parity checks: fp32 and bf16 iterations eager, and both at once
+    compiled (the eager backend at W=3 and 4, inductor at W=2) on the small Pair model (compiling
+    costs about a second per graph). The other checks are spread over the jobs."""
+    compiled = {"backend": "inductor"} if w == 2 else {"backend": "eager"}
     checks = {
         "parity_owner": check_parity(w),
         "parity_owner_bf16_iteration": check_parity(w, ns_dtype=torch.bfloat16),
         "parity_normuon": check_parity(w, beta2=0.95, nesterov=False),
-        "parity_compiled": check_parity(w, Pair, compile={"backend": "eager"}, beta2=0.95),
-        "parity_compiled_bf16_iteration": check_parity(w, Pair, compile={"backend": "eager"},
-                                                       ns_dtype=torch.bfloat16),
+        f"parity_compiled_{compiled['backend']}": check_parity(w, Pair, compile=compiled, groups=two_iterations),
         "parity_plain_replicated": check_plain_replicated(w),
         "generic_mid_state": check_generic_mid_state(w),
         "no_grad_rank": check_no_grad_rank(w),
@@ -655,12 +692,9 @@ def checks_for(w: int, ckpt_dir: str) -> dict:
         })
     else:
         checks[f"dcp_load_w{w}"] = check_dcp_load(w, ckpt_dir)
+        checks["bytes_formula"] = check_bytes_formula(w)
     if w == 3:
         checks["parity_replicate"] = check_parity(w, strategy="replicate", beta2=0.95)
-        checks["bytes_formula"] = check_bytes_formula(w)
-    if w == 2:
-        checks["bytes_formula"] = check_bytes_formula(w)
-        checks["parity_inductor"] = check_parity(w, Pair, compile={"backend": "inductor"}, beta2=0.95)
     return checks
 
 

@@ -1,8 +1,8 @@
 """The routes of a parameter group: each transform of the group with the parameters it updates.
 
-A group with ``algorithm="auto"`` has two routes, as :class:`muon_fn.MuonOptimizer`'s partition
-has two halves: Muon on the matrices and AdamW on the rest, both built by the optimizer's factory;
-an ``algorithm="muon"`` or ``"adamw"`` group has one. A route holds its transform's
+A group with ``algorithm="auto"`` has two routes, as the partition of a hybrid optimizer
+(:class:`muon_fn.MuonOptimizer`) has two halves: its matrix algorithm (Muon) on the matrices and
+AdamW on the rest, both built by the optimizer's factory; any other group has one. A route holds its transform's
 :class:`~muon_fn.fsdp._phases.Phases` and compiled steps, its same-shape buckets (each with its
 state layouts) and, when it has a mid phase, the wire format of each of its matrices.
 """
@@ -13,7 +13,6 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from .._alias import matrix_labels
 from .._base import GradientTransformation
 from ..optim import _state
 from ..optim._adapter import buckets
@@ -74,16 +73,19 @@ def _bucket(phases: _phases.Phases, idx: tuple[int, ...], meta: tuple[torch.Tens
 
 
 def group_routes(group: dict[str, Any], hyper: dict[str, Any], factory: Callable[[dict], GradientTransformation],
-                 meta: Meta, bucket_size: int, compile_options: dict[str, Any] | None) -> list[Route]:
-    """The routes of ``group``, each transform built by ``factory`` (MuonOptimizer's) from the
-    group's hyperparameters ``hyper``."""
+                 matrix_algorithm: str, meta: Meta, bucket_size: int,
+                 compile_options: dict[str, Any] | None) -> list[Route]:
+    """The routes of ``group``, each transform built by the optimizer's ``factory`` from the
+    group's hyperparameters ``hyper``: for an ``algorithm="auto"`` group (a hybrid optimizer's)
+    ``matrix_algorithm`` on ndim ≥ 2 and ``"adamw"`` on the rest, else one route."""
     params = group["params"]
-    if group["algorithm"] != "auto":
-        txs = {group["algorithm"]: factory(hyper)}
-        labels = [group["algorithm"]] * len(params)
+    algorithm = group.get("algorithm", "recipe")
+    if algorithm != "auto":
+        txs = {algorithm: factory(hyper)}
+        labels = [algorithm] * len(params)
     else:
-        txs = {label: factory(auto_half(hyper, label)) for label in ("muon", "adamw")}
-        labels = list(matrix_labels(tuple(params)))
+        txs = {label: factory(auto_half(hyper, label)) for label in (matrix_algorithm, "adamw")}
+        labels = [matrix_algorithm if p.ndim >= 2 else "adamw" for p in params]
     routes = []
     for label, tx in txs.items():
         indices = tuple(i for i, lab in enumerate(labels) if lab == label)
@@ -93,11 +95,11 @@ def group_routes(group: dict[str, Any], hyper: dict[str, Any], factory: Callable
 
 
 def auto_half(hyper: dict[str, Any], label: str) -> dict[str, Any]:
-    """The hyperparameters of one half of an ``algorithm="auto"`` group as a one-algorithm group:
-    the matrices' Muon as is, and the rest's AdamW with ``adamw_lr_effective`` (``adamw_lr·lr/base_lr``)
-    and ``adamw_weight_decay``, exactly the two halves of :func:`muon_fn.optim._muon.muon_factory`'s
-    partition."""
-    if label == "muon":
-        return {**hyper, "algorithm": "muon"}
+    """The hyperparameters of one half of an ``algorithm="auto"`` group of a hybrid optimizer
+    (:class:`muon_fn.optim._muon.HybridOptimizer`) as a one-algorithm group: the matrices'
+    algorithm as is, and AdamW with ``adamw_lr_effective`` (``adamw_lr·lr/base_lr``) and
+    ``adamw_weight_decay``: the two halves its factory's partition holds."""
+    if label != "adamw":
+        return {**hyper, "algorithm": label}
     return {**hyper, "algorithm": "adamw", "lr": hyper["adamw_lr_effective"],
             "weight_decay": hyper["adamw_weight_decay"]}
