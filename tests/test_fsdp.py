@@ -1,7 +1,8 @@
 """FSDPMuonOptimizer on CPU/gloo: one spawned job per world size (4, then 3 and 2) runs every check.
 
-The job (this file run as a script) spawns W processes; each check runs on every rank and the
-ranks' results are gathered into a JSON file that the pytest tests below read, one test per check.
+A job is W processes (this file run as a script, one per rank); each check runs on every rank and
+the ranks' results are gathered into a JSON file that the pytest tests below read, one test per
+check.
 Bit-exact checks feed the same synthetic gradients to the sharded model and to a default
 single-device ``MuonOptimizer`` with the same settings (compiled the same way). A collective
 timeout (60 s) and a job timeout bound every hang.
@@ -703,10 +704,9 @@ def _names(w: int) -> list[str]:
 
 
 # ---------------------------------------------------------------------------- the job
-def _worker(rank: int, w: int, port: int, out: str, ckpt_dir: str) -> None:
+def _worker(rank: int, w: int, out: str, ckpt_dir: str) -> None:
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=w, timeout=timedelta(seconds=60))
     results = {}
@@ -745,19 +745,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_job(w: int, out: str, ckpt_dir: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1",
+def run_job(w: int, out: str, ckpt_dir: str, logs: Path) -> str:
+    """Start the W ranks (this file as a script, one process each) and wait for them; a job
+    past JOB_TIMEOUT_S is killed. Returns the ranks' output."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, __file__, str(w), out, ckpt_dir, str(_free_port())]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True, text=True)
-    try:
-        stdout, _ = proc.communicate(timeout=JOB_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)  # the job's own process group: its spawned ranks only
-        stdout, _ = proc.communicate()
-        stdout = f"TIMEOUT after {JOB_TIMEOUT_S}s\n" + (stdout or "")
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, "")
+    files = [open(logs / f"rank{r}.log", "w") for r in range(w)]
+    procs = [subprocess.Popen([sys.executable, __file__, str(w), str(r), out, ckpt_dir], env=env, stdout=f,
+                              stderr=subprocess.STDOUT, start_new_session=True) for r, f in enumerate(files)]
+    deadline, timed_out = time.monotonic() + JOB_TIMEOUT_S, False
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+    for proc, f in zip(procs, files):
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)  # the rank's own process group
+            proc.wait()
+        f.close()
+    text = "".join((logs / f"rank{r}.log").read_text() for r in range(w))
+    return (f"TIMEOUT after {JOB_TIMEOUT_S}s\n" if timed_out else "") + text
 
 
 @pytest.fixture(scope="module")
@@ -774,10 +782,11 @@ def results(ckpt_dir, tmp_path_factory):
     def get(w: int) -> tuple[dict, str]:
         for v in WORLD_SIZES[:WORLD_SIZES.index(w) + 1]:
             if v not in done:
-                out = str(tmp_path_factory.mktemp(f"fsdp_w{v}") / "results.json")
-                proc = run_job(v, out, ckpt_dir)
+                logs = tmp_path_factory.mktemp(f"fsdp_w{v}")
+                out = str(logs / "results.json")
+                log = run_job(v, out, ckpt_dir, logs)
                 merged = json.loads(Path(out).read_text()) if os.path.exists(out) else {}
-                done[v] = (merged, proc.stdout[-4000:])
+                done[v] = (merged, log[-4000:])
         return done[w]
 
     return get
@@ -792,7 +801,12 @@ def test_fsdp(results, w, name):
 
 
 if __name__ == "__main__":
-    import torch.multiprocessing as mp
-
-    world, out_path, ckpt, port_ = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
-    mp.spawn(_worker, args=(world, port_, out_path, ckpt), nprocs=world, join=True)
+    if len(sys.argv) == 5:  # one rank of a job started by run_job: W RANK OUT CKPT_DIR
+        _worker(int(sys.argv[2]), int(sys.argv[1]), sys.argv[3], sys.argv[4])
+        sys.stdout.flush()
+        os._exit(0)  # the results are written and every rank passed the last barrier: skip the
+        # interpreter's teardown (about 4 s a process here)
+    # By hand: python tests/test_fsdp.py W [CKPT_DIR] runs one job and prints its output.
+    logs_dir = Path(tempfile.mkdtemp(prefix="muon_fn_fsdp_"))
+    ckpt_arg = sys.argv[2] if len(sys.argv) > 2 else str(logs_dir / "ckpt")
+    print(run_job(int(sys.argv[1]), str(logs_dir / "results.json"), ckpt_arg, logs_dir))
