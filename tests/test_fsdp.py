@@ -340,7 +340,7 @@ def check_generic_mid_state(w):
     the rows (replicated, shared from the owner) and a mid phase that reads params equal the
     single-device Optimizer running the same recipe."""
     import muon_fn as mf
-    from muon_fn.fsdp import FSDPAdapter
+    from muon_fn.fsdp._adapter import FSDPAdapter
 
     class Custom(FSDPAdapter, mf.Optimizer):
         def __init__(self, model):
