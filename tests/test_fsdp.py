@@ -33,12 +33,13 @@ JOB_TIMEOUT_S = 240
 STEPS = 4
 WORLD_SIZES = (4, 3, 2)  # in this order: the W=4 job saves the checkpoint the others load
 # bf16 parameters in the FSDP2 compute (MixedPrecisionPolicy): tolerance after 5 steps (measured
-# 3.5e-3 at W=4; every step moves an entry by about lr·s = 0.02–0.03). State: 10x these.
+# 2.7e-3 at W=4; every step moves an entry by about lr·s = 0.02–0.03). State: 10x these.
 MP_ATOL = 1e-2
 # bf16 on the wire (updates rounded before orthogonalization): tolerance after STEPS steps
-# (measured about 1.5e-3 after 10 steps, whatever W: every row is rounded once).
+# (measured 4.5e-4 at W=4; every row is rounded once, whatever W).
 WIRE_BF16_ATOL = 2e-3
-# Real backward through FSDP2 (reduce-scatter sums in another order): tolerance after 4 steps.
+# Real backward through FSDP2 (reduce-scatter sums in another order): tolerance after 4 steps
+# (measured 1.5e-7 at W=4).
 BACKWARD_ATOL = 2e-6
 
 

@@ -134,6 +134,19 @@ def test_lr_scheduler_scales_both_halves_like_muon_optimizer():
     assert_same(model, opt, ref, ref_opt)
 
 
+def test_changing_a_static_hyperparameter_rebuilds_transforms_state_and_plan():
+    model, opt, ref, ref_opt = pair()
+    train(model, opt, 2)
+    train(ref, ref_opt, 2)
+    plan = opt.plan
+    for o in (opt, ref_opt):
+        o.param_groups[0]["beta2"] = 0.9  # NorMuon from here on
+    train(model, opt, 2, start=2)
+    train(ref, ref_opt, 2, start=2)
+    assert_same(model, opt, ref, ref_opt)
+    assert opt.plan is not plan and opt.plan.matrices[0].cols == 18 + 1  # row_variance travels
+
+
 def test_state_is_prepopulated_and_state_dict_round_trips():
     torch.manual_seed(0)
     model = Net()

@@ -23,7 +23,7 @@ import functools
 import hashlib
 import itertools
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -76,7 +76,7 @@ class FSDPAdapter:
 
     def _distribute(self, process_group: Any, k: int) -> None:
         """Where every parameter lives, its state, and the plan (once all groups are in)."""
-        named = [(self._names.get(id(p), ""), p) for g in self.param_groups for p in g["params"]]
+        named = [(self._fqn(p), p) for g in self.param_groups for p in g["params"]]
         self.topology = _params.resolve_topology(named, process_group)
         self._layouts = {id(p): _params.layout_of(n, p, self.topology) for n, p in named}
         self._fsdp_modules = _fsdp_modules(self._model)
@@ -94,8 +94,11 @@ class FSDPAdapter:
         self._distributed = True
 
     # ------------------------------------------------------------------ groups and state
+    def _fqn(self, p: torch.Tensor) -> str:
+        return self._names.get(id(p), f"<parameter of shape {tuple(p.shape)} not in model>")
+
     def _name(self, group: dict[str, Any], p: torch.Tensor) -> str:
-        return repr(self._names.get(id(p), f"<parameter of shape {tuple(p.shape)} not in model>"))
+        return repr(self._fqn(p))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if self._distributed:
@@ -142,7 +145,7 @@ class FSDPAdapter:
         if rows:
             return _params.rows_like(p, local, slot.shape)
         if tuple(local.shape) != slot.shape:
-            raise ValueError(f"state {slot.key!r} of parameter {self._names.get(id(p))!r} has shape "
+            raise ValueError(f"state {slot.key!r} of parameter {self._fqn(p)!r} has shape "
                              f"{tuple(local.shape)} on this rank's rows but {slot.shape} on the whole "
                              "parameter: the FSDP adapter cannot hold it (neither per row nor whole)")
         return local
@@ -179,7 +182,7 @@ class FSDPAdapter:
             [tuple(m.param.shape) for m in matrices], topo.world_size,
             replicated=[not self._layouts[id(m.param)].sharded for m in matrices],
             num_buckets=self._num_buckets, extra_cols=[m.fmt.sent_cols - m.fmt.cols for m in matrices],
-            units=[[j for j, m in enumerate(matrices) if m.bucket is b] for b in _unique(m.bucket for m in matrices)])
+            units=group_by([id(m.bucket) for m in matrices]))  # the owner computes whole buckets
         fingerprint = hashlib.sha256(repr(plan).encode()).hexdigest()[:16]
         _exchange.check_same(fingerprint, "the communication plan (parameter shapes and groups)",
                              topo.group, topo.world_size)
@@ -385,16 +388,8 @@ class FSDPAdapter:
                 for i in route.indices:
                     p, mp = group["params"][i], owners.get((gi, i))
                     where = "" if mp is None else f" owner={mp.owner} bucket={mp.bucket}"
-                    lines.append(f"  {route.label:<5} {self._names.get(id(p))} {tuple(p.shape)}{where}")
+                    lines.append(f"  {route.label:<5} {self._fqn(p)} {tuple(p.shape)}{where}")
         return "\n".join(lines)
-
-
-def _unique(items: Iterable[Any]) -> list[Any]:
-    """``items`` without repeats (by identity), in order."""
-    seen: dict[int, Any] = {}
-    for x in items:
-        seen.setdefault(id(x), x)
-    return list(seen.values())
 
 
 def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
