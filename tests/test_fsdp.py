@@ -677,6 +677,7 @@ def checks_for(w: int, ckpt_dir: str) -> dict:
         "generic_mid_state": check_generic_mid_state(w),
         "no_grad_rank": check_no_grad_rank(w),
         "nonfinite": check_nonfinite(w),
+        "bytes_formula": check_bytes_formula(w),
         "errors": check_errors(w),
     }
     if w == 4:
@@ -694,7 +695,6 @@ def checks_for(w: int, ckpt_dir: str) -> dict:
         })
     else:
         checks[f"dcp_load_w{w}"] = check_dcp_load(w, ckpt_dir)
-        checks["bytes_formula"] = check_bytes_formula(w)
     if w == 3:
         checks["parity_replicate"] = check_parity(w, strategy="replicate", beta2=0.95)
     return checks

@@ -62,14 +62,16 @@ class FSDPAdapter:
     ``comm_wait_s``, ``compute_s``, ``step_s``, ``applied``.
     """
 
-    def _setup(self, model: nn.Module, strategy: str, wire_dtype: torch.dtype | None, num_buckets: int) -> None:
+    def _setup(self, model: nn.Module, strategy: str, wire_dtype: torch.dtype | None,
+               num_buckets: int) -> None:
         """Check and keep the adapter's own options (before the optimizer adds its groups)."""
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         _checks.one_of("strategy", strategy, STRATEGIES)
         _checks.one_of("wire_dtype", wire_dtype, WIRE_DTYPES)
         _checks.positive_int("num_buckets", num_buckets)
-        self._model, self.strategy, self.wire_dtype, self._num_buckets = model, strategy, wire_dtype, num_buckets
+        self._model, self.strategy, self.wire_dtype = model, strategy, wire_dtype
+        self._num_buckets = num_buckets
         self._names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
         self._distributed = False
         self._builds = itertools.count()
@@ -135,13 +137,15 @@ class FSDPAdapter:
             for bucket in route.buckets:
                 ps = [params[i] for i in bucket.indices]
                 fresh = route.phases.whole.init(tuple(_params.local(p) for p in ps))
-                leaves = [None if leaf is None else self._state_leaf(ps[slot.index], slot, leaf, rows)
-                          for slot, rows, leaf in zip(bucket.layout.slots, bucket.rows, _tree.tree_leaves(fresh))]
+                leaves = [None if leaf is None else self._state_leaf(ps[slot.index or 0], slot, leaf, rows)
+                          for slot, rows, leaf in zip(bucket.layout.slots, bucket.rows,
+                                                      _tree.tree_leaves(fresh))]
                 states = [self.state[p] for p in ps]
                 _state.scatter(bucket.layout, _tree.tree_unflatten(bucket.layout.spec, leaves), states,
                                overwrite=False)
 
-    def _state_leaf(self, p: torch.Tensor, slot: _state.Slot, local: torch.Tensor, rows: bool) -> torch.Tensor:
+    def _state_leaf(self, p: torch.Tensor, slot: _state.Slot, local: torch.Tensor,
+                    rows: bool) -> torch.Tensor:
         if rows:
             return _params.rows_like(p, local, slot.shape)
         if tuple(local.shape) != slot.shape:
@@ -220,7 +224,8 @@ class FSDPAdapter:
         for p in group["params"]:
             g = p.grad
             if g is not None and g.is_sparse:
-                raise RuntimeError(f"muon_fn does not support sparse gradients (parameter {self._name(group, p)})")
+                raise RuntimeError("muon_fn does not support sparse gradients "
+                                   f"(parameter {self._name(group, p)})")
             g = None if g is None else _params.local(g.detach())
             grads.append(g / k if g is not None and k > 1 else g)
         return tuple(grads)
@@ -266,7 +271,8 @@ class FSDPAdapter:
                     for bucket in route.buckets:
                         yield gi, route, bucket, group["params"]
 
-    def _pre(self, matrices: list[_Matrix], grads: list[tuple], finite: torch.Tensor | None) -> list[torch.Tensor]:
+    def _pre(self, matrices: list[_Matrix], grads: list[tuple],
+             finite: torch.Tensor | None) -> list[torch.Tensor]:
         """The pre phase on local rows; returns every matrix's rows to send (:mod:`._rows`)."""
         held: list[torch.Tensor | None] = [None] * len(matrices)
         for gi, route, bucket, params in self._mid_buckets():
@@ -300,7 +306,8 @@ class FSDPAdapter:
             state = _state.gather(layout, [states for _, _, states in sent])
             updates = tuple(u for u, _, _ in sent)
             params = tuple(p for _, p, _ in sent) if route.phases.mid_needs_params else None
-            out, new_state = route.steps.mid(_phases.signature(params, updates, state), params, updates, state)
+            args = (params, updates, state)
+            out, new_state = route.steps.mid(_phases.signature(*args), *args)
             new = [{} for _ in batch]
             _state.scatter(layout, new_state, new)
             for j, u, n in zip(batch, out, new):
@@ -308,7 +315,8 @@ class FSDPAdapter:
                 new_replicated[j] = [n[leaf.key] for leaf in matrices[j].fmt.replicated]
         return [results[j] for j in idx]
 
-    def _share(self, matrices: list[_Matrix], new: dict[int, list[torch.Tensor]]) -> dict[int, list[torch.Tensor]]:
+    def _share(self, matrices: list[_Matrix],
+               new: dict[int, list[torch.Tensor]]) -> dict[int, list[torch.Tensor]]:
         """Every rank's copy of the replicated mid state each owner computed (one all-reduce)."""
         topo = self.topology
         with_state = [j for j, m in enumerate(matrices) if m.fmt.replicated]

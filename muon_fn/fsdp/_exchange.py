@@ -48,7 +48,8 @@ class _Wire:
 
     def post(self, parts: list[torch.Tensor], send_splits: list[int], recv_splits: list[int]):
         """Start one ``all_to_all_single`` of ``parts`` (concatenated, in destination order)."""
-        send = torch.cat(parts).to(self.wire) if parts else torch.empty(0, dtype=self.wire, device=self.device)
+        send = (torch.cat(parts).to(self.wire) if parts
+                else torch.empty(0, dtype=self.wire, device=self.device))
         recv = torch.empty(sum(recv_splits), dtype=self.wire, device=self.device)
         work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.group, async_op=True)
         self.stats.bytes_sent += self.item * (sum(send_splits) - send_splits[self.rank])
@@ -60,7 +61,8 @@ class _Wire:
         work.wait()
         self.stats.comm_wait_s += time.perf_counter() - t0
 
-    def compute(self, compute: Compute, idx: list[int], mats: list[torch.Tensor]) -> list[torch.Tensor]:
+    def timed(self, compute: Compute, idx: list[int], mats: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``compute(idx, mats)``, its time counted in the stats."""
         t0 = time.perf_counter()
         results = compute(idx, mats) if idx else []
         self.stats.compute_s += time.perf_counter() - t0
@@ -119,12 +121,13 @@ def exchange(
     return out, wire.stats  # type: ignore[return-value]
 
 
-def _compute_locally(plan: Plan, rows: list[torch.Tensor], compute: Compute, wire: _Wire) -> list[torch.Tensor]:
+def _compute_locally(plan: Plan, rows: list[torch.Tensor], compute: Compute,
+                     wire: _Wire) -> list[torch.Tensor]:
     """One rank: every matrix is whole here; ``compute`` runs bucket by bucket."""
     out: list[torch.Tensor | None] = [None] * len(plan.matrices)
     for b in plan.buckets:
         idx = list(b.matrices)
-        for j, r in zip(idx, wire.compute(compute, idx, [rows[j] for j in idx])):
+        for j, r in zip(idx, wire.timed(compute, idx, [rows[j] for j in idx])):
             out[j] = r
     return out  # type: ignore[return-value]
 
@@ -154,12 +157,13 @@ def _assemble(plan: Plan, owned: list[int], recv: torch.Tensor, wire: _Wire) -> 
     return [torch.cat(pieces[j]).to(wire.dtype) for j in owned]
 
 
-def _compute_and_return(plan: Plan, g: _InFlight, compute: Compute, back_cols: list[int], wire: _Wire) -> _InFlight:
+def _compute_and_return(plan: Plan, g: _InFlight, compute: Compute, back_cols: list[int],
+                        wire: _Wire) -> _InFlight:
     """Wait for a bucket's gather, compute the owned matrices and post their rows back (ordered by
     destination rank, then by the owned matrices)."""
     wire.wait(g.work)
     owned = _owned(plan, g.bucket, wire.rank)
-    results = wire.compute(compute, owned, _assemble(plan, owned, g.recv, wire))
+    results = wire.timed(compute, owned, _assemble(plan, owned, g.recv, wire))
     for j, r in zip(owned, results):
         if tuple(r.shape) != (plan.matrices[j].rows, back_cols[j]):
             raise ValueError(f"exchange: compute returned shape {tuple(r.shape)} for matrix {j}, "
@@ -252,7 +256,7 @@ def exchange_replicated(
             wire.wait(work)
         full = _unpad(plan, members, gathered, wire) if members else {}
         idx = list(b.matrices)
-        results = wire.compute(compute, idx, [full.get(j, held[j]) for j in idx])
+        results = wire.timed(compute, idx, [full.get(j, held[j]) for j in idx])
         for j, r in zip(idx, results):
             out[j] = r[slice(*plan.matrices[j].receive[rank])] if j in full else r
             if out[j].shape[1] != back_cols[j]:

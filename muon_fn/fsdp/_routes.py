@@ -2,9 +2,10 @@
 
 A group with ``algorithm="auto"`` has two routes, as the partition of a hybrid optimizer
 (:class:`muon_fn.MuonOptimizer`) has two halves: its matrix algorithm (Muon) on the matrices and
-AdamW on the rest, both built by the optimizer's factory; any other group has one. A route holds its transform's
-:class:`~muon_fn.fsdp._phases.Phases` and compiled steps, its same-shape buckets (each with its
-state layouts) and, when it has a mid phase, the wire format of each of its matrices.
+AdamW on the rest, both built by the optimizer's factory; any other group has one. A route holds
+its transform's :class:`~muon_fn.fsdp._phases.Phases` and compiled steps, its same-shape buckets
+(each with its state layouts) and, when it has a mid phase, the wire format of each of its
+matrices.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from ..optim import _state
 from ..optim._adapter import buckets
 from . import _phases, _rows
 
-Meta = Callable[[list[torch.Tensor]], tuple[torch.Tensor, ...]]  # params -> meta tensors of their global shapes
+# params -> meta tensors of their global shapes
+Meta = Callable[[list[torch.Tensor]], tuple[torch.Tensor, ...]]
 
 
 class Bucket(NamedTuple):
@@ -66,14 +68,16 @@ def _bucket(phases: _phases.Phases, idx: tuple[int, ...], meta: tuple[torch.Tens
     full, sliced = _phases.layouts(phases, meta)
     grown, _ = _phases.layouts(phases, tuple(torch.empty((p.shape[0] + 1,) + p.shape[1:], dtype=p.dtype,
                                                          device="meta") for p in meta))
-    rows = tuple(a is not None and len(a.shape) >= 1 and a.shape[0] == meta[a.index].shape[0]
+    rows = tuple(a is not None and a.index is not None and len(a.shape) >= 1
+                 and a.shape[0] == meta[a.index].shape[0]
                  and b.shape == (a.shape[0] + 1,) + a.shape[1:]
                  for a, b in zip(full.slots, grown.slots))
     return Bucket(idx, full, rows, sliced)
 
 
-def group_routes(group: dict[str, Any], hyper: dict[str, Any], factory: Callable[[dict], GradientTransformation],
-                 matrix_algorithm: str, meta: Meta, bucket_size: int,
+def group_routes(group: dict[str, Any], hyper: dict[str, Any],
+                 factory: Callable[[dict], GradientTransformation], matrix_algorithm: str, meta: Meta,
+                 bucket_size: int,
                  compile_options: dict[str, Any] | None) -> list[Route]:
     """The routes of ``group``, each transform built by the optimizer's ``factory`` from the
     group's hyperparameters ``hyper``: for an ``algorithm="auto"`` group (a hybrid optimizer's)

@@ -111,22 +111,25 @@ def _returned_widths(fmt: RowFormat) -> list[int]:
     return [fmt.cols] + [leaf.width for leaf in fmt.row_states]
 
 
-def unpack_sent(fmt: RowFormat, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+def unpack_sent(fmt: RowFormat, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
     """On the owner, the whole matrix's update, parameter (or None) and row states, each in its
     own dtype and global shape, contiguous (as a single-device step would see them)."""
     cols = _split(x, _sent_widths(fmt))
-    update = cols.pop(0).to(fmt.update_dtype).contiguous().reshape(fmt.shape)
-    param = None if fmt.param_dtype is None else cols.pop(0).to(fmt.param_dtype).contiguous().reshape(fmt.shape)
-    states = {leaf.key: c.to(leaf.dtype).contiguous().reshape(leaf.shape) for leaf, c in zip(fmt.row_states, cols)}
+    whole = lambda c, dtype, shape: c.to(dtype).contiguous().reshape(shape)  # noqa: E731
+    update = whole(cols.pop(0), fmt.update_dtype, fmt.shape)
+    param = None if fmt.param_dtype is None else whole(cols.pop(0), fmt.param_dtype, fmt.shape)
+    states = {leaf.key: whole(c, leaf.dtype, leaf.shape) for leaf, c in zip(fmt.row_states, cols)}
     return update, param, states
 
 
-def pack_result(fmt: RowFormat, update: torch.Tensor, states: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+def pack_result(fmt: RowFormat, update: torch.Tensor, states: dict[str, torch.Tensor],
+                dtype: torch.dtype) -> torch.Tensor:
     """On the owner, the result to return, ``(out, returned_cols)``."""
     return _columns([update] + [states[leaf.key] for leaf in fmt.row_states], _returned_widths(fmt), dtype)
 
 
-def unpack_result(fmt: RowFormat, x: torch.Tensor, local_shape: Sequence[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def unpack_result(fmt: RowFormat, x: torch.Tensor,
+                  local_shape: Sequence[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """This rank's rows of the result: the update shaped like the local parameter, and the new
     row states shaped like the local state leaves."""
     rows = x.shape[0]
