@@ -138,6 +138,41 @@ def test_gpt2_small_balance_and_bytes_formula(world_size):
         assert {plan.matrices[j].owner for j in b.matrices} == set(range(world_size))
 
 
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_units_share_an_owner_and_a_bucket_and_keep_their_order(world_size):
+    """The FSDP adapter's units are single-device buckets (same shape, at most 4): their matrices
+    are computed together by one owner. On gpt2-small that balances as well as single matrices."""
+    from muon_fn._muon import group_by
+
+    shapes = GPT2_SMALL * 12
+    units = group_by(shapes, 4)
+    plan = make_plan(shapes, world_size, num_buckets=4, units=units)
+    for unit in units:
+        assert len({(plan.matrices[j].owner, plan.matrices[j].bucket) for j in unit}) == 1
+        members = plan.buckets[plan.matrices[unit[0]].bucket].matrices
+        start = members.index(unit[0])
+        assert list(members[start:start + len(unit)]) == unit
+    loads = plan.load()
+    assert max(loads) / (sum(loads) / world_size) <= 1.001
+    total = sum(mp.numel for mp in plan.matrices)
+    assert sum(plan.sent_elements(r) for r in range(world_size)) / world_size == pytest.approx(
+        2 * (world_size - 1) * total / world_size**2, rel=1e-12)
+
+
+def test_units_must_cover_every_matrix_once():
+    with pytest.raises(ValueError, match="units must hold every matrix index 0..2 once"):
+        make_plan([(2, 2)] * 3, 2, units=[[0, 1], [1, 2]])
+    with pytest.raises(ValueError, match="units must hold"):
+        make_plan([(2, 2)] * 2, 2, units=[[0, 1], []])
+
+
+def test_plan_extra_cols_per_matrix():
+    plan = make_plan([(6, 4), (4, 4)], 2, extra_cols=[5, 0])
+    assert [mp.cols for mp in plan.matrices] == [9, 4]
+    with pytest.raises(ValueError, match="extra_cols has 1 entries for 2 shapes"):
+        make_plan([(6, 4), (4, 4)], 2, extra_cols=[1])
+
+
 def test_plan_extra_cols_travel_but_do_not_cost():
     base = make_plan([(6, 4), (4, 4)], 2)
     extra = make_plan([(6, 4), (4, 4)], 2, extra_cols=1)

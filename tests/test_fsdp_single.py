@@ -1,4 +1,5 @@
-"""FSDPMuonOptimizer in one process (no torch.distributed): W = 1, no communication.
+"""FSDPMuonOptimizer in one process (no torch.distributed): W = 1, no communication, and the
+adapter's pieces (phases, wire format) on their own.
 
 The multi-rank behaviour is in tests/test_fsdp.py (marked distributed); these run everywhere.
 """
@@ -13,6 +14,8 @@ import torch.nn as nn
 
 import muon_fn as mf
 from muon_fn.fsdp import FSDPMuonOptimizer
+from muon_fn.fsdp import _phases, _rows
+from muon_fn.optim._state import Slot
 
 
 class Net(nn.Module):
@@ -36,94 +39,82 @@ def batch(t: int):
     return torch.randn(8, 2, 4, 4, generator=g), torch.randn(8, 3, generator=g)
 
 
-def train(model, opt, steps, scheduler=None, start=0):
+def train(model, opt, steps, scheduler=None, start=0, dtype=torch.float32):
     for t in range(start, start + steps):
         x, y = batch(t)
         opt.zero_grad()
-        (model(x) - y).square().mean().backward()
+        (model(x.to(dtype)) - y.to(dtype)).float().square().mean().backward()
         opt.step()
         if scheduler is not None:
             scheduler.step()
 
 
-KW = dict(lr=0.02, momentum=0.95, weight_decay=0.01, ns_dtype=torch.float32)
+KW = dict(lr=0.02, momentum=0.95, weight_decay=0.01)
 
 
-def assert_models_equal(a, b):
-    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+def assert_same(model, opt, ref, ref_opt):
+    """Parameters and every state entry of the reference, bit for bit."""
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.equal(p, q), f"{name}: max abs error {(p - q).abs().max().item()}"
+        assert sorted(opt.state[p]) == sorted(ref_opt.state[q]), name
+        for key, value in ref_opt.state[q].items():
+            assert torch.equal(opt.state[p][key], value), f"{name} state {key}"
+
+
+def pair(extra=None, dtype=torch.float32, **fsdp):
+    torch.manual_seed(0)
+    ref = Net().to(dtype)
+    model = copy.deepcopy(ref)
+    extra = dict(KW, **(extra or {}))
+    return model, FSDPMuonOptimizer(model, **extra, **fsdp), ref, mf.MuonOptimizer(ref.parameters(), **extra)
 
 
 @pytest.mark.parametrize("extra", [
     {},
+    {"ns_dtype": torch.bfloat16},
     {"momentum_kind": "sgd", "method": "quintic", "adjust_lr_fn": "match_rms_adamw"},
     {"beta2": 0.95, "nesterov": False},
     {"ns_steps": 3, "ns_stepsize": 0.9, "method": "you"},
-])
-def test_bit_exact_vs_muon_optimizer(extra):
-    torch.manual_seed(0)
-    ref = Net()
-    model = copy.deepcopy(ref)
-    opt = FSDPMuonOptimizer(model, **KW, **extra)
-    ref_opt = mf.MuonOptimizer(ref.parameters(), foreach=False, **KW, **extra)
-    train(model, opt, 6)
-    train(ref, ref_opt, 6)
-    assert_models_equal(model, ref)
-    for p, q in zip(model.parameters(), ref.parameters()):
-        for key, value in ref_opt.state[q].items():
-            if key != "step":
-                assert torch.equal(opt.state[p][key], value), key
-
-
-def test_default_muon_optimizer_matches_to_rounding():
-    """The in-place path of MuonOptimizer (default foreach=None) differs from the functional
-    arithmetic the FSDP adapter reproduces only by rounding."""
-    torch.manual_seed(0)
-    ref = Net()
-    model = copy.deepcopy(ref)
-    opt = FSDPMuonOptimizer(model, **KW)
-    ref_opt = mf.MuonOptimizer(ref.parameters(), **KW)
-    train(model, opt, 6)
-    train(ref, ref_opt, 6)
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-6, msg=name)
-        for key, value in ref_opt.state[q].items():
-            torch.testing.assert_close(opt.state[p][key], value, atol=1e-6, rtol=1e-6)
+    {"split": [5, 5], "momentum_dtype": torch.bfloat16},
+], ids=["default", "bf16_iteration", "sgd_quintic", "normuon", "you", "split_bf16_momentum"])
+def test_bit_exact_vs_default_muon_optimizer(extra):
+    model, opt, ref, ref_opt = pair(extra)
+    train(model, opt, 4)
+    train(ref, ref_opt, 4)
+    assert_same(model, opt, ref, ref_opt)
 
 
 @pytest.mark.parametrize("beta2", [None, 0.95])
 def test_bit_exact_with_bf16_params(beta2):
-    """bf16 momentum travels up-cast to fp32 next to the fp32 NorMuon row state, exactly."""
-    torch.manual_seed(0)
-    ref = Net().to(torch.bfloat16)
-    model = copy.deepcopy(ref)
-    opt = FSDPMuonOptimizer(model, beta2=beta2, **KW)
-    ref_opt = mf.MuonOptimizer(ref.parameters(), beta2=beta2, foreach=False, **KW)
-    for t in range(4):
-        x, y = batch(t)
-        for m, o in ((model, opt), (ref, ref_opt)):
-            o.zero_grad()
-            (m(x.bfloat16()) - y.bfloat16()).float().square().mean().backward()
-            o.step()
-    assert_models_equal(model, ref)
+    """bf16 updates travel up-cast to fp32 next to the fp32 NorMuon row state, exactly."""
+    model, opt, ref, ref_opt = pair({"beta2": beta2}, dtype=torch.bfloat16)
+    train(model, opt, 3, dtype=torch.bfloat16)
+    train(ref, ref_opt, 3, dtype=torch.bfloat16)
+    assert_same(model, opt, ref, ref_opt)
     assert opt.state[model.fc1.weight]["momentum_buffer"].dtype == torch.bfloat16
 
 
-def test_compiled_owner_update_matches_eager_without_graph_breaks():
+def test_compiled_phases_match_compiled_muon_optimizer_without_graph_breaks():
     from torch._dynamo.utils import counters
 
-    torch.manual_seed(0)
-    ref = Net()
-    model = copy.deepcopy(ref)
     counters.clear()
-    opt = FSDPMuonOptimizer(model, compile={"backend": "eager"}, beta2=0.95, **KW)
-    ref_opt = mf.MuonOptimizer(ref.parameters(), beta2=0.95, foreach=False, **KW)
-    train(model, opt, 3)
-    train(ref, ref_opt, 3)
-    assert_models_equal(model, ref)
+    model, opt, ref, ref_opt = pair({"beta2": 0.95, "compile": {"backend": "eager"}})
+    train(model, opt, 2)
+    train(ref, ref_opt, 2)
+    assert_same(model, opt, ref, ref_opt)
     assert not counters["graph_break"], dict(counters["graph_break"])
-    (mid,) = opt._mid_cache.values()  # one batching pattern, reused every step
-    assert "compile_update" in repr(mid.update._muon_fn_repr)
+    routes = {r.label: r for r in opt._routes(0)}
+    assert routes["muon"].steps.mid.compiled and routes["muon"].steps.post.compiled
+    assert routes["adamw"].steps.whole.compiled and not routes["adamw"].steps.pre.compiled
+
+
+def test_the_default_compiles(compiled_default, monkeypatch):
+    """compile=True (the default) compiles every phase; the suite's MUON_FN_COMPILE=0 turns it off."""
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)  # record, don't run inductor
+    model, opt, _, _ = pair()
+    train(model, opt, 1)
+    assert opt._compile_options == {"fullgraph": True}
+    assert opt._routes(0)[0].steps.pre.compiled
 
 
 def test_frozen_parameters_are_left_out():
@@ -135,23 +126,32 @@ def test_frozen_parameters_are_left_out():
 
 
 def test_lr_scheduler_scales_both_halves_like_muon_optimizer():
-    torch.manual_seed(0)
-    ref = Net()
-    model = copy.deepcopy(ref)
-    opt = FSDPMuonOptimizer(model, **KW)
-    ref_opt = mf.MuonOptimizer(ref.parameters(), foreach=False, **KW)
+    model, opt, ref, ref_opt = pair()
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.5)
     train(model, opt, 5, sched)
     train(ref, ref_opt, 5, ref_sched)
-    assert_models_equal(model, ref)
+    assert_same(model, opt, ref, ref_opt)
+
+
+def test_changing_a_static_hyperparameter_rebuilds_transforms_state_and_plan():
+    model, opt, ref, ref_opt = pair()
+    train(model, opt, 2)
+    train(ref, ref_opt, 2)
+    plan = opt.plan
+    for o in (opt, ref_opt):
+        o.param_groups[0]["beta2"] = 0.9  # NorMuon from here on
+    train(model, opt, 2, start=2)
+    train(ref, ref_opt, 2, start=2)
+    assert_same(model, opt, ref, ref_opt)
+    assert opt.plan is not plan and opt.plan.matrices[0].cols == 18 + 1  # row_variance travels
 
 
 def test_state_is_prepopulated_and_state_dict_round_trips():
     torch.manual_seed(0)
     model = Net()
     opt = FSDPMuonOptimizer(model, **KW)
-    assert set(opt.state[model.fc1.weight]) == {"momentum_buffer", "step"}
+    assert set(opt.state[model.fc1.weight]) == {"momentum_buffer"}
     assert set(opt.state[model.fc1.bias]) == {"exp_avg", "exp_avg_sq", "step"}
     assert opt.state[model.conv.weight]["momentum_buffer"].shape == model.conv.weight.shape
     train(model, opt, 3)
@@ -162,8 +162,9 @@ def test_state_is_prepopulated_and_state_dict_round_trips():
     ropt = FSDPMuonOptimizer(resumed, **KW)
     ropt.load_state_dict(saved_opt)
     train(resumed, ropt, 3, start=3)
-    assert_models_equal(resumed, model)
-    assert opt.state[model.fc1.weight]["step"].item() == 6
+    for p, q in zip(resumed.parameters(), model.parameters()):
+        assert torch.equal(p, q)
+    assert opt.state[model.fc1.bias]["step"].item() == 6
 
 
 def test_step_never_modifies_grad_and_reports_stats():
@@ -188,7 +189,7 @@ def test_step_never_modifies_grad_and_reports_stats():
 def test_missing_grads_leave_params_and_state_alone():
     torch.manual_seed(0)
     model = Net()
-    opt = FSDPMuonOptimizer(model, **KW)
+    opt = FSDPMuonOptimizer(model, beta2=0.9, **KW)
     before = copy.deepcopy(model.state_dict())
     opt.step()  # no grads at all
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
@@ -198,21 +199,22 @@ def test_missing_grads_leave_params_and_state_alone():
     opt.step()
     assert torch.equal(model.fc2.weight, before["fc2.weight"])
     assert not opt.state[model.fc2.weight]["momentum_buffer"].any()
+    assert not opt.state[model.fc2.weight]["row_variance"].any()
     assert not torch.equal(model.fc1.weight, before["fc1.weight"])
 
 
-def test_nonfinite_error_and_skip():
+def test_nonfinite_skip_is_decided_on_the_device_and_error_names_the_parameter():
     torch.manual_seed(0)
     model = Net()
     x, y = batch(0)
     (model(x) - y).square().mean().backward()
     model.fc1.weight.grad[0, 0] = float("inf")
     before = copy.deepcopy(model.state_dict())
-    with pytest.raises(RuntimeError, match=r"non-finite gradient \(inf or nan\) in 'fc1.weight'"):
-        FSDPMuonOptimizer(model, **KW).step()
-    skip = FSDPMuonOptimizer(model, nonfinite="skip", **KW)
+    skip = FSDPMuonOptimizer(model, **KW)  # nonfinite="skip" is the default
     skip.step()
-    assert skip.nonfinite_steps == 1 and skip.last_step_stats["applied"] is False
+    assert skip.nonfinite_steps == 1 and not bool(skip.last_step.finite)
+    with pytest.raises(RuntimeError, match=r"non-finite gradient \(inf or nan\) in 'fc1.weight'"):
+        FSDPMuonOptimizer(model, nonfinite="error", **KW).step()
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 
 
@@ -221,21 +223,32 @@ def test_groups_and_describe():
     model = Net()
     head = [model.head.weight]
     rest = [p for p in model.parameters() if p is not model.head.weight]
-    opt = FSDPMuonOptimizer(model, [{"params": rest}, {"params": head, "use_muon": False}], **KW)
+    opt = FSDPMuonOptimizer(model, [{"params": rest}, {"params": head, "algorithm": "adamw"}], **KW)
     text = opt.describe()
-    assert "muon  fc1.weight (10, 16)" in text and "adamw head.weight (3, 10)" in text
+    assert "muon  fc1.weight (10, 16) owner=0" in text and "adamw head.weight (3, 10)" in text
     assert "adamw fc1.bias (10,)" in text
     assert "exp_avg" in opt.state[model.head.weight]
 
 
+def test_use_muon_false_is_adamw_at_the_adamw_settings():
+    torch.manual_seed(0)
+    model = Net()
+    opt = FSDPMuonOptimizer(model, [{"params": [model.head.weight], "use_muon": False, "adamw_lr": 1e-3}],
+                            adamw_weight_decay=0.1)
+    (group,) = opt.param_groups
+    assert (group["algorithm"], group["lr"], group["weight_decay"]) == ("adamw", 1e-3, 0.1)
+    assert "use_muon" not in group
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"strategy": "gather"}, r"Invalid strategy: 'gather' \(valid: 'owner', 'replicate'\)"),
-    ({"lr": -1.0}, r"Invalid lr: -1.0"),
-    ({"momentum": 1.0}, r"Invalid momentum: 1.0"),
-    ({"ns_steps": 0}, r"Invalid ns_steps: 0"),
+    ({"lr": -1.0}, r"Invalid learning rate: -1.0"),
+    ({"momentum": 1.0}, r"Invalid momentum value: 1.0"),
+    ({"ns_steps": 0}, r"Invalid ns_steps value: 0"),
     ({"method": "newton"}, r"Invalid method: 'newton'"),
     ({"adjust_lr_fn": "big"}, r"Invalid adjust_lr_fn: 'big'"),
     ({"wire_dtype": torch.int8}, r"Invalid wire_dtype: torch.int8"),
+    ({"num_buckets": 0}, r"Invalid num_buckets: 0"),
     ({"gradient_accumulation_steps": 2}, r"gradient_accumulation_steps=2 needs a model wrapped with "
                                          r"torch.distributed.fsdp.fully_shard \(FSDP2\), but Net"),
     ({"nonfinite": "warn"}, r"Invalid nonfinite: 'warn'"),
@@ -245,11 +258,13 @@ def test_errors_name_argument_and_value(kwargs, match):
         FSDPMuonOptimizer(Net(), **kwargs)
 
 
-def test_errors_model_and_groups():
+def test_errors_model_groups_and_options():
     model = Net()
     with pytest.raises(TypeError, match="model must be a torch.nn.Module, got list"):
         FSDPMuonOptimizer(list(model.parameters()))
-    with pytest.raises(ValueError, match=r"parameter 'fc1.bias' of shape \(10,\) is in a group with use_muon=True"):
+    with pytest.raises(TypeError, match="unexpected keyword argument 'foreach'"):
+        FSDPMuonOptimizer(model, foreach=False)
+    with pytest.raises(ValueError, match=r"parameter 'fc1.bias': orthogonalize only supports matrices"):
         FSDPMuonOptimizer(model, [{"params": [model.fc1.bias], "use_muon": True}])
     opt = FSDPMuonOptimizer(model)
     with pytest.raises(ValueError, match=r"unshard_params\(\) needs a model wrapped with fully_shard"):
@@ -257,3 +272,48 @@ def test_errors_model_and_groups():
             pass
     with pytest.raises(RuntimeError, match="cannot add parameter groups after construction"):
         opt.add_param_group({"params": [nn.Parameter(torch.zeros(2, 2))]})
+
+
+# ---------------------------------------------------------------------------- the pieces
+def test_phases_of_muon_normuon_and_adamw():
+    muon = _phases.split(mf.muon(), "muon")
+    assert muon.sizes == (1, 2, 2) and not muon.mid_needs_params  # momentum | orth, shape | wd, lr
+    assert _phases.split(mf.normuon(), "normuon").sizes == (1, 3, 2)
+    adamw = _phases.split(mf.adamw(), "adamw")
+    assert adamw.mid is None and adamw.sizes == (3, 0, 0)
+    alone = _phases.split(mf.orthogonalize(), "orthogonalize")  # not a chain: one part
+    assert alone.sizes == (0, 1, 0)
+    inside = mf.chain(mf.orthogonalize(), mf.add_decoupled_weight_decay(0.1), mf.scale_by_shape())
+    assert _phases.split(inside, "x").mid_needs_params
+
+
+def test_phases_refuse_what_cannot_run_on_shards():
+    with pytest.raises(ValueError, match="leafwise=False"):
+        _phases.split(mf.muon(lr=lambda count: 0.01 * count), "scheduled")
+    opaque = mf.stateless(lambda u, p: u)  # no TransformInfo: scope unknown
+    with pytest.raises(ValueError, match="scope None"):
+        _phases.split(mf.chain(mf.momentum(), opaque), "opaque")
+
+
+def test_phase_layouts_slice_the_whole_state():
+    phases = _phases.split(mf.normuon(), "normuon")
+    meta = (torch.empty(6, 4, device="meta"), torch.empty(6, 4, device="meta"))
+    full, (pre, mid, post) = _phases.layouts(phases, meta)
+    assert [s.key for s in pre.slots] == ["momentum_buffer"] * 2
+    assert [s.key for s in mid.slots] == ["row_variance"] * 2 and post.slots == ()
+    assert full.slots == pre.slots + mid.slots + post.slots
+
+
+def test_row_format_round_trip():
+    slot = Slot(0, "row_variance", (6, 1), torch.float32)
+    fmt = _rows.row_format((6, 2, 2), torch.bfloat16, torch.bfloat16, torch.float32, [(slot, True)])
+    assert (fmt.cols, fmt.sent_cols, fmt.returned_cols) == (4, 9, 5)
+    assert _rows.common_dtype([fmt]) == torch.float32
+    u, p, v = torch.randn(6, 2, 2).bfloat16(), torch.randn(6, 2, 2), torch.rand(6, 1)
+    sent = _rows.pack(fmt, u, p, [v], torch.float32)
+    u2, p2, states = _rows.unpack_sent(fmt, sent)
+    assert torch.equal(u2, u) and torch.equal(p2, p) and torch.equal(states["row_variance"], v)
+    back = _rows.pack_result(fmt, u, {"row_variance": v}, torch.float32)
+    u3, (v3,) = _rows.unpack_result(fmt, back[2:5], (3, 2, 2))
+    assert torch.equal(u3, u[2:5]) and torch.equal(v3, v[2:5])
+    assert _rows.pack(fmt, None, p[:0], [v[:0]], torch.float32).shape == (0, 9)  # an empty shard

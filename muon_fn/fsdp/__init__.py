@@ -1,12 +1,15 @@
 """FSDP2 adapter: owner-computes Muon on ``fully_shard`` models.
 
-``FSDPMuonOptimizer`` orthogonalizes each full weight matrix on one owner rank (planned by
-:mod:`muon_fn.fsdp._plan`, exchanged by :mod:`muon_fn.fsdp._exchange`) and matches single-device
-``muon_fn.MuonOptimizer``. ``python -m muon_fn.fsdp.bench`` measures it against the replicate
-baseline.
+``FSDPMuonOptimizer`` runs single-device ``muon_fn.MuonOptimizer``'s recipe with each weight
+matrix orthogonalized whole on one owner rank (planned by :mod:`muon_fn.fsdp._plan`, exchanged by
+:mod:`muon_fn.fsdp._exchange`) and the elementwise parts on each rank's rows; its results equal
+MuonOptimizer's bit for bit. :class:`muon_fn.fsdp._adapter.FSDPAdapter` runs another optimizer's
+recipe the same way.
+``python -m muon_fn.fsdp.bench`` measures it against the replicate baseline.
 """
 
-from ._optimizer import STRATEGIES, FSDPMuonOptimizer
+from ._adapter import STRATEGIES
+from ._optimizer import FSDPMuonOptimizer
 from ._plan import Plan, chunk_rows, make_plan
 
 __all__ = ["FSDPMuonOptimizer", "STRATEGIES", "Plan", "chunk_rows", "make_plan"]

@@ -7,19 +7,20 @@ fine), the owner concatenates them into full matrices and runs ``compute`` on th
 asynchronously up front (in bucket order, identical on every rank), so the owner computes bucket
 ``i`` while later buckets are still in flight, and each bucket's return is posted asynchronously as
 soon as it is computed. With one rank nothing is communicated. :func:`exchange_replicated` is
-the all-gather baseline (every rank computes every matrix).
+the all-gather baseline (every rank computes every matrix). :func:`all_ranks_finite`,
+:func:`share_from_owners` and :func:`check_same` are the small collectives around a step.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
 
-from ._plan import Plan
+from ._plan import BucketPlan, Plan
 
 # compute(matrix indices, full (rows, cols) matrices) -> results of the same shapes, same order.
 Compute = Callable[[list[int], list[torch.Tensor]], list[torch.Tensor]]
@@ -33,6 +34,46 @@ class ExchangeStats:
     bytes_received: int = 0
     comm_wait_s: float = 0.0  # time blocked in wait() on collectives
     compute_s: float = 0.0  # time inside ``compute``
+
+
+class _Wire:
+    """One exchange's settings and figures: every ``all_to_all_single`` goes through :meth:`post`."""
+
+    def __init__(self, rank: int, like: torch.Tensor, wire_dtype: torch.dtype | None, group: Any) -> None:
+        self.rank, self.group = rank, group
+        self.dtype, self.device = like.dtype, like.device  # what compute sees and returns
+        self.wire = wire_dtype or like.dtype
+        self.item = torch.empty((), dtype=self.wire).element_size()
+        self.stats = ExchangeStats()
+
+    def post(self, parts: list[torch.Tensor], send_splits: list[int], recv_splits: list[int]):
+        """Start one ``all_to_all_single`` of ``parts`` (concatenated, in destination order)."""
+        send = (torch.cat(parts).to(self.wire) if parts
+                else torch.empty(0, dtype=self.wire, device=self.device))
+        recv = torch.empty(sum(recv_splits), dtype=self.wire, device=self.device)
+        work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.group, async_op=True)
+        self.stats.bytes_sent += self.item * (sum(send_splits) - send_splits[self.rank])
+        self.stats.bytes_received += self.item * (sum(recv_splits) - recv_splits[self.rank])
+        return work, recv, send
+
+    def wait(self, work) -> None:
+        t0 = time.perf_counter()
+        work.wait()
+        self.stats.comm_wait_s += time.perf_counter() - t0
+
+    def timed(self, compute: Compute, idx: list[int], mats: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``compute(idx, mats)``, its time counted in the stats."""
+        t0 = time.perf_counter()
+        results = compute(idx, mats) if idx else []
+        self.stats.compute_s += time.perf_counter() - t0
+        return results
+
+
+class _InFlight(NamedTuple):
+    bucket: BucketPlan
+    work: Any  # the collective's handle
+    recv: torch.Tensor
+    send: torch.Tensor  # kept alive until the collective completes
 
 
 def exchange(
@@ -58,114 +99,94 @@ def exchange(
       wire_dtype: dtype on the wire (e.g. ``torch.bfloat16``); ``None`` keeps the input dtype.
         Received matrices are cast back to the input dtype before ``compute``.
       result_cols: per matrix, the columns of ``compute``'s result when they differ from the
-        plan's (e.g. SSO sends ``[M | W]`` and returns only the update); ``None``: the same.
+        plan's (e.g. the update without the parameter's rows that travelled beside it);
+        ``None``: the same.
 
     Returns:
       Per matrix, the ``(receive rows, result cols)`` block of the result this rank holds, and
       the stats.
     """
-    w = plan.world_size
     back_cols = _result_cols(plan, result_cols)
-    local_rows = _contributions(plan, rank, held)
-    stats = ExchangeStats()
+    rows = _contributions(plan, rank, held)
+    if not rows:
+        return [], ExchangeStats()
+    wire = _Wire(rank, rows[0], wire_dtype, group)
+    if plan.world_size == 1:
+        return _compute_locally(plan, rows, compute, wire), wire.stats
+    gathers = [_post_gather(plan, b, rows, wire) for b in plan.buckets]
+    returns = [_compute_and_return(plan, g, compute, back_cols, wire) for g in gathers]
     out: list[torch.Tensor | None] = [None] * len(plan.matrices)
-    if w == 1:
-        for b in plan.buckets:
-            idx = list(b.matrices)
-            t0 = time.perf_counter()
-            results = compute(idx, [local_rows[j] for j in idx]) if idx else []
-            stats.compute_s += time.perf_counter() - t0
-            for j, r in zip(idx, results):
-                out[j] = r
-        return out, stats  # type: ignore[return-value]
+    for r in returns:
+        _collect(plan, r, back_cols, wire, out)
+    return out, wire.stats  # type: ignore[return-value]
 
-    if not local_rows:
-        return [], stats
-    dtype = local_rows[0].dtype
-    device = local_rows[0].device
-    wire = wire_dtype or dtype
-    item = torch.empty((), dtype=wire).element_size()
 
-    # 1. Post every bucket's gather (forward all-to-all) asynchronously, in bucket order.
-    pending = []
+def _compute_locally(plan: Plan, rows: list[torch.Tensor], compute: Compute,
+                     wire: _Wire) -> list[torch.Tensor]:
+    """One rank: every matrix is whole here; ``compute`` runs bucket by bucket."""
+    out: list[torch.Tensor | None] = [None] * len(plan.matrices)
     for b in plan.buckets:
-        # Send buffer: ordered by destination (owner), then by the bucket's matrix order.
-        parts = [
-            local_rows[j].reshape(-1)
-            for d in range(w)
-            for j in b.matrices
-            if plan.matrices[j].owner == d
-        ]
-        send = torch.cat(parts).to(wire) if parts else torch.empty(0, dtype=wire, device=device)
-        recv_splits = b.gather_recv(rank)
-        recv = torch.empty(sum(recv_splits), dtype=wire, device=device)
-        send_splits = b.gather_send(rank)
-        work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group, async_op=True)
-        stats.bytes_sent += item * (sum(send_splits) - send_splits[rank])
-        stats.bytes_received += item * (sum(recv_splits) - recv_splits[rank])
-        pending.append((b, work, recv, recv_splits, send))
+        idx = list(b.matrices)
+        for j, r in zip(idx, wire.timed(compute, idx, [rows[j] for j in idx])):
+            out[j] = r
+    return out  # type: ignore[return-value]
 
-    # 2. Per bucket: wait, assemble full matrices on the owner, compute, post the return.
-    returns = []
-    for b, work, recv, recv_splits, send in pending:
-        t0 = time.perf_counter()
-        work.wait()
-        stats.comm_wait_s += time.perf_counter() - t0
-        del send
-        owned = [j for j in b.matrices if plan.matrices[j].owner == rank]
-        # recv is ordered by source rank, then by the owned matrices in bucket order.
-        pieces: dict[int, list[torch.Tensor]] = {j: [] for j in owned}
-        offset = 0
-        for s in range(w):
-            for j in owned:
-                mp = plan.matrices[j]
-                k = mp.contrib_numel(s)
-                pieces[j].append(recv[offset:offset + k].view(-1, mp.cols))
-                offset += k
-        full = [torch.cat(pieces[j]).to(dtype) for j in owned]
-        t0 = time.perf_counter()
-        results = compute(owned, full) if owned else []
-        stats.compute_s += time.perf_counter() - t0
-        # Return buffer: ordered by destination rank, then by the owned matrices in bucket order.
-        for j, r in zip(owned, results):
-            if tuple(r.shape) != (plan.matrices[j].rows, back_cols[j]):
-                raise ValueError(f"exchange: compute returned shape {tuple(r.shape)} for matrix {j}, "
-                                 f"expected {(plan.matrices[j].rows, back_cols[j])}")
-        back_parts = []
-        for d in range(w):
-            for j, r in zip(owned, results):
-                start, stop = plan.matrices[j].receive[d]
-                back_parts.append(r[start:stop].reshape(-1))
-        back = torch.cat(back_parts).to(wire) if back_parts else torch.empty(0, dtype=wire, device=device)
-        if result_cols is None:
-            back_recv_splits, back_send_splits = b.scatter_recv(rank), b.scatter_send(rank)
-        else:
-            back_recv_splits = [_returned(plan, b.matrices, s, rank, back_cols) for s in range(w)]
-            back_send_splits = [_returned(plan, b.matrices, rank, d, back_cols) for d in range(w)]
-        back_recv = torch.empty(sum(back_recv_splits), dtype=wire, device=device)
-        work = dist.all_to_all_single(
-            back_recv, back, back_recv_splits, back_send_splits, group=group, async_op=True
-        )
-        stats.bytes_sent += item * (sum(back_send_splits) - back_send_splits[rank])
-        stats.bytes_received += item * (sum(back_recv_splits) - back_recv_splits[rank])
-        returns.append((b, work, back_recv, back))
 
-    # 3. Collect this rank's rows of every result (ordered by owner, then bucket order).
-    for b, work, back_recv, back in returns:
-        t0 = time.perf_counter()
-        work.wait()
-        stats.comm_wait_s += time.perf_counter() - t0
-        offset = 0
-        for s in range(w):
-            for j in b.matrices:
-                mp = plan.matrices[j]
-                if mp.owner != s:
-                    continue
-                start, stop = mp.receive[rank]
-                k = (stop - start) * back_cols[j]
-                out[j] = back_recv[offset:offset + k].view(-1, back_cols[j]).to(dtype)
-                offset += k
-    return out, stats  # type: ignore[return-value]
+def _owned(plan: Plan, b: BucketPlan, owner: int) -> list[int]:
+    return [j for j in b.matrices if plan.matrices[j].owner == owner]
+
+
+def _post_gather(plan: Plan, b: BucketPlan, rows: list[torch.Tensor], wire: _Wire) -> _InFlight:
+    """Send every matrix's contributed rows to its owner: the send buffer is ordered by owner,
+    then by the bucket's matrix order."""
+    parts = [rows[j].reshape(-1) for d in range(plan.world_size) for j in _owned(plan, b, d)]
+    work, recv, send = wire.post(parts, b.gather_send(wire.rank), b.gather_recv(wire.rank))
+    return _InFlight(b, work, recv, send)
+
+
+def _assemble(plan: Plan, owned: list[int], recv: torch.Tensor, wire: _Wire) -> list[torch.Tensor]:
+    """The owned matrices, whole: ``recv`` is ordered by source rank, then by the owned matrices."""
+    pieces: dict[int, list[torch.Tensor]] = {j: [] for j in owned}
+    offset = 0
+    for s in range(plan.world_size):
+        for j in owned:
+            mp = plan.matrices[j]
+            k = mp.contrib_numel(s)
+            pieces[j].append(recv[offset:offset + k].view(-1, mp.cols))
+            offset += k
+    return [torch.cat(pieces[j]).to(wire.dtype) for j in owned]
+
+
+def _compute_and_return(plan: Plan, g: _InFlight, compute: Compute, back_cols: list[int],
+                        wire: _Wire) -> _InFlight:
+    """Wait for a bucket's gather, compute the owned matrices and post their rows back (ordered by
+    destination rank, then by the owned matrices)."""
+    wire.wait(g.work)
+    owned = _owned(plan, g.bucket, wire.rank)
+    results = wire.timed(compute, owned, _assemble(plan, owned, g.recv, wire))
+    for j, r in zip(owned, results):
+        if tuple(r.shape) != (plan.matrices[j].rows, back_cols[j]):
+            raise ValueError(f"exchange: compute returned shape {tuple(r.shape)} for matrix {j}, "
+                             f"expected {(plan.matrices[j].rows, back_cols[j])}")
+    parts = [r[slice(*plan.matrices[j].receive[d])].reshape(-1)
+             for d in range(plan.world_size) for j, r in zip(owned, results)]
+    w, b = plan.world_size, g.bucket
+    send_splits = [_returned(plan, b.matrices, wire.rank, d, back_cols) for d in range(w)]
+    recv_splits = [_returned(plan, b.matrices, s, wire.rank, back_cols) for s in range(w)]
+    work, recv, send = wire.post(parts, send_splits, recv_splits)
+    return _InFlight(b, work, recv, send)
+
+
+def _collect(plan: Plan, r: _InFlight, back_cols: list[int], wire: _Wire, out: list) -> None:
+    """This rank's rows of a bucket's results (ordered by owner, then bucket order)."""
+    wire.wait(r.work)
+    offset = 0
+    for s in range(plan.world_size):
+        for j in _owned(plan, r.bucket, s):
+            start, stop = plan.matrices[j].receive[wire.rank]
+            k = (stop - start) * back_cols[j]
+            out[j] = r.recv[offset:offset + k].view(-1, back_cols[j]).to(wire.dtype)
+            offset += k
 
 
 def _result_cols(plan: Plan, result_cols: Sequence[int] | None) -> list[int]:
@@ -223,70 +244,64 @@ def exchange_replicated(
     needs equal sizes); replicated matrices are already whole and are not sent. Same arguments
     and result as :func:`exchange`; ``compute`` sees every matrix of each bucket.
     """
-    w = plan.world_size
     _contributions(plan, rank, held)  # shape checks
-    _result_cols(plan, result_cols)  # nothing is returned over the wire: only checked
-    stats = ExchangeStats()
-    out: list[torch.Tensor | None] = [None] * len(plan.matrices)
+    back_cols = _result_cols(plan, result_cols)
     if not held:
-        return [], stats
-    dtype, device = held[0].dtype, held[0].device
-    wire = wire_dtype or dtype
-    item = torch.empty((), dtype=wire).element_size()
-
-    def pad_rows(j: int) -> int:
-        mp = plan.matrices[j]
-        return max(b - a for a, b in mp.receive)
-
-    pending = []
-    for b in plan.buckets:
-        members = [j for j in b.matrices if _is_sharded(plan, j)] if w > 1 else []
-        parts = []
-        for j in members:
-            x = held[j]
-            rows = pad_rows(j)
-            if x.shape[0] < rows:
-                x = torch.cat([x, x.new_zeros(rows - x.shape[0], x.shape[1])])
-            parts.append(x.reshape(-1))
-        work = gathered = None
-        if parts:
-            send = torch.cat(parts).to(wire)
-            gathered = torch.empty(w * send.numel(), dtype=wire, device=device)
-            work = _all_gather(gathered, send, group=group, async_op=True)
-            stats.bytes_sent += item * send.numel() * (w - 1)  # as a ring/all-to-all: (W-1) copies
-            stats.bytes_received += item * send.numel() * (w - 1)
-        pending.append((b, members, work, gathered))
-
+        return [], ExchangeStats()
+    wire = _Wire(rank, held[0], wire_dtype, group)
+    pending = [_post_all_gather(plan, b, held, wire) for b in plan.buckets]
+    out: list[torch.Tensor | None] = [None] * len(plan.matrices)
     for b, members, work, gathered in pending:
         if work is not None:
-            t0 = time.perf_counter()
-            work.wait()
-            stats.comm_wait_s += time.perf_counter() - t0
-        full: dict[int, torch.Tensor] = {}
-        if members:
-            per_rank = gathered.numel() // w
-            offset = 0
-            for j in members:
-                mp = plan.matrices[j]
-                rows = pad_rows(j)
-                k = rows * mp.cols
-                blocks = [
-                    gathered[s * per_rank + offset:s * per_rank + offset + k].view(rows, mp.cols)[
-                        : mp.receive[s][1] - mp.receive[s][0]
-                    ]
-                    for s in range(w)
-                ]
-                full[j] = torch.cat(blocks).to(dtype)
-                offset += k
+            wire.wait(work)
+        full = _unpad(plan, members, gathered, wire) if members else {}
         idx = list(b.matrices)
-        mats = [full[j] if j in full else held[j] for j in idx]
-        t0 = time.perf_counter()
-        results = compute(idx, mats) if idx else []
-        stats.compute_s += time.perf_counter() - t0
+        results = wire.timed(compute, idx, [full.get(j, held[j]) for j in idx])
         for j, r in zip(idx, results):
-            r0, r1 = plan.matrices[j].receive[rank]
-            out[j] = r[r0:r1] if j in full else r
-    return out, stats  # type: ignore[return-value]
+            out[j] = r[slice(*plan.matrices[j].receive[rank])] if j in full else r
+            if out[j].shape[1] != back_cols[j]:
+                raise ValueError(f"exchange: compute returned {r.shape[1]} columns for matrix {j}, "
+                                 f"expected {back_cols[j]}")
+    return out, wire.stats  # type: ignore[return-value]
+
+
+def _padded_rows(plan: Plan, j: int) -> int:
+    return max(b - a for a, b in plan.matrices[j].receive)
+
+
+def _post_all_gather(plan: Plan, b: BucketPlan, held: Sequence[torch.Tensor], wire: _Wire):
+    """Start the all-gather of this rank's rows of the bucket's sharded matrices (padded)."""
+    members = [j for j in b.matrices if _is_sharded(plan, j)] if plan.world_size > 1 else []
+    parts = []
+    for j in members:
+        x = held[j]
+        pad = _padded_rows(plan, j) - x.shape[0]
+        parts.append((torch.cat([x, x.new_zeros(pad, x.shape[1])]) if pad else x).reshape(-1))
+    if not parts:
+        return b, members, None, None
+    send = torch.cat(parts).to(wire.wire)
+    gathered = torch.empty(plan.world_size * send.numel(), dtype=wire.wire, device=wire.device)
+    work = _all_gather(gathered, send, group=wire.group, async_op=True)
+    copies = wire.item * send.numel() * (plan.world_size - 1)  # as a ring/all-to-all: (W-1) copies
+    wire.stats.bytes_sent += copies
+    wire.stats.bytes_received += copies
+    return b, members, work, gathered
+
+
+def _unpad(plan: Plan, members: list[int], gathered: torch.Tensor, wire: _Wire) -> dict[int, torch.Tensor]:
+    """The gathered matrices, whole, from every rank's padded rows."""
+    w = plan.world_size
+    per_rank = gathered.numel() // w
+    full, offset = {}, 0
+    for j in members:
+        mp = plan.matrices[j]
+        rows = _padded_rows(plan, j)
+        k = rows * mp.cols
+        blocks = [gathered[s * per_rank + offset:s * per_rank + offset + k].view(rows, mp.cols)[
+            : mp.receive[s][1] - mp.receive[s][0]] for s in range(w)]
+        full[j] = torch.cat(blocks).to(wire.dtype)
+        offset += k
+    return full
 
 
 def _is_sharded(plan: Plan, j: int) -> bool:
@@ -299,10 +314,43 @@ def _is_sharded(plan: Plan, j: int) -> bool:
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def all_ranks_true(flag: bool, group: dist.ProcessGroup | None, world_size: int) -> bool:
-    """Whether ``flag`` holds on every rank of ``group`` (one tiny all-reduce; none for W = 1)."""
+# ----------------------------------------------------------------------------- around a step
+def all_ranks_finite(finite: torch.Tensor, group: dist.ProcessGroup | None, world_size: int) -> torch.Tensor:
+    """``finite`` (a 0-d bool tensor) AND-ed over the ranks of ``group``: one tiny all-reduce,
+    nothing read back to the host (none for W = 1)."""
     if world_size == 1:
-        return flag
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-    return bool(t.item())
+        return finite
+    flag = finite.to(torch.int32).reshape(1)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return flag.reshape(()).bool()
+
+
+def share_from_owners(values: list[torch.Tensor | None], like: list[torch.Tensor],
+                      group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+    """Every rank gets each owner's value: ``values[k]`` is the owner's (None elsewhere) and
+    ``like[k]`` gives its shape and dtype. One all-reduce (sum) of a flat fp64 buffer in which
+    the other ranks put −0.0, the exact identity of IEEE addition (−0 + x = x for every x)."""
+    parts = [torch.full((t.numel(),), -0.0, dtype=torch.float64, device=t.device) if v is None
+             else v.reshape(-1).to(torch.float64) for v, t in zip(values, like)]
+    if not parts:
+        return []
+    flat = torch.cat(parts)
+    dist.all_reduce(flat, group=group)
+    out, offset = [], 0
+    for t in like:
+        out.append(flat[offset:offset + t.numel()].view(t.shape).to(t.dtype))
+        offset += t.numel()
+    return out
+
+
+def check_same(fingerprint: str, what: str, group: dist.ProcessGroup | None, world_size: int) -> None:
+    """Raise on every rank unless every rank of ``group`` has the same ``fingerprint``."""
+    if world_size == 1:
+        return
+    every: list[Any] = [None] * world_size
+    dist.all_gather_object(every, fingerprint, group=group)
+    differ = [r for r, f in enumerate(every) if f != every[0]]
+    if differ:
+        raise RuntimeError(f"the ranks disagree on {what}: ranks {differ} differ from rank 0 "
+                           f"({every[differ[0]]!r} vs {every[0]!r}); every rank must build the "
+                           "optimizer from the same parameters in the same order")

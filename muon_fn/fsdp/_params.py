@@ -112,14 +112,12 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def zeros_rows_state(p: torch.Tensor, trailing: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero per-row state of global shape ``(p.shape[0],) + trailing``, laid out like ``p``'s rows
-    (a DTensor with ``p``'s mesh and placements, or a plain tensor)."""
+def rows_like(p: torch.Tensor, local_rows: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``local_rows`` (this rank's rows of a tensor of global ``shape`` whose rows are ``p``'s) as
+    a DTensor with ``p``'s mesh and placements, or as it is when ``p`` is a plain tensor."""
     if not isinstance(p, DTensor):
-        return torch.zeros((p.shape[0],) + trailing, dtype=dtype, device=p.device)
-    loc = torch.zeros((p.to_local().shape[0],) + trailing, dtype=dtype, device=p.to_local().device)
-    shape = (p.shape[0],) + trailing
+        return local_rows
     return DTensor.from_local(
-        loc, p.device_mesh, p.placements, run_check=False, shape=torch.Size(shape),
+        local_rows, p.device_mesh, p.placements, run_check=False, shape=torch.Size(shape),
         stride=torch.empty(shape, device="meta").stride(),
     )

@@ -188,7 +188,8 @@ def make_plan(
     *,
     replicated: Sequence[bool] | None = None,
     num_buckets: int = 4,
-    extra_cols: int = 0,
+    extra_cols: int | Sequence[int] = 0,
+    units: Sequence[Sequence[int]] | None = None,
 ) -> Plan:
     """Owners, row splits and buckets for matrices of global ``shapes`` on ``world_size`` ranks.
 
@@ -198,32 +199,28 @@ def make_plan(
       replicated: per matrix, True if every rank holds the full matrix (a plain, DDP-style
         parameter): the owner contributes all rows and every rank receives all rows back.
         Default: all sharded as ``Shard(0)`` with ``torch.chunk`` rows.
-      num_buckets: exchanges per step (fewer if there are fewer matrices).
+      num_buckets: exchanges per step (fewer if there are fewer units).
       extra_cols: columns appended to every row on the wire (e.g. a per-row state travelling
-        with the matrix); they add to ``cols`` but not to the cost.
+        with the matrix), one count for every matrix or one per matrix; they add to ``cols`` but
+        not to the cost.
+      units: groups of matrix indices computed together, by one owner, in one exchange bucket
+        and in this order (every matrix in exactly one); default: every matrix alone.
 
-    Owners are assigned by LPT on ``m·n·min(m, n)`` bucket by bucket, each bucket starting from the
-    loads of the previous ones: every bucket keeps all ranks busy and the total is balanced.
+    Owners are assigned to units by LPT on ``m·n·min(m, n)`` bucket by bucket, each bucket
+    starting from the loads of the previous ones: every bucket keeps all ranks busy and the
+    total is balanced.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"Invalid world_size: {world_size!r} (expected an integer >= 1)")
-    if extra_cols < 0:
-        raise ValueError(f"Invalid extra_cols: {extra_cols} (expected >= 0)")
     shapes = [tuple(int(s) for s in shape) for shape in shapes]
     flat = [flat_shape(s) for s in shapes]
-    if replicated is None:
-        replicated = [False] * len(shapes)
-    if len(replicated) != len(shapes):
-        raise ValueError(f"replicated has {len(replicated)} entries for {len(shapes)} shapes")
-    groups = make_buckets([m * n for m, n in flat], num_buckets)
-    owners = [0] * len(shapes)
-    bucket_of = [0] * len(shapes)
-    loads = [0] * world_size
-    for b, members in enumerate(groups):
-        costs = [ns_cost(shapes[j]) for j in members]
-        for j, r in zip(members, lpt_owners(costs, world_size, loads)):
-            owners[j], bucket_of[j] = r, b
-            loads[r] += ns_cost(shapes[j])
+    replicated = _per_matrix("replicated", False if replicated is None else replicated, len(shapes))
+    extra = _per_matrix("extra_cols", extra_cols, len(shapes))
+    if any(e < 0 for e in extra):
+        raise ValueError(f"Invalid extra_cols: {extra_cols} (expected >= 0)")
+    units = _check_units(units, len(shapes))
+    groups = make_buckets([sum(flat[j][0] * flat[j][1] for j in u) for u in units], num_buckets)
+    owners, bucket_of = _assign_owners(shapes, units, groups, world_size)
     matrices = []
     for j, (shape, (m, n)) in enumerate(zip(shapes, flat)):
         if replicated[j]:
@@ -232,19 +229,52 @@ def make_plan(
             receive = (everything,) * world_size
         else:
             contrib = receive = chunk_rows(m, world_size)
-        matrices.append(
-            MatrixPlan(j, shape, m, n + extra_cols, owners[j], bucket_of[j], contrib, receive)
-        )
-    buckets = []
-    for b, members in enumerate(groups):
-        gather = [[0] * world_size for _ in range(world_size)]
-        scatter = [[0] * world_size for _ in range(world_size)]
-        for j in members:
-            mp = matrices[j]
-            for r in range(world_size):
-                gather[r][mp.owner] += mp.contrib_numel(r)
-                scatter[mp.owner][r] += mp.receive_numel(r)
-        buckets.append(
-            BucketPlan(b, tuple(members), tuple(map(tuple, gather)), tuple(map(tuple, scatter)))
-        )
+        matrices.append(MatrixPlan(j, shape, m, n + extra[j], owners[j], bucket_of[j], contrib, receive))
+    buckets = [_bucket_plan(b, [j for u in members for j in units[u]], matrices, world_size)
+               for b, members in enumerate(groups)]
     return Plan(world_size, tuple(matrices), tuple(buckets))
+
+
+def _check_units(units: Sequence[Sequence[int]] | None, n: int) -> list[list[int]]:
+    if units is None:
+        return [[j] for j in range(n)]
+    units = [[int(j) for j in u] for u in units]
+    if sorted(j for u in units for j in u) != list(range(n)) or not all(units):
+        raise ValueError(f"units must hold every matrix index 0..{n - 1} once, in non-empty "
+                         f"groups, got {units}")
+    return units
+
+
+def _assign_owners(shapes: list[tuple[int, ...]], units: list[list[int]], groups: list[list[int]],
+                   world_size: int) -> tuple[list[int], list[int]]:
+    """Owner and bucket of every matrix: LPT over the units of each bucket in turn."""
+    owners, bucket_of = [0] * len(shapes), [0] * len(shapes)
+    loads = [0] * world_size
+    for b, members in enumerate(groups):
+        costs = [sum(ns_cost(shapes[j]) for j in units[u]) for u in members]
+        for u, cost, r in zip(members, costs, lpt_owners(costs, world_size, loads)):
+            for j in units[u]:
+                owners[j], bucket_of[j] = r, b
+            loads[r] += cost
+    return owners, bucket_of
+
+
+def _bucket_plan(b: int, members: list[int], matrices: list[MatrixPlan], world_size: int) -> BucketPlan:
+    gather = [[0] * world_size for _ in range(world_size)]
+    scatter = [[0] * world_size for _ in range(world_size)]
+    for j in members:
+        mp = matrices[j]
+        for r in range(world_size):
+            gather[r][mp.owner] += mp.contrib_numel(r)
+            scatter[mp.owner][r] += mp.receive_numel(r)
+    return BucketPlan(b, tuple(members), tuple(map(tuple, gather)), tuple(map(tuple, scatter)))
+
+
+def _per_matrix(name: str, value, n: int) -> list:
+    """``value`` for each of ``n`` matrices: a sequence of ``n`` entries, or one value for all."""
+    if isinstance(value, (bool, int)):
+        return [value] * n
+    value = list(value)
+    if len(value) != n:
+        raise ValueError(f"{name} has {len(value)} entries for {n} shapes")
+    return value

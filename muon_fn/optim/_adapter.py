@@ -82,10 +82,16 @@ def apply_bucket(tx: GradientTransformation, params: tuple, grads: tuple, state:
     updates added to the parameters, in place. ``finite`` (a 0-d bool tensor or None): when it is
     False nothing changes (decided on the device, without reading the flag)."""
     updates, new_state = tx.update(grads, state, params)
-    _tree.tree_map(lambda old, new: _write(old, new, finite), state, new_state)
+    write_back(state, new_state, finite)
     for p, u in zip(params, updates):
         if u is not None:
             p.add_(u if finite is None else torch.where(finite, u, 0))
+
+
+def write_back(state: Any, new_state: Any, finite: torch.Tensor | None) -> None:
+    """Copy every leaf of ``new_state`` into the matching buffer of ``state`` in place (a ``None``
+    buffer is skipped); where ``finite`` (a 0-d bool tensor) is False the buffers keep their values."""
+    _tree.tree_map(lambda old, new: _write(old, new, finite), state, new_state)
 
 
 def _write(old: torch.Tensor | None, new: torch.Tensor | None, finite: torch.Tensor | None) -> None:
@@ -234,10 +240,7 @@ class Optimizer(torch.optim.Optimizer):
         return rt
 
     def _build(self, group: dict[str, Any], rt: _GroupRuntime, static_key: Any) -> None:
-        hyper = {k: v for k, v in group.items() if k not in _ADAPTER_KEYS}
-        hyper.update(rt.scalars)
-        hyper["_names"] = group.get("param_names")
-        rt.tx = tx = self._factory(hyper)
+        rt.tx = tx = self._factory(self._group_hyper(group, rt))
         rt.static_key = static_key
         size = self._bucket_size if info(tx).leafwise else None
         params = group["params"]
@@ -250,6 +253,15 @@ class Optimizer(torch.optim.Optimizer):
             apply_bucket(tx, params, grads, state, finite)
 
         rt.step = _compile.PerSignature(step, self._compile_options)
+
+    @staticmethod
+    def _group_hyper(group: dict[str, Any], rt: _GroupRuntime) -> dict[str, Any]:
+        """What the factory is called with: the group's hyperparameters, per-step scalars as the
+        runtime's 0-d tensors."""
+        hyper = {k: v for k, v in group.items() if k not in _ADAPTER_KEYS}
+        hyper.update(rt.scalars)
+        hyper["_names"] = group.get("param_names")
+        return hyper
 
     @staticmethod
     def _meta(params: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:

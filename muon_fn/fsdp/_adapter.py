@@ -1,0 +1,406 @@
+"""The FSDP2 adapter: a :class:`muon_fn.Optimizer`'s recipe run on sharded parameters, each
+matrix computed whole by one owner.
+
+:class:`FSDPAdapter` is a mixin for an optimizer class of :mod:`muon_fn.optim` (before it in the
+bases, e.g. ``class FSDPMuonOptimizer(FSDPAdapter, MuonOptimizer)``): the groups, their checks
+and their transforms stay the optimizer's (the same factory on the same hyperparameters); the
+adapter changes where each part of a transform runs. Each group's routes (:mod:`._routes`) split
+their transforms into phases (:mod:`._phases`); per step:
+
+1. **pre** on every rank's local rows (Muon: momentum), in place;
+2. the rows of every matrix travel to its owner (:mod:`._rows`, :mod:`._plan`, :mod:`._exchange`),
+   which runs the **mid** phase on the whole matrices (Muon: orthogonalize … scale_by_shape), one
+   call per bucket of the single-device optimizer, and returns each rank's rows of the result;
+3. **post** on local rows (Muon: weight decay and learning rate), then ``p += u`` in place.
+
+Transforms without a matrix part (AdamW) run whole on local rows with no communication.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import itertools
+import time
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn as nn
+
+from .. import _checks, _tree
+from .._muon import group_by
+from ..optim import _state
+from ..optim._adapter import StepReport, _all_finite
+from . import _exchange, _params, _phases, _plan, _rows
+from ._routes import Bucket, Route, group_routes
+
+STRATEGIES = ("owner", "replicate")
+WIRE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
+
+
+class _Matrix(NamedTuple):
+    """A matrix of the plan: a parameter of a route with a mid phase."""
+
+    group: int
+    route: Route
+    bucket: Bucket  # the matrices its owner computes together (as single-device MuonOptimizer)
+    position: int  # in group["params"]
+    param: torch.Tensor
+    fmt: _rows.RowFormat
+    flops: int  # of its orthogonalization (for last_step_stats)
+
+
+class FSDPAdapter:
+    """Runs the step of the :class:`muon_fn.Optimizer` subclass it is mixed into on FSDP2-sharded
+    (or DDP-replicated) parameters; see the module docstring. A subclass's ``__init__`` calls
+    :meth:`_setup`, then the optimizer's ``__init__``, then :meth:`_distribute`.
+
+    After each step ``last_step_stats`` holds this rank's figures: ``bytes_sent``,
+    ``bytes_received``, ``ns_flops`` (see :meth:`_matrix_flops`), ``matrices_computed``,
+    ``comm_wait_s``, ``compute_s``, ``step_s``, ``applied``.
+    """
+
+    def _setup(self, model: nn.Module, strategy: str, wire_dtype: torch.dtype | None,
+               num_buckets: int) -> None:
+        """Check and keep the adapter's own options (before the optimizer adds its groups)."""
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        _checks.one_of("strategy", strategy, STRATEGIES)
+        _checks.one_of("wire_dtype", wire_dtype, WIRE_DTYPES)
+        _checks.positive_int("num_buckets", num_buckets)
+        self._model, self.strategy, self.wire_dtype = model, strategy, wire_dtype
+        self._num_buckets = num_buckets
+        self._names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        self._distributed = False
+        self._builds = itertools.count()
+
+    def _distribute(self, process_group: Any, k: int) -> None:
+        """Where every parameter lives, its state, and the plan (once all groups are in)."""
+        named = [(self._fqn(p), p) for g in self.param_groups for p in g["params"]]
+        self.topology = _params.resolve_topology(named, process_group)
+        self._layouts = {id(p): _params.layout_of(n, p, self.topology) for n, p in named}
+        self._fsdp_modules = _fsdp_modules(self._model)
+        if k > 1 and not self._fsdp_modules:
+            raise ValueError(
+                f"gradient_accumulation_steps={k} needs a model wrapped with "
+                f"torch.distributed.fsdp.fully_shard (FSDP2), but {type(self._model).__name__} "
+                "contains no FSDPModule")
+        self._accumulation_steps, self._micro_step = k, 0
+        self._device = _params.local(named[0][1]).device if named else torch.device("cpu")
+        self._plan_key: Any = None
+        self.last_step_stats: dict[str, Any] = {}
+        self._matrices()
+        self._set_gradient_sync(k == 1)
+        self._distributed = True
+
+    # ------------------------------------------------------------------ groups and state
+    def _fqn(self, p: torch.Tensor) -> str:
+        return self._names.get(id(p), f"<parameter of shape {tuple(p.shape)} not in model>")
+
+    def _name(self, group: dict[str, Any], p: torch.Tensor) -> str:
+        return repr(self._fqn(p))
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if self._distributed:
+            raise RuntimeError(f"{type(self).__name__} cannot add parameter groups after construction "
+                               "(the communication plan is fixed); pass every group to __init__")
+        super().add_param_group(param_group)
+
+    def _matrix_flops(self, group: dict[str, Any], shape: tuple[int, ...]) -> int:
+        """FLOPs of one matrix's mid phase, for ``last_step_stats`` (0 unless a subclass knows)."""
+        return 0
+
+    @staticmethod
+    def _meta(params: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.empty(tuple(p.shape), dtype=p.dtype, device="meta") for p in params)
+
+    def _build(self, group: dict[str, Any], rt: Any, static_key: Any) -> None:
+        super()._build(group, rt, static_key)
+        rt.routes, rt.build = None, next(self._builds)  # built on first use, after the dry run
+
+    def _routes(self, index: int) -> list[Route]:
+        rt = self._runtimes[index]
+        if rt.routes is None:
+            group = self.param_groups[index]
+            matrix_algorithm = getattr(self, "algorithms", ("auto", "matrix"))[1]  # a hybrid's
+            rt.routes = group_routes(group, self._group_hyper(group, rt), self._factory, matrix_algorithm,
+                                     self._meta, self._bucket_size, self._compile_options)
+        return rt.routes
+
+    def _init_state(self, index: int) -> None:
+        """Every state entry now, so state_dict keys are the same on every rank (DCP): rows of a
+        sharded parameter's state are DTensors laid out like the parameter, the rest plain."""
+        params = self.param_groups[index]["params"]
+        for route in self._routes(index):
+            for bucket in route.buckets:
+                ps = [params[i] for i in bucket.indices]
+                fresh = route.phases.whole.init(tuple(_params.local(p) for p in ps))
+                leaves = [None if leaf is None else self._state_leaf(ps[slot.index or 0], slot, leaf, rows)
+                          for slot, rows, leaf in zip(bucket.layout.slots, bucket.rows,
+                                                      _tree.tree_leaves(fresh))]
+                states = [self.state[p] for p in ps]
+                _state.scatter(bucket.layout, _tree.tree_unflatten(bucket.layout.spec, leaves), states,
+                               overwrite=False)
+
+    def _state_leaf(self, p: torch.Tensor, slot: _state.Slot, local: torch.Tensor,
+                    rows: bool) -> torch.Tensor:
+        if rows:
+            return _params.rows_like(p, local, slot.shape)
+        if tuple(local.shape) != slot.shape:
+            raise ValueError(f"state {slot.key!r} of parameter {self._fqn(p)!r} has shape "
+                             f"{tuple(local.shape)} on this rank's rows but {slot.shape} on the whole "
+                             "parameter: the FSDP adapter cannot hold it (neither per row nor whole)")
+        return local
+
+    def _local_state(self, bucket: Bucket, params: list[torch.Tensor]) -> Any:
+        """The bucket's state as this rank's tensors (views of the stored ones)."""
+        stored = _state.gather(bucket.layout, [self.state[params[i]] for i in bucket.indices])
+        return _tree.tree_map(lambda t: None if t is None else _params.local(t), stored)
+
+    # ------------------------------------------------------------------ the plan
+    def _matrices(self) -> list[_Matrix]:
+        """Every matrix with a mid phase, in group order; the plan is rebuilt when they change."""
+        key = tuple(self._runtime(i).build for i in range(len(self.param_groups)))
+        if key == self._plan_key:
+            return self._matrix_list
+        matrices = []
+        for gi, group in enumerate(self.param_groups):
+            buckets = {i: (r, b) for r in self._routes(gi) for b in r.buckets for i in b.indices}
+            for i, p in enumerate(group["params"]):
+                route, bucket = buckets[i]
+                if route.phases.mid is not None:
+                    matrices.append(_Matrix(gi, route, bucket, i, p, route.formats[i],
+                                            self._matrix_flops(group, p.shape)))
+        for index in range(len(self.param_groups)):  # the state a rebuilt transform adds
+            self._init_state(index)
+        self._set_plan(matrices)
+        self._plan_key, self._matrix_list = key, matrices
+        self._index = {(m.group, m.position): j for j, m in enumerate(matrices)}
+        return matrices
+
+    def _set_plan(self, matrices: list[_Matrix]) -> None:
+        topo = self.topology
+        plan = _plan.make_plan(
+            [tuple(m.param.shape) for m in matrices], topo.world_size,
+            replicated=[not self._layouts[id(m.param)].sharded for m in matrices],
+            num_buckets=self._num_buckets, extra_cols=[m.fmt.sent_cols - m.fmt.cols for m in matrices],
+            units=group_by([id(m.bucket) for m in matrices]))  # the owner computes whole buckets
+        fingerprint = hashlib.sha256(repr(plan).encode()).hexdigest()[:16]
+        _exchange.check_same(fingerprint, "the communication plan (parameter shapes and groups)",
+                             topo.group, topo.world_size)
+        self.plan, self._wire_in = plan, _rows.common_dtype([m.fmt for m in matrices])
+
+    # ------------------------------------------------------------------ the step
+    @torch.compiler.disable
+    def _step(self) -> None:
+        start = time.perf_counter()
+        k = self._accumulation_steps
+        if k > 1 and not self._last_micro_batch(k):
+            return
+        grads = [self._local_grads(group, k) for group in self.param_groups]
+        finite = self._finite(grads)
+        stats = self._apply(grads, finite)
+        if finite is not None:
+            self._count_nonfinite(finite)
+        self.last_step = StepReport(torch.ones((), dtype=torch.bool) if finite is None else finite, True)
+        self.last_step_stats = {**stats, "step_s": time.perf_counter() - start, "applied": True}
+
+    def _last_micro_batch(self, k: int) -> bool:
+        """Count a micro-step; sync the next backward only if it is the last of a step."""
+        self._micro_step += 1
+        final = self._micro_step == k
+        if final:
+            self._micro_step = 0
+        self._set_gradient_sync(self._micro_step == k - 1)
+        if not final:
+            self.last_step = StepReport(torch.ones((), dtype=torch.bool), False)
+            self.last_step_stats = {"applied": False, "micro_step": self._micro_step}
+        return final
+
+    def _local_grads(self, group: dict[str, Any], k: int) -> tuple[torch.Tensor | None, ...]:
+        grads = []
+        for p in group["params"]:
+            g = p.grad
+            if g is not None and g.is_sparse:
+                raise RuntimeError("muon_fn does not support sparse gradients "
+                                   f"(parameter {self._name(group, p)})")
+            g = None if g is None else _params.local(g.detach())
+            grads.append(g / k if g is not None and k > 1 else g)
+        return tuple(grads)
+
+    def _finite(self, grads: list[tuple]) -> torch.Tensor | None:
+        """Whether every rank's gradients are finite (agreed by all ranks, decided on the device)."""
+        if self.nonfinite is None:
+            return None
+        local = [g for gs in grads for g in gs if g is not None]
+        flag = _all_finite(local) if local else torch.ones((), dtype=torch.bool, device=self._device)
+        finite = _exchange.all_ranks_finite(flag, self.topology.group, self.topology.world_size)
+        if self.nonfinite == "error" and not bool(finite):
+            self._count_nonfinite(finite)
+            bad = self._nonfinite_params(list(enumerate(grads)))
+            raise RuntimeError(
+                f"non-finite gradient (inf or nan) in {', '.join(bad) or 'parameters of another rank'}; "
+                "parameters and optimizer state were left unchanged. Pass nonfinite='skip' to skip "
+                "such steps.")
+        return finite
+
+    def _apply(self, grads: list[tuple], finite: torch.Tensor | None) -> dict[str, Any]:
+        matrices, topo = self._matrices(), self.topology
+        held = self._pre(matrices, grads, finite)
+        new_replicated: dict[int, list[torch.Tensor]] = {}
+        compute = functools.partial(self._mid, matrices, new_replicated)
+        run = _exchange.exchange if self.strategy == "owner" else _exchange.exchange_replicated
+        mine, ex = run(self.plan, topo.rank, held, compute, group=topo.group, wire_dtype=self.wire_dtype,
+                       result_cols=[m.fmt.returned_cols for m in matrices])
+        self._post(matrices, grads, mine, self._share(matrices, new_replicated), finite)
+        self._elementwise(grads, finite)
+        computed = [j for j in range(len(matrices)) if self.strategy == "replicate" or
+                    self.plan.matrices[j].owner == topo.rank]
+        return {"strategy": self.strategy, "rank": topo.rank, "world_size": topo.world_size,
+                "bytes_sent": ex.bytes_sent, "bytes_received": ex.bytes_received,
+                "ns_flops": sum(matrices[j].flops for j in computed), "matrices_computed": len(computed),
+                "comm_wait_s": ex.comm_wait_s, "compute_s": ex.compute_s}
+
+    def _mid_buckets(self) -> Iterator[tuple[int, Route, Bucket, list[torch.Tensor]]]:
+        """(group index, route, bucket, group params) of every route with a mid phase."""
+        for gi, group in enumerate(self.param_groups):
+            for route in self._routes(gi):
+                if route.phases.mid is not None:
+                    for bucket in route.buckets:
+                        yield gi, route, bucket, group["params"]
+
+    def _pre(self, matrices: list[_Matrix], grads: list[tuple],
+             finite: torch.Tensor | None) -> list[torch.Tensor]:
+        """The pre phase on local rows; returns every matrix's rows to send (:mod:`._rows`)."""
+        held: list[torch.Tensor | None] = [None] * len(matrices)
+        for gi, route, bucket, params in self._mid_buckets():
+            local = tuple(_params.local(params[i]) for i in bucket.indices)
+            g = tuple(grads[gi][i] for i in bucket.indices)
+            state, _, _ = route.phases.states(self._local_state(bucket, params))
+            updates = (None,) * len(g) if all(x is None for x in g) else route.steps.pre(
+                _phases.signature(local, g, state, finite), local, g, state, finite)
+            for i, p, u in zip(bucket.indices, local, updates):
+                j = self._index[(gi, i)]
+                fmt = matrices[j].fmt
+                rows = [_params.local(self.state[params[i]][leaf.key]) for leaf in fmt.row_states]
+                held[j] = _rows.pack(fmt, u, p, rows, self._wire_in)
+        return held  # type: ignore[return-value]
+
+    def _mid(self, matrices: list[_Matrix], new_replicated: dict, idx: list[int],
+             mats: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The owner's mid phase on whole matrices ``mats`` (plan indices ``idx``), one call per
+        bucket, as single-device MuonOptimizer batches them; new replicated state goes to
+        ``new_replicated``."""
+        results: dict[int, torch.Tensor] = {}
+        for members in group_by([id(matrices[j].bucket) for j in idx]):
+            batch = [idx[q] for q in members]
+            route, bucket = matrices[batch[0]].route, matrices[batch[0]].bucket
+            assert [matrices[j].position for j in batch] == list(bucket.indices)  # the plan's units
+            sent = [_rows.unpack_sent(matrices[j].fmt, mats[q]) for j, q in zip(batch, members)]
+            for j, (_, _, states) in zip(batch, sent):
+                for leaf in matrices[j].fmt.replicated:
+                    states[leaf.key] = _params.local(self.state[matrices[j].param][leaf.key])
+            layout = bucket.phase_layouts[1]
+            state = _state.gather(layout, [states for _, _, states in sent])
+            updates = tuple(u for u, _, _ in sent)
+            params = tuple(p for _, p, _ in sent) if route.phases.mid_needs_params else None
+            args = (params, updates, state)
+            out, new_state = route.steps.mid(_phases.signature(*args), *args)
+            new = [{} for _ in batch]
+            _state.scatter(layout, new_state, new)
+            for j, u, n in zip(batch, out, new):
+                results[j] = _rows.pack_result(matrices[j].fmt, u, n, self._wire_in)
+                new_replicated[j] = [n[leaf.key] for leaf in matrices[j].fmt.replicated]
+        return [results[j] for j in idx]
+
+    def _share(self, matrices: list[_Matrix],
+               new: dict[int, list[torch.Tensor]]) -> dict[int, list[torch.Tensor]]:
+        """Every rank's copy of the replicated mid state each owner computed (one all-reduce)."""
+        topo = self.topology
+        with_state = [j for j, m in enumerate(matrices) if m.fmt.replicated]
+        if not with_state or self.strategy == "replicate" or topo.world_size == 1:
+            return new
+        like = [_params.local(self.state[matrices[j].param][leaf.key]) for j in with_state
+                for leaf in matrices[j].fmt.replicated]
+        values = [v for j in with_state for v in new.get(j, [None] * len(matrices[j].fmt.replicated))]
+        flat = iter(_exchange.share_from_owners(values, like, topo.group))
+        return {j: [next(flat) for _ in matrices[j].fmt.replicated] for j in with_state}
+
+    def _post(self, matrices: list[_Matrix], grads: list[tuple], mine: list[torch.Tensor],
+              shared: dict[int, list[torch.Tensor]], finite: torch.Tensor | None) -> None:
+        """The mid state written back and the post phase applied, on local rows."""
+        for gi, route, bucket, params in self._mid_buckets():
+            local = tuple(_params.local(params[i]) for i in bucket.indices)
+            _, _, state = route.phases.states(self._local_state(bucket, params))
+            updates, old_mid, new_mid = [], [], []
+            for i, p in zip(bucket.indices, local):
+                j = self._index[(gi, i)]
+                fmt = matrices[j].fmt
+                if grads[gi][i] is None:  # this rank leaves the parameter and its state alone
+                    u = old = new = None
+                else:
+                    u, rows = _rows.unpack_result(fmt, mine[j], p.shape)
+                    old = tuple(_params.local(self.state[params[i]][leaf.key])
+                                for leaf in fmt.row_states + fmt.replicated)
+                    new = tuple(rows) + tuple(shared.get(j, ()))
+                updates.append(u)
+                old_mid.append(old)
+                new_mid.append(new)
+            if any(u is not None for u in updates):
+                args = (local, tuple(updates), state, tuple(old_mid), tuple(new_mid), finite)
+                route.steps.post(_phases.signature(*args), *args)
+
+    def _elementwise(self, grads: list[tuple], finite: torch.Tensor | None) -> None:
+        """Transforms without a mid phase (AdamW), whole on local rows."""
+        for gi, group in enumerate(self.param_groups):
+            for route in self._routes(gi):
+                if route.phases.mid is not None:
+                    continue
+                for bucket in route.buckets:
+                    g = tuple(grads[gi][i] for i in bucket.indices)
+                    if all(x is None for x in g):
+                        continue
+                    local = tuple(_params.local(group["params"][i]) for i in bucket.indices)
+                    args = (local, g, self._local_state(bucket, group["params"]), finite)
+                    route.steps.whole(_phases.signature(*args), *args)
+
+    # ------------------------------------------------------------------ FSDP2 helpers
+    def _set_gradient_sync(self, enabled: bool) -> None:
+        for m in self._fsdp_modules:
+            m.set_requires_gradient_sync(enabled, recurse=False)
+
+    @contextlib.contextmanager
+    def unshard_params(self) -> Iterator[nn.Module]:
+        """Inside, every FSDP2 module holds its full (unsharded) parameters; resharded on exit."""
+        if not self._fsdp_modules:
+            raise ValueError(
+                f"unshard_params() needs a model wrapped with fully_shard (FSDP2), but "
+                f"{type(self._model).__name__} contains no FSDPModule"
+            )
+        for m in self._fsdp_modules:
+            m.unshard()
+        try:
+            yield self._model
+        finally:
+            for m in self._fsdp_modules:
+                m.reshard()
+
+    def describe(self) -> str:
+        """Which transform each parameter gets, and who computes each matrix."""
+        lines = [f"{type(self).__name__}(strategy={self.strategy!r}, world_size={self.topology.world_size})"]
+        owners = {(m.group, m.position): self.plan.matrices[j] for j, m in enumerate(self._matrices())}
+        for gi, group in enumerate(self.param_groups):
+            for route in self._routes(gi):
+                for i in route.indices:
+                    p, mp = group["params"][i], owners.get((gi, i))
+                    where = "" if mp is None else f" owner={mp.owner} bucket={mp.bucket}"
+                    lines.append(f"  {route.label:<5} {self._fqn(p)} {tuple(p.shape)}{where}")
+        return "\n".join(lines)
+
+
+def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]

@@ -1,0 +1,122 @@
+"""A transform split into the phases the FSDP adapter runs, read from :class:`~muon_fn.TransformInfo`.
+
+The parts of a :func:`~muon_fn.chain`, in order:
+
+- **pre**: the leading ``ELEMENTWISE`` parts, on each rank's local rows (Muon: ``momentum``);
+- **mid**: from the first to the last ``MATRIX`` part, on each matrix's owner, on whole matrices
+  (Muon: ``orthogonalize`` … ``scale_by_shape``);
+- **post**: the trailing ``ELEMENTWISE`` parts, on local rows, then the in-place apply (Muon:
+  weight decay and learning rate).
+
+A transform without a ``MATRIX`` part (AdamW) runs whole on local rows, with no exchange; one that
+is not a chain is a chain of one part. The state of ``chain(*parts)`` is the tuple of the parts'
+states, so a phase's state is a slice of it, and so are the slots of its state layout.
+
+The step functions built here are what the adapter compiles, one graph per signature, each
+writing back in place as :func:`muon_fn.optim._adapter.apply_bucket` does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from .. import _compile, _tree
+from .._base import ELEMENTWISE, MATRIX, GradientTransformation, info
+from .._combine import chain
+from ..optim import _state
+from ..optim._adapter import apply_bucket, write_back
+
+
+class Phases(NamedTuple):
+    """A transform's parts in three phases."""
+
+    whole: GradientTransformation  # chain(*parts): its state is what torch's state dicts hold
+    pre: GradientTransformation
+    mid: GradientTransformation | None  # None: no MATRIX part, the transform runs whole on shards
+    post: GradientTransformation
+    sizes: tuple[int, int, int]  # parts in pre, mid, post
+    mid_needs_params: bool
+
+    def states(self, state: tuple) -> tuple[tuple, tuple, tuple]:
+        """The pre, mid and post slices of a state of :attr:`whole`."""
+        a, b, _ = self.sizes
+        return state[:a], state[a:a + b], state[a + b:]
+
+
+def split(tx: GradientTransformation, name: str) -> Phases:
+    """The phases of ``tx`` (``name`` labels it in errors)."""
+    parts = info(tx).parts or (tx,)
+    for part in parts:
+        part_info = info(part)
+        if part_info.scope not in (ELEMENTWISE, MATRIX) or not part_info.leafwise:
+            raise ValueError(
+                f"the FSDP adapter cannot run {name}: its part {part!r} has scope "
+                f"{part_info.scope!r} and leafwise={part_info.leafwise} (it needs a known scope, "
+                "ELEMENTWISE or MATRIX, and a leafwise update; see muon_fn.TransformInfo)")
+    matrix = [i for i, part in enumerate(parts) if info(part).scope == MATRIX]
+    if not matrix:
+        return Phases(chain(*parts), chain(*parts), None, chain(), (len(parts), 0, 0), False)
+    a, b = matrix[0], matrix[-1] + 1
+    return Phases(chain(*parts), chain(*parts[:a]), chain(*parts[a:b]), chain(*parts[b:]),
+                  (a, b - a, len(parts) - b), any(info(p).needs_params for p in parts[a:b]))
+
+
+def layouts(phases: Phases, meta: tuple[torch.Tensor, ...]) -> tuple[_state.StateLayout, tuple]:
+    """The state layout of :attr:`Phases.whole` over the (meta) parameters ``meta``, and its
+    pre, mid and post slices."""
+    state = phases.whole.init(meta)
+    full = _state.build_layout(state, len(meta))
+    sliced, start = [], 0
+    for part in phases.states(state):
+        n = len(_tree.tree_leaves(part))
+        sliced.append(_state.StateLayout(_tree.tree_structure(part), full.slots[start:start + n]))
+        start += n
+    return full, tuple(sliced)
+
+
+def update_dtypes(phases: Phases, meta: tuple[torch.Tensor, ...]) -> tuple[list, list]:
+    """The dtypes of the updates entering and leaving the mid phase (traced on meta tensors)."""
+    pre_state, mid_state, _ = phases.states(phases.whole.init(meta))
+    updates, _ = phases.pre.update(meta, pre_state, meta)
+    results, _ = phases.mid.update(updates, mid_state, meta)
+    return [u.dtype for u in updates], [r.dtype for r in results]
+
+
+def signature(*trees: Any) -> tuple:
+    """What a compiled phase step is specialized on: the trees' structure and every tensor leaf's
+    shape, strides, dtype and device."""
+    leaves, spec = _tree.tree_flatten(trees)
+    return (spec,) + tuple((tuple(x.shape), x.stride(), x.dtype, x.device) if isinstance(x, torch.Tensor)
+                           else x for x in leaves)
+
+
+class Steps(NamedTuple):
+    """The compiled (or eager) steps of one :class:`Phases`."""
+
+    pre: _compile.PerSignature  # (params, grads, state, finite) -> updates; state written back
+    mid: _compile.PerSignature  # (params, updates, state) -> (updates, new state); pure
+    post: _compile.PerSignature  # (params, updates, state, mid state, new mid state, finite)
+    whole: _compile.PerSignature  # (params, grads, state, finite): a transform without mid
+
+
+def steps(phases: Phases, options: dict[str, Any] | None) -> Steps:
+    pre, mid, post, whole = phases.pre, phases.mid, phases.post, phases.whole
+
+    def pre_step(params, grads, state, finite):
+        updates, new_state = pre.update(grads, state, params)
+        write_back(state, new_state, finite)
+        return updates
+
+    def mid_step(params, updates, state):
+        return mid.update(updates, state, params)
+
+    def post_step(params, updates, state, mid_state, new_mid_state, finite):
+        write_back(mid_state, new_mid_state, finite)
+        apply_bucket(post, params, updates, state, finite)
+
+    def whole_step(params, grads, state, finite):
+        apply_bucket(whole, params, grads, state, finite)
+
+    return Steps(*(_compile.PerSignature(f, options) for f in (pre_step, mid_step, post_step, whole_step)))

@@ -1,0 +1,109 @@
+"""The routes of a parameter group: each transform of the group with the parameters it updates.
+
+A group with ``algorithm="auto"`` has two routes, as the partition of a hybrid optimizer
+(:class:`muon_fn.MuonOptimizer`) has two halves: its matrix algorithm (Muon) on the matrices and
+AdamW on the rest, both built by the optimizer's factory; any other group has one. A route holds
+its transform's :class:`~muon_fn.fsdp._phases.Phases` and compiled steps, its same-shape buckets
+(each with its state layouts) and, when it has a mid phase, the wire format of each of its
+matrices.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+from .._base import GradientTransformation
+from ..optim import _state
+from ..optim._adapter import buckets
+from . import _phases, _rows
+
+# params -> meta tensors of their global shapes
+Meta = Callable[[list[torch.Tensor]], tuple[torch.Tensor, ...]]
+
+
+class Bucket(NamedTuple):
+    """Same-shape parameters of a route updated by one call, as single-device MuonOptimizer
+    buckets them (the owner computes a bucket's matrices together)."""
+
+    indices: tuple[int, ...]  # positions in group["params"]
+    layout: _state.StateLayout  # of the route's whole transform: keys in torch's state dicts
+    rows: tuple[bool, ...]  # per slot of ``layout``: the leaf has one row per parameter row
+    phase_layouts: tuple[_state.StateLayout, ...]  # the layout's pre, mid and post slices
+
+
+class Route:
+    """One transform over some of a group's parameters."""
+
+    def __init__(self, label: str, tx: GradientTransformation, indices: tuple[int, ...],
+                 params: list[torch.Tensor], meta: Meta, bucket_size: int,
+                 compile_options: dict[str, Any] | None) -> None:
+        self.label, self.indices = label, indices
+        self.phases = _phases.split(tx, f"the {label!r} transform")
+        self.steps = _phases.steps(self.phases, compile_options)
+        self.buckets: list[Bucket] = []
+        self.formats: dict[int, _rows.RowFormat] = {}  # position in the group -> wire format
+        for members in buckets([params[i] for i in indices], bucket_size):
+            idx = tuple(indices[k] for k in members)
+            bucket = _bucket(self.phases, idx, meta([params[i] for i in idx]))
+            self.buckets.append(bucket)
+            if self.phases.mid is not None:
+                self._add_formats(bucket, meta([params[i] for i in idx]))
+
+    def _add_formats(self, bucket: Bucket, meta: tuple[torch.Tensor, ...]) -> None:
+        ins, outs = _phases.update_dtypes(self.phases, meta)
+        pre, mid, _ = bucket.phase_layouts
+        first = len(pre.slots)
+        for k, i in enumerate(bucket.indices):
+            slots = [(slot, bucket.rows[first + n]) for n, slot in enumerate(mid.slots)
+                     if slot is not None and slot.index == k]
+            param_dtype = meta[k].dtype if self.phases.mid_needs_params else None
+            self.formats[i] = _rows.row_format(tuple(meta[k].shape), ins[k], outs[k], param_dtype, slots)
+
+
+def _bucket(phases: _phases.Phases, idx: tuple[int, ...], meta: tuple[torch.Tensor, ...]) -> Bucket:
+    """A bucket's layouts, and which state leaves follow the rows: traced at the parameters'
+    rows and at one row more (the same on every rank, whatever rows it holds)."""
+    full, sliced = _phases.layouts(phases, meta)
+    grown, _ = _phases.layouts(phases, tuple(torch.empty((p.shape[0] + 1,) + p.shape[1:], dtype=p.dtype,
+                                                         device="meta") for p in meta))
+    rows = tuple(a is not None and a.index is not None and len(a.shape) >= 1
+                 and a.shape[0] == meta[a.index].shape[0]
+                 and b.shape == (a.shape[0] + 1,) + a.shape[1:]
+                 for a, b in zip(full.slots, grown.slots))
+    return Bucket(idx, full, rows, sliced)
+
+
+def group_routes(group: dict[str, Any], hyper: dict[str, Any],
+                 factory: Callable[[dict], GradientTransformation], matrix_algorithm: str, meta: Meta,
+                 bucket_size: int,
+                 compile_options: dict[str, Any] | None) -> list[Route]:
+    """The routes of ``group``, each transform built by the optimizer's ``factory`` from the
+    group's hyperparameters ``hyper``: for an ``algorithm="auto"`` group (a hybrid optimizer's)
+    ``matrix_algorithm`` on ndim ≥ 2 and ``"adamw"`` on the rest, else one route."""
+    params = group["params"]
+    algorithm = group.get("algorithm", "recipe")
+    if algorithm != "auto":
+        txs = {algorithm: factory(hyper)}
+        labels = [algorithm] * len(params)
+    else:
+        txs = {label: factory(auto_half(hyper, label)) for label in (matrix_algorithm, "adamw")}
+        labels = [matrix_algorithm if p.ndim >= 2 else "adamw" for p in params]
+    routes = []
+    for label, tx in txs.items():
+        indices = tuple(i for i, lab in enumerate(labels) if lab == label)
+        if indices:
+            routes.append(Route(label, tx, indices, params, meta, bucket_size, compile_options))
+    return routes
+
+
+def auto_half(hyper: dict[str, Any], label: str) -> dict[str, Any]:
+    """The hyperparameters of one half of an ``algorithm="auto"`` group of a hybrid optimizer
+    (:class:`muon_fn.optim._muon.HybridOptimizer`) as a one-algorithm group: the matrices'
+    algorithm as is, and AdamW with ``adamw_lr_effective`` (``adamw_lr·lr/base_lr``) and
+    ``adamw_weight_decay``: the two halves its factory's partition holds."""
+    if label != "adamw":
+        return {**hyper, "algorithm": label}
+    return {**hyper, "algorithm": "adamw", "lr": hyper["adamw_lr_effective"],
+            "weight_decay": hyper["adamw_weight_decay"]}
