@@ -10,8 +10,8 @@ import torch
 from . import _checks
 from ._base import GradientTransformation, Scalar, ScalarOrSchedule
 from ._combine import chain, leafwise_labels, partition
-from ._newton_schulz import DEFAULT_METHOD, validate_coefficients
-from ._muon import SHAPE_RULES, Split, orthogonalize, scale_by_shape
+from ._newton_schulz import validate_coefficients
+from ._muon import Split, orthogonalize, scale_by_shape, shape_rule
 from ._transforms import (
     add_decoupled_weight_decay,
     momentum as momentum_tx,
@@ -27,16 +27,16 @@ def muon(
     *,
     nesterov: bool = True,
     kind: str = "sgd",
-    method: Union[str, Callable[[torch.Tensor], torch.Tensor]] = DEFAULT_METHOD,
+    method: Union[str, Callable[[torch.Tensor], torch.Tensor], None] = None,
     ns_steps: int | None = None,
-    ns_coefficients: Sequence[Sequence[float]] | None = None,
+    ns_coefficients: Sequence[Sequence[float]] | Sequence[float] | None = None,
     ns_dtype: torch.dtype | None = None,
-    ns_eps: float = 1e-7,
+    eps: float = 1e-7,
     ns_stepsize: float = 1.0,
-    adjust_lr_fn: str = "keller",
+    adjust_lr_fn: str | None = "keller",
     weight_decay: Scalar = 0.0,
     beta2: float | None = None,
-    eps: float = 1e-8,
+    normuon_eps: float = 1e-8,
     flatten: bool = True,
     split: Split = None,
     mu_dtype: torch.dtype | None = None,
@@ -46,25 +46,31 @@ def muon(
     ``chain(momentum, orthogonalize, [normalize_rows if beta2], scale_by_shape,
     add_decoupled_weight_decay, scale_by_learning_rate)``: per matrix,
     ``p ← p(1 − lr·wd) − lr·s(out, in)·msign(M)``. Every leaf must be a matrix (ndim ≥ 2);
-    use :func:`hybrid` for trees that also hold biases and norms. ``ns_steps=None`` runs the
-    number of iterations ``method`` is designed for (4 for the default ``"aol9"``, 5 for most).
+    use :func:`hybrid` for trees that also hold biases and norms. ``method=None`` is
+    :data:`~muon_fn._newton_schulz.DEFAULT_METHOD`, or with ``ns_coefficients`` (torch's flat
+    ``(a, b, c)`` or one triple per iteration) exactly that iteration; ``ns_steps=None`` runs the
+    number of iterations the method is designed for (4 for ``"aol9"``, 5 for most, 5 for one
+    triple). ``eps``: the Newton–Schulz normalization ``X / max(‖X‖_F, eps)`` (torch.optim.Muon's
+    ``eps``); ``normuon_eps``: NorMuon's row normalization (with ``beta2``). ``adjust_lr_fn=None``
+    is ``"original"`` (torch.optim.Muon's default).
     """
     if ns_steps is not None:
         _checks.positive_int("ns_steps", ns_steps)
-    _checks.positive("ns_eps", ns_eps)
+    _checks.positive("eps", eps)
+    _checks.positive("normuon_eps", normuon_eps)
     _checks.positive("ns_stepsize", ns_stepsize)
-    _checks.one_of("adjust_lr_fn", adjust_lr_fn, SHAPE_RULES)
+    rule = shape_rule(adjust_lr_fn)
     if ns_coefficients is not None:
         validate_coefficients(ns_coefficients, name="ns_coefficients")
     parts = [
         momentum_tx(momentum, nesterov=nesterov, kind=kind, mu_dtype=mu_dtype),
-        orthogonalize(method, ns_steps, coefficients=ns_coefficients, dtype=ns_dtype, eps=ns_eps,
+        orthogonalize(method, ns_steps, coefficients=ns_coefficients, dtype=ns_dtype, eps=eps,
                       stepsize=ns_stepsize, flatten=flatten, split=split),
     ]
     if beta2 is not None:
-        parts.append(normalize_rows(beta2, eps))
+        parts.append(normalize_rows(beta2, normuon_eps))
     parts += [
-        scale_by_shape(adjust_lr_fn, split=split),
+        scale_by_shape(rule, split=split),
         add_decoupled_weight_decay(weight_decay),
         scale_by_learning_rate(lr),
     ]
@@ -79,16 +85,17 @@ def normuon(
     nesterov: bool = False,
     adjust_lr_fn: str = "spectral",
     weight_decay: Scalar = 0.01,
-    eps: float = 1e-8,
+    normuon_eps: float = 1e-8,
     **muon_kwargs: Any,
 ) -> GradientTransformation:
     """NorMuon: Muon with neuron-wise (row) normalization after orthogonalization.
 
     Defaults follow microsoft/dion's NorMuon: lr 0.01, β₂ 0.95, no Nesterov, √(out/in) scaling,
-    weight decay 0.01.
+    weight decay 0.01. ``normuon_eps`` is the row normalization's epsilon; ``eps`` (in
+    ``muon_kwargs``) the Newton–Schulz one, as in :func:`muon`.
     """
     return muon(lr, momentum, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn,
-                weight_decay=weight_decay, beta2=beta2, eps=eps, **muon_kwargs)
+                weight_decay=weight_decay, beta2=beta2, normuon_eps=normuon_eps, **muon_kwargs)
 
 
 def adamw(

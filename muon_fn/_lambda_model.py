@@ -84,7 +84,7 @@ class LambdaModel(NamedTuple):
     fro2: torch.Tensor  # (B,): ‖M̂‖_F²
     weights: torch.Tensor  # (K,): the fit's w_k
     poles: torch.Tensor  # (K,): the fit's τ_k
-    norm_scale: float  # the msign's normalizer is N = norm_scale·‖X‖_F + eps
+    norm_scale: float  # the msign's normalizer is N = max(norm_scale·‖X‖_F, eps)
     eps: float
     Q: torch.Tensor | None = None  # (B, m, m): eigenvectors of that Gram matrix (for model_direction)
     tall: bool = False  # the inputs were tall and the model is of the transposes
@@ -140,7 +140,7 @@ def lambda_model(
     Args:
       m_hat: ``(B, m, n)``; u, v: ``(B, m)``, ``(B, n)`` unit vectors.
       fit: ``(weights, poles)`` from :func:`spectral_function_fit` for the msign's schedule.
-      norm_scale, eps: the msign's normalization ``X / (norm_scale·‖X‖_F + eps)``.
+      norm_scale, eps: the msign's normalization ``X / max(norm_scale·‖X‖_F, eps)``.
       precision: see above.
     """
     if precision is None:
@@ -268,7 +268,7 @@ def _resolvent_terms(model: LambdaModel, lam: torch.Tensor) -> tuple[torch.Tenso
     a, p = model.a, model.p
     # ‖M̂ + λuvᵀ‖_F² = ‖M̂‖² + 2λ uᵀM̂v + λ², and uᵀM̂v = aᵀp (Q is orthogonal).
     fro2 = model.fro2 + 2 * lam * (a * p).sum(-1) + lam * lam
-    norm = model.norm_scale * fro2.clamp_min(0).sqrt() + model.eps  # (B,)
+    norm = (model.norm_scale * fro2.clamp_min(0).sqrt()).clamp_min(model.eps)  # (B,)
     c = norm[:, None] * model.weights  # (B, K)
     d = norm[:, None].square() * model.poles  # (B, K)
     w = p + lam[:, None] * a  # (B, m)

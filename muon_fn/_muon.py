@@ -15,6 +15,16 @@ from ._base import MATRIX, GradientTransformation, init_empty_state, named, with
 Split = Union[None, Sequence[int], Callable[[torch.Tensor], Union[Sequence[int], None]]]
 
 SHAPE_RULES = ("keller", "original", "match_rms_adamw", "spectral", "legacy", "none")
+# What the recipes' and optimizers' adjust_lr_fn accepts: None is torch.optim.Muon's default,
+# "original" (= "keller").
+ADJUST_LR_FNS = (None, *SHAPE_RULES)
+
+
+def shape_rule(adjust_lr_fn: str | None) -> str:
+    """The :func:`scale_by_shape` rule of an ``adjust_lr_fn`` (``None`` is ``"original"``, as in
+    torch.optim.Muon)."""
+    _checks.one_of("adjust_lr_fn", adjust_lr_fn, ADJUST_LR_FNS)
+    return "original" if adjust_lr_fn is None else adjust_lr_fn
 
 
 def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
@@ -99,14 +109,19 @@ def group_by(keys: Sequence[Hashable], cap: int | None = None) -> list[list[int]
 
 
 def resolve_method(
-    method: str,
+    method: str | None,
     steps: int | None,
     *,
-    coefficients: Sequence[Sequence[float]] | None = None,
+    coefficients: Sequence[Sequence[float]] | Sequence[float] | None = None,
     stepsize: float = 1.0,
 ) -> tuple[_newton_schulz.Schedule, float]:
-    """``(schedule, norm_scale)`` that :func:`orthogonalize` runs for a named ``method``."""
-    _checks.one_of("method", method, _newton_schulz.METHODS)
+    """``(schedule, norm_scale)`` that :func:`orthogonalize` runs for a named ``method``.
+
+    ``method=None``: :data:`~muon_fn._newton_schulz.DEFAULT_METHOD`, or with ``coefficients``
+    exactly their plain iteration (Frobenius normalization, no preconditioner, no safety factor:
+    torch.optim.Muon's with its ``ns_coefficients``)."""
+    if method is not None:
+        _checks.one_of("method", method, _newton_schulz.METHODS)
     schedule = _newton_schulz.coefficient_schedule(method, steps, coefficients=coefficients, stepsize=stepsize)
     return schedule, 1.0 if coefficients is not None else _newton_schulz.norm_scale(method)
 
@@ -134,10 +149,10 @@ def _assemble(u: torch.Tensor, outs: list[torch.Tensor], flatten: bool, split: S
 
 
 def orthogonalize(
-    method: Union[str, Callable[[torch.Tensor], torch.Tensor]] = _newton_schulz.DEFAULT_METHOD,
+    method: Union[str, Callable[[torch.Tensor], torch.Tensor], None] = None,
     steps: int | None = None,
     *,
-    coefficients: Sequence[Sequence[float]] | None = None,
+    coefficients: Sequence[Sequence[float]] | Sequence[float] | None = None,
     dtype: torch.dtype | None = None,
     eps: float = 1e-7,
     stepsize: float = 1.0,
@@ -148,15 +163,21 @@ def orthogonalize(
     """Replace each matrix update ``G`` by an approximation of ``msign(G) = UVᵀ``.
 
     Args:
-      method: ``"aol9"`` (default), ``"polar_express"``, ``"quintic"`` (Keller), ``"you"``,
-        ``"cubic"``, ``"aol"``, ``"gram"``, or a callable ``(B, m, n) -> (B, m, n)`` applied to
-        each batch of equal-shape wide matrices (traced as is under ``torch.compile``).
-      steps: iterations of the method's coefficient schedule; ``None``: what the method is
-        designed for (4 for ``"aol9"`` and ``"aol"``, else 5).
-      coefficients: a custom per-iteration schedule of ``(a, b, c)`` triples.
+      method: ``None`` (default: :data:`~muon_fn._newton_schulz.DEFAULT_METHOD`, or the plain
+        iteration of ``coefficients`` when they are given), ``"aol9"``, ``"polar_express"``,
+        ``"quintic"`` (Keller), ``"you"``, ``"cubic"``, ``"aol"``, ``"gram"``, or a callable
+        ``(B, m, n) -> (B, m, n)`` applied to each batch of equal-shape wide matrices (traced as
+        is under ``torch.compile``).
+      steps: iterations; ``None``: what the method is designed for (4 for ``"aol9"`` and
+        ``"aol"``, else 5), or with ``coefficients`` their length (5 for a single triple).
+      coefficients: a custom schedule: one ``(a, b, c)`` (torch.optim.Muon's ``ns_coefficients``,
+        every iteration) or one triple per iteration (the last repeats). Without ``method`` they
+        run exactly as given: Frobenius normalization, no preconditioner, no safety factor; with
+        a named ``method`` they replace its rows and keep its preconditioner and form.
       dtype: iteration dtype; ``None`` = the device default
         (:func:`~muon_fn._newton_schulz.default_compute_dtype`: bf16, fp32 on CPUs without bf16 GEMMs).
-      eps: added to the Frobenius norm (zero in → zero out, never NaN).
+      eps: the normalization is ``X / max(‖X‖_F, eps)`` (torch.optim.Muon's; zero in → zero
+        out, never NaN).
       stepsize: damping η of each iteration, ``X ← X + η(p(X) − X)``.
       flatten: view N-D leaves as ``(out, prod(rest))``; if False, leading dims are a batch.
       split: row-block sizes of fused weights (each block orthogonalized on its own), or a
@@ -169,8 +190,11 @@ def orthogonalize(
     """
     custom = callable(method) and not isinstance(method, str)
     if steps is None:
-        steps = _newton_schulz.default_steps(method)
+        steps = _newton_schulz.default_steps(method, None if custom else coefficients)
     _checks.positive_int("steps", steps)
+    if custom and coefficients is not None:
+        raise ValueError("Invalid coefficients: a callable method runs its own iteration; pass "
+                         "coefficients with method=None (or a named method) instead")
     if not custom:
         schedule, scale = resolve_method(method, steps, coefficients=coefficients, stepsize=stepsize)
     _checks.positive("eps", eps)
@@ -204,10 +228,12 @@ def orthogonalize(
                       for u, outs in zip(leaves, results)]
         return _tree.tree_unflatten(spec, out_leaves), state
 
+    if coefficients is None and method is None:
+        method = _newton_schulz.DEFAULT_METHOD  # named in the repr
     config: dict[str, Any] = {"method": getattr(method, "__name__", method) if custom else method,
                               "steps": steps}
     if coefficients is not None:
-        config["coefficients"] = coefficients
+        config["coefficients"] = _newton_schulz.validate_coefficients(coefficients)
     config.update(dtype=dtype, eps=eps, stepsize=stepsize, flatten=flatten)
     if split is not None:
         config["split"] = split

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import numbers
 import platform
 import threading
 from typing import Callable, Sequence, Union
@@ -102,6 +103,8 @@ CUBIC_COEFFICIENTS: tuple[Coefficients, ...] = ((1.5, -0.5, 0.0),)
 # The default orthogonalization: "aol9" runs 0.84x the GEMM FLOPs of a 5-step quintic and is no
 # worse than torch.optim.Muon's quintic on every real momentum measured (docs/performance.md).
 DEFAULT_METHOD = "aol9"
+# torch.optim.Muon's iteration count for its single quintic (what ns_coefficients=(a, b, c) runs).
+TORCH_NS_STEPS = 5
 METHODS = ("polar_express", "quintic", "you", "cubic", "aol", "aol9", "gram")
 
 # How a method's per-iteration schedule extends to ``steps`` iterations.
@@ -167,8 +170,14 @@ _METHOD_OPTIONS = {"aol": {"precondition": "aol"}, "aol9": {"precondition": "aol
 _FOLD_FROM = {"aol9": 1}
 
 
-def default_steps(method: Method) -> int:
-    """Iterations ``method`` is designed for: 4 for ``"aol"`` and ``"aol9"``, else 5."""
+def default_steps(method: Method | None, coefficients: Sequence[Sequence[float]] | None = None) -> int:
+    """Iterations run when none are given: with ``coefficients`` (a user schedule) its length, or
+    5 for a single triple (torch.optim.Muon's ``ns_steps``); else what ``method`` is designed
+    for: 4 for ``"aol"`` and ``"aol9"``, else 5 (``None``: :data:`DEFAULT_METHOD`)."""
+    if coefficients is not None:
+        rows = validate_coefficients(coefficients)
+        return len(rows) if len(rows) > 1 else TORCH_NS_STEPS
+    method = DEFAULT_METHOD if method is None else method
     return _DEFAULT_STEPS.get(method, 5) if isinstance(method, str) else 5
 
 
@@ -200,43 +209,59 @@ def cpu_has_bf16_gemm() -> bool:
 CPU_HAS_BF16_GEMM: bool = cpu_has_bf16_gemm()
 
 
-def validate_coefficients(coefficients: Sequence[Sequence[float]], name: str = "coefficients") -> tuple[Coefficients, ...]:
-    """Check a user schedule: a non-empty sequence of finite ``(a, b, c)`` triples.
-
-    ``name`` is the argument name used in the error (e.g. ``"ns_coefficients"`` in a recipe).
-    """
+def validate_coefficients(coefficients: Sequence[Sequence[float]] | Sequence[float],
+                          name: str = "coefficients") -> tuple[Coefficients, ...]:
+    """Check a user schedule and return it as rows: torch.optim.Muon's flat ``(a, b, c)`` (one
+    quintic, every iteration) or a non-empty sequence of finite ``(a, b, c)`` triples, one per
+    iteration. ``name`` is the argument name used in the error (e.g. ``"ns_coefficients"``)."""
+    expected = "expected an (a, b, c) triple or a sequence of (a, b, c) triples"
+    if isinstance(coefficients, (str, bytes)) or not isinstance(coefficients, Sequence):
+        raise ValueError(f"Invalid {name}: {coefficients!r} ({expected})")
+    if coefficients and all(_is_real(v) for v in coefficients):  # torch's flat triple
+        coefficients = (coefficients,)
     try:
-        rows = tuple(tuple(float(v) for v in row) for row in coefficients)
+        rows = tuple(tuple(_real(v) for v in row) for row in coefficients)
     except (TypeError, ValueError) as e:
-        raise ValueError(
-            f"Invalid {name}: {coefficients!r} (expected a sequence of (a, b, c) triples)"
-        ) from e
+        raise ValueError(f"Invalid {name}: {coefficients!r} ({expected})") from e
     if not rows or any(len(r) != 3 for r in rows):
-        raise ValueError(
-            f"Invalid {name}: {coefficients!r} (expected a non-empty sequence of (a, b, c) triples)"
-        )
+        raise ValueError(f"Invalid {name}: {coefficients!r} ({expected})")
     if any(v != v or v in (float("inf"), float("-inf")) for r in rows for v in r):
         raise ValueError(f"Invalid {name}: {coefficients!r} (values must be finite)")
     return rows
 
 
+def _is_real(v: object) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def _real(v: object) -> float:
+    if not _is_real(v):
+        raise TypeError(f"not a real number: {v!r}")
+    return float(v)
+
+
 def coefficient_schedule(
-    method: str = "polar_express",
+    method: str | None = "polar_express",
     steps: int | None = 5,
     *,
-    coefficients: Sequence[Sequence[float]] | None = None,
+    coefficients: Sequence[Sequence[float]] | Sequence[float] | None = None,
     stepsize: float = 1.0,
 ) -> Schedule:
     """The ``steps`` polynomial rows that ``method`` applies, one per iteration.
 
     Returns a :class:`Schedule` (a tuple of triples) that also carries the method's
     preconditioner and form. ``steps=None`` uses :func:`default_steps`. ``coefficients`` (a user
-    schedule) overrides the method's triples (keeping its preconditioner and form); its last
-    triple repeats if it is shorter than ``steps``. ``stepsize`` η damps each iteration,
-    ``X ← X + η(p(X) − X)``, i.e. ``(c₀, c₁, …) → (1 − η + ηc₀, ηc₁, …)``.
+    schedule: one ``(a, b, c)`` or one triple per iteration, the last repeating) replaces the
+    method's rows; with ``method=None`` they run as the plain iteration (Frobenius
+    normalization, standard form: torch.optim.Muon's), with a named method they keep its
+    preconditioner and form. ``method=None`` without coefficients is :data:`DEFAULT_METHOD`.
+    ``stepsize`` η damps each iteration, ``X ← X + η(p(X) − X)``, i.e.
+    ``(c₀, c₁, …) → (1 − η + ηc₀, ηc₁, …)``.
     """
+    if method is None and coefficients is None:
+        method = DEFAULT_METHOD
     if steps is None:
-        steps = default_steps(method)
+        steps = default_steps(method, coefficients)
     _checks.positive_int("steps", steps)
     _checks.positive("stepsize", stepsize)
     if coefficients is not None:
@@ -256,8 +281,10 @@ def coefficient_schedule(
     return Schedule(rows, **options)
 
 
-def norm_scale(method: str) -> float:
-    """Factor on ‖X‖_F in the pre-normalization (1.01 for Polar Express, else 1)."""
+def norm_scale(method: str | None) -> float:
+    """Factor on ‖X‖_F in the pre-normalization (1.01 for Polar Express, else 1; ``None``:
+    :data:`DEFAULT_METHOD`'s)."""
+    method = DEFAULT_METHOD if method is None else method
     return _NORM_SCALE.get(method, 1.0) if isinstance(method, str) else 1.0
 
 
@@ -571,7 +598,8 @@ def newton_schulz(
       steps: number of iterations (``None``: :func:`default_steps`).
       coefficients: a custom schedule of ``(a, b, c)`` triples (overrides ``method``'s).
       dtype: iteration dtype; ``None`` iterates in ``x.dtype``.
-      eps: added to the Frobenius norm, so a zero input maps to zero.
+      eps: the normalization is ``x / max(‖x‖_F, eps)`` (torch.optim.Muon's), so a zero
+        input maps to zero.
       stepsize: damping η of each iteration (1 = the plain iteration).
 
     Returns:
@@ -616,10 +644,11 @@ def _run_schedule(y: torch.Tensor, schedule: Sequence[Coefficients], eps: float,
 
 
 def _inverse_norm(x: torch.Tensor, norm_scale: float, eps: float, dims: tuple[int, ...] | None = None) -> torch.Tensor:
-    """``1 / (norm_scale·‖x‖_F + eps)`` in at least fp32 (over ``dims``, kept, for a batch)."""
+    """``1 / max(norm_scale·‖x‖_F, eps)`` in at least fp32 (over ``dims``, kept, for a batch):
+    torch.optim.Muon's normalization (exactly scale-invariant above ``eps``; zero maps to zero)."""
     dtype = torch.promote_types(x.dtype, torch.float32)
     norm = torch.linalg.vector_norm(x, dim=dims, keepdim=dims is not None, dtype=dtype)
-    return 1.0 / (norm * norm_scale + eps)
+    return 1.0 / (norm * norm_scale).clamp_min(eps)
 
 
 def orthogonalize_matrices(

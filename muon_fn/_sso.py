@@ -62,7 +62,7 @@ SCALE_MODES = ("radius",) + SHAPE_RULES
 RETRACT_MODES = ("hard", "dynamic")
 DIRECTIONS = ("msign", "spectral")
 _M_FLOOR = 1e-8  # floor of ‖M‖_F in the normalization (reference code)
-_MSIGN_EPS = 1e-7  # the msign's normalization X / (norm_scale·‖X‖_F + eps) (reference code)
+_MSIGN_EPS = 1e-7  # the msign's normalization X / max(norm_scale·‖X‖_F, eps) (reference code)
 # init() computes each v accurately (power 2^13 on the Gram matrix), so even the first step's
 # retraction is exact although random weights have σ₂/σ₁ ≈ 0.99 (plain power iteration: 3e-2 off
 # after 10 steps on a 768×3072 nn.Linear init).

@@ -116,10 +116,10 @@ class TestValidationMessages(expecttest.TestCase):
         self.assertExpectedInline(self.msg(mf.shape_scale, "nope", (4, 4)), """Invalid rule: 'nope' (valid: 'keller', 'original', 'match_rms_adamw', 'spectral', 'legacy', 'none')""")
 
     def test_malformed_schedules(self):
-        self.assertExpectedInline(self.msg(mf.orthogonalize, coefficients=[]), """Invalid coefficients: [] (expected a non-empty sequence of (a, b, c) triples)""")
-        self.assertExpectedInline(self.msg(mf.orthogonalize, coefficients=[(3.4, -4.7)]), """Invalid coefficients: [(3.4, -4.7)] (expected a non-empty sequence of (a, b, c) triples)""")
+        self.assertExpectedInline(self.msg(mf.orthogonalize, coefficients=[]), """Invalid coefficients: [] (expected an (a, b, c) triple or a sequence of (a, b, c) triples)""")
+        self.assertExpectedInline(self.msg(mf.orthogonalize, coefficients=[(3.4, -4.7)]), """Invalid coefficients: [(3.4, -4.7)] (expected an (a, b, c) triple or a sequence of (a, b, c) triples)""")
         self.assertExpectedInline(self.msg(mf.orthogonalize, coefficients=[(3.4, -4.7, float("nan"))]), """Invalid coefficients: [(3.4, -4.7, nan)] (values must be finite)""")
-        self.assertExpectedInline(self.msg(mf.orthogonalize, coefficients=3.4), """Invalid coefficients: 3.4 (expected a sequence of (a, b, c) triples)""")
+        self.assertExpectedInline(self.msg(mf.orthogonalize, coefficients=3.4), """Invalid coefficients: 3.4 (expected an (a, b, c) triple or a sequence of (a, b, c) triples)""")
 
     def test_other_factories(self):
         self.assertExpectedInline(self.msg(mf.scale_by_learning_rate, -0.1), """Invalid lr: -0.1 (expected a finite value >= 0)""")
@@ -149,10 +149,11 @@ class TestValidationMessages(expecttest.TestCase):
     def test_recipe_messages_name_the_recipe_argument(self):
         # Regression: at 235b064 these named the inner transform's arguments (steps, rule, eps).
         self.assertExpectedInline(self.msg(mf.muon, ns_steps=0), """Invalid ns_steps: 0 (expected an integer >= 1)""")
-        self.assertExpectedInline(self.msg(mf.muon, adjust_lr_fn="x"), """Invalid adjust_lr_fn: 'x' (valid: 'keller', 'original', 'match_rms_adamw', 'spectral', 'legacy', 'none')""")
-        self.assertExpectedInline(self.msg(mf.muon, ns_eps=0.0), """Invalid ns_eps: 0.0 (expected a finite value > 0)""")
+        self.assertExpectedInline(self.msg(mf.muon, adjust_lr_fn="x"), """Invalid adjust_lr_fn: 'x' (valid: None, 'keller', 'original', 'match_rms_adamw', 'spectral', 'legacy', 'none')""")
+        self.assertExpectedInline(self.msg(mf.muon, eps=0.0), """Invalid eps: 0.0 (expected a finite value > 0)""")
+        self.assertExpectedInline(self.msg(mf.muon, beta2=0.9, normuon_eps=-1.0), """Invalid normuon_eps: -1.0 (expected a finite value > 0)""")
         self.assertExpectedInline(self.msg(mf.muon, ns_stepsize=-1.0), """Invalid ns_stepsize: -1.0 (expected a finite value > 0)""")
         self.assertExpectedInline(self.msg(mf.normuon, beta2=1.0), """Invalid beta2: 1.0 (expected 0 <= beta2 < 1)""")
 
     def test_recipe_coefficients_message_names_ns_coefficients(self):
-        self.assertExpectedInline(self.msg(mf.muon, ns_coefficients=[()]), """Invalid ns_coefficients: [()] (expected a non-empty sequence of (a, b, c) triples)""")
+        self.assertExpectedInline(self.msg(mf.muon, ns_coefficients=[()]), """Invalid ns_coefficients: [()] (expected an (a, b, c) triple or a sequence of (a, b, c) triples)""")

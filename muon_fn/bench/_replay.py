@@ -50,7 +50,7 @@ def replay(params: Sequence[torch.Tensor], method: str, steps: int | None, *, bu
 def _prepared(p: torch.Tensor, norm_scale: float, aol: bool, eps: float = 1e-7) -> torch.Tensor:
     w = p.detach().float()
     w = w.mT if w.size(0) > w.size(1) else w
-    w = w / (norm_scale * torch.linalg.vector_norm(w) + eps)
+    w = w / (norm_scale * torch.linalg.vector_norm(w)).clamp_min(eps)
     if aol:  # AOL: rows scaled by (Σⱼ |WWᵀ|ᵢⱼ)^(-1/2), bounding σ by 1
         w = w * ((w @ w.mT).abs().sum(-1, keepdim=True) + eps).rsqrt()
     return w

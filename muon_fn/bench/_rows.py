@@ -8,7 +8,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import torch
 
 from .. import _compile, _newton_schulz
-from .._alias import DEFAULT_METHOD
+from .._newton_schulz import DEFAULT_METHOD
 from ..optim import BUCKET_SIZE, MuonOptimizer
 from ._quality import TORCH, TORCH_ORTHO, Ortho
 from ._replay import replay
