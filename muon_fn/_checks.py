@@ -44,6 +44,12 @@ def positive_int(name: str, value: Any) -> None:
         raise ValueError(f"Invalid {name}: {value!r} (expected an integer >= 1)")
 
 
+def boolean(name: str, value: Any) -> None:
+    """``value`` is ``True`` or ``False`` (not a truthy stand-in such as ``1`` or ``"yes"``)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"Invalid {name}: {value!r} (expected True or False)")
+
+
 def one_of(name: str, value: Any, valid: Iterable[Any]) -> None:
     valid = list(valid)
     if value not in valid:
@@ -116,3 +122,34 @@ def adamw_half(group: dict[str, Any]) -> None:
         decay_value(key, group[key])
     eps_value("adamw_eps", group["adamw_eps"])
     betas_value("adamw_betas", group["adamw_betas"])
+
+
+# ----------------------------------------------------------------------------- foreign keywords
+# Keywords of other torch optimizers, and former muon_fn names, that the optimizers refuse with a
+# pointer to what to use (instead of accepting them and doing nothing).
+FOREIGN_KEYWORDS = {
+    "ns_eps": "use eps: it is the Newton-Schulz epsilon, as in torch.optim.Muon "
+              "(NorMuon's epsilon is normuon_eps)",
+    "maximize": "muon_fn optimizers minimize; to maximize f, minimize -f",
+    "foreach": "muon_fn runs its own batched step, compiled by default (see compile=)",
+    "fused": "muon_fn runs its own batched step, compiled by default (see compile=)",
+    "capturable": "capturing the step in a CUDA graph is not supported (see compile=)",
+    "differentiable": "the step runs under torch.no_grad(); differentiating through it is not supported",
+    "betas": "use momentum for the matrices and adamw_betas for the AdamW half",
+}
+
+
+def unexpected_keywords(owner: str, kwargs: dict[str, Any]) -> None:
+    """Refuse ``kwargs`` (keywords ``owner`` does not take) with Python's wording, plus what to use
+    for the ones in :data:`FOREIGN_KEYWORDS`."""
+    for key in kwargs:
+        hint = FOREIGN_KEYWORDS.get(key)
+        raise TypeError(f"{owner}() got an unexpected keyword argument {key!r}" + (f": {hint}" if hint else ""))
+
+
+def foreign_group_keys(group: dict[str, Any]) -> None:
+    """Refuse a param group holding a key of :data:`FOREIGN_KEYWORDS` (it would be ignored)."""
+    for key in group:
+        if key in FOREIGN_KEYWORDS:
+            raise ValueError(f"Invalid param group key {key!r} (this optimizer does not use it): "
+                             f"{FOREIGN_KEYWORDS[key]}")

@@ -43,3 +43,27 @@ def _reset_dynamo():
 def compiled_default(monkeypatch):
     """The adapters' real default: compiled with inductor."""
     monkeypatch.setenv("MUON_FN_COMPILE", "1")
+
+
+def ns_fp32_twin(grad, ns_coefficients, ns_steps, eps):
+    """torch.optim._muon._zeropower_via_newtonschulz, line by line, in fp32 instead of bf16."""
+    a, b, c = ns_coefficients
+    x = grad.float()
+    if grad.size(0) > grad.size(1):
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        gram_update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, gram_update, x, beta=a)
+    if grad.size(0) > grad.size(1):
+        x = x.T
+    return x
+
+
+@pytest.fixture
+def fp32_torch_muon(monkeypatch):
+    """torch.optim.Muon with its Newton–Schulz function run in fp32 (torch's math, no bf16)."""
+    import torch.optim._muon as torch_muon_module
+
+    monkeypatch.setattr(torch_muon_module, "_zeropower_via_newtonschulz", ns_fp32_twin)

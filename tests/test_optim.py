@@ -32,7 +32,6 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-import torch.optim._muon as torch_muon_module
 from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -155,29 +154,8 @@ def roundtrip(obj):
     return torch.load(buf, weights_only=True)
 
 
-def ns_fp32_twin(grad, ns_coefficients, ns_steps, eps):
-    """torch.optim._muon._zeropower_via_newtonschulz, line by line, in fp32 instead of bf16."""
-    a, b, c = ns_coefficients
-    x = grad.float()
-    if grad.size(0) > grad.size(1):
-        x = x.T
-    x = x / x.norm().clamp(min=eps)
-    for _ in range(ns_steps):
-        gram = x @ x.T
-        gram_update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-        x = torch.addmm(x, gram_update, x, beta=a)
-    if grad.size(0) > grad.size(1):
-        x = x.T
-    return x
-
-
-@pytest.fixture
-def fp32_torch_muon(monkeypatch):
-    monkeypatch.setattr(torch_muon_module, "_zeropower_via_newtonschulz", ns_fp32_twin)
-
-
 # The MuonOptimizer configuration that is torch.optim.Muon's algorithm.
-TORCH_LIKE = dict(method="quintic", momentum_kind="ema", ns_eps=1e-7)
+TORCH_LIKE = dict(method="quintic", momentum_kind="ema", eps=1e-7)
 
 
 # --------------------------------------------------------------------------- the headline example

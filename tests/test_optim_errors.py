@@ -92,7 +92,7 @@ class TestHyperparameters(expecttest.TestCase):
 
         self.assertExpectedInline(
             self.message(ValueError, lambda: FSDPMuonOptimizer(_linear(), ns_coefficients=[(1.0,)])),
-            """Invalid ns_coefficients: [(1.0,)] (expected a non-empty sequence of (a, b, c) triples)""")
+            """Invalid ns_coefficients: [(1.0,)] (expected an (a, b, c) triple or a sequence of (a, b, c) triples)""")
 
     def test_unknown_method(self):
         # The method list grows (other engineers add methods), so the list is spelled from the
@@ -110,7 +110,7 @@ class TestHyperparameters(expecttest.TestCase):
         lin = _linear()
         self.assertExpectedInline(
             self.message(ValueError, lambda: mf.MuonOptimizer(lin.parameters(), adjust_lr_fn="sqrt")),
-            """Invalid adjust_lr_fn: 'sqrt' (valid: 'keller', 'original', 'match_rms_adamw', 'spectral', 'legacy', 'none')""")
+            """Invalid adjust_lr_fn: 'sqrt' (valid: None, 'keller', 'original', 'match_rms_adamw', 'spectral', 'legacy', 'none')""")
 
     def test_unknown_momentum_kind(self):
         lin = _linear()
@@ -317,16 +317,18 @@ class TestForeignStateDict(expecttest.TestCase):
         lin = _linear()
         sd = _adamw_state_dict(lin.parameters())
         opt = mf.MuonOptimizer(lin.named_parameters())
-        self.assertExpectedInline(self.message(ValueError, lambda: opt.load_state_dict(sd)), """loaded param group 0 lacks this optimizer's hyperparameters ['adamw_betas', 'adamw_eps', 'adamw_lr', 'adamw_weight_decay', 'adjust_lr_fn', 'algorithm', 'beta2', 'method', 'momentum', 'momentum_dtype', 'momentum_kind', 'nesterov', 'ns_coefficients', 'ns_dtype', 'ns_eps', 'ns_steps', 'ns_stepsize', 'split']: the state_dict comes from a different optimizer layout""")
+        self.assertExpectedInline(self.message(ValueError, lambda: opt.load_state_dict(sd)), """loaded param group 0 lacks this optimizer's hyperparameters ['adamw_betas', 'adamw_eps', 'adamw_lr', 'adamw_weight_decay', 'adjust_lr_fn', 'algorithm', 'beta2', 'method', 'momentum', 'momentum_dtype', 'momentum_kind', 'nesterov', 'normuon_eps', 'ns_coefficients', 'ns_dtype', 'ns_steps', 'ns_stepsize', 'split']: the state_dict comes from a different optimizer layout""")
 
-    def test_torch_muon_state_dict_into_muon_optimizer(self):
+    def test_torch_muon_state_dict_into_optimizer_with_adamw_parameters(self):
+        """A torch.optim.Muon state_dict loads directly only when the parameters are its matrices;
+        with AdamW parameters too the error names the converter."""
         lin = _linear()
         topt = torch.optim.Muon([lin.weight])
         lin.weight.grad = torch.ones_like(lin.weight)
         topt.step()
         sd = _roundtrip(topt.state_dict())
-        opt = mf.MuonOptimizer([lin.weight])
-        self.assertExpectedInline(self.message(ValueError, lambda: opt.load_state_dict(sd)), """loaded param group 0 lacks this optimizer's hyperparameters ['adamw_betas', 'adamw_eps', 'adamw_lr', 'adamw_weight_decay', 'algorithm', 'beta2', 'method', 'momentum_dtype', 'momentum_kind', 'ns_dtype', 'ns_eps', 'ns_stepsize', 'split']: the state_dict comes from a different optimizer layout""")
+        opt = mf.MuonOptimizer(lin.parameters())
+        self.assertExpectedInline(self.message(ValueError, lambda: opt.load_state_dict(sd)), """this optimizer runs AdamW on 1 parameter(s) (0-/1-D, or algorithm='adamw') that a torch.optim.Muon state_dict does not cover: convert it with torch.optim.AdamW's, muon_fn.optim.from_torch_state_dict(optimizer, muon_sd, adamw_sd)""")
 
     def test_tensor_lr_not_one_element(self):
         lin = _linear()

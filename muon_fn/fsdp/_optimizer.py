@@ -36,7 +36,8 @@ class FSDPMuonOptimizer(FSDPAdapter, MuonOptimizer):
         ``algorithm="muon"``, ``False`` is ``algorithm="adamw"`` at the group's ``adamw_lr`` and
         ``adamw_weight_decay``.
       lr, weight_decay, momentum, nesterov, ns_steps, ns_stepsize, beta2, eps: as in
-        MuonOptimizer (``beta2`` a float enables NorMuon).
+        MuonOptimizer (``eps`` is the Newton–Schulz epsilon, torch.optim.Muon's; ``beta2`` a
+        float enables NorMuon, with ``normuon_eps``).
       gradient_accumulation_steps: ``k``; call ``step()`` after every micro-batch: FSDP2 gradient
         sync is off for the first ``k − 1`` backward passes and on for the last, whose reduced
         gradient (divided by ``k``) is applied. Requires a ``fully_shard`` model when ``k > 1``.
@@ -72,7 +73,7 @@ class FSDPMuonOptimizer(FSDPAdapter, MuonOptimizer):
         ns_steps: int | None = None,
         ns_stepsize: float = 1.0,
         beta2: float | None = None,
-        eps: float = 1e-8,
+        eps: float = 1e-7,
         gradient_accumulation_steps: int = 1,
         *,
         strategy: str = "owner",
@@ -100,7 +101,8 @@ class FSDPMuonOptimizer(FSDPAdapter, MuonOptimizer):
 
     def _matrix_flops(self, group: dict[str, Any], shape: tuple[int, ...]) -> int:
         """Newton–Schulz FLOPs of one matrix under the group's orthogonalization settings."""
-        method, steps = group["method"], group["ns_steps"] or default_steps(group["method"])
+        method = group["method"]
+        steps = group["ns_steps"] or default_steps(method, None if callable(method) else group["ns_coefficients"])
         if callable(method):
             return _plan.ns_flops(shape, steps)
         schedule, _ = resolve_method(method, steps, coefficients=group["ns_coefficients"],

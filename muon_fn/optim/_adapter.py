@@ -129,6 +129,9 @@ class Optimizer(torch.optim.Optimizer):
       bucket_size: same-shape parameters updated by one call (see :data:`BUCKET_SIZE`); only
         for transforms that are *leafwise* (:class:`muon_fn.TransformInfo`; every built-in one
         is), others update each group as a whole.
+
+    Other keywords raise ``TypeError``; for torch's ``maximize``, ``foreach``, ``fused``,
+    ``capturable`` and ``differentiable`` the message says what to use instead.
     """
 
     _extra_scalar_keys: tuple[str, ...] = ()
@@ -143,7 +146,9 @@ class Optimizer(torch.optim.Optimizer):
         nonfinite: str | None = "skip",
         compile: _compile.CompileOption = True,
         bucket_size: int = BUCKET_SIZE,
+        **kwargs: Any,
     ) -> None:
+        _checks.unexpected_keywords(type(self).__name__, kwargs)
         if isinstance(tx_or_factory, GradientTransformation):
             self._factory: Factory = lambda hyper, _tx=tx_or_factory: _tx  # noqa: E731
         elif callable(tx_or_factory):
@@ -192,6 +197,9 @@ class Optimizer(torch.optim.Optimizer):
         for p in group["params"]:
             if torch.is_complex(p):
                 raise ValueError(f"muon_fn does not support complex parameters, got {self._name(group, p)}")
+            if not p.is_floating_point():
+                raise ValueError(f"muon_fn optimizes floating-point parameters only, got {self._name(group, p)} "
+                                 f"with dtype {p.dtype}")
         self._validate_group(group)
         self._runtimes.append(_GroupRuntime())
         self._dry_run(len(self.param_groups) - 1)

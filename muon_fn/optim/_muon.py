@@ -10,11 +10,11 @@ from typing import Any, Callable
 import torch
 
 from .. import _checks, _compile
-from .._alias import DEFAULT_METHOD, adamw, matrix_labels, muon
+from .._alias import adamw, matrix_labels, muon
 from .._base import GradientTransformation
 from .._combine import partition
-from .._muon import SHAPE_RULES
-from .._newton_schulz import COMPUTE_DTYPES, METHODS
+from .._muon import ADJUST_LR_FNS
+from .._newton_schulz import COMPUTE_DTYPES, METHODS, validate_coefficients
 from .._transforms import MOMENTUM_KINDS
 from ._adapter import BUCKET_SIZE, Optimizer
 
@@ -36,6 +36,7 @@ class HybridOptimizer(Optimizer):
         super().add_param_group(param_group)
 
     def _validate_group(self, group: dict[str, Any]) -> None:
+        _checks.foreign_group_keys(group)
         _checks.learning_rate(group["lr"])
         _checks.momentum_value(group["momentum"])
         _checks.adamw_half(group)
@@ -64,30 +65,48 @@ class MuonOptimizer(HybridOptimizer):
     ``algorithm="muon"`` or ``"adamw"`` use one algorithm with the group's own ``lr`` and
     ``weight_decay`` (this is what :func:`create_hybrid_optimizer` builds).
 
+    Every keyword of ``torch.optim.Muon`` has torch's meaning here (``weight_decay``,
+    ``momentum``, ``nesterov``, ``ns_coefficients``, ``eps``, ``ns_steps``, ``adjust_lr_fn``), so a
+    call spelling out torch's settings — ``ns_coefficients=(3.4445, -4.775, 2.0315), eps=1e-7,
+    ns_steps=5, adjust_lr_fn=None, ns_dtype=torch.bfloat16`` — runs torch.optim.Muon's algorithm;
+    the defaults differ (see docs/api.md for the table). A torch.optim.Muon ``state_dict`` loads
+    directly when this optimizer's parameters are exactly its matrices; otherwise convert it with
+    :func:`muon_fn.optim.from_torch_state_dict` (and back with :func:`to_torch_state_dict`).
+
     The step is :func:`muon_fn.muon` (and :func:`muon_fn.adamw`) run through the generic
     :class:`muon_fn.Optimizer` apply: compiled by default, nothing read back from the device.
 
     Args:
-      lr: Muon learning rate (0.02, Keller's default, pairs with ``adjust_lr_fn="keller"``).
+      lr: Muon learning rate (0.02, Keller's default for the ``"original"`` shape rule).
       momentum: μ. ``momentum_kind="ema"`` (default, torch.optim.Muon's buffer) or ``"sgd"``.
       weight_decay: decoupled, ``p ← p(1 − lr·wd)``.
       nesterov: Nesterov momentum.
-      ns_steps: iterations of the orthogonalization ``method``; ``None`` (default): the count
-        the method is designed for (4 for ``"aol9"`` and ``"aol"``, else 5).
-      method: ``"aol9"`` (default: AOL row scaling, three quintics and one degree-9 step; 0.84x
-        the FLOPs of a 5-step quintic), ``"polar_express"``, ``"quintic"`` (torch.optim.Muon's),
-        ``"you"``, ``"cubic"``, ``"aol"``, ``"gram"``, or a callable (see
-        :func:`muon_fn.orthogonalize`).
-      adjust_lr_fn: shape rule ``"keller"``/``"original"``, ``"match_rms_adamw"``, ``"spectral"``,
+      ns_coefficients: ``None`` (default: ``method``'s schedule), torch.optim.Muon's flat
+        ``(a, b, c)`` or one triple per iteration: then exactly that iteration runs (Frobenius
+        normalization, no preconditioner, no safety factor), ``ns_steps`` times.
+      eps: the Newton–Schulz normalization ``X / max(‖X‖_F, eps)`` (torch.optim.Muon's ``eps``).
+      ns_steps: iterations; ``None`` (default): 5 with ``ns_coefficients`` (the length of a
+        per-iteration list), else what ``method`` is designed for (4 for ``"aol9"`` and ``"aol"``).
+      adjust_lr_fn: shape rule ``None`` (= ``"original"``, torch's default), ``"original"``
+        (alias ``"keller"``) √max(1, out/in), ``"match_rms_adamw"``, ``"spectral"``,
         ``"legacy"`` or ``"none"`` (see :func:`muon_fn.shape_scale`).
-      beta2: ``None`` for Muon; a float enables NorMuon row normalization with ``eps``.
-      ns_dtype: iteration dtype (default: bf16, fp32 on CPUs without bf16 GEMMs), ``ns_eps``,
-        ``ns_stepsize``, ``ns_coefficients``: see :func:`muon_fn.orthogonalize`. ``split``: row
-        blocks of fused weights.
+      method: ``None`` (default: :data:`muon_fn._newton_schulz.DEFAULT_METHOD`, or the plain
+        iteration of ``ns_coefficients``), ``"aol9"``, ``"polar_express"``, ``"quintic"``
+        (torch.optim.Muon's quintic), ``"you"``, ``"cubic"``, ``"aol"``, ``"gram"``, or a callable
+        (see :func:`muon_fn.orthogonalize`). With ``ns_coefficients`` a named method keeps its
+        preconditioner and form.
+      ns_dtype: iteration dtype (default: bf16, fp32 on CPUs without bf16 GEMMs; torch.optim.Muon
+        always iterates in bf16). ``ns_stepsize``: see :func:`muon_fn.orthogonalize`. ``split``:
+        row blocks of fused weights.
+      beta2: ``None`` for Muon; a float enables NorMuon row normalization with ``normuon_eps``.
       momentum_dtype: dtype of the momentum buffer (default: the parameter's), e.g. fp32 for
         bf16 parameters.
       adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW half in ``"auto"`` groups.
       gradient_accumulation_steps, nonfinite, compile, bucket_size: see :class:`muon_fn.Optimizer`.
+
+    Keywords of other torch optimizers (``maximize``, ``foreach``, ``fused``, ``capturable``,
+    ``differentiable``) and former names (``ns_eps``) are refused with a ``TypeError`` that says
+    what to use.
     """
 
     def __init__(
@@ -98,15 +117,15 @@ class MuonOptimizer(HybridOptimizer):
         momentum: float = 0.95,
         weight_decay: float = 0.0,
         nesterov: bool = True,
-        ns_steps: int | None = None,
-        method: Any = DEFAULT_METHOD,
-        adjust_lr_fn: str = "keller",
-        beta2: float | None = None,
-        eps: float = 1e-8,
         ns_coefficients: Any = None,
+        eps: float = 1e-7,
+        ns_steps: int | None = None,
+        adjust_lr_fn: str | None = None,
+        method: Any = None,
         ns_dtype: torch.dtype | None = None,
-        ns_eps: float = 1e-7,
         ns_stepsize: float = 1.0,
+        beta2: float | None = None,
+        normuon_eps: float = 1e-8,
         momentum_kind: str = "ema",
         momentum_dtype: torch.dtype | None = None,
         split: Any = None,
@@ -119,22 +138,34 @@ class MuonOptimizer(HybridOptimizer):
         nonfinite: str | None = "skip",
         compile: _compile.CompileOption = True,
         bucket_size: int = BUCKET_SIZE,
+        **kwargs: Any,
     ) -> None:
         defaults = dict(
             lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov,
-            ns_steps=ns_steps, method=method, adjust_lr_fn=adjust_lr_fn, beta2=beta2, eps=eps,
-            ns_coefficients=ns_coefficients, ns_dtype=ns_dtype, ns_eps=ns_eps,
-            ns_stepsize=ns_stepsize, momentum_kind=momentum_kind, momentum_dtype=momentum_dtype,
-            split=split, adamw_lr=adamw_lr, adamw_betas=tuple(adamw_betas), adamw_eps=adamw_eps,
+            ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
+            method=method, ns_dtype=ns_dtype, ns_stepsize=ns_stepsize, beta2=beta2,
+            normuon_eps=normuon_eps, momentum_kind=momentum_kind, momentum_dtype=momentum_dtype,
+            split=split, adamw_lr=adamw_lr, adamw_betas=adamw_betas, adamw_eps=adamw_eps,
             adamw_weight_decay=adamw_weight_decay, algorithm=algorithm,
         )
         super().__init__(params, muon_factory, defaults,
                          gradient_accumulation_steps=gradient_accumulation_steps,
-                         nonfinite=nonfinite, compile=compile, bucket_size=bucket_size)
+                         nonfinite=nonfinite, compile=compile, bucket_size=bucket_size, **kwargs)
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         super()._validate_group(group)
         validate_muon_group(group)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's ``load_state_dict`` (see :meth:`muon_fn.Optimizer.load_state_dict`); a
+        ``torch.optim.Muon`` state_dict loads directly when this optimizer's parameters are
+        exactly that optimizer's (its matrices, group by group), through
+        :func:`muon_fn.optim.from_torch_state_dict`."""
+        from ._torch_compat import from_torch_state_dict, is_torch_muon_state_dict, upgrade_eps_keys
+
+        if is_torch_muon_state_dict(state_dict):
+            state_dict = from_torch_state_dict(self, state_dict)
+        super().load_state_dict(upgrade_eps_keys(state_dict))
 
 
 def validate_muon_group(group: dict[str, Any]) -> None:
@@ -142,13 +173,16 @@ def validate_muon_group(group: dict[str, Any]) -> None:
     steps = group["ns_steps"]
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
         raise ValueError(f"Invalid ns_steps value: {steps!r} (expected an integer >= 1, or None)")
-    if not callable(group["method"]):
+    if group["method"] is not None and not callable(group["method"]):
         _checks.one_of("method", group["method"], METHODS)
-    _checks.one_of("adjust_lr_fn", group["adjust_lr_fn"], SHAPE_RULES)
+    if group["ns_coefficients"] is not None:
+        validate_coefficients(group["ns_coefficients"], name="ns_coefficients")
+    _checks.one_of("adjust_lr_fn", group["adjust_lr_fn"], ADJUST_LR_FNS)
     _checks.one_of("momentum_kind", group["momentum_kind"], MOMENTUM_KINDS)
+    _checks.boolean("nesterov", group["nesterov"])
     if group["beta2"] is not None:
         _checks.momentum_value(group["beta2"], "beta2", ", or None for Muon")
-    for key in ("eps", "ns_eps"):
+    for key in ("eps", "normuon_eps", "ns_stepsize"):
         _checks.eps_value(key, group[key])
     for key, valid in (("ns_dtype", COMPUTE_DTYPES), ("momentum_dtype", COMPUTE_DTYPES)):
         if group[key] is not None:
@@ -162,9 +196,9 @@ def muon_factory(h: dict[str, Any]) -> GradientTransformation:
         return muon(
             h["lr"], h["momentum"], nesterov=h["nesterov"], kind=h["momentum_kind"],
             method=h["method"], ns_steps=h["ns_steps"], ns_coefficients=h["ns_coefficients"],
-            ns_dtype=h["ns_dtype"], ns_eps=h["ns_eps"], ns_stepsize=h["ns_stepsize"],
+            ns_dtype=h["ns_dtype"], eps=h["eps"], ns_stepsize=h["ns_stepsize"],
             adjust_lr_fn=h["adjust_lr_fn"], weight_decay=h["weight_decay"], beta2=h["beta2"],
-            eps=h["eps"], split=h["split"], mu_dtype=h["momentum_dtype"],
+            normuon_eps=h["normuon_eps"], split=h["split"], mu_dtype=h["momentum_dtype"],
         )
 
     return hybrid_transform(h, "muon", muon_tx, matrix_labels)

@@ -1,0 +1,435 @@
+"""MuonOptimizer as a drop-in for torch.optim.Muon: torch's keywords with torch's meaning, and
+checkpoints both ways (``muon_fn.optim.from_torch_state_dict`` / ``to_torch_state_dict``).
+
+Tolerances:
+  * fp32 (``fp32_torch_muon``: torch.optim.Muon's own code with its Newton–Schulz function run in
+    fp32): atol 1e-5 on parameters and 1e-6 on momentum buffers. Both sides run the same
+    formulas — the same quintic, the same normalization ``X / max(‖X‖_F, eps)`` — in a different
+    order (muon_fn: fp32 0-d tensor scalars and one fused ``p + u``; torch: Python doubles,
+    ``mul_`` then ``add_``), i.e. a few ulps per step.
+  * bf16 (torch.optim.Muon as shipped against ``ns_dtype=torch.bfloat16``): 4e-3 max-abs after 5
+    steps (measured 3.2e-3; 1.8e-3 after one step, while an element moves up to 0.017 per step). Both iterate in bf16 but round at different points: torch casts the momentum to bf16
+    before taking its norm (computed in bf16) and divides in place in bf16, muon_fn takes the norm
+    in fp32 and casts the normalized matrix once. Each product then rounds to bf16 (relative
+    2^-8 ≈ 4e-3) on slightly different inputs, and on matrices 24 wide the rounding does not average out.
+  * Round trips (muon_fn → torch → muon_fn and torch → muon_fn → torch) move only state, so the
+    continued runs equal the uninterrupted ones bit for bit (torch.equal).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import io
+
+import expecttest
+import pytest
+import torch
+from torch import nn
+
+import muon_fn as mf
+from muon_fn._newton_schulz import DEFAULT_METHOD
+from muon_fn.optim import from_torch_state_dict, to_torch_state_dict
+
+KELLER = (3.4445, -4.775, 2.0315)
+# torch.optim.Muon's settings spelled out (its defaults, except lr and a weight decay to see).
+TORCH_SETTINGS = dict(weight_decay=0.1, momentum=0.95, nesterov=True, ns_coefficients=KELLER, eps=1e-7,
+                      ns_steps=5, adjust_lr_fn=None)
+
+
+def roundtrip(obj):
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+class Net(nn.Module):
+    """Matrices of several shapes (wide, tall, square), biases and a norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(12, 24)
+        self.norm = nn.LayerNorm(24)
+        self.fc2 = nn.Linear(24, 24)
+        self.fc3 = nn.Linear(24, 5)
+
+    def forward(self, x):
+        return self.fc3(torch.tanh(self.fc2(self.norm(torch.tanh(self.fc1(x))))))
+
+
+def make_net(seed: int = 0) -> Net:
+    torch.manual_seed(seed)
+    return Net()
+
+
+def backward(model: nn.Module, step: int) -> None:
+    g = torch.Generator().manual_seed(100 + step)
+    x, y = torch.randn(16, 12, generator=g), torch.randn(16, 5, generator=g)
+    (model(x) - y).square().mean().backward()
+
+
+def mats(model):
+    return [p for p in model.parameters() if p.ndim == 2]
+
+
+def vecs(model):
+    return [p for p in model.parameters() if p.ndim != 2]
+
+
+def train(model, opts, steps, start=0):
+    for step in range(start, start + steps):
+        for o in opts:
+            o.zero_grad()
+        backward(model, step)
+        for o in opts:
+            o.step()
+
+
+def torch_pair(model, lr=0.02, **muon_kw):
+    return [torch.optim.Muon(mats(model), lr=lr, **{**TORCH_SETTINGS, **muon_kw}),
+            torch.optim.AdamW(vecs(model), lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)]
+
+
+def muon_fn_auto(model, lr=0.02, **kw):
+    """One algorithm="auto" group with the torch pair's settings (AdamW half included)."""
+    return mf.MuonOptimizer(model.parameters(), lr=lr, **{**TORCH_SETTINGS, "ns_dtype": torch.float32,
+                            "adamw_lr": 3e-3, "adamw_betas": (0.9, 0.95), "adamw_weight_decay": 0.01, **kw})
+
+
+def assert_models_close(a, b, atol):
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(q, p, atol=atol, rtol=0, msg=n)
+
+
+def assert_models_equal(a, b):
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), n
+
+
+# --------------------------------------------------------------------------- keywords
+def test_every_torch_muon_keyword_is_accepted_with_its_default():
+    """Each keyword of torch.optim.Muon's signature, at torch's default, is taken by MuonOptimizer."""
+    sig = inspect.signature(torch.optim.Muon)
+    lin = nn.Linear(4, 3, bias=False)
+    for name, param in sig.parameters.items():
+        if name == "params":
+            continue
+        opt = mf.MuonOptimizer(lin.parameters(), **{name: param.default})
+        assert opt.param_groups[0][name] == param.default, name
+
+
+def test_positional_arguments_after_lr_are_refused():
+    lin = nn.Linear(4, 3)
+    with pytest.raises(TypeError, match="positional"):
+        mf.MuonOptimizer(lin.parameters(), 1e-3, 0.1)  # torch: weight_decay; never momentum
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("adjust_lr_fn", [None, "original", "match_rms_adamw"])
+def test_torch_keywords_reproduce_torch_muon_fp32(fp32_torch_muon, nesterov, adjust_lr_fn):
+    ref, ours = make_net(), make_net()
+    kw = dict(TORCH_SETTINGS, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn)
+    topt = torch.optim.Muon(mats(ref), lr=0.02, **kw)
+    opt = mf.MuonOptimizer(mats(ours), lr=0.02, **kw, ns_dtype=torch.float32)
+    start = [p.detach().clone() for p in mats(ref)]
+    train(ref, [topt], 10)
+    train(ours, [opt], 10)
+    assert max((p - s).abs().max().item() for p, s in zip(mats(ref), start)) > 0.02  # it moved
+    for p, q in zip(mats(ref), mats(ours)):
+        torch.testing.assert_close(q, p, atol=1e-5, rtol=0)
+        torch.testing.assert_close(opt.state[q]["momentum_buffer"], topt.state[p]["momentum_buffer"],
+                                   atol=1e-6, rtol=0)
+
+
+def test_torch_keywords_reproduce_torch_muon_bf16():
+    """torch.optim.Muon as shipped (bf16) against ns_dtype=torch.bfloat16 (see the module docstring)."""
+    ref, ours = make_net(), make_net()
+    topt = torch.optim.Muon(mats(ref), lr=0.02, **TORCH_SETTINGS)
+    opt = mf.MuonOptimizer(mats(ours), lr=0.02, **TORCH_SETTINGS, ns_dtype=torch.bfloat16)
+    start = [p.detach().clone() for p in mats(ref)]
+    train(ref, [topt], 5)
+    train(ours, [opt], 5)
+    diff = max((p - q).abs().max().item() for p, q in zip(mats(ref), mats(ours)))
+    travelled = max((p - s).abs().max().item() for p, s in zip(mats(ref), start))
+    assert diff < 4e-3, diff  # measured 3.2e-3 (1.8e-3 after one step) on 24-wide matrices
+    assert travelled > 15 * diff, travelled  # measured 0.066: a wrong formula would show
+
+
+def test_ns_coefficients_select_exactly_that_iteration(fp32_torch_muon):
+    """With ns_coefficients the default method's preconditioner is off: the result is torch's
+    function's (fp32), a per-iteration list of the same triple is the flat triple, and the
+    default method gives another matrix."""
+    from conftest import ns_fp32_twin
+
+    g = torch.Generator().manual_seed(0)
+    x = {"w": torch.randn(24, 40, generator=g)}
+    ref = ns_fp32_twin(x["w"], KELLER, 5, 1e-7)
+
+    def run(**kw):
+        return mf.orthogonalize(dtype=torch.float32, **kw).update(x, None)[0]["w"]
+
+    torch.testing.assert_close(run(coefficients=KELLER), ref, atol=2e-6, rtol=0)
+    assert torch.equal(run(coefficients=[KELLER] * 5), run(coefficients=KELLER))
+    assert (run() - ref).abs().max() > 1e-2  # DEFAULT_METHOD is not torch's iteration
+    assert mf.orthogonalize(coefficients=KELLER).update(x, None)[0]["w"].shape == (24, 40)
+
+
+@pytest.mark.parametrize("scale", [1e-2, 1e-4, 1e-6])
+def test_small_momenta_are_normalized_like_torch(scale):
+    """X / max(‖X‖, eps), torch's normalization: exactly scale-invariant above eps (an added eps
+    was 7e-4 off at ‖X‖ = 1e-4 and 6e-2 at 1e-6)."""
+    from conftest import ns_fp32_twin
+
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(1))
+    x = x * scale / x.norm()
+    ours = mf.orthogonalize(coefficients=KELLER, dtype=torch.float32).update({"w": x}, None)[0]["w"]
+    torch.testing.assert_close(ours, ns_fp32_twin(x, KELLER, 5, 1e-7), atol=2e-6, rtol=0)
+
+
+def test_adjust_lr_fn_none_is_original():
+    runs = []
+    for rule in (None, "original", "keller"):
+        model = make_net()
+        train(model, [mf.MuonOptimizer(model.parameters(), adjust_lr_fn=rule, ns_dtype=torch.float32)], 2)
+        runs.append(model)
+    assert_models_equal(runs[0], runs[1])
+    assert_models_equal(runs[0], runs[2])
+
+
+def test_eps_is_the_newton_schulz_epsilon_and_normuon_eps_is_normuons():
+    x = torch.randn(8, 8) * 1e-6  # ‖X‖ ≈ 8e-6: below eps=1e-4 the normalization clamps
+    outs = {}
+    for name, kw in {"default": {}, "eps": {"eps": 1e-4}, "normuon_eps": {"normuon_eps": 1.0}}.items():
+        p = nn.Parameter(torch.zeros(8, 8))
+        opt = mf.MuonOptimizer([p], ns_dtype=torch.float32, **kw)
+        p.grad = x.clone()
+        opt.step()
+        outs[name] = p.detach().clone()
+    assert not torch.equal(outs["eps"], outs["default"])
+    assert torch.equal(outs["normuon_eps"], outs["default"])  # plain Muon: no NorMuon
+
+
+class TestRefusedKeywords(expecttest.TestCase):
+    def message(self, exc_type, fn) -> str:
+        with self.assertRaises(exc_type) as ctx:
+            fn()
+        return str(ctx.exception)
+
+    def test_old_ns_eps(self):
+        lin = nn.Linear(4, 3)
+        self.assertExpectedInline(self.message(TypeError, lambda: mf.MuonOptimizer(lin.parameters(), ns_eps=1e-7)), """MuonOptimizer() got an unexpected keyword argument 'ns_eps': use eps: it is the Newton-Schulz epsilon, as in torch.optim.Muon (NorMuon's epsilon is normuon_eps)""")
+
+    def test_torch_flags(self):
+        lin = nn.Linear(4, 3)
+        msgs = [self.message(TypeError, lambda: mf.MuonOptimizer(lin.parameters(), **{k: True}))
+                for k in ("foreach", "fused", "capturable", "differentiable")]
+        self.assertExpectedInline("\n".join(msgs), """\
+MuonOptimizer() got an unexpected keyword argument 'foreach': muon_fn runs its own batched step, compiled by default (see compile=)
+MuonOptimizer() got an unexpected keyword argument 'fused': muon_fn runs its own batched step, compiled by default (see compile=)
+MuonOptimizer() got an unexpected keyword argument 'capturable': capturing the step in a CUDA graph is not supported (see compile=)
+MuonOptimizer() got an unexpected keyword argument 'differentiable': the step runs under torch.no_grad(); differentiating through it is not supported""")
+
+    def test_ns_eps_in_a_param_group(self):
+        lin = nn.Linear(4, 3)
+        self.assertExpectedInline(self.message(ValueError, lambda: mf.MuonOptimizer([{"params": lin.parameters(), "ns_eps": 1e-7}])), """Invalid param group key 'ns_eps' (this optimizer does not use it): use eps: it is the Newton-Schulz epsilon, as in torch.optim.Muon (NorMuon's epsilon is normuon_eps)""")
+
+    def test_non_bool_nesterov(self):
+        lin = nn.Linear(4, 3)
+        self.assertExpectedInline(self.message(TypeError, lambda: mf.MuonOptimizer(lin.parameters(), nesterov=1)), """Invalid nesterov: 1 (expected True or False)""")
+
+    def test_adjust_lr_fn_lists_none(self):
+        lin = nn.Linear(4, 3)
+        self.assertExpectedInline(self.message(ValueError, lambda: mf.MuonOptimizer(lin.parameters(), adjust_lr_fn="arbitrary")), """Invalid adjust_lr_fn: 'arbitrary' (valid: None, 'keller', 'original', 'match_rms_adamw', 'spectral', 'legacy', 'none')""")
+
+
+# --------------------------------------------------------------------------- checkpoints: torch -> muon_fn
+def test_torch_muon_checkpoint_loads_directly(fp32_torch_muon):
+    """A script written for torch.optim.Muon, with MuonOptimizer substituted, resumes from torch's
+    checkpoint: hyperparameters and momentum carried over, then the same trajectory."""
+    ref = make_net()
+    topt = torch.optim.Muon(mats(ref), lr=0.03, **TORCH_SETTINGS)
+    train(ref, [topt], 3)
+    ours = copy.deepcopy(ref)
+    opt = mf.MuonOptimizer(mats(ours), ns_dtype=torch.float32)  # muon_fn's defaults until the load
+    opt.load_state_dict(roundtrip(topt.state_dict()))
+    group = opt.param_groups[0]
+    assert {k: group[k] for k in TORCH_SETTINGS} == TORCH_SETTINGS and group["lr"] == 0.03
+    assert group["method"] is None and group["momentum_kind"] == "ema"
+    for p, q in zip(mats(ref), mats(ours)):
+        assert torch.equal(opt.state[q]["momentum_buffer"], topt.state[p]["momentum_buffer"])
+    train(ref, [topt], 5, start=3)
+    train(ours, [opt], 5, start=3)
+    assert_models_close(ref, ours, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["auto", "hybrid"])
+def test_torch_muon_and_adamw_checkpoint_converts(fp32_torch_muon, layout):
+    """torch.optim.Muon (matrices) + torch.optim.AdamW (the rest) → one MuonOptimizer "auto" group,
+    or the hybrid's "muon" and "adamw" groups (the head is a matrix routed to AdamW there)."""
+    ref = make_net()
+    if layout == "hybrid":
+        muon_names = ["fc1.weight", "fc2.weight"]
+        named = dict(ref.named_parameters())
+        topts = [torch.optim.Muon([named[n] for n in muon_names], lr=0.02, **TORCH_SETTINGS),
+                 torch.optim.AdamW([p for n, p in named.items() if n not in muon_names], lr=3e-3,
+                                   betas=(0.9, 0.95), weight_decay=0.01)]
+    else:
+        topts = torch_pair(ref)
+    train(ref, topts, 3)
+    ours = copy.deepcopy(ref)
+    if layout == "hybrid":
+        opt = mf.create_hybrid_optimizer(ours, adamw_names=["fc3.weight"], ns_dtype=torch.float32)
+    else:
+        opt = mf.MuonOptimizer(ours.parameters(), ns_dtype=torch.float32)
+    sd = from_torch_state_dict(opt, roundtrip(topts[0].state_dict()), roundtrip(topts[1].state_dict()))
+    opt.load_state_dict(sd)
+    train(ref, topts, 5, start=3)
+    train(ours, [opt], 5, start=3)
+    assert_models_close(ref, ours, atol=1e-5)
+
+
+def test_round_trip_through_muon_fn_continues_torch_bit_exactly():
+    """torch → muon_fn → torch: the torch optimizers continue exactly as if never converted."""
+    ref = make_net()
+    topts = torch_pair(ref)
+    train(ref, topts, 3)
+    other = copy.deepcopy(ref)
+    opt = mf.MuonOptimizer(other.parameters())
+    opt.load_state_dict(from_torch_state_dict(opt, *(roundtrip(o.state_dict()) for o in topts)))
+    back = to_torch_state_dict(opt)
+    again = torch_pair(other)
+    for o, sd in zip(again, back):
+        o.load_state_dict(roundtrip(sd))
+    train(ref, topts, 3, start=3)
+    train(other, again, 3, start=3)
+    assert_models_equal(ref, other)
+
+
+# --------------------------------------------------------------------------- checkpoints: muon_fn -> torch
+def test_muon_fn_checkpoint_converts_for_torch(fp32_torch_muon):
+    ours = make_net()
+    opt = muon_fn_auto(ours)
+    train(ours, [opt], 3)
+    ref = copy.deepcopy(ours)
+    topts = torch_pair(ref, lr=0.5)  # hyperparameters come from the checkpoint
+    for o, sd in zip(topts, to_torch_state_dict(opt)):
+        o.load_state_dict(roundtrip(sd))
+    assert topts[0].param_groups[0]["lr"] == 0.02 and topts[1].param_groups[0]["lr"] == pytest.approx(3e-3)
+    for p, q in zip(mats(ours), mats(ref)):
+        assert torch.equal(topts[0].state[q]["momentum_buffer"], opt.state[p]["momentum_buffer"])
+    train(ours, [opt], 5, start=3)
+    train(ref, topts, 5, start=3)
+    assert_models_close(ref, ours, atol=1e-5)
+
+
+def test_round_trip_through_torch_continues_muon_fn_bit_exactly():
+    """muon_fn → torch → muon_fn (with a scheduler's initial_lr): exact continuation."""
+    straight = make_net()
+    opt = muon_fn_auto(straight)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    for step in range(3):
+        train(straight, [opt], 1, start=step)
+        sched.step()
+    other = copy.deepcopy(straight)
+    opt2 = muon_fn_auto(other, lr=0.5, weight_decay=0.0)
+    sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=2, gamma=0.5)
+    opt2.load_state_dict(from_torch_state_dict(opt2, *map(roundtrip, to_torch_state_dict(opt))))
+    sched2.load_state_dict(sched.state_dict())
+    for step in range(3, 6):
+        train(straight, [opt], 1, start=step)
+        sched.step()
+        train(other, [opt2], 1, start=step)
+        sched2.step()
+    assert_models_equal(straight, other)
+
+
+def test_muon_optimizer_state_dict_in_torch_without_conversion():
+    """The documented limit: torch.optim.Muon's load_state_dict checks only group and parameter
+    counts, so a muon_fn state_dict with the default method loads and its step() fails;
+    torch-compatible settings load directly and step like the converted state_dict."""
+    model = make_net()
+    opt = mf.MuonOptimizer(mats(model))
+    train(model, [opt], 1)
+    topt = torch.optim.Muon(mats(model))
+    topt.load_state_dict(opt.state_dict())
+    with pytest.raises(TypeError):
+        topt.step()
+    opt = mf.MuonOptimizer(mats(model), **TORCH_SETTINGS)
+    train(model, [opt], 1)
+    direct, converted = torch.optim.Muon(mats(model)), torch.optim.Muon(mats(model))
+    direct.load_state_dict(opt.state_dict())
+    converted.load_state_dict(to_torch_state_dict(opt)[0])
+    for key in TORCH_SETTINGS:
+        assert direct.param_groups[0][key] == converted.param_groups[0][key], key
+
+
+def test_old_checkpoint_with_ns_eps_loads():
+    """Checkpoints from before eps became the Newton–Schulz epsilon: eps → normuon_eps, ns_eps → eps."""
+    model = make_net()
+    opt = mf.MuonOptimizer(model.parameters(), beta2=0.9)
+    train(model, [opt], 1)
+    sd = roundtrip(opt.state_dict())
+    for g in sd["param_groups"]:
+        g["ns_eps"], g["eps"] = 2e-7, 3e-8
+        del g["normuon_eps"]
+    opt2 = mf.MuonOptimizer(model.parameters(), beta2=0.9)
+    opt2.load_state_dict(sd)
+    assert opt2.param_groups[0]["eps"] == 2e-7 and opt2.param_groups[0]["normuon_eps"] == 3e-8
+    assert "ns_eps" not in opt2.param_groups[0]
+
+
+# --------------------------------------------------------------------------- conversion errors
+def _state_of(opt):
+    return ([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+            {id(p): {k: v.clone() for k, v in st.items()} for p, st in opt.state.items()})
+
+
+class TestConversionErrors(expecttest.TestCase):
+    def message(self, exc_type, fn) -> str:
+        with self.assertRaises(exc_type) as ctx:
+            fn()
+        return str(ctx.exception)
+
+    def test_default_method_is_not_torchs(self):
+        opt = mf.MuonOptimizer(make_net().parameters(), beta2=0.9, momentum_kind="sgd")
+        msg = self.message(ValueError, lambda: to_torch_state_dict(opt))
+        self.assertIn(repr(DEFAULT_METHOD), msg)
+        self.assertExpectedInline(msg.replace(repr(DEFAULT_METHOD), "<DEFAULT_METHOD>"), """param group 0 cannot be written as torch.optim.Muon: method=None (the default, <DEFAULT_METHOD>) (torch.optim.Muon runs one quintic: pass ns_coefficients=(a, b, c) or method='quintic'); momentum_kind='sgd' (torch.optim.Muon's is 'ema'); beta2=0.9 (torch.optim.Muon's is None)""")
+
+    def test_conv_weight(self):
+        model = nn.Sequential(nn.Conv2d(2, 4, 3))
+        opt = mf.MuonOptimizer(model.named_parameters(), **TORCH_SETTINGS)
+        self.assertExpectedInline(self.message(ValueError, lambda: to_torch_state_dict(opt)), """parameter '0.weight' has shape (4, 2, 3, 3): torch.optim.Muon takes 2-D parameters only""")
+
+    def test_parameter_count_mismatch_changes_nothing(self):
+        model = make_net()
+        topt = torch.optim.Muon(mats(model)[:2], **TORCH_SETTINGS)
+        opt = mf.MuonOptimizer(mats(model))
+        train(model, [opt], 1)
+        before = _state_of(opt)
+        self.assertExpectedInline(self.message(ValueError, lambda: opt.load_state_dict(topt.state_dict())), """the torch.optim.Muon state_dict has 2 parameters, but this optimizer has 3 Muon parameters (its Muon parameters, in order, are the torch.optim.Muon's)""")
+        after = _state_of(opt)
+        self.assertEqual(before[0], after[0])
+        for key, st in before[1].items():
+            for k, v in st.items():
+                self.assertTrue(torch.equal(after[1][key][k], v))
+
+    def test_amsgrad(self):
+        model = make_net()
+        muon_sd = torch.optim.Muon(mats(model)).state_dict()
+        adamw_sd = torch.optim.AdamW(vecs(model), amsgrad=True).state_dict()
+        opt = mf.MuonOptimizer(model.parameters())
+        self.assertExpectedInline(self.message(ValueError, lambda: from_torch_state_dict(opt, muon_sd, adamw_sd)), """the torch.optim.AdamW state_dict's param group 0 has amsgrad=True, which muon_fn's AdamW does not offer""")
+
+    def test_adamw_schedule_not_following_muons(self):
+        model = make_net()
+        muon_sd = torch.optim.Muon(mats(model), lr=0.02).state_dict()
+        adamw = torch.optim.AdamW(vecs(model), lr=1e-3)
+        adamw.param_groups[0]["initial_lr"] = 2e-3  # halved by a scheduler Muon did not follow
+        opt = mf.MuonOptimizer(model.parameters())
+        self.assertExpectedInline(self.message(ValueError, lambda: from_torch_state_dict(opt, muon_sd, adamw.state_dict())), """param group 0 (algorithm='auto') runs AdamW at adamw_lr*lr/base_lr = 0.002, but torch.optim.AdamW's lr is 0.001: its schedule did not follow Muon's; use separate 'muon' and 'adamw' groups (muon_fn.create_hybrid_optimizer)""")
+
+    def test_not_a_muon_optimizer(self):
+        opt = mf.SpectralSphereOptimizer(make_net().parameters())
+        self.assertExpectedInline(self.message(TypeError, lambda: to_torch_state_dict(opt)), """expected a muon_fn.MuonOptimizer (or a hybrid built on it), got SpectralSphereOptimizer""")
