@@ -205,7 +205,16 @@ class Optimizer(torch.optim.Optimizer):
         self._dry_run(len(self.param_groups) - 1)
 
     def _validate_group(self, group: dict[str, Any]) -> None:
-        """Hook for subclasses: check a group's hyperparameters (raise ValueError)."""
+        """Check a group's hyperparameters (subclasses add theirs): the per-step scalars ``lr`` and
+        ``momentum`` in torch's wording, and every tensor value 1-element (it becomes a 0-d
+        tensor for the transform)."""
+        if "lr" in group:
+            _checks.learning_rate(group["lr"])
+        if "momentum" in group:
+            _checks.momentum_value(group["momentum"])
+        for key, value in group.items():
+            if isinstance(value, torch.Tensor) and key != "params" and value.numel() != 1:
+                raise ValueError(f"Tensor {key} must be 1-element, got shape {tuple(value.shape)}")
 
     def _derived_scalars(self, group: dict[str, Any], scalars: dict[str, torch.Tensor]) -> None:
         """Hook for subclasses: refresh per-step scalars computed from the group's on the device
@@ -442,8 +451,8 @@ class Optimizer(torch.optim.Optimizer):
             states = [self.state[p] for p in params]
             names = [self._name(group, p) for p in params]
             _state.drop_legacy_keys(bucket.layout, states)
-            _state.check(bucket.layout, states, names)
             _state.cast_to_layout(bucket.layout, states)
+            _state.check(bucket.layout, states, names)
 
     def _check_saved_groups(self, state_dict: dict[str, Any]) -> None:
         saved_groups = state_dict.get("param_groups")

@@ -37,8 +37,7 @@ class HybridOptimizer(Optimizer):
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         _checks.foreign_group_keys(group)
-        _checks.learning_rate(group["lr"])
-        _checks.momentum_value(group["momentum"])
+        super()._validate_group(group)  # lr and momentum, in torch's wording
         _checks.adamw_half(group)
         _checks.one_of("algorithm", group["algorithm"], self.algorithms)
 

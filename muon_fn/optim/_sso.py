@@ -124,6 +124,7 @@ class SpectralSphereOptimizer(HybridOptimizer):
         nonfinite: str | None = "skip",
         compile: _compile.CompileOption = True,
         bucket_size: int = BUCKET_SIZE,
+        **kwargs: Any,
     ) -> None:
         defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
@@ -139,7 +140,7 @@ class SpectralSphereOptimizer(HybridOptimizer):
         )
         super().__init__(params, sso_factory, defaults,
                          gradient_accumulation_steps=gradient_accumulation_steps,
-                         nonfinite=nonfinite, compile=compile, bucket_size=bucket_size)
+                         nonfinite=nonfinite, compile=compile, bucket_size=bucket_size, **kwargs)
 
     @classmethod
     def from_model(cls, model: nn.Module, lr: float = 0.02, adamw_lr: float = 1e-3,

@@ -149,13 +149,16 @@ def check(layout: StateLayout, param_states: list[dict[str, Any]], names: list[s
 
 
 def cast_to_layout(layout: StateLayout, param_states: list[dict[str, Any]]) -> None:
-    """Give every stored leaf the dtype the transform's ``init`` creates."""
+    """Give every stored leaf the dtype the transform's ``init`` creates; a Python number (an old
+    torch checkpoint's ``step``) becomes a 0-d tensor."""
     for slot in layout.slots:
         if slot is None:
             continue
         for i in _owners(slot, len(param_states)):
             value = param_states[i].get(slot.key)
-            if isinstance(value, torch.Tensor) and value.dtype != slot.dtype:
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and slot.shape == ():
+                param_states[i][slot.key] = torch.tensor(value, dtype=slot.dtype)
+            elif isinstance(value, torch.Tensor) and value.dtype != slot.dtype:
                 param_states[i][slot.key] = value.to(slot.dtype)
 
 
