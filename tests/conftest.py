@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -67,3 +68,11 @@ def fp32_torch_muon(monkeypatch):
     import torch.optim._muon as torch_muon_module
 
     monkeypatch.setattr(torch_muon_module, "_zeropower_via_newtonschulz", ns_fp32_twin)
+
+
+def roundtrip(obj):
+    """``obj`` through ``torch.save`` and ``torch.load(weights_only=True)``, as a checkpoint travels."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)

@@ -14,7 +14,6 @@ bit-for-bit reproducible results on a fixed small problem. Eager (tests/conftest
 from __future__ import annotations
 
 import copy
-import io
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -25,6 +24,7 @@ from torch.optim.lr_scheduler import OneCycleLR, ReduceLROnPlateau, StepLR
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 import muon_fn as mf
+from conftest import roundtrip
 
 
 class Net(nn.Module):
@@ -159,13 +159,6 @@ def train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, schedulers=(
         for s in schedulers:
             s.step(losses[-1]) if isinstance(s, ReduceLROnPlateau) else s.step()
     return losses
-
-
-def roundtrip(obj):
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
 
 
 def assert_tree_equal(a: Any, b: Any) -> None:

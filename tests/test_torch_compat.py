@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import io
 
 import expecttest
 import pytest
@@ -28,6 +27,7 @@ import torch
 from torch import nn
 
 import muon_fn as mf
+from conftest import roundtrip
 from muon_fn._newton_schulz import DEFAULT_METHOD
 from muon_fn.optim import from_torch_state_dict, to_torch_state_dict
 
@@ -35,13 +35,6 @@ KELLER = (3.4445, -4.775, 2.0315)
 # torch.optim.Muon's settings spelled out (its defaults, except lr and a weight decay to see).
 TORCH_SETTINGS = dict(weight_decay=0.1, momentum=0.95, nesterov=True, ns_coefficients=KELLER, eps=1e-7,
                       ns_steps=5, adjust_lr_fn=None)
-
-
-def roundtrip(obj):
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
 
 
 class Net(nn.Module):
