@@ -490,6 +490,8 @@ def _scaled_sum(a: torch.Tensor, b: torch.Tensor, alpha: float, out: torch.Tenso
     last matrix's last elements reach the tail, so batching would change a matrix's result."""
     if a.ndim == 2 or torch.compiler.is_compiling():
         return torch.add(a, b, alpha=alpha, out=out)
+    if not (_untracked(a) and _untracked(b)):  # autograd or torch.func: no out=
+        return torch.stack([torch.add(a[i], b[i], alpha=alpha) for i in range(a.size(0))])
     out = torch.empty_like(a) if out is None else out
     for i in range(a.size(0)):
         torch.add(a[i], b[i], alpha=alpha, out=out[i])
