@@ -255,6 +255,6 @@ def test_train_gpt_fsdp_torchrun(tmp_path):
            "--no-plot"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    run = _metrics(out)["runs"]["muon"]
+    run = _run(_metrics(out), "muon")
     assert "FSDPMuonOptimizer" in run["description"] and "world=2" in run["description"]
     assert (out / "muon" / "checkpoint" / "dcp" / ".metadata").exists()
