@@ -86,7 +86,7 @@ __all__ = [
 
 _LAZY = {
     "FSDPMuonOptimizer": ("muon_fn.fsdp", "FSDPMuonOptimizer"),
-    "FSDPSpectralSphereOptimizer": ("muon_fn._sso_fsdp", "FSDPSpectralSphereOptimizer"),
+    "FSDPSpectralSphereOptimizer": ("muon_fn.fsdp", "FSDPSpectralSphereOptimizer"),
 }
 
 

@@ -74,7 +74,7 @@ AOL_COEFFICIENTS: tuple[Coefficients, ...] = (
     (1.875, -1.25, 0.375),
 )
 
-# "aol9", designed for this library as the fast default: AOL row scaling, three greedy minimax
+# "aol9", designed for this library as a fast schedule: AOL row scaling, three greedy minimax
 # quintics (Polar Express construction on [2.5e-3, 1.02], each interval top widened by 3 %), then
 # one minimax odd degree-9 step on the last interval (top widened by 0.5 %), constrained to stay in
 # [0.6, 1.15] for 7 % past that top and to coefficients of magnitude ≤ 20, so bf16 rounding cannot
@@ -100,9 +100,11 @@ COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 # Classical cubic Newton–Schulz: converges to the exact polar factor (slowly from small σ).
 CUBIC_COEFFICIENTS: tuple[Coefficients, ...] = ((1.5, -0.5, 0.0),)
 
-# The default orthogonalization: "aol9" runs 0.84x the GEMM FLOPs of a 5-step quintic and is no
-# worse than torch.optim.Muon's quintic on every real momentum measured (docs/performance.md).
-DEFAULT_METHOD = "aol9"
+# The default orthogonalization, chosen by the validation loss it trains to (docs/algorithms.md,
+# "Choosing the default"): Keller's quintic, 5 steps — torch.optim.Muon's iteration. Polar Express
+# (same FLOPs) and the AOL-preconditioned "aol9" (0.84x the FLOPs) trained to a higher loss at
+# their best learning rate; AOL's row scaling moves the update off the gradient's singular basis.
+DEFAULT_METHOD = "quintic"
 # torch.optim.Muon's iteration count for its single quintic (what ns_coefficients=(a, b, c) runs).
 TORCH_NS_STEPS = 5
 METHODS = ("polar_express", "quintic", "you", "cubic", "aol", "aol9", "gram")

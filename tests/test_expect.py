@@ -29,7 +29,7 @@ class TestRepr(expecttest.TestCase):
         self.assertExpectedInline(repr(tx), """\
 chain(
   momentum(momentum=0.95, nesterov=True, kind='sgd'),
-  orthogonalize(method='aol9', steps=5, dtype=None, eps=1e-07, stepsize=1.0, flatten=True),
+  orthogonalize(method='quintic', steps=5, dtype=None, eps=1e-07, stepsize=1.0, flatten=True),
   scale_by_shape(rule='keller'),
   add_decoupled_weight_decay(weight_decay=0.01),
   scale_by_learning_rate(lr=0.02),

@@ -179,11 +179,10 @@ def test_step_never_modifies_grad_and_reports_stats():
     stats = opt.last_step_stats
     assert stats["applied"] and stats["bytes_sent"] == 0 and stats["world_size"] == 1
     assert stats["matrices_computed"] == 4
-    # The default "aol9": 3 quintic iterations (4 s^2 l + 2 s^3 each, s = min, l = max of (out, in))
-    # and one degree-9 iteration (4 s^2 l + 4 s^3: one more s x s product).
+    # The default: Keller's quintic, 5 iterations of 4 s^2 l + 2 s^3 FLOPs (s = min, l = max of
+    # (out, in)).
     shapes = [(4, 18), (10, 16), (10, 10), (3, 10)]
-    assert stats["ns_flops"] == sum(3 * (4 * min(s) ** 2 * max(s) + 2 * min(s) ** 3)
-                                    + 4 * min(s) ** 2 * max(s) + 4 * min(s) ** 3 for s in shapes)
+    assert stats["ns_flops"] == sum(5 * (4 * min(s) ** 2 * max(s) + 2 * min(s) ** 3) for s in shapes)
 
 
 def test_missing_grads_leave_params_and_state_alone():

@@ -168,9 +168,10 @@ def test_linear_steps_and_momentum_buffer_survives_save_load():
     lin(torch.randn(8, 100)).square().mean().backward()
     opt.step()
     assert not torch.equal(lin.weight, w0)
-    # One Muon step moves every entry by ~lr·msign: the update's RMS is lr·O(1)/√100 ≈ 2e-3.
+    # One Muon step is lr·msign(G) with G of rank ≤ 8 (a batch of 8): about 8 singular values near
+    # 1 spread over 100² entries, so the update's RMS is about lr·√8/100 ≈ 5.7e-4.
     rms = (lin.weight - w0).pow(2).mean().sqrt().item()
-    assert 0.5e-3 < rms < 5e-3
+    assert 2e-4 < rms < 2e-3
     buf = opt.state[lin.weight]["momentum_buffer"]
     assert buf.shape == lin.weight.shape and buf.abs().sum() > 0
 

@@ -152,7 +152,8 @@ def test_torch_keywords_reproduce_torch_muon_bf16():
 def test_ns_coefficients_select_exactly_that_iteration(fp32_torch_muon):
     """With ns_coefficients the default method's preconditioner is off: the result is torch's
     function's (fp32), a per-iteration list of the same triple is the flat triple, and the
-    default method gives another matrix."""
+    default method (Keller's quintic, 5 steps) is that iteration, while another method gives
+    another matrix."""
     from conftest import ns_fp32_twin
 
     g = torch.Generator().manual_seed(0)
@@ -164,7 +165,8 @@ def test_ns_coefficients_select_exactly_that_iteration(fp32_torch_muon):
 
     torch.testing.assert_close(run(coefficients=KELLER), ref, atol=2e-6, rtol=0)
     assert torch.equal(run(coefficients=[KELLER] * 5), run(coefficients=KELLER))
-    assert (run() - ref).abs().max() > 1e-2  # DEFAULT_METHOD is not torch's iteration
+    torch.testing.assert_close(run(), ref, atol=2e-6, rtol=0)  # DEFAULT_METHOD is torch's iteration
+    assert (run(method="polar_express", steps=5) - ref).abs().max() > 1e-2
     assert mf.orthogonalize(coefficients=KELLER).update(x, None)[0]["w"].shape == (24, 40)
 
 
@@ -384,11 +386,9 @@ class TestConversionErrors(expecttest.TestCase):
             fn()
         return str(ctx.exception)
 
-    def test_default_method_is_not_torchs(self):
-        opt = mf.MuonOptimizer(make_net().parameters(), beta2=0.9, momentum_kind="sgd")
-        msg = self.message(ValueError, lambda: to_torch_state_dict(opt))
-        self.assertIn(repr(DEFAULT_METHOD), msg)
-        self.assertExpectedInline(msg.replace(repr(DEFAULT_METHOD), "<DEFAULT_METHOD>"), """param group 0 cannot be written as torch.optim.Muon: method=None (the default, <DEFAULT_METHOD>) (torch.optim.Muon runs one quintic: pass ns_coefficients=(a, b, c) or method='quintic'); momentum_kind='sgd' (torch.optim.Muon's is 'ema'); beta2=0.9 (torch.optim.Muon's is None)""")
+    def test_other_methods_are_not_torchs(self):
+        opt = mf.MuonOptimizer(make_net().parameters(), beta2=0.9, momentum_kind="sgd", method="polar_express")
+        self.assertExpectedInline(self.message(ValueError, lambda: to_torch_state_dict(opt)), """param group 0 cannot be written as torch.optim.Muon: method='polar_express' (torch.optim.Muon runs one quintic: pass ns_coefficients=(a, b, c) or method='quintic'); momentum_kind='sgd' (torch.optim.Muon's is 'ema'); beta2=0.9 (torch.optim.Muon's is None)""")
 
     def test_conv_weight(self):
         model = nn.Sequential(nn.Conv2d(2, 4, 3))

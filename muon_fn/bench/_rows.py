@@ -66,16 +66,18 @@ def _replay(method: str, steps: int | None, bucket_size: int | None = BUCKET_SIZ
 
 
 _BF16 = torch.bfloat16
+_DEFAULT_REPLAY = "replay[quintic5]"  # the GEMMs of DEFAULT_METHOD's schedule, in the default dtype
 _LIKE_TORCH = dict(method="quintic", ns_steps=5, momentum_kind="ema", adjust_lr_fn="original", ns_dtype=_BF16)
 
 ROW_SPECS: dict[str, Row] = {
     # The default MuonOptimizer: compiled (inductor) on its first step.
-    "muon_fn": Row(_muon_fn(), DEFAULT_METHOD, None, None, "replay[aol9]", True),
-    "muon_fn[eager]": Row(_muon_fn(compile=False), DEFAULT_METHOD, None, None, "replay[aol9]", False),
+    "muon_fn": Row(_muon_fn(), DEFAULT_METHOD, None, None, _DEFAULT_REPLAY, True),
+    "muon_fn[eager]": Row(_muon_fn(compile=False), DEFAULT_METHOD, None, None, _DEFAULT_REPLAY, False),
     # torch.optim.Muon's math (quintic ×5 in bf16, EMA momentum, its shape rule) through muon_fn.
     "muon_fn[like_torch]": Row(_muon_fn(**_LIKE_TORCH), "quintic", 5, _BF16, "replay[torch_quintic5]", True),
     "torch.optim.Muon": Row(_torch_muon, TORCH, 5, _BF16, "replay[torch_quintic5]", None),
     "torch.optim.AdamW[fused]": Row(_torch_adamw, None, None, None, None, None),
+    "replay[quintic5]": Row(_replay("quintic", 5), "quintic", 5, None, "replay[quintic5]", None),
     "replay[aol9]": Row(_replay("aol9", None), "aol9", None, None, "replay[aol9]", None),
     "replay[polar_express5]": Row(_replay("polar_express", 5), "polar_express", 5, None,
                                   "replay[polar_express5]", None),
@@ -85,12 +87,13 @@ ROW_SPECS: dict[str, Row] = {
     # Opt-in rows.
     "muon_fn[polar_express5]": Row(_muon_fn(method="polar_express", ns_steps=5), "polar_express", 5, None,
                                    "replay[polar_express5]", True),
+    "muon_fn[aol9]": Row(_muon_fn(method="aol9"), "aol9", None, None, "replay[aol9]", True),
     "muon_fn[aol4]": Row(_muon_fn(method="aol", ns_steps=4), "aol", 4, None, "replay[aol4]", True),
-    "muon_fn[nonfinite=None]": Row(_muon_fn(nonfinite=None), DEFAULT_METHOD, None, None, "replay[aol9]", True),
+    "muon_fn[nonfinite=None]": Row(_muon_fn(nonfinite=None), DEFAULT_METHOD, None, None, _DEFAULT_REPLAY, True),
     "replay[aol4]": Row(_replay("aol", 4), "aol", 4, None, "replay[aol4]", None),
 }
 ROWS = ("muon_fn", "muon_fn[eager]", "muon_fn[like_torch]", "torch.optim.Muon", "torch.optim.AdamW[fused]",
-        "replay[aol9]", "replay[polar_express5]", "replay[torch_quintic5]")
+        "replay[quintic5]", "replay[polar_express5]", "replay[torch_quintic5]")
 OPTIONAL_ROWS = tuple(r for r in ROW_SPECS if r not in ROWS)
 REFERENCE = "torch.optim.Muon"
 # Rows iterating in bf16 whatever the device: emulated (slow) on CPUs without bf16 instructions.

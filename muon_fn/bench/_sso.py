@@ -11,8 +11,8 @@ Rows (each its own optimizer over its own copy of the same matrices):
 - ``sso``: ``SpectralSphereOptimizer`` defaults.
 - ``sso_classic``: ``SpectralSphereOptimizer(lambda_model=False)`` (bracket and Illinois solver).
 - ``muon_sphere``: ``SpectralSphereOptimizer(muon_sphere=True)`` (retraction, λ = 0).
-- ``sso_bf16`` / ``muon_sphere_bf16``: SSO / MuonSphere with Muon's msign (``aol9``, 4 steps,
-  bf16) and, for SSO, ``tol=5e-3`` (tangency only to bf16 accuracy).
+- ``sso_bf16`` / ``muon_sphere_bf16``: SSO / MuonSphere with Muon's default msign (Keller's
+  quintic, 5 steps) in bf16 and, for SSO, ``tol=5e-3`` (tangency only to bf16 accuracy).
 - ``sso_spectral``: ``SpectralSphereOptimizer(direction="spectral")`` (λ* and Φ from an
   eigendecomposition, no Newton–Schulz iteration).
 
@@ -32,11 +32,12 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .. import MuonOptimizer, SpectralSphereOptimizer, spectral
+from .._newton_schulz import DEFAULT_METHOD, default_steps
 from ._problem import MATRIX_NAMES, check_size, real_gradients
 from ._timing import Threads, check_threads, paired_ratio, paired_rounds, using_threads
 
 Factory = Callable[[list[torch.nn.Parameter], bool], torch.optim.Optimizer]  # (params, compile)
-_BF16_MSIGN = dict(msign_method="aol9", msign_steps=4, msign_dtype=torch.bfloat16)
+_BF16_MSIGN = dict(msign_method=DEFAULT_METHOD, msign_steps=default_steps(DEFAULT_METHOD), msign_dtype=torch.bfloat16)
 
 SSO_ROWS: dict[str, Factory] = {
     "muon": lambda ps, c: MuonOptimizer(ps, lr=0.02, compile=c),

@@ -90,6 +90,7 @@ class FSDPAdapter:
         self._accumulation_steps, self._micro_step = k, 0
         self._device = _params.local(named[0][1]).device if named else torch.device("cpu")
         self._plan_key: Any = None
+        self._pending_init: list[tuple[int, Route, Bucket]] = []
         self.last_step_stats: dict[str, Any] = {}
         self._matrices()
         self._set_gradient_sync(k == 1)
@@ -103,10 +104,24 @@ class FSDPAdapter:
         return repr(self._fqn(p))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's ``add_param_group`` before the plan is made (refused after). ``use_muon`` is
+        accepted as in other distributed Muon optimizers: ``True`` is the optimizer's matrix
+        algorithm, ``False`` is ``algorithm="adamw"`` at the group's ``adamw_lr`` and
+        ``adamw_weight_decay``, as an ``"auto"`` group runs its AdamW half."""
         if self._distributed:
             raise RuntimeError(f"{type(self).__name__} cannot add parameter groups after construction "
                                "(the communication plan is fixed); pass every group to __init__")
+        use_muon = param_group.pop("use_muon", None)
+        if use_muon is not None:
+            param_group["algorithm"] = self._matrix_algorithm() if use_muon else "adamw"
+            if not use_muon:
+                for key, source in (("lr", "adamw_lr"), ("weight_decay", "adamw_weight_decay")):
+                    param_group[key] = param_group.get(source, self.defaults[source])
         super().add_param_group(param_group)
+
+    def _matrix_algorithm(self) -> str:
+        """The algorithm of a hybrid's matrices (``algorithms[1]``: "muon", "sso")."""
+        return getattr(self, "algorithms", ("auto", "matrix"))[1]
 
     def _matrix_flops(self, group: dict[str, Any], shape: tuple[int, ...]) -> int:
         """FLOPs of one matrix's mid phase, for ``last_step_stats`` (0 unless a subclass knows)."""
@@ -124,25 +139,69 @@ class FSDPAdapter:
         rt = self._runtimes[index]
         if rt.routes is None:
             group = self.param_groups[index]
-            matrix_algorithm = getattr(self, "algorithms", ("auto", "matrix"))[1]  # a hybrid's
-            rt.routes = group_routes(group, self._group_hyper(group, rt), self._factory, matrix_algorithm,
+            rt.routes = group_routes(group, self._group_hyper(group, rt), self._factory, self._matrix_algorithm(),
                                      self._meta, self._bucket_size, self._compile_options)
         return rt.routes
 
     def _init_state(self, index: int) -> None:
         """Every state entry now, so state_dict keys are the same on every rank (DCP): rows of a
-        sharded parameter's state are DTensors laid out like the parameter, the rest plain."""
+        sharded parameter's state are DTensors laid out like the parameter, the rest plain.
+
+        The state of a mid phase that reads parameters (SSO's warm-start block) is made from the
+        whole matrices, as single-device optimizers make it, on the first step
+        (:meth:`_init_from_whole`); until then it holds zeros of its shape."""
         params = self.param_groups[index]["params"]
         for route in self._routes(index):
             for bucket in route.buckets:
                 ps = [params[i] for i in bucket.indices]
-                fresh = route.phases.whole.init(tuple(_params.local(p) for p in ps))
-                leaves = [None if leaf is None else self._state_leaf(ps[slot.index or 0], slot, leaf, rows)
-                          for slot, rows, leaf in zip(bucket.layout.slots, bucket.rows,
-                                                      _tree.tree_leaves(fresh))]
                 states = [self.state[p] for p in ps]
+                fresh, whole = self._fresh_leaves(route, bucket, ps)
+                if whole and not _state.complete(bucket.phase_layouts[1], states):
+                    self._pending_init.append((index, route, bucket))
+                leaves = [None if leaf is None else self._state_leaf(ps[slot.index or 0], slot, leaf, rows)
+                          for slot, rows, leaf in zip(bucket.layout.slots, bucket.rows, fresh)]
                 _state.scatter(bucket.layout, _tree.tree_unflatten(bucket.layout.spec, leaves), states,
                                overwrite=False)
+
+    def _fresh_leaves(self, route: Route, bucket: Bucket, ps: list[torch.Tensor]) -> tuple[list, bool]:
+        """The leaves of a fresh state of the bucket from its local rows, and whether its mid
+        phase's leaves are placeholders to make from the whole matrices."""
+        local = tuple(_params.local(p) for p in ps)
+        phases = route.phases
+        if phases.mid is None or not phases.mid_needs_params:
+            return _tree.tree_leaves(phases.whole.init(local)), False
+        pre, mid, _ = bucket.phase_layouts
+        first = len(pre.slots)
+        held = [None if slot is None else torch.zeros(
+            ((local[slot.index].shape[0],) + slot.shape[1:]) if bucket.rows[first + n] else slot.shape,
+            dtype=slot.dtype, device=self._device) for n, slot in enumerate(mid.slots)]
+        leaves = (_tree.tree_leaves(phases.pre.init(local)) + held
+                  + _tree.tree_leaves(phases.post.init(local)))
+        return leaves, any(slot is not None for slot in mid.slots)
+
+    def _init_from_whole(self) -> None:
+        """Make the pending mid state from the whole matrices: each rank gathers them (one
+        all-gather per bucket, once) and keeps its rows of row states and all of the rest."""
+        for index, route, bucket in self._pending_init:
+            params = self.param_groups[index]["params"]
+            ps = [params[i] for i in bucket.indices]
+            whole = tuple(p.full_tensor() if isinstance(p, _params.DTensor) else p for p in ps)
+            pre, mid, _ = bucket.phase_layouts
+            first = len(pre.slots)
+            made = _tree.tree_leaves(route.phases.mid.init(tuple(w.detach() for w in whole)))
+            for n, (slot, value) in enumerate(zip(mid.slots, made)):
+                if slot is None:
+                    continue
+                for k in ([slot.index] if slot.index is not None else range(len(ps))):
+                    if bucket.rows[first + n]:
+                        a, b = self._layouts[id(ps[k])].rows
+                        value = value[a:b]
+                    _params.local(self.state[ps[k]][slot.key]).copy_(value)
+        self._pending_init = []
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._pending_init = []  # the loaded state is the state
 
     def _state_leaf(self, p: torch.Tensor, slot: _state.Slot, local: torch.Tensor,
                     rows: bool) -> torch.Tensor:
@@ -248,6 +307,8 @@ class FSDPAdapter:
 
     def _apply(self, grads: list[tuple], finite: torch.Tensor | None) -> dict[str, Any]:
         matrices, topo = self._matrices(), self.topology
+        if self._pending_init:
+            self._init_from_whole()
         held = self._pre(matrices, grads, finite)
         new_replicated: dict[int, list[torch.Tensor]] = {}
         compute = functools.partial(self._mid, matrices, new_replicated)

@@ -90,15 +90,6 @@ class FSDPMuonOptimizer(FSDPAdapter, MuonOptimizer):
                          gradient_accumulation_steps=gradient_accumulation_steps, **muon_options)
         self._distribute(process_group, gradient_accumulation_steps)
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        use_muon = param_group.pop("use_muon", None)
-        if use_muon is not None:
-            param_group["algorithm"] = "muon" if use_muon else "adamw"
-            if not use_muon:  # AdamW at the AdamW half's settings, as "auto" groups run it
-                for key, source in (("lr", "adamw_lr"), ("weight_decay", "adamw_weight_decay")):
-                    param_group[key] = param_group.get(source, self.defaults[source])
-        super().add_param_group(param_group)
-
     def _matrix_flops(self, group: dict[str, Any], shape: tuple[int, ...]) -> int:
         """Newton–Schulz FLOPs of one matrix under the group's orthogonalization settings."""
         method = group["method"]

@@ -164,8 +164,9 @@ class SpectralSphereOptimizer(HybridOptimizer):
                         "algorithm='auto' or put it in an 'adamw' group"
                     )
 
-    def last_step_stats(self) -> SolverReport:
-        """The λ solver's statistics of the last step for every SSO matrix (see :class:`SolverReport`).
+    def solver_stats(self) -> SolverReport:
+        """The λ solver's statistics of the last step for every SSO matrix (see :class:`SolverReport`;
+        also :meth:`last_step_stats`).
 
         Reading them as Python numbers syncs with the device; the tensors themselves do not.
         """
@@ -187,6 +188,8 @@ class SpectralSphereOptimizer(HybridOptimizer):
         return SolverReport(names, stack("sso_sigma", torch.float32), stack("sso_lambda", torch.float32),
                             stack("sso_residual", torch.float32), stack("sso_iterations", torch.int32),
                             stack("sso_fallback", torch.bool), stack("sso_fallbacks", torch.int64))
+
+    last_step_stats = solver_stats  # the name of the Muon optimizers' per-step figures
 
 
 def sso_factory(h: dict[str, Any]) -> GradientTransformation:

@@ -264,8 +264,9 @@ def _torch_muon_group(g: int, group: dict[str, Any]) -> dict[str, Any]:
         rows = validate_coefficients(group["ns_coefficients"])
         if len(set(rows)) > 1:
             problems.append("ns_coefficients has several triples (torch.optim.Muon repeats one)")
-    if group["method"] not in (None, "quintic") or (group["method"] is None and group["ns_coefficients"] is None):
-        method = repr(group["method"]) if group["method"] is not None else f"None (the default, {DEFAULT_METHOD!r})"
+    default = group["method"] is None and group["ns_coefficients"] is None
+    if (DEFAULT_METHOD if default else group["method"]) not in (None, "quintic"):
+        method = f"None (the default, {DEFAULT_METHOD!r})" if default else repr(group["method"])
         problems.append(f"method={method} (torch.optim.Muon runs one quintic: pass "
                         "ns_coefficients=(a, b, c) or method='quintic')")
     for key, want in _TORCH_ALGORITHM.items():
