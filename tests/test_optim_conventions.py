@@ -75,22 +75,31 @@ class OptimizerInfo:
     error_inputs: list[ErrorInput] = field(default_factory=list)
     takes_model: bool = False  # built from a module (the hybrid, FSDP), not from params
     add_param_group: bool = True
-    copyable: bool = True
 
     def make(self, model: nn.Module, **kwargs: Any) -> torch.optim.Optimizer:
         return self.build(model if self.takes_model else model.parameters(), **kwargs)
 
 
+def _hybrid_factory(h):
+    return mf.hybrid(h["lr"], h["momentum"], adamw_lr=h["lr"])
+
+
 def _generic(params, lr=0.02, momentum=0.95, **kwargs):
-    """muon_fn.Optimizer with a factory of the group's lr and momentum (so schedulers work)."""
-    return mf.Optimizer(params, lambda h: mf.hybrid(h["lr"], h["momentum"], adamw_lr=h["lr"]),
-                        {"lr": lr, "momentum": momentum}, **kwargs)
+    """muon_fn.Optimizer with a factory of the group's lr and momentum (so schedulers work; a
+    module-level function, so the optimizer pickles)."""
+    return mf.Optimizer(params, _hybrid_factory, {"lr": lr, "momentum": momentum}, **kwargs)
 
 
 def _fsdp(model, **kwargs):
     from muon_fn.fsdp import FSDPMuonOptimizer
 
     return FSDPMuonOptimizer(model, **kwargs)
+
+
+def _fsdp_sso(model, **kwargs):
+    from muon_fn.fsdp import FSDPSpectralSphereOptimizer
+
+    return FSDPSpectralSphereOptimizer(model, **kwargs)
 
 
 _P = lambda: nn.Parameter(torch.randn(3, 3))  # noqa: E731
@@ -139,8 +148,9 @@ INFOS = [
     OptimizerInfo("SpectralSphereOptimizer", mf.SpectralSphereOptimizer,
                   [{}, {"lr": 0.01}, {"momentum": 0.8}, {"nesterov": False}, {"msign_steps": 5}], COMMON_ERRORS),
     OptimizerInfo("FSDPMuonOptimizer", _fsdp, [{}, {"lr": 0.01}, {"beta2": 0.95}],
-                  [e for e in MUON_ERRORS if e.params is None], takes_model=True, add_param_group=False,
-                  copyable=False),
+                  [e for e in MUON_ERRORS if e.params is None], takes_model=True, add_param_group=False),
+    OptimizerInfo("FSDPSpectralSphereOptimizer", _fsdp_sso, [{}, {"lr": 0.01}, {"momentum": 0.8}],
+                  takes_model=True, add_param_group=False),
 ]
 ids = [info.name for info in INFOS]
 every_class = pytest.mark.parametrize("info", INFOS, ids=ids)
@@ -394,13 +404,14 @@ def test_state_dict_round_trip_is_deterministic(info):
 
 
 @every_class
-def test_deepcopy_steps_like_the_original(info):
-    if not info.copyable:
-        pytest.skip(f"{info.name}: a copy does not carry the distributed configuration yet")
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_copy_steps_like_the_original(info, how):
+    import pickle
+
     model = make_net()
     opt = info.make(model)
     train(model, opt, 2)
-    twin_opt = copy.deepcopy(opt)
+    twin_opt = copy.deepcopy(opt) if how == "deepcopy" else pickle.loads(pickle.dumps(opt))
     public = lambda o: {k for k in o.__dict__ if not k.startswith("_")}  # noqa: E731
     assert public(twin_opt) == public(opt)
     for p, q in zip([p for g in opt.param_groups for p in g["params"]],

@@ -78,6 +78,7 @@ class FSDPAdapter:
 
     def _distribute(self, process_group: Any, k: int) -> None:
         """Where every parameter lives, its state, and the plan (once all groups are in)."""
+        self._process_group = process_group
         named = [(self._fqn(p), p) for g in self.param_groups for p in g["params"]]
         self.topology = _params.resolve_topology(named, process_group)
         self._layouts = {id(p): _params.layout_of(n, p, self.topology) for n, p in named}
@@ -95,6 +96,30 @@ class FSDPAdapter:
         self._matrices()
         self._set_gradient_sync(k == 1)
         self._distributed = True
+
+    # ------------------------------------------------------------------ copies
+    # A copy (copy.deepcopy, pickle) carries the model with the parameters, so the two stay one
+    # model, and rebuilds the plan from them; a process group cannot travel (a copy uses the
+    # DTensor parameters' group, else the default one).
+    _FSDP_CONFIG = ("_model", "strategy", "wire_dtype", "_num_buckets", "_accumulation_steps", "_micro_step")
+
+    def __getstate__(self) -> dict[str, Any]:
+        if getattr(self, "_process_group", None) is not None:
+            raise TypeError(f"cannot copy a {type(self).__name__} built with process_group=: a process "
+                            "group cannot be copied; build a new optimizer instead")
+        state = super().__getstate__()
+        state.update({k: self.__dict__[k] for k in self._FSDP_CONFIG if k in self.__dict__})
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)  # torch's load_state_dict calls it too: nothing to rebuild then
+        if "_layouts" not in self.__dict__ and "_model" in self.__dict__:
+            self._names = {id(p): n for n, p in self._model.named_parameters(remove_duplicate=False)}
+            self._distributed, self._builds = False, itertools.count()
+            micro = self._micro_step
+            self._distribute(None, self._accumulation_steps)
+            self._micro_step = micro
+            self._set_gradient_sync(self._accumulation_steps == 1 or micro == self._accumulation_steps - 1)
 
     # ------------------------------------------------------------------ groups and state
     def _fqn(self, p: torch.Tensor) -> str:
@@ -179,25 +204,25 @@ class FSDPAdapter:
                   + _tree.tree_leaves(phases.post.init(local)))
         return leaves, any(slot is not None for slot in mid.slots)
 
-    def _init_from_whole(self) -> None:
-        """Make the pending mid state from the whole matrices: each rank gathers them (one
-        all-gather per bucket, once) and keeps its rows of row states and all of the rest."""
-        for index, route, bucket in self._pending_init:
-            params = self.param_groups[index]["params"]
-            ps = [params[i] for i in bucket.indices]
+    def _init_from_whole(self, grads: list[tuple]) -> None:
+        """Make the pending mid state of the buckets that have a gradient on some rank from their
+        whole matrices: each rank gathers them (one all-gather per bucket, once) and keeps its rows
+        of row states and all of the rest. A step without gradients leaves the state alone."""
+        topo, pending = self.topology, self._pending_init
+        due = _exchange.any_rank([any(grads[gi][i] is not None for i in bucket.indices)
+                                  for gi, _, bucket in pending], topo.group, topo.world_size)
+        self._pending_init = [entry for entry, now in zip(pending, due) if not now]
+        for index, route, bucket in (entry for entry, now in zip(pending, due) if now):
+            ps = [self.param_groups[index]["params"][i] for i in bucket.indices]
             whole = tuple(p.full_tensor() if isinstance(p, _params.DTensor) else p for p in ps)
             pre, mid, _ = bucket.phase_layouts
-            first = len(pre.slots)
             made = _tree.tree_leaves(route.phases.mid.init(tuple(w.detach() for w in whole)))
             for n, (slot, value) in enumerate(zip(mid.slots, made)):
                 if slot is None:
                     continue
                 for k in ([slot.index] if slot.index is not None else range(len(ps))):
-                    if bucket.rows[first + n]:
-                        a, b = self._layouts[id(ps[k])].rows
-                        value = value[a:b]
-                    _params.local(self.state[ps[k]][slot.key]).copy_(value)
-        self._pending_init = []
+                    a, b = self._layouts[id(ps[k])].rows if bucket.rows[len(pre.slots) + n] else (None, None)
+                    _params.local(self.state[ps[k]][slot.key]).copy_(value if a is None else value[a:b])
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
@@ -308,7 +333,7 @@ class FSDPAdapter:
     def _apply(self, grads: list[tuple], finite: torch.Tensor | None) -> dict[str, Any]:
         matrices, topo = self._matrices(), self.topology
         if self._pending_init:
-            self._init_from_whole()
+            self._init_from_whole(grads)
         held = self._pre(matrices, grads, finite)
         new_replicated: dict[int, list[torch.Tensor]] = {}
         compute = functools.partial(self._mid, matrices, new_replicated)

@@ -325,6 +325,15 @@ def all_ranks_finite(finite: torch.Tensor, group: dist.ProcessGroup | None, worl
     return flag.reshape(()).bool()
 
 
+def any_rank(flags: list[bool], group: dist.ProcessGroup | None, world_size: int) -> list[bool]:
+    """Each of the host-side ``flags`` OR-ed over the ranks of ``group`` (one object all-gather)."""
+    if world_size == 1:
+        return flags
+    every: list[Any] = [None] * world_size
+    dist.all_gather_object(every, flags, group=group)
+    return [any(column) for column in zip(*every)]
+
+
 def share_from_owners(values: list[torch.Tensor | None], like: list[torch.Tensor],
                       group: dist.ProcessGroup | None) -> list[torch.Tensor]:
     """Every rank gets each owner's value: ``values[k]`` is the owner's (None elsewhere) and
