@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn as nn
 
 from muon_fn import cli
 
@@ -113,6 +114,21 @@ def test_optimizer_specs():
         parse_spec("sgd")
     with pytest.raises(ValueError, match="expected key=value"):
         parse_spec("muon[quintic]")
+
+
+def test_optimizer_specs_set_the_adamw_beta2():
+    from muon_fn._train.optimizers import build_single
+
+    model = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 4), nn.Linear(4, 8))
+    betas = lambda opt: {g["adamw_betas"] for g in opt.param_groups}  # noqa: E731
+    muon, _ = build_single("muon", {"adamw_beta2": 0.999}, model, 0.02, 3e-3, 0.0, compile=False)
+    assert betas(muon) == {(0.9, 0.999)}
+    muon, _ = build_single("muon", {}, model, 0.02, 3e-3, 0.0, compile=False)
+    assert betas(muon) == {(0.9, 0.95)}
+    adamw, _ = build_single("adamw", {"beta2": 0.999}, model, 3e-3, 3e-3, 0.0, compile=False)
+    assert {g["betas"] for g in adamw.param_groups} == {(0.9, 0.999)}
+    torch_muon, _ = build_single("torch-muon", {"adamw_beta2": 0.99}, model, 0.02, 3e-3, 0.0, compile=False)
+    assert torch_muon.optimizers[1].param_groups[0]["betas"] == (0.9, 0.99)
 
 
 def test_train_resume_continues_exactly(tmp_path):

@@ -110,24 +110,26 @@ def build_single(name: str, options: dict[str, Any], model: nn.Module, lr: float
     """One single-device optimizer and a one-line description of it."""
     import muon_fn as mf
 
+    options = dict(options)
+    betas = (ADAMW_BETAS[0], options.pop("beta2" if name == "adamw" else "adamw_beta2", ADAMW_BETAS[1]))
     if name == "adamw":
-        opt = torch.optim.AdamW(_adamw_groups(model, wd), lr=lr, betas=ADAMW_BETAS, **options)
-        return opt, f"torch.optim.AdamW(lr={lr}, betas={ADAMW_BETAS}, weight_decay={wd} on matrices)"
+        opt = torch.optim.AdamW(_adamw_groups(model, wd), lr=lr, betas=betas, **options)
+        return opt, f"torch.optim.AdamW(lr={lr}, betas={betas}, weight_decay={wd} on matrices)"
     if name == "torch-muon":
         muon_params, adamw_params = mf.split_parameters(model)
         muon = torch.optim.Muon([p for _, p, _ in muon_params], lr=lr, weight_decay=wd, adjust_lr_fn="original",
                                 **options)
-        adamw = torch.optim.AdamW([p for _, p, _ in adamw_params], lr=adamw_lr, betas=ADAMW_BETAS, weight_decay=wd)
-        return TorchMuonHybrid(muon, adamw), f"torch.optim.Muon(lr={lr}) + torch.optim.AdamW(lr={adamw_lr})"
+        adamw = torch.optim.AdamW([p for _, p, _ in adamw_params], lr=adamw_lr, betas=betas, weight_decay=wd)
+        return TorchMuonHybrid(muon, adamw), f"torch.optim.Muon(lr={lr}) + torch.optim.AdamW(lr={adamw_lr}, betas={betas})"
     compile_opt = {} if compile else {"compile": False}
     if name in ("muon", "normuon"):
         extra = {"beta2": 0.95, **options} if name == "normuon" else dict(options)
         opt = mf.create_hybrid_optimizer(model, muon_lr=lr, adamw_lr=adamw_lr, adamw_weight_decay=wd,
-                                         muon_weight_decay=wd, adamw_betas=ADAMW_BETAS, **extra, **compile_opt)
+                                         muon_weight_decay=wd, adamw_betas=betas, **extra, **compile_opt)
         shown = "".join(f", {k}={v}" for k, v in extra.items())
-        return opt, f"muon_fn.create_hybrid_optimizer(muon_lr={lr}, adamw_lr={adamw_lr}{shown})"
+        return opt, f"muon_fn.create_hybrid_optimizer(muon_lr={lr}, adamw_lr={adamw_lr}, adamw_betas={betas}{shown})"
     opt = mf.SpectralSphereOptimizer.from_model(model, lr=lr, adamw_lr=adamw_lr, adamw_weight_decay=wd,
-                                                adamw_betas=ADAMW_BETAS, **options, **compile_opt)
+                                                adamw_betas=betas, **options, **compile_opt)
     return opt, f"muon_fn.SpectralSphereOptimizer.from_model(lr={lr}, adamw_lr={adamw_lr})"
 
 
