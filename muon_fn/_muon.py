@@ -163,9 +163,10 @@ def orthogonalize(
     """Replace each matrix update ``G`` by an approximation of ``msign(G) = UVᵀ``.
 
     Args:
-      method: ``None`` (default: :data:`~muon_fn._newton_schulz.DEFAULT_METHOD`, or the plain
-        iteration of ``coefficients`` when they are given), ``"aol9"``, ``"polar_express"``,
-        ``"quintic"`` (Keller), ``"you"``, ``"cubic"``, ``"aol"``, ``"gram"``, or a callable
+      method: ``None`` (default: :data:`~muon_fn._newton_schulz.DEFAULT_METHOD`, ``"quintic"``, or
+        the plain iteration of ``coefficients`` when they are given), ``"quintic"`` (Keller's,
+        torch.optim.Muon's), ``"polar_express"``, ``"aol9"``, ``"you"``, ``"cubic"``, ``"aol"``,
+        ``"gram"``, or a callable
         ``(B, m, n) -> (B, m, n)`` applied to each batch of equal-shape wide matrices (traced as
         is under ``torch.compile``).
       steps: iterations; ``None``: what the method is designed for (4 for ``"aol9"`` and

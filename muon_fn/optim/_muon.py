@@ -85,13 +85,13 @@ class MuonOptimizer(HybridOptimizer):
         normalization, no preconditioner, no safety factor), ``ns_steps`` times.
       eps: the Newton–Schulz normalization ``X / max(‖X‖_F, eps)`` (torch.optim.Muon's ``eps``).
       ns_steps: iterations; ``None`` (default): 5 with ``ns_coefficients`` (the length of a
-        per-iteration list), else what ``method`` is designed for (4 for ``"aol9"`` and ``"aol"``).
+        per-iteration list), else what ``method`` is designed for (5; 4 for ``"aol9"`` and ``"aol"``).
       adjust_lr_fn: shape rule ``None`` (= ``"original"``, torch's default), ``"original"``
         (alias ``"keller"``) √max(1, out/in), ``"match_rms_adamw"``, ``"spectral"``,
         ``"legacy"`` or ``"none"`` (see :func:`muon_fn.shape_scale`).
-      method: ``None`` (default: :data:`muon_fn._newton_schulz.DEFAULT_METHOD`, or the plain
-        iteration of ``ns_coefficients``), ``"aol9"``, ``"polar_express"``, ``"quintic"``
-        (torch.optim.Muon's quintic), ``"you"``, ``"cubic"``, ``"aol"``, ``"gram"``, or a callable
+      method: ``None`` (default: :data:`muon_fn._newton_schulz.DEFAULT_METHOD`, ``"quintic"``, or
+        the plain iteration of ``ns_coefficients``), ``"quintic"`` (torch.optim.Muon's quintic),
+        ``"polar_express"``, ``"aol9"``, ``"you"``, ``"cubic"``, ``"aol"``, ``"gram"``, or a callable
         (see :func:`muon_fn.orthogonalize`). With ``ns_coefficients`` a named method keeps its
         preconditioner and form.
       ns_dtype: iteration dtype (default: bf16, fp32 on CPUs without bf16 GEMMs; torch.optim.Muon
