@@ -123,7 +123,7 @@ def hybrid(
     momentum: Scalar = 0.95,
     *,
     adamw_lr: ScalarOrSchedule = 3e-4,
-    adamw_betas: tuple[Scalar, Scalar] = (0.9, 0.95),
+    adamw_betas: tuple[Scalar, Scalar] = (0.9, 0.999),
     adamw_eps: float = 1e-8,
     adamw_weight_decay: Scalar = 0.0,
     labels: Any = None,

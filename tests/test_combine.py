@@ -137,10 +137,10 @@ def test_partition_routes_labels(labels):
 
 def test_hybrid_is_partition_of_muon_and_adamw():
     params = rand_tree(0, MIXED)
-    h = mf.hybrid(0.02, adamw_lr=1e-3, adamw_betas=(0.9, 0.95), adamw_weight_decay=0.01,
+    h = mf.hybrid(0.02, adamw_lr=1e-3, adamw_betas=(0.9, 0.999), adamw_weight_decay=0.01,
                   ns_dtype=torch.float32, weight_decay=0.1)
     p = mf.partition({"muon": mf.muon(0.02, ns_dtype=torch.float32, weight_decay=0.1),
-                      "adamw": mf.adamw(1e-3, (0.9, 0.95), 1e-8, 0.01)}, LABELS)
+                      "adamw": mf.adamw(1e-3, (0.9, 0.999), 1e-8, 0.01)}, LABELS)
     for a, b in zip(run(h, params)[0], run(p, params)[0]):
         assert_same(a, b)
 

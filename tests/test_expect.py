@@ -47,7 +47,7 @@ partition({
     scale_by_learning_rate(lr=0.02),
   ),
   'adamw': chain(
-    scale_by_adam(betas=(0.9, 0.95), eps=1e-08),
+    scale_by_adam(betas=(0.9, 0.999), eps=1e-08),
     add_decoupled_weight_decay(weight_decay=0.0),
     scale_by_learning_rate(lr=0.0003),
   ),

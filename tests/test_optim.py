@@ -318,13 +318,13 @@ def test_hybrid_matches_torch_muon_plus_adamw(fp32_torch_muon, tied):
     """create_hybrid_optimizer == torch.optim.Muon on hidden matrices + torch.optim.AdamW on the rest."""
     ref, ours = make_gpt(tied), make_gpt(tied)
     opt = mf.create_hybrid_optimizer(ours, muon_lr=0.02, adamw_lr=2e-3, adamw_weight_decay=0.01,
-                                     muon_weight_decay=0.1, adamw_betas=(0.9, 0.95), adamw_eps=1e-8,
+                                     muon_weight_decay=0.1, adamw_betas=(0.9, 0.999), adamw_eps=1e-8,
                                      adjust_lr_fn="original", ns_dtype=torch.float32, **TORCH_LIKE)
     hidden = set(hidden_names(ref))
     topt_m = torch.optim.Muon([p for n, p in ref.named_parameters() if n in hidden], lr=0.02,
                               weight_decay=0.1, momentum=0.95, adjust_lr_fn="original")
     topt_a = torch.optim.AdamW([p for n, p in ref.named_parameters() if n not in hidden], lr=2e-3,
-                               betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+                               betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
     for step in range(20):
         topt_m.zero_grad()
         topt_a.zero_grad()
@@ -718,7 +718,7 @@ def test_gradient_accumulation_equals_mean_gradient_step(fp32_torch_muon, k):
     ref_mats = [p for p in ref.parameters() if p.ndim >= 2]
     ref_vecs = [p for p in ref.parameters() if p.ndim < 2]
     topt = [torch.optim.Muon(ref_mats, lr=0.02, weight_decay=0.1, adjust_lr_fn="original"),
-            torch.optim.AdamW(ref_vecs, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01)]
+            torch.optim.AdamW(ref_vecs, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.01)]
     for outer in range(3):
         # ours: step() after every micro-batch, zero_grad in between (an ordinary loop)
         for micro in range(k):
@@ -794,7 +794,7 @@ def test_autocast_bf16_matches_torch_reference(fp32_torch_muon):
     topt = [torch.optim.Muon([p for n, p in ref.named_parameters() if n in hidden], lr=0.02,
                              weight_decay=0.0, adjust_lr_fn="original"),
             torch.optim.AdamW([p for n, p in ref.named_parameters() if n not in hidden], lr=1e-3,
-                              betas=(0.9, 0.95), weight_decay=0.01)]
+                              betas=(0.9, 0.999), weight_decay=0.01)]
     for step in range(5):
         for model, opts in ((ref, topt), (ours, [opt])):
             for o in opts:
@@ -1146,7 +1146,7 @@ def test_auto_group_scheduler_no_recompile_and_adamw_follows():
     ref_bias = model[2].bias.detach().clone().requires_grad_()
     opt = mf.MuonOptimizer(model.parameters(), adamw_lr=1e-2, compile={"backend": cnt})
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-    topt = torch.optim.AdamW([ref_bias], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0)
+    topt = torch.optim.AdamW([ref_bias], lr=1e-2, betas=(0.9, 0.999), weight_decay=0.0)
     tsched = torch.optim.lr_scheduler.StepLR(topt, step_size=2, gamma=0.5)
     for step in range(6):
         opt.zero_grad()

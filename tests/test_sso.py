@@ -571,7 +571,7 @@ def test_optimizer_is_the_recipe_applied_by_hand():
     params = tuple(p.detach().clone() for p in model.parameters())
     opt = SpectralSphereOptimizer(model.parameters(), lr=0.02, adamw_lr=1e-3, bucket_size=1)
     lr, mu, adamw_lr = torch.tensor(0.02), torch.tensor(0.95), torch.tensor(1e-3)
-    tx = muon_fn.partition({"sso": sso(lr, mu), "adamw": muon_fn.adamw(adamw_lr, (0.9, 0.95), 1e-8, 0.0)},
+    tx = muon_fn.partition({"sso": sso(lr, mu), "adamw": muon_fn.adamw(adamw_lr, (0.9, 0.999), 1e-8, 0.0)},
                            muon_fn.leafwise_labels(lambda p: "sso" if p.ndim >= 2 else "adamw"))
     state = tx.init(params)
     X = torch.randn(8, 24)

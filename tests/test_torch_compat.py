@@ -81,13 +81,13 @@ def train(model, opts, steps, start=0):
 
 def torch_pair(model, lr=0.02, **muon_kw):
     return [torch.optim.Muon(mats(model), lr=lr, **{**TORCH_SETTINGS, **muon_kw}),
-            torch.optim.AdamW(vecs(model), lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)]
+            torch.optim.AdamW(vecs(model), lr=3e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)]
 
 
 def muon_fn_auto(model, lr=0.02, **kw):
     """One algorithm="auto" group with the torch pair's settings (AdamW half included)."""
     return mf.MuonOptimizer(model.parameters(), lr=lr, **{**TORCH_SETTINGS, "ns_dtype": torch.float32,
-                            "adamw_lr": 3e-3, "adamw_betas": (0.9, 0.95), "adamw_weight_decay": 0.01, **kw})
+                            "adamw_lr": 3e-3, "adamw_betas": (0.9, 0.999), "adamw_weight_decay": 0.01, **kw})
 
 
 def assert_models_close(a, b, atol):
@@ -268,7 +268,7 @@ def test_torch_muon_and_adamw_checkpoint_converts(fp32_torch_muon, layout):
         named = dict(ref.named_parameters())
         topts = [torch.optim.Muon([named[n] for n in muon_names], lr=0.02, **TORCH_SETTINGS),
                  torch.optim.AdamW([p for n, p in named.items() if n not in muon_names], lr=3e-3,
-                                   betas=(0.9, 0.95), weight_decay=0.01)]
+                                   betas=(0.9, 0.999), weight_decay=0.01)]
     else:
         topts = torch_pair(ref)
     train(ref, topts, 3)

@@ -22,7 +22,11 @@ OPTIMIZERS = ("muon", "torch-muon", "adamw", "normuon", "sso")
 # comparison changes only what happens to the hidden matrices. See docs/algorithms.md.
 DEFAULT_LR = {"muon": 0.02, "torch-muon": 0.02, "normuon": 0.02, "sso": 0.02, "adamw": 3e-3}
 DEFAULT_ADAMW_LR = 3e-3
+# AdamW's betas: (0.9, 0.95) for the AdamW-only row (better than torch's (0.9, 0.999) there);
+# torch's default for the AdamW half of the Muon rows, the library's default (as good or better
+# there). Measured: docs/performance.md, "The hybrid's AdamW half".
 ADAMW_BETAS = (0.9, 0.95)
+HALF_BETAS = (0.9, 0.999)
 
 _SPEC = re.compile(r"^([a-z][a-z-]*)(?:\[(.*)\])?$")
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -111,7 +115,8 @@ def build_single(name: str, options: dict[str, Any], model: nn.Module, lr: float
     import muon_fn as mf
 
     options = dict(options)
-    betas = (ADAMW_BETAS[0], options.pop("beta2" if name == "adamw" else "adamw_beta2", ADAMW_BETAS[1]))
+    default = ADAMW_BETAS if name == "adamw" else HALF_BETAS
+    betas = (default[0], options.pop("beta2" if name == "adamw" else "adamw_beta2", default[1]))
     if name == "adamw":
         opt = torch.optim.AdamW(_adamw_groups(model, wd), lr=lr, betas=betas, **options)
         return opt, f"torch.optim.AdamW(lr={lr}, betas={betas}, weight_decay={wd} on matrices)"

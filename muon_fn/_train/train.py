@@ -29,7 +29,7 @@ from torch import nn
 from . import optimizers, report
 from .data import Batcher, Corpus, load_corpus, val_starts, windows
 from .model import GPT, PRESETS, config_for
-from .optimizers import ADAMW_BETAS, DEFAULT_ADAMW_LR, DEFAULT_LR, OPTIMIZERS
+from .optimizers import ADAMW_BETAS, HALF_BETAS, DEFAULT_ADAMW_LR, DEFAULT_LR, OPTIMIZERS
 
 # `--quick`: a few minutes on 2 CPU cores for muon + adamw (see docs/index.md for the figures).
 # One thread: the tiny model's 128-wide GEMMs gain little from a second thread, and on a machine
@@ -55,7 +55,8 @@ def build_parser(prog: str = "train_gpt.py") -> argparse.ArgumentParser:
     p.add_argument("--optimizer", default=None, metavar="SPEC",
                    help=f"optimizer of a single run (default muon): one of {', '.join(OPTIMIZERS)}, optionally "
                    "with options: the optimizer's keywords and lr, e.g. muon[method=aol9,lr=0.04]; "
-                   f"adamw_beta2= (adamw: beta2=) sets the AdamW β₂ (default {ADAMW_BETAS[1]})")
+                   f"adamw_beta2= sets the β₂ of a Muon row's AdamW half (default {HALF_BETAS[1]}), "
+                   f"beta2= that of the adamw row (default {ADAMW_BETAS[1]})")
     p.add_argument("--compare", default=None, metavar="A,B",
                    help="comma-separated optimizer specs trained from the same init and batches, e.g. "
                    "torch-muon,muon,adamw (torch-muon: torch.optim.Muon + torch.optim.AdamW, muon's split)")

@@ -111,7 +111,7 @@ def create_hybrid_optimizer(
     *,
     muon_weight_decay: float = 0.0,
     momentum: float = 0.95,
-    adamw_betas: tuple[float, float] = (0.9, 0.95),
+    adamw_betas: tuple[float, float] = (0.9, 0.999),
     adamw_eps: float = 1e-8,
     adamw_names: Sequence[str] = (),
     adamw_predicate: Callable[[str, nn.Parameter], bool] | None = None,

@@ -116,7 +116,7 @@ class SpectralSphereOptimizer(HybridOptimizer):
         momentum_dtype: torch.dtype | None = None,
         split: Any = None,
         adamw_lr: float = 3e-4,
-        adamw_betas: tuple[float, float] = (0.9, 0.95),
+        adamw_betas: tuple[float, float] = (0.9, 0.999),
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float = 0.0,
         algorithm: str = "auto",
