@@ -341,18 +341,21 @@ def test_adding_a_param_group_compiles_that_group_once():
 
 
 @pytest.mark.parametrize("make", [
-    lambda ps: mf.MuonOptimizer(ps),
-    lambda ps: mf.MuonOptimizer(ps, beta2=0.95),
-    lambda ps: mf.SpectralSphereOptimizer(ps),
-    lambda ps: mf.Optimizer(ps, lambda h: mf.hybrid(h["lr"]), {"lr": 0.02}),
-], ids=["muon", "normuon", "sso", "generic"])
+    lambda m: mf.MuonOptimizer(m.parameters()),
+    lambda m: mf.MuonOptimizer(m.parameters(), beta2=0.95),
+    lambda m: mf.SpectralSphereOptimizer(m.parameters()),
+    lambda m: mf.Optimizer(m.parameters(), lambda h: mf.hybrid(h["lr"]), {"lr": 0.02}),
+    lambda m: mf.create_hybrid_optimizer(m),
+    lambda m: mf.FSDPMuonOptimizer(m),
+    lambda m: mf.FSDPSpectralSphereOptimizer(m),
+], ids=["muon", "normuon", "sso", "generic", "hybrid", "fsdp-muon", "fsdp-sso"])
 def test_torch_compile_of_opt_step(make):
     """torch's compiled-optimizer recipe, torch.compile(opt.step), runs and gives the plain step's
     results: the step is already compiled, so the outer compile leaves it to those graphs."""
     from torch._dynamo.testing import CompileCounter
 
     a, b = _small_model(True), _small_model(True)
-    opt_a, opt_b = make(a.parameters()), make(b.parameters())
+    opt_a, opt_b = make(a), make(b)
     outer = CompileCounter()
     step_b = torch.compile(opt_b.step, backend=outer)
     for step in range(3):

@@ -1,4 +1,4 @@
-"""FSDPSpectralSphereOptimizer on CPU/gloo (W = 2 and 4) against single-device SpectralSphereOptimizer.
+"""FSDPSpectralSphereOptimizer on CPU/gloo (W = 2, 3 and 4) against single-device SpectralSphereOptimizer.
 
 One spawned job per world size runs every check on every rank (this file as a script); rank 0
 writes the gathered results to JSON, read by the tests below. Same synthetic full gradients on
@@ -193,7 +193,7 @@ def _job(w):
     return result
 
 
-@pytest.mark.parametrize("w", [2, 4])
+@pytest.mark.parametrize("w", [2, 3, 4])
 @pytest.mark.parametrize("strategy", ["owner", "replicate", "owner_split", "owner_dynamic", "owner_rescaled"])
 def test_fsdp_sso_matches_single_device(w, strategy):
     ranks = _job(w)
@@ -207,7 +207,7 @@ def test_fsdp_sso_matches_single_device(w, strategy):
         assert r["lam"] == r["ref_lam"]
 
 
-@pytest.mark.parametrize("w", [2, 4])
+@pytest.mark.parametrize("w", [2, 4])  # shapes divisible by W: the formula is exact
 def test_fsdp_sso_returns_only_the_update(w):
     ranks = _job(w)
     assert isinstance(ranks, list), f"job failed:\n{ranks}"

@@ -32,7 +32,7 @@ import torch.nn as nn
 from .. import _checks, _tree
 from .._muon import group_by
 from ..optim import _state
-from ..optim._adapter import StepReport, _all_finite
+from ..optim._adapter import StepReport, _all_finite, step_not_traced
 from . import _exchange, _params, _phases, _plan, _rows
 from ._routes import Bucket, Route, group_routes
 
@@ -277,7 +277,7 @@ class FSDPAdapter:
         self.plan, self._wire_in = plan, _rows.common_dtype([m.fmt for m in matrices])
 
     # ------------------------------------------------------------------ the step
-    @torch.compiler.disable
+    @step_not_traced
     def _step(self) -> None:
         start = time.perf_counter()
         k = self._accumulation_steps

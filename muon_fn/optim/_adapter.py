@@ -69,6 +69,12 @@ class _GroupRuntime:
         self.step: _compile.PerSignature | None = None
 
 
+# The adapters' step runs its own compiled graphs; an outer torch.compile(opt.step) leaves it to them.
+step_not_traced = _compile.not_traced(
+    "muon_fn optimizers compile their own step (see their compile= argument); "
+    "torch.compile(opt.step) leaves the step to those graphs, so use it with fullgraph=False")
+
+
 class StepReport(NamedTuple):
     """What the last ``step()`` did (reading ``finite`` as a bool syncs with the device)."""
 
@@ -316,9 +322,7 @@ class Optimizer(torch.optim.Optimizer):
         self._step()
         return loss
 
-    @_compile.not_traced(
-        "muon_fn optimizers compile their own step (see their compile= argument); "
-        "torch.compile(opt.step) leaves the step to those graphs, so use it with fullgraph=False")
+    @step_not_traced
     def _step(self) -> None:
         work = []
         for index, group in enumerate(self.param_groups):
