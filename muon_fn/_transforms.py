@@ -241,18 +241,21 @@ def normalize_rows(beta2: float = 0.95, eps: float = 1e-8, *, view: View = "flat
             params,
         ))
 
+    # The sums run over contiguous fp32 copies, so a matrix's result does not depend on the
+    # layout its update arrives in (orthogonalize returns a tall matrix transposed; an expert of a
+    # stack is a contiguous slice): a reduction's rounding follows the memory order.
     def step(u, v):
         if experts(u):
             return step_experts(u, v)
         dims = tuple(range(1, u.ndim))
-        u32 = u.float()
+        u32 = u.float().contiguous()
         v = v.lerp(u32.square().mean(dim=dims, keepdim=True), 1 - beta2)
         normed = u32 / (v.sqrt() + eps)
         scale = torch.linalg.vector_norm(u32) / torch.linalg.vector_norm(normed).clamp_min(1e-8)
         return (normed * scale).to(u.dtype), v
 
     def step_experts(u, v):
-        u32 = _views.matrices(u.float(), "experts")  # (E, out, in)
+        u32 = _views.matrices(u.float().contiguous(), "experts")  # (E, out, in)
         v = v.lerp(u32.square().mean(dim=-1, keepdim=True).reshape(v.shape), 1 - beta2)
         normed = u32 / (v.reshape(*u32.shape[:-1], 1).sqrt() + eps)
         norm = lambda x: torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)  # noqa: E731
