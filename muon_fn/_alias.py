@@ -11,7 +11,8 @@ from . import _checks
 from ._base import GradientTransformation, Scalar, ScalarOrSchedule
 from ._combine import chain, leafwise_labels, partition
 from ._newton_schulz import validate_coefficients
-from ._muon import Split, orthogonalize, scale_by_shape, shape_rule
+from ._muon import Split, orthogonalize, scale_by_shape, shape_rule, view_argument
+from ._views import View
 from ._transforms import (
     add_decoupled_weight_decay,
     momentum as momentum_tx,
@@ -37,9 +38,10 @@ def muon(
     weight_decay: Scalar = 0.0,
     beta2: float | None = None,
     normuon_eps: float = 1e-8,
-    flatten: bool = True,
+    view: View = "flatten",
     split: Split = None,
     mu_dtype: torch.dtype | None = None,
+    flatten: bool | None = None,
 ) -> GradientTransformation:
     """Muon for a tree of matrices.
 
@@ -52,8 +54,11 @@ def muon(
     number of iterations the method is designed for (4 for ``"aol9"``, 5 for most, 5 for one
     triple). ``eps``: the Newton–Schulz normalization ``X / max(‖X‖_F, eps)`` (torch.optim.Muon's
     ``eps``); ``normuon_eps``: NorMuon's row normalization (with ``beta2``). ``adjust_lr_fn=None``
-    is ``"original"`` (torch.optim.Muon's default).
+    is ``"original"`` (torch.optim.Muon's default). ``view`` (``"flatten"``, ``"experts"`` or
+    ``leaf -> view``; ``flatten=`` is its older spelling) is what a matrix is, for the
+    orthogonalization, the row normalization and the shape scale alike (see :func:`orthogonalize`).
     """
+    view = view_argument(view, flatten)
     if ns_steps is not None:
         _checks.positive_int("ns_steps", ns_steps)
     _checks.positive("eps", eps)
@@ -65,12 +70,12 @@ def muon(
     parts = [
         momentum_tx(momentum, nesterov=nesterov, kind=kind, mu_dtype=mu_dtype),
         orthogonalize(method, ns_steps, coefficients=ns_coefficients, dtype=ns_dtype, eps=eps,
-                      stepsize=ns_stepsize, flatten=flatten, split=split),
+                      stepsize=ns_stepsize, view=view, split=split),
     ]
     if beta2 is not None:
-        parts.append(normalize_rows(beta2, normuon_eps))
+        parts.append(normalize_rows(beta2, normuon_eps, view=view))
     parts += [
-        scale_by_shape(rule, split=split),
+        scale_by_shape(rule, view=view, split=split),
         add_decoupled_weight_decay(weight_decay),
         scale_by_learning_rate(lr),
     ]

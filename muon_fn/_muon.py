@@ -8,8 +8,9 @@ from typing import Any, Callable, Union
 
 import torch
 
-from . import _checks, _newton_schulz, _tree
+from . import _checks, _newton_schulz, _tree, _views
 from ._base import MATRIX, GradientTransformation, init_empty_state, named, with_info
+from ._views import View, matrix_shape
 
 # Row split of a fused weight (QKV, gate/up): block sizes along dim 0, or a function of the leaf.
 Split = Union[None, Sequence[int], Callable[[torch.Tensor], Union[Sequence[int], None]]]
@@ -27,20 +28,14 @@ def shape_rule(adjust_lr_fn: str | None) -> str:
     return "original" if adjust_lr_fn is None else adjust_lr_fn
 
 
-def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
-    """The (out, in) of a weight: ``(shape[0], prod(shape[1:]))`` — conv kernels folded into ``in``."""
-    if len(shape) < 2:
-        raise ValueError(f"expected a matrix (ndim >= 2), got shape {tuple(shape)}")
-    return int(shape[0]), int(math.prod(shape[1:]))
-
-
-def shape_scale(rule: str, shape: Sequence[int]) -> float:
-    """The update multiplier of ``rule`` for a weight of global ``shape``.
+def shape_scale(rule: str, shape: Sequence[int], *, view: str = "flatten") -> float:
+    """The update multiplier of ``rule`` for each matrix ``(out, in)`` of a weight of global
+    ``shape`` read through ``view`` (:mod:`muon_fn._views`: ``"flatten"`` or ``"experts"``).
 
     ``keller``/``original`` √max(1, out/in); ``match_rms_adamw`` 0.2·√max(out, in) (update RMS 0.2);
     ``spectral`` √(out/in); ``legacy`` √max(out, in); ``none`` 1.
     """
-    out, inp = matrix_shape(shape)
+    out, inp = matrix_shape(shape, view)
     if out == 0 or inp == 0:  # an empty matrix: nothing to scale
         return 1.0
     if rule in ("keller", "original"):
@@ -126,26 +121,44 @@ def resolve_method(
     return schedule, 1.0 if coefficients is not None else _newton_schulz.norm_scale(method)
 
 
-def _units(u: torch.Tensor, path: tuple, flatten: bool, split: Split) -> list[torch.Tensor]:
-    """The matrices ``orthogonalize`` sees in leaf ``u``: its matrix view (``flatten``: conv
-    kernels folded into ``in``; else leading dims are a batch) cut into row blocks (``split``)."""
+def unit_rows(leaf: torch.Tensor, view: str, split: Split) -> list[int] | None:
+    """Row sizes of the units of ``leaf``'s rows (:func:`muon_fn._views.rows`): every matrix of
+    its ``view``, cut into its ``split`` blocks; ``None``: the rows are one matrix, uncut."""
+    mats = _views.matrices(leaf, view)
+    sizes = block_sizes(split, mats[0]) if mats.shape[0] else None
+    if sizes is None and mats.shape[0] == 1:
+        return None
+    return (sizes or [mats.shape[1]]) * mats.shape[0]
+
+
+def _units(u: torch.Tensor, path: tuple, view: str, split: Split) -> list[torch.Tensor]:
+    """The matrices ``orthogonalize`` sees in leaf ``u``: row blocks of its rows under ``view``."""
     if u.ndim < 2:
         raise _not_matrix(u.shape, "orthogonalize", f" at {_path_str(path)}")
-    m = u.reshape(matrix_shape(u.shape)) if flatten or u.ndim == 2 else u.reshape(-1, *u.shape[-2:])
-    sizes = block_sizes(split, m if m.ndim == 2 else m[0])
-    pieces = [m] if m.ndim == 2 else list(m.unbind(0))
-    return [b for piece in pieces for b in (piece.split(sizes, dim=0) if sizes else (piece,))]
+    rows = _views.rows(u, view)
+    sizes = unit_rows(u, view, split)
+    return [rows] if sizes is None else list(rows.split(sizes, dim=0))
 
 
-def _assemble(u: torch.Tensor, outs: list[torch.Tensor], flatten: bool, split: Split) -> torch.Tensor:
+def _assemble(u: torch.Tensor, outs: list[torch.Tensor]) -> torch.Tensor:
     """Inverse of :func:`_units`: the leaf's shape from its orthogonalized units."""
     if not outs:  # a batch of zero matrices
         return u.new_zeros(u.shape)
-    if not flatten and u.ndim > 2:
-        per = len(outs) // math.prod(u.shape[:-2])
-        slices = [torch.cat(outs[k:k + per]) if per > 1 else outs[k] for k in range(0, len(outs), per)]
-        return torch.stack(slices).reshape(u.shape)
     return (torch.cat(outs) if len(outs) > 1 else outs[0]).reshape(u.shape)
+
+
+def view_argument(view: View, flatten: bool | None) -> View:
+    """``view``, or the view named by ``flatten=``, its older spelling (``True``: ``"flatten"``,
+    ``False``: ``"experts"``)."""
+    _views.check_view(view)
+    if flatten is None:
+        return view
+    if not isinstance(flatten, bool):
+        raise TypeError(f"Invalid flatten: {flatten!r} (expected True or False)")
+    if view != "flatten":
+        raise ValueError(f"pass view={view!r} alone: flatten= is its older spelling "
+                         "(flatten=True is view='flatten', flatten=False is view='experts')")
+    return "flatten" if flatten else "experts"
 
 
 def orthogonalize(
@@ -156,9 +169,10 @@ def orthogonalize(
     dtype: torch.dtype | None = None,
     eps: float = 1e-7,
     stepsize: float = 1.0,
-    flatten: bool = True,
+    view: View = "flatten",
     split: Split = None,
     batch: bool = True,
+    flatten: bool | None = None,
 ) -> GradientTransformation:
     """Replace each matrix update ``G`` by an approximation of ``msign(G) = UVᵀ``.
 
@@ -180,11 +194,15 @@ def orthogonalize(
       eps: the normalization is ``X / max(‖X‖_F, eps)`` (torch.optim.Muon's; zero in → zero
         out, never NaN).
       stepsize: damping η of each iteration, ``X ← X + η(p(X) − X)``.
-      flatten: view N-D leaves as ``(out, prod(rest))``; if False, leading dims are a batch.
-      split: row-block sizes of fused weights (each block orthogonalized on its own), or a
-        function ``leaf -> sizes | None``.
+      view: how a leaf is read as matrices (:mod:`muon_fn._views`): ``"flatten"`` (default: one
+        matrix ``(out, prod(rest))``, conv kernels folded into ``in``) or ``"experts"`` (leading
+        dims are a batch: an expert stack ``(E, out, in)`` is E matrices), or a function
+        ``leaf -> view``. Pass :func:`scale_by_shape` the same view.
+      split: row-block sizes of fused weights (each block orthogonalized on its own; under
+        ``"experts"``, the blocks of each matrix), or a function ``leaf -> sizes | None``.
       batch: orthogonalize equal wide shapes together (one batched call); False: one at a time.
         The result of a matrix is the same either way (every step is computed per matrix).
+      flatten: the older spelling of ``view``: ``True`` is ``"flatten"``, ``False`` ``"experts"``.
 
     A named method runs as one operator per batch (:func:`~muon_fn._newton_schulz.msign_batch`):
     under ``torch.compile`` it stays one opaque call to the tuned eager iteration.
@@ -199,6 +217,7 @@ def orthogonalize(
     if not custom:
         schedule, scale = resolve_method(method, steps, coefficients=coefficients, stepsize=stepsize)
     _checks.positive("eps", eps)
+    view = view_argument(view, flatten)
     _validate_split(split)
     if dtype is not None and not custom:
         _checks.dtype("dtype", dtype, _newton_schulz.COMPUTE_DTYPES)
@@ -215,7 +234,8 @@ def orthogonalize(
     def update(updates, state, params=None, **extra):
         del params, extra
         paths, leaves, spec = _tree.tree_flatten_with_path(updates)
-        units = [[] if u is None else _units(u, path, flatten, split) for path, u in zip(paths, leaves)]
+        units = [[] if u is None else _units(u, path, _views.view_of(view, u), split)
+                 for path, u in zip(paths, leaves)]
         flat = [(i, j) for i, us in enumerate(units) for j in range(len(us))]
         keys = [(_newton_schulz.wide_shape(units[i][j].shape), units[i][j].dtype, units[i][j].device)
                 for i, j in flat]
@@ -225,7 +245,7 @@ def orthogonalize(
             for k, o in zip(members, batch_out.unbind(0)):
                 i, j = flat[k]
                 results[i][j] = o.mT if units[i][j].size(-2) > units[i][j].size(-1) else o
-        out_leaves = [None if u is None else _assemble(u, outs, flatten, split).to(u.dtype)
+        out_leaves = [None if u is None else _assemble(u, outs).to(u.dtype)
                       for u, outs in zip(leaves, results)]
         return _tree.tree_unflatten(spec, out_leaves), state
 
@@ -235,36 +255,43 @@ def orthogonalize(
                               "steps": steps}
     if coefficients is not None:
         config["coefficients"] = _newton_schulz.validate_coefficients(coefficients)
-    config.update(dtype=dtype, eps=eps, stepsize=stepsize, flatten=flatten)
+    config.update(dtype=dtype, eps=eps, stepsize=stepsize, view=_views.label(view))
     if split is not None:
         config["split"] = split
     tx = named(GradientTransformation(init_empty_state, update), "orthogonalize", **config)
     return with_info(tx, leafwise=True, scope=MATRIX)
 
 
-def scale_by_shape(rule: str = "keller", *, split: Split = None) -> GradientTransformation:
+def scale_by_shape(rule: str = "keller", *, view: View = "flatten", split: Split = None) -> GradientTransformation:
     """Multiply each matrix update by ``shape_scale(rule, (out, in))`` of its (global) shape.
 
-    With ``split``, each row block is scaled by its own shape.
+    ``view`` says what a matrix is (:func:`orthogonalize`'s: ``"flatten"``, ``"experts"`` or a
+    function ``leaf -> view``): under ``"experts"`` each matrix of a stack gets the scale of its
+    own ``(out, in)``. With ``split``, each row block is scaled by its own shape.
     """
     _checks.one_of("rule", rule, SHAPE_RULES)
+    _views.check_view(view)
     _validate_split(split)
 
     def scale(u: torch.Tensor) -> torch.Tensor:
         if u.ndim < 2:
             raise _not_matrix(u.shape, "scale_by_shape")
-        m = u.reshape(matrix_shape(u.shape))
-        sizes = block_sizes(split, m)
-        if not sizes:
-            return u * shape_scale(rule, u.shape)
-        parts = [b * shape_scale(rule, b.shape) for b in m.split(sizes, dim=0)]
-        return torch.cat(parts, dim=0).reshape(u.shape)
+        leaf_view = _views.view_of(view, u)
+        sizes = unit_rows(u, leaf_view, split)
+        if sizes is None:
+            return u * shape_scale(rule, u.shape, view=leaf_view)
+        rows = _views.rows(u, leaf_view)
+        scales = [shape_scale(rule, (size, rows.shape[1])) for size in sizes]
+        if len(set(scales)) == 1:  # every matrix of one shape (an expert stack)
+            return u * scales[0]
+        parts = [b * s for b, s in zip(rows.split(sizes, dim=0), scales)]
+        return (torch.cat(parts, dim=0) if parts else rows).reshape(u.shape)
 
     def update(updates, state, params=None, **extra):
         del params, extra
         return _tree.tree_map(lambda u: None if u is None else scale(u), updates), state
 
-    config: dict[str, Any] = {"rule": rule}
+    config: dict[str, Any] = {"rule": rule, "view": _views.label(view)}
     if split is not None:
         config["split"] = split
     tx = named(GradientTransformation(init_empty_state, update), "scale_by_shape", **config)

@@ -705,15 +705,17 @@ def orthogonalize_batch(xs: Sequence[torch.Tensor], schedule: Sequence[Coefficie
 
     Each matrix is normalized by its own Frobenius norm (in at least fp32, on its own layout) and
     cast straight into its slot of the batch, then the batch is iterated: batched GEMMs below
-    :data:`LOOP_MIN_DIM` rows, one matrix at a time from there (eager). Every step is computed per
-    matrix, so a matrix's result does not depend on which others share its batch.
+    :data:`LOOP_MIN_DIM` rows, one matrix at a time from there or when the slots are not aligned
+    (eager; :func:`aligned_slots`). Every step is computed per matrix on equally aligned memory,
+    so a matrix's result does not depend on which others share its batch.
     ``buffers``: scratch kept across calls (see :func:`iterate`); the result is always fresh.
     """
     check_dtype(schedule, dtype)
     m, n = wide_shape(xs[0].shape)
     device = xs[0].device
     out = torch.empty((len(xs), m, n), dtype=dtype, device=device)
-    loop = m >= LOOP_MIN_DIM and not torch.compiler.is_compiling()
+    aligned = aligned_slots(m, n, dtype, device)
+    loop = (m >= LOOP_MIN_DIM or not aligned) and not torch.compiler.is_compiling()
     shape = (m, n) if loop else (len(xs), m, n)
     y = _buffer(buffers, "input", shape, out)
     y = torch.empty(shape, dtype=dtype, device=device) if y is None else y
@@ -721,11 +723,29 @@ def orthogonalize_batch(xs: Sequence[torch.Tensor], schedule: Sequence[Coefficie
         slot = y if loop else y[i]
         inv = _inverse_norm(x, norm_scale, eps)
         torch.mul(x.mT if x.size(-2) > x.size(-1) else x, inv, out=slot)
-        if loop:
+        if loop and aligned:
             _run_schedule(slot, schedule, eps, buffers, out=out[i])
+        elif loop:  # the last product goes to aligned scratch, then into the slot
+            out[i].copy_(_run_schedule(slot, schedule, eps, buffers))
     if not loop:
         _run_schedule(y, schedule, eps, buffers, out=out)
     return out
+
+
+# CPU BLAS kernels choose their code path by the operands' address: measured with MKL (AVX-512),
+# an fp32 XXᵀ of a 10×11 matrix rounds differently at every 16-byte offset of X (bf16 GEMMs through
+# oneDNN do not). The i-th matrix of a contiguous (B, m, n) batch starts i·m·n elements in.
+SLOT_ALIGNMENT = 64  # bytes: torch's CPU allocator's alignment of a fresh tensor
+
+
+def aligned_slots(m: int, n: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether every matrix of a batch of wide ``(m, n)`` matrices, and of their ``(m, m)`` Gram
+    products, starts as a fresh tensor does (on a :data:`SLOT_ALIGNMENT` boundary) on the CPU, so
+    a batched GEMM computes each as it would alone; off the CPU, True."""
+    if torch.device(device).type != "cpu":
+        return True
+    size = torch.empty((), dtype=dtype).element_size()
+    return (m * n * size) % SLOT_ALIGNMENT == 0 and (m * m * size) % SLOT_ALIGNMENT == 0
 
 
 _SCRATCH = threading.local()  # per thread: {(role, shape, dtype, device): tensor}, CPU only

@@ -52,10 +52,10 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from . import _checks, _lambda, _lambda_model, _newton_schulz, _tree, spectral
+from . import _checks, _lambda, _lambda_model, _newton_schulz, _tree, _views, spectral
 from ._base import MATRIX, GradientTransformation, ScalarOrSchedule, Updates, named, with_info
 from ._combine import chain
-from ._muon import SHAPE_RULES, Split, _not_matrix, _validate_split, block_sizes, group_by, matrix_shape, shape_scale
+from ._muon import SHAPE_RULES, Split, _not_matrix, _validate_split, group_by, shape_scale, unit_rows
 from ._transforms import momentum as momentum_tx
 
 SCALE_MODES = ("radius",) + SHAPE_RULES
@@ -201,6 +201,7 @@ class _Transform(NamedTuple):
     lr_schedule: bool
     power_block: int
     warm_lambda: bool
+    view: _views.View
     split: Split
     key: str  # the per-chunk math's options (JSON, see _sphere)
 
@@ -212,7 +213,7 @@ def spectral_sphere(
     msign_dtype: torch.dtype = torch.float32, tol: float = 2e-4, max_iterations: int = 20,
     bracket_step: float = 1e-3, max_expansions: int = 10, solver: str = "illinois", warm_lambda: bool = True,
     lambda_model: bool = True, model_steps: int = 3, direction: str = "msign", muon_sphere: bool = False,
-    split: Split = None,
+    view: _views.View = "flatten", split: Split = None,
 ) -> GradientTransformation:
     """SSO's step after the momentum: the final update ``(f − 1)·W − lr·s·Φ`` (module doc).
 
@@ -244,6 +245,9 @@ def spectral_sphere(
         the model's eigendecomposition: the same map up to the fit, no iteration; needs
         ``lambda_model=True``, ``muon_sphere=False``).
       muon_sphere: MuonSphere: λ fixed at 0 (``Φ = msign(M̂)``), no solver; keeps the retraction.
+      view: what a matrix is (:func:`muon_fn.orthogonalize`'s): ``"flatten"`` (default) or
+        ``"experts"`` (each matrix of an ``(E, out, in)`` stack its own sphere, as a split
+        block is), or a function ``leaf -> view``.
       split: row blocks of fused weights (sizes along dim 0, or ``leaf -> sizes | None``): each
         block is its own sphere with its own R, s, σ, λ* and warm block.
 
@@ -261,14 +265,15 @@ def spectral_sphere(
                    lambda_model=lambda_model, model_steps=model_steps, direction=direction, muon_sphere=muon_sphere)
     _check_sphere_options(lr=lr, power_block=power_block, warm_lambda=warm_lambda, **options)
     _checks.dtype("msign_dtype", msign_dtype, _newton_schulz.COMPUTE_DTYPES)
+    _views.check_view(view)
     _validate_split(split)
     key = json.dumps(dict(options, radius_scale=float(radius_scale), retract_alpha=float(retract_alpha),
                           tol=float(tol), bracket_step=float(bracket_step),
                           msign_dtype=str(msign_dtype).removeprefix("torch.")), sort_keys=True)
     _sphere(key)  # fits the msign's spectral function now, outside any compiled region
     lr_schedule = callable(lr) and not isinstance(lr, torch.Tensor)
-    cfg = _Transform(lr=lr, lr_schedule=lr_schedule, power_block=power_block, warm_lambda=warm_lambda, split=split,
-                     key=key)
+    cfg = _Transform(lr=lr, lr_schedule=lr_schedule, power_block=power_block, warm_lambda=warm_lambda, view=view,
+                     split=split, key=key)
 
     def init(params):
         return _init(cfg, params)
@@ -280,7 +285,7 @@ def spectral_sphere(
         return _update(cfg, updates, state, params)
 
     shown = dict(lr=getattr(lr, "__name__", lr) if lr_schedule else lr, power_block=power_block,
-                 msign_dtype=msign_dtype, warm_lambda=warm_lambda, split=split, **options)
+                 msign_dtype=msign_dtype, warm_lambda=warm_lambda, view=view, split=split, **options)
     tx = named(GradientTransformation(init, update), "spectral_sphere", **_shown_config(shown))
     return with_info(tx, leafwise=True, scope=MATRIX, final=True, needs_params=True)
 
@@ -297,6 +302,8 @@ def _shown_config(options: dict[str, Any]) -> dict[str, Any]:
         config["direction"] = options["direction"]
     if options["retract_mode"] != "hard":
         config.update(retract_mode=options["retract_mode"], retract_alpha=options["retract_alpha"])
+    if options["view"] != "flatten":
+        config["view"] = _views.label(options["view"])
     if options["split"] is not None:
         config["split"] = options["split"]
     return config
@@ -331,11 +338,16 @@ def sso(
 
 # ------------------------------------------------------------------------------ init
 def _blocks_of(cfg: _Transform, p: torch.Tensor) -> list[int] | None:
-    """Row-block sizes of leaf ``p`` (None: the whole matrix is one sphere)."""
+    """Row-block sizes of leaf ``p``'s rows: its view's matrices, each cut into its split blocks
+    (None: the whole leaf is one sphere)."""
     if p.ndim < 2:
         raise _not_matrix(p.shape, "spectral_sphere")
-    m, n = matrix_shape(p.shape)
-    return block_sizes(cfg.split, p.reshape(m, n))
+    return unit_rows(p, _views.view_of(cfg.view, p), cfg.split)
+
+
+def _rows_shape(cfg: _Transform, p: torch.Tensor) -> tuple[int, int]:
+    """``(m, n)`` of leaf ``p``'s rows, whose row blocks are its spheres."""
+    return _views.rows_shape(p.shape, _views.view_of(cfg.view, p))
 
 
 def _start_block(w: torch.Tensor, k: int) -> torch.Tensor:
@@ -353,10 +365,12 @@ def _init(cfg: _Transform, params) -> SpectralSphereState:
         if p is None:
             return None
         sizes = _blocks_of(cfg, p)
-        m, n = matrix_shape(p.shape)
+        m, n = _rows_shape(cfg, p)
         w = p.reshape(m, n)
         if sizes is None:
             return _start_block(w, min(cfg.power_block, m, n))
+        if not sizes:  # a stack of no matrices
+            return torch.zeros((0, n, 0), dtype=torch.float32, device=p.device)
         k = min(cfg.power_block, min(sizes), n)
         return torch.stack([_start_block(b, k) for b in w.split(sizes)])
 
@@ -393,7 +407,7 @@ def _update(cfg: _Transform, updates, state: SpectralSphereState, params):
             continue
         if g.ndim < 2:
             raise _not_matrix(g.shape, "spectral_sphere")
-        m, n = matrix_shape(p.shape)
+        m, n = _rows_shape(cfg, p)
         if m * n == 0:  # an empty matrix: no update, its state as it was
             out[i] = torch.zeros_like(p)
             continue
@@ -427,7 +441,7 @@ def _batch(mats: list[torch.Tensor]) -> torch.Tensor:
 def _chunk_step(cfg: _Transform, chunk: list[_Unit], m_leaves, p_leaves, fields):
     """Phases 1–6 on a batch of equal-shape units (one call of the sphere operator); returns each
     unit's update and new statistics."""
-    n = matrix_shape(p_leaves[chunk[0].leaf].shape)[1]
+    n = _rows_shape(cfg, p_leaves[chunk[0].leaf])[1]
     W = _batch([p_leaves[c.leaf].reshape(-1, n)[c.rows] for c in chunk])
     M = _batch([m_leaves[c.leaf].reshape(-1, n)[c.rows] for c in chunk])
     V0 = torch.stack([_pick(fields, "v", c) for c in chunk])

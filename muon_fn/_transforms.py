@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import _checks, _tree
+from . import _checks, _tree, _views
 from ._base import (
     ELEMENTWISE,
     MATRIX,
@@ -24,6 +24,7 @@ from ._base import (
     named,
     with_info,
 )
+from ._views import View
 
 MOMENTUM_KINDS = ("sgd", "ema")
 
@@ -206,23 +207,32 @@ def scale_by_adam(
 class NormalizeRowsState(NamedTuple):
     """State of :func:`normalize_rows`."""
 
-    nu: Updates  # per leaf: shape=(out, 1, ...), float32: EMA of the mean square of each row
+    nu: Updates  # per leaf, float32: EMA of the mean square of each row; shape (out, 1, ...), or
+    #              (..., out, 1) under the "experts" view
 
     state_keys = {"nu": "row_variance"}
 
 
-def normalize_rows(beta2: float = 0.95, eps: float = 1e-8) -> GradientTransformation:
+def normalize_rows(beta2: float = 0.95, eps: float = 1e-8, *, view: View = "flatten") -> GradientTransformation:
     """NorMuon's neuron-wise normalization of an orthogonalized update ``U`` (rows = outputs).
 
     ``v ← lerp(v, mean_row(U²), 1 − β₂)``, ``Û = U / (√v + eps)``, then ``Û`` is rescaled to
-    ``‖U‖_F`` so the update's overall size is unchanged (Li et al., arXiv:2510.05491).
+    ``‖U‖_F`` so the update's overall size is unchanged (Li et al., arXiv:2510.05491). ``view``
+    (:func:`muon_fn.orthogonalize`'s) says what a matrix is: under ``"experts"`` every matrix of a
+    stack has its own rows and its own ``‖U‖_F``.
     """
     _checks.in_unit_interval("beta2", beta2)
     _checks.positive("eps", eps)
+    _views.check_view(view)
+
+    def experts(p: torch.Tensor) -> bool:
+        return p.ndim > 2 and _views.view_of(view, p) == "experts"
 
     def row_shape(p: torch.Tensor) -> tuple[int, ...]:
         if p.ndim < 2:
             raise ValueError(f"normalize_rows expects matrices (ndim >= 2), got a leaf of shape {tuple(p.shape)}")
+        if experts(p):
+            return tuple(p.shape[:-1]) + (1,)
         return (p.shape[0],) + (1,) * (p.ndim - 1)
 
     def init(params):
@@ -231,13 +241,25 @@ def normalize_rows(beta2: float = 0.95, eps: float = 1e-8) -> GradientTransforma
             params,
         ))
 
+    # The sums run over contiguous fp32 copies, so a matrix's result does not depend on the
+    # layout its update arrives in (orthogonalize returns a tall matrix transposed; an expert of a
+    # stack is a contiguous slice): a reduction's rounding follows the memory order.
     def step(u, v):
+        if experts(u):
+            return step_experts(u, v)
         dims = tuple(range(1, u.ndim))
-        u32 = u.float()
+        u32 = u.float().contiguous()
         v = v.lerp(u32.square().mean(dim=dims, keepdim=True), 1 - beta2)
         normed = u32 / (v.sqrt() + eps)
         scale = torch.linalg.vector_norm(u32) / torch.linalg.vector_norm(normed).clamp_min(1e-8)
         return (normed * scale).to(u.dtype), v
+
+    def step_experts(u, v):
+        u32 = _views.matrices(u.float().contiguous(), "experts")  # (E, out, in)
+        v = v.lerp(u32.square().mean(dim=-1, keepdim=True).reshape(v.shape), 1 - beta2)
+        normed = u32 / (v.reshape(*u32.shape[:-1], 1).sqrt() + eps)
+        norm = lambda x: torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)  # noqa: E731
+        return (normed * (norm(u32) / norm(normed).clamp_min(1e-8))).reshape(u.shape).to(u.dtype), v
 
     def update(updates, state, params=None, **extra):
         del params, extra
@@ -247,6 +269,6 @@ def normalize_rows(beta2: float = 0.95, eps: float = 1e-8) -> GradientTransforma
         return out, NormalizeRowsState(nu)
 
     # MATRIX: the rows are normalized and then rescaled to the matrix's Frobenius norm.
-    tx = named(GradientTransformation(init, update), "normalize_rows", beta2=beta2, eps=eps)
+    tx = named(GradientTransformation(init, update), "normalize_rows", beta2=beta2, eps=eps,
+               view=_views.label(view))
     return with_info(tx, leafwise=True, scope=MATRIX)
-

@@ -89,3 +89,21 @@ def test_readme_ten_line_example_runs(capsys):
     assert len(block.strip().splitlines()) <= 10
     exec(compile(block, "README.md", "exec"), {})
     assert "Muon: 2 tensors" in capsys.readouterr().out
+
+
+def test_transformers_md_examples_run_and_print_what_it_shows(capsys):
+    """docs/transformers.md: its python blocks run in order, in one namespace, without a warning,
+    and the printed split is the one the page shows."""
+    import warnings
+
+    text = (DOCS / "transformers.md").read_text()
+    namespace: dict = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for block in re.findall(r"```python\n(.*?)```", text, re.S):
+            exec(compile(block, "transformers.md", "exec"), namespace)
+    out = capsys.readouterr().out
+    shown = re.search(r"prints\n\n```\n(.*?)```", text, re.S).group(1)
+    for line in shown.splitlines():
+        if line.strip() != "...":
+            assert line in out.splitlines(), f"transformers.md shows {line!r}, the example printed:\n{out}"

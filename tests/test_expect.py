@@ -29,8 +29,8 @@ class TestRepr(expecttest.TestCase):
         self.assertExpectedInline(repr(tx), """\
 chain(
   momentum(momentum=0.95, nesterov=True, kind='sgd'),
-  orthogonalize(method='quintic', steps=5, dtype=None, eps=1e-07, stepsize=1.0, flatten=True),
-  scale_by_shape(rule='keller'),
+  orthogonalize(method='quintic', steps=5, dtype=None, eps=1e-07, stepsize=1.0, view='flatten'),
+  scale_by_shape(rule='keller', view='flatten'),
   add_decoupled_weight_decay(weight_decay=0.01),
   scale_by_learning_rate(lr=0.02),
 )""")
@@ -41,8 +41,8 @@ chain(
 partition({
   'muon': chain(
     momentum(momentum=0.95, nesterov=True, kind='ema'),
-    orthogonalize(method='quintic', steps=5, dtype=torch.bfloat16, eps=1e-07, stepsize=1.0, flatten=True),
-    scale_by_shape(rule='keller'),
+    orthogonalize(method='quintic', steps=5, dtype=torch.bfloat16, eps=1e-07, stepsize=1.0, view='flatten'),
+    scale_by_shape(rule='keller', view='flatten'),
     add_decoupled_weight_decay(weight_decay=0.0),
     scale_by_learning_rate(lr=0.02),
   ),

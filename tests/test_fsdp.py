@@ -89,6 +89,19 @@ class Mlp(nn.Module):
         return self.l3(torch.tanh(self.l2(torch.tanh(self.l1(x)))))
 
 
+class Experts(nn.Module):
+    """An MoE layer's weights: a router, two expert stacks ``(E, out, in)`` held as single
+    parameters (fully_shard shards dim 0, so a rank holds whole experts; E = 5 is uneven at W = 2,
+    3 and 4) and a Conv1d weight (3-D too, but flattened)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(6, 5, bias=False)
+        self.w_up = nn.Parameter(torch.randn(5, 8, 6) / 6**0.5)
+        self.w_down = nn.Parameter(torch.randn(5, 6, 8) / 8**0.5)
+        self.conv = nn.Conv1d(2, 3, 3)
+
+
 def make(cls=Toy, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return cls()
@@ -242,6 +255,34 @@ def two_iterations(m):
     the bf16 iteration (one set of compiled graphs covers both)."""
     return [{"params": [m.l1.weight, m.l1.bias], "beta2": 0.95},
             {"params": [m.l2.weight], "ns_dtype": torch.bfloat16}]
+
+
+def check_expert_stacks(w, **kw):
+    """FSDPMuonOptimizer knows the model: its expert stacks get matrix_view="experts" (the conv
+    weight stays flattened) and every step equals single-device MuonOptimizer with those views
+    bit for bit; each stack travels as rows of whole experts and one owner computes it whole."""
+    from muon_fn.fsdp import FSDPMuonOptimizer
+
+    views = {"w_*": "experts", "conv.weight": "flatten"}
+
+    def run():
+        model = shard(make(Experts))
+        opt = FSDPMuonOptimizer(model, **muon_kwargs(**kw))
+        from muon_fn.fsdp import chunk_rows
+
+        stacks = [mp for mp in opt.plan.matrices if mp.shape[0] == 5 and len(mp.shape) == 3]
+        assert len(stacks) == 2 and all(mp.contrib == chunk_rows(5, w) for mp in stacks)  # whole experts
+        assert [mp.cost for mp in stacks] == [5 * 8 * 6 * 6] * 2  # E matrices 8x6 (6x8)
+        train([(model, opt)], STEPS)
+        expected = reference(muon_single(Experts, lambda m: m.named_parameters(), matrix_view=views, **kw))
+        assert_same(model, opt, expected, what=f"W={w} experts {kw}: ")
+        flat = reference(muon_single(Experts, lambda m: m.named_parameters(),
+                                     matrix_view={"w_*": "flatten", "conv.weight": "flatten"}, **kw))
+        differs = [not torch.equal(full(p.detach()), q) for p, (q, _) in zip(model.parameters(), flat)]
+        assert differs == [True, True, False, False, False], differs  # only the stacks read differently
+        return {"owners": [mp.owner for mp in stacks]}
+
+    return run
 
 
 def check_wire_bf16(w):
@@ -679,6 +720,8 @@ def checks_for(w: int, ckpt_dir: str) -> dict:
         "nonfinite": check_nonfinite(w),
         "bytes_formula": check_bytes_formula(w),
         "errors": check_errors(w),
+        "expert_stacks": check_expert_stacks(w),
+        "expert_stacks_normuon": check_expert_stacks(w, beta2=0.95, nesterov=False),
     }
     if w == 4:
         checks.update({

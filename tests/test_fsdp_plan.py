@@ -109,6 +109,18 @@ def test_plan_split_sizes_by_hand():
     assert bucket.gather_recv(0) == [4, 2] and bucket.gather_recv(1) == [2, 2]
 
 
+def test_an_expert_stack_travels_as_rows_of_whole_experts_and_costs_its_matrices():
+    """(E, out, in) sharded by fully_shard: rows are experts (each row out*in elements); the
+    owner gets the whole stack. Under "experts" it costs E matrices out x in, not one E x out*in."""
+    plan = make_plan([(5, 8, 6), (40, 6)], 2, num_buckets=1, views=["experts", "flatten"])
+    stack, flat = plan.matrices
+    assert (stack.rows, stack.cols, stack.contrib) == (5, 48, ((0, 3), (3, 5)))
+    assert stack.cost == ns_cost((5, 8, 6), "experts") == 5 * ns_cost((8, 6)) == 5 * 8 * 6 * 6
+    assert ns_cost((5, 8, 6)) == 5 * 48 * 5  # flattened: one 5x48 matrix
+    assert flat.cost == ns_cost((40, 6)) and stack.owner != flat.owner
+    assert plan.load() == sorted([stack.cost, flat.cost], reverse=stack.owner == 1)
+
+
 def test_plan_replicated_matrix_comes_back_whole():
     plan = make_plan([(4, 3)], 3, replicated=[True])
     (mp,) = plan.matrices

@@ -316,3 +316,38 @@ def test_row_format_round_trip():
     u3, (v3,) = _rows.unpack_result(fmt, back[2:5], (3, 2, 2))
     assert torch.equal(u3, u[2:5]) and torch.equal(v3, v[2:5])
     assert _rows.pack(fmt, None, p[:0], [v[:0]], torch.float32).shape == (0, 9)  # an empty shard
+
+
+class MoE(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(6, 4, bias=False)
+        self.w_up = nn.Parameter(torch.randn(4, 8, 6) / 6**0.5)  # 4 experts 8x6, one parameter
+        self.conv = nn.Conv1d(2, 3, 3)  # 3-D too, but a conv weight
+
+
+@pytest.mark.parametrize("extra", [{}, {"beta2": 0.95}], ids=["muon", "normuon"])
+def test_expert_stacks_are_read_by_module(extra):
+    """The FSDP optimizer has the model: no guess, no warning; bit-exact with MuonOptimizer given
+    the same views by name."""
+    import warnings
+
+    torch.manual_seed(0)
+    ref = MoE()
+    model = copy.deepcopy(ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = FSDPMuonOptimizer(model, **KW, **extra)
+    ref_opt = mf.MuonOptimizer(ref.named_parameters(), matrix_view={"w_up": "experts", "conv.weight": "flatten"},
+                               **KW, **extra)
+    assert "w_up (4, 8, 6) owner=0 bucket=0 view=experts" in opt.describe()
+    assert "conv.weight (3, 2, 3) owner=0 bucket=0 view=flatten" in opt.describe()
+    for t in range(3):
+        g = torch.Generator().manual_seed(t)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            p.grad = torch.randn(p.shape, generator=g)
+            q.grad = p.grad.clone()
+        opt.step()
+        ref_opt.step()
+    assert_same(model, opt, ref, ref_opt)
+    assert opt.last_step_stats["ns_flops"] > 0

@@ -756,7 +756,8 @@ def test_degree9_step_accumulates_into_its_scratch_gram(batch):
        bf16=st.booleans(), seed=st.integers(0, 2**16))
 def test_batched_operator_result_does_not_depend_on_batch_mates(m, n, method, bf16, seed):
     """orthogonalize_batch computes every step per matrix: a matrix gives the same bits alone, last
-    in a batch or first in one (the FSDP owner batches other matrices than a single device)."""
+    in a batch or first in one (the FSDP owner batches other matrices than a single device), and at
+    any position of a batch, whatever the alignment of its slot (fp32 CPU GEMMs round by address)."""
     dtype = torch.bfloat16 if bf16 else torch.float32
     if method == "gram" and bf16:
         dtype = torch.float16 if torch.cuda.is_available() else torch.float32
@@ -768,3 +769,6 @@ def test_batched_operator_result_does_not_depend_on_batch_mates(m, n, method, bf
     alone = run([xs[2]])[0]
     assert torch.equal(run(xs)[2], alone)
     assert torch.equal(run([xs[2], xs[0]])[0], alone)
+    assert torch.equal(run([xs[0], xs[2]])[1], alone)
+    pair = run([xs[0], xs[1], xs[0], xs[2]])
+    assert torch.equal(pair[3], alone) and torch.equal(pair[1], run([xs[1]])[0])

@@ -47,6 +47,16 @@ class Net(nn.Module):
         return x
 
 
+class Experts(nn.Module):
+    """A router and an expert stack (E = 5 experts 8x6 in one parameter: whole experts per rank,
+    uneven at W = 2 and 4), which the FSDP optimizer knows by its module to be E matrices."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(6, 5, bias=False)
+        self.w_up = nn.Parameter(torch.randn(5, 8, 6) / 6**0.5)
+
+
 def _grad(shape, step, index):
     return torch.randn(shape, generator=torch.Generator().manual_seed(100 * step + index))
 
@@ -67,23 +77,24 @@ def _set_grads(model, step):
             p.grad = g
 
 
-def _check_parity(strategy, rescale=None, **sso_kwargs):
+def _check_parity(strategy, rescale=None, cls=Net, views=None, **sso_kwargs):
     """``rescale``: multiply every weight by it after both optimizers are built (as loading a
     checkpoint into the model would): the warm-start block must come from the weights of the
-    first step, as single-device SSO makes it."""
+    first step, as single-device SSO makes it. ``views``: the single-device optimizer's
+    ``matrix_view`` (the FSDP one reads the model)."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
     from muon_fn import FSDPSpectralSphereOptimizer, SpectralSphereOptimizer
 
     torch.manual_seed(0)
-    ref_model = Net()
+    ref_model = cls()
     model = copy.deepcopy(ref_model)
-    for layer in (model.l1, model.l2, model.l3, model.l4):
+    for layer in model.children():
         fully_shard(layer)
     fully_shard(model)
     opt = FSDPSpectralSphereOptimizer(model, strategy=strategy, **sso_kwargs)
-    ref = SpectralSphereOptimizer(ref_model.parameters(), **sso_kwargs)
+    ref = SpectralSphereOptimizer(ref_model.named_parameters(), matrix_view=views, **sso_kwargs)
     if rescale is not None:
         with torch.no_grad():
             for p, q in zip(model.parameters(), ref_model.parameters()):
@@ -141,7 +152,9 @@ CHECKS = {"owner": lambda: _check_parity("owner"), "replicate": lambda: _check_p
           "owner_split": lambda: _check_parity("owner", split=(4, 4, 4)),
           # The dynamic retraction (α·lr = 1 %): the owner runs the same transform.
           "owner_dynamic": lambda: _check_parity("owner", retract_mode="dynamic", retract_alpha=0.5),
-          "owner_rescaled": lambda: _check_parity("owner", rescale=3.0)}
+          "owner_rescaled": lambda: _check_parity("owner", rescale=3.0),
+          # An expert stack: one sphere per expert; its per-expert state travels with its rows.
+          "owner_experts": lambda: _check_parity("owner", cls=Experts, views={"w_up": "experts"})}
 
 
 def _worker(rank, w, port, out):
@@ -194,7 +207,8 @@ def _job(w):
 
 
 @pytest.mark.parametrize("w", [2, 3, 4])
-@pytest.mark.parametrize("strategy", ["owner", "replicate", "owner_split", "owner_dynamic", "owner_rescaled"])
+@pytest.mark.parametrize("strategy", ["owner", "replicate", "owner_split", "owner_dynamic", "owner_rescaled",
+                                      "owner_experts"])
 def test_fsdp_sso_matches_single_device(w, strategy):
     ranks = _job(w)
     assert isinstance(ranks, list), f"job failed:\n{ranks}"

@@ -29,10 +29,11 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn as nn
 
-from .. import _checks, _tree
+from .. import _checks, _tree, _views
 from .._muon import group_by
 from ..optim import _state
 from ..optim._adapter import StepReport, _all_finite, step_not_traced
+from ..optim._views import module_views
 from . import _exchange, _params, _phases, _plan, _rows
 from ._routes import Bucket, Route, group_routes
 
@@ -50,6 +51,7 @@ class _Matrix(NamedTuple):
     param: torch.Tensor
     fmt: _rows.RowFormat
     flops: int  # of its orthogonalization (for last_step_stats)
+    view: str  # its matrix view (an expert stack is computed whole, by one owner)
 
 
 class FSDPAdapter:
@@ -73,6 +75,7 @@ class FSDPAdapter:
         self._model, self.strategy, self.wire_dtype = model, strategy, wire_dtype
         self._num_buckets = num_buckets
         self._names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        self._model_views = module_views(model)
         self._distributed = False
         self._builds = itertools.count()
 
@@ -115,6 +118,7 @@ class FSDPAdapter:
         super().__setstate__(state)  # torch's load_state_dict calls it too: nothing to rebuild then
         if "_layouts" not in self.__dict__ and "_model" in self.__dict__:
             self._names = {id(p): n for n, p in self._model.named_parameters(remove_duplicate=False)}
+            self._model_views = module_views(self._model)
             self._distributed, self._builds = False, itertools.count()
             micro = self._micro_step
             self._distribute(None, self._accumulation_steps)
@@ -127,6 +131,14 @@ class FSDPAdapter:
 
     def _name(self, group: dict[str, Any], p: torch.Tensor) -> str:
         return repr(self._fqn(p))
+
+    def _param_names(self, group: dict[str, Any]) -> list[str | None]:
+        return [self._names.get(id(p)) for p in group["params"]]
+
+    def _known_view(self, p: torch.Tensor) -> str | None:
+        """The model is known: a conv weight is flattened, any other parameter of ndim ≥ 3 is a
+        stack of matrices (:func:`muon_fn.optim._views.module_views`)."""
+        return self._model_views.get(id(p))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's ``add_param_group`` before the plan is made (refused after). ``use_muon`` is
@@ -152,6 +164,10 @@ class FSDPAdapter:
         """FLOPs of one matrix's mid phase, for ``last_step_stats`` (0 unless a subclass knows)."""
         return 0
 
+    def _param_flops(self, group: dict[str, Any], shape: tuple[int, ...], view: str) -> int:
+        """FLOPs of a parameter's mid phase: its matrices' under ``view``."""
+        return _views.count(shape, view) * self._matrix_flops(group, _views.matrix_shape(shape, view))
+
     @staticmethod
     def _meta(params: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         return tuple(torch.empty(tuple(p.shape), dtype=p.dtype, device="meta") for p in params)
@@ -164,8 +180,8 @@ class FSDPAdapter:
         rt = self._runtimes[index]
         if rt.routes is None:
             group = self.param_groups[index]
-            rt.routes = group_routes(group, self._group_hyper(group, rt), self._factory, self._matrix_algorithm(),
-                                     self._meta, self._bucket_size, self._compile_options)
+            rt.routes = group_routes(group, self._group_hyper(group, rt), self._param_options(group), self._factory,
+                                     self._matrix_algorithm(), self._meta, self._bucket_size, self._compile_options)
         return rt.routes
 
     def _init_state(self, index: int) -> None:
@@ -255,8 +271,9 @@ class FSDPAdapter:
             for i, p in enumerate(group["params"]):
                 route, bucket = buckets[i]
                 if route.phases.mid is not None:
+                    view = route.options.get("matrix_view", "flatten")
                     matrices.append(_Matrix(gi, route, bucket, i, p, route.formats[i],
-                                            self._matrix_flops(group, p.shape)))
+                                            self._param_flops(group, tuple(p.shape), view), view))
         for index in range(len(self.param_groups)):  # the state a rebuilt transform adds
             self._init_state(index)
         self._set_plan(matrices)
@@ -270,7 +287,8 @@ class FSDPAdapter:
             [tuple(m.param.shape) for m in matrices], topo.world_size,
             replicated=[not self._layouts[id(m.param)].sharded for m in matrices],
             num_buckets=self._num_buckets, extra_cols=[m.fmt.sent_cols - m.fmt.cols for m in matrices],
-            units=group_by([id(m.bucket) for m in matrices]))  # the owner computes whole buckets
+            units=group_by([id(m.bucket) for m in matrices]),  # the owner computes whole buckets
+            views=[m.view for m in matrices])
         fingerprint = hashlib.sha256(repr(plan).encode()).hexdigest()[:16]
         _exchange.check_same(fingerprint, "the communication plan (parameter shapes and groups)",
                              topo.group, topo.world_size)
@@ -482,6 +500,8 @@ class FSDPAdapter:
                 for i in route.indices:
                     p, mp = group["params"][i], owners.get((gi, i))
                     where = "" if mp is None else f" owner={mp.owner} bucket={mp.bucket}"
+                    if mp is not None and p.ndim >= 3:
+                        where += f" view={route.options.get('matrix_view', 'flatten')}"
                     lines.append(f"  {route.label:<5} {self._fqn(p)} {tuple(p.shape)}{where}")
         return "\n".join(lines)
 

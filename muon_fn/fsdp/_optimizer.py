@@ -48,8 +48,11 @@ class FSDPMuonOptimizer(FSDPAdapter, MuonOptimizer):
       process_group: the group to use for plain (replicated) parameters; must match the
         DTensor parameters' shard group if given.
       **muon_options: every other keyword of MuonOptimizer (``method``, ``adjust_lr_fn``,
-        ``ns_dtype``, ``momentum_kind``, ``split``, ``adamw_*``, ``nonfinite``, ``compile``,
-        ``bucket_size``, ...), with its meaning and default. ``compile`` compiles the pre and post
+        ``ns_dtype``, ``momentum_kind``, ``matrix_view``, ``split``, ``adamw_*``, ``nonfinite``,
+        ``compile``, ``bucket_size``, ...), with its meaning and default, except that the model
+        is known: a parameter of ndim ≥ 3 that ``matrix_view`` does not name is flattened if a
+        conv module owns it and is an expert stack otherwise (the owner computes it whole), with
+        no warning. ``compile`` compiles the pre and post
         phases per bucket and the owner's mid phase per bucket; ``nonfinite="skip"`` decides on
         the device after one tiny all-reduce of a flag, so a step skipped for an inf/nan on any
         rank is skipped on every rank.

@@ -4,7 +4,9 @@ No torch.distributed here (and no tensors): every rank calls :func:`make_plan` w
 global shapes in the same order and gets the same plan, so ranks agree on owners, buckets and the
 split sizes of every ``all_to_all_single`` without talking to each other.
 
-Terms. Matrix ``j`` has global shape ``(m, n)`` (a weight flattened to ``(shape[0], prod(rest))``).
+Terms. Matrix ``j`` has global shape ``(m, n)`` (a weight flattened to ``(shape[0], prod(rest))``):
+its rows travel, whatever its matrix view (an expert stack ``(E, out, in)`` has E rows of
+``out·in``, so each rank sends whole experts); the view only sets the cost of computing it.
 Each rank *contributes* a contiguous block of rows (its FSDP2 shard, or all rows on the owner for a
 replicated parameter) and *receives back* a contiguous block of rows of the result (its shard again,
 or all rows for a replicated parameter). The owner gathers the contributions, computes on the full
@@ -18,6 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+from .. import _views
 from .._newton_schulz import gram_products
 
 Rows = tuple[int, int]  # [start, stop) rows of a matrix
@@ -47,10 +50,11 @@ def flat_shape(shape: Sequence[int]) -> tuple[int, int]:
     return shape[0], math.prod(shape[1:])
 
 
-def ns_cost(shape: Sequence[int]) -> int:
-    """Newton–Schulz cost of one matrix, ``m·n·min(m, n)`` (proportional to its FLOPs)."""
-    m, n = flat_shape(shape)
-    return m * n * min(m, n)
+def ns_cost(shape: Sequence[int], view: str = "flatten") -> int:
+    """Newton–Schulz cost of a weight, ``m·n·min(m, n)`` for each of its matrices ``(m, n)`` under
+    ``view`` (proportional to its FLOPs)."""
+    m, n = _views.matrix_shape(shape, view)
+    return _views.count(shape, view) * m * n * min(m, n)
 
 
 def ns_flops(shape: Sequence[int], steps: int | Sequence[Sequence[float]]) -> int:
@@ -79,6 +83,7 @@ class MatrixPlan:
     bucket: int
     contrib: tuple[Rows, ...]  # rows each rank sends to the owner (they tile [0, m))
     receive: tuple[Rows, ...]  # rows each rank gets back
+    cost: int = 0  # ns_cost of computing it
 
     @property
     def numel(self) -> int:
@@ -134,7 +139,7 @@ class Plan:
         """Newton–Schulz cost (``m·n·min(m,n)``) each rank computes."""
         loads = [0] * self.world_size
         for mp in self.matrices:
-            loads[mp.owner] += ns_cost(mp.shape)
+            loads[mp.owner] += mp.cost
         return loads
 
     def sent_elements(self, rank: int) -> int:
@@ -190,6 +195,7 @@ def make_plan(
     num_buckets: int = 4,
     extra_cols: int | Sequence[int] = 0,
     units: Sequence[Sequence[int]] | None = None,
+    views: Sequence[str] | None = None,
 ) -> Plan:
     """Owners, row splits and buckets for matrices of global ``shapes`` on ``world_size`` ranks.
 
@@ -205,6 +211,8 @@ def make_plan(
         not to the cost.
       units: groups of matrix indices computed together, by one owner, in one exchange bucket
         and in this order (every matrix in exactly one); default: every matrix alone.
+      views: the matrix view of each (:mod:`muon_fn._views`; default ``"flatten"``): it sets the
+        cost only (an expert stack costs its E matrices, :func:`ns_cost`).
 
     Owners are assigned to units by LPT on ``m·n·min(m, n)`` bucket by bucket, each bucket
     starting from the loads of the previous ones: every bucket keeps all ranks busy and the
@@ -216,11 +224,12 @@ def make_plan(
     flat = [flat_shape(s) for s in shapes]
     replicated = _per_matrix("replicated", False if replicated is None else replicated, len(shapes))
     extra = _per_matrix("extra_cols", extra_cols, len(shapes))
+    costs = [ns_cost(s, v) for s, v in zip(shapes, _per_matrix("views", views or "flatten", len(shapes)))]
     if any(e < 0 for e in extra):
         raise ValueError(f"Invalid extra_cols: {extra_cols} (expected >= 0)")
     units = _check_units(units, len(shapes))
     groups = make_buckets([sum(flat[j][0] * flat[j][1] for j in u) for u in units], num_buckets)
-    owners, bucket_of = _assign_owners(shapes, units, groups, world_size)
+    owners, bucket_of = _assign_owners(costs, units, groups, world_size)
     matrices = []
     for j, (shape, (m, n)) in enumerate(zip(shapes, flat)):
         if replicated[j]:
@@ -229,7 +238,7 @@ def make_plan(
             receive = (everything,) * world_size
         else:
             contrib = receive = chunk_rows(m, world_size)
-        matrices.append(MatrixPlan(j, shape, m, n + extra[j], owners[j], bucket_of[j], contrib, receive))
+        matrices.append(MatrixPlan(j, shape, m, n + extra[j], owners[j], bucket_of[j], contrib, receive, costs[j]))
     buckets = [_bucket_plan(b, [j for u in members for j in units[u]], matrices, world_size)
                for b, members in enumerate(groups)]
     return Plan(world_size, tuple(matrices), tuple(buckets))
@@ -245,14 +254,14 @@ def _check_units(units: Sequence[Sequence[int]] | None, n: int) -> list[list[int
     return units
 
 
-def _assign_owners(shapes: list[tuple[int, ...]], units: list[list[int]], groups: list[list[int]],
+def _assign_owners(costs: list[int], units: list[list[int]], groups: list[list[int]],
                    world_size: int) -> tuple[list[int], list[int]]:
-    """Owner and bucket of every matrix: LPT over the units of each bucket in turn."""
-    owners, bucket_of = [0] * len(shapes), [0] * len(shapes)
+    """Owner and bucket of every matrix (of ``costs``): LPT over the units of each bucket in turn."""
+    owners, bucket_of = [0] * len(costs), [0] * len(costs)
     loads = [0] * world_size
     for b, members in enumerate(groups):
-        costs = [sum(ns_cost(shapes[j]) for j in units[u]) for u in members]
-        for u, cost, r in zip(members, costs, lpt_owners(costs, world_size, loads)):
+        unit_costs = [sum(costs[j] for j in units[u]) for u in members]
+        for u, cost, r in zip(members, unit_costs, lpt_owners(unit_costs, world_size, loads)):
             for j in units[u]:
                 owners[j], bucket_of[j] = r, b
             loads[r] += cost
@@ -272,7 +281,7 @@ def _bucket_plan(b: int, members: list[int], matrices: list[MatrixPlan], world_s
 
 def _per_matrix(name: str, value, n: int) -> list:
     """``value`` for each of ``n`` matrices: a sequence of ``n`` entries, or one value for all."""
-    if isinstance(value, (bool, int)):
+    if isinstance(value, (bool, int, str)):
         return [value] * n
     value = list(value)
     if len(value) != n:

@@ -16,7 +16,7 @@ import torch
 
 from .._base import GradientTransformation
 from ..optim import _state
-from ..optim._adapter import buckets
+from ..optim._adapter import buckets, variants
 from . import _phases, _rows
 
 # params -> meta tensors of their global shapes
@@ -38,8 +38,9 @@ class Route:
 
     def __init__(self, label: str, tx: GradientTransformation, indices: tuple[int, ...],
                  params: list[torch.Tensor], meta: Meta, bucket_size: int,
-                 compile_options: dict[str, Any] | None) -> None:
+                 compile_options: dict[str, Any] | None, options: dict[str, Any] | None = None) -> None:
         self.label, self.indices = label, indices
+        self.options = options or {}  # the per-parameter options its transform was built with
         self.phases = _phases.split(tx, f"the {label!r} transform")
         self.steps = _phases.steps(self.phases, compile_options)
         self.buckets: list[Bucket] = []
@@ -75,26 +76,30 @@ def _bucket(phases: _phases.Phases, idx: tuple[int, ...], meta: tuple[torch.Tens
     return Bucket(idx, full, rows, sliced)
 
 
-def group_routes(group: dict[str, Any], hyper: dict[str, Any],
+def group_routes(group: dict[str, Any], hyper: dict[str, Any], options: list[dict[str, Any]],
                  factory: Callable[[dict], GradientTransformation], matrix_algorithm: str, meta: Meta,
                  bucket_size: int,
                  compile_options: dict[str, Any] | None) -> list[Route]:
     """The routes of ``group``, each transform built by the optimizer's ``factory`` from the
     group's hyperparameters ``hyper``: for an ``algorithm="auto"`` group (a hybrid optimizer's)
-    ``matrix_algorithm`` on ndim ≥ 2 and ``"adamw"`` on the rest, else one route."""
+    ``matrix_algorithm`` on ndim ≥ 2 and ``"adamw"`` on the rest, else one route; each split by
+    the per-parameter ``options`` (the optimizer's variants, e.g. matrix views)."""
     params = group["params"]
     algorithm = group.get("algorithm", "recipe")
     if algorithm != "auto":
-        txs = {algorithm: factory(hyper)}
+        halves = {algorithm: hyper}
         labels = [algorithm] * len(params)
     else:
-        txs = {label: factory(auto_half(hyper, label)) for label in (matrix_algorithm, "adamw")}
+        halves = {label: auto_half(hyper, label) for label in (matrix_algorithm, "adamw")}
         labels = [matrix_algorithm if p.ndim >= 2 else "adamw" for p in params]
+    distinct = variants(options)
     routes = []
-    for label, tx in txs.items():
-        indices = tuple(i for i, lab in enumerate(labels) if lab == label)
-        if indices:
-            routes.append(Route(label, tx, indices, params, meta, bucket_size, compile_options))
+    for label, half in halves.items():
+        for opts in distinct:
+            indices = tuple(i for i, (lab, o) in enumerate(zip(labels, options)) if lab == label and o == opts)
+            if indices:
+                routes.append(Route(label, factory({**half, **opts}), indices, params, meta, bucket_size,
+                                    compile_options, opts))
     return routes
 
 

@@ -53,20 +53,29 @@ def buckets(params: list[torch.Tensor], size: int | None) -> list[tuple[int, ...
     return [tuple(b) for b in group_by(keys, size)]
 
 
+class _Variant(NamedTuple):
+    """The transform of the group's parameters that share one set of per-parameter options."""
+
+    options: dict[str, Any]  # what they override in the group's hyperparameters
+    tx: GradientTransformation
+    step: _compile.PerSignature
+
+
 class _Bucket(NamedTuple):
     indices: tuple[int, ...]  # positions in group["params"]
     layout: _state.StateLayout  # where the bucket's state leaves live in torch's state dicts
+    variant: int  # which of the group's variants updates it
 
 
 class _GroupRuntime:
-    """Per-group cache: the transform, its buckets, the step, the scalar tensors."""
+    """Per-group cache: the transforms (one per variant), their buckets and steps, the scalar tensors."""
 
     def __init__(self) -> None:
         self.static_key: Any = None
         self.scalars: dict[str, torch.Tensor] = {}
-        self.tx: GradientTransformation | None = None
+        self.variants: list[_Variant] = []
+        self.variant_of: tuple[int, ...] = ()  # per parameter of the group
         self.buckets: list[_Bucket] = []
-        self.step: _compile.PerSignature | None = None
 
 
 # The adapters' step runs its own compiled graphs; an outer torch.compile(opt.step) leaves it to them.
@@ -226,6 +235,16 @@ class Optimizer(torch.optim.Optimizer):
         """Hook for subclasses: refresh per-step scalars computed from the group's on the device
         (written into ``scalars``, passed to the factory like ``lr``)."""
 
+    def _param_options(self, group: dict[str, Any]) -> list[dict[str, Any]]:
+        """Hook for subclasses: per parameter of ``group``, static hyperparameters that override
+        the group's (e.g. a matrix view). Parameters with equal options share a transform, built
+        by the factory from the group's hyperparameters with them; none by default."""
+        return [{} for _ in group["params"]]
+
+    def _param_names(self, group: dict[str, Any]) -> list[str | None]:
+        """The names of the group's parameters (its ``param_names``; None where unknown)."""
+        return list(group.get("param_names") or [None] * len(group["params"]))
+
     def _name(self, group: dict[str, Any], p: torch.Tensor) -> str:
         names = group.get("param_names")
         idx = next(i for i, q in enumerate(group["params"]) if q is p)
@@ -252,30 +271,30 @@ class Optimizer(torch.optim.Optimizer):
             if t is None:
                 dtype = torch.float64 if group["params"][0].dtype == torch.float64 else torch.float32
                 rt.scalars[k] = t = torch.zeros((), dtype=dtype, device=group["params"][0].device)
-                rt.tx = None
+                rt.variants = []
             if isinstance(v, torch.Tensor):
                 t.copy_(v.detach().reshape(()))
             else:
                 t.fill_(v)
         self._derived_scalars(group, rt.scalars)
-        if rt.tx is None or static_key != rt.static_key:
+        if not rt.variants or static_key != rt.static_key:
             self._build(group, rt, static_key)
         return rt
 
     def _build(self, group: dict[str, Any], rt: _GroupRuntime, static_key: Any) -> None:
-        rt.tx = tx = self._factory(self._group_hyper(group, rt))
-        rt.static_key = static_key
-        size = self._bucket_size if info(tx).leafwise else None
-        params = group["params"]
-        rt.buckets = []
-        for indices in buckets(params, size):
-            meta = self._meta([params[i] for i in indices])
-            rt.buckets.append(_Bucket(indices, _state.build_layout(tx.init(meta), len(indices))))
-
-        def step(params, grads, state, finite):
-            apply_bucket(tx, params, grads, state, finite)
-
-        rt.step = _compile.PerSignature(step, self._compile_options)
+        hyper, params = self._group_hyper(group, rt), group["params"]
+        per_param = self._param_options(group)
+        options = variants(per_param)
+        rt.static_key, rt.variants, rt.buckets = static_key, [], []
+        rt.variant_of = tuple(options.index(o) for o in per_param)
+        for v, opts in enumerate(options):
+            tx = self._factory({**hyper, **opts})
+            rt.variants.append(_Variant(opts, tx, _compile.PerSignature(_step_of(tx), self._compile_options)))
+            members = [i for i, w in enumerate(rt.variant_of) if w == v]
+            for b in buckets([params[i] for i in members], self._bucket_size if info(tx).leafwise else None):
+                indices = tuple(members[k] for k in b)
+                meta = self._meta([params[i] for i in indices])
+                rt.buckets.append(_Bucket(indices, _state.build_layout(tx.init(meta), len(indices)), v))
 
     @staticmethod
     def _group_hyper(group: dict[str, Any], rt: _GroupRuntime) -> dict[str, Any]:
@@ -291,22 +310,30 @@ class Optimizer(torch.optim.Optimizer):
         return tuple(torch.empty_like(p, device="meta") for p in params)
 
     def _dry_run(self, index: int) -> None:
-        """Trace one update of the whole group on meta tensors, so shape errors surface at
-        construction, naming the parameter."""
+        """Trace one update of the whole group on meta tensors (each variant's transform on its
+        parameters), so shape errors surface at construction, naming the parameter."""
         rt = self._runtime(index)
         group = self.param_groups[index]
         params = self._meta(group["params"])
         with torch.no_grad():
-            try:
-                rt.tx.update(params, rt.tx.init(params), params)
-            except ValueError as error:
-                for i, p in enumerate(group["params"]):  # find the parameter that fails alone
-                    only = tuple(q if j == i else None for j, q in enumerate(params))
-                    try:
-                        rt.tx.update(only, rt.tx.init(params), params)
-                    except ValueError:
-                        raise ValueError(f"parameter {self._name(group, p)}: {error}") from None
-                raise
+            for v, variant in enumerate(rt.variants):
+                self._trace(group, variant.tx, params, [i for i, w in enumerate(rt.variant_of) if w == v])
+
+    def _trace(self, group: dict[str, Any], tx: GradientTransformation, params: tuple, mine: list[int]) -> None:
+        """``tx.update`` of the parameters at ``mine`` (the others missing); a ``ValueError``
+        names the parameter that fails alone."""
+        def only(indices):
+            return tuple(q if i in indices else None for i, q in enumerate(params))
+
+        try:
+            tx.update(only(set(mine)), tx.init(params), params)
+        except ValueError as error:
+            for i in mine:
+                try:
+                    tx.update(only({i}), tx.init(params), params)
+                except ValueError:
+                    raise ValueError(f"parameter {self._name(group, group['params'][i])}: {error}") from None
+            raise
 
     # ----------------------------------------------------------------------- step
     @torch.no_grad()
@@ -362,8 +389,9 @@ class Optimizer(torch.optim.Optimizer):
             if all(g is None for g in bucket_grads):
                 continue
             bucket_params = tuple(params[i] for i in bucket.indices)
-            state = self._bucket_state(rt.tx, bucket, bucket_params)
-            rt.step(_signature(bucket_params, bucket_grads, finite), bucket_params, bucket_grads, state, finite)
+            variant = rt.variants[bucket.variant]
+            state = self._bucket_state(variant.tx, bucket, bucket_params)
+            variant.step(_signature(bucket_params, bucket_grads, finite), bucket_params, bucket_grads, state, finite)
 
     def _bucket_state(self, tx: GradientTransformation, bucket: _Bucket, params: tuple) -> Any:
         states = [self.state[p] for p in params]
@@ -477,8 +505,34 @@ class Optimizer(torch.optim.Optimizer):
         lines = []
         for index, group in enumerate(self.param_groups):
             rt = self._runtime(index)
-            lines.append(f"group {index}: {len(group['params'])} params in {len(rt.buckets)} buckets, {repr(rt.tx)}")
+            head = f"group {index}: {len(group['params'])} params in {len(rt.buckets)} buckets, "
+            if len(rt.variants) == 1:
+                lines.append(head + repr(rt.variants[0].tx))
+                continue
+            lines.append(head + f"{len(rt.variants)} transforms")
+            for v, variant in enumerate(rt.variants):
+                names = [self._name(group, p) for p, w in zip(group["params"], rt.variant_of) if w == v]
+                shown = ", ".join(f"{k}={value!r}" for k, value in variant.options.items())
+                lines.append(f"  {shown} for {', '.join(names)}: " + repr(variant.tx).replace("\n", "\n  "))
         return "\n".join(lines)
+
+
+def variants(options: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The distinct per-parameter options, in order of first appearance."""
+    distinct: list[dict[str, Any]] = []
+    for o in options:
+        if o not in distinct:
+            distinct.append(o)
+    return distinct
+
+
+def _step_of(tx: GradientTransformation) -> Callable[..., None]:
+    """The bucket step of ``tx`` (compiled per signature by :class:`_compile.PerSignature`)."""
+
+    def step(params, grads, state, finite):
+        apply_bucket(tx, params, grads, state, finite)
+
+    return step
 
 
 def _all_finite(grads: list[torch.Tensor]) -> torch.Tensor:

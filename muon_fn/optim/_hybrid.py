@@ -8,8 +8,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._views import count, matrix_shape
 from ._adapter import Optimizer
 from ._muon import MuonOptimizer
+from ._views import check_spec, given, module_views
 
 
 def _head_names(model: nn.Module, embedding_params: set[int]) -> set[str]:
@@ -40,8 +42,10 @@ def split_parameters(
     AdamW gets: ``nn.Embedding`` weights, the output head (a Linear tied to an embedding, else the
     last Linear whose ``out_features`` equals an embedding's vocabulary size), parameters named in
     ``adamw_names`` or accepted by ``adamw_predicate``, and every 0-/1-D parameter. Muon gets the
-    other ≥ 2-D parameters (hidden Linear and conv weights) and any ≥ 2-D parameter named in
-    ``muon_names`` (which overrides the head rule). Tied parameters appear once.
+    other ≥ 2-D parameters (hidden Linear and conv weights, expert stacks) and any ≥ 2-D parameter
+    named in ``muon_names`` (which overrides the head rule). Tied parameters appear once. A Muon
+    parameter of ndim ≥ 3 is a conv weight (flattened) if a conv module owns it, else a stack
+    of matrices (``matrix_view="experts"``, see :func:`create_hybrid_optimizer`).
     """
     embedding_params = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     heads = _head_names(model, embedding_params)
@@ -59,6 +63,7 @@ def split_parameters(
     if flat:
         raise ValueError(f"muon_names {flat} are 0-/1-D; Muon needs matrices")
     tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear) and id(m.weight) in embedding_params}
+    by_module = module_views(model)
     muon_params, adamw_params = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -77,10 +82,21 @@ def split_parameters(
         elif p.ndim < 2:
             reason = f"{p.ndim}-D"
         else:
-            muon_params.append((name, p, "hidden matrix" if p.ndim == 2 else f"{p.ndim}-D weight, flattened"))
+            muon_params.append((name, p, matrix_reason(p, by_module.get(id(p), "flatten"), by_module)))
             continue
         adamw_params.append((name, p, reason))
     return muon_params, adamw_params
+
+
+def matrix_reason(p: torch.Tensor, view: str, by_module: dict[int, str]) -> str:
+    """Why (and as what) a parameter of ndim ≥ 2 gets Muon, for :class:`HybridSplit`."""
+    if p.ndim == 2:
+        return "hidden matrix"
+    out, inp = matrix_shape(p.shape, view)
+    if view == "experts":
+        return f"expert stack: {count(p.shape, view)} matrices {out}x{inp}"
+    what = "conv weight" if by_module.get(id(p)) == "flatten" else f"{p.ndim}-D weight"
+    return f"{what}, flattened to {out}x{inp}"
 
 
 class HybridSplit:
@@ -128,15 +144,29 @@ def create_hybrid_optimizer(
     ``state_dict``; schedulers scale each group's ``lr``. The split is ``optimizer.split``
     (printed when ``verbose``). ``optimizer_cls`` (default :class:`MuonOptimizer`; e.g.
     :class:`muon_fn.SpectralSphereOptimizer`) gets the groups and the other keyword arguments.
+
+    Each Muon parameter of ndim ≥ 3 gets a matrix view by its module: a conv weight
+    (``nn.Conv1d/2d/3d``) is one flattened matrix, any other is a stack of matrices (MoE experts
+    ``(E, out, in)``: E matrices, each orthogonalized and scaled by its own shape). A
+    ``matrix_view`` keyword (a view, a mapping ``{name or glob pattern: view}``, or a function
+    ``param -> view``; see :class:`MuonOptimizer`) overrides that for the parameters it names.
+    The Muon group's ``matrix_view`` holds the result, one entry per such parameter.
     """
+    user_view = muon_kwargs.pop("matrix_view", None)
+    check_spec(user_view)
     muon_params, adamw_params = split_parameters(
         model, adamw_names=adamw_names, adamw_predicate=adamw_predicate, muon_names=muon_names
     )
+    by_module = module_views(model)
+    chosen = {name: given(user_view, name, p) or by_module[id(p)] for name, p, _ in muon_params if p.ndim >= 3}
+    muon_params = [(n, p, r if n not in chosen or r == "muon_names" else matrix_reason(p, chosen[n], by_module))
+                   for n, p, r in muon_params]
     groups = []
     if muon_params:
         groups.append({"params": [p for _, p, _ in muon_params],
                        "param_names": [n for n, _, _ in muon_params],
-                       "lr": muon_lr, "weight_decay": muon_weight_decay, "algorithm": "muon"})
+                       "lr": muon_lr, "weight_decay": muon_weight_decay, "algorithm": "muon",
+                       "matrix_view": chosen or None})
     if adamw_params:
         groups.append({"params": [p for _, p, _ in adamw_params],
                        "param_names": [n for n, _, _ in adamw_params],

@@ -16,6 +16,7 @@ from .._combine import partition
 from .._muon import ADJUST_LR_FNS
 from .._newton_schulz import COMPUTE_DTYPES, METHODS, validate_coefficients
 from .._transforms import MOMENTUM_KINDS
+from . import _views
 from ._adapter import BUCKET_SIZE, Optimizer
 
 ALGORITHMS = ("auto", "muon", "adamw")
@@ -30,16 +31,48 @@ class HybridOptimizer(Optimizer):
     _extra_scalar_keys = ("adamw_lr",)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's ``add_param_group``; warns once about parameters of ndim ≥ 3 whose matrix
+        view had to be guessed (see ``matrix_view``)."""
         lr = param_group.get("lr", self.defaults["lr"])
         _checks.learning_rate(lr)
         param_group.setdefault("base_lr", float(lr))
         super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        if group["algorithm"] != "adamw":
+            _, guessed = self._matrix_views(group)
+            if guessed:
+                names, params = self._param_names(group), group["params"]
+                shown = [(f"#{i}" if names[i] is None else repr(names[i]), tuple(params[i].shape)) for i in guessed]
+                _views.warn(_views.guess_warning(type(self).__name__, shown))
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         _checks.foreign_group_keys(group)
         super()._validate_group(group)  # lr and momentum, in torch's wording
         _checks.adamw_half(group)
         _checks.one_of("algorithm", group["algorithm"], self.algorithms)
+        _views.check_spec(group["matrix_view"])
+
+    def _matrix_views(self, group: dict[str, Any]) -> tuple[list[str], list[int]]:
+        """Each parameter's matrix view, and the positions of those of ndim ≥ 3 that were guessed."""
+        return _views.resolve(group["matrix_view"], group["params"], self._param_names(group), self._known_view)
+
+    def _known_view(self, p: torch.Tensor) -> str | None:
+        """The view ``p``'s module gives it, when the optimizer knows the model (None here)."""
+        return None
+
+    def _param_options(self, group: dict[str, Any]) -> list[dict[str, Any]]:
+        return [{"matrix_view": view} for view in self._matrix_views(group)[0]]
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's ``load_state_dict``; a group saved before ``matrix_view`` existed keeps this
+        optimizer's."""
+        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        if isinstance(groups, list) and len(groups) == len(self.param_groups) and any(
+                isinstance(g, dict) and "matrix_view" not in g for g in groups):
+            groups = [g if "matrix_view" in g else {**g, "matrix_view": ours["matrix_view"]}
+                      for g, ours in zip(groups, self.param_groups)]
+            state_dict = {**state_dict, "param_groups": groups}
+        super().load_state_dict(state_dict)
 
     def _derived_scalars(self, group: dict[str, Any], scalars: dict[str, torch.Tensor]) -> None:
         # adamw_lr · lr / base_lr, on the device (lr may be a tensor; nothing is read back). A
@@ -100,6 +133,13 @@ class MuonOptimizer(HybridOptimizer):
       beta2: ``None`` for Muon; a float enables NorMuon row normalization with ``normuon_eps``.
       momentum_dtype: dtype of the momentum buffer (default: the parameter's), e.g. fp32 for
         bf16 parameters.
+      matrix_view: how a parameter of ndim ≥ 3 is read as matrices (:mod:`muon_fn._views`):
+        ``"flatten"`` (one ``(out, prod(rest))`` matrix: conv weights) or ``"experts"`` (leading
+        dims are a batch: an MoE stack ``(E, out, in)`` is E matrices, each orthogonalized and
+        scaled by its own shape); a mapping ``{name or glob pattern: view}`` over parameter names;
+        or a function ``param -> view``. ``None`` (default) reads such a parameter as
+        ``"flatten"`` and warns once, naming it (:func:`create_hybrid_optimizer` knows the modules
+        and warns about nothing). A group key like any other.
       adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW half in ``"auto"`` groups.
       gradient_accumulation_steps, nonfinite, compile, bucket_size: see :class:`muon_fn.Optimizer`.
 
@@ -127,6 +167,7 @@ class MuonOptimizer(HybridOptimizer):
         normuon_eps: float = 1e-8,
         momentum_kind: str = "ema",
         momentum_dtype: torch.dtype | None = None,
+        matrix_view: Any = None,
         split: Any = None,
         adamw_lr: float = 3e-4,
         adamw_betas: tuple[float, float] = (0.9, 0.999),
@@ -144,8 +185,8 @@ class MuonOptimizer(HybridOptimizer):
             ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
             method=method, ns_dtype=ns_dtype, ns_stepsize=ns_stepsize, beta2=beta2,
             normuon_eps=normuon_eps, momentum_kind=momentum_kind, momentum_dtype=momentum_dtype,
-            split=split, adamw_lr=adamw_lr, adamw_betas=adamw_betas, adamw_eps=adamw_eps,
-            adamw_weight_decay=adamw_weight_decay, algorithm=algorithm,
+            matrix_view=matrix_view, split=split, adamw_lr=adamw_lr, adamw_betas=adamw_betas,
+            adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay, algorithm=algorithm,
         )
         super().__init__(params, muon_factory, defaults,
                          gradient_accumulation_steps=gradient_accumulation_steps,
@@ -197,7 +238,8 @@ def muon_factory(h: dict[str, Any]) -> GradientTransformation:
             method=h["method"], ns_steps=h["ns_steps"], ns_coefficients=h["ns_coefficients"],
             ns_dtype=h["ns_dtype"], eps=h["eps"], ns_stepsize=h["ns_stepsize"],
             adjust_lr_fn=h["adjust_lr_fn"], weight_decay=h["weight_decay"], beta2=h["beta2"],
-            normuon_eps=h["normuon_eps"], split=h["split"], mu_dtype=h["momentum_dtype"],
+            normuon_eps=h["normuon_eps"], view=h["matrix_view"] or "flatten", split=h["split"],
+            mu_dtype=h["momentum_dtype"],
         )
 
     return hybrid_transform(h, "muon", muon_tx, matrix_labels)

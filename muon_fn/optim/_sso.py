@@ -65,6 +65,9 @@ class SpectralSphereOptimizer(HybridOptimizer):
         solver, warm_lambda, lambda_model, model_steps, direction, muon_sphere: see
         :func:`muon_fn.spectral_sphere`.
       momentum_dtype: dtype of the momentum buffer (default: the parameter's).
+      matrix_view: how a parameter of ndim ≥ 3 is read as matrices, as in
+        :class:`muon_fn.MuonOptimizer` (``"experts"``: each matrix of an ``(E, out, in)`` stack
+        is its own sphere); :meth:`from_model` gives expert stacks ``"experts"`` by module.
       split: row blocks of fused weights, each its own sphere (see :func:`muon_fn.spectral_sphere`).
       adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW half in ``"auto"`` groups.
       gradient_accumulation_steps, nonfinite, bucket_size: see :class:`muon_fn.Optimizer`.
@@ -114,6 +117,7 @@ class SpectralSphereOptimizer(HybridOptimizer):
         direction: str = "msign",
         muon_sphere: bool = False,
         momentum_dtype: torch.dtype | None = None,
+        matrix_view: Any = None,
         split: Any = None,
         adamw_lr: float = 3e-4,
         adamw_betas: tuple[float, float] = (0.9, 0.999),
@@ -134,7 +138,8 @@ class SpectralSphereOptimizer(HybridOptimizer):
             max_iterations=max_iterations, bracket_step=bracket_step,
             max_expansions=max_expansions, solver=solver, warm_lambda=warm_lambda,
             lambda_model=lambda_model, model_steps=model_steps, direction=direction,
-            muon_sphere=muon_sphere, momentum_dtype=momentum_dtype, split=split, adamw_lr=adamw_lr,
+            muon_sphere=muon_sphere, momentum_dtype=momentum_dtype, matrix_view=matrix_view, split=split,
+            adamw_lr=adamw_lr,
             adamw_betas=tuple(adamw_betas), adamw_eps=adamw_eps,
             adamw_weight_decay=adamw_weight_decay, algorithm=algorithm,
         )
@@ -199,7 +204,8 @@ def sso_factory(h: dict[str, Any]) -> GradientTransformation:
     def sso_tx():
         # The group's keys are the recipe's argument names (VALIDATED_KEYS: lr, momentum, nesterov
         # and spectral_sphere's checked options); three more are passed by name.
-        return sso(mu_dtype=h["momentum_dtype"], msign_dtype=h["msign_dtype"], split=h["split"],
+        return sso(mu_dtype=h["momentum_dtype"], msign_dtype=h["msign_dtype"], view=h["matrix_view"] or "flatten",
+                   split=h["split"],
                    **{key: h[key] for key in VALIDATED_KEYS})
 
     return hybrid_transform(h, "sso", sso_tx, _sso_labels)

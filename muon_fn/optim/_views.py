@@ -1,0 +1,101 @@
+"""Each parameter's matrix view in an optimizer (what a view is: :mod:`muon_fn._views`).
+
+A group's ``matrix_view`` is ``None`` (the default), a view name for every parameter of the
+group, a mapping ``{name or glob pattern: view}`` over parameter names, or a function
+``param -> view``. A parameter it does not name takes the view its module gives it when the
+optimizer knows the model (:func:`module_views`: a conv weight is flattened, any other parameter
+of ndim ≥ 3 is an expert stack); otherwise ``"flatten"``, a guess that a parameter of ndim ≥ 3 is
+warned about (:func:`guess_warning`). 0-/1-/2-D parameters read the same under every view.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import sys
+import warnings
+from collections.abc import Mapping
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .. import _views
+
+Spec = Any  # None | str | Mapping[str, str] | Callable[[torch.Tensor], str]
+
+
+def check_spec(spec: Spec) -> None:
+    """A group's ``matrix_view``, with an error naming the bad value."""
+    if spec is None or (callable(spec) and not isinstance(spec, str)):
+        return
+    if isinstance(spec, Mapping):
+        for pattern, view in spec.items():
+            if not isinstance(pattern, str):
+                raise ValueError(f"Invalid matrix_view: key {pattern!r} (expected a parameter name or glob pattern)")
+            _views.check_view(view, f"matrix_view[{pattern!r}]")
+        return
+    _views.check_view(spec, "matrix_view")
+
+
+def given(spec: Spec, name: str | None, p: torch.Tensor) -> str | None:
+    """The view ``spec`` gives parameter ``p`` named ``name`` (None: it names none). A mapping
+    matches the exact name first, then its glob patterns in order."""
+    if spec is None:
+        return None
+    if isinstance(spec, Mapping):
+        if name is None:
+            raise ValueError(
+                f"matrix_view is a mapping of parameter names, but a parameter of shape {tuple(p.shape)} "
+                "has no name: pass named parameters (model.named_parameters()) or groups with 'param_names'")
+        if name in spec:
+            return spec[name]
+        return next((view for pattern, view in spec.items() if fnmatch.fnmatchcase(name, pattern)), None)
+    return _views.view_of(spec, p)
+
+
+def resolve(spec: Spec, params: list[torch.Tensor], names: list[str | None],
+            known: Callable[[torch.Tensor], str | None]) -> tuple[list[str], list[int]]:
+    """The view of each parameter and the positions of the parameters of ndim ≥ 3 whose view was
+    guessed. ``known(p)``: the view the model gives ``p`` (None: unknown)."""
+    views, guessed = [], []
+    for i, (p, name) in enumerate(zip(params, names)):
+        view = given(spec, name, p) or known(p)
+        if view is None and p.ndim >= 3:
+            guessed.append(i)
+        views.append(view if view is not None and p.ndim >= 3 else "flatten")
+    return views, guessed
+
+
+def module_views(model: nn.Module) -> dict[int, str]:
+    """``id(param) -> view`` for every parameter of ndim ≥ 3 of ``model``: ``"flatten"`` for the
+    weights of conv modules (``nn.Conv1d/2d/3d`` and their transposed and lazy forms), else
+    ``"experts"`` (a stack of matrices, e.g. MoE experts ``(E, out, in)``)."""
+    conv = {id(p) for m in model.modules() if isinstance(m, nn.modules.conv._ConvNd)
+            for p in m.parameters(recurse=False)}
+    return {id(p): "flatten" if id(p) in conv else "experts"
+            for p in model.parameters() if p.ndim >= 3}
+
+
+def guess_warning(owner: str, guessed: list[tuple[str, tuple[int, ...]]]) -> str:
+    """The warning for parameters of ndim ≥ 3 whose view was guessed (``(name, shape)`` pairs)."""
+    listed = ", ".join(f"{name} {shape}" for name, shape in guessed)
+    name, shape = guessed[0]
+    out, inp = _views.matrix_shape(shape)
+    e, (mo, mi) = _views.count(shape, "experts"), _views.matrix_shape(shape, "experts")
+    return (
+        f"{owner}: no matrix_view is given for {listed}: each is read as one matrix "
+        f"(shape[0], prod(shape[1:])), {name} as {out}x{inp}, which is right for a conv weight. For a "
+        f"stack of matrices such as MoE experts (E, out, in) pass matrix_view='experts' ({name}: {e} "
+        f"matrices {mo}x{mi}, each orthogonalized and scaled by its own shape) or a mapping "
+        "{name or glob pattern: view}; pass matrix_view='flatten' to keep this without the warning. "
+        "muon_fn.create_hybrid_optimizer(model) chooses by module.")
+
+
+def warn(message: str) -> None:
+    """Warn at the first caller outside muon_fn and torch (the line that built the optimizer)."""
+    inside = (os.path.dirname(os.path.dirname(__file__)), os.path.dirname(torch.__file__))
+    frame, level = sys._getframe(0), 1
+    while frame is not None and frame.f_code.co_filename.startswith(inside):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, UserWarning, stacklevel=level)
