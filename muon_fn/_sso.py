@@ -206,6 +206,8 @@ class _Transform(NamedTuple):
     key: str  # the per-chunk math's options (JSON, see _sphere)
 
 
+# Longer than 80 lines only for its Args docstring (the public reference of every option);
+# the code after it is 30 lines.
 def spectral_sphere(
     lr: ScalarOrSchedule = 0.02, *, radius_scale: float = 2.0, scale_mode: str = "radius",
     retract_mode: str = "hard", retract_alpha: float = 0.05, power_steps: int = 5, power_block: int = 16,
