@@ -376,11 +376,13 @@ def test_compiling_impossible_falls_back_to_eager_with_one_warning(compiled_defa
     import torch._inductor.config as inductor_config
 
     monkeypatch.setattr(mf._compile, "_UNUSABLE", None)
-    monkeypatch.setattr(inductor_config.cpp, "cxx", ("/nonexistent/g++",))
     a, b = _small_model(False), _small_model(False)
     opt_a = mf.MuonOptimizer(a.parameters())
     opt_b = mf.MuonOptimizer(b.parameters(), compile=False)
-    with pytest.warns(RuntimeWarning, match="C\\+\\+ compiler.*compile=False") as record:
+    # inductor's own patch: monkeypatch's undo of a config attribute deletes it, which breaks
+    # every later cold compile in the process ("config.cpp.cxx does not exist").
+    with inductor_config.patch({"cpp.cxx": ("/nonexistent/g++",)}), \
+            pytest.warns(RuntimeWarning, match="C\\+\\+ compiler.*compile=False") as record:
         for step in range(2):
             for model, opt in ((a, opt_a), (b, opt_b)):
                 _backward(model, step)
