@@ -231,6 +231,11 @@ def orthogonalize(
             wides = [x.mT if x.size(-2) > x.size(-1) else x for x in group]
             return method(torch.stack(wides))
         compute = dtype or _newton_schulz.default_compute_dtype(group[0].device)
+        if compute.itemsize < group[0].dtype.itemsize:
+            # Cast first, as torch.optim.Muon does (G.bfloat16(), then normalize): compiled, the
+            # update that enters the iteration is materialized in the compute dtype (half the
+            # bytes of an fp32 one), its producer (the momentum) fused with the cast.
+            group = [x.to(compute) for x in group]
         return _newton_schulz.msign_batch(group, schedule, dtype=compute, eps=eps, norm_scale=scale)
 
     def update(updates, state, params=None, **extra):
