@@ -107,3 +107,109 @@ def test_transformers_md_examples_run_and_print_what_it_shows(capsys):
     for line in shown.splitlines():
         if line.strip() != "...":
             assert line in out.splitlines(), f"transformers.md shows {line!r}, the example printed:\n{out}"
+
+
+# --------------------------------------------------------------------------------------------
+# every code block: python blocks run, muon-fn commands parse
+
+
+def _pages() -> list[Path]:
+    return [README, *sorted(DOCS.glob("*.md"))]
+
+
+def _fenced(path: Path) -> list[tuple[str, str]]:
+    """``(language, text)`` of each fenced block of a page, in order."""
+    blocks, lang, body = [], None, []
+    for line in path.read_text().splitlines():
+        fence = re.match(r"^```(\w*)\s*$", line)
+        if fence and lang is None:
+            lang, body = fence.group(1), []
+        elif fence:
+            blocks.append((lang, "\n".join(body) + "\n"))
+            lang = None
+        elif lang is not None:
+            body.append(line)
+    return blocks
+
+
+def _python_blocks(path: Path) -> list[str]:
+    return [text for lang, text in _fenced(path) if lang == "python"]
+
+
+def _command_lines(path: Path) -> list[str]:
+    """The shell lines of a page: fenced blocks that are not python, and indented code."""
+    lines = [ln for lang, text in _fenced(path) if lang != "python" for ln in text.splitlines()]
+    lines += re.findall(r"^    (\S.*)$", path.read_text(), re.M)
+    return [ln.strip() for ln in lines]
+
+
+def _muon_fn_commands(path: Path) -> list[list[str]]:
+    """Each ``muon-fn ...`` command of a page as argv (env assignments and comments removed)."""
+    import shlex
+
+    commands = []
+    for line in _command_lines(path):
+        try:
+            words = shlex.split(line, comments=True)
+        except ValueError:
+            continue
+        while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):
+            words = words[1:]
+        if words[:1] == ["muon-fn"] and "..." not in words:
+            commands.append(words[1:])
+    return commands
+
+
+def _check_command(argv: list[str]) -> None:
+    """Parse ``muon-fn argv`` as the CLI would, without running it (SystemExit on a bad option)."""
+    if argv[0] == "train":
+        from muon_fn._train.train import build_parser, resolve
+
+        resolve(build_parser("muon-fn train").parse_args(argv[1:]))
+    elif argv[0] in ("bench", "bench-sso"):
+        from muon_fn.bench._cli import COMMANDS, parser
+
+        rest = argv[1:] if argv[0] == "bench" else ["sso", *argv[1:]]
+        command = rest.pop(0) if rest and rest[0] in COMMANDS else "muon"
+        parser(command).parse_args(rest)
+    else:
+        raise AssertionError(f"unknown muon-fn command {argv[0]!r}")
+
+
+@pytest.mark.parametrize("page", [p.name for p in _pages()])
+def test_muon_fn_commands_parse(page):
+    path = README if page == "README.md" else DOCS / page
+    for argv in _muon_fn_commands(path):
+        try:
+            _check_command(argv)
+        except SystemExit as e:
+            raise AssertionError(f"{page}: `muon-fn {' '.join(argv)}` does not parse: {e}") from None
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# transformers.md has its own test (above), which also checks what its blocks print.
+@pytest.mark.parametrize("page", [p.name for p in _pages() if p.name != "transformers.md" and _python_blocks(p)])
+def test_python_blocks_run(page, monkeypatch, tmp_path):
+    """A page's python blocks run in order in one namespace, as a reader would paste them; the
+    distributed ones as a one-process gloo job (the environment torchrun would set)."""
+    import torch.distributed as dist
+
+    path = README if page == "README.md" else DOCS / page
+    monkeypatch.chdir(tmp_path)
+    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
+                           LOCAL_RANK="0").items():
+        monkeypatch.setenv(key, value)
+    namespace: dict = {"__name__": "__docs__"}
+    try:
+        for i, block in enumerate(_python_blocks(path)):
+            exec(compile(block, f"{page}[python block {i}]", "exec"), namespace)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

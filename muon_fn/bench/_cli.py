@@ -121,7 +121,13 @@ def _muon_main(argv: list[str], prog: str) -> int:
     return 0
 
 
-def _sso_main(argv: list[str], prog: str) -> int:
+def parser(command: str = "muon", prog: str = "muon-fn bench") -> argparse.ArgumentParser:
+    """The argument parser of ``muon-fn bench [command]`` (``command`` one of :data:`COMMANDS`)."""
+    build = {"muon": _muon_parser, "sso": _sso_parser, "fsdp": _fsdp_parser}[command]
+    return build(prog if command == "muon" else f"{prog} {command}")
+
+
+def _sso_parser(prog: str) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=prog, description="SSO step time against Muon on the gpt2-small matrix set.")
     ap.add_argument("--layers", type=int, default=12, help="gpt2-small layers (6 matrices each), 1..12")
     ap.add_argument("--rounds", type=int, default=5, help="timed paired rounds")
@@ -133,6 +139,11 @@ def _sso_main(argv: list[str], prog: str) -> int:
     ap.add_argument("--sigma", action="store_true", help="also measure the σ(W) estimate's error (an SVD per matrix)")
     ap.add_argument("--eager", action="store_true", help="run the optimizers with compile=False")
     ap.add_argument("--json", default="", help="also write the full result (per-round times, ratios) here")
+    return ap
+
+
+def _sso_main(argv: list[str], prog: str) -> int:
+    ap = _sso_parser(prog)
     args = ap.parse_args(argv)
     rows = args.rows.split(",")
     try:
@@ -149,7 +160,7 @@ def _sso_main(argv: list[str], prog: str) -> int:
     return 0
 
 
-def _fsdp_main(argv: list[str], prog: str) -> int:
+def _fsdp_parser(prog: str) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=prog, description="FSDP owner-computes against replicate (CPU, gloo).")
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--repeats", type=int, default=3)
@@ -158,6 +169,11 @@ def _fsdp_main(argv: list[str], prog: str) -> int:
     ap.add_argument("--dim", type=int, default=768, help="model width (768 = gpt2-small)")
     ap.add_argument("--buckets", type=int, default=4)
     ap.add_argument("--json", default="", help="also write the results to this file")
+    return ap
+
+
+def _fsdp_main(argv: list[str], prog: str) -> int:
+    ap = _fsdp_parser(prog)
     args = ap.parse_args(argv)
     for name in ("repeats", "ns_steps", "layers", "dim", "buckets"):
         if getattr(args, name) < 1:
