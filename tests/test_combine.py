@@ -1,4 +1,4 @@
-"""chain and partition against the same transforms applied by hand; design.md §1's snippet."""
+"""chain and partition against the same transforms applied by hand; docs/design.md §1's snippet."""
 
 from __future__ import annotations
 
@@ -187,7 +187,7 @@ def test_partition_errors():
 
 
 # --------------------------------------------------------------------------------------------
-# design.md §1, verbatim, on a dict and on a list of tensors.
+# docs/design.md §1's chain, on a dict, a list and a nested tree of tensors.
 
 
 @pytest.mark.parametrize("container", ["dict", "list", "nested"])

@@ -1,4 +1,4 @@
-"""torch.compile contract (design.md §5): one graph, zero graph breaks, no recompile when the
+"""torch.compile contract (docs/design.md §5): one graph, zero graph breaks, no recompile when the
 learning rate changes (a 0-d tensor updated in place), compiled == eager.
 
 Unit tests use ``backend="eager"`` (Dynamo tracing without code generation; fast). One test runs

@@ -267,7 +267,7 @@ def test_example_lightning(capsys):
 
 @pytest.mark.distributed
 def test_train_gpt_fsdp_torchrun(tmp_path):
-    """The issue's command, shortened: torchrun --nproc_per_node=2 examples/train_gpt.py --fsdp."""
+    """The documented FSDP command, shortened: torchrun --nproc_per_node=2 examples/train_gpt.py --fsdp."""
     out = tmp_path / "fsdp"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",

@@ -1,4 +1,4 @@
-"""Tests of the stateful adapter (issue 3): muon_fn.Optimizer, MuonOptimizer, create_hybrid_optimizer.
+"""Tests of the stateful adapter: muon_fn.Optimizer, MuonOptimizer, create_hybrid_optimizer.
 
 Every numerical check compares against an independent reference: torch.optim.Muon,
 torch.optim.AdamW, or a by-hand formula. Nothing is compared to output of the adapter itself

@@ -263,7 +263,7 @@ RULES = {
     "legacy": lambda o, i: math.sqrt(max(o, i)),
     "none": lambda o, i: 1.0,
 }
-# The same values typed from notes §5 / design.md §3, as a second independent source.
+# The same values typed from docs/algorithms.md's scale-rule table, as a second independent source.
 TABLE = {
     ((3072, 768), "keller"): 2.0,
     ((768, 3072), "keller"): 1.0,
