@@ -204,7 +204,7 @@ def test_python_blocks_run(page, monkeypatch, tmp_path):
     path = README if page == "README.md" else DOCS / page
     monkeypatch.chdir(tmp_path)
     for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
-                           LOCAL_RANK="0").items():
+                           LOCAL_RANK="0", MUON_FN_COMPILE="0").items():  # eager: compiling is tested elsewhere
         monkeypatch.setenv(key, value)
     namespace: dict = {"__name__": "__docs__"}
     try:
