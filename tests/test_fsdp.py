@@ -272,7 +272,7 @@ def check_expert_stacks(w, **kw):
 
         stacks = [mp for mp in opt.plan.matrices if mp.shape[0] == 5 and len(mp.shape) == 3]
         assert len(stacks) == 2 and all(mp.contrib == chunk_rows(5, w) for mp in stacks)  # whole experts
-        assert [mp.cost for mp in stacks] == [5 * 8 * 6 * 6] * 2  # E matrices 8x6 (6x8)
+        assert [mp.cost for mp in stacks] == [5 * (4 * 6 * 6 * 8 + 2 * 6**3)] * 2  # E matrices 8x6 (6x8)
         train([(model, opt)], STEPS)
         expected = reference(muon_single(Experts, lambda m: m.named_parameters(), matrix_view=views, **kw))
         assert_same(model, opt, expected, what=f"W={w} experts {kw}: ")
