@@ -63,9 +63,10 @@ def test_figures_by_hand():
     assert sorted(mp.owner for mp in r.plan.matrices) == [0, 1]
     assert r.flops == (5 * (4 * 16 * 4 + 2 * 64),) * 2 == (ns_flops((4, 4), 5),) * 2
     assert r.sent == r.received == (64, 64) and r.muon_bytes == 128 and r.bytes_formula == 64
-    # Rows sent 8 + 8, held 16, owned 16, one owned matrix in a bucket: 4·(16 + 32 + 32 + 32)
-    # bytes, and the bf16 iteration's X, XXᵀ, its square, the new X: (2·16 + 2·16)·2.
-    assert r.peak == (4 * (16 + 32 + 32 + 32) + 128,) * 2
+    # Gather send 8 + 8, gather receive 16 (owned), return send 16 (owned), return receive 8 + 8,
+    # one bucket's assembled matrix and result 2·16: 4·(16 + 16 + 16 + 16 + 32) bytes; and the bf16
+    # iteration's X, XXᵀ, its square, the new X: (2·16 + 2·16)·2.
+    assert r.peak == (4 * (16 + 16 + 16 + 16 + 32) + 128,) * 2
     assert (r.flops_max_mean, r.efficiency, r.idle_ranks, r.matrices, r.units) == (1.0, 1.0, 0, 2, 2)
 
 
@@ -190,6 +191,6 @@ class TestCLI(expecttest.TestCase):
         self.assertExpectedInline(out, """\
 | model | mesh | matrices | units | buckets | NS FLOPs/rank max | max/mean | lower bound | efficiency | idle ranks | sent/rank mean | 2(W−1)/W²·S | sent max | received max | extra peak max | compute | comm | step |
 |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|
-| tiny | dp=2 | 24 | 15 | 4 | 48.8 MFLOP | 1.007 | 1.000 | 99% | 0/2 | 148 kB | 148 kB | 148 kB | 148 kB | 935 kB | 0.122 µs | 2.96 µs | 3.7 µs |
-| tiny | replicate=2,dp=4 | 24 | 15 | 4 | 26.2 MFLOP | 1.081 | 1.000 | 93% | 0/4 | 111 kB | 111 kB | 123 kB | 123 kB | 599 kB | 0.0655 µs | 2.46 µs | 3.08 µs |
+| tiny | dp=2 | 24 | 15 | 4 | 48.8 MFLOP | 1.007 | 1.000 | 99% | 0/2 | 148 kB | 148 kB | 148 kB | 148 kB | 787 kB | 0.122 µs | 2.96 µs | 3.7 µs |
+| tiny | replicate=2,dp=4 | 24 | 15 | 4 | 26.2 MFLOP | 1.081 | 1.000 | 93% | 0/4 | 111 kB | 111 kB | 123 kB | 123 kB | 525 kB | 0.0655 µs | 2.46 µs | 3.08 µs |
 """)

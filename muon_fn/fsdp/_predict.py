@@ -12,11 +12,14 @@ returns the plan with per-rank figures read off it:
 - **Bytes** each rank sends and receives in a step (both all-to-alls, self excluded), and the
   formula 2(W−1)/W²·S (S: the wire bytes of all Muon matrices), which the mean equals exactly when
   every matrix's rows divide by W.
-- **Extra peak memory** per rank: the buffers the exchange holds at once (every gather is posted
-  up front: the rows this rank sends, packed and on the wire, 2·held; the whole matrices it owns,
-  received; every return in flight: held more and owned more; and, for the bucket it computes,
-  the assembled matrices and results, 2·owned in that bucket), all in the wire dtype, plus the
-  Newton–Schulz workspace of its largest unit (X, XXᵀ, its square and the new X in ``ns_bytes``).
+- **Extra peak memory** per rank: the buffers :func:`~muon_fn.fsdp._exchange.exchange` holds at
+  once, all in the wire dtype (every gather is posted up front: the send buffer of the rows this
+  rank sends, and the whole matrices it owns, received; every return in flight: what it owns,
+  sent back, and its rows of everything, coming back; and, for the bucket it computes, the
+  assembled matrices and the results, 2·owned in that bucket), plus the Newton–Schulz workspace
+  of its largest unit (X, XXᵀ, its square and the new X, in ``ns_bytes``). Plain Muon's rows are
+  the update itself; a format with more columns (NorMuon's row state, SSO's weight rows) packs a
+  copy, which this leaves out.
 - A **predicted step time** for a GEMM rate and a per-rank link bandwidth: rank r computes for
   C = FLOPs/rate and communicates for X = max(sent, received)/bandwidth; buckets overlap the two
   except one exchange's worth, so t_r = max(C, X) + X/buckets, and the step is the slowest rank's.
@@ -263,7 +266,7 @@ def _rank_figures(plan: Plan, flops: list[int], units: list[list[int]], views: l
     sent = [wire_bytes * (sends[r] + returned[r] - kept[r]) for r in range(w)]
     received = [wire_bytes * (owned[r] + holds[r] - kept[r]) for r in range(w)]
     workspace = _workspaces(plan, units, views, ns_bytes)
-    peak = [wire_bytes * (sends[r] + 2 * holds[r] + 2 * owned[r] + 2 * max(b[r] for b in owned_in_bucket))
+    peak = [wire_bytes * (sends[r] + holds[r] + 2 * owned[r] + 2 * max(b[r] for b in owned_in_bucket))
             + workspace[r] for r in range(w)]
     return tuple(rank_flops), tuple(sent), tuple(received), tuple(peak)
 
