@@ -142,7 +142,8 @@ def test_bad_meshes_name_the_value(mesh, message):
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"model": "llama4"}, "Invalid model spec: 'llama4' (valid: 'llama3-8b', 'llama3-70b', 'deepseek-v3', 'tiny')"),
-    ({"bucket_size": 0}, "Invalid bucket_size: 0 (expected a number > 0)"),
+    ({"bucket_size": 0}, "Invalid bucket_size: 0 (expected an integer >= 1)"),
+    ({"num_buckets": True}, "Invalid num_buckets: True (expected an integer >= 1)"),
     ({"ns_steps": 2.5}, "Invalid ns_steps: 2.5 (expected an integer >= 1)"),
     ({"gemm_tflops": -1.0}, "Invalid gemm_tflops: -1.0 (expected a number > 0)"),
     ({"link_gbps": 0}, "Invalid link_gbps: 0 (expected a number > 0)"),

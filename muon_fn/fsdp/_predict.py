@@ -38,12 +38,12 @@ from typing import NamedTuple, Sequence
 
 from .. import _views
 from .._muon import group_by
+from ..optim._adapter import BUCKET_SIZE  # FSDPMuonOptimizer's default, as MuonOptimizer's
 from . import specs as _specs
 from ._plan import Plan, make_plan, ns_flops
 
 DEFAULT_GEMM_TFLOPS = 400.0  # achieved dense bf16 GEMM rate of an H100 (of ~990 peak)
 DEFAULT_LINK_GBPS = 50.0  # GB/s per rank between nodes (one 400 Gb/s NIC per GPU)
-BUCKET_SIZE = 4  # FSDPMuonOptimizer's default (muon_fn.optim._adapter.BUCKET_SIZE)
 
 
 class Mesh(NamedTuple):
@@ -231,10 +231,12 @@ def plan_model(model: str | dict | Sequence[Matrix], mesh: str | int | Mesh = "d
 
 
 def _check_positive(**values: float) -> None:
+    """Counts are integers >= 1, rates numbers > 0; the error names the argument and value."""
     for key, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ValueError(f"Invalid {key}: {value!r} (expected a number > 0)")
-        if key != "gemm_tflops" and key != "link_gbps" and not isinstance(value, int):
+        if key in ("gemm_tflops", "link_gbps"):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"Invalid {key}: {value!r} (expected a number > 0)")
+        elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"Invalid {key}: {value!r} (expected an integer >= 1)")
 
 
