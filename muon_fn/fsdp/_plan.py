@@ -110,16 +110,22 @@ class BucketPlan:
 
     index: int
     matrices: tuple[int, ...]  # indices into Plan.matrices, in exchange order
-    # gather[r][d]: elements rank r sends to rank d in the gather (forward) all-to-all.
-    gather: tuple[tuple[int, ...], ...]
+    # to_owner[d][r]: elements rank r sends to rank d in the gather (forward) all-to-all, by
+    # receiver, as the planner sums them (:attr:`gather` is the same table by sender).
+    to_owner: tuple[tuple[int, ...], ...]
     # scatter[r][d]: elements rank r sends to rank d in the scatter (return) all-to-all.
     scatter: tuple[tuple[int, ...], ...]
 
+    @functools.cached_property
+    def gather(self) -> tuple[tuple[int, ...], ...]:
+        """gather[r][d]: elements rank r sends to rank d in the gather all-to-all."""
+        return tuple(zip(*self.to_owner))
+
     def gather_send(self, rank: int) -> list[int]:
-        return list(self.gather[rank])
+        return [row[rank] for row in self.to_owner]
 
     def gather_recv(self, rank: int) -> list[int]:
-        return [row[rank] for row in self.gather]
+        return list(self.to_owner[rank])
 
     def scatter_send(self, rank: int) -> list[int]:
         return list(self.scatter[rank])
@@ -152,7 +158,7 @@ class Plan:
         """Elements ``rank`` sends to other ranks in one step (both directions, self excluded)."""
         total = 0
         for b in self.buckets:
-            total += sum(v for d, v in enumerate(b.gather[rank]) if d != rank)
+            total += sum(v for d, v in enumerate(b.gather_send(rank)) if d != rank)
             total += sum(v for d, v in enumerate(b.scatter[rank]) if d != rank)
         return total
 
@@ -282,12 +288,16 @@ def _bucket_plan(b: int, members: list[int], matrices: list[MatrixPlan], world_s
     out_of: dict[int, tuple[int, ...]] = {}
     for j in members:
         mp = matrices[j]
-        d = mp.owner
-        into[d] = tuple(map(operator.add, into.get(d, zeros), _numels(mp.contrib, mp.cols)))
-        out_of[d] = tuple(map(operator.add, out_of.get(d, zeros), _numels(mp.receive, mp.cols)))
-    gather = tuple(zip(*(into.get(d, zeros) for d in range(world_size))))
+        _add(into, mp.owner, _numels(mp.contrib, mp.cols))
+        _add(out_of, mp.owner, _numels(mp.receive, mp.cols))
+    to_owner = tuple(into.get(d, zeros) for d in range(world_size))
     scatter = tuple(out_of.get(d, zeros) for d in range(world_size))
-    return BucketPlan(b, tuple(members), gather, scatter)
+    return BucketPlan(b, tuple(members), to_owner, scatter)
+
+
+def _add(sums: dict[int, tuple[int, ...]], key: int, vector: tuple[int, ...]) -> None:
+    """``sums[key] += vector`` (the first vector is kept as is, shared)."""
+    sums[key] = vector if key not in sums else tuple(map(operator.add, sums[key], vector))
 
 
 @functools.lru_cache(maxsize=4096)
