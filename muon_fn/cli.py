@@ -3,6 +3,7 @@
     muon-fn train [options]            train a byte-level GPT with muon_fn (``muon-fn train --quick``)
     muon-fn bench [options]            time the Muon step against torch.optim.Muon (muon_fn.bench)
     muon-fn bench sso|fsdp [options]   the SSO and FSDP benchmarks (``bench-sso``: alias of ``bench sso``)
+    muon-fn plan --model SPEC --mesh dp=W   the FSDP owner-computes plan of a model spec, predicted
 
 ``muon-fn <command> --help`` lists a command's options.
 """
@@ -19,6 +20,8 @@ commands:
   bench   benchmark the Muon step (muon_fn compiled and eager, torch.optim.Muon, AdamW, GEMM replays);
           `muon-fn bench sso`: the Spectral Sphere Optimizer's step against Muon (alias: bench-sso);
           `muon-fn bench fsdp`: the FSDP adapter, owner-computes against replicate
+  plan    the FSDP optimizer's plan for a model spec on a mesh, without GPUs: per-rank Newton–Schulz
+          FLOPs, bytes, extra memory and a predicted step time (`muon-fn plan --model llama3-8b --mesh dp=64`)
 
 `muon-fn <command> --help` lists the command's options. Docs: docs/index.md
 """
@@ -47,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"muon-fn {command}: muon_fn.bench is not available in this installation ({e})", file=sys.stderr)
             return 2
         return int(bench.main(rest if command == "bench" else ["sso", *rest]) or 0)
+    if command == "plan":
+        from muon_fn.fsdp._plan_cli import main as plan_main
+
+        return int(plan_main(rest) or 0)
     print(f"muon-fn: unknown command {command!r}\n\n{USAGE}", end="", file=sys.stderr)
     return 2
 

@@ -272,7 +272,7 @@ def check_expert_stacks(w, **kw):
 
         stacks = [mp for mp in opt.plan.matrices if mp.shape[0] == 5 and len(mp.shape) == 3]
         assert len(stacks) == 2 and all(mp.contrib == chunk_rows(5, w) for mp in stacks)  # whole experts
-        assert [mp.cost for mp in stacks] == [5 * 8 * 6 * 6] * 2  # E matrices 8x6 (6x8)
+        assert [mp.cost for mp in stacks] == [5 * (4 * 6 * 6 * 8 + 2 * 6**3)] * 2  # E matrices 8x6 (6x8)
         train([(model, opt)], STEPS)
         expected = reference(muon_single(Experts, lambda m: m.named_parameters(), matrix_view=views, **kw))
         assert_same(model, opt, expected, what=f"W={w} experts {kw}: ")
@@ -411,9 +411,10 @@ def check_generic_mid_state(w):
 
 
 def check_bytes_formula(w):
-    """Shapes divisible by W: mean bytes per rank = 2(W-1)/W^2 * S (half with bf16 on the wire)."""
+    """Shapes divisible by W: mean bytes per rank = 2(W-1)/W^2 * S (half with bf16 on the wire),
+    and each rank's figures are those plan_model predicts from the shapes alone."""
     from muon_fn._newton_schulz import coefficient_schedule
-    from muon_fn.fsdp import FSDPMuonOptimizer
+    from muon_fn.fsdp import FSDPMuonOptimizer, plan_model
     from muon_fn.fsdp._plan import ns_flops
 
     def run():
@@ -431,6 +432,14 @@ def check_bytes_formula(w):
             mean = sent.item() / w
             assert mean == 2 * (w - 1) / w**2 * s, (mean, 2 * (w - 1) / w**2 * s)
             out[str(wire)] = mean
+            # The pure planner predicts this rank's plan, bytes and FLOPs exactly (muon-fn plan).
+            predicted = plan_model([(n, tuple(p.shape), "flatten") for n, p in model.named_parameters()],
+                                   f"dp={w}", wire_bytes=item)
+            rank = torch.distributed.get_rank()
+            assert opt.plan == predicted.plan
+            assert (opt.last_step_stats["bytes_sent"], opt.last_step_stats["bytes_received"],
+                    opt.last_step_stats["ns_flops"]) == (predicted.sent[rank], predicted.received[rank],
+                                                         predicted.flops[rank])
             rep = FSDPMuonOptimizer(model, strategy="replicate", wire_dtype=wire, **muon_kwargs())
             set_grads(model, 0)
             rep.step()

@@ -100,7 +100,7 @@ def test_plan_split_sizes_by_hand():
     # Two matrices on 2 ranks, one bucket: LPT gives the costlier 3x2 to rank 0, the 2x2 to rank 1.
     plan = make_plan([(3, 2), (2, 2)], 2, num_buckets=1)
     a, b = plan.matrices
-    assert ns_cost((3, 2)) == 12 and ns_cost((2, 2)) == 8
+    assert ns_cost((3, 2)) == 4 * 2 * 2 * 3 + 2 * 2**3 == 64 and ns_cost((2, 2)) == 48  # 4s²l + 2s³
     assert (a.owner, b.owner) == (0, 1)
     (bucket,) = plan.buckets
     # 3x2 rows: rank 0 has 2 rows (4 elems), rank 1 has 1 row (2 elems); 2x2: one row each.
@@ -115,10 +115,11 @@ def test_an_expert_stack_travels_as_rows_of_whole_experts_and_costs_its_matrices
     plan = make_plan([(5, 8, 6), (40, 6)], 2, num_buckets=1, views=["experts", "flatten"])
     stack, flat = plan.matrices
     assert (stack.rows, stack.cols, stack.contrib) == (5, 48, ((0, 3), (3, 5)))
-    assert stack.cost == ns_cost((5, 8, 6), "experts") == 5 * ns_cost((8, 6)) == 5 * 8 * 6 * 6
-    assert ns_cost((5, 8, 6)) == 5 * 48 * 5  # flattened: one 5x48 matrix
+    assert stack.cost == ns_cost((5, 8, 6), "experts") == 5 * ns_cost((8, 6)) == 5 * (4 * 6 * 6 * 8 + 2 * 6**3)
+    assert ns_cost((5, 8, 6)) == 4 * 5 * 5 * 48 + 2 * 5**3  # flattened: one 5x48 matrix
     assert flat.cost == ns_cost((40, 6)) and stack.owner != flat.owner
-    assert plan.load() == sorted([stack.cost, flat.cost], reverse=stack.owner == 1)
+    loads = plan.load()
+    assert (loads[stack.owner], loads[flat.owner]) == (stack.cost, flat.cost)
 
 
 def test_plan_replicated_matrix_comes_back_whole():
@@ -153,7 +154,8 @@ def test_gpt2_small_balance_and_bytes_formula(world_size):
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_units_share_an_owner_and_a_bucket_and_keep_their_order(world_size):
     """The FSDP adapter's units are single-device buckets (same shape, at most 4): their matrices
-    are computed together by one owner. On gpt2-small that balances as well as single matrices."""
+    are computed together by one owner. On gpt2-small: the best any assignment of these units can
+    do (FLOPs 192/180 at W = 4: 6 units of 72 and 12 of 24 in units of 768³ FLOPs per step)."""
     from muon_fn._muon import group_by
 
     shapes = GPT2_SMALL * 12
@@ -165,7 +167,7 @@ def test_units_share_an_owner_and_a_bucket_and_keep_their_order(world_size):
         start = members.index(unit[0])
         assert list(members[start:start + len(unit)]) == unit
     loads = plan.load()
-    assert max(loads) / (sum(loads) / world_size) <= 1.001
+    assert max(loads) / (sum(loads) / world_size) <= {2: 1.0, 3: 1.0, 4: 192 / 180}[world_size] + 1e-12
     total = sum(mp.numel for mp in plan.matrices)
     assert sum(plan.sent_elements(r) for r in range(world_size)) / world_size == pytest.approx(
         2 * (world_size - 1) * total / world_size**2, rel=1e-12)

@@ -16,7 +16,10 @@ pair of ``all_to_all_single`` calls.
 
 from __future__ import annotations
 
+import functools
+import heapq
 import math
+import operator
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -26,6 +29,7 @@ from .._newton_schulz import gram_products
 Rows = tuple[int, int]  # [start, stop) rows of a matrix
 
 
+@functools.lru_cache(maxsize=4096)
 def chunk_rows(m: int, world_size: int) -> tuple[Rows, ...]:
     """Row ranges of ``torch.chunk(x, world_size, dim=0)`` padded to ``world_size`` entries.
 
@@ -51,10 +55,12 @@ def flat_shape(shape: Sequence[int]) -> tuple[int, int]:
 
 
 def ns_cost(shape: Sequence[int], view: str = "flatten") -> int:
-    """Newton–Schulz cost of a weight, ``m·n·min(m, n)`` for each of its matrices ``(m, n)`` under
-    ``view`` (proportional to its FLOPs)."""
+    """Newton–Schulz cost of a weight: the GEMM FLOPs of one quintic iteration,
+    ``4s²l + 2s³`` (``s = min(m, n)``, ``l = max(m, n)``), for each of its matrices ``(m, n)``
+    under ``view``. Every iteration of the quintic and Polar Express costs this, so owners
+    balanced on it are balanced on FLOPs (:func:`ns_flops`)."""
     m, n = _views.matrix_shape(shape, view)
-    return _views.count(shape, view) * m * n * min(m, n)
+    return _views.count(shape, view) * ns_flops((m, n), 1)
 
 
 def ns_flops(shape: Sequence[int], steps: int | Sequence[Sequence[float]]) -> int:
@@ -104,16 +110,22 @@ class BucketPlan:
 
     index: int
     matrices: tuple[int, ...]  # indices into Plan.matrices, in exchange order
-    # gather[r][d]: elements rank r sends to rank d in the gather (forward) all-to-all.
-    gather: tuple[tuple[int, ...], ...]
+    # to_owner[d][r]: elements rank r sends to rank d in the gather (forward) all-to-all, by
+    # receiver, as the planner sums them (:attr:`gather` is the same table by sender).
+    to_owner: tuple[tuple[int, ...], ...]
     # scatter[r][d]: elements rank r sends to rank d in the scatter (return) all-to-all.
     scatter: tuple[tuple[int, ...], ...]
 
+    @functools.cached_property
+    def gather(self) -> tuple[tuple[int, ...], ...]:
+        """gather[r][d]: elements rank r sends to rank d in the gather all-to-all."""
+        return tuple(zip(*self.to_owner))
+
     def gather_send(self, rank: int) -> list[int]:
-        return list(self.gather[rank])
+        return [row[rank] for row in self.to_owner]
 
     def gather_recv(self, rank: int) -> list[int]:
-        return [row[rank] for row in self.gather]
+        return list(self.to_owner[rank])
 
     def scatter_send(self, rank: int) -> list[int]:
         return list(self.scatter[rank])
@@ -136,7 +148,7 @@ class Plan:
         return [j for j in order if self.matrices[j].owner == rank]
 
     def load(self) -> list[int]:
-        """Newton–Schulz cost (``m·n·min(m,n)``) each rank computes."""
+        """Newton–Schulz cost (:func:`ns_cost`) each rank computes."""
         loads = [0] * self.world_size
         for mp in self.matrices:
             loads[mp.owner] += mp.cost
@@ -146,7 +158,7 @@ class Plan:
         """Elements ``rank`` sends to other ranks in one step (both directions, self excluded)."""
         total = 0
         for b in self.buckets:
-            total += sum(v for d, v in enumerate(b.gather[rank]) if d != rank)
+            total += sum(v for d, v in enumerate(b.gather_send(rank)) if d != rank)
             total += sum(v for d, v in enumerate(b.scatter[rank]) if d != rank)
         return total
 
@@ -157,12 +169,13 @@ def lpt_owners(costs: Sequence[int], world_size: int, loads: Sequence[int] | Non
     Ties go to the smaller index (matrix) and the lower rank, so the result is deterministic.
     ``loads`` seeds the per-rank loads (e.g. work already assigned in earlier buckets).
     """
-    load = list(loads) if loads is not None else [0] * world_size
+    heap = [(load, r) for r, load in enumerate(loads if loads is not None else [0] * world_size)]
+    heapq.heapify(heap)  # (load, rank): the least loaded, then the lowest rank, on top
     owners = [0] * len(costs)
     for j in sorted(range(len(costs)), key=lambda j: (-costs[j], j)):
-        r = min(range(world_size), key=lambda r: (load[r], r))
+        load, r = heap[0]
         owners[j] = r
-        load[r] += costs[j]
+        heapq.heapreplace(heap, (load + costs[j], r))
     return owners
 
 
@@ -214,9 +227,9 @@ def make_plan(
       views: the matrix view of each (:mod:`muon_fn._views`; default ``"flatten"``): it sets the
         cost only (an expert stack costs its E matrices, :func:`ns_cost`).
 
-    Owners are assigned to units by LPT on ``m·n·min(m, n)`` bucket by bucket, each bucket
-    starting from the loads of the previous ones: every bucket keeps all ranks busy and the
-    total is balanced.
+    Owners are assigned to units by LPT on :func:`ns_cost` (FLOPs) over all units at once, the
+    costliest first to the least-loaded rank: the step waits for the most loaded rank, so the
+    total over the step is what is balanced, not each exchange bucket's.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"Invalid world_size: {world_size!r} (expected an integer >= 1)")
@@ -256,27 +269,41 @@ def _check_units(units: Sequence[Sequence[int]] | None, n: int) -> list[list[int
 
 def _assign_owners(costs: list[int], units: list[list[int]], groups: list[list[int]],
                    world_size: int) -> tuple[list[int], list[int]]:
-    """Owner and bucket of every matrix (of ``costs``): LPT over the units of each bucket in turn."""
+    """Owner and bucket of every matrix (of ``costs``): LPT over all units at once."""
     owners, bucket_of = [0] * len(costs), [0] * len(costs)
-    loads = [0] * world_size
+    unit_owners = lpt_owners([sum(costs[j] for j in unit) for unit in units], world_size)
     for b, members in enumerate(groups):
-        unit_costs = [sum(costs[j] for j in units[u]) for u in members]
-        for u, cost, r in zip(members, unit_costs, lpt_owners(unit_costs, world_size, loads)):
+        for u in members:
             for j in units[u]:
-                owners[j], bucket_of[j] = r, b
-            loads[r] += cost
+                owners[j], bucket_of[j] = unit_owners[u], b
     return owners, bucket_of
 
 
 def _bucket_plan(b: int, members: list[int], matrices: list[MatrixPlan], world_size: int) -> BucketPlan:
-    gather = [[0] * world_size for _ in range(world_size)]
-    scatter = [[0] * world_size for _ in range(world_size)]
+    """Split sizes of one exchange, summed per owner over per-rank element vectors (shared by
+    equal layouts, so W = 1,024 stays fast): ``into[d][r]`` elements go from rank r to owner d,
+    ``out_of[d][r]`` from owner d back to rank r."""
+    zeros = (0,) * world_size
+    into: dict[int, tuple[int, ...]] = {}
+    out_of: dict[int, tuple[int, ...]] = {}
     for j in members:
         mp = matrices[j]
-        for r in range(world_size):
-            gather[r][mp.owner] += mp.contrib_numel(r)
-            scatter[mp.owner][r] += mp.receive_numel(r)
-    return BucketPlan(b, tuple(members), tuple(map(tuple, gather)), tuple(map(tuple, scatter)))
+        _add(into, mp.owner, _numels(mp.contrib, mp.cols))
+        _add(out_of, mp.owner, _numels(mp.receive, mp.cols))
+    to_owner = tuple(into.get(d, zeros) for d in range(world_size))
+    scatter = tuple(out_of.get(d, zeros) for d in range(world_size))
+    return BucketPlan(b, tuple(members), to_owner, scatter)
+
+
+def _add(sums: dict[int, tuple[int, ...]], key: int, vector: tuple[int, ...]) -> None:
+    """``sums[key] += vector`` (the first vector is kept as is, shared)."""
+    sums[key] = vector if key not in sums else tuple(map(operator.add, sums[key], vector))
+
+
+@functools.lru_cache(maxsize=4096)
+def _numels(rows: tuple[Rows, ...], cols: int) -> tuple[int, ...]:
+    """Elements of each rank's ``rows`` of a matrix with ``cols`` columns."""
+    return tuple((stop - start) * cols for start, stop in rows)
 
 
 def _per_matrix(name: str, value, n: int) -> list:

@@ -1,0 +1,92 @@
+"""``muon-fn plan``: the owner-computes plan of a model spec on a mesh, as a table.
+
+    muon-fn plan --model llama3-70b --mesh dp=64 dp=256 --bucket-size 1
+
+One row per (model, mesh) from :func:`muon_fn.fsdp.plan_model`; :func:`format_plan` makes the
+table from code.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Sequence
+
+from . import specs
+from ._predict import (BUCKET_SIZE, DEFAULT_GEMM_TFLOPS, DEFAULT_LINK_GBPS, PlanReport, parse_mesh,
+                       plan_model)
+
+COLUMNS = ("model", "mesh", "matrices", "units", "buckets", "NS FLOPs/rank max", "max/mean",
+           "lower bound", "efficiency", "idle ranks", "sent/rank mean", "2(W−1)/W²·S", "sent max",
+           "received max", "extra peak max", "compute", "comm", "step")
+
+
+def _row(r: PlanReport) -> list[str]:
+    w = r.world_size
+    compute = max(r.flops) / r.gemm_flops_per_s
+    comm = max(max(s, v) for s, v in zip(r.sent, r.received)) / r.link_bytes_per_s
+    gb = lambda b: _si(b, "B")  # noqa: E731
+    return [r.model, str(r.mesh), str(r.matrices), str(r.units), str(len(r.plan.buckets)),
+            _si(max(r.flops), "FLOP"), f"{r.flops_max_mean:.3f}", f"{r.bound_max_mean:.3f}",
+            f"{r.efficiency:.0%}", f"{r.idle_ranks}/{w}", gb(r.sent_mean), gb(r.bytes_formula),
+            gb(max(r.sent)), gb(max(r.received)), gb(max(r.peak)), _seconds(compute), _seconds(comm),
+            _seconds(r.step_s)]
+
+
+def _si(value: float, unit: str) -> str:
+    """``value`` with an SI prefix, 3 significant digits: 1.23 GB, 45.6 TFLOP."""
+    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if value >= scale:
+            return f"{value / scale:.3g} {prefix}{unit}"
+    return f"{value:.3g} {unit}"
+
+
+def _seconds(value: float) -> str:
+    if value >= 1:
+        return f"{value:.3g} s"
+    return f"{value * 1e3:.3g} ms" if value >= 1e-3 else f"{value * 1e6:.3g} µs"
+
+
+def format_plan(reports: Sequence[PlanReport]) -> str:
+    """A markdown table of ``reports``, one row each (columns: docs/distributed.md)."""
+    rows = [list(COLUMNS)] + [_row(r) for r in reports]
+    lines = ["| " + " | ".join(row) + " |" for row in rows]
+    lines.insert(1, "|" + "---|" * len(COLUMNS))
+    return "\n".join(lines)
+
+
+def _parser(prog: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=(
+        "Plan FSDPMuonOptimizer's owner-computes step for a model spec on a mesh: per-rank Newton–Schulz "
+        "FLOPs, bytes, extra memory and a predicted step time. No GPU or process group needed."))
+    p.add_argument("--model", nargs="+", required=True, metavar="SPEC",
+                   help=f"model spec(s): {', '.join(specs.SPECS)}")
+    p.add_argument("--mesh", nargs="+", default=["dp=8"], metavar="MESH",
+                   help="mesh(es): dp=W or replicate=R,dp=W (HSDP); tp>1 is refused (default: dp=8)")
+    p.add_argument("--gemm-tflops", type=float, default=DEFAULT_GEMM_TFLOPS,
+                   help=f"achieved GEMM rate per rank, TFLOP/s (default {DEFAULT_GEMM_TFLOPS:g}: H100 bf16 dense)")
+    p.add_argument("--link-gbps", type=float, default=DEFAULT_LINK_GBPS,
+                   help=f"link bandwidth per rank, GB/s (default {DEFAULT_LINK_GBPS:g}: 400 Gb/s between nodes)")
+    p.add_argument("--ns-steps", type=int, default=5, help="Newton–Schulz iterations (default 5)")
+    p.add_argument("--bucket-size", type=int, default=BUCKET_SIZE,
+                   help=f"FSDPMuonOptimizer's bucket_size: same-shape matrices one owner computes together "
+                        f"(default {BUCKET_SIZE}, the optimizer's)")
+    p.add_argument("--num-buckets", type=int, default=4, help="FSDPMuonOptimizer's num_buckets (default 4)")
+    p.add_argument("--wire", choices=("fp32", "bf16"), default="fp32",
+                   help="dtype on the wire (FSDPMuonOptimizer's wire_dtype; default fp32)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "muon-fn plan") -> int:
+    """Print the table; bad arguments exit with status 2 and a message naming the value."""
+    parser = _parser(prog)
+    args = parser.parse_args(argv)
+    try:
+        meshes = [parse_mesh(m) for m in args.mesh]
+        reports = [plan_model(model, mesh, ns_steps=args.ns_steps, bucket_size=args.bucket_size,
+                              num_buckets=args.num_buckets, wire_bytes=4 if args.wire == "fp32" else 2,
+                              gemm_tflops=args.gemm_tflops, link_gbps=args.link_gbps)
+                   for model in args.model for mesh in meshes]
+    except ValueError as e:
+        parser.error(str(e))
+    print(format_plan(reports))
+    return 0

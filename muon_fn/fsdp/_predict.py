@@ -1,0 +1,297 @@
+"""What the owner-computes plan costs at scale, from shapes only (no process group, no tensors).
+
+:func:`plan_model` runs the FSDP optimizers' own planner (:func:`~muon_fn.fsdp._plan.make_plan`,
+with the owner units ``FSDPMuonOptimizer`` makes: same-shape, same-view buckets of at most
+``bucket_size`` parameters) on a list of ``(name, global shape, matrix view)`` or a model spec
+(:mod:`muon_fn.fsdp.specs`), every matrix sharded ``Shard(0)`` over the ``dp`` ranks, and
+returns the plan with per-rank figures read off it:
+
+- **NS FLOPs** of the matrices each rank owns (:func:`~muon_fn.fsdp._plan.ns_flops`), their
+  max/mean, and the *efficiency* mean/max (the fraction of the ideal 1/W speed-up the slowest rank
+  allows; ranks that own nothing idle).
+- **Bytes** each rank sends and receives in a step (both all-to-alls, self excluded), and the
+  formula 2(W−1)/W²·S (S: the wire bytes of all Muon matrices), which the mean equals exactly when
+  every matrix's rows divide by W.
+- **Extra peak memory** per rank: the buffers :func:`~muon_fn.fsdp._exchange.exchange` holds at
+  once, all in the wire dtype (every gather is posted up front: the send buffer of the rows this
+  rank sends, and the whole matrices it owns, received; every return in flight: what it owns,
+  sent back, and its rows of everything, coming back; and, for the bucket it computes, the
+  assembled matrices and the results, 2·owned in that bucket), plus the Newton–Schulz workspace
+  of its largest unit (X, XXᵀ, its square and the new X, in ``ns_bytes``). Plain Muon's rows are
+  the update itself; a format with more columns (NorMuon's row state, SSO's weight rows) packs a
+  copy, which this leaves out.
+- A **predicted step time** for a GEMM rate and a per-rank link bandwidth: rank r computes for
+  C = FLOPs/rate and communicates for X = max(sent, received)/bandwidth; buckets overlap the two
+  except one exchange's worth, so t_r = max(C, X) + X/buckets, and the step is the slowest rank's.
+  A model, not a measurement.
+
+Meshes: ``dp=W`` (FSDP2), ``replicate=R,dp=W`` (HSDP: R replica groups each plan and compute the
+same as one ``dp=W`` group), ``tp=T`` with T = 1. Tensor parallelism is refused: the FSDP
+optimizers do not run on it, and this planner predicts only what they run.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+from .. import _views
+from .._muon import group_by
+from ..optim._adapter import BUCKET_SIZE  # FSDPMuonOptimizer's default, as MuonOptimizer's
+from . import specs as _specs
+from ._plan import Plan, make_plan, ns_flops
+
+DEFAULT_GEMM_TFLOPS = 400.0  # achieved dense bf16 GEMM rate of an H100 (of ~990 peak)
+DEFAULT_LINK_GBPS = 50.0  # GB/s per rank between nodes (one 400 Gb/s NIC per GPU)
+
+
+class Mesh(NamedTuple):
+    """The device mesh: ``dp`` shard ranks, ``replicate`` HSDP replica groups, ``tp`` (1)."""
+
+    dp: int
+    replicate: int = 1
+    tp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.replicate * self.tp
+
+    def __str__(self) -> str:
+        parts = ([f"replicate={self.replicate}"] if self.replicate > 1 else []) + [f"dp={self.dp}"]
+        return ",".join(parts + ([f"tp={self.tp}"] if self.tp > 1 else []))
+
+
+def parse_mesh(mesh: str | int | Mesh) -> Mesh:
+    """``"dp=64"``, ``"replicate=2,dp=64"``, ``"dp=64,tp=1"``, an int (``dp``) or a :class:`Mesh`."""
+    if isinstance(mesh, Mesh):
+        sizes = mesh._asdict()
+    elif isinstance(mesh, int) and not isinstance(mesh, bool):
+        sizes = {"dp": mesh}
+    elif isinstance(mesh, str):
+        sizes = {}
+        for part in mesh.split(","):
+            key, eq, value = part.strip().partition("=")
+            if not eq or key not in Mesh._fields or key in sizes or not value.strip().isdigit():
+                raise ValueError(f"Invalid mesh: {mesh!r} (expected comma-separated dims "
+                                 f"{', '.join(f + '=N' for f in Mesh._fields)}, e.g. 'dp=64')")
+            sizes[key] = int(value)
+    else:
+        raise ValueError(f"Invalid mesh: {mesh!r} (expected a string like 'dp=64', an int or a Mesh)")
+    if "dp" not in sizes:
+        raise ValueError(f"Invalid mesh: {mesh!r} (dp=N is required)")
+    for key, value in sizes.items():
+        if value < 1:
+            raise ValueError(f"Invalid mesh: {mesh!r} ({key}={value}, expected >= 1)")
+    if sizes.get("tp", 1) > 1:
+        raise ValueError(f"Invalid mesh: {mesh!r} (tp={sizes['tp']}: the FSDP optimizers do not run "
+                         "on tensor parallelism yet (FSDP2 Shard(0) and HSDP only), so there is no "
+                         "plan to predict; use tp=1)")
+    return Mesh(**sizes)
+
+
+Matrix = tuple[str, Sequence[int], str]  # (name, global shape, matrix view)
+
+
+def muon_matrices(model: str | dict | Sequence) -> tuple[str, list[Matrix]]:
+    """``(label, matrices)``: a spec's Muon parameters (:func:`muon_fn.fsdp.specs.model_params`,
+    AdamW ones left out), or a list of ``(name, shape, view)`` checked and returned as is."""
+    if isinstance(model, (str, dict)):
+        label = model if isinstance(model, str) else "custom"
+        return label, [(p.name, p.shape, p.view) for p in _specs.model_params(model) if p.view]
+    matrices = []
+    for k, entry in enumerate(model):
+        name, shape, view = entry
+        shape = tuple(int(s) for s in shape)
+        if len(shape) < 2:
+            raise ValueError(f"matrix {k} ({name!r}) has shape {shape}: Muon matrices need ndim >= 2")
+        _views.check_view(view, f"view of {name!r}")
+        matrices.append((str(name), shape, view))
+    return "custom", matrices
+
+
+def owner_units(matrices: Sequence[Matrix], bucket_size: int | None) -> list[list[int]]:
+    """The units FSDPMuonOptimizer gives one owner: its single-device buckets (equal shape and
+    view, at most ``bucket_size``, in parameter order), ordered by their first parameter."""
+    units = group_by([(tuple(shape), view) for _, shape, view in matrices], bucket_size)
+    return sorted(units, key=lambda u: u[0])
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    """A plan and its per-rank figures (index r: rank r of a ``dp`` shard group)."""
+
+    model: str
+    mesh: Mesh
+    plan: Plan
+    names: tuple[str, ...]  # of the plan's matrices (parameters), in plan order
+    matrices: int  # matrices Newton–Schulz runs on (an expert stack counts its experts)
+    units: int  # owner units (the optimizer's same-shape buckets)
+    flops: tuple[int, ...]  # NS GEMM FLOPs each rank computes
+    sent: tuple[int, ...]  # bytes each rank sends to others in one step
+    received: tuple[int, ...]
+    peak: tuple[int, ...]  # extra bytes each rank holds at once (estimate, module doc)
+    muon_bytes: int  # S: wire bytes of all Muon matrices
+    unit_flops: tuple[int, ...]  # NS FLOPs of each owner unit
+    gemm_flops_per_s: float
+    link_bytes_per_s: float
+
+    @property
+    def world_size(self) -> int:
+        return self.plan.world_size
+
+    @property
+    def flops_max_mean(self) -> float:
+        mean = sum(self.flops) / self.world_size
+        return max(self.flops) / mean if mean else 1.0
+
+    @property
+    def efficiency(self) -> float:
+        """mean/max NS FLOPs: the share of the ideal 1/W compute time the slowest rank reaches."""
+        return 1.0 / self.flops_max_mean
+
+    @property
+    def bound_max_mean(self) -> float:
+        """The least max/mean any assignment of these owner units can reach (a lower bound: the
+        largest unit; and for k ≥ 1, some rank gets k + 1 of the kW + 1 largest units)."""
+        w, costs = self.world_size, sorted(self.unit_flops, reverse=True)
+        mean = sum(costs) / w
+        if not mean:
+            return 1.0
+        best = max(mean, costs[0])
+        for k in range(1, (len(costs) - 1) // w + 1):
+            best = max(best, sum(costs[k * w - k:k * w + 1]))
+        return best / mean
+
+    @property
+    def idle_ranks(self) -> int:
+        return sum(f == 0 for f in self.flops)
+
+    @property
+    def bytes_formula(self) -> float:
+        """2(W−1)/W²·S, the mean bytes sent per rank when every matrix's rows divide by W."""
+        w = self.world_size
+        return 2 * (w - 1) / w**2 * self.muon_bytes
+
+    @property
+    def sent_mean(self) -> float:
+        return sum(self.sent) / self.world_size
+
+    def rank_step_s(self, rank: int) -> float:
+        """Predicted time of ``rank``: max(compute, comm) + one exchange's comm (module doc)."""
+        compute = self.flops[rank] / self.gemm_flops_per_s
+        comm = max(self.sent[rank], self.received[rank]) / self.link_bytes_per_s
+        return max(compute, comm) + comm / max(1, len(self.plan.buckets))
+
+    @property
+    def step_s(self) -> float:
+        return max(self.rank_step_s(r) for r in range(self.world_size))
+
+    @property
+    def ideal_step_s(self) -> float:
+        """Total NS FLOPs / (W · rate): perfect balance and free communication."""
+        return sum(self.flops) / self.world_size / self.gemm_flops_per_s
+
+
+def plan_model(model: str | dict | Sequence[Matrix], mesh: str | int | Mesh = "dp=8", *,
+               ns_steps: int = 5, bucket_size: int | None = BUCKET_SIZE, num_buckets: int = 4,
+               wire_bytes: int = 4, ns_bytes: int = 2, gemm_tflops: float = DEFAULT_GEMM_TFLOPS,
+               link_gbps: float = DEFAULT_LINK_GBPS) -> PlanReport:
+    """The FSDP optimizer's plan for ``model`` on ``mesh`` and its per-rank figures.
+
+    Args:
+      model: a spec name (:data:`muon_fn.fsdp.specs.SPECS`), a spec dict, or a list of
+        ``(name, global shape, matrix view)`` of the Muon matrices.
+      mesh: ``"dp=W"`` or ``"replicate=R,dp=W"`` (:func:`parse_mesh`); ``tp`` > 1 is refused.
+      ns_steps: Newton–Schulz iterations (quintic / Polar Express: 4s²l + 2s³ FLOPs each).
+      bucket_size: FSDPMuonOptimizer's ``bucket_size`` (its owner units); ``None``: no limit.
+      num_buckets: FSDPMuonOptimizer's ``num_buckets`` (exchanges per step).
+      wire_bytes: bytes per element on the wire (4: fp32, 2: ``wire_dtype=torch.bfloat16``).
+      ns_bytes: bytes per element of the Newton–Schulz iteration (2: bf16, the GPU default).
+      gemm_tflops, link_gbps: the achieved GEMM rate (TFLOP/s) and the per-rank link bandwidth
+        (GB/s) of the predicted step time.
+    """
+    _check_positive(ns_steps=ns_steps, num_buckets=num_buckets, wire_bytes=wire_bytes, ns_bytes=ns_bytes,
+                    gemm_tflops=gemm_tflops, link_gbps=link_gbps, **({} if bucket_size is None
+                                                                   else {"bucket_size": bucket_size}))
+    label, matrices = muon_matrices(model)
+    mesh = parse_mesh(mesh)
+    units = owner_units(matrices, bucket_size)
+    views = [view for _, _, view in matrices]
+    plan = make_plan([shape for _, shape, _ in matrices], mesh.dp, num_buckets=num_buckets,
+                     units=units, views=views)
+    flops = [_views.count(shape, view) * ns_flops(_views.matrix_shape(shape, view), ns_steps)
+             for _, shape, view in matrices]
+    per_rank = _rank_figures(plan, flops, units, views, wire_bytes, ns_bytes)
+    return PlanReport(label, mesh, plan, tuple(name for name, _, _ in matrices),
+                      sum(_views.count(shape, view) for _, shape, view in matrices), len(units),
+                      *per_rank, muon_bytes=sum(mp.numel for mp in plan.matrices) * wire_bytes,
+                      unit_flops=tuple(sum(flops[j] for j in unit) for unit in units),
+                      gemm_flops_per_s=gemm_tflops * 1e12, link_bytes_per_s=link_gbps * 1e9)
+
+
+def _check_positive(**values: float) -> None:
+    """Counts are integers >= 1, rates numbers > 0; the error names the argument and value."""
+    for key, value in values.items():
+        if key in ("gemm_tflops", "link_gbps"):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"Invalid {key}: {value!r} (expected a number > 0)")
+        elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"Invalid {key}: {value!r} (expected an integer >= 1)")
+
+
+def _rank_figures(plan: Plan, flops: list[int], units: list[list[int]], views: list[str],
+                  wire_bytes: int, ns_bytes: int) -> tuple[tuple[int, ...], ...]:
+    """Per rank: NS FLOPs, bytes sent, bytes received, extra peak bytes (module doc).
+
+    Sums of per-rank row vectors (shared by equal layouts), so W = 1,024 stays fast; they equal
+    the plan's split sizes (:meth:`~muon_fn.fsdp._plan.Plan.sent_elements`)."""
+    w = plan.world_size
+    zeros = [0] * w
+    rank_flops, owned, kept, returned = list(zeros), list(zeros), list(zeros), list(zeros)
+    owned_in_bucket = [list(zeros) for _ in plan.buckets]
+    contributed: dict[tuple, int] = {}  # row layout -> columns summed over the matrices laid out so
+    held: dict[tuple, int] = {}
+    copies: dict[tuple, int] = {}
+    for j, mp in enumerate(plan.matrices):
+        contributed[mp.contrib] = contributed.get(mp.contrib, 0) + mp.cols
+        held[mp.receive] = held.get(mp.receive, 0) + mp.cols
+        o = mp.owner
+        rank_flops[o] += flops[j]
+        owned[o] += mp.numel
+        owned_in_bucket[mp.bucket][o] += mp.numel
+        kept[o] += mp.contrib_numel(o) + mp.receive_numel(o)  # rows the owner keeps both ways
+        if mp.receive not in copies:  # rows returned in all: m (sharded) or W·m (replicated)
+            copies[mp.receive] = sum(stop - start for start, stop in mp.receive)
+        returned[o] += copies[mp.receive] * mp.cols
+    sends, holds = _sum_layouts(contributed, w), _sum_layouts(held, w)
+    sent = [wire_bytes * (sends[r] + returned[r] - kept[r]) for r in range(w)]
+    received = [wire_bytes * (owned[r] + holds[r] - kept[r]) for r in range(w)]
+    workspace = _workspaces(plan, units, views, ns_bytes)
+    peak = [wire_bytes * (sends[r] + holds[r] + 2 * owned[r] + 2 * max(b[r] for b in owned_in_bucket))
+            + workspace[r] for r in range(w)]
+    return tuple(rank_flops), tuple(sent), tuple(received), tuple(peak)
+
+
+def _sum_layouts(columns: dict[tuple, int], w: int) -> list[int]:
+    """Per rank, the elements of its rows summed over row layouts, each with its total columns."""
+    total = [0] * w
+    for rows, cols in columns.items():
+        total = [t + (stop - start) * cols for t, (start, stop) in zip(total, rows)]
+    return total
+
+
+def _workspaces(plan: Plan, units: list[list[int]], views: list[str], ns_bytes: int) -> list[int]:
+    """Per rank, the Newton–Schulz workspace of the largest unit it computes: X, XXᵀ, its square
+    and the new X of each matrix, (2sl + 2s²) elements in the iteration's dtype."""
+    out = [0] * plan.world_size
+    for unit in units:
+        size = 0
+        for j in unit:
+            shape = plan.matrices[j].shape
+            m, n = _views.matrix_shape(shape, views[j])
+            s, l = min(m, n), max(m, n)
+            size += _views.count(shape, views[j]) * (2 * s * l + 2 * s * s) * ns_bytes
+        owner = plan.matrices[unit[0]].owner
+        out[owner] = max(out[owner], size)
+    return out

@@ -1,0 +1,197 @@
+"""The planner at scale (muon_fn.fsdp.plan_model, `muon-fn plan`): pure, no processes."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import pathlib
+import time
+
+import expecttest
+import pytest
+import torch
+from torch import nn
+
+from muon_fn import cli
+from muon_fn.fsdp import FSDPMuonOptimizer, Mesh, format_plan, parse_mesh, plan_model, specs
+from muon_fn.fsdp._plan import chunk_rows, ns_flops
+
+SPECS = ("llama3-8b", "llama3-70b", "deepseek-v3")
+DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "distributed.md"
+
+
+@pytest.mark.parametrize("name, total, muon", [
+    ("llama3-8b", 8_030_261_248, 6_979_321_856),  # Llama-3-8B's published count
+    ("llama3-70b", 70_553_706_496, 68_451_041_280),
+    ("deepseek-v3", 671_026_404_352, 669_172_039_680),  # 671B without the MTP module
+])
+def test_spec_parameter_counts_and_the_hybrid_split(name, total, muon):
+    params = specs.model_params(name)
+    assert sum(math.prod(p.shape) for p in params) == total
+    assert sum(math.prod(p.shape) for p in params if p.view) == muon
+    adamw = {p.name for p in params if p.view is None}
+    assert {"embed.weight", "head.weight", "norm.weight"} <= adamw
+    assert all(len(p.shape) == 1 for p in params if p.view is None and "embed" not in p.name
+               and "head" not in p.name)
+    stacks = [p for p in params if p.view == "experts"]
+    assert all(len(p.shape) == 3 for p in stacks) and (not stacks) == (name != "deepseek-v3")
+
+
+def _tiny_model() -> tuple[nn.Module, list, list]:
+    """A module whose parameters are the tiny spec's, in order (names do not matter to the plan)."""
+    model = nn.Module()
+    model.ps = nn.ParameterList(nn.Parameter(torch.zeros(p.shape)) for p in specs.model_params("tiny"))
+    muon = [q for q, p in zip(model.ps, specs.model_params("tiny")) if p.view]
+    adamw = [q for q, p in zip(model.ps, specs.model_params("tiny")) if not p.view]
+    return model, muon, adamw
+
+
+@pytest.mark.parametrize("bucket_size", [4, 1])
+def test_plan_model_is_the_plan_the_optimizer_makes(bucket_size):
+    """Same shapes, views (expert stacks from the model), units and buckets: the same Plan."""
+    model, muon, adamw = _tiny_model()
+    opt = FSDPMuonOptimizer(model, [{"params": muon}, {"params": adamw, "algorithm": "adamw"}],
+                            compile=False, bucket_size=bucket_size)
+    assert opt.plan == plan_model("tiny", "dp=1", bucket_size=bucket_size).plan
+
+
+def test_figures_by_hand():
+    """Two 4x4 matrices on 2 ranks: each rank owns one, sends its half of the other and returns
+    the other's half of its own: 16 elements = 2(W−1)/W²·S."""
+    r = plan_model([("a", (4, 4), "flatten"), ("b", (4, 4), "flatten")], "dp=2", bucket_size=1, ns_steps=5)
+    assert sorted(mp.owner for mp in r.plan.matrices) == [0, 1]
+    assert r.flops == (5 * (4 * 16 * 4 + 2 * 64),) * 2 == (ns_flops((4, 4), 5),) * 2
+    assert r.sent == r.received == (64, 64) and r.muon_bytes == 128 and r.bytes_formula == 64
+    # Gather send 8 + 8, gather receive 16 (owned), return send 16 (owned), return receive 8 + 8,
+    # one bucket's assembled matrix and result 2·16: 4·(16 + 16 + 16 + 16 + 32) bytes; and the bf16
+    # iteration's X, XXᵀ, its square, the new X: (2·16 + 2·16)·2.
+    assert r.peak == (4 * (16 + 16 + 16 + 16 + 32) + 128,) * 2
+    assert (r.flops_max_mean, r.efficiency, r.idle_ranks, r.matrices, r.units) == (1.0, 1.0, 0, 2, 2)
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_each_spec_at_1024_ranks(name):
+    """Fast at W = 1,024; bytes as the exchange sends them (the plan's split sizes); the mean equals
+    2(W−1)/W²·S where every matrix's rows divide by W and otherwise 2/W·Σ (S_j − S_j at its owner)."""
+    w, start = 1024, time.perf_counter()
+    r = plan_model(name, f"dp={w}", bucket_size=1)
+    elapsed = time.perf_counter() - start
+    print(f"{name}: plan_model at W={w} in {elapsed:.2f} s")  # the goal is well under a second
+    for rank in (0, 1, 511, 1023, max(range(w), key=r.sent.__getitem__)):
+        assert r.sent[rank] == 4 * r.plan.sent_elements(rank)
+    assert sum(r.sent) == sum(r.received)
+    kept = sum(mp.contrib_numel(mp.owner) * 4 for mp in r.plan.matrices)
+    assert sum(r.sent) == 2 * (r.muon_bytes - kept)
+    if all(mp.rows % w == 0 for mp in r.plan.matrices):
+        assert r.sent_mean == r.bytes_formula
+    else:
+        assert name == "deepseek-v3" and r.sent_mean < r.bytes_formula
+    # Ranks outnumber the owner units' worth of work: the largest unit sets the step, and LPT
+    # reaches that bound exactly; the ranks left over idle, as the efficiency says.
+    assert max(r.flops) == max(r.unit_flops)
+    assert r.flops_max_mean == pytest.approx(r.bound_max_mean, rel=1e-12)
+    assert r.efficiency == pytest.approx(sum(r.flops) / w / max(r.flops))
+    assert r.idle_ranks > 0 and r.step_s >= r.ideal_step_s / r.efficiency
+
+
+@pytest.mark.parametrize("name, w, bucket_size", [
+    ("llama3-8b", 8, 4), ("llama3-70b", 8, 4), ("deepseek-v3", 8, 4),
+    ("llama3-8b", 8, 1), ("llama3-70b", 8, 1), ("deepseek-v3", 8, 1),
+    ("llama3-70b", 64, 1), ("deepseek-v3", 64, 1),
+])
+def test_flops_balance_goal(name, w, bucket_size):
+    r = plan_model(name, w, bucket_size=bucket_size)
+    assert r.flops_max_mean <= 1.05 and r.idle_ranks == 0
+
+
+def test_where_whole_matrices_cannot_reach_the_goal_lpt_reaches_the_bound():
+    """Llama-3-8B at W = 64: 96 MLP matrices on 64 ranks, so some rank computes two (1.057); a
+    DeepSeek-V3 expert stack alone is 1.395× the mean at W = 256."""
+    for name, w, bound in (("llama3-8b", 64, 1.057), ("deepseek-v3", 256, 1.395)):
+        r = plan_model(name, w, bucket_size=1)
+        assert round(r.bound_max_mean, 3) == bound and r.flops_max_mean == pytest.approx(r.bound_max_mean)
+
+
+def test_hsdp_replicas_plan_like_one_shard_group():
+    one, hsdp = plan_model("tiny", "dp=4"), plan_model("tiny", "replicate=2,dp=4")
+    assert hsdp.mesh == Mesh(dp=4, replicate=2) and hsdp.mesh.world_size == 8
+    assert (hsdp.plan, hsdp.flops, hsdp.sent, hsdp.peak) == (one.plan, one.flops, one.sent, one.peak)
+
+
+def test_rows_follow_fsdp2_chunks():
+    r = plan_model("deepseek-v3", "dp=1024", bucket_size=1)
+    stack = r.plan.matrices[r.names.index("layers.3.moe.experts.gate_proj")]
+    assert stack.contrib == chunk_rows(256, 1024) and stack.cols == 2048 * 7168
+
+
+@pytest.mark.parametrize("mesh, message", [
+    ("dp=0", "Invalid mesh: 'dp=0' (dp=0, expected >= 1)"),
+    ("dp=8,tp=4", "Invalid mesh: 'dp=8,tp=4' (tp=4: the FSDP optimizers do not run on tensor parallelism"),
+    ("ep=8", "Invalid mesh: 'ep=8' (expected comma-separated dims dp=N, replicate=N, tp=N, e.g. 'dp=64')"),
+    ("dp=x", "Invalid mesh: 'dp=x' (expected comma-separated dims"),
+    ("dp=2,dp=4", "Invalid mesh: 'dp=2,dp=4' (expected comma-separated dims"),
+    ("replicate=2", "Invalid mesh: 'replicate=2' (dp=N is required)"),
+    (2.5, "Invalid mesh: 2.5 (expected a string like 'dp=64', an int or a Mesh)"),
+])
+def test_bad_meshes_name_the_value(mesh, message):
+    with pytest.raises(ValueError) as e:
+        parse_mesh(mesh)
+    assert str(e.value).startswith(message)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"model": "llama4"}, "Invalid model spec: 'llama4' (valid: 'llama3-8b', 'llama3-70b', 'deepseek-v3', 'tiny')"),
+    ({"bucket_size": 0}, "Invalid bucket_size: 0 (expected an integer >= 1)"),
+    ({"num_buckets": True}, "Invalid num_buckets: True (expected an integer >= 1)"),
+    ({"ns_steps": 2.5}, "Invalid ns_steps: 2.5 (expected an integer >= 1)"),
+    ({"gemm_tflops": -1.0}, "Invalid gemm_tflops: -1.0 (expected a number > 0)"),
+    ({"link_gbps": 0}, "Invalid link_gbps: 0 (expected a number > 0)"),
+    ({"model": [("w", (4,), "flatten")]}, "matrix 0 ('w') has shape (4,): Muon matrices need ndim >= 2"),
+    ({"model": [("w", (4, 4), "rows")]}, "Invalid view of 'w': 'rows' (valid: 'flatten', 'experts'"),
+])
+def test_bad_arguments_name_the_value(kwargs, message):
+    kwargs = {"model": "tiny", **kwargs}
+    with pytest.raises(ValueError) as e:
+        plan_model(kwargs.pop("model"), "dp=2", **kwargs)
+    assert str(e.value).startswith(message)
+
+
+def _cli(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main(list(argv))
+        except SystemExit as e:
+            code = e.code
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_cli_bad_arguments_exit_2_naming_the_value():
+    for argv, message in ((["--mesh", "dp=8,tp=2"], "tp=2: the FSDP optimizers do not run on tensor parallelism"),
+                          (["--bucket-size", "0"], "Invalid bucket_size: 0"),
+                          (["--wire", "fp8"], "argument --wire: invalid choice: 'fp8'")):
+        code, out, err = _cli("plan", "--model", "tiny", *argv)
+        assert code == 2 and message in err and not out
+    code, _, err = _cli("plan", "--model", "gpt5")
+    assert code == 2 and "Invalid model spec: 'gpt5'" in err
+
+
+def test_docs_table_is_the_commands_output():
+    """docs/distributed.md shows `muon-fn plan` on the three specs at W = 8 … 1,024 verbatim."""
+    reports = [plan_model(name, w, bucket_size=1) for name in SPECS for w in (8, 64, 256, 1024)]
+    assert format_plan(reports) in DOC.read_text()
+    reports = [plan_model(name, w) for name in SPECS for w in (8, 64, 256, 1024)]
+    assert format_plan(reports) in DOC.read_text()
+
+
+class TestCLI(expecttest.TestCase):
+    def test_prints_the_table(self):
+        code, out, err = _cli("plan", "--model", "tiny", "--mesh", "dp=2", "replicate=2,dp=4", "--bucket-size", "1")
+        self.assertEqual((code, err), (0, ""))
+        self.assertExpectedInline(out, """\
+| model | mesh | matrices | units | buckets | NS FLOPs/rank max | max/mean | lower bound | efficiency | idle ranks | sent/rank mean | 2(W−1)/W²·S | sent max | received max | extra peak max | compute | comm | step |
+|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|
+| tiny | dp=2 | 24 | 15 | 4 | 48.8 MFLOP | 1.007 | 1.000 | 99% | 0/2 | 148 kB | 148 kB | 148 kB | 148 kB | 787 kB | 0.122 µs | 2.96 µs | 3.7 µs |
+| tiny | replicate=2,dp=4 | 24 | 15 | 4 | 26.2 MFLOP | 1.081 | 1.000 | 93% | 0/4 | 111 kB | 111 kB | 123 kB | 123 kB | 525 kB | 0.0655 µs | 2.46 µs | 3.08 µs |
+""")
