@@ -172,6 +172,10 @@ def _check_command(argv: list[str]) -> None:
         rest = argv[1:] if argv[0] == "bench" else ["sso", *argv[1:]]
         command = rest.pop(0) if rest and rest[0] in COMMANDS else "muon"
         parser(command).parse_args(rest)
+    elif argv[0] == "plan":
+        from muon_fn.fsdp._plan_cli import _parser
+
+        _parser("muon-fn plan").parse_args(argv[1:])
     else:
         raise AssertionError(f"unknown muon-fn command {argv[0]!r}")
 
