@@ -453,7 +453,7 @@ class Optimizer(torch.optim.Optimizer):
         ``"param_layout"``: one ``(name, global shape, matrix view)`` per parameter, in order
         (see :meth:`load_state_dict`)."""
         state_dict = super().state_dict()
-        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
+        for group, saved in zip(self.param_groups, state_dict.get("param_groups", ())):
             saved[_layout.KEY] = [tuple(p) for p in self._layout(group)]
         return state_dict
 
