@@ -608,8 +608,8 @@ def check_dcp_refused(w, ckpt_dir):
 
 def check_plan_mismatch(w):
     """The last rank builds a different optimizer (a renamed, an extra, a replicated parameter;
-    another num_buckets; another matrix view): every rank raises one clear error naming the
-    first difference, at construction, and no collective is left hanging."""
+    another num_buckets or nonfinite policy; another matrix view): every rank raises one clear
+    error naming the first difference, at construction, and no collective is left hanging."""
     import torch.distributed as dist
 
     from muon_fn.fsdp import FSDPMuonOptimizer
@@ -632,6 +632,7 @@ def check_plan_mismatch(w):
         "replicated": (lambda: make(Pair), {}, ["at the options", f"{w} ranks, mesh ({w},)",
                                                 f"{w} ranks, no device mesh on rank"]),
         "num_buckets": (lambda: shard(make(Pair)), {"num_buckets": 1}, ["num_buckets=4", "num_buckets=1"]),
+        "nonfinite": (lambda: shard(make(Pair)), {"nonfinite": None}, ["nonfinite='skip'", "nonfinite=None"]),
         "view": (lambda: shard(make(Experts)), {"matrix_view": {"w_up": "flatten"}},
                  ["parameter 0 of group 0", "view 'experts' on rank 0", "view 'flatten' on rank"]),
     }

@@ -293,13 +293,15 @@ class FSDPAdapter:
         self.plan, self._wire_in = plan, _rows.common_dtype([m.fmt for m in matrices])
 
     def _plan_description(self, plan: _plan.Plan) -> list[tuple[str, str]]:
-        """What every rank must agree on, entry by entry: the adapter's options and mesh, each
-        parameter (name, global shape, placements, route, matrix view of ndim ≥ 3), and the plan
-        (owners, buckets, split sizes) by its hash."""
+        """What every rank must agree on, entry by entry: the options that decide which
+        collectives a step makes, the mesh, each parameter (name, global shape, placements,
+        route, matrix view of ndim ≥ 3), and the plan (owners, buckets, split sizes) by its hash."""
         topo, mesh = self.topology, self.topology.mesh
         where = "no device mesh" if mesh is None else f"mesh {tuple(mesh.shape)} {mesh.mesh_dim_names}"
         out = [("the options", f"strategy={self.strategy!r}, wire_dtype={self.wire_dtype}, "
-                               f"num_buckets={self._num_buckets}, {topo.world_size} ranks, {where}")]
+                               f"num_buckets={self._num_buckets}, gradient_accumulation_steps="
+                               f"{self._accumulation_steps}, nonfinite={self.nonfinite!r}, "
+                               f"{topo.world_size} ranks, {where}")]
         for gi, group in enumerate(self.param_groups):
             routes = {i: route for route in self._routes(gi) for i in route.indices}
             for i, p in enumerate(group["params"]):
