@@ -244,3 +244,20 @@ def test_dcp_state_dict_matches_by_name():
     with pytest.raises(ValueError, match="'experts' of shape \\(3, 4, 5\\) with view 'flatten' in the state dict"):
         set_optimizer_state_dict(moe2, stacks, get_optimizer_state_dict(moe, flat))
     assert_unchanged(stacks, snap)
+
+
+def test_dcp_state_dict_of_unnamed_parameters_loads():
+    """Saved without names, keyed by name by torch.distributed.checkpoint: the record cannot be
+    aligned, so the state's sizes are what is checked."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3))
+    opt = mf.MuonOptimizer(model.parameters(), compile=False)
+    step(model, opt, 0)
+    clone = copy.deepcopy(model)
+    other = mf.MuonOptimizer(clone.parameters(), compile=False)
+    set_optimizer_state_dict(clone, other, copy.deepcopy(get_optimizer_state_dict(model, opt)))
+    step(model, opt, 1)
+    step(clone, other, 1)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), clone.parameters()))

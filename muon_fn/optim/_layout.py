@@ -6,7 +6,8 @@
 (:func:`check_group`): state is keyed by position, so a renamed, reordered or reshaped parameter,
 or one seen as other matrices, would otherwise receive another parameter's state. Groups whose
 saved ``params`` are names (``torch.distributed.checkpoint``'s ``set_optimizer_state_dict``,
-which re-keys state by fully qualified name) are compared name by name. A checkpoint without the
+which re-keys state by fully qualified name) are compared name by name (when the record has
+names; else only by the state's sizes, as the order of the saved parameters is lost). A checkpoint without the
 record (``torch.optim`` optimizers, older muon_fn versions) is checked by its ``param_names``
 where both sides have them, else only by the state's sizes.
 """
@@ -69,6 +70,8 @@ def check_group(index: int, saved_group: dict[str, Any], ours: Sequence[ParamLay
         raise ValueError(f"{_MISMATCH} {index}: its {KEY} lists {len(saved)} parameters for "
                          f"{len(saved_params)} params")
     if saved_params and all(isinstance(pid, str) for pid in saved_params):
+        if any(p.name is None for p in saved):
+            return  # keyed by name, saved without names: the order is unknown, sizes are checked
         saved = _by_name(index, saved, saved_params)  # state keyed by name: order is free
     named = all(p.name is not None for p in saved) and all(p.name is not None for p in ours)
     for position, (s, o) in enumerate(zip(saved, ours)):
