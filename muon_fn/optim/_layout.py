@@ -4,12 +4,13 @@
 :class:`ParamLayout` ``(name, global shape, matrix view)`` per parameter, in the group's order.
 ``load_state_dict`` compares it with the loading optimizer's own layout before anything changes
 (:func:`check_group`): state is keyed by position, so a renamed, reordered or reshaped parameter,
-or one seen as other matrices, would otherwise receive another parameter's state. Groups whose
-saved ``params`` are names (``torch.distributed.checkpoint``'s ``set_optimizer_state_dict``,
-which re-keys state by fully qualified name) are compared name by name (when the record has
-names; else only by the state's sizes, as the order of the saved parameters is lost). A checkpoint without the
-record (``torch.optim`` optimizers, older muon_fn versions) is checked by its ``param_names``
-where both sides have them, else only by the state's sizes.
+or one seen as other matrices, would otherwise receive another parameter's state.
+
+Groups whose saved ``params`` are names (``torch.distributed.checkpoint``'s
+``set_optimizer_state_dict``, which re-keys state by fully qualified name) are compared name by
+name; if the record has no names, the saved order is lost and only the state's sizes are
+checked. A checkpoint without the record (``torch.optim`` optimizers, older muon_fn versions) is
+checked by its ``param_names`` where both sides have them, else only by the state's sizes.
 """
 
 from __future__ import annotations
