@@ -570,6 +570,101 @@ def check_dcp_load(w, ckpt_dir):
     return run
 
 
+def check_dcp_refused(w, ckpt_dir):
+    """What W=4 saved, into a model with a renamed or a reshaped parameter: DCP refuses it while
+    planning the read, naming the key, before anything changes (the optimizer's state tensors are
+    the ones dcp.load would write into)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from muon_fn.fsdp import FSDPMuonOptimizer
+
+    def renamed():
+        model = make()
+        model.l8 = model.l7
+        del model.l7
+        return model
+
+    def reshaped():
+        model = make()
+        model.l1 = nn.Linear(7, 10)
+        return model
+
+    def run():
+        msgs = {}
+        for what, build, needle in (("renamed", renamed, "l8.weight"), ("reshaped", reshaped, "l1.weight")):
+            model = shard(build())
+            opt = FSDPMuonOptimizer(model, beta2=0.9, **muon_kwargs())
+            train([(model, opt)], 1)
+            before = {n: {k: v.to_local().clone() if hasattr(v, "to_local") else v.clone()
+                          for k, v in opt.state[p].items()} for n, p in model.named_parameters()}
+            try:
+                dcp.load({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=ckpt_dir)
+            except CheckpointException as e:  # a BaseException, wrapping every rank's error
+                msgs[what] = str(e)
+            else:
+                raise AssertionError(f"DCP loaded the checkpoint into the {what} model")
+            assert needle in msgs[what], msgs[what]
+            for n, p in model.named_parameters():
+                for k, v in opt.state[p].items():
+                    now = v.to_local() if hasattr(v, "to_local") else v
+                    assert torch.equal(now, before[n][k]), f"{what}: {n} {k} changed"
+        return {k: v[-300:] for k, v in msgs.items()}
+
+    return run
+
+
+def check_plan_mismatch(w):
+    """The last rank builds a different optimizer (a renamed, an extra, a replicated parameter;
+    another num_buckets or nonfinite policy; another matrix view): every rank raises one clear
+    error naming the first difference, at construction, and no collective is left hanging."""
+    import torch.distributed as dist
+
+    from muon_fn.fsdp import FSDPMuonOptimizer
+
+    def renamed():
+        model = make(Pair)
+        model.l3 = model.l2
+        del model.l2
+        return model
+
+    def extra():
+        model = make(Pair)
+        model.l3 = nn.Linear(5, 5)
+        return model
+
+    cases = {  # name: (what the last rank builds, keyword arguments, needles of the message)
+        "renamed": (lambda: shard(renamed()), {}, ["parameter 2 of group 0", "'l2.weight' of shape (5, 10)",
+                                                 "'l3.weight' of shape (5, 10)"]),
+        "extra": (lambda: shard(extra()), {}, ["parameter 3 of group 0", "none on rank 0", "'l3.weight'"]),
+        "replicated": (lambda: make(Pair), {}, ["at the options", f"{w} ranks, mesh ({w},)",
+                                                f"{w} ranks, no device mesh on rank"]),
+        "num_buckets": (lambda: shard(make(Pair)), {"num_buckets": 1}, ["num_buckets=4", "num_buckets=1"]),
+        "nonfinite": (lambda: shard(make(Pair)), {"nonfinite": None}, ["nonfinite='skip'", "nonfinite=None"]),
+        "view": (lambda: shard(make(Experts)), {"matrix_view": {"w_up": "flatten"}},
+                 ["parameter 0 of group 0", "view 'experts' on rank 0", "view 'flatten' on rank"]),
+    }
+
+    def run():
+        last, msgs = dist.get_rank() == w - 1, {}
+        for name, (odd, kw, needles) in cases.items():
+            model = odd() if last else shard(make(Experts if name == "view" else Pair))
+            try:
+                FSDPMuonOptimizer(model, **(kw if last else {}), **muon_kwargs())
+            except RuntimeError as e:
+                msgs[name] = str(e)
+            else:
+                raise AssertionError(f"{name}: no error on rank {dist.get_rank()}")
+            assert msgs[name].startswith(f"the ranks disagree on the optimizer's plan: rank {w - 1} differs "
+                                         "from rank 0 at "), msgs[name]
+            for needle in needles:
+                assert needle in msgs[name], f"{needle!r} not in: {msgs[name]}"
+        return msgs
+
+    return run
+
+
 def check_accumulation(w):
     """k=2 micro-batches with real backward: sync off for the first (grads stay None), on for the
     last; equals single-device MuonOptimizer(gradient_accumulation_steps=2) within BACKWARD_ATOL."""
@@ -731,6 +826,7 @@ def checks_for(w: int, ckpt_dir: str) -> dict:
         "errors": check_errors(w),
         "expert_stacks": check_expert_stacks(w),
         "expert_stacks_normuon": check_expert_stacks(w, beta2=0.95, nesterov=False),
+        "plan_mismatch": check_plan_mismatch(w),
     }
     if w == 4:
         checks.update({
@@ -747,6 +843,8 @@ def checks_for(w: int, ckpt_dir: str) -> dict:
         })
     else:
         checks[f"dcp_load_w{w}"] = check_dcp_load(w, ckpt_dir)
+    if w == 2:
+        checks["dcp_refused"] = check_dcp_refused(w, ckpt_dir)
     if w == 3:
         checks["parity_replicate"] = check_parity(w, strategy="replicate", beta2=0.95)
     return checks

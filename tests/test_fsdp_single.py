@@ -7,7 +7,9 @@ The multi-rank behaviour is in tests/test_fsdp.py (marked distributed); these ru
 from __future__ import annotations
 
 import copy
+import re
 
+import expecttest
 import pytest
 import torch
 import torch.nn as nn
@@ -15,6 +17,7 @@ import torch.nn as nn
 import muon_fn as mf
 from muon_fn.fsdp import FSDPMuonOptimizer
 from muon_fn.fsdp import _phases, _rows
+from muon_fn.fsdp._exchange import first_difference
 from muon_fn.optim._state import Slot
 
 
@@ -351,3 +354,67 @@ def test_expert_stacks_are_read_by_module(extra):
         ref_opt.step()
     assert_same(model, opt, ref, ref_opt)
     assert opt.last_step_stats["ns_flops"] > 0
+
+
+# ---------------------------------------------------------------------------- ranks agree
+class TestPlanAgreement(expecttest.TestCase):
+    """What ranks compare once at construction (one all-gather of its hash; on a mismatch a
+    second names the first difference). The ranks themselves: tests/test_fsdp.py."""
+
+    def test_description_of_the_plan(self):
+        torch.manual_seed(0)
+        model = Net()
+        opt = FSDPMuonOptimizer(model)
+        description = [(k, re.sub("^[0-9a-f]{16}$", "<hash>", v)) for k, v in opt._plan_description(opt.plan)]
+        self.assertExpectedInline("\n".join(f"{k}: {v}" for k, v in description), """\
+the options: strategy='owner', wire_dtype=None, num_buckets=4, gradient_accumulation_steps=1, nonfinite='skip', 1 ranks, no device mesh
+parameter 0 of group 0: 'conv.weight' of shape (4, 2, 3, 3), a plain (replicated) tensor, muon, view 'flatten'
+parameter 1 of group 0: 'conv.bias' of shape (4,), a plain (replicated) tensor, adamw
+parameter 2 of group 0: 'fc1.weight' of shape (10, 16), a plain (replicated) tensor, muon
+parameter 3 of group 0: 'fc1.bias' of shape (10,), a plain (replicated) tensor, adamw
+parameter 4 of group 0: 'fc2.weight' of shape (10, 10), a plain (replicated) tensor, muon
+parameter 5 of group 0: 'fc2.bias' of shape (10,), a plain (replicated) tensor, adamw
+parameter 6 of group 0: 'head.weight' of shape (3, 10), a plain (replicated) tensor, muon
+parameter 7 of group 0: 'head.bias' of shape (3,), a plain (replicated) tensor, adamw
+parameter 8 of group 0: 'norm.weight' of shape (10,), a plain (replicated) tensor, adamw
+parameter 9 of group 0: 'norm.bias' of shape (10,), a plain (replicated) tensor, adamw
+the plan's owners and buckets: <hash>""")
+
+    def test_first_difference(self):
+        def describe(model, **kw):
+            opt = FSDPMuonOptimizer(model, **kw)
+            return opt._plan_description(opt.plan)
+
+        torch.manual_seed(0)
+        base = describe(Net())
+        renamed = Net()
+        renamed.fc3 = renamed.fc2
+        del renamed.fc2
+        self.assertExpectedInline(first_difference(base, describe(renamed), 1), """\
+at parameter 4 of group 0: 'fc2.weight' of shape (10, 10), a plain (replicated) tensor, muon on rank 0, 'head.weight' of shape (3, 10), a plain (replicated) tensor, muon on rank 1""")
+        extra = Net()
+        extra.more = nn.Linear(3, 3, bias=False)
+        self.assertExpectedInline(first_difference(base, describe(extra), 3), """\
+at parameter 10 of group 0: none on rank 0, 'more.weight' of shape (3, 3), a plain (replicated) tensor, muon on rank 3""")
+        self.assertExpectedInline(first_difference(base, describe(Net(), num_buckets=1), 1), """\
+at the options: strategy='owner', wire_dtype=None, num_buckets=4, gradient_accumulation_steps=1, nonfinite='skip', 1 ranks, no device mesh on rank 0, strategy='owner', wire_dtype=None, num_buckets=1, gradient_accumulation_steps=1, nonfinite='skip', 1 ranks, no device mesh on rank 1""")
+        twins = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
+        # bucket_size changes only which matrices an owner computes together: the plan's hash
+        assert re.fullmatch("at the plan's owners and buckets: [0-9a-f]{16} on rank 0, [0-9a-f]{16} on rank 1",
+                            first_difference(describe(twins), describe(twins, bucket_size=1), 1))
+
+
+def test_fsdp_state_dict_records_the_layout_and_refuses_another():
+    torch.manual_seed(0)
+    model = Net()
+    opt = FSDPMuonOptimizer(model, **KW)
+    sd = opt.state_dict()
+    assert sd["param_groups"][0]["param_layout"][:2] == [("conv.weight", (4, 2, 3, 3), "flatten"),
+                                                          ("conv.bias", (4,), "flatten")]
+    renamed = Net()
+    renamed.fc3 = renamed.fc2
+    del renamed.fc2
+    other = FSDPMuonOptimizer(renamed, **KW)
+    with pytest.raises(ValueError, match="parameter 4 is 'fc2.weight' of shape \\(10, 10\\) in the state dict "
+                                         "but 'head.weight' of shape \\(3, 10\\) in this optimizer"):
+        other.load_state_dict(copy.deepcopy(sd))

@@ -273,7 +273,7 @@ class TestStateDict(expecttest.TestCase):
         sd = _roundtrip(opt.state_dict())
         self.assertExpectedInline(
             self.message(ValueError, lambda: opt2.load_state_dict(sd)),
-            """loaded state 'momentum_buffer' for parameter 'weight' has shape (3, 4), expected (4, 3): the state_dict comes from a different optimizer layout""")
+            """loaded state dict contains a parameter group that doesn't match optimizer's group 0: parameter 0 is 'weight' of shape (3, 4) in the state dict but 'weight' of shape (4, 3) in this optimizer; the state_dict comes from a different model layout""")
 
     def test_group_count_mismatch(self):
         lin = _linear()
@@ -355,7 +355,7 @@ def test_failed_load_leaves_optimizer_usable():
     opt2.step()
     own = {k: v.clone() for k, v in opt2.state[dst.weight].items()}
     groups = [{k: v for k, v in g.items() if k != "params"} for g in opt2.param_groups]
-    with pytest.raises(ValueError, match="different optimizer layout"):
+    with pytest.raises(ValueError, match="different model layout"):
         opt2.load_state_dict(_roundtrip(opt.state_dict()))
     assert [{k: v for k, v in g.items() if k != "params"} for g in opt2.param_groups] == groups
     assert opt2.param_groups[0]["params"][0] is dst.weight

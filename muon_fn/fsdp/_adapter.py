@@ -289,10 +289,29 @@ class FSDPAdapter:
             num_buckets=self._num_buckets, extra_cols=[m.fmt.sent_cols - m.fmt.cols for m in matrices],
             units=group_by([id(m.bucket) for m in matrices]),  # the owner computes whole buckets
             views=[m.view for m in matrices])
-        fingerprint = hashlib.sha256(repr(plan).encode()).hexdigest()[:16]
-        _exchange.check_same(fingerprint, "the communication plan (parameter shapes and groups)",
-                             topo.group, topo.world_size)
+        _exchange.check_same(self._plan_description(plan), "the optimizer's plan", topo.group, topo.world_size)
         self.plan, self._wire_in = plan, _rows.common_dtype([m.fmt for m in matrices])
+
+    def _plan_description(self, plan: _plan.Plan) -> list[tuple[str, str]]:
+        """What every rank must agree on, entry by entry: the options that decide which
+        collectives a step makes, the mesh, each parameter (name, global shape, placements,
+        route, matrix view of ndim ≥ 3), and the plan (owners, buckets, split sizes) by its hash."""
+        topo, mesh = self.topology, self.topology.mesh
+        where = "no device mesh" if mesh is None else f"mesh {tuple(mesh.shape)} {mesh.mesh_dim_names}"
+        out = [("the options", f"strategy={self.strategy!r}, wire_dtype={self.wire_dtype}, "
+                               f"num_buckets={self._num_buckets}, gradient_accumulation_steps="
+                               f"{self._accumulation_steps}, nonfinite={self.nonfinite!r}, "
+                               f"{topo.world_size} ranks, {where}")]
+        for gi, group in enumerate(self.param_groups):
+            routes = {i: route for route in self._routes(gi) for i in route.indices}
+            for i, p in enumerate(group["params"]):
+                placed = (f"placements {tuple(p.placements)}" if isinstance(p, _params.DTensor)
+                          else "a plain (replicated) tensor")
+                view = f", view {routes[i].options.get('matrix_view', 'flatten')!r}" if p.ndim >= 3 else ""
+                out.append((f"parameter {i} of group {gi}",
+                             f"{self._fqn(p)!r} of shape {tuple(p.shape)}, {placed}, {routes[i].label}{view}"))
+        out.append(("the plan's owners and buckets", hashlib.sha256(repr(plan).encode()).hexdigest()[:16]))
+        return out
 
     # ------------------------------------------------------------------ the step
     @step_not_traced

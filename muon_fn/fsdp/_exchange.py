@@ -13,6 +13,7 @@ the all-gather baseline (every rank computes every matrix). :func:`all_ranks_fin
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Sequence
@@ -352,14 +353,35 @@ def share_from_owners(values: list[torch.Tensor | None], like: list[torch.Tensor
     return out
 
 
-def check_same(fingerprint: str, what: str, group: dist.ProcessGroup | None, world_size: int) -> None:
-    """Raise on every rank unless every rank of ``group`` has the same ``fingerprint``."""
+def check_same(description: Sequence[tuple[str, str]], what: str, group: dist.ProcessGroup | None,
+               world_size: int) -> None:
+    """Raise on every rank unless every rank of ``group`` has the same ``description`` (a list
+    of ``(entry, value)`` pairs). One all-gather of a hash; only when the hashes differ, a second
+    gathers the descriptions to name the first entry that differs (:func:`first_difference`)."""
     if world_size == 1:
         return
+    digest = hashlib.sha256(repr(list(description)).encode()).hexdigest()
     every: list[Any] = [None] * world_size
-    dist.all_gather_object(every, fingerprint, group=group)
-    differ = [r for r, f in enumerate(every) if f != every[0]]
-    if differ:
-        raise RuntimeError(f"the ranks disagree on {what}: ranks {differ} differ from rank 0 "
-                           f"({every[differ[0]]!r} vs {every[0]!r}); every rank must build the "
-                           "optimizer from the same parameters in the same order")
+    dist.all_gather_object(every, digest, group=group)
+    differ = [r for r, d in enumerate(every) if d != every[0]]
+    if not differ:
+        return
+    descriptions: list[Any] = [None] * world_size
+    dist.all_gather_object(descriptions, list(description), group=group)
+    raise RuntimeError(f"the ranks disagree on {what}: rank {differ[0]} differs from rank 0 "
+                       f"{first_difference(descriptions[0], descriptions[differ[0]], differ[0])}; every "
+                       "rank must build the optimizer from the same model, parameters (in the same "
+                       "order) and options")
+
+
+def first_difference(first: Sequence[tuple[str, str]], other: Sequence[tuple[str, str]], rank: int) -> str:
+    """Where rank ``rank``'s description ``other`` first departs from rank 0's ``first``, in words.
+    Entries are matched by name; the last entry of a description (a summary, such as the plan's
+    hash) is compared after all the others."""
+    a, b = dict(first), dict(other)
+    names = [*list(a)[:-1], *(k for k in list(b)[:-1] if k not in a), *list(a)[-1:],
+             *(k for k in list(b)[-1:] if k not in a)]
+    for name in names:
+        if a.get(name) != b.get(name):
+            return f"at {name}: {a.get(name, 'none')} on rank 0, {b.get(name, 'none')} on rank {rank}"
+    return "in the order of its entries"

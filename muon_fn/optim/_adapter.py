@@ -25,14 +25,14 @@ import torch
 from .. import _checks, _compile, _tree
 from .._base import GradientTransformation, info
 from .._muon import group_by
-from . import _state
+from . import _layout, _state
 
 Factory = Callable[[dict[str, Any]], GradientTransformation]
 
 NONFINITE_POLICIES = ("skip", "error", None)
 # Group keys the adapter itself uses; they never reach the factory.
 _ADAPTER_KEYS = frozenset({"params", "param_names", "gradient_accumulation_steps", "micro_step",
-                           "initial_lr", "base_lr"})
+                           "initial_lr", "base_lr", _layout.KEY})
 # Hyperparameters passed to the factory as 0-d tensors refreshed before every step (any
 # tensor-valued key is one too); other keys are static and rebuild the transform on change.
 # weight_decay is static: it rarely changes, and a static 0 removes the decay term entirely.
@@ -448,13 +448,34 @@ class Optimizer(torch.optim.Optimizer):
         return out
 
     # ----------------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """torch's ``state_dict``; every param group also records its parameters' layout under
+        ``"param_layout"``: one ``(name, global shape, matrix view)`` per parameter, in order
+        (see :meth:`load_state_dict`)."""
+        state_dict = super().state_dict()
+        for group, saved in zip(self.param_groups, state_dict.get("param_groups", ())):
+            saved[_layout.KEY] = [tuple(p) for p in self._layout(group)]
+        return state_dict
+
+    def _layout(self, group: dict[str, Any]) -> list[_layout.ParamLayout]:
+        """The layout of ``group``'s parameters: names, global shapes and matrix views."""
+        options = self._param_options(group)
+        return [_layout.ParamLayout(name, tuple(p.shape), opts.get("matrix_view"))
+                for name, p, opts in zip(self._param_names(group), group["params"], options)]
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's ``load_state_dict``, with every state tensor in the dtype its transform uses
         (torch would cast all tensor state to the parameter's dtype, e.g. fp32 momentum of a bf16
         parameter, or integer counters), the loaded hyperparameters checked as the constructor
-        checks them, and a check that the state_dict has this optimizer's layout; a rejected
-        state_dict leaves the optimizer as it was."""
+        checks them, and a check that the state_dict has this optimizer's layout: the recorded
+        ``param_layout`` (names, global shapes, matrix views; or, in a checkpoint without it,
+        the ``param_names`` where both sides have them) and the state's keys and shapes. A
+        rejected state_dict leaves the optimizer as it was."""
         self._check_saved_groups(state_dict)
+        for index, (group, saved_group) in enumerate(zip(self.param_groups, state_dict["param_groups"])):
+            _layout.check_group(index, saved_group, self._layout(group))
+        state_dict = {**state_dict, "param_groups": [
+            {k: v for k, v in g.items() if k != _layout.KEY} for g in state_dict["param_groups"]]}
         saved = state_dict["state"]
         backup_state, backup_groups = self.state, self.param_groups
         try:

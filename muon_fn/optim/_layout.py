@@ -1,0 +1,100 @@
+"""The parameter layout a checkpoint records, and the check that a load matches it.
+
+``state_dict()`` stores in every saved param group, under :data:`KEY`, one
+:class:`ParamLayout` ``(name, global shape, matrix view)`` per parameter, in the group's order.
+``load_state_dict`` compares it with the loading optimizer's own layout before anything changes
+(:func:`check_group`): state is keyed by position, so a renamed, reordered or reshaped parameter,
+or one seen as other matrices, would otherwise receive another parameter's state.
+
+Groups whose saved ``params`` are names (``torch.distributed.checkpoint``'s
+``set_optimizer_state_dict``, which re-keys state by fully qualified name) are compared name by
+name; if the record has no names, the saved order is lost and only the state's sizes are
+checked. A checkpoint without the record (``torch.optim`` optimizers, older muon_fn versions) is
+checked by its ``param_names`` where both sides have them, else only by the state's sizes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+KEY = "param_layout"
+_MISMATCH = "loaded state dict contains a parameter group that doesn't match optimizer's group"
+
+
+class ParamLayout(NamedTuple):
+    """What a checkpoint records of one parameter."""
+
+    name: str | None  # fully qualified name, where known
+    shape: tuple[int, ...]  # global shape (of the whole parameter, not of a shard)
+    view: str | None  # its matrix view (muon_fn._views), None where the optimizer has none
+
+
+def entry(value: Any) -> ParamLayout:
+    """A saved entry as a :class:`ParamLayout` (a JSON round trip turns tuples into lists)."""
+    name, shape, view = value
+    return ParamLayout(name, tuple(int(s) for s in shape), view)
+
+
+def describe(p: ParamLayout, *, view: bool = False) -> str:
+    """``'fc1.weight' of shape (24, 12)`` (``one of shape ...`` when unnamed), with the view if asked."""
+    who = repr(p.name) if p.name is not None else "one"
+    return f"{who} of shape {p.shape}" + (f" with view {p.view!r}" if view else "")
+
+
+def _differ(saved: ParamLayout, ours: ParamLayout, names: bool) -> bool:
+    return (names and saved.name != ours.name) or (saved.shape, saved.view) != (ours.shape, ours.view)
+
+
+def _difference(index: int, position: int, saved: ParamLayout, ours: ParamLayout) -> str:
+    show_view = saved.view != ours.view
+    return (f"{_MISMATCH} {index}: parameter {position} is "
+            f"{describe(saved, view=show_view)} in the state dict but "
+            f"{describe(ours, view=show_view)} in this optimizer; the state_dict "
+            "comes from a different model layout")
+
+
+def check_group(index: int, saved_group: dict[str, Any], ours: Sequence[ParamLayout]) -> None:
+    """Raise ``ValueError`` naming the first parameter of group ``index`` whose saved layout
+    differs from ``ours`` (torch's wording for a group of another size)."""
+    saved_params = list(saved_group.get("params", ()))
+    if len(saved_params) != len(ours):
+        raise ValueError(f"loaded state dict contains a parameter group that doesn't match the size of "
+                         f"optimizer's group: group {index} has {len(saved_params)} parameters in the "
+                         f"state dict and {len(ours)} in this optimizer")
+    record = saved_group.get(KEY)
+    if record is None:
+        _check_names(index, saved_group.get("param_names"), ours)
+        return
+    saved = [entry(e) for e in record]
+    if len(saved) != len(ours):
+        raise ValueError(f"{_MISMATCH} {index}: its {KEY} lists {len(saved)} parameters for "
+                         f"{len(saved_params)} params")
+    if saved_params and all(isinstance(pid, str) for pid in saved_params):
+        if any(p.name is None for p in saved):
+            return  # keyed by name, saved without names: the order is unknown, sizes are checked
+        saved = _by_name(index, saved, saved_params)  # state keyed by name: order is free
+    named = all(p.name is not None for p in saved) and all(p.name is not None for p in ours)
+    for position, (s, o) in enumerate(zip(saved, ours)):
+        if _differ(s, o, named):
+            raise ValueError(_difference(index, position, s, o))
+
+
+def _by_name(index: int, saved: list[ParamLayout], order: list[str]) -> list[ParamLayout]:
+    """The saved entries in the order of ``order`` (the names the loader put in ``params``)."""
+    by_name = {p.name: p for p in saved}
+    missing = [n for n in order if n not in by_name]
+    if missing:
+        raise ValueError(f"{_MISMATCH} {index}: the state dict records no parameter named {missing[0]!r}")
+    return [by_name[n] for n in order]
+
+
+def _check_names(index: int, names: Any, ours: Sequence[ParamLayout]) -> None:
+    """A checkpoint without the record: its ``param_names`` (if any) against ours, in order."""
+    if names is None or any(p.name is None for p in ours):
+        return
+    for position, (name, p) in enumerate(zip(names, ours)):
+        if name != p.name:
+            raise ValueError(f"{_MISMATCH} {index}: parameter {position} is {name!r} in the state dict's "
+                             f"param_names but {p.name!r} in this optimizer; the state_dict comes from a "
+                             "different model layout")

@@ -1,0 +1,263 @@
+"""Checkpoints record the parameter layout, and a load into another layout is refused before
+anything changes.
+
+``state_dict()`` stores ``param_layout`` (name, global shape, matrix view per parameter) in every
+param group; ``load_state_dict`` compares it with its own first. Messages are pinned with
+expecttest. The FSDP side (DCP, ranks) runs in tests/test_fsdp.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import expecttest
+import pytest
+import torch
+from torch import nn
+
+import muon_fn as mf
+from conftest import roundtrip
+from muon_fn.optim import _layout
+
+# Moe built without a matrix_view on purpose: the guessed view is what gets recorded.
+pytestmark = pytest.mark.filterwarnings("ignore:MuonOptimizer. no matrix_view")
+
+
+class TwoLayers(nn.Module):
+    """Two same-shape hidden layers: swapping their order keeps every shape."""
+
+    def __init__(self, swap: bool = False, rename: bool = False) -> None:
+        super().__init__()
+        first, second = ("b", "a") if swap else ("a", "b")
+        setattr(self, first, nn.Linear(6, 6, bias=False))
+        setattr(self, "c" if rename and second == "b" else second, nn.Linear(6, 6, bias=False))
+        self.head = nn.Linear(6, 2)
+
+
+class Moe(nn.Module):
+    """An expert stack (E, out, in) and a conv weight: both 3-D, read differently."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.Parameter(torch.randn(3, 4, 5))
+        self.conv = nn.Conv1d(2, 4, 3)
+
+
+def build(model: nn.Module, **kw) -> mf.MuonOptimizer:
+    return mf.MuonOptimizer(model.named_parameters(), compile=False, **kw)
+
+
+def step(model: nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=g)
+    opt.step()
+
+
+def trained(model: nn.Module, steps: int = 2, **kw) -> mf.MuonOptimizer:
+    opt = build(model, **kw)
+    for t in range(steps):
+        step(model, opt, t)
+    return opt
+
+
+def snapshot(opt: torch.optim.Optimizer):
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    state = {id(p): {k: v.clone() for k, v in st.items()} for p, st in opt.state.items()}
+    return groups, state
+
+
+def assert_unchanged(opt: torch.optim.Optimizer, snap) -> None:
+    groups, state = snap
+    assert [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] == groups
+    assert {id(p) for p in opt.state} == set(state)
+    for p, st in opt.state.items():
+        assert set(st) == set(state[id(p)])
+        for k, v in st.items():
+            assert torch.equal(v, state[id(p)][k]), k
+
+
+def message(fn) -> str:
+    with pytest.raises(ValueError) as info:
+        fn()
+    return str(info.value)
+
+
+class TestRecord(expecttest.TestCase):
+    def test_recorded_layout(self):
+        torch.manual_seed(0)
+        model = Moe()
+        sd = build(model).state_dict()
+        self.assertExpectedInline(repr(sd["param_groups"][0]["param_layout"]), """\
+[('experts', (3, 4, 5), 'flatten'), ('conv.weight', (4, 2, 3), 'flatten'), ('conv.bias', (4,), 'flatten')]""")
+        opt = mf.create_hybrid_optimizer(model, compile=False)
+        self.assertExpectedInline(repr([g["param_layout"] for g in opt.state_dict()["param_groups"]]), """\
+[[('experts', (3, 4, 5), 'experts'), ('conv.weight', (4, 2, 3), 'flatten')], [('conv.bias', (4,), 'flatten')]]""")
+
+    def test_unnamed_parameters_and_a_plain_transform(self):
+        lin = nn.Linear(3, 2)
+        opt = mf.Optimizer([lin.weight], mf.muon(0.02), compile=False)
+        self.assertExpectedInline(repr(opt.state_dict()["param_groups"][0]["param_layout"]),
+                                  """[(None, (2, 3), None)]""")
+
+    def test_the_record_never_becomes_a_hyperparameter(self):
+        model = TwoLayers()
+        opt = trained(model)
+        sd = roundtrip(opt.state_dict())
+        other = build(TwoLayers())
+        other.load_state_dict(sd)
+        assert all(_layout.KEY not in g for g in other.param_groups)
+        assert other.state_dict()["param_groups"][0][_layout.KEY] == sd["param_groups"][0][_layout.KEY]
+
+
+class TestRefused(expecttest.TestCase):
+    def test_reordered_model_would_get_another_layers_momentum(self):
+        """Same shapes in another order: loaded by position, b's momentum would go to a. The
+        record names the first parameter that differs, and nothing changes."""
+        torch.manual_seed(0)
+        sd = roundtrip(trained(TwoLayers()).state_dict())
+        model = TwoLayers(swap=True)
+        opt = trained(model, steps=1)
+        snap = snapshot(opt)
+        self.assertExpectedInline(message(lambda: opt.load_state_dict(sd)), """\
+loaded state dict contains a parameter group that doesn't match optimizer's group 0: parameter 0 is 'a.weight' of shape (6, 6) in the state dict but 'b.weight' of shape (6, 6) in this optimizer; the state_dict comes from a different model layout""")
+        assert_unchanged(opt, snap)
+        step(model, opt, 5)  # still usable
+
+    def test_renamed_parameter(self):
+        sd = roundtrip(trained(TwoLayers()).state_dict())
+        opt = trained(TwoLayers(rename=True), steps=1)
+        snap = snapshot(opt)
+        self.assertExpectedInline(message(lambda: opt.load_state_dict(sd)), """\
+loaded state dict contains a parameter group that doesn't match optimizer's group 0: parameter 1 is 'b.weight' of shape (6, 6) in the state dict but 'c.weight' of shape (6, 6) in this optimizer; the state_dict comes from a different model layout""")
+        assert_unchanged(opt, snap)
+
+    def test_reshaped_parameter(self):
+        src, dst = nn.Linear(4, 3), nn.Linear(3, 4)
+        sd = roundtrip(trained(src).state_dict())
+        opt = trained(dst, steps=1)
+        snap = snapshot(opt)
+        self.assertExpectedInline(message(lambda: opt.load_state_dict(sd)), """\
+loaded state dict contains a parameter group that doesn't match optimizer's group 0: parameter 0 is 'weight' of shape (3, 4) in the state dict but 'weight' of shape (4, 3) in this optimizer; the state_dict comes from a different model layout""")
+        assert_unchanged(opt, snap)
+
+    def test_other_matrix_view(self):
+        """Same names and shapes, but the expert stack was one flattened matrix when saved."""
+        torch.manual_seed(0)
+        model = Moe()
+        sd = roundtrip(trained(model, matrix_view={"experts": "flatten"}).state_dict())
+        opt = trained(copy.deepcopy(model), steps=1, matrix_view={"experts": "experts"})
+        snap = snapshot(opt)
+        self.assertExpectedInline(message(lambda: opt.load_state_dict(sd)), """\
+loaded state dict contains a parameter group that doesn't match optimizer's group 0: parameter 0 is 'experts' of shape (3, 4, 5) with view 'flatten' in the state dict but 'experts' of shape (3, 4, 5) with view 'experts' in this optimizer; the state_dict comes from a different model layout""")
+        assert_unchanged(opt, snap)
+
+    def test_group_of_another_size_in_torchs_words(self):
+        sd = roundtrip(trained(TwoLayers()).state_dict())
+        opt = build(nn.Linear(6, 6))
+        self.assertExpectedInline(message(lambda: opt.load_state_dict(sd)), """\
+loaded state dict contains a parameter group that doesn't match the size of optimizer's group: group 0 has 4 parameters in the state dict and 2 in this optimizer""")
+
+    def test_unnamed_parameters_are_compared_by_shape(self):
+        src, dst = nn.Linear(4, 3), nn.Linear(3, 4)
+        opt = mf.MuonOptimizer(src.parameters(), compile=False)
+        step(src, opt, 0)
+        other = mf.MuonOptimizer(dst.parameters(), compile=False)
+        self.assertExpectedInline(message(lambda: other.load_state_dict(roundtrip(opt.state_dict()))), """\
+loaded state dict contains a parameter group that doesn't match optimizer's group 0: parameter 0 is one of shape (3, 4) in the state dict but one of shape (4, 3) in this optimizer; the state_dict comes from a different model layout""")
+
+
+class TestWithoutRecord(expecttest.TestCase):
+    """Checkpoints without ``param_layout`` (older muon_fn, torch.optim): accepted when sizes
+    match; their ``param_names`` are compared where both sides have them."""
+
+    @staticmethod
+    def old(sd):
+        for g in sd["param_groups"]:
+            del g[_layout.KEY]
+        return sd
+
+    def test_loads_when_sizes_match_and_continues_bit_for_bit(self):
+        torch.manual_seed(0)
+        model = TwoLayers()
+        opt = trained(model)
+        clone = copy.deepcopy(model)
+        other = build(clone)
+        other.load_state_dict(self.old(roundtrip(opt.state_dict())))
+        step(model, opt, 7)
+        step(clone, other, 7)
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), clone.parameters()))
+
+    def test_param_names_are_compared(self):
+        sd = self.old(roundtrip(trained(TwoLayers()).state_dict()))
+        opt = trained(TwoLayers(swap=True), steps=1)
+        snap = snapshot(opt)
+        self.assertExpectedInline(message(lambda: opt.load_state_dict(sd)), """\
+loaded state dict contains a parameter group that doesn't match optimizer's group 0: parameter 0 is 'a.weight' in the state dict's param_names but 'b.weight' in this optimizer; the state_dict comes from a different model layout""")
+        assert_unchanged(opt, snap)
+
+    def test_without_names_only_sizes_are_checked(self):
+        src, dst = nn.Linear(4, 3), nn.Linear(3, 4)
+        sd = self.old(roundtrip(trained(src).state_dict()))
+        for g in sd["param_groups"]:
+            del g["param_names"]
+        opt = trained(dst, steps=1)
+        snap = snapshot(opt)
+        self.assertExpectedInline(message(lambda: opt.load_state_dict(sd)), """\
+loaded state 'momentum_buffer' for parameter 'weight' has shape (3, 4), expected (4, 3): the state_dict comes from a different optimizer layout""")
+        assert_unchanged(opt, snap)
+
+
+def test_record_survives_json():
+    """Tuples come back as lists through JSON; the record still matches."""
+    model = TwoLayers()
+    sd = trained(model).state_dict()
+    groups = json.loads(json.dumps([{k: v for k, v in g.items() if k == _layout.KEY} for g in sd["param_groups"]]))
+    for g, j in zip(sd["param_groups"], groups):
+        g[_layout.KEY] = j[_layout.KEY]
+    build(copy.deepcopy(model)).load_state_dict(sd)
+
+
+def test_dcp_state_dict_matches_by_name():
+    """``get_optimizer_state_dict`` keys state by name, so a reordered model loads correctly
+    through ``set_optimizer_state_dict``; a changed view is still refused, naming it."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    torch.manual_seed(0)
+    model = TwoLayers()
+    opt = trained(model)
+    osd = get_optimizer_state_dict(model, opt)
+    swapped = TwoLayers(swap=True)
+    swapped.load_state_dict(model.state_dict())
+    other = build(swapped)
+    set_optimizer_state_dict(swapped, other, copy.deepcopy(osd))
+    for name in ("a.weight", "b.weight"):
+        p, q = dict(model.named_parameters())[name], dict(swapped.named_parameters())[name]
+        assert torch.equal(opt.state[p]["momentum_buffer"], other.state[q]["momentum_buffer"]), name
+    torch.manual_seed(0)
+    moe = Moe()
+    flat = trained(moe, matrix_view={"experts": "flatten"})
+    moe2 = copy.deepcopy(moe)
+    stacks = trained(moe2, steps=1, matrix_view={"experts": "experts"})  # torch would init the state
+    snap = snapshot(stacks)
+    with pytest.raises(ValueError, match="'experts' of shape \\(3, 4, 5\\) with view 'flatten' in the state dict"):
+        set_optimizer_state_dict(moe2, stacks, get_optimizer_state_dict(moe, flat))
+    assert_unchanged(stacks, snap)
+
+
+def test_dcp_state_dict_of_unnamed_parameters_loads():
+    """Saved without names, keyed by name by torch.distributed.checkpoint: the record cannot be
+    aligned, so the state's sizes are what is checked."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3))
+    opt = mf.MuonOptimizer(model.parameters(), compile=False)
+    step(model, opt, 0)
+    clone = copy.deepcopy(model)
+    other = mf.MuonOptimizer(clone.parameters(), compile=False)
+    set_optimizer_state_dict(clone, other, copy.deepcopy(get_optimizer_state_dict(model, opt)))
+    step(model, opt, 1)
+    step(clone, other, 1)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), clone.parameters()))
