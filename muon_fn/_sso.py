@@ -48,6 +48,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import math
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -351,6 +352,21 @@ def _blocks_of(cfg: _Transform, p: torch.Tensor) -> list[_views.Unit] | None:
     return units
 
 
+def _unit_dims(cfg: _Transform, p: torch.Tensor) -> tuple[int, ...]:
+    """The leading dims of ``p``'s per-unit state: ``()`` (one sphere), ``(U,)`` for U units, or
+    ``(E, U/E)`` for a head view cutting each matrix of a 3-D stack of E (so the state follows
+    the stack's dim 0, as its rows do; the FSDP adapter keeps it with the experts)."""
+    units = _blocks_of(cfg, p)
+    if units is None:
+        return ()
+    view = _views.view_of(cfg.view, p)
+    if isinstance(view, _views.Heads) and view.experts and p.ndim == 3:
+        per = math.prod(len(sizes) for sizes in _views.block_sizes(p.shape, view))
+        if per > 1:
+            return (p.shape[0], per)
+    return (len(units),)
+
+
 def _rows_shape(cfg: _Transform, p: torch.Tensor) -> tuple[int, int]:
     """``(m, n)`` of leaf ``p``'s rows, whose row blocks are its spheres."""
     return _views.rows_shape(p.shape, _views.view_of(cfg.view, p))
@@ -378,14 +394,14 @@ def _init(cfg: _Transform, params) -> SpectralSphereState:
         if not sizes:  # a stack of no matrices
             return torch.zeros((0, n, 0), dtype=torch.float32, device=p.device)
         k = min(cfg.power_block, *(min(u.shape) for u in sizes))
-        return torch.stack([_start_block(w[u[0], u[1]].contiguous(), k) for u in sizes])
+        blocks = torch.stack([_start_block(w[u[0], u[1]].contiguous(), k) for u in sizes])
+        return blocks.reshape(_unit_dims(cfg, p) + blocks.shape[1:])
 
     def per_matrix(dtype, per_block=True):
         def make(p):
             if p is None:
                 return None
-            sizes = _blocks_of(cfg, p) if per_block else None
-            return torch.zeros(() if sizes is None else (len(sizes),), dtype=dtype, device=p.device)
+            return torch.zeros(_unit_dims(cfg, p) if per_block else (), dtype=dtype, device=p.device)
         return _tree.tree_map(make, params)
 
     return SpectralSphereState(
@@ -437,7 +453,10 @@ def _update(cfg: _Transform, updates, state: SpectralSphereState, params):
 
 def _pick(fields, field: str, unit: _Unit) -> torch.Tensor:
     value = fields[field][unit.leaf]
-    return value if unit.block is None else value[unit.block]
+    if unit.block is None:
+        return value
+    lead = fields["lam"][unit.leaf].ndim  # the per-unit dims (lam has no others)
+    return value.reshape((-1,) + tuple(value.shape[lead:]))[unit.block]
 
 
 def _batch(mats: list[torch.Tensor]) -> torch.Tensor:
@@ -545,11 +564,13 @@ def _assemble_leaves(cfg: _Transform, m_leaves, p_leaves, fields, results, out):
         new["count"][i] = fields["count"][i] + 1
         if out[i] is not None:  # empty: nothing else changes
             continue
-        split_leaf = fields["lam"][i].ndim == 1
-        parts = [results[(i, j)] for j in (range(fields["lam"][i].shape[0]) if split_leaf else (None,))]
+        lead = tuple(fields["lam"][i].shape)  # the per-unit dims: () for one sphere
+        split_leaf = len(lead) > 0
+        parts = [results[(i, j)] for j in (range(fields["lam"][i].numel()) if split_leaf else (None,))]
         out[i] = _views.join([r["delta"] for r in parts], p, _views.view_of(cfg.view, p)).to(p.dtype)
         for field in _STATS:
-            new[field][i] = torch.stack([r[field] for r in parts]) if split_leaf else parts[0][field]
+            new[field][i] = torch.stack([r[field] for r in parts]).reshape(
+                lead + tuple(parts[0][field].shape)) if split_leaf else parts[0][field]
         new["fallbacks"][i] = fields["fallbacks"][i] + new["fallback"][i].to(torch.int64)
     return new
 

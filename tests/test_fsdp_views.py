@@ -154,13 +154,14 @@ def check_experts_mixed(w):
     def run():
         model = t.shard(t.make(t.Experts))
         opt = FSDPMuonOptimizer(model, **t.muon_kwargs())
-        local = [mp.local for mp in opt.plan.matrices]
-        assert local == [False, True, True, False], local  # router, w_up, w_down, conv
+        names = [n for n, _ in model.named_parameters()]
+        local = {names[opt._matrices()[j].position]: mp.local for j, mp in enumerate(opt.plan.matrices)}
+        assert local == {"w_up": True, "w_down": True, "router.weight": False, "conv.weight": False}, local
         t.train([(model, opt)], t.STEPS)
         views = {"w_*": "experts", "conv.weight": "flatten"}
         t.assert_same(model, opt, t.reference(t.muon_single(t.Experts, lambda m: m.named_parameters(),
                                                             matrix_view=views)), what=f"W={w} mixed: ")
-        moved = sum(opt.plan.matrices[j].numel for j in (0, 3))
+        moved = sum(mp.numel for mp in opt.plan.matrices if not mp.local)
         sent = torch.tensor([float(opt.last_step_stats["bytes_sent"])])
         torch.distributed.all_reduce(sent)
         assert 0 < sent.item() <= 2 * 4 * moved, (sent.item(), moved)  # the two plain matrices only

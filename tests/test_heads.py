@@ -178,7 +178,8 @@ def test_spectral_sphere_is_each_block_alone(view):
     x, params = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
     u, state = run(mf.sso(0.02, view=view, power_block=4), x, steps=2, param=params)
     assert torch.equal(u, per_block(mf.sso(0.02, power_block=4), x, view, steps=2, param=params))
-    assert state[1].sigma[0].shape == (len(_views.unit_shapes(shape, view)),)  # one sphere per block
+    sigma = state[1].sigma[0]  # one sphere per block; per expert, then per block, for a stack
+    assert sigma.shape == ((2, 2) if view.experts else (len(_views.unit_shapes(shape, view)),))
 
 
 def test_partition_scopes_a_head_view_to_its_leaves():
