@@ -229,7 +229,8 @@ def orthogonalize(
         config["coefficients"] = _newton_schulz.validate_coefficients(coefficients)
     config.update(dtype=dtype, eps=eps, stepsize=stepsize, view=_views.label(view))
     tx = named(GradientTransformation(init_empty_state, update), "orthogonalize", **config)
-    return with_info(tx, leafwise=True, scope=MATRIX)
+    # per_matrix: the operator computes every step per matrix (a callable method sees its batch).
+    return with_info(tx, leafwise=True, scope=MATRIX, per_matrix=not custom)
 
 
 def scale_by_shape(rule: str = "keller", *, view: View = "flatten", split: None = None) -> GradientTransformation:
@@ -259,4 +260,4 @@ def scale_by_shape(rule: str = "keller", *, view: View = "flatten", split: None 
 
     tx = named(GradientTransformation(init_empty_state, update), "scale_by_shape", rule=rule,
                view=_views.label(view))
-    return with_info(tx, leafwise=True, scope=MATRIX)
+    return with_info(tx, leafwise=True, scope=MATRIX, per_matrix=True)

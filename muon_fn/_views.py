@@ -181,6 +181,15 @@ def block_sizes(shape: Sequence[int], view: str | Heads) -> tuple[list[int], lis
     return _cut(view.rows, out, "rows", view, shape), _cut(view.cols, inp, "columns", view, shape)
 
 
+def column_blocks(shape: Sequence[int], view: str | Heads) -> int:
+    """How many column blocks each matrix has (1 without heads); reads the columns only, so it
+    holds for any rows of the tensor (an FSDP shard's too)."""
+    if not isinstance(view, Heads):
+        return 1
+    shape = tuple(int(s) for s in shape)
+    return len(_cut(view.cols, matrix_shape(shape, view)[1], "columns", view, shape))
+
+
 class Unit(tuple):
     """A block of a leaf's rows (:func:`rows`): ``(rows, cols)`` slices."""
 

@@ -10,12 +10,11 @@ gradients to the sharded model and to the single-device optimizer with the same 
 - Per-expert planning: expert stacks sharded on their expert dim are computed where they lie
   (every rank its whole experts): no bytes exchanged, for an evenly divisible stack and an uneven
   one alike, and the same results as single device (Muon, NorMuon, a gate/up stack cut by
-  ``heads(rows=2, experts=True)``, SSO).
+  ``heads(rows=2, experts=True)``); SSO keeps each stack on one owner and is exact too.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import socket
@@ -80,7 +79,8 @@ def _fsdp():
 
 
 def check_heads_muon(w, **kw):
-    """FSDPMuonOptimizer with per-parameter head views equals MuonOptimizer with the same views."""
+    """FSDPMuonOptimizer with per-parameter head views equals MuonOptimizer with the same views
+    (compiled the same way: ``compile`` in ``kw``, else the compiled default)."""
     t = _fsdp()
     from muon_fn.fsdp import FSDPMuonOptimizer
 
@@ -153,14 +153,14 @@ def check_experts_mixed(w):
 
     def run():
         model = t.shard(t.make(t.Experts))
-        opt = FSDPMuonOptimizer(model, **t.muon_kwargs())
+        opt = FSDPMuonOptimizer(model, **t.muon_kwargs(compile=False))
         names = [n for n, _ in model.named_parameters()]
         local = {names[opt._matrices()[j].position]: mp.local for j, mp in enumerate(opt.plan.matrices)}
         assert local == {"w_up": True, "w_down": True, "router.weight": False, "conv.weight": False}, local
         t.train([(model, opt)], t.STEPS)
         views = {"w_*": "experts", "conv.weight": "flatten"}
         t.assert_same(model, opt, t.reference(t.muon_single(t.Experts, lambda m: m.named_parameters(),
-                                                            matrix_view=views)), what=f"W={w} mixed: ")
+                                                            matrix_view=views, compile=False)), what=f"W={w} mixed: ")
         moved = sum(mp.numel for mp in opt.plan.matrices if not mp.local)
         sent = torch.tensor([float(opt.last_step_stats["bytes_sent"])])
         torch.distributed.all_reduce(sent)
@@ -171,8 +171,9 @@ def check_experts_mixed(w):
 
 
 def check_experts_sso(w):
-    """FSDPSpectralSphereOptimizer plans its stacks per expert too (its one shared state leaf is
-    the step count) and equals SpectralSphereOptimizer."""
+    """FSDPSpectralSphereOptimizer keeps each stack on one owner (SSO's operator is not per
+    matrix: an expert's bits can depend on its batch mates), and equals SpectralSphereOptimizer
+    with the same views, a head-cut stack included."""
     t = _fsdp()
     from muon_fn import SpectralSphereOptimizer
     from muon_fn.fsdp import FSDPSpectralSphereOptimizer
@@ -180,16 +181,15 @@ def check_experts_sso(w):
     def run():
         model = t.shard(t.make(Stacks))
         opt = FSDPSpectralSphereOptimizer(model, matrix_view=stack_views(), compile=False)
-        assert all(mp.local for mp in opt.plan.matrices), opt.plan.describe()
+        assert not any(mp.local for mp in opt.plan.matrices), opt.plan.describe()
         t.train([(model, opt)], 3)
-        assert opt.last_step_stats["bytes_sent"] == 0
 
         def build():
             ref = t.make(Stacks)
             views = {"w_up": "experts", "w_down": "experts", **stack_views()}
             return ref, SpectralSphereOptimizer(ref.named_parameters(), matrix_view=views, compile=False)
 
-        t.assert_same(model, opt, t.reference(build, 3), what=f"W={w} local sso: ")
+        t.assert_same(model, opt, t.reference(build, 3), what=f"W={w} sso stacks: ")
         return {}
 
     return run
@@ -198,11 +198,11 @@ def check_experts_sso(w):
 def checks_for(w: int) -> dict:
     return {
         "heads_muon": check_heads_muon(w),
-        "heads_normuon": check_heads_muon(w, beta2=0.95, nesterov=False),
-        "heads_bf16_iteration": check_heads_muon(w, ns_dtype=torch.bfloat16),
+        "heads_normuon": check_heads_muon(w, beta2=0.95, nesterov=False, compile=False),
+        "heads_bf16_iteration": check_heads_muon(w, ns_dtype=torch.bfloat16, compile=False),
         "heads_sso": check_heads_sso(w),
         "experts_local": check_experts_local(w),
-        "experts_local_normuon": check_experts_local(w, beta2=0.95),
+        "experts_local_normuon": check_experts_local(w, beta2=0.95, compile=False),
         "experts_mixed": check_experts_mixed(w),
         "experts_sso": check_experts_sso(w),
     }

@@ -284,12 +284,13 @@ class FSDPAdapter:
         return matrices
 
     def _is_local(self, m: _Matrix) -> bool:
-        """Whether every rank can compute its own rows of ``m`` (per-expert planning): a sharded
-        expert stack (each row of dim 0 is whole matrices of its view, so a rank holds whole
-        experts) whose mid phase keeps no state shared by all its rows other than counters
-        (0-d integers, the same on every rank: SSO's step count), under ``strategy="owner"``."""
+        """Whether every rank can compute its own rows of ``m`` (per-expert planning), under
+        ``strategy="owner"``: a sharded expert stack (each row of dim 0 is whole matrices of its
+        view, so a rank holds whole experts) whose mid phase is per matrix (an expert's bits do
+        not depend on the others: Muon, NorMuon; not SSO, see ``muon_fn._sso``) and keeps no
+        state shared by all its rows other than counters (0-d integers, the same on every rank)."""
         return (self.strategy == "owner" and self._layouts[id(m.param)].sharded and m.param.ndim >= 3
-                and _views.base(m.view) == "experts"
+                and _views.base(m.view) == "experts" and m.route.phases.mid_per_matrix
                 and all(leaf.shape == () and not leaf.dtype.is_floating_point for leaf in m.fmt.replicated))
 
     def _set_plan(self, matrices: list[_Matrix]) -> None:
