@@ -291,15 +291,15 @@ def test_describe_shows_per_expert_planning(results):
     value = ranks[0]["experts_local"]["value"]
     assert value["describe"] == """\
 FSDPMuonOptimizer(strategy='owner', world_size=2)
-  muon  w_up (4, 8, 6) local bucket=0 view=experts
-  muon  w_gate_up (4, 10, 6) local bucket=0 view=heads(rows=2, experts=True)
-  muon  w_down (4, 6, 8) local bucket=0 view=experts""", value["describe"]
+  muon  w_up (4, 8, 6) local bucket=2 view=experts
+  muon  w_down (4, 6, 8) local bucket=0 view=experts
+  muon  w_gate_up (4, 10, 6) local bucket=1 view=heads(rows=2, experts=True)""", value["describe"]
     assert value["plan"] == """\
 Plan(world_size=2, matrices=3, buckets=3)
   w_up (4, 8, 6) bucket=2 local rows per rank=[2, 2]
   w_gate_up (4, 10, 6) bucket=1 local rows per rank=[2, 2]
   w_down (4, 6, 8) bucket=0 local rows per rank=[2, 2]
-  load per rank=[2208, 2208]
+  load per rank=[1752, 1752]
   elements sent per rank=[0, 0]""", value["plan"]
 
 
