@@ -287,8 +287,9 @@ class FSDPAdapter:
         """Whether every rank can compute its own rows of ``m`` (per-expert planning), under
         ``strategy="owner"``: a sharded expert stack (each row of dim 0 is whole matrices of its
         view, so a rank holds whole experts) whose mid phase is per matrix (an expert's bits do
-        not depend on the others: Muon, NorMuon; not SSO, see ``muon_fn._sso``) and keeps no
-        state shared by all its rows other than counters (0-d integers, the same on every rank)."""
+        not depend on the others: Muon; not NorMuon or SSO, see ``muon_fn.TransformInfo``) and
+        keeps no state shared by all its rows other than counters (0-d integers, the same on
+        every rank)."""
         return (self.strategy == "owner" and self._layouts[id(m.param)].sharded and m.param.ndim >= 3
                 and _views.base(m.view) == "experts" and m.route.phases.mid_per_matrix
                 and all(leaf.shape == () and not leaf.dtype.is_floating_point for leaf in m.fmt.replicated))
