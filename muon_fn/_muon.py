@@ -206,7 +206,7 @@ def orthogonalize(
     def update(updates, state, params=None, **extra):
         del params, extra
         paths, leaves, spec = _tree.tree_flatten_with_path(updates)
-        views = [None if u is None else _views.view_of(view, u) for u in leaves]
+        views = [None if u is None or u.ndim < 2 else _views.view_of(view, u) for u in leaves]
         units = [[] if u is None else _units(u, path, v) for path, u, v in zip(paths, leaves, views)]
         flat = [(i, j) for i, us in enumerate(units) for j in range(len(us))]
         keys = [(_newton_schulz.wide_shape(units[i][j].shape), units[i][j].dtype, units[i][j].device)
