@@ -244,45 +244,13 @@ def normalize_rows(beta2: float = 0.95, eps: float = 1e-8, *, view: View = "flat
             params,
         ))
 
-    # The sums run over contiguous fp32 copies, so a matrix's result does not depend on the
-    # layout its update arrives in (orthogonalize returns a tall matrix transposed; an expert of a
-    # stack is a contiguous slice): a reduction's rounding follows the memory order.
     def step(u, v):
         leaf_view = _views.view_of(view, u)
         if isinstance(leaf_view, _views.Heads):
-            return step_units(u, v, leaf_view)
+            return _rows_of_units(u, v, leaf_view, experts(u), beta2, eps)
         if experts(u):
-            return step_experts(u, v)
-        return step_matrix(u, v)
-
-    def step_matrix(u, v):
-        dims = tuple(range(1, u.ndim))
-        u32 = u.float().contiguous()
-        v = v.lerp(u32.square().mean(dim=dims, keepdim=True), 1 - beta2)
-        normed = u32 / (v.sqrt() + eps)
-        scale = torch.linalg.vector_norm(u32) / torch.linalg.vector_norm(normed).clamp_min(1e-8)
-        return (normed * scale).to(u.dtype), v
-
-    def step_experts(u, v):
-        u32 = _views.matrices(u.float().contiguous(), "experts")  # (E, out, in)
-        v = v.lerp(u32.square().mean(dim=-1, keepdim=True).reshape(v.shape), 1 - beta2)
-        normed = u32 / (v.reshape(*u32.shape[:-1], 1).sqrt() + eps)
-        norm = lambda x: torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)  # noqa: E731
-        return (normed * (norm(u32) / norm(normed).clamp_min(1e-8))).reshape(u.shape).to(u.dtype), v
-
-    def step_units(u, v, leaf_view):
-        """Each unit of a head view as a matrix alone (its rows, its ``‖U‖_F``)."""
-        cols = v.shape[-1] if experts(u) else v.shape[1]
-        v2 = v.reshape(-1, cols)  # (rows of the leaf's rows view, column blocks)
-        outs, nus = [], []
-        for k, (block, unit) in enumerate(zip(_views.split(u, leaf_view), _views.units(u.shape, leaf_view))):
-            o, nu = step_matrix(block, v2[unit[0], k % cols:k % cols + 1])
-            outs.append(o)
-            nus.append(nu)
-        if not nus:
-            return u.new_zeros(u.shape), v
-        bands = [torch.cat(nus[i:i + cols], dim=1) for i in range(0, len(nus), cols)]
-        return _views.join(outs, u, leaf_view), torch.cat(bands).reshape(v.shape)
+            return _rows_of_experts(u, v, beta2, eps)
+        return _rows_of_matrix(u, v, beta2, eps)
 
     def update(updates, state, params=None, **extra):
         del params, extra
@@ -298,3 +266,40 @@ def normalize_rows(beta2: float = 0.95, eps: float = 1e-8, *, view: View = "flat
     # of a stack rounds differently from the whole (7.5e-9 after 4 FSDP steps with 1-2 of 5
     # experts per rank); eager it is per matrix.
     return with_info(tx, leafwise=True, scope=MATRIX)
+
+
+# NorMuon's row step. The sums run over contiguous fp32 copies, so a matrix's result does not
+# depend on the layout its update arrives in (orthogonalize returns a tall matrix transposed; an
+# expert of a stack is a contiguous slice): a reduction's rounding follows the memory order.
+def _rows_of_matrix(u: torch.Tensor, v: torch.Tensor, beta2: float, eps: float):
+    dims = tuple(range(1, u.ndim))
+    u32 = u.float().contiguous()
+    v = v.lerp(u32.square().mean(dim=dims, keepdim=True), 1 - beta2)
+    normed = u32 / (v.sqrt() + eps)
+    scale = torch.linalg.vector_norm(u32) / torch.linalg.vector_norm(normed).clamp_min(1e-8)
+    return (normed * scale).to(u.dtype), v
+
+
+def _rows_of_experts(u: torch.Tensor, v: torch.Tensor, beta2: float, eps: float):
+    u32 = _views.matrices(u.float().contiguous(), "experts")  # (E, out, in)
+    v = v.lerp(u32.square().mean(dim=-1, keepdim=True).reshape(v.shape), 1 - beta2)
+    normed = u32 / (v.reshape(*u32.shape[:-1], 1).sqrt() + eps)
+    norm = lambda x: torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)  # noqa: E731
+    return (normed * (norm(u32) / norm(normed).clamp_min(1e-8))).reshape(u.shape).to(u.dtype), v
+
+
+def _rows_of_units(u: torch.Tensor, v: torch.Tensor, view: _views.Heads, experts: bool, beta2: float,
+                   eps: float):
+    """Each unit of a head view as a matrix alone (its rows, its ``‖U‖_F``); ``v`` holds one
+    column per column block."""
+    cols = v.shape[-1] if experts else v.shape[1]
+    v2 = v.reshape(-1, cols)  # (rows of the leaf's rows view, column blocks)
+    outs, nus = [], []
+    for k, (block, unit) in enumerate(zip(_views.split(u, view), _views.units(u.shape, view))):
+        o, nu = _rows_of_matrix(block, v2[unit[0], k % cols:k % cols + 1], beta2, eps)
+        outs.append(o)
+        nus.append(nu)
+    if not nus:
+        return u.new_zeros(u.shape), v
+    bands = [torch.cat(nus[i:i + cols], dim=1) for i in range(0, len(nus), cols)]
+    return _views.join(outs, u, view), torch.cat(bands).reshape(v.shape)
