@@ -15,6 +15,7 @@ from ._sso import SpectralSphereState, spectral_sphere, sso
 from .optim import (MuonOptimizer, Optimizer, SolverReport, SpectralSphereOptimizer, create_hybrid_optimizer,
                     split_parameters)
 from . import spectral
+from ._views import Heads, heads
 from ._transforms import (
     MomentumState,
     NormalizeRowsState,
@@ -48,6 +49,8 @@ __all__ = [
     "momentum",
     "MomentumState",
     "orthogonalize",
+    "heads",
+    "Heads",
     "scale_by_shape",
     "shape_scale",
     "add_decoupled_weight_decay",

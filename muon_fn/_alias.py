@@ -11,7 +11,7 @@ from . import _checks
 from ._base import GradientTransformation, Scalar, ScalarOrSchedule
 from ._combine import chain, leafwise_labels, partition
 from ._newton_schulz import validate_coefficients
-from ._muon import Split, orthogonalize, scale_by_shape, shape_rule, view_argument
+from ._muon import orthogonalize, refuse_split, scale_by_shape, shape_rule, view_argument
 from ._views import View
 from ._transforms import (
     add_decoupled_weight_decay,
@@ -39,7 +39,7 @@ def muon(
     beta2: float | None = None,
     normuon_eps: float = 1e-8,
     view: View = "flatten",
-    split: Split = None,
+    split: None = None,
     mu_dtype: torch.dtype | None = None,
     flatten: bool | None = None,
 ) -> GradientTransformation:
@@ -54,11 +54,13 @@ def muon(
     number of iterations the method is designed for (4 for ``"aol9"``, 5 for most, 5 for one
     triple). ``eps``: the Newton–Schulz normalization ``X / max(‖X‖_F, eps)`` (torch.optim.Muon's
     ``eps``); ``normuon_eps``: NorMuon's row normalization (with ``beta2``). ``adjust_lr_fn=None``
-    is ``"original"`` (torch.optim.Muon's default). ``view`` (``"flatten"``, ``"experts"`` or
-    ``leaf -> view``; ``flatten=`` is its older spelling) is what a matrix is, for the
-    orthogonalization, the row normalization and the shape scale alike (see :func:`orthogonalize`).
+    is ``"original"`` (torch.optim.Muon's default). ``view`` (``"flatten"``, ``"experts"``, a head
+    view :func:`muon_fn.heads` or ``leaf -> view``; ``flatten=`` is its older spelling) is what a
+    matrix is, for the orthogonalization, the row normalization and the shape scale alike (see
+    :func:`orthogonalize`). ``split`` is removed (a ``TypeError`` points to head views).
     """
     view = view_argument(view, flatten)
+    refuse_split(split)
     if ns_steps is not None:
         _checks.positive_int("ns_steps", ns_steps)
     _checks.positive("eps", eps)
@@ -70,12 +72,12 @@ def muon(
     parts = [
         momentum_tx(momentum, nesterov=nesterov, kind=kind, mu_dtype=mu_dtype),
         orthogonalize(method, ns_steps, coefficients=ns_coefficients, dtype=ns_dtype, eps=eps,
-                      stepsize=ns_stepsize, view=view, split=split),
+                      stepsize=ns_stepsize, view=view),
     ]
     if beta2 is not None:
         parts.append(normalize_rows(beta2, normuon_eps, view=view))
     parts += [
-        scale_by_shape(rule, view=view, split=split),
+        scale_by_shape(rule, view=view),
         add_decoupled_weight_decay(weight_decay),
         scale_by_learning_rate(lr),
     ]

@@ -58,6 +58,9 @@ class TransformInfo(NamedTuple):
     ``final``: the update already contains everything (SSO's retraction): nothing may follow it.
     ``needs_params``: ``update`` reads ``params`` (weight decay, SSO's retraction), so an
     adapter that runs it elsewhere than the parameter (the FSDP owner) must bring them along.
+    ``per_matrix``: each matrix of a leaf's view (an expert of a stack) gets the same bits
+    whatever other matrices are updated with it, so a stack may be computed in parts (the FSDP
+    adapter computes each rank's experts where they lie).
     """
 
     leafwise: bool = False
@@ -65,6 +68,7 @@ class TransformInfo(NamedTuple):
     parts: tuple[GradientTransformation, ...] = ()
     final: bool = False
     needs_params: bool = False
+    per_matrix: bool = False
 
 
 def info(tx: GradientTransformation) -> TransformInfo:

@@ -136,6 +136,8 @@ FOREIGN_KEYWORDS = {
     "capturable": "capturing the step in a CUDA graph is not supported (see compile=)",
     "differentiable": "the step runs under torch.no_grad(); differentiating through it is not supported",
     "betas": "use momentum for the matrices and adamw_betas for the AdamW half",
+    "split": "removed: row blocks are a head view, given per parameter: "
+             "matrix_view={name: muon_fn.heads(rows=...)} (cols= for column blocks)",
 }
 
 

@@ -12,9 +12,6 @@ from . import _checks, _newton_schulz, _tree, _views
 from ._base import MATRIX, GradientTransformation, init_empty_state, named, with_info
 from ._views import View, matrix_shape
 
-# Row split of a fused weight (QKV, gate/up): block sizes along dim 0, or a function of the leaf.
-Split = Union[None, Sequence[int], Callable[[torch.Tensor], Union[Sequence[int], None]]]
-
 SHAPE_RULES = ("keller", "original", "match_rms_adamw", "spectral", "legacy", "none")
 # What the recipes' and optimizers' adjust_lr_fn accepts: None is torch.optim.Muon's default,
 # "original" (= "keller").
@@ -52,28 +49,14 @@ def shape_scale(rule: str, shape: Sequence[int], *, view: str = "flatten") -> fl
     raise AssertionError  # unreachable
 
 
-def _validate_split(split: Split) -> None:
-    if split is None or callable(split):
-        return
-    if isinstance(split, (str, bytes)) or not all(
-        isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in split
-    ) or len(split) == 0:
-        raise ValueError(f"Invalid split: {split!r} (expected positive row-block sizes or a function)")
-
-
-def block_sizes(split: Split, leaf: torch.Tensor) -> list[int] | None:
-    """Row blocks of ``leaf`` under ``split``; a sequence applies to leaves whose rows it sums to."""
-    if split is None:
-        return None
-    sizes = split(leaf) if callable(split) else split
-    if sizes is None:
-        return None
-    sizes = [int(s) for s in sizes]
-    if sum(sizes) != leaf.shape[0]:
-        if callable(split):
-            raise ValueError(f"split returned {sizes} for a leaf with {leaf.shape[0]} rows")
-        return None
-    return sizes
+def refuse_split(split: Any, where: str = "view") -> None:
+    """``split=`` (row blocks for a whole transform or group) is gone: a head view says it per
+    parameter."""
+    if split is not None:
+        raise TypeError(
+            f"split= was removed: row blocks are a head view now, given per parameter: "
+            f"{where}=muon_fn.heads(rows={split!r}) for one transform's leaves, or "
+            f"matrix_view={{name: muon_fn.heads(rows=...)}} in an optimizer (cols= cuts columns)")
 
 
 def _not_matrix(shape: Sequence[int], who: str, where: str = "") -> ValueError:
@@ -121,30 +104,11 @@ def resolve_method(
     return schedule, 1.0 if coefficients is not None else _newton_schulz.norm_scale(method)
 
 
-def unit_rows(leaf: torch.Tensor, view: str, split: Split) -> list[int] | None:
-    """Row sizes of the units of ``leaf``'s rows (:func:`muon_fn._views.rows`): every matrix of
-    its ``view``, cut into its ``split`` blocks; ``None``: the rows are one matrix, uncut."""
-    mats = _views.matrices(leaf, view)
-    sizes = block_sizes(split, mats[0]) if mats.shape[0] else None
-    if sizes is None and mats.shape[0] == 1:
-        return None
-    return (sizes or [mats.shape[1]]) * mats.shape[0]
-
-
-def _units(u: torch.Tensor, path: tuple, view: str, split: Split) -> list[torch.Tensor]:
-    """The matrices ``orthogonalize`` sees in leaf ``u``: row blocks of its rows under ``view``."""
+def _units(u: torch.Tensor, path: tuple, view: _views.Heads | str) -> list[torch.Tensor]:
+    """The matrices ``orthogonalize`` sees in leaf ``u``: the units of its ``view``."""
     if u.ndim < 2:
         raise _not_matrix(u.shape, "orthogonalize", f" at {_path_str(path)}")
-    rows = _views.rows(u, view)
-    sizes = unit_rows(u, view, split)
-    return [rows] if sizes is None else list(rows.split(sizes, dim=0))
-
-
-def _assemble(u: torch.Tensor, outs: list[torch.Tensor]) -> torch.Tensor:
-    """Inverse of :func:`_units`: the leaf's shape from its orthogonalized units."""
-    if not outs:  # a batch of zero matrices
-        return u.new_zeros(u.shape)
-    return (torch.cat(outs) if len(outs) > 1 else outs[0]).reshape(u.shape)
+    return _views.split(u, view)
 
 
 def view_argument(view: View, flatten: bool | None) -> View:
@@ -172,7 +136,7 @@ def orthogonalize(
     eps: float = 1e-7,
     stepsize: float = 1.0,
     view: View = "flatten",
-    split: Split = None,
+    split: None = None,
     batch: bool = True,
     flatten: bool | None = None,
 ) -> GradientTransformation:
@@ -197,11 +161,12 @@ def orthogonalize(
         out, never NaN).
       stepsize: damping η of each iteration, ``X ← X + η(p(X) − X)``.
       view: how a leaf is read as matrices (:mod:`muon_fn._views`): ``"flatten"`` (default: one
-        matrix ``(out, prod(rest))``, conv kernels folded into ``in``) or ``"experts"`` (leading
-        dims are a batch: an expert stack ``(E, out, in)`` is E matrices), or a function
-        ``leaf -> view``. Pass :func:`scale_by_shape` the same view.
-      split: row-block sizes of fused weights (each block orthogonalized on its own; under
-        ``"experts"``, the blocks of each matrix), or a function ``leaf -> sizes | None``.
+        matrix ``(out, prod(rest))``, conv kernels folded into ``in``), ``"experts"`` (leading
+        dims are a batch: an expert stack ``(E, out, in)`` is E matrices), a head view
+        :func:`muon_fn.heads` (row or column blocks of each matrix, each orthogonalized on its own;
+        it must fit every leaf), or a function ``leaf -> view``. Pass :func:`scale_by_shape` the
+        same view.
+      split: removed; a ``TypeError`` says to use ``view=muon_fn.heads(rows=...)``.
       batch: orthogonalize equal wide shapes together (one batched call); False: one at a time.
         The result of a matrix is the same either way (every step is computed per matrix).
       flatten: the older spelling of ``view``: ``True`` is ``"flatten"``, ``False`` ``"experts"``.
@@ -220,7 +185,7 @@ def orthogonalize(
         schedule, scale = resolve_method(method, steps, coefficients=coefficients, stepsize=stepsize)
     _checks.positive("eps", eps)
     view = view_argument(view, flatten)
-    _validate_split(split)
+    refuse_split(split)
     if dtype is not None and not custom:
         _checks.dtype("dtype", dtype, _newton_schulz.COMPUTE_DTYPES)
         _newton_schulz.check_dtype(schedule, dtype)
@@ -241,8 +206,8 @@ def orthogonalize(
     def update(updates, state, params=None, **extra):
         del params, extra
         paths, leaves, spec = _tree.tree_flatten_with_path(updates)
-        units = [[] if u is None else _units(u, path, _views.view_of(view, u), split)
-                 for path, u in zip(paths, leaves)]
+        views = [None if u is None or u.ndim < 2 else _views.view_of(view, u) for u in leaves]
+        units = [[] if u is None else _units(u, path, v) for path, u, v in zip(paths, leaves, views)]
         flat = [(i, j) for i, us in enumerate(units) for j in range(len(us))]
         keys = [(_newton_schulz.wide_shape(units[i][j].shape), units[i][j].dtype, units[i][j].device)
                 for i, j in flat]
@@ -252,8 +217,8 @@ def orthogonalize(
             for k, o in zip(members, batch_out.unbind(0)):
                 i, j = flat[k]
                 results[i][j] = o.mT if units[i][j].size(-2) > units[i][j].size(-1) else o
-        out_leaves = [None if u is None else _assemble(u, outs).to(u.dtype)
-                      for u, outs in zip(leaves, results)]
+        out_leaves = [None if u is None else _views.join(outs, u, v).to(u.dtype)
+                      for u, outs, v in zip(leaves, results, views)]
         return _tree.tree_unflatten(spec, out_leaves), state
 
     if coefficients is None and method is None:
@@ -263,43 +228,36 @@ def orthogonalize(
     if coefficients is not None:
         config["coefficients"] = _newton_schulz.validate_coefficients(coefficients)
     config.update(dtype=dtype, eps=eps, stepsize=stepsize, view=_views.label(view))
-    if split is not None:
-        config["split"] = split
     tx = named(GradientTransformation(init_empty_state, update), "orthogonalize", **config)
-    return with_info(tx, leafwise=True, scope=MATRIX)
+    # per_matrix: the operator computes every step per matrix (a callable method sees its batch).
+    return with_info(tx, leafwise=True, scope=MATRIX, per_matrix=not custom)
 
 
-def scale_by_shape(rule: str = "keller", *, view: View = "flatten", split: Split = None) -> GradientTransformation:
+def scale_by_shape(rule: str = "keller", *, view: View = "flatten", split: None = None) -> GradientTransformation:
     """Multiply each matrix update by ``shape_scale(rule, (out, in))`` of its (global) shape.
 
-    ``view`` says what a matrix is (:func:`orthogonalize`'s: ``"flatten"``, ``"experts"`` or a
-    function ``leaf -> view``): under ``"experts"`` each matrix of a stack gets the scale of its
-    own ``(out, in)``. With ``split``, each row block is scaled by its own shape.
+    ``view`` says what a matrix is (:func:`orthogonalize`'s: ``"flatten"``, ``"experts"``, a head
+    view :func:`muon_fn.heads` or a function ``leaf -> view``): under ``"experts"`` each matrix of
+    a stack gets the scale of its own ``(out, in)``, under a head view each block its own.
+    ``split`` is removed (use a head view).
     """
     _checks.one_of("rule", rule, SHAPE_RULES)
     _views.check_view(view)
-    _validate_split(split)
+    refuse_split(split)
 
     def scale(u: torch.Tensor) -> torch.Tensor:
         if u.ndim < 2:
             raise _not_matrix(u.shape, "scale_by_shape")
         leaf_view = _views.view_of(view, u)
-        sizes = unit_rows(u, leaf_view, split)
-        if sizes is None:
-            return u * shape_scale(rule, u.shape, view=leaf_view)
-        rows = _views.rows(u, leaf_view)
-        scales = [shape_scale(rule, (size, rows.shape[1])) for size in sizes]
-        if len(set(scales)) == 1:  # every matrix of one shape (an expert stack)
-            return u * scales[0]
-        parts = [b * s for b, s in zip(rows.split(sizes, dim=0), scales)]
-        return (torch.cat(parts, dim=0) if parts else rows).reshape(u.shape)
+        scales = [shape_scale(rule, s) for s in _views.unit_shapes(u.shape, leaf_view)]
+        if len(set(scales)) <= 1:  # one matrix, or all of one shape (an expert stack)
+            return u * (scales[0] if scales else shape_scale(rule, u.shape, view=leaf_view))
+        return _views.join([b * s for b, s in zip(_views.split(u, leaf_view), scales)], u, leaf_view)
 
     def update(updates, state, params=None, **extra):
         del params, extra
         return _tree.tree_map(lambda u: None if u is None else scale(u), updates), state
 
-    config: dict[str, Any] = {"rule": rule, "view": _views.label(view)}
-    if split is not None:
-        config["split"] = split
-    tx = named(GradientTransformation(init_empty_state, update), "scale_by_shape", **config)
-    return with_info(tx, leafwise=True, scope=MATRIX)
+    tx = named(GradientTransformation(init_empty_state, update), "scale_by_shape", rule=rule,
+               view=_views.label(view))
+    return with_info(tx, leafwise=True, scope=MATRIX, per_matrix=True)

@@ -24,7 +24,7 @@ equals one at the end of step t−1 (singular vectors do not change under scalin
 iteration serves both; right after an update ``‖W‖₂`` is within about ``lr·s`` of ``R`` and the
 next step retracts it exactly (hard mode).
 
-**Batches.** Each matrix (or row block of a ``split`` leaf) is a unit; units of one shape, dtype
+**Batches.** Each matrix (or block of a head view, :func:`muon_fn.heads`) is a unit; units of one shape, dtype
 and device are batched, in chunks of at most ``_CHUNK_ELEMENTS`` elements. A unit's result does
 not depend on which units share its batch (bit for bit with an fp32 msign; tested): vector
 products go through batch-invariant helpers (:mod:`muon_fn.spectral`), the solver and the model
@@ -48,6 +48,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import math
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -55,7 +56,7 @@ import torch
 from . import _checks, _lambda, _lambda_model, _newton_schulz, _tree, _views, spectral
 from ._base import MATRIX, GradientTransformation, ScalarOrSchedule, Updates, named, with_info
 from ._combine import chain
-from ._muon import SHAPE_RULES, Split, _not_matrix, _validate_split, group_by, shape_scale, unit_rows
+from ._muon import SHAPE_RULES, _not_matrix, group_by, refuse_split, shape_scale
 from ._transforms import momentum as momentum_tx
 
 SCALE_MODES = ("radius",) + SHAPE_RULES
@@ -74,8 +75,9 @@ _CHUNK_ELEMENTS = 1 << 21
 
 
 class SpectralSphereState(NamedTuple):
-    """State of :func:`spectral_sphere`; every field has the params' tree structure (a split
-    leaf's per-matrix fields gain a leading block dimension)."""
+    """State of :func:`spectral_sphere`; every field has the params' tree structure (the
+    per-matrix fields of a leaf of several units, an expert stack or a head view, gain a leading
+    unit dimension)."""
 
     count: Updates  # shape=(), int64: updates of this leaf so far (drives an lr schedule)
     v: Updates  # shape=(in, k), fp32: orthonormal block tracking W's top right singular vectors
@@ -202,7 +204,6 @@ class _Transform(NamedTuple):
     power_block: int
     warm_lambda: bool
     view: _views.View
-    split: Split
     key: str  # the per-chunk math's options (JSON, see _sphere)
 
 
@@ -215,7 +216,7 @@ def spectral_sphere(
     msign_dtype: torch.dtype = torch.float32, tol: float = 2e-4, max_iterations: int = 20,
     bracket_step: float = 1e-3, max_expansions: int = 10, solver: str = "illinois", warm_lambda: bool = True,
     lambda_model: bool = True, model_steps: int = 3, direction: str = "msign", muon_sphere: bool = False,
-    view: _views.View = "flatten", split: Split = None,
+    view: _views.View = "flatten", split: None = None,
 ) -> GradientTransformation:
     """SSO's step after the momentum: the final update ``(f − 1)·W − lr·s·Φ`` (module doc).
 
@@ -247,11 +248,11 @@ def spectral_sphere(
         the model's eigendecomposition: the same map up to the fit, no iteration; needs
         ``lambda_model=True``, ``muon_sphere=False``).
       muon_sphere: MuonSphere: λ fixed at 0 (``Φ = msign(M̂)``), no solver; keeps the retraction.
-      view: what a matrix is (:func:`muon_fn.orthogonalize`'s): ``"flatten"`` (default) or
-        ``"experts"`` (each matrix of an ``(E, out, in)`` stack its own sphere, as a split
-        block is), or a function ``leaf -> view``.
-      split: row blocks of fused weights (sizes along dim 0, or ``leaf -> sizes | None``): each
-        block is its own sphere with its own R, s, σ, λ* and warm block.
+      view: what a matrix is (:func:`muon_fn.orthogonalize`'s): ``"flatten"`` (default),
+        ``"experts"`` (each matrix of an ``(E, out, in)`` stack its own sphere), a head view
+        :func:`muon_fn.heads` (each block its own sphere with its own R, s, σ, λ* and warm block;
+        column blocks of equal width), or a function ``leaf -> view``.
+      split: removed; a ``TypeError`` says to use ``view=muon_fn.heads(rows=...)``.
 
     Weight decay is not offered: the retraction undoes it. Every non-None leaf must be a matrix
     (ndim ≥ 2); an empty one gets a zero update.
@@ -268,14 +269,14 @@ def spectral_sphere(
     _check_sphere_options(lr=lr, power_block=power_block, warm_lambda=warm_lambda, **options)
     _checks.dtype("msign_dtype", msign_dtype, _newton_schulz.COMPUTE_DTYPES)
     _views.check_view(view)
-    _validate_split(split)
+    refuse_split(split)
     key = json.dumps(dict(options, radius_scale=float(radius_scale), retract_alpha=float(retract_alpha),
                           tol=float(tol), bracket_step=float(bracket_step),
                           msign_dtype=str(msign_dtype).removeprefix("torch.")), sort_keys=True)
     _sphere(key)  # fits the msign's spectral function now, outside any compiled region
     lr_schedule = callable(lr) and not isinstance(lr, torch.Tensor)
     cfg = _Transform(lr=lr, lr_schedule=lr_schedule, power_block=power_block, warm_lambda=warm_lambda, view=view,
-                     split=split, key=key)
+                     key=key)
 
     def init(params):
         return _init(cfg, params)
@@ -287,8 +288,11 @@ def spectral_sphere(
         return _update(cfg, updates, state, params)
 
     shown = dict(lr=getattr(lr, "__name__", lr) if lr_schedule else lr, power_block=power_block,
-                 msign_dtype=msign_dtype, warm_lambda=warm_lambda, view=view, split=split, **options)
+                 msign_dtype=msign_dtype, warm_lambda=warm_lambda, view=view, **options)
     tx = named(GradientTransformation(init, update), "spectral_sphere", **_shown_config(shown))
+    # Not per_matrix: a unit's bits can depend on its batch mates for shapes whose batch slots
+    # are not 64-byte aligned (1.2e-7 on 5x6 experts, 4 in a batch vs 1), so the FSDP adapter
+    # computes each stack whole on one owner.
     return with_info(tx, leafwise=True, scope=MATRIX, final=True, needs_params=True)
 
 
@@ -306,8 +310,6 @@ def _shown_config(options: dict[str, Any]) -> dict[str, Any]:
         config.update(retract_mode=options["retract_mode"], retract_alpha=options["retract_alpha"])
     if options["view"] != "flatten":
         config["view"] = _views.label(options["view"])
-    if options["split"] is not None:
-        config["split"] = options["split"]
     return config
 
 
@@ -339,12 +341,33 @@ def sso(
 
 
 # ------------------------------------------------------------------------------ init
-def _blocks_of(cfg: _Transform, p: torch.Tensor) -> list[int] | None:
-    """Row-block sizes of leaf ``p``'s rows: its view's matrices, each cut into its split blocks
-    (None: the whole leaf is one sphere)."""
+def _blocks_of(cfg: _Transform, p: torch.Tensor) -> list[_views.Unit] | None:
+    """The units of leaf ``p`` as blocks of its rows (None: the whole leaf is one sphere)."""
     if p.ndim < 2:
         raise _not_matrix(p.shape, "spectral_sphere")
-    return unit_rows(p, _views.view_of(cfg.view, p), cfg.split)
+    view = _views.view_of(cfg.view, p)
+    if not isinstance(view, _views.Heads) and _views.count(p.shape, view) == 1:
+        return None
+    units = _views.units(p.shape, view)
+    if len({u.shape[1] for u in units}) > 1:
+        raise ValueError(f"spectral_sphere: {view!r} cuts a leaf of shape {tuple(p.shape)} into column "
+                         "blocks of different widths; SSO's warm blocks need equal widths")
+    return units
+
+
+def _unit_dims(cfg: _Transform, p: torch.Tensor) -> tuple[int, ...]:
+    """The leading dims of ``p``'s per-unit state: ``()`` (one sphere), ``(U,)`` for U units, or
+    ``(E, U/E)`` for a head view cutting each matrix of a 3-D stack of E (so the state follows
+    the stack's dim 0, as its rows do; the FSDP adapter keeps it with the experts)."""
+    units = _blocks_of(cfg, p)
+    if units is None:
+        return ()
+    view = _views.view_of(cfg.view, p)
+    if isinstance(view, _views.Heads) and view.experts and p.ndim == 3:
+        per = math.prod(len(sizes) for sizes in _views.block_sizes(p.shape, view))
+        if per > 1:
+            return (p.shape[0], per)
+    return (len(units),)
 
 
 def _rows_shape(cfg: _Transform, p: torch.Tensor) -> tuple[int, int]:
@@ -373,15 +396,15 @@ def _init(cfg: _Transform, params) -> SpectralSphereState:
             return _start_block(w, min(cfg.power_block, m, n))
         if not sizes:  # a stack of no matrices
             return torch.zeros((0, n, 0), dtype=torch.float32, device=p.device)
-        k = min(cfg.power_block, min(sizes), n)
-        return torch.stack([_start_block(b, k) for b in w.split(sizes)])
+        k = min(cfg.power_block, *(min(u.shape) for u in sizes))
+        blocks = torch.stack([_start_block(w[u[0], u[1]].contiguous(), k) for u in sizes])
+        return blocks.reshape(_unit_dims(cfg, p) + blocks.shape[1:])
 
     def per_matrix(dtype, per_block=True):
         def make(p):
             if p is None:
                 return None
-            sizes = _blocks_of(cfg, p) if per_block else None
-            return torch.zeros(() if sizes is None else (len(sizes),), dtype=dtype, device=p.device)
+            return torch.zeros(_unit_dims(cfg, p) if per_block else (), dtype=dtype, device=p.device)
         return _tree.tree_map(make, params)
 
     return SpectralSphereState(
@@ -392,11 +415,13 @@ def _init(cfg: _Transform, params) -> SpectralSphereState:
 
 # ------------------------------------------------------------------------------ update
 class _Unit(NamedTuple):
-    """One sphere: leaf ``leaf``'s rows ``rows`` of its ``(m, n)`` view (block ``block``, or None)."""
+    """One sphere: leaf ``leaf``'s block ``rows, cols`` of its ``(m, n)`` rows (unit ``block``, or
+    None: the whole leaf)."""
 
     leaf: int
     block: int | None
     rows: slice
+    cols: slice
 
 
 def _update(cfg: _Transform, updates, state: SpectralSphereState, params):
@@ -413,11 +438,10 @@ def _update(cfg: _Transform, updates, state: SpectralSphereState, params):
         if m * n == 0:  # an empty matrix: no update, its state as it was
             out[i] = torch.zeros_like(p)
             continue
-        sizes = _blocks_of(cfg, p)
-        starts = [0] if sizes is None else [sum(sizes[:j]) for j in range(len(sizes))]
-        for j, (start, rows) in enumerate(zip(starts, [m] if sizes is None else sizes)):
-            units.append(_Unit(i, None if sizes is None else j, slice(start, start + rows)))
-            keys.append(((rows, n), p.dtype, p.device))
+        blocks = _blocks_of(cfg, p)
+        for j, (rows, cols) in enumerate([(slice(0, m), slice(0, n))] if blocks is None else blocks):
+            units.append(_Unit(i, None if blocks is None else j, rows, cols))
+            keys.append(((rows.stop - rows.start, cols.stop - cols.start), p.dtype, p.device))
     results: dict[tuple[int, int | None], dict[str, torch.Tensor]] = {}
     for members in group_by(keys):
         rows, n = keys[members[0]][0]
@@ -425,14 +449,17 @@ def _update(cfg: _Transform, updates, state: SpectralSphereState, params):
         for k in range(0, len(members), size):
             chunk = [units[c] for c in members[k:k + size]]
             results.update(_chunk_step(cfg, chunk, m_leaves, p_leaves, fields))
-    new = _assemble_leaves(m_leaves, p_leaves, fields, results, out)
+    new = _assemble_leaves(cfg, m_leaves, p_leaves, fields, results, out)
     return _tree.tree_unflatten(spec, out), SpectralSphereState(
         **{f: _tree.tree_unflatten(spec, vals) for f, vals in new.items()})
 
 
 def _pick(fields, field: str, unit: _Unit) -> torch.Tensor:
     value = fields[field][unit.leaf]
-    return value if unit.block is None else value[unit.block]
+    if unit.block is None:
+        return value
+    lead = fields["lam"][unit.leaf].ndim  # the per-unit dims (lam has no others)
+    return value.reshape((-1,) + tuple(value.shape[lead:]))[unit.block]
 
 
 def _batch(mats: list[torch.Tensor]) -> torch.Tensor:
@@ -444,8 +471,8 @@ def _chunk_step(cfg: _Transform, chunk: list[_Unit], m_leaves, p_leaves, fields)
     """Phases 1–6 on a batch of equal-shape units (one call of the sphere operator); returns each
     unit's update and new statistics."""
     n = _rows_shape(cfg, p_leaves[chunk[0].leaf])[1]
-    W = _batch([p_leaves[c.leaf].reshape(-1, n)[c.rows] for c in chunk])
-    M = _batch([m_leaves[c.leaf].reshape(-1, n)[c.rows] for c in chunk])
+    W = _batch([p_leaves[c.leaf].reshape(-1, n)[c.rows, c.cols].contiguous() for c in chunk])
+    M = _batch([m_leaves[c.leaf].reshape(-1, n)[c.rows, c.cols].contiguous() for c in chunk])
     V0 = torch.stack([_pick(fields, "v", c) for c in chunk])
     lam0 = torch.stack([_pick(fields, "lam", c) for c in chunk]) if cfg.warm_lambda else None
     lr = _unit_lr(cfg, [fields["count"][c.leaf] for c in chunk], W.device)
@@ -531,8 +558,8 @@ def _assemble_update(phi: torch.Tensor, W: torch.Tensor, factor: torch.Tensor, l
     return phi.mul_(_per_matrix(-(lr * s))).addcmul_(W, (factor - 1)[:, None, None])
 
 
-def _assemble_leaves(m_leaves, p_leaves, fields, results, out):
-    """Each leaf's update from its units' (a split leaf: its blocks concatenated) and its new state."""
+def _assemble_leaves(cfg: _Transform, m_leaves, p_leaves, fields, results, out):
+    """Each leaf's update from its units' (joined as its view cut them) and its new state."""
     new = {f: list(vals) for f, vals in fields.items()}
     for i, (g, p) in enumerate(zip(m_leaves, p_leaves)):
         if g is None:
@@ -540,12 +567,13 @@ def _assemble_leaves(m_leaves, p_leaves, fields, results, out):
         new["count"][i] = fields["count"][i] + 1
         if out[i] is not None:  # empty: nothing else changes
             continue
-        split_leaf = fields["lam"][i].ndim == 1
-        parts = [results[(i, j)] for j in (range(fields["lam"][i].shape[0]) if split_leaf else (None,))]
-        whole = parts[0]["delta"] if len(parts) == 1 else torch.cat([r["delta"] for r in parts])
-        out[i] = whole.reshape(p.shape).to(p.dtype)
+        lead = tuple(fields["lam"][i].shape)  # the per-unit dims: () for one sphere
+        split_leaf = len(lead) > 0
+        parts = [results[(i, j)] for j in (range(fields["lam"][i].numel()) if split_leaf else (None,))]
+        out[i] = _views.join([r["delta"] for r in parts], p, _views.view_of(cfg.view, p)).to(p.dtype)
         for field in _STATS:
-            new[field][i] = torch.stack([r[field] for r in parts]) if split_leaf else parts[0][field]
+            new[field][i] = torch.stack([r[field] for r in parts]).reshape(
+                lead + tuple(parts[0][field].shape)) if split_leaf else parts[0][field]
         new["fallbacks"][i] = fields["fallbacks"][i] + new["fallback"][i].to(torch.int64)
     return new
 

@@ -208,7 +208,7 @@ class NormalizeRowsState(NamedTuple):
     """State of :func:`normalize_rows`."""
 
     nu: Updates  # per leaf, float32: EMA of the mean square of each row; shape (out, 1, ...), or
-    #              (..., out, 1) under the "experts" view
+    #              (..., out, 1) under the "experts" view; C instead of 1 for C column blocks
 
     state_keys = {"nu": "row_variance"}
 
@@ -219,21 +219,24 @@ def normalize_rows(beta2: float = 0.95, eps: float = 1e-8, *, view: View = "flat
     ``v ← lerp(v, mean_row(U²), 1 − β₂)``, ``Û = U / (√v + eps)``, then ``Û`` is rescaled to
     ``‖U‖_F`` so the update's overall size is unchanged (Li et al., arXiv:2510.05491). ``view``
     (:func:`muon_fn.orthogonalize`'s) says what a matrix is: under ``"experts"`` every matrix of a
-    stack has its own rows and its own ``‖U‖_F``.
+    stack has its own rows and its own ``‖U‖_F``; under a head view every block.
     """
     _checks.in_unit_interval("beta2", beta2)
     _checks.positive("eps", eps)
     _views.check_view(view)
 
     def experts(p: torch.Tensor) -> bool:
-        return p.ndim > 2 and _views.view_of(view, p) == "experts"
+        return p.ndim > 2 and _views.base(_views.view_of(view, p)) == "experts"
 
     def row_shape(p: torch.Tensor) -> tuple[int, ...]:
+        """One entry per row of each unit: ``(out, C, 1, …)``, or ``(…, out, C)`` for a stack, with
+        ``C`` column blocks (1 unless a head view cuts columns)."""
         if p.ndim < 2:
             raise ValueError(f"normalize_rows expects matrices (ndim >= 2), got a leaf of shape {tuple(p.shape)}")
+        cols = _views.column_blocks(p.shape, _views.view_of(view, p))
         if experts(p):
-            return tuple(p.shape[:-1]) + (1,)
-        return (p.shape[0],) + (1,) * (p.ndim - 1)
+            return tuple(p.shape[:-1]) + (cols,)
+        return (p.shape[0], cols) + (1,) * (p.ndim - 2)
 
     def init(params):
         return NormalizeRowsState(_tree.tree_map(
@@ -241,25 +244,13 @@ def normalize_rows(beta2: float = 0.95, eps: float = 1e-8, *, view: View = "flat
             params,
         ))
 
-    # The sums run over contiguous fp32 copies, so a matrix's result does not depend on the
-    # layout its update arrives in (orthogonalize returns a tall matrix transposed; an expert of a
-    # stack is a contiguous slice): a reduction's rounding follows the memory order.
     def step(u, v):
+        leaf_view = _views.view_of(view, u)
+        if isinstance(leaf_view, _views.Heads):
+            return _rows_of_units(u, v, leaf_view, experts(u), beta2, eps)
         if experts(u):
-            return step_experts(u, v)
-        dims = tuple(range(1, u.ndim))
-        u32 = u.float().contiguous()
-        v = v.lerp(u32.square().mean(dim=dims, keepdim=True), 1 - beta2)
-        normed = u32 / (v.sqrt() + eps)
-        scale = torch.linalg.vector_norm(u32) / torch.linalg.vector_norm(normed).clamp_min(1e-8)
-        return (normed * scale).to(u.dtype), v
-
-    def step_experts(u, v):
-        u32 = _views.matrices(u.float().contiguous(), "experts")  # (E, out, in)
-        v = v.lerp(u32.square().mean(dim=-1, keepdim=True).reshape(v.shape), 1 - beta2)
-        normed = u32 / (v.reshape(*u32.shape[:-1], 1).sqrt() + eps)
-        norm = lambda x: torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)  # noqa: E731
-        return (normed * (norm(u32) / norm(normed).clamp_min(1e-8))).reshape(u.shape).to(u.dtype), v
+            return _rows_of_experts(u, v, beta2, eps)
+        return _rows_of_matrix(u, v, beta2, eps)
 
     def update(updates, state, params=None, **extra):
         del params, extra
@@ -271,4 +262,44 @@ def normalize_rows(beta2: float = 0.95, eps: float = 1e-8, *, view: View = "flat
     # MATRIX: the rows are normalized and then rescaled to the matrix's Frobenius norm.
     tx = named(GradientTransformation(init, update), "normalize_rows", beta2=beta2, eps=eps,
                view=_views.label(view))
+    # Not per_matrix: compiled, inductor generates the row sums for each tensor shape, so a part
+    # of a stack rounds differently from the whole (7.5e-9 after 4 FSDP steps with 1-2 of 5
+    # experts per rank); eager it is per matrix.
     return with_info(tx, leafwise=True, scope=MATRIX)
+
+
+# NorMuon's row step. The sums run over contiguous fp32 copies, so a matrix's result does not
+# depend on the layout its update arrives in (orthogonalize returns a tall matrix transposed; an
+# expert of a stack is a contiguous slice): a reduction's rounding follows the memory order.
+def _rows_of_matrix(u: torch.Tensor, v: torch.Tensor, beta2: float, eps: float):
+    dims = tuple(range(1, u.ndim))
+    u32 = u.float().contiguous()
+    v = v.lerp(u32.square().mean(dim=dims, keepdim=True), 1 - beta2)
+    normed = u32 / (v.sqrt() + eps)
+    scale = torch.linalg.vector_norm(u32) / torch.linalg.vector_norm(normed).clamp_min(1e-8)
+    return (normed * scale).to(u.dtype), v
+
+
+def _rows_of_experts(u: torch.Tensor, v: torch.Tensor, beta2: float, eps: float):
+    u32 = _views.matrices(u.float().contiguous(), "experts")  # (E, out, in)
+    v = v.lerp(u32.square().mean(dim=-1, keepdim=True).reshape(v.shape), 1 - beta2)
+    normed = u32 / (v.reshape(*u32.shape[:-1], 1).sqrt() + eps)
+    norm = lambda x: torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)  # noqa: E731
+    return (normed * (norm(u32) / norm(normed).clamp_min(1e-8))).reshape(u.shape).to(u.dtype), v
+
+
+def _rows_of_units(u: torch.Tensor, v: torch.Tensor, view: _views.Heads, experts: bool, beta2: float,
+                   eps: float):
+    """Each unit of a head view as a matrix alone (its rows, its ``‖U‖_F``); ``v`` holds one
+    column per column block."""
+    cols = v.shape[-1] if experts else v.shape[1]
+    v2 = v.reshape(-1, cols)  # (rows of the leaf's rows view, column blocks)
+    outs, nus = [], []
+    for k, (block, unit) in enumerate(zip(_views.split(u, view), _views.units(u.shape, view))):
+        o, nu = _rows_of_matrix(block, v2[unit[0], k % cols:k % cols + 1], beta2, eps)
+        outs.append(o)
+        nus.append(nu)
+    if not nus:
+        return u.new_zeros(u.shape), v
+    bands = [torch.cat(nus[i:i + cols], dim=1) for i in range(0, len(nus), cols)]
+    return _views.join(outs, u, view), torch.cat(bands).reshape(v.shape)

@@ -121,9 +121,10 @@ def test_schedule_lr_does_not_recompile():
         lambda lr: mf.adamw(lr, weight_decay=0.1),
         lambda lr: mf.normuon(lr, ns_dtype=torch.float32),
         lambda lr: mf.muon(lr, kind="ema", method="quintic", ns_dtype=torch.bfloat16),
-        lambda lr: mf.muon(lr, method="you", split=[16, 16], ns_dtype=torch.float32),
+        lambda lr: mf.muon(lr, method="you", view=lambda leaf: mf.heads(rows=2) if leaf.shape[0] == 32 else "flatten",
+                           ns_dtype=torch.float32),
     ],
-    ids=["adamw", "normuon", "muon-ema-quintic-bf16", "muon-you-split"],
+    ids=["adamw", "normuon", "muon-ema-quintic-bf16", "muon-you-heads"],
 )
 def test_compiled_equals_eager_other_recipes(make):
     lr = torch.tensor(0.01)

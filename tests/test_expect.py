@@ -131,7 +131,7 @@ class TestValidationMessages(expecttest.TestCase):
         self.assertExpectedInline(self.msg(mf.scale_by_adam, eps=-1.0), """Invalid eps: -1.0 (expected a finite value >= 0)""")
         self.assertExpectedInline(self.msg(mf.normalize_rows, 1.0), """Invalid beta2: 1.0 (expected 0 <= beta2 < 1)""")
         self.assertExpectedInline(self.msg(mf.normalize_rows, 0.95, 0.0), """Invalid eps: 0.0 (expected a finite value > 0)""")
-        self.assertExpectedInline(self.msg(mf.orthogonalize, split=[0, 4]), """Invalid split: [0, 4] (expected positive row-block sizes or a function)""")
+        self.assertExpectedInline(self.msg(mf.heads, rows=[0, 4]), """Invalid rows: [0, 4] (expected a number of blocks >= 1 or positive block sizes)""")
         self.assertExpectedInline(self.msg(mf.hybrid, adamw_lr=-1.0), """Invalid adamw_lr: -1.0 (expected a finite value >= 0)""")
 
     def test_orthogonalize_on_0d_and_1d_leaves(self):

@@ -260,7 +260,8 @@ def two_iterations(m):
 def check_expert_stacks(w, **kw):
     """FSDPMuonOptimizer knows the model: its expert stacks get matrix_view="experts" (the conv
     weight stays flattened) and every step equals single-device MuonOptimizer with those views
-    bit for bit; each stack travels as rows of whole experts and one owner computes it whole."""
+    bit for bit. Under Muon every rank computes the whole experts it holds (the stacks are local
+    in the plan); NorMuon's stacks travel as rows of whole experts to one owner."""
     from muon_fn.fsdp import FSDPMuonOptimizer
 
     views = {"w_*": "experts", "conv.weight": "flatten"}
@@ -273,6 +274,7 @@ def check_expert_stacks(w, **kw):
         stacks = [mp for mp in opt.plan.matrices if mp.shape[0] == 5 and len(mp.shape) == 3]
         assert len(stacks) == 2 and all(mp.contrib == chunk_rows(5, w) for mp in stacks)  # whole experts
         assert [mp.cost for mp in stacks] == [5 * (4 * 6 * 6 * 8 + 2 * 6**3)] * 2  # E matrices 8x6 (6x8)
+        assert [mp.local for mp in stacks] == [kw.get("beta2") is None] * 2
         train([(model, opt)], STEPS)
         expected = reference(muon_single(Experts, lambda m: m.named_parameters(), matrix_view=views, **kw))
         assert_same(model, opt, expected, what=f"W={w} experts {kw}: ")

@@ -230,3 +230,55 @@ def test_planner_does_not_import_torch_distributed():
     modules = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     assert not any("distributed" in (x or "") for x in names + modules)
     assert "torch" not in names
+
+
+# ---------------------------------------------------------------------------- per-expert planning
+EXPERT_COST = 16 * 12 * 12  # one (16, 12) expert's m·n·min(m, n)
+
+
+def test_an_evenly_sharded_expert_stack_exchanges_nothing():
+    """Shard(0) on the expert dim gives every rank whole experts: each computes its own, so no
+    element travels and each rank's load is its experts'."""
+    plan = make_plan([(8, 16, 12), (8, 12, 16)], 4, views=["experts"] * 2, local=True)
+    assert all(mp.local and mp.owner == _plan.LOCAL for mp in plan.matrices)
+    assert [plan.sent_elements(r) for r in range(4)] == [0, 0, 0, 0]
+    assert all(sum(b.gather[r]) == sum(b.scatter[r]) == 0 for b in plan.buckets for r in range(4))
+    assert plan.load() == [2 * 2 * EXPERT_COST] * 4
+    assert plan.owned(0) == []
+
+
+def test_local_stacks_seed_the_owners_of_the_other_matrices():
+    """E = 5 on W = 4 (2, 2, 1, 0 experts): the 10x6 matrix goes to the rank without experts, and
+    only its rows travel."""
+    plan = make_plan([(5, 16, 12), (10, 6)], 4, views=["experts", "flatten"], local=[True, False])
+    stack, plain = plan.matrices
+    assert stack.local and [b - a for a, b in stack.receive] == [2, 2, 1, 0]
+    assert plain.owner == 3
+    assert plan.load() == [2 * EXPERT_COST, 2 * EXPERT_COST, EXPERT_COST, 10 * 6 * 6]
+    # Rank 0 sends its 3 rows of the 10x6 matrix and gets them back from rank 3: 18 elements.
+    assert plan.sent_elements(0) == 3 * 6 and plan.sent_elements(3) == 3 * (3 * 6)
+
+
+def test_plan_describe():
+    plan = make_plan([(5, 16, 12), (10, 6)], 4, views=["experts", "flatten"], local=[True, False])
+    assert plan.describe(["experts.w_up", "router.weight"]) == """\
+Plan(world_size=4, matrices=2, buckets=2)
+  experts.w_up (5, 16, 12) bucket=1 local rows per rank=[2, 2, 1, 0]
+  router.weight (10, 6) bucket=0 owner=3 rows per rank=[3, 3, 3, 1]
+  load per rank=[4608, 4608, 2304, 360]
+  elements sent per rank=[18, 18, 18, 54]"""
+
+
+def test_head_views_set_the_cost_of_their_blocks():
+    from muon_fn import heads
+
+    assert ns_cost((18, 6), heads(rows=3)) == 3 * 6 * 6 * 6
+    assert ns_cost((7, 12), heads(cols=3)) == 3 * 7 * 4 * 4
+    assert ns_cost((4, 10, 6), heads(rows=2, experts=True)) == 8 * 5 * 6 * 5
+
+
+def test_local_errors():
+    with pytest.raises(ValueError, match="matrix 0 is replicated"):
+        make_plan([(4, 3, 3)], 2, replicated=[True], local=True)
+    with pytest.raises(ValueError, match="disagree on local"):
+        make_plan([(4, 3, 3), (4, 3, 3)], 2, units=[[0, 1]], local=[True, False])

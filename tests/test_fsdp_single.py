@@ -78,8 +78,9 @@ def pair(extra=None, dtype=torch.float32, **fsdp):
     {"momentum_kind": "sgd", "method": "quintic", "adjust_lr_fn": "match_rms_adamw"},
     {"beta2": 0.95, "nesterov": False},
     {"ns_steps": 3, "ns_stepsize": 0.9, "method": "you"},
-    {"split": [5, 5], "momentum_dtype": torch.bfloat16},
-], ids=["default", "bf16_iteration", "sgd_quintic", "normuon", "you", "split_bf16_momentum"])
+    {"matrix_view": lambda p: mf.heads(rows=2) if p.shape == (10, 10) else "flatten",
+     "momentum_dtype": torch.bfloat16},
+], ids=["default", "bf16_iteration", "sgd_quintic", "normuon", "you", "heads_bf16_momentum"])
 def test_bit_exact_vs_default_muon_optimizer(extra):
     model, opt, ref, ref_opt = pair(extra)
     train(model, opt, 4)

@@ -18,7 +18,7 @@ class Net(nn.Module):
     def __init__(self, dtype=torch.float32):
         super().__init__()
         self.conv = nn.Conv2d(3, 8, 3)
-        self.qkv = nn.Linear(16, 48)  # tall, split into 3 square blocks by the "split" case
+        self.qkv = nn.Linear(16, 48)  # tall, cut into 3 square blocks by the "heads" case
         self.fc = nn.Linear(16, 64)  # tall
         self.proj = nn.Linear(64, 16)  # wide
         self.sq1 = nn.Linear(16, 16, bias=False)
@@ -54,7 +54,8 @@ def assert_bitwise(a, opt_a, b, opt_b):
 CASES = {
     "default": {},
     "sgd-no-nesterov": {"momentum_kind": "sgd", "nesterov": False},
-    "split-spectral": {"split": lambda w: [16, 16, 16] if w.shape[0] == 48 else None, "adjust_lr_fn": "spectral"},
+    "heads-spectral": {"matrix_view": lambda w: mf.heads(rows=3) if w.shape == (48, 16) else "flatten",
+                       "adjust_lr_fn": "spectral"},
     "coefficients-stepsize": {"ns_coefficients": [(3.4445, -4.7750, 2.0315)], "ns_steps": 3, "ns_stepsize": 0.9},
     "normuon-aol4": {"beta2": 0.95, "method": "aol", "ns_steps": 4},
     "callable-method": {"method": lambda x: x / (torch.linalg.matrix_norm(x, keepdim=True) + 1e-7)},

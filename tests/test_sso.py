@@ -283,14 +283,14 @@ def test_batched_tree_none_grads_and_conv_kernels():
 def test_large_groups_run_in_chunks_with_the_same_result(monkeypatch):
     """Equal shapes are batched in chunks of ≤ _CHUNK_ELEMENTS elements (memory locality, measured
     1.59 → 1.32× Muon-same-msign on the full gpt2-small set); chunks of 2 over 5 units (one of them
-    a block of a split leaf) must give the same updates and state as one batch."""
+    a block of a head view) must give the same updates and state as one batch."""
     from muon_fn import _sso
 
     gen = torch.Generator().manual_seed(11)
     params = {f"w{i}": torch.randn(8, 12, generator=gen) / 3 for i in range(3)}
     params["fused"] = torch.randn(16, 12, generator=gen) / 3  # two (8, 12) blocks
     grads = {k: torch.randn(p.shape, generator=gen) for k, p in params.items()}
-    tx = sso(0.02, split=lambda p: (8, 8) if p.shape[0] == 16 else None)
+    tx = sso(0.02, view=lambda p: muon_fn.heads(rows=2) if p.shape[0] == 16 else "flatten")
 
     def run():
         state = tx.init(params)
@@ -306,12 +306,12 @@ def test_large_groups_run_in_chunks_with_the_same_result(monkeypatch):
         torch.testing.assert_close(getattr(chunked[1][1], field), getattr(whole[1][1], field), rtol=0, atol=1e-6)
 
 
-def test_split_blocks_are_separate_spheres():
+def test_head_blocks_are_separate_spheres():
     gen = torch.Generator().manual_seed(6)
     d = 8
     fused = torch.randn(3 * d, 2 * d, generator=gen) / 4  # e.g. QKV: three (8, 16) blocks
     g = torch.randn(3 * d, 2 * d, generator=gen)
-    tx = sso(0.02, split=(d, d, d))
+    tx = sso(0.02, view=muon_fn.heads(rows=(d, d, d)))
     st = tx.init((fused,))
     assert tuple(st[1].v[0].shape) == (3, 2 * d, d) and tuple(st[1].lam[0].shape) == (3,)
     u, st = tx.update((g,), st, (fused,))
@@ -322,7 +322,7 @@ def test_split_blocks_are_separate_spheres():
     torch.testing.assert_close(u[0], torch.cat(u_sep), rtol=0, atol=1e-6)
     torch.testing.assert_close(st[1].lam[0], torch.stack(st_sep[1].lam), rtol=0, atol=1e-7)
     # A pure retraction (lr = 0) puts every block, not the fused matrix, on its own sphere.
-    tx0 = sso(0.0, split=(d, d, d))
+    tx0 = sso(0.0, view=muon_fn.heads(rows=3))
     u0, _ = tx0.update((g,), tx0.init((fused,)), (fused,))
     W = fused + u0[0]
     R = 2.0 * math.sqrt(d / (2 * d))
@@ -331,10 +331,10 @@ def test_split_blocks_are_separate_spheres():
     assert abs(float(torch.linalg.matrix_norm(W.double(), ord=2)) - 2.0 * math.sqrt(3 * d / (2 * d))) > 0.1
 
 
-def test_optimizer_with_split_trains_and_checkpoints():
+def test_optimizer_with_heads_trains_and_checkpoints():
     torch.manual_seed(7)
     qkv = nn.Linear(12, 36, bias=False)
-    opt = SpectralSphereOptimizer(qkv.parameters(), split=(12, 12, 12))
+    opt = SpectralSphereOptimizer(qkv.named_parameters(), matrix_view={"weight": muon_fn.heads(rows=3)})
     X = torch.randn(10, 12)
     for _ in range(2):
         opt.zero_grad()
@@ -342,9 +342,9 @@ def test_optimizer_with_split_trains_and_checkpoints():
         opt.step()
     assert tuple(opt.state[qkv.weight]["sso_lambda"].shape) == (3,)
     report = opt.last_step_stats()
-    assert report.names == ["#0 of shape (36, 12)[0]", "#0 of shape (36, 12)[1]", "#0 of shape (36, 12)[2]"]
+    assert report.names == ["weight[0]", "weight[1]", "weight[2]"]
     assert report.sigma.shape == (3,) and int(report.fallbacks.sum()) == 0
-    opt2 = SpectralSphereOptimizer(qkv.parameters(), split=(12, 12, 12))
+    opt2 = SpectralSphereOptimizer(qkv.named_parameters(), matrix_view={"weight": muon_fn.heads(rows=3)})
     opt2.load_state_dict(opt.state_dict())
     assert opt2.state[qkv.weight]["sso_iterations"].dtype == torch.int32
 

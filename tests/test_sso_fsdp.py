@@ -77,11 +77,12 @@ def _set_grads(model, step):
             p.grad = g
 
 
-def _check_parity(strategy, rescale=None, cls=Net, views=None, **sso_kwargs):
+def _check_parity(strategy, rescale=None, cls=Net, views=None, heads=False, **sso_kwargs):
     """``rescale``: multiply every weight by it after both optimizers are built (as loading a
     checkpoint into the model would): the warm-start block must come from the weights of the
     first step, as single-device SSO makes it. ``views``: the single-device optimizer's
-    ``matrix_view`` (the FSDP one reads the model)."""
+    ``matrix_view`` (the FSDP one reads the model). ``heads``: both get a head view for the
+    12-row matrices."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
@@ -93,7 +94,12 @@ def _check_parity(strategy, rescale=None, cls=Net, views=None, **sso_kwargs):
     for layer in model.children():
         fully_shard(layer)
     fully_shard(model)
+    if heads:
+        import muon_fn as mf
+
+        views = sso_kwargs["matrix_view"] = {"l[123].weight": mf.heads(rows=(4, 4, 4))}
     opt = FSDPSpectralSphereOptimizer(model, strategy=strategy, **sso_kwargs)
+    sso_kwargs.pop("matrix_view", None)
     ref = SpectralSphereOptimizer(ref_model.named_parameters(), matrix_view=views, **sso_kwargs)
     if rescale is not None:
         with torch.no_grad():
@@ -148,8 +154,8 @@ def _check_bytes():
 
 CHECKS = {"owner": lambda: _check_parity("owner"), "replicate": lambda: _check_parity("replicate"),
           "bytes": _check_bytes,
-          # split=(4, 4, 4) applies to the three 12-row matrices: one sphere per 4-row block.
-          "owner_split": lambda: _check_parity("owner", split=(4, 4, 4)),
+          # A head view on the three 12-row matrices: one sphere per 4-row block.
+          "owner_heads": lambda: _check_parity("owner", heads=True),
           # The dynamic retraction (α·lr = 1 %): the owner runs the same transform.
           "owner_dynamic": lambda: _check_parity("owner", retract_mode="dynamic", retract_alpha=0.5),
           "owner_rescaled": lambda: _check_parity("owner", rescale=3.0),
@@ -207,7 +213,7 @@ def _job(w):
 
 
 @pytest.mark.parametrize("w", [2, 3, 4])
-@pytest.mark.parametrize("strategy", ["owner", "replicate", "owner_split", "owner_dynamic", "owner_rescaled",
+@pytest.mark.parametrize("strategy", ["owner", "replicate", "owner_heads", "owner_dynamic", "owner_rescaled",
                                       "owner_experts"])
 def test_fsdp_sso_matches_single_device(w, strategy):
     ranks = _job(w)

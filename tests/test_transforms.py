@@ -25,7 +25,8 @@ TRANSFORMS_UNDER_TEST = {
     "momentum_ema": (lambda: mf.momentum(0.9, nesterov=False, kind="ema"), True),
     "momentum_bf16_mu": (lambda: mf.momentum(0.9, mu_dtype=torch.float32), True),
     "orthogonalize": (lambda: mf.orthogonalize(dtype=torch.float32), False),
-    "orthogonalize_split": (lambda: mf.orthogonalize("you", split=[2, 2], dtype=torch.float32), False),
+    "orthogonalize_heads": (lambda: mf.orthogonalize(
+        "you", dtype=torch.float32, view=lambda x: mf.heads(rows=(2, 2)) if x.shape[0] == 4 else "flatten"), False),
     "scale_by_shape": (lambda: mf.scale_by_shape("spectral"), False),
     "add_decoupled_weight_decay": (lambda: mf.add_decoupled_weight_decay(0.1), True),
     "scale_by_learning_rate": (lambda: mf.scale_by_learning_rate(0.1), True),
@@ -294,9 +295,9 @@ def test_scale_by_shape_values(shape, rule):
     torch.testing.assert_close(scaled["w"], u * want, rtol=1e-6, atol=0)
 
 
-def test_scale_by_shape_split_scales_each_block():
+def test_scale_by_shape_heads_scales_each_block():
     u = torch.ones(96 + 32, 32)  # e.g. a fused (q: 96, k: 32) projection
-    scaled, _ = mf.scale_by_shape("spectral", split=[96, 32]).update({"w": u}, ())
+    scaled, _ = mf.scale_by_shape("spectral", view=mf.heads(rows=(96, 32))).update({"w": u}, ())
     torch.testing.assert_close(scaled["w"][:96], torch.full((96, 32), math.sqrt(96 / 32)))
     torch.testing.assert_close(scaled["w"][96:], torch.full((32, 32), 1.0))
     whole, _ = mf.scale_by_shape("spectral").update({"w": u}, ())
@@ -331,9 +332,9 @@ def test_orthogonalize_flatten_false_treats_leading_dims_as_batch():
         torch.testing.assert_close(out[0][i], newton_schulz(x[i], "quintic", dtype=torch.float32), atol=2e-5, rtol=0)
 
 
-def test_orthogonalize_split_blocks():
+def test_orthogonalize_head_blocks():
     x = torch.randn(3 * 16, 16)  # fused QKV
-    out, _ = mf.orthogonalize("polar_express", dtype=torch.float32, split=[16, 16, 16]).update({"qkv": x}, ())
+    out, _ = mf.orthogonalize("polar_express", dtype=torch.float32, view=mf.heads(rows=3)).update({"qkv": x}, ())
     for i in range(3):
         block = x[16 * i: 16 * (i + 1)]
         torch.testing.assert_close(out["qkv"][16 * i: 16 * (i + 1)],

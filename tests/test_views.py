@@ -76,13 +76,12 @@ def test_orthogonalize_experts_is_each_expert_alone(stack, method, bf16):
 
 @settings(deadline=None)
 @given(stack=stacks(max_dim=12), blocks=st.integers(1, 3))
-def test_orthogonalize_experts_with_split_blocks(stack, blocks):
-    """``split`` cuts each expert into row blocks (a fused gate/up stack)."""
+def test_orthogonalize_experts_with_head_blocks(stack, blocks):
+    """``heads(rows=n, experts=True)`` cuts each expert into row blocks (a fused gate/up stack)."""
     stack = stack.repeat(1, blocks, 1)
-    out = stack.shape[1] // blocks
-    kw = dict(method="polar_express", dtype=torch.float32, split=[out] * blocks)
-    assert torch.equal(on_stack(mf.orthogonalize(view="experts", **kw), stack)[0],
-                       per_expert(mf.orthogonalize(**kw), stack))
+    kw = dict(method="polar_express", dtype=torch.float32)
+    assert torch.equal(on_stack(mf.orthogonalize(view=mf.heads(rows=blocks, experts=True), **kw), stack)[0],
+                       per_expert(mf.orthogonalize(view=mf.heads(rows=blocks), **kw), stack))
 
 
 @settings(deadline=None)
@@ -171,22 +170,17 @@ class TestViewErrors(expecttest.TestCase):
                 fn()
             return str(info.value)
 
-        self.assertExpectedInline(message(lambda: mf.orthogonalize(view="expert")), """\
-Invalid view: 'expert' (valid: 'flatten', 'experts', or a function leaf -> view)""")
+        self.assertExpectedInline(message(lambda: mf.orthogonalize(view="expert")), """Invalid view: 'expert' (valid: 'flatten', 'experts', muon_fn.heads(...), or a function leaf -> view)""")
         self.assertExpectedInline(message(lambda: mf.orthogonalize(view="experts", flatten=True)), """\
 pass view='experts' alone: flatten= is its older spelling (flatten=True is view='flatten', flatten=False is view='experts')""")
-        self.assertExpectedInline(message(lambda: mf.scale_by_shape(view=None)), """\
-Invalid view: None (valid: 'flatten', 'experts', or a function leaf -> view)""")
+        self.assertExpectedInline(message(lambda: mf.scale_by_shape(view=None)), """Invalid view: None (valid: 'flatten', 'experts', muon_fn.heads(...), or a function leaf -> view)""")
         bad = mf.orthogonalize(view=lambda leaf: "rows")
-        self.assertExpectedInline(message(lambda: bad.update([torch.zeros(2, 3, 4)], ())), """\
-view function returned 'rows' for a leaf of shape (2, 3, 4) (valid: 'flatten', 'experts')""")
+        self.assertExpectedInline(message(lambda: bad.update([torch.zeros(2, 3, 4)], ())), """view function returned 'rows' for a leaf of shape (2, 3, 4) (valid: 'flatten', 'experts', muon_fn.heads(...))""")
         p = nn.Parameter(torch.zeros(2, 3, 4))
-        self.assertExpectedInline(message(lambda: mf.MuonOptimizer([p], matrix_view="stack")), """\
-Invalid matrix_view: 'stack' (valid: 'flatten', 'experts', or a function leaf -> view)""")
+        self.assertExpectedInline(message(lambda: mf.MuonOptimizer([p], matrix_view="stack")), """Invalid matrix_view: 'stack' (valid: 'flatten', 'experts', muon_fn.heads(...), or a function leaf -> view)""")
         self.assertExpectedInline(message(lambda: mf.MuonOptimizer([p], matrix_view={"w": "experts"})), """\
 matrix_view is a mapping of parameter names, but a parameter of shape (2, 3, 4) has no name: pass named parameters (model.named_parameters()) or groups with 'param_names'""")
-        self.assertExpectedInline(message(lambda: mf.MuonOptimizer([("w", p)], matrix_view={"w": "rows"})), """\
-Invalid matrix_view['w']: 'rows' (valid: 'flatten', 'experts', or a function leaf -> view)""")
+        self.assertExpectedInline(message(lambda: mf.MuonOptimizer([("w", p)], matrix_view={"w": "rows"})), """Invalid matrix_view['w']: 'rows' (valid: 'flatten', 'experts', muon_fn.heads(...), or a function leaf -> view)""")
 
 
 # ------------------------------------------------------------------------------ optimizers

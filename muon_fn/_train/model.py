@@ -3,7 +3,7 @@
 Token + learned position embeddings, pre-LayerNorm blocks, causal self-attention through
 ``F.scaled_dot_product_attention``, a GELU MLP, a final LayerNorm and a linear head. Q, K and V are
 separate ``nn.Linear`` layers so that Muon orthogonalizes each projection on its own shape (a fused
-QKV matrix would need ``orthogonalize(split=...)``). Byte-level by default (vocabulary 256).
+QKV matrix would need a head view, ``matrix_view={name: muon_fn.heads(rows=3)}``). Byte-level by default (vocabulary 256).
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ their transforms into phases (:mod:`._phases`); per step:
 2. the rows of every matrix travel to its owner (:mod:`._rows`, :mod:`._plan`, :mod:`._exchange`),
    which runs the **mid** phase on the whole matrices (Muon: orthogonalize … scale_by_shape), one
    call per bucket of the single-device optimizer, and returns each rank's rows of the result;
+   an expert stack sharded on its expert dim does not travel: each rank runs the mid phase on
+   the whole experts it holds (:meth:`FSDPAdapter._is_local`);
 3. **post** on local rows (Muon: weight decay and learning rate), then ``p += u`` in place.
 
 Transforms without a matrix part (AdamW) run whole on local rows with no communication.
@@ -51,7 +53,7 @@ class _Matrix(NamedTuple):
     param: torch.Tensor
     fmt: _rows.RowFormat
     flops: int  # of its orthogonalization (for last_step_stats)
-    view: str  # its matrix view (an expert stack is computed whole, by one owner)
+    view: str | _views.Heads  # its matrix view
 
 
 class FSDPAdapter:
@@ -164,9 +166,9 @@ class FSDPAdapter:
         """FLOPs of one matrix's mid phase, for ``last_step_stats`` (0 unless a subclass knows)."""
         return 0
 
-    def _param_flops(self, group: dict[str, Any], shape: tuple[int, ...], view: str) -> int:
-        """FLOPs of a parameter's mid phase: its matrices' under ``view``."""
-        return _views.count(shape, view) * self._matrix_flops(group, _views.matrix_shape(shape, view))
+    def _param_flops(self, group: dict[str, Any], shape: tuple[int, ...], view: str | _views.Heads) -> int:
+        """FLOPs of a parameter's mid phase: its matrices' (or head blocks') under ``view``."""
+        return sum(self._matrix_flops(group, s) for s in _views.unit_shapes(shape, view))
 
     @staticmethod
     def _meta(params: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -281,14 +283,29 @@ class FSDPAdapter:
         self._index = {(m.group, m.position): j for j, m in enumerate(matrices)}
         return matrices
 
+    def _is_local(self, m: _Matrix) -> bool:
+        """Whether every rank can compute its own rows of ``m`` (per-expert planning), under
+        ``strategy="owner"``: a sharded expert stack (each row of dim 0 is whole matrices of its
+        view, so a rank holds whole experts) whose mid phase is per matrix (an expert's bits do
+        not depend on the others: Muon; not NorMuon or SSO, see ``muon_fn.TransformInfo``) and
+        keeps no state shared by all its rows other than counters (0-d integers, the same on
+        every rank)."""
+        return (self.strategy == "owner" and self._layouts[id(m.param)].sharded and m.param.ndim >= 3
+                and _views.base(m.view) == "experts" and m.route.phases.mid_per_matrix
+                and all(leaf.shape == () and not leaf.dtype.is_floating_point for leaf in m.fmt.replicated))
+
     def _set_plan(self, matrices: list[_Matrix]) -> None:
         topo = self.topology
+        units = group_by([id(m.bucket) for m in matrices])  # the owner computes whole buckets
+        local = [False] * len(matrices)
+        for unit in units:
+            for j in unit:
+                local[j] = all(self._is_local(matrices[k]) for k in unit)
         plan = _plan.make_plan(
             [tuple(m.param.shape) for m in matrices], topo.world_size,
             replicated=[not self._layouts[id(m.param)].sharded for m in matrices],
             num_buckets=self._num_buckets, extra_cols=[m.fmt.sent_cols - m.fmt.cols for m in matrices],
-            units=group_by([id(m.bucket) for m in matrices]),  # the owner computes whole buckets
-            views=[m.view for m in matrices])
+            units=units, views=[m.view for m in matrices], local=local)
         _exchange.check_same(self._plan_description(plan), "the optimizer's plan", topo.group, topo.world_size)
         self.plan, self._wire_in = plan, _rows.common_dtype([m.fmt for m in matrices])
 
@@ -307,7 +324,8 @@ class FSDPAdapter:
             for i, p in enumerate(group["params"]):
                 placed = (f"placements {tuple(p.placements)}" if isinstance(p, _params.DTensor)
                           else "a plain (replicated) tensor")
-                view = f", view {routes[i].options.get('matrix_view', 'flatten')!r}" if p.ndim >= 3 else ""
+                view = routes[i].options.get("matrix_view", "flatten")
+                view = f", view {view!r}" if p.ndim >= 3 or view not in (None, "flatten") else ""
                 out.append((f"parameter {i} of group {gi}",
                              f"{self._fqn(p)!r} of shape {tuple(p.shape)}, {placed}, {routes[i].label}{view}"))
         out.append(("the plan's owners and buckets", hashlib.sha256(repr(plan).encode()).hexdigest()[:16]))
@@ -379,11 +397,14 @@ class FSDPAdapter:
                        result_cols=[m.fmt.returned_cols for m in matrices])
         self._post(matrices, grads, mine, self._share(matrices, new_replicated), finite)
         self._elementwise(grads, finite)
-        computed = [j for j in range(len(matrices)) if self.strategy == "replicate" or
-                    self.plan.matrices[j].owner == topo.rank]
+        computed = [j for j, mp in enumerate(self.plan.matrices) if self.strategy == "replicate" or
+                    mp.owner == topo.rank or (mp.local and mp.cost_on(topo.rank))]
+        flops = sum(matrices[j].flops if self.strategy == "replicate" or not self.plan.matrices[j].local else
+                    matrices[j].flops * self.plan.matrices[j].cost_on(topo.rank) // max(self.plan.matrices[j].cost, 1)
+                    for j in computed)
         return {"strategy": self.strategy, "rank": topo.rank, "world_size": topo.world_size,
                 "bytes_sent": ex.bytes_sent, "bytes_received": ex.bytes_received,
-                "ns_flops": sum(matrices[j].flops for j in computed), "matrices_computed": len(computed),
+                "ns_flops": flops, "matrices_computed": len(computed),
                 "comm_wait_s": ex.comm_wait_s, "compute_s": ex.compute_s}
 
     def _mid_buckets(self) -> Iterator[tuple[int, Route, Bucket, list[torch.Tensor]]]:
@@ -440,16 +461,18 @@ class FSDPAdapter:
 
     def _share(self, matrices: list[_Matrix],
                new: dict[int, list[torch.Tensor]]) -> dict[int, list[torch.Tensor]]:
-        """Every rank's copy of the replicated mid state each owner computed (one all-reduce)."""
+        """Every rank's copy of the replicated mid state each owner computed (one all-reduce); a
+        local matrix's (counters) each rank computed itself."""
         topo = self.topology
-        with_state = [j for j, m in enumerate(matrices) if m.fmt.replicated]
+        with_state = [j for j, m in enumerate(matrices) if m.fmt.replicated and not self.plan.matrices[j].local]
         if not with_state or self.strategy == "replicate" or topo.world_size == 1:
             return new
         like = [_params.local(self.state[matrices[j].param][leaf.key]) for j in with_state
                 for leaf in matrices[j].fmt.replicated]
         values = [v for j in with_state for v in new.get(j, [None] * len(matrices[j].fmt.replicated))]
         flat = iter(_exchange.share_from_owners(values, like, topo.group))
-        return {j: [next(flat) for _ in matrices[j].fmt.replicated] for j in with_state}
+        shared = {j: [next(flat) for _ in matrices[j].fmt.replicated] for j in with_state}
+        return {**{j: v for j, v in new.items() if self.plan.matrices[j].local}, **shared}
 
     def _post(self, matrices: list[_Matrix], grads: list[tuple], mine: list[torch.Tensor],
               shared: dict[int, list[torch.Tensor]], finite: torch.Tensor | None) -> None:
@@ -511,16 +534,19 @@ class FSDPAdapter:
                 m.reshard()
 
     def describe(self) -> str:
-        """Which transform each parameter gets, and who computes each matrix."""
+        """Which transform each parameter gets, and who computes each matrix (``local``: each
+        rank its own rows, nothing exchanged)."""
         lines = [f"{type(self).__name__}(strategy={self.strategy!r}, world_size={self.topology.world_size})"]
         owners = {(m.group, m.position): self.plan.matrices[j] for j, m in enumerate(self._matrices())}
         for gi, group in enumerate(self.param_groups):
             for route in self._routes(gi):
                 for i in route.indices:
                     p, mp = group["params"][i], owners.get((gi, i))
-                    where = "" if mp is None else f" owner={mp.owner} bucket={mp.bucket}"
-                    if mp is not None and p.ndim >= 3:
-                        where += f" view={route.options.get('matrix_view', 'flatten')}"
+                    who = "local" if mp is not None and mp.local else f"owner={mp.owner}" if mp else ""
+                    where = "" if mp is None else f" {who} bucket={mp.bucket}"
+                    view = route.options.get("matrix_view", "flatten")
+                    if mp is not None and (p.ndim >= 3 or isinstance(view, _views.Heads)):
+                        where += f" view={view}"
                     lines.append(f"  {route.label:<5} {self._fqn(p)} {tuple(p.shape)}{where}")
         return "\n".join(lines)
 

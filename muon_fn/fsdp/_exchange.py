@@ -6,7 +6,9 @@ fine), the owner concatenates them into full matrices and runs ``compute`` on th
 ``all_to_all_single`` returns to every rank the rows it holds. All gathers are posted
 asynchronously up front (in bucket order, identical on every rank), so the owner computes bucket
 ``i`` while later buckets are still in flight, and each bucket's return is posted asynchronously as
-soon as it is computed. With one rank nothing is communicated. :func:`exchange_replicated` is
+soon as it is computed. The plan's local matrices (expert stacks sharded on their expert dim) never
+travel: each rank computes its own rows of them while the gathers are in flight. With one rank
+nothing is communicated. :func:`exchange_replicated` is
 the all-gather baseline (every rank computes every matrix). :func:`all_ranks_finite`,
 :func:`share_from_owners` and :func:`check_same` are the small collectives around a step.
 """
@@ -115,8 +117,10 @@ def exchange(
     if plan.world_size == 1:
         return _compute_locally(plan, rows, compute, wire), wire.stats
     gathers = [_post_gather(plan, b, rows, wire) for b in plan.buckets]
-    returns = [_compute_and_return(plan, g, compute, back_cols, wire) for g in gathers]
     out: list[torch.Tensor | None] = [None] * len(plan.matrices)
+    for b in plan.buckets:
+        _compute_local(plan, b, rows, compute, back_cols, wire, out)
+    returns = [_compute_and_return(plan, g, compute, back_cols, wire) for g in gathers]
     for r in returns:
         _collect(plan, r, back_cols, wire, out)
     return out, wire.stats  # type: ignore[return-value]
@@ -131,6 +135,20 @@ def _compute_locally(plan: Plan, rows: list[torch.Tensor], compute: Compute,
         for j, r in zip(idx, wire.timed(compute, idx, [rows[j] for j in idx])):
             out[j] = r
     return out  # type: ignore[return-value]
+
+
+def _compute_local(plan: Plan, b: BucketPlan, rows: list[torch.Tensor], compute: Compute,
+                   back_cols: list[int], wire: _Wire, out: list) -> None:
+    """A bucket's local matrices: this rank's rows of each, computed here (nothing travels)."""
+    here = [j for j in b.matrices if plan.matrices[j].local]
+    if not here:
+        return
+    for j, r in zip(here, wire.timed(compute, here, [rows[j] for j in here])):
+        start, stop = plan.matrices[j].receive[wire.rank]
+        if tuple(r.shape) != (stop - start, back_cols[j]):
+            raise ValueError(f"exchange: compute returned shape {tuple(r.shape)} for local matrix {j}, "
+                             f"expected {(stop - start, back_cols[j])}")
+        out[j] = r
 
 
 def _owned(plan: Plan, b: BucketPlan, owner: int) -> list[int]:

@@ -48,7 +48,7 @@ class FSDPMuonOptimizer(FSDPAdapter, MuonOptimizer):
       process_group: the group to use for plain (replicated) parameters; must match the
         DTensor parameters' shard group if given.
       **muon_options: every other keyword of MuonOptimizer (``method``, ``adjust_lr_fn``,
-        ``ns_dtype``, ``momentum_kind``, ``matrix_view``, ``split``, ``adamw_*``, ``nonfinite``,
+        ``ns_dtype``, ``momentum_kind``, ``matrix_view``, ``adamw_*``, ``nonfinite``,
         ``compile``, ``bucket_size``, ...), with its meaning and default, except that the model
         is known: a parameter of ndim ≥ 3 that ``matrix_view`` does not name is flattened if a
         conv module owns it and is an expert stack otherwise (the owner computes it whole), with

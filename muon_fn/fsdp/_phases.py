@@ -38,6 +38,7 @@ class Phases(NamedTuple):
     post: GradientTransformation
     sizes: tuple[int, int, int]  # parts in pre, mid, post
     mid_needs_params: bool
+    mid_per_matrix: bool  # every mid part is per_matrix (or elementwise): a stack may be cut
 
     def states(self, state: tuple) -> tuple[tuple, tuple, tuple]:
         """The pre, mid and post slices of a state of :attr:`whole`."""
@@ -57,10 +58,11 @@ def split(tx: GradientTransformation, name: str) -> Phases:
                 "ELEMENTWISE or MATRIX, and a leafwise update; see muon_fn.TransformInfo)")
     matrix = [i for i, part in enumerate(parts) if info(part).scope == MATRIX]
     if not matrix:
-        return Phases(chain(*parts), chain(*parts), None, chain(), (len(parts), 0, 0), False)
+        return Phases(chain(*parts), chain(*parts), None, chain(), (len(parts), 0, 0), False, False)
     a, b = matrix[0], matrix[-1] + 1
     return Phases(chain(*parts), chain(*parts[:a]), chain(*parts[a:b]), chain(*parts[b:]),
-                  (a, b - a, len(parts) - b), any(info(p).needs_params for p in parts[a:b]))
+                  (a, b - a, len(parts) - b), any(info(p).needs_params for p in parts[a:b]),
+                  all(info(p).per_matrix or info(p).scope == ELEMENTWISE for p in parts[a:b]))
 
 
 def layouts(phases: Phases, meta: tuple[torch.Tensor, ...]) -> tuple[_state.StateLayout, tuple]:

@@ -6,12 +6,16 @@ split sizes of every ``all_to_all_single`` without talking to each other.
 
 Terms. Matrix ``j`` has global shape ``(m, n)`` (a weight flattened to ``(shape[0], prod(rest))``):
 its rows travel, whatever its matrix view (an expert stack ``(E, out, in)`` has E rows of
-``out·in``, so each rank sends whole experts); the view only sets the cost of computing it.
+``out·in``, so each rank sends whole experts); the view sets the cost of computing it.
 Each rank *contributes* a contiguous block of rows (its FSDP2 shard, or all rows on the owner for a
 replicated parameter) and *receives back* a contiguous block of rows of the result (its shard again,
 or all rows for a replicated parameter). The owner gathers the contributions, computes on the full
 matrix, and returns the rows each rank receives. A bucket is a group of matrices exchanged by one
 pair of ``all_to_all_single`` calls.
+
+A *local* matrix has no owner (``owner == LOCAL``): each row of it is whole matrices of its view
+(an expert stack sharded on its expert dim, so every rank holds whole experts), and every rank
+computes the rows it holds, where they lie; none of its elements travel.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from .. import _views
 from .._newton_schulz import gram_products
 
 Rows = tuple[int, int]  # [start, stop) rows of a matrix
+LOCAL = -1  # the owner of a local matrix: every rank computes its own rows
 
 
 @functools.lru_cache(maxsize=4096)
@@ -54,13 +59,12 @@ def flat_shape(shape: Sequence[int]) -> tuple[int, int]:
     return shape[0], math.prod(shape[1:])
 
 
-def ns_cost(shape: Sequence[int], view: str = "flatten") -> int:
+def ns_cost(shape: Sequence[int], view: str | _views.Heads = "flatten") -> int:
     """Newton–Schulz cost of a weight: the GEMM FLOPs of one quintic iteration,
     ``4s²l + 2s³`` (``s = min(m, n)``, ``l = max(m, n)``), for each of its matrices ``(m, n)``
-    under ``view``. Every iteration of the quintic and Polar Express costs this, so owners
-    balanced on it are balanced on FLOPs (:func:`ns_flops`)."""
-    m, n = _views.matrix_shape(shape, view)
-    return _views.count(shape, view) * ns_flops((m, n), 1)
+    under ``view`` (each block of a head view). Every iteration of the quintic and Polar Express
+    costs this, so owners balanced on it are balanced on FLOPs (:func:`ns_flops`)."""
+    return sum(ns_flops((m, n), 1) for m, n in _views.unit_shapes(shape, view))
 
 
 def ns_flops(shape: Sequence[int], steps: int | Sequence[Sequence[float]]) -> int:
@@ -85,7 +89,7 @@ class MatrixPlan:
     shape: tuple[int, ...]  # global shape (as given)
     rows: int  # m
     cols: int  # n (elements per row)
-    owner: int
+    owner: int  # LOCAL: every rank computes the rows it holds
     bucket: int
     contrib: tuple[Rows, ...]  # rows each rank sends to the owner (they tile [0, m))
     receive: tuple[Rows, ...]  # rows each rank gets back
@@ -94,6 +98,18 @@ class MatrixPlan:
     @property
     def numel(self) -> int:
         return self.rows * self.cols
+
+    @property
+    def local(self) -> bool:
+        return self.owner == LOCAL
+
+    def cost_on(self, rank: int) -> int:
+        """The share of ``cost`` that ``rank`` computes: all of it on the owner; on a local matrix,
+        that of the rows the rank holds."""
+        if not self.local:
+            return self.cost if rank == self.owner else 0
+        start, stop = self.receive[rank]
+        return self.cost * (stop - start) // max(self.rows, 1)
 
     def contrib_numel(self, rank: int) -> int:
         start, stop = self.contrib[rank]
@@ -143,7 +159,7 @@ class Plan:
     buckets: tuple[BucketPlan, ...]
 
     def owned(self, rank: int, bucket: int | None = None) -> list[int]:
-        """Indices of the matrices ``rank`` computes (in one bucket, or in all)."""
+        """Indices of the matrices ``rank`` owns (computes whole; in one bucket, or in all)."""
         order = self.buckets[bucket].matrices if bucket is not None else range(len(self.matrices))
         return [j for j in order if self.matrices[j].owner == rank]
 
@@ -151,8 +167,30 @@ class Plan:
         """Newton–Schulz cost (:func:`ns_cost`) each rank computes."""
         loads = [0] * self.world_size
         for mp in self.matrices:
-            loads[mp.owner] += mp.cost
+            if mp.local:
+                for r in range(self.world_size):
+                    loads[r] += mp.cost_on(r)
+            else:
+                loads[mp.owner] += mp.cost
         return loads
+
+    def local(self, bucket: int) -> list[int]:
+        """Indices of the bucket's local matrices (every rank computes its rows of them)."""
+        return [j for j in self.buckets[bucket].matrices if self.matrices[j].local]
+
+    def describe(self, names: Sequence[str] | None = None) -> str:
+        """One line per matrix (its bucket, its owner or ``local``, the rows each rank holds), then
+        each rank's Newton–Schulz load and the elements it sends per step."""
+        w = self.world_size
+        lines = [f"Plan(world_size={w}, matrices={len(self.matrices)}, buckets={len(self.buckets)})"]
+        for mp in self.matrices:
+            name = names[mp.index] if names is not None else f"#{mp.index}"
+            who = "local" if mp.local else f"owner={mp.owner}"
+            held = [b - a for a, b in mp.receive]
+            lines.append(f"  {name} {mp.shape} bucket={mp.bucket} {who} rows per rank={held}")
+        lines.append(f"  load per rank={self.load()}")
+        lines.append(f"  elements sent per rank={[self.sent_elements(r) for r in range(w)]}")
+        return "\n".join(lines)
 
     def sent_elements(self, rank: int) -> int:
         """Elements ``rank`` sends to other ranks in one step (both directions, self excluded)."""
@@ -208,7 +246,8 @@ def make_plan(
     num_buckets: int = 4,
     extra_cols: int | Sequence[int] = 0,
     units: Sequence[Sequence[int]] | None = None,
-    views: Sequence[str] | None = None,
+    views: Sequence[str | _views.Heads] | None = None,
+    local: bool | Sequence[bool] = False,
 ) -> Plan:
     """Owners, row splits and buckets for matrices of global ``shapes`` on ``world_size`` ranks.
 
@@ -225,11 +264,16 @@ def make_plan(
       units: groups of matrix indices computed together, by one owner, in one exchange bucket
         and in this order (every matrix in exactly one); default: every matrix alone.
       views: the matrix view of each (:mod:`muon_fn._views`; default ``"flatten"``): it sets the
-        cost only (an expert stack costs its E matrices, :func:`ns_cost`).
+        cost (an expert stack costs its E matrices, a head view its blocks, :func:`ns_cost`).
+      local: per matrix (or one for all), True if each of its rows is whole matrices that the rank
+        holding the row can compute alone (an expert stack, sharded): it gets no owner, every rank
+        computes its own rows, nothing travels. Not for replicated matrices; a unit's matrices
+        must agree.
 
-    Owners are assigned to units by LPT on :func:`ns_cost` (FLOPs) over all units at once, the
-    costliest first to the least-loaded rank: the step waits for the most loaded rank, so the
-    total over the step is what is balanced, not each exchange bucket's.
+    Local matrices are planned first (their cost falls where their rows lie). Owners are assigned
+    to the other units by LPT on :func:`ns_cost` (FLOPs) over all units at once, from the loads of
+    the local matrices, the costliest first to the least-loaded rank: the step waits for the most
+    loaded rank, so the total over the step is what is balanced, not each exchange bucket's.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"Invalid world_size: {world_size!r} (expected an integer >= 1)")
@@ -241,8 +285,12 @@ def make_plan(
     if any(e < 0 for e in extra):
         raise ValueError(f"Invalid extra_cols: {extra_cols} (expected >= 0)")
     units = _check_units(units, len(shapes))
-    groups = make_buckets([sum(flat[j][0] * flat[j][1] for j in u) for u in units], num_buckets)
-    owners, bucket_of = _assign_owners(costs, units, groups, world_size)
+    local = _check_local(_per_matrix("local", local, len(shapes)), replicated, units)
+    groups = make_buckets([0 if local[u[0]] else sum(flat[j][0] * flat[j][1] for j in u) for u in units],
+                          num_buckets)
+    seed = [sum(c * (b - a) // max(flat[j][0], 1) for j, c in enumerate(costs) if local[j]
+                for a, b in [chunk_rows(flat[j][0], world_size)[r]]) for r in range(world_size)]
+    owners, bucket_of = _assign_owners(costs, units, groups, world_size, seed, local)
     matrices = []
     for j, (shape, (m, n)) in enumerate(zip(shapes, flat)):
         if replicated[j]:
@@ -267,15 +315,31 @@ def _check_units(units: Sequence[Sequence[int]] | None, n: int) -> list[list[int
     return units
 
 
-def _assign_owners(costs: list[int], units: list[list[int]], groups: list[list[int]],
-                   world_size: int) -> tuple[list[int], list[int]]:
-    """Owner and bucket of every matrix (of ``costs``): LPT over all units at once."""
-    owners, bucket_of = [0] * len(costs), [0] * len(costs)
-    unit_owners = lpt_owners([sum(costs[j] for j in unit) for unit in units], world_size)
+def _check_local(local: list, replicated: list, units: list[list[int]]) -> list[bool]:
+    local = [bool(x) for x in local]
+    for j, (lo, rep) in enumerate(zip(local, replicated)):
+        if lo and rep:
+            raise ValueError(f"matrix {j} is replicated: every rank holds all of it, so it cannot be local")
+    for u in units:
+        if len({local[j] for j in u}) > 1:
+            raise ValueError(f"the matrices of unit {u} disagree on local")
+    return local
+
+
+def _assign_owners(costs: list[int], units: list[list[int]], groups: list[list[int]], world_size: int,
+                   loads: list[int], local: list[bool]) -> tuple[list[int], list[int]]:
+    """Owner and bucket of every matrix (of ``costs``): LPT over all units that are not local at
+    once, from the ``loads`` of the local matrices (which get :data:`LOCAL`)."""
+    owners, bucket_of = [LOCAL] * len(costs), [0] * len(costs)
     for b, members in enumerate(groups):
         for u in members:
             for j in units[u]:
-                owners[j], bucket_of[j] = unit_owners[u], b
+                bucket_of[j] = b
+    placed = [u for u in range(len(units)) if not local[units[u][0]]]
+    unit_costs = [sum(costs[j] for j in units[u]) for u in placed]
+    for u, r in zip(placed, lpt_owners(unit_costs, world_size, loads)):
+        for j in units[u]:
+            owners[j] = r
     return owners, bucket_of
 
 
@@ -288,6 +352,8 @@ def _bucket_plan(b: int, members: list[int], matrices: list[MatrixPlan], world_s
     out_of: dict[int, tuple[int, ...]] = {}
     for j in members:
         mp = matrices[j]
+        if mp.local:  # computed where it lies: nothing to send
+            continue
         _add(into, mp.owner, _numels(mp.contrib, mp.cols))
         _add(out_of, mp.owner, _numels(mp.receive, mp.cols))
     to_owner = tuple(into.get(d, zeros) for d in range(world_size))
@@ -308,7 +374,7 @@ def _numels(rows: tuple[Rows, ...], cols: int) -> tuple[int, ...]:
 
 def _per_matrix(name: str, value, n: int) -> list:
     """``value`` for each of ``n`` matrices: a sequence of ``n`` entries, or one value for all."""
-    if isinstance(value, (bool, int, str)):
+    if isinstance(value, (bool, int, str, _views.Heads)):
         return [value] * n
     value = list(value)
     if len(value) != n:

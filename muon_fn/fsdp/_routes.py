@@ -65,14 +65,20 @@ class Route:
 
 def _bucket(phases: _phases.Phases, idx: tuple[int, ...], meta: tuple[torch.Tensor, ...]) -> Bucket:
     """A bucket's layouts, and which state leaves follow the rows: traced at the parameters'
-    rows and at one row more (the same on every rank, whatever rows it holds)."""
+    rows and at one row more (the same on every rank, whatever rows it holds). A head view that
+    names its row blocks fits no other number of rows: then a leaf follows the rows when its
+    leading dim is theirs (any such leaf may travel cut by rows and be whole on the owner)."""
     full, sliced = _phases.layouts(phases, meta)
-    grown, _ = _phases.layouts(phases, tuple(torch.empty((p.shape[0] + 1,) + p.shape[1:], dtype=p.dtype,
-                                                         device="meta") for p in meta))
+    try:
+        grown = _phases.layouts(phases, tuple(torch.empty((p.shape[0] + 1,) + p.shape[1:], dtype=p.dtype,
+                                                          device="meta") for p in meta))[0].slots
+    except ValueError:
+        grown = [a if a is None or not a.shape else a._replace(shape=(a.shape[0] + 1,) + a.shape[1:])
+                 for a in full.slots]
     rows = tuple(a is not None and a.index is not None and len(a.shape) >= 1
                  and a.shape[0] == meta[a.index].shape[0]
                  and b.shape == (a.shape[0] + 1,) + a.shape[1:]
-                 for a, b in zip(full.slots, grown.slots))
+                 for a, b in zip(full.slots, grown))
     return Bucket(idx, full, rows, sliced)
 
 

@@ -113,9 +113,11 @@ def _returned_widths(fmt: RowFormat) -> list[int]:
 
 def unpack_sent(fmt: RowFormat, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
     """On the owner, the whole matrix's update, parameter (or None) and row states, each in its
-    own dtype and global shape, contiguous (as a single-device step would see them)."""
+    own dtype and global shape, contiguous (as a single-device step would see them); on a rank
+    computing its rows of a local matrix, the same for those rows."""
     cols = _split(x, _sent_widths(fmt))
-    whole = lambda c, dtype, shape: c.to(dtype).contiguous().reshape(shape)  # noqa: E731
+    rows = x.shape[0]
+    whole = lambda c, dtype, shape: c.to(dtype).contiguous().reshape((rows,) + tuple(shape[1:]))  # noqa: E731
     update = whole(cols.pop(0), fmt.update_dtype, fmt.shape)
     param = None if fmt.param_dtype is None else whole(cols.pop(0), fmt.param_dtype, fmt.shape)
     states = {leaf.key: whole(c, leaf.dtype, leaf.shape) for leaf, c in zip(fmt.row_states, cols)}

@@ -35,7 +35,7 @@ class FSDPSpectralSphereOptimizer(FSDPAdapter, SpectralSphereOptimizer):
         :class:`muon_fn.fsdp.FSDPMuonOptimizer` (``use_muon=True`` groups get SSO,
         ``use_muon=False`` AdamW at the group's ``adamw_lr`` and ``adamw_weight_decay``).
       lr, momentum, nesterov, **sso_options: SpectralSphereOptimizer's, with its meaning and
-        defaults (``radius_scale``, ``power_steps``, ``tol``, ``muon_sphere``, ``split``,
+        defaults (``radius_scale``, ``power_steps``, ``tol``, ``muon_sphere``, ``matrix_view``,
         ``adamw_*``, ``nonfinite``, ``compile``, ...).
 
     ``last_step_stats`` holds this rank's exchange figures (see

@@ -325,12 +325,12 @@ class Optimizer(torch.optim.Optimizer):
         def only(indices):
             return tuple(q if i in indices else None for i, q in enumerate(params))
 
-        try:
-            tx.update(only(set(mine)), tx.init(params), params)
+        try:  # a variant's transform sees its own parameters only (a head view fits no others)
+            tx.update(only(set(mine)), tx.init(only(set(mine))), params)
         except ValueError as error:
             for i in mine:
                 try:
-                    tx.update(only({i}), tx.init(params), params)
+                    tx.update(only({i}), tx.init(only({i})), params)
                 except ValueError:
                     raise ValueError(f"parameter {self._name(group, group['params'][i])}: {error}") from None
             raise

@@ -8,10 +8,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._views import count, matrix_shape
+from .._views import Heads, count, matrix_shape, unit_shapes
 from ._adapter import Optimizer
 from ._muon import MuonOptimizer
-from ._views import check_spec, given, module_views
+from ._views import check_spec, fits, given, module_views
 
 
 def _head_names(model: nn.Module, embedding_params: set[int]) -> set[str]:
@@ -88,8 +88,13 @@ def split_parameters(
     return muon_params, adamw_params
 
 
-def matrix_reason(p: torch.Tensor, view: str, by_module: dict[int, str]) -> str:
+def matrix_reason(p: torch.Tensor, view: str | Heads, by_module: dict[int, str]) -> str:
     """Why (and as what) a parameter of ndim ≥ 2 gets Muon, for :class:`HybridSplit`."""
+    if isinstance(view, Heads):
+        shapes = unit_shapes(p.shape, view)
+        listed = "x".join(map(str, shapes[0])) if len(set(shapes)) == 1 else ", ".join(
+            f"{m}x{n}" for m, n in dict.fromkeys(shapes))
+        return f"{view!r}: {len(shapes)} blocks {listed}"
     if p.ndim == 2:
         return "hidden matrix"
     out, inp = matrix_shape(p.shape, view)
@@ -149,8 +154,9 @@ def create_hybrid_optimizer(
     (``nn.Conv1d/2d/3d``) is one flattened matrix, any other is a stack of matrices (MoE experts
     ``(E, out, in)``: E matrices, each orthogonalized and scaled by its own shape). A
     ``matrix_view`` keyword (a view, a mapping ``{name or glob pattern: view}``, or a function
-    ``param -> view``; see :class:`MuonOptimizer`) overrides that for the parameters it names.
-    The Muon group's ``matrix_view`` holds the result, one entry per such parameter.
+    ``param -> view``; see :class:`MuonOptimizer`) overrides that for the parameters it names,
+    and gives head views (:func:`muon_fn.heads`) to the parameters it names. The Muon group's
+    ``matrix_view`` holds the result, one entry per parameter of ndim ≥ 3 or with a head view.
     """
     user_view = muon_kwargs.pop("matrix_view", None)
     check_spec(user_view)
@@ -158,7 +164,12 @@ def create_hybrid_optimizer(
         model, adamw_names=adamw_names, adamw_predicate=adamw_predicate, muon_names=muon_names
     )
     by_module = module_views(model)
-    chosen = {name: given(user_view, name, p) or by_module[id(p)] for name, p, _ in muon_params if p.ndim >= 3}
+    chosen = {name: given(user_view, name, p) or by_module.get(id(p), "flatten") for name, p, _ in muon_params}
+    chosen = {name: view for (name, p, _), view in zip(muon_params, chosen.values())
+              if p.ndim >= 3 or isinstance(view, Heads)}
+    for name, p, _ in muon_params:
+        if isinstance(chosen.get(name), Heads):
+            fits(chosen[name], p, repr(name))
     muon_params = [(n, p, r if n not in chosen or r == "muon_names" else matrix_reason(p, chosen[n], by_module))
                    for n, p, r in muon_params]
     groups = []

@@ -65,7 +65,8 @@ class HybridOptimizer(Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's ``load_state_dict``; a group saved before ``matrix_view`` existed keeps this
-        optimizer's."""
+        optimizer's, and one saved with the former ``split=None`` loads without it."""
+        state_dict = _views.drop_unset_split(state_dict)
         groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
         if isinstance(groups, list) and len(groups) == len(self.param_groups) and any(
                 isinstance(g, dict) and "matrix_view" not in g for g in groups):
@@ -128,23 +129,25 @@ class MuonOptimizer(HybridOptimizer):
         (see :func:`muon_fn.orthogonalize`). With ``ns_coefficients`` a named method keeps its
         preconditioner and form.
       ns_dtype: iteration dtype (default: bf16, fp32 on CPUs without bf16 GEMMs; torch.optim.Muon
-        always iterates in bf16). ``ns_stepsize``: see :func:`muon_fn.orthogonalize`. ``split``:
-        row blocks of fused weights.
+        always iterates in bf16). ``ns_stepsize``: see :func:`muon_fn.orthogonalize`.
       beta2: ``None`` for Muon; a float enables NorMuon row normalization with ``normuon_eps``.
       momentum_dtype: dtype of the momentum buffer (default: the parameter's), e.g. fp32 for
         bf16 parameters.
-      matrix_view: how a parameter of ndim ≥ 3 is read as matrices (:mod:`muon_fn._views`):
-        ``"flatten"`` (one ``(out, prod(rest))`` matrix: conv weights) or ``"experts"`` (leading
-        dims are a batch: an MoE stack ``(E, out, in)`` is E matrices, each orthogonalized and
-        scaled by its own shape); a mapping ``{name or glob pattern: view}`` over parameter names;
-        or a function ``param -> view``. ``None`` (default) reads such a parameter as
-        ``"flatten"`` and warns once, naming it (:func:`create_hybrid_optimizer` knows the modules
-        and warns about nothing). A group key like any other.
+      matrix_view: how a parameter is read as matrices (:mod:`muon_fn._views`): ``"flatten"``
+        (one ``(out, prod(rest))`` matrix: conv weights) or ``"experts"`` (leading dims are a
+        batch: an MoE stack ``(E, out, in)`` is E matrices, each orthogonalized and scaled by its
+        own shape) for every parameter of ndim ≥ 3 of the group; a mapping ``{name or glob
+        pattern: view}`` over parameter names; or a function ``param -> view | None``. A head
+        view :func:`muon_fn.heads` (row or column blocks: fused QKV, attention heads) names one
+        parameter's layout, so it is accepted only per parameter (in a mapping or from a
+        function), for a 2-D parameter too. ``None`` (default) reads a parameter of ndim ≥ 3 as
+        ``"flatten"`` and warns once, naming it (:func:`create_hybrid_optimizer` knows the
+        modules and warns about nothing). A group key like any other.
       adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW half in ``"auto"`` groups.
       gradient_accumulation_steps, nonfinite, compile, bucket_size: see :class:`muon_fn.Optimizer`.
 
     Keywords of other torch optimizers (``maximize``, ``foreach``, ``fused``, ``capturable``,
-    ``differentiable``) and former names (``ns_eps``) are refused with a ``TypeError`` that says
+    ``differentiable``) and former names (``ns_eps``, ``split``) are refused with a ``TypeError`` that says
     what to use.
     """
 
@@ -168,7 +171,6 @@ class MuonOptimizer(HybridOptimizer):
         momentum_kind: str = "ema",
         momentum_dtype: torch.dtype | None = None,
         matrix_view: Any = None,
-        split: Any = None,
         adamw_lr: float = 3e-4,
         adamw_betas: tuple[float, float] = (0.9, 0.999),
         adamw_eps: float = 1e-8,
@@ -185,7 +187,7 @@ class MuonOptimizer(HybridOptimizer):
             ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
             method=method, ns_dtype=ns_dtype, ns_stepsize=ns_stepsize, beta2=beta2,
             normuon_eps=normuon_eps, momentum_kind=momentum_kind, momentum_dtype=momentum_dtype,
-            matrix_view=matrix_view, split=split, adamw_lr=adamw_lr, adamw_betas=adamw_betas,
+            matrix_view=matrix_view, adamw_lr=adamw_lr, adamw_betas=adamw_betas,
             adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay, algorithm=algorithm,
         )
         super().__init__(params, muon_factory, defaults,
@@ -238,7 +240,7 @@ def muon_factory(h: dict[str, Any]) -> GradientTransformation:
             method=h["method"], ns_steps=h["ns_steps"], ns_coefficients=h["ns_coefficients"],
             ns_dtype=h["ns_dtype"], eps=h["eps"], ns_stepsize=h["ns_stepsize"],
             adjust_lr_fn=h["adjust_lr_fn"], weight_decay=h["weight_decay"], beta2=h["beta2"],
-            normuon_eps=h["normuon_eps"], view=h["matrix_view"] or "flatten", split=h["split"],
+            normuon_eps=h["normuon_eps"], view=h["matrix_view"] or "flatten",
             mu_dtype=h["momentum_dtype"],
         )
 

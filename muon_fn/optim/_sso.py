@@ -24,7 +24,7 @@ _STAT_KEYS = ("sso_sigma", "sso_lambda", "sso_residual", "sso_iterations", "sso_
 class SolverReport(NamedTuple):
     """Per-matrix SSO statistics of the last step (tensors of shape ``(N,)``, N = SSO matrices)."""
 
-    names: list[str]  # parameter names (or "#i of shape (...)"); "name[j]" for block j of a split weight
+    names: list[str]  # parameter names (or "#i of shape (...)"); "name[j]" for unit j (expert, head block)
     sigma: torch.Tensor  # σ(W) before the retraction
     lam: torch.Tensor  # λ*
     residual: torch.Tensor  # |h(λ*)|, the tangency error
@@ -65,10 +65,10 @@ class SpectralSphereOptimizer(HybridOptimizer):
         solver, warm_lambda, lambda_model, model_steps, direction, muon_sphere: see
         :func:`muon_fn.spectral_sphere`.
       momentum_dtype: dtype of the momentum buffer (default: the parameter's).
-      matrix_view: how a parameter of ndim ≥ 3 is read as matrices, as in
-        :class:`muon_fn.MuonOptimizer` (``"experts"``: each matrix of an ``(E, out, in)`` stack
-        is its own sphere); :meth:`from_model` gives expert stacks ``"experts"`` by module.
-      split: row blocks of fused weights, each its own sphere (see :func:`muon_fn.spectral_sphere`).
+      matrix_view: how a parameter is read as matrices, as in :class:`muon_fn.MuonOptimizer`
+        (``"experts"``: each matrix of an ``(E, out, in)`` stack is its own sphere; a head view
+        per parameter: each block is); :meth:`from_model` gives expert stacks ``"experts"`` by
+        module.
       adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW half in ``"auto"`` groups.
       gradient_accumulation_steps, nonfinite, bucket_size: see :class:`muon_fn.Optimizer`.
       compile: compiled by default, as every adapter: SSO's per-matrix math is one opaque operator
@@ -118,7 +118,6 @@ class SpectralSphereOptimizer(HybridOptimizer):
         muon_sphere: bool = False,
         momentum_dtype: torch.dtype | None = None,
         matrix_view: Any = None,
-        split: Any = None,
         adamw_lr: float = 3e-4,
         adamw_betas: tuple[float, float] = (0.9, 0.999),
         adamw_eps: float = 1e-8,
@@ -138,7 +137,7 @@ class SpectralSphereOptimizer(HybridOptimizer):
             max_iterations=max_iterations, bracket_step=bracket_step,
             max_expansions=max_expansions, solver=solver, warm_lambda=warm_lambda,
             lambda_model=lambda_model, model_steps=model_steps, direction=direction,
-            muon_sphere=muon_sphere, momentum_dtype=momentum_dtype, matrix_view=matrix_view, split=split,
+            muon_sphere=muon_sphere, momentum_dtype=momentum_dtype, matrix_view=matrix_view,
             adamw_lr=adamw_lr,
             adamw_betas=tuple(adamw_betas), adamw_eps=adamw_eps,
             adamw_weight_decay=adamw_weight_decay, algorithm=algorithm,
@@ -182,7 +181,7 @@ class SpectralSphereOptimizer(HybridOptimizer):
                 if "sso_sigma" not in st:
                     continue
                 name = self._name(group, p).strip("'")
-                blocks = st["sso_sigma"].numel()  # > 1 for a split (fused) weight
+                blocks = st["sso_sigma"].numel()  # > 1 for an expert stack or a head view
                 names += [name] if st["sso_sigma"].ndim == 0 else [f"{name}[{j}]" for j in range(blocks)]
                 for k in _STAT_KEYS:
                     cols[k].append(st[k].reshape(-1))
@@ -205,7 +204,6 @@ def sso_factory(h: dict[str, Any]) -> GradientTransformation:
         # The group's keys are the recipe's argument names (VALIDATED_KEYS: lr, momentum, nesterov
         # and spectral_sphere's checked options); three more are passed by name.
         return sso(mu_dtype=h["momentum_dtype"], msign_dtype=h["msign_dtype"], view=h["matrix_view"] or "flatten",
-                   split=h["split"],
                    **{key: h[key] for key in VALIDATED_KEYS})
 
     return hybrid_transform(h, "sso", sso_tx, _sso_labels)

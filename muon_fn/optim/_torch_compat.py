@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .._newton_schulz import DEFAULT_METHOD, KELLER_COEFFICIENTS, TORCH_NS_STEPS, validate_coefficients
+from .._views import Heads
 from ._muon import MuonOptimizer
 
 TORCH_MUON_KEYS = ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps",
@@ -31,7 +32,7 @@ _ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
 _MUON_STATE = ("momentum_buffer",)
 _ADAMW_STATE = ("step", "exp_avg", "exp_avg_sq")
 # Settings of a muon_fn group that make its Muon torch.optim.Muon's algorithm (set on load).
-_TORCH_ALGORITHM = {"method": None, "momentum_kind": "ema", "beta2": None, "ns_stepsize": 1.0, "split": None}
+_TORCH_ALGORITHM = {"method": None, "momentum_kind": "ema", "beta2": None, "ns_stepsize": 1.0}
 
 
 class _Route(NamedTuple):
@@ -220,7 +221,7 @@ def to_torch_state_dict(optimizer: MuonOptimizer) -> tuple[dict[str, Any], dict[
 
     Only torch-compatible settings convert: every Muon parameter 2-D, one ``(a, b, c)`` triple
     (``ns_coefficients``, ``method="quintic"`` or the default ``method=None``), EMA momentum, no NorMuon (``beta2=None``),
-    ``ns_stepsize=1``, no ``split``, and ``adjust_lr_fn`` ``None``/``"original"``/``"keller"``/
+    ``ns_stepsize=1``, no head views, and ``adjust_lr_fn`` ``None``/``"original"``/``"keller"``/
     ``"match_rms_adamw"``; otherwise ``ValueError`` names what differs. Build the torch
     optimizers over the same parameters (e.g. ``[p for p in params if p.ndim == 2]`` and the
     rest for one ``"auto"`` group). torch.optim.Muon iterates in bf16.
@@ -272,6 +273,9 @@ def _torch_muon_group(g: int, group: dict[str, Any]) -> dict[str, Any]:
     for key, want in _TORCH_ALGORITHM.items():
         if key != "method" and group[key] != want:
             problems.append(f"{key}={group[key]!r} (torch.optim.Muon's is {want!r})")
+    views = group.get("matrix_view")
+    if isinstance(views, dict) and any(isinstance(v, Heads) for v in views.values()):
+        problems.append("matrix_view has head views (torch.optim.Muon orthogonalizes whole matrices)")
     if group["adjust_lr_fn"] not in (None, "original", "keller", "match_rms_adamw"):
         problems.append(f"adjust_lr_fn={group['adjust_lr_fn']!r} (torch.optim.Muon knows None, 'original' "
                         "and 'match_rms_adamw')")

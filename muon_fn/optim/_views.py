@@ -1,11 +1,16 @@
 """Each parameter's matrix view in an optimizer (what a view is: :mod:`muon_fn._views`).
 
-A group's ``matrix_view`` is ``None`` (the default), a view name for every parameter of the
-group, a mapping ``{name or glob pattern: view}`` over parameter names, or a function
-``param -> view``. A parameter it does not name takes the view its module gives it when the
+A group's ``matrix_view`` is ``None`` (the default), a view name for every parameter of ndim ≥ 3
+of the group, a mapping ``{name or glob pattern: view}`` over parameter names, or a function
+``param -> view | None``. A parameter it does not name takes the view its module gives it when the
 optimizer knows the model (:func:`module_views`: a conv weight is flattened, any other parameter
 of ndim ≥ 3 is an expert stack); otherwise ``"flatten"``, a guess that a parameter of ndim ≥ 3 is
-warned about (:func:`guess_warning`). 0-/1-/2-D parameters read the same under every view.
+warned about (:func:`guess_warning`). 2-D parameters read the same under both names.
+
+A head view (:func:`muon_fn.heads`) describes one parameter's layout (its fused blocks or its
+heads), so it is accepted per parameter only: as a value of the mapping or returned by the
+function, for 2-D parameters too. A group-wide head view is refused (:func:`check_spec`): it
+would cut every matrix of the group whose shape it happens to fit.
 """
 
 from __future__ import annotations
@@ -22,11 +27,16 @@ from torch import nn
 
 from .. import _views
 
-Spec = Any  # None | str | Mapping[str, str] | Callable[[torch.Tensor], str]
+Spec = Any  # None | str | Mapping[str, str | Heads] | Callable[[torch.Tensor], str | Heads | None]
 
 
 def check_spec(spec: Spec) -> None:
     """A group's ``matrix_view``, with an error naming the bad value."""
+    if isinstance(spec, _views.Heads):
+        raise ValueError(
+            f"Invalid matrix_view: {spec!r} for a whole group: a head view is one parameter's layout; "
+            f"give it per parameter, matrix_view={{name or glob pattern: {spec!r}}} (named parameters) "
+            "or a function param -> view | None")
     if spec is None or (callable(spec) and not isinstance(spec, str)):
         return
     if isinstance(spec, Mapping):
@@ -38,9 +48,9 @@ def check_spec(spec: Spec) -> None:
     _views.check_view(spec, "matrix_view")
 
 
-def given(spec: Spec, name: str | None, p: torch.Tensor) -> str | None:
+def given(spec: Spec, name: str | None, p: torch.Tensor) -> str | _views.Heads | None:
     """The view ``spec`` gives parameter ``p`` named ``name`` (None: it names none). A mapping
-    matches the exact name first, then its glob patterns in order."""
+    matches the exact name first, then its glob patterns in order; a function may return None."""
     if spec is None:
         return None
     if isinstance(spec, Mapping):
@@ -51,20 +61,50 @@ def given(spec: Spec, name: str | None, p: torch.Tensor) -> str | None:
         if name in spec:
             return spec[name]
         return next((view for pattern, view in spec.items() if fnmatch.fnmatchcase(name, pattern)), None)
-    return _views.view_of(spec, p)
+    if callable(spec) and not isinstance(spec, str):
+        view = spec(p)
+        return None if view is None else _views.returned(view, p)
+    return spec
 
 
 def resolve(spec: Spec, params: list[torch.Tensor], names: list[str | None],
-            known: Callable[[torch.Tensor], str | None]) -> tuple[list[str], list[int]]:
+            known: Callable[[torch.Tensor], str | None]) -> tuple[list[str | _views.Heads], list[int]]:
     """The view of each parameter and the positions of the parameters of ndim ≥ 3 whose view was
-    guessed. ``known(p)``: the view the model gives ``p`` (None: unknown)."""
+    guessed. ``known(p)``: the view the model gives ``p`` (None: unknown). A head view must fit
+    its parameter (an error names both)."""
     views, guessed = [], []
     for i, (p, name) in enumerate(zip(params, names)):
         view = given(spec, name, p) or known(p)
         if view is None and p.ndim >= 3:
             guessed.append(i)
+        if isinstance(view, _views.Heads) and p.ndim >= 2:
+            fits(view, p, f"#{i}" if name is None else repr(name))
+            views.append(view)
+            continue
         views.append(view if view is not None and p.ndim >= 3 else "flatten")
     return views, guessed
+
+
+def fits(view: _views.Heads, p: torch.Tensor, name: str) -> None:
+    """Raise unless head view ``view`` cuts parameter ``p`` (named ``name``) into whole blocks."""
+    try:
+        _views.block_sizes(p.shape, view)
+    except ValueError as e:
+        raise ValueError(f"Invalid matrix_view for parameter {name} of shape {tuple(p.shape)}: {e}") from None
+
+
+def drop_unset_split(state_dict: Any) -> Any:
+    """A state_dict saved when groups had a ``split`` key: without it when it was None (a
+    ``split`` that was set cannot load: its blocks are a head view now)."""
+    groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+    if not isinstance(groups, list) or not any(isinstance(g, dict) and "split" in g for g in groups):
+        return state_dict
+    for g in groups:
+        if isinstance(g, dict) and g.get("split") is not None:
+            raise ValueError(f"cannot load a param group saved with split={g['split']!r}: row blocks are a "
+                             "head view now; build the optimizer with matrix_view={name: muon_fn.heads(rows=...)} "
+                             "and load a state_dict whose groups have no 'split' key")
+    return {**state_dict, "param_groups": [{k: v for k, v in g.items() if k != "split"} for g in groups]}
 
 
 def module_views(model: nn.Module) -> dict[int, str]:
