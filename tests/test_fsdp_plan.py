@@ -233,7 +233,7 @@ def test_planner_does_not_import_torch_distributed():
 
 
 # ---------------------------------------------------------------------------- per-expert planning
-EXPERT_COST = 16 * 12 * 12  # one (16, 12) expert's m·n·min(m, n)
+EXPERT_COST = 4 * 12**2 * 16 + 2 * 12**3  # one (16, 12) expert's quintic FLOPs 4s²l + 2s³
 
 
 def test_an_evenly_sharded_expert_stack_exchanges_nothing():
@@ -254,7 +254,7 @@ def test_local_stacks_seed_the_owners_of_the_other_matrices():
     stack, plain = plan.matrices
     assert stack.local and [b - a for a, b in stack.receive] == [2, 2, 1, 0]
     assert plain.owner == 3
-    assert plan.load() == [2 * EXPERT_COST, 2 * EXPERT_COST, EXPERT_COST, 10 * 6 * 6]
+    assert plan.load() == [2 * EXPERT_COST, 2 * EXPERT_COST, EXPERT_COST, 4 * 6**2 * 10 + 2 * 6**3]
     # Rank 0 sends its 3 rows of the 10x6 matrix and gets them back from rank 3: 18 elements.
     assert plan.sent_elements(0) == 3 * 6 and plan.sent_elements(3) == 3 * (3 * 6)
 
@@ -265,16 +265,20 @@ def test_plan_describe():
 Plan(world_size=4, matrices=2, buckets=2)
   experts.w_up (5, 16, 12) bucket=1 local rows per rank=[2, 2, 1, 0]
   router.weight (10, 6) bucket=0 owner=3 rows per rank=[3, 3, 3, 1]
-  load per rank=[4608, 4608, 2304, 360]
+  load per rank=[25344, 25344, 12672, 1872]
   elements sent per rank=[18, 18, 18, 54]"""
 
 
 def test_head_views_set_the_cost_of_their_blocks():
     from muon_fn import heads
 
-    assert ns_cost((18, 6), heads(rows=3)) == 3 * 6 * 6 * 6
-    assert ns_cost((7, 12), heads(cols=3)) == 3 * 7 * 4 * 4
-    assert ns_cost((4, 10, 6), heads(rows=2, experts=True)) == 8 * 5 * 6 * 5
+    def flops(m, n):  # one quintic iteration of an (m, n) block: 4s²l + 2s³
+        s, l = min(m, n), max(m, n)
+        return 4 * s * s * l + 2 * s**3
+
+    assert ns_cost((18, 6), heads(rows=3)) == 3 * flops(6, 6)
+    assert ns_cost((7, 12), heads(cols=3)) == 3 * flops(7, 4)
+    assert ns_cost((4, 10, 6), heads(rows=2, experts=True)) == 8 * flops(5, 6)
 
 
 def test_local_errors():
