@@ -14,7 +14,7 @@ head's logits shrink by at least ``γ_h``; the other query heads of that group k
 Pieces: :func:`qk_clip_factors` and :func:`scale_head_rows` (the math, on tensors),
 :func:`max_attention_logits` and :func:`record_max_logits` (the model side: an attention layer
 reports ``S`` from its own forward), :class:`AttentionHeads` (where one layer's heads live) and
-:class:`QKClip` (the post-step, run by ``MuonOptimizer(qk_clip=...)``).
+:func:`track_max_logits` and :class:`QKClip` (the post-step, run by ``MuonOptimizer(qk_clip=...)``).
 """
 
 from __future__ import annotations
@@ -167,18 +167,7 @@ class QKClip:
     def __init__(self, layers: Layers, tau: float) -> None:
         _checks.positive("tau", tau)
         self.tau = float(tau)
-        if isinstance(layers, nn.Module):
-            model = layers
-            layers = [m.qk_clip_heads() for m in model.modules() if callable(getattr(m, "qk_clip_heads", None))]
-            if not layers:
-                raise ValueError(f"QKClip found no attention layers in {type(model).__name__}: define "
-                                 "qk_clip_heads() on its attention modules, or pass AttentionHeads(...)")
-        self.layers = tuple(layers)
-        if not self.layers:
-            raise ValueError("QKClip needs at least one attention layer")
-        for index, layer in enumerate(self.layers):
-            _check_layer(index, layer)
-            _track(layer)
+        self.layers = track_max_logits(layers)
         self.last_max_logits: list[torch.Tensor] | None = None
 
     def __repr__(self) -> str:
@@ -220,6 +209,26 @@ class QKClip:
                 w, start = rows(layer.module.get_parameter(name))
                 w.copy_(scale_head_rows(w, start, first, layer.head_dim, factor, clipped))
             s.fill_(-math.inf)
+
+
+def track_max_logits(layers: Layers) -> tuple[AttentionHeads, ...]:
+    """The attention layers of a model (its modules with a ``qk_clip_heads()`` method) or the
+    given :class:`AttentionHeads`, checked; each module records its max logits from now on (a
+    ``max_logits`` buffer, see :class:`QKClip`). :class:`QKClip` calls it; call it alone to
+    watch the logits without clipping them."""
+    if isinstance(layers, nn.Module):
+        model = layers
+        layers = [m.qk_clip_heads() for m in model.modules() if callable(getattr(m, "qk_clip_heads", None))]
+        if not layers:
+            raise ValueError(f"QKClip found no attention layers in {type(model).__name__}: define "
+                             "qk_clip_heads() on its attention modules, or pass AttentionHeads(...)")
+    layers = tuple(layers)
+    if not layers:
+        raise ValueError("QKClip needs at least one attention layer")
+    for index, layer in enumerate(layers):
+        _check_layer(index, layer)
+        _track(layer)
+    return layers
 
 
 def _check_layer(index: int, layer: AttentionHeads) -> None:

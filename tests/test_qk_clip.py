@@ -308,6 +308,31 @@ def test_standalone_and_copies():
     assert any(twin_q is p for g in twin.param_groups for p in g["params"])
 
 
+# ---------------------------------------------------------------------------- the trainer
+def test_trainer_qk_clip(tmp_path, capsys):
+    """``muon-fn train --qk-clip TAU``: every row logs the step's max logit; a Muon row (in its step)
+    and an AdamW row (after it) are clipped, ``qk_clip=none`` turns one row's clip off."""
+    from muon_fn import cli
+
+    out = tmp_path / "run"
+    small = ["--steps", "6", "--eval-interval", "3", "--eval-windows", "8", "--batch-size", "4", "--seq-len", "32",
+             "--max-bytes", "400000", "--no-progress", "--threads", "1", "--no-checkpoint", "--no-compile"]
+    assert cli.main(["train", "--compare", "muon[qk_clip=none],muon,adamw[qk_clip=none],adamw", "--qk-clip", "0.1",
+                     *small, "--out", str(out)]) == 0
+    assert "largest attention logit of any step; --qk-clip 0.1" in capsys.readouterr().out
+    runs = {r["label"]: r for r in json.loads((out / "metrics.json").read_text())["runs"]}
+    logged = {label: [v for _, v in r["history"]["max_logit"]] for label, r in runs.items()}
+    assert all(len(v) == 6 for v in logged.values())
+    assert runs["muon"]["qk_clip"] == 0.1 and runs["muon[qk_clip=none]"]["qk_clip"] is None
+    for label in ("muon", "adamw"):  # each later step starts from clipped weights
+        free, clipped = logged[f"{label}[qk_clip=none]"], logged[label]
+        assert free[0] == clipped[0] > 0.1  # the same first forward; τ binds
+        assert all(c < f for c, f in zip(clipped[1:], free[1:])), (label, clipped, free)
+    # Muon's update moves the logits little: the next steps stay near τ (AdamW's ±lr per entry
+    # moves such small logits by about as much as the clip)
+    assert max(logged["muon"][1:]) < 0.1 + 0.5 * (logged["muon"][0] - 0.1), logged["muon"]
+
+
 # ---------------------------------------------------------------------------- errors
 class TestErrors(expecttest.TestCase):
     def message(self, fn, error=ValueError):
