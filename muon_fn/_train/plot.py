@@ -33,9 +33,14 @@ def _curves(results: list[dict], key: str) -> dict[str, tuple[list[int], list[li
     return out
 
 
+# For specs with options (muon[qk_clip=10]): colors none of _COLORS uses, so such a row never
+# looks like its plain optimizer's.
+_OTHER_COLORS = ("#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
+
+
 def _color(label: str, index: int) -> str:
     name = label.split("[")[0]
-    return _COLORS[name] if name == label and name in _COLORS else f"C{index % 10}"
+    return _COLORS[name] if name == label and name in _COLORS else _OTHER_COLORS[index % len(_OTHER_COLORS)]
 
 
 def plot_runs(results: list[dict], path: str | Path, *, title: str = "") -> Path | None:
