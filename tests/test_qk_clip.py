@@ -292,6 +292,26 @@ def test_step_reads_nothing_back(compile, hybrid):
     assert not torch.equal(w, model.blocks[0].attn.q.weight)
 
 
+@pytest.mark.inductor
+def test_inductor_default(compiled_default, monkeypatch):
+    """The real compiled default: no host read with qk_clip on, and the same parameters as the
+    eager step (the clip runs eagerly after the compiled update; lr = 0 makes the update exact)."""
+    def run():
+        model = forced_gpt(n_layer=1)
+        opt = mf.create_hybrid_optimizer(model, muon_lr=0.0, adamw_lr=0.0, qk_clip=mf.QKClip(model, TAU))
+        step_once(model, opt, TOKENS)
+        _, loss = model(TOKENS, TOKENS)
+        loss.backward()
+        assert _host_reads(opt.step) == 0
+        return model
+
+    compiled = run()
+    monkeypatch.setenv("MUON_FN_COMPILE", "0")
+    eager = run()
+    for (name, a), b in zip(compiled.named_parameters(), eager.parameters()):
+        assert torch.equal(a, b), name
+
+
 def test_standalone_and_copies():
     """QKClip.step() works after any optimizer's step; a deepcopy of an optimizer clips its copy."""
     model = forced_gpt(n_layer=1)
