@@ -11,6 +11,8 @@ from ._combine import PartitionState, chain, leafwise_labels, partition
 from ._compile import compile_update
 from ._muon import orthogonalize, scale_by_shape, shape_scale
 from ._newton_schulz import newton_schulz, polar_express, zeropower_via_newtonschulz5
+from ._qk_clip import (AttentionHeads, QKClip, QKClipFactors, max_attention_logits, qk_clip_factors,
+                       record_max_logits, scale_head_rows, track_max_logits)
 from ._sso import SpectralSphereState, spectral_sphere, sso
 from .optim import (MuonOptimizer, Optimizer, SolverReport, SpectralSphereOptimizer, create_hybrid_optimizer,
                     split_parameters)
@@ -82,6 +84,15 @@ __all__ = [
     "SpectralSphereOptimizer",
     "SolverReport",
     "spectral",
+    # QK-Clip (MuonClip)
+    "QKClip",
+    "AttentionHeads",
+    "QKClipFactors",
+    "qk_clip_factors",
+    "scale_head_rows",
+    "max_attention_logits",
+    "record_max_logits",
+    "track_max_logits",
     # FSDP2 (imported on first use: muon_fn.fsdp loads torch.distributed)
     "FSDPMuonOptimizer",
     "FSDPSpectralSphereOptimizer",

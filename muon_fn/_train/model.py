@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._qk_clip import AttentionHeads, record_max_logits
+
 __all__ = ["GPT", "GPTConfig", "PRESETS", "config_for"]
 
 
@@ -68,10 +70,15 @@ class CausalSelfAttention(nn.Module):
         q = self.q(x).view(b, t, h, c // h).transpose(1, 2)
         k = self.k(x).view(b, t, h, c // h).transpose(1, 2)
         v = self.v(x).view(b, t, h, c // h).transpose(1, 2)
+        record_max_logits(self, q, k, causal=True)  # only while a QKClip tracks this layer
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )
         return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+    def qk_clip_heads(self) -> AttentionHeads:
+        """Where QK-Clip finds this layer's heads (``muon_fn.QKClip(model, tau)``)."""
+        return AttentionHeads(self, "q.weight", "k.weight", self.n_head, self.q.out_features // self.n_head)
 
 
 class MLP(nn.Module):

@@ -24,7 +24,7 @@ def _curves(results: list[dict], key: str) -> dict[str, tuple[list[int], list[li
     for r in results:
         points = r["history"][key]
         steps = [s for s, _ in points]
-        values = [v for _, v in points] if key == "val" else ema([v for _, v in points])
+        values = ema([v for _, v in points]) if key == "train" else [v for _, v in points]
         if r["label"] not in out:
             out[r["label"]] = (steps, [[v] for v in values])
         else:
@@ -33,14 +33,20 @@ def _curves(results: list[dict], key: str) -> dict[str, tuple[list[int], list[li
     return out
 
 
+# For specs with options (muon[qk_clip=10]): colors none of _COLORS uses, so such a row never
+# looks like its plain optimizer's.
+_OTHER_COLORS = ("#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
+
+
 def _color(label: str, index: int) -> str:
     name = label.split("[")[0]
-    return _COLORS[name] if name == label and name in _COLORS else f"C{index % 10}"
+    return _COLORS[name] if name == label and name in _COLORS else _OTHER_COLORS[index % len(_OTHER_COLORS)]
 
 
 def plot_runs(results: list[dict], path: str | Path, *, title: str = "") -> Path | None:
     """Two panels, training loss (EMA-smoothed) and validation loss vs step: the mean over seeds
-    of each optimizer, with a band from the lowest to the highest seed."""
+    of each optimizer, with a band from the lowest to the highest seed; a third, the largest
+    attention logit of each step, when the runs logged it (``--qk-clip``, ``--log-max-logit``)."""
     try:
         import matplotlib
 
@@ -51,7 +57,11 @@ def plot_runs(results: list[dict], path: str | Path, *, title: str = "") -> Path
         return None
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig, (ax_t, ax_v) = plt.subplots(1, 2, figsize=(12, 4.8), dpi=120)
+    with_logits = any(r["history"].get("max_logit") for r in results)
+    fig, axes = plt.subplots(1, 3 if with_logits else 2, figsize=(18 if with_logits else 12, 4.8), dpi=120)
+    ax_t, ax_v = axes[0], axes[1]
+    if with_logits:
+        _plot_max_logit(axes[2], results)
     for ax, key in ((ax_t, "train"), (ax_v, "val")):
         for i, (label, (steps, columns)) in enumerate(_curves(results, key).items()):
             mean = [sum(c) / len(c) for c in columns]
@@ -75,6 +85,25 @@ def plot_runs(results: list[dict], path: str | Path, *, title: str = "") -> Path
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def _plot_max_logit(ax, results: list[dict]) -> None:
+    """The largest attention logit of each step (before that step's clip), mean over seeds, band
+    min–max; QK-Clip's τ of the clipped runs as dashed lines."""
+    runs = [r for r in results if r["history"].get("max_logit")]
+    for i, (label, (steps, columns)) in enumerate(_curves(runs, "max_logit").items()):
+        mean = [sum(c) / len(c) for c in columns]
+        ax.plot(steps, mean, color=_color(label, i), linewidth=1.5, label=f"{label}: peak {max(max(c) for c in columns):.1f}")
+        if len(columns[0]) > 1:
+            ax.fill_between(steps, [min(c) for c in columns], [max(c) for c in columns],
+                            color=_color(label, i), alpha=0.2, linewidth=0)
+    for tau in sorted({r["qk_clip"] for r in runs if r.get("qk_clip") is not None}):
+        ax.axhline(tau, color="gray", linestyle="--", linewidth=1, label=f"τ = {tau:g}")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("max pre-softmax logit q·k/√d")
+    ax.set_title("Largest attention logit of each step")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
 
 
 def _zoom(results: list[dict], ax_t, ax_v) -> None:

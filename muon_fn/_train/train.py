@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import optimizers, report
+from . import logits, optimizers, report
 from .data import Batcher, Corpus, load_corpus, val_starts, windows
 from .model import GPT, PRESETS, config_for
 from .optimizers import ADAMW_BETAS, HALF_BETAS, DEFAULT_ADAMW_LR, DEFAULT_LR, OPTIMIZERS
@@ -88,6 +88,11 @@ def build_parser(prog: str = "train_gpt.py") -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue from the run's checkpoint in --out if there is one")
     p.add_argument("--stop-at", type=int, default=None, metavar="STEP",
                    help="checkpoint and stop after this step (the schedule still spans --steps); continue with --resume")
+    p.add_argument("--qk-clip", type=float, default=None, metavar="TAU",
+                   help="QK-Clip: after each step rescale W_q and W_k of every attention head whose max logit "
+                   "exceeded TAU (per optimizer: qk_clip=TAU in its spec); logs the max logit per step")
+    p.add_argument("--log-max-logit", action="store_true",
+                   help="log (and plot) the largest attention logit of every step, without clipping")
     p.add_argument("--fsdp", action="store_true",
                    help="shard with FSDP2 (run under torchrun; gloo on CPU, nccl on CUDA)")
     p.add_argument("--no-compile", action="store_true",
@@ -334,10 +339,11 @@ def run_one(label: str, name: str, options: dict, args, corpus: Corpus, ctx: Dis
     steps = total_steps(args, corpus, ctx.world)
     warmup = args.warmup if args.warmup is not None else max(1, steps // 10)
     model = build_model(args, ctx)
-    opt, opt_desc = build_optimizer(name, options, model, args, ctx)
+    opt_options, logit_log = logits.setup(name, options, model, args.qk_clip, args.log_max_logit)
+    opt, opt_desc = build_optimizer(name, opt_options, model, args, ctx)
     sched = Schedulers(opt, lr_lambda(steps, warmup, args.min_lr_ratio))
     batcher = Batcher(corpus.train, args.batch_size, args.seq_len, seed=args.seed * 1000 + ctx.rank)
-    history: dict[str, list] = {"train": [], "val": [], "tokens_per_s": []}
+    history: dict[str, list] = {"train": [], "val": [], "tokens_per_s": [], "max_logit": []}
     start, ckpt = 0, _ckpt_dir(args, label)
     if args.resume:
         loaded = load_checkpoint(ckpt, model, opt, sched, batcher, ctx)
@@ -351,7 +357,8 @@ def run_one(label: str, name: str, options: dict, args, corpus: Corpus, ctx: Dis
         _log(ctx, _indent(str(opt.split)))
     stop = steps if args.stop_at is None else max(start, min(args.stop_at, steps))
     t_run, cpu_run = time.perf_counter(), time.process_time()
-    _train_loop(label, model, opt, sched, batcher, history, range(start, stop), steps, args, corpus, ctx, ckpt)
+    _train_loop(label, model, opt, sched, batcher, history, range(start, stop), steps, args, corpus, ctx, ckpt,
+                logit_log)
     wall, cpu = time.perf_counter() - t_run, time.process_time() - cpu_run
     if not args.no_checkpoint or stop < steps:
         save_checkpoint(ckpt, model, opt, sched, batcher, stop, history, ctx)
@@ -364,6 +371,8 @@ def run_one(label: str, name: str, options: dict, args, corpus: Corpus, ctx: Dis
         "final_val_loss": history["val"][-1][1],
         "best_val_loss": min(v for _, v in history["val"]),
         "final_train_loss": _tail_mean(history["train"], 10),
+        "qk_clip": options.get("qk_clip", args.qk_clip),
+        "max_logit": max((v for _, v in history.get("max_logit", [])), default=None),
         "tokens_per_s": sorted(tps)[len(tps) // 2] if tps else None,
         "wall_s": wall,
         "cpu_s": cpu,  # process CPU time of this run, all threads (less load-dependent than wall time)
@@ -371,8 +380,10 @@ def run_one(label: str, name: str, options: dict, args, corpus: Corpus, ctx: Dis
     }
 
 
-def _train_loop(label, model, opt, sched, batcher, history, steps_range, total, args, corpus, ctx, ckpt) -> None:
-    """The steps of one run: evaluate every ``--eval-interval``, step, schedule, checkpoint."""
+def _train_loop(label, model, opt, sched, batcher, history, steps_range, total, args, corpus, ctx, ckpt,
+                logit_log=None) -> None:
+    """The steps of one run: evaluate every ``--eval-interval``, step, schedule, checkpoint
+    (and log the max attention logit when ``logit_log`` is given)."""
     starts = val_starts(corpus.val, args.eval_windows, args.seq_len)
     tokens_per_step = args.batch_size * args.seq_len * ctx.world
     bar = _progress(args, ctx, total, steps_range.start, label)
@@ -384,6 +395,8 @@ def _train_loop(label, model, opt, sched, batcher, history, steps_range, total, 
         _, loss = model(x.to(ctx.device), y.to(ctx.device))
         loss.backward()
         opt.step()
+        if logit_log is not None:
+            history.setdefault("max_logit", []).append([step + 1, logit_log.after_step()])
         sched.step()
         opt.zero_grad(set_to_none=True)
         loss_v = ctx.mean(loss.item())
@@ -502,6 +515,10 @@ def _report(args, corpus: Corpus, results: list[dict], argv: list[str], ctx: Dis
     write_metrics(out / "metrics.json", args, corpus, results, summary, argv)
     print()
     print(report.comparison_table(summary, results[0]["scheduled_steps"]))
+    peaks = [f"{r['label']} (seed {r['seed']}) {r['max_logit']:.2f}" for r in results if r.get("max_logit") is not None]
+    if peaks:
+        clip = f"; --qk-clip {args.qk_clip:g}" if args.qk_clip is not None else ""
+        print(f"largest attention logit of any step{clip}: " + ", ".join(peaks))
     print(f"metrics: {out / 'metrics.json'}")
     if not args.no_plot:
         from .plot import plot_runs

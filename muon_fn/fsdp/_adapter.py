@@ -512,6 +512,16 @@ class FSDPAdapter:
                     args = (local, g, self._local_state(bucket, group["params"]), finite)
                     route.steps.whole(_phases.signature(*args), *args)
 
+    # ------------------------------------------------------------------ QK-Clip
+    def _qk_rows(self, p: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """This rank's rows of ``p`` and the global index of the first (the shard's offset), so
+        QK-Clip finds the head of every local row, also of a head split across ranks."""
+        return _params.local(p), self._layouts[id(p)].rows[0]
+
+    def _qk_reduce(self, logits: list[torch.Tensor]) -> None:
+        """Each layer's max logits, the max over every rank (each saw its own batch)."""
+        _exchange.all_ranks_max(logits)
+
     # ------------------------------------------------------------------ FSDP2 helpers
     def _set_gradient_sync(self, enabled: bool) -> None:
         for m in self._fsdp_modules:

@@ -10,7 +10,8 @@ soon as it is computed. The plan's local matrices (expert stacks sharded on thei
 travel: each rank computes its own rows of them while the gathers are in flight. With one rank
 nothing is communicated. :func:`exchange_replicated` is
 the all-gather baseline (every rank computes every matrix). :func:`all_ranks_finite`,
-:func:`share_from_owners` and :func:`check_same` are the small collectives around a step.
+:func:`share_from_owners`, :func:`check_same` and :func:`all_ranks_max` (QK-Clip's logits) are
+the small collectives around a step.
 """
 
 from __future__ import annotations
@@ -342,6 +343,17 @@ def all_ranks_finite(finite: torch.Tensor, group: dist.ProcessGroup | None, worl
     flag = finite.to(torch.int32).reshape(1)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return flag.reshape(()).bool()
+
+
+def all_ranks_max(tensors: list[torch.Tensor]) -> None:
+    """Every tensor becomes its elementwise max over all ranks of the default group, in place (one
+    all-reduce). The default group, not the shard group: HSDP replicas see other batches too."""
+    if not tensors or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+    for t, v in zip(tensors, flat.split([t.numel() for t in tensors])):
+        t.copy_(v.view_as(t))
 
 
 def any_rank(flags: list[bool], group: dist.ProcessGroup | None, world_size: int) -> list[bool]:

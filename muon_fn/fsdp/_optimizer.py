@@ -52,8 +52,11 @@ class FSDPMuonOptimizer(FSDPAdapter, MuonOptimizer):
         ``compile``, ``bucket_size``, ...), with its meaning and default, except that the model
         is known: a parameter of ndim ≥ 3 that ``matrix_view`` does not name is flattened if a
         conv module owns it and is an expert stack otherwise (the owner computes it whole), with
-        no warning. ``compile`` compiles the pre and post
-        phases per bucket and the owner's mid phase per bucket; ``nonfinite="skip"`` decides on
+        no warning. ``qk_clip`` (a :class:`muon_fn.QKClip` built after ``fully_shard``): the
+        ranks' recorded logits are max-reduced over all ranks, then each rank scales its shards'
+        rows, each row's head found from the shard's global row offset. ``compile`` compiles
+        the pre and post phases per bucket and the owner's mid phase per bucket;
+        ``nonfinite="skip"`` decides on
         the device after one tiny all-reduce of a flag, so a step skipped for an inf/nan on any
         rank is skipped on every rank.
 

@@ -347,7 +347,11 @@ class Optimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._step()
+        self._post_step()
         return loss
+
+    def _post_step(self) -> None:
+        """Hook for subclasses: what changes the parameters after the update (e.g. QK-Clip)."""
 
     @step_not_traced
     def _step(self) -> None:

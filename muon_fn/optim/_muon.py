@@ -15,9 +15,10 @@ from .._base import GradientTransformation
 from .._combine import partition
 from .._muon import ADJUST_LR_FNS
 from .._newton_schulz import COMPUTE_DTYPES, METHODS, validate_coefficients
+from .._qk_clip import QKClip, check_tracked
 from .._transforms import MOMENTUM_KINDS
 from . import _views
-from ._adapter import BUCKET_SIZE, Optimizer
+from ._adapter import BUCKET_SIZE, Optimizer, step_not_traced
 
 ALGORITHMS = ("auto", "muon", "adamw")
 
@@ -144,6 +145,10 @@ class MuonOptimizer(HybridOptimizer):
         ``"flatten"`` and warns once, naming it (:func:`create_hybrid_optimizer` knows the
         modules and warns about nothing). A group key like any other.
       adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW half in ``"auto"`` groups.
+      qk_clip: a :class:`muon_fn.QKClip` (or None, the default): after every update that
+        changes the parameters (not an accumulation micro-step, not a skipped step), rescale the
+        query and key rows of each attention head whose max logit exceeded τ, on the device.
+        Its weights must be parameters of this optimizer. Not saved in ``state_dict``.
       gradient_accumulation_steps, nonfinite, compile, bucket_size: see :class:`muon_fn.Optimizer`.
 
     Keywords of other torch optimizers (``maximize``, ``foreach``, ``fused``, ``capturable``,
@@ -176,6 +181,7 @@ class MuonOptimizer(HybridOptimizer):
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float = 0.0,
         algorithm: str = "auto",
+        qk_clip: QKClip | None = None,
         gradient_accumulation_steps: int = 1,
         nonfinite: str | None = "skip",
         compile: _compile.CompileOption = True,
@@ -193,6 +199,24 @@ class MuonOptimizer(HybridOptimizer):
         super().__init__(params, muon_factory, defaults,
                          gradient_accumulation_steps=gradient_accumulation_steps,
                          nonfinite=nonfinite, compile=compile, bucket_size=bucket_size, **kwargs)
+        check_tracked(qk_clip, [p for g in self.param_groups for p in g["params"]], type(self).__name__)
+        self.qk_clip = qk_clip
+
+    _CONFIG = HybridOptimizer._CONFIG + ("qk_clip",)
+
+    @step_not_traced
+    def _post_step(self) -> None:
+        """QK-Clip after an update that changed the parameters (see ``qk_clip``)."""
+        clip, last = getattr(self, "qk_clip", None), self.last_step
+        if clip is None or last is None or not last.applied:
+            return
+        clip.step(self._qk_rows, enabled=None if self.nonfinite is None else last.finite, reduce=self._qk_reduce)
+
+    def _qk_rows(self, p: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The tensor QK-Clip scales for ``p`` and the global index of its first row."""
+        return p, 0
+
+    _qk_reduce = None  # how the FSDP adapter combines the ranks' max logits
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         super()._validate_group(group)
