@@ -70,13 +70,14 @@ def test_train_compare_writes_table_metrics_and_plot(tmp_path, capsys):
 
 def test_train_moe_tiny(tmp_path, capsys):
     """--model moe-tiny: Muon with each expert as its own matrix, the per-stack reading
-    (matrix_view=flatten) and AdamW train; the routers are in the AdamW half of the Muon rows."""
+    (matrix_view=flatten, routers in AdamW) and AdamW train."""
     out = tmp_path / "moe"
-    specs = "muon,muon[matrix_view=flatten,router=muon],adamw"
+    specs = "muon,muon[matrix_view=flatten,router=adamw],adamw"
     assert cli.main(["train", "--model", "moe-tiny", "--compare", specs, *SMALL, "--steps", "3",
                      "--out", str(out), "--no-checkpoint", "--no-plot", "--verbose", "--no-compile"]) == 0
     printed = capsys.readouterr().out
     assert "expert stack: 4 matrices 512x128" in printed and "flattened to 4x65536" in printed
+    assert "blocks.0.mlp.router.weight               (4, 128)             hidden matrix" in printed
     assert "blocks.0.mlp.router.weight               (4, 128)             adamw_predicate" in printed
     m = _metrics(out)
     assert m["model"]["n_experts"] == 4 and m["model"]["moe_top_k"] == 1

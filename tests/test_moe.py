@@ -2,7 +2,7 @@
 
 Routing against a plain loop over tokens (hypothesis), the layer against a per-token reference,
 causality and batch independence, gradients, the parameter layout, the balancing term, and the
-optimizers the trainer builds for the model (expert stacks per expert, routers in AdamW).
+optimizers the trainer builds for the model (expert stacks per expert, routers in Muon).
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def test_balance_term_adds_gradient_not_value():
 
 def test_trainer_optimizer_steps_each_expert_as_its_own_matrix():
     """The trainer's muon row: expert stacks read as E matrices (one step of an expert equals
-    MuonOptimizer on that expert alone as a 2-D weight, fp32 bit for bit), routers in AdamW."""
+    MuonOptimizer on that expert alone as a 2-D weight, fp32 bit for bit), routers in Muon."""
     import muon_fn as mf
     from muon_fn._train.optimizers import build_single
 
@@ -162,7 +162,8 @@ def test_trainer_optimizer_steps_each_expert_as_its_own_matrix():
     opt, _ = build_single("muon", {}, model, 0.02, 3e-3, 0.0, compile=False)
     muon, adamw = opt.param_groups
     assert muon["matrix_view"] == {f"blocks.{i}.mlp.{n}": "experts" for i in range(2) for n in ("fc", "proj")}
-    assert [n for n in adamw["param_names"] if "router" in n] == [f"blocks.{i}.mlp.router.weight" for i in range(2)]
+    assert [n for n in muon["param_names"] if "router" in n] == [f"blocks.{i}.mlp.router.weight" for i in range(2)]
+    assert not [n for n in adamw["param_names"] if "router" in n]
     fc = model.blocks[0].mlp.fc
     before = fc.detach().clone()
     grad = torch.randn(fc.shape, generator=torch.Generator().manual_seed(6))
@@ -181,8 +182,9 @@ def test_trainer_router_option():
     from muon_fn._train.optimizers import build_single
 
     model = GPT(GPTConfig(**SMALL))
-    opt, _ = build_single("muon", {"router": "muon"}, model, 0.02, 3e-3, 0.0, compile=False)
-    assert "blocks.0.mlp.router.weight" in opt.param_groups[0]["param_names"]
+    opt, _ = build_single("muon", {"router": "adamw"}, model, 0.02, 3e-3, 0.0, compile=False)
+    assert "blocks.0.mlp.router.weight" in opt.param_groups[1]["param_names"]
+    assert opt.param_groups[1]["algorithm"] == "adamw"
     with pytest.raises(ValueError, match="router='sgd'"):
         build_single("muon", {"router": "sgd"}, model, 0.02, 3e-3, 0.0, compile=False)
 

@@ -4,7 +4,7 @@ One spawned job (this file as a script, ``mp.spawn`` of two ranks) runs every ch
 writes the gathered results to JSON, read by the tests below. The model is the trainer's GPT with
 4 experts per MLP at a small width, sharded as ``muon-fn train --fsdp`` shards it (every block,
 then the root: each rank holds 2 whole experts of each stack); the optimizers are the ones the
-trainer builds (``build_fsdp`` / ``build_single``, routers in AdamW). Collective timeout 60 s, job
+trainer builds (``build_fsdp`` / ``build_single``, routers in Muon). Collective timeout 60 s, job
 timeout 240 s.
 """
 
