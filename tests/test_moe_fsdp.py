@@ -34,8 +34,9 @@ CONFIG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16, n_ex
 # backpropagates the whole batch at once, so gradients differ in rounding (2e-7 relative). The
 # check runs the fp32 iteration: the default bf16 iteration turns such a difference into a whole
 # bf16 rounding step of an entry now and then (1.7e-3 in the parameters after 3 steps). Parameters
-# after STEPS steps in fp32, tolerance (measured: 2.0e-7).
-BACKWARD_ATOL = 1e-6
+# after STEPS steps in fp32, tolerance (measured: 4.5e-7, the largest in a router, a 4x16
+# matrix whose small singular directions the orthogonalization amplifies).
+BACKWARD_ATOL = 2e-6
 
 
 def _model():
