@@ -104,7 +104,7 @@ def test_transformers_md_examples_run_and_print_what_it_shows(capsys):
             exec(compile(block, "transformers.md", "exec"), namespace)
     out = capsys.readouterr().out
     shown = re.findall(r"prints\n\n```\n(.*?)```", text, re.S)
-    assert len(shown) == 2
+    assert len(shown) >= 2  # the toy MoE block's split and the demo GPT's
     for line in "".join(shown).splitlines():
         if line.strip() != "...":
             assert line in out.splitlines(), f"transformers.md shows {line!r}, the example printed:\n{out}"

@@ -68,6 +68,23 @@ def test_train_compare_writes_table_metrics_and_plot(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_train_moe_tiny(tmp_path, capsys):
+    """--model moe-tiny: Muon with each expert as its own matrix, the per-stack reading
+    (matrix_view=flatten, routers in AdamW) and AdamW train."""
+    out = tmp_path / "moe"
+    specs = "muon,muon[matrix_view=flatten,router=adamw],adamw"
+    assert cli.main(["train", "--model", "moe-tiny", "--compare", specs, *SMALL, "--steps", "3",
+                     "--out", str(out), "--no-checkpoint", "--no-plot", "--verbose", "--no-compile"]) == 0
+    printed = capsys.readouterr().out
+    assert "expert stack: 4 matrices 512x128" in printed and "flattened to 4x65536" in printed
+    assert "blocks.0.mlp.router.weight               (4, 128)             hidden matrix" in printed
+    assert "blocks.0.mlp.router.weight               (4, 128)             adamw_predicate" in printed
+    m = _metrics(out)
+    assert m["model"]["n_experts"] == 4 and m["model"]["moe_top_k"] == 1
+    for run in m["runs"]:
+        assert run["history"]["val"][-1][1] < run["history"]["val"][0][1] - 0.3, run["label"]
+
+
 def test_train_compare_torch_muon_over_seeds(tmp_path, capsys):
     """The quality comparison: torch.optim.Muon (+ AdamW, muon's split) as a row, several seeds,
     mean and spread per optimizer, steps to AdamW's final loss; runs of one seed share the

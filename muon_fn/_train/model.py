@@ -4,6 +4,8 @@ Token + learned position embeddings, pre-LayerNorm blocks, causal self-attention
 ``F.scaled_dot_product_attention``, a GELU MLP, a final LayerNorm and a linear head. Q, K and V are
 separate ``nn.Linear`` layers so that Muon orthogonalizes each projection on its own shape (a fused
 QKV matrix would need a head view, ``matrix_view={name: muon_fn.heads(rows=3)}``). Byte-level by default (vocabulary 256).
+With ``n_experts > 0`` (the ``moe-*`` presets) every block's MLP is a routed mixture of experts
+(:class:`~muon_fn._train.moe.MoE`) whose expert weights are 3-D stacks ``(E, out, in)``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._qk_clip import AttentionHeads, record_max_logits
+from .moe import MoE
 
 __all__ = ["GPT", "GPTConfig", "PRESETS", "config_for"]
 
@@ -29,6 +32,12 @@ class GPTConfig:
     n_embd: int = 128
     dropout: float = 0.0
     tie_weights: bool = False
+    # Mixture of experts (0: a dense MLP): top-k of n_experts MLPs of width 4·n_embd per token,
+    # at most capacity·k·t/E tokens per expert and sequence; the load-balancing loss's weight.
+    n_experts: int = 0
+    moe_top_k: int = 1
+    moe_capacity: float = 1.25
+    moe_aux_coef: float = 0.01
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -41,6 +50,8 @@ PRESETS: dict[str, dict] = {
     "tiny": dict(n_layer=4, n_head=4, n_embd=128, block_size=256),
     "small": dict(n_layer=6, n_head=6, n_embd=384, block_size=256),
     "gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024),
+    # tiny with 4 experts per MLP, top-1 routing: the active parameters of tiny, 4x the MLP weights.
+    "moe-tiny": dict(n_layer=4, n_head=4, n_embd=128, block_size=256, n_experts=4, moe_top_k=1),
 }
 
 
@@ -98,7 +109,8 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(cfg.n_embd)
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.n_embd)
-        self.mlp = MLP(cfg)
+        self.mlp = (MoE(cfg.n_embd, 4 * cfg.n_embd, cfg.n_experts, cfg.moe_top_k, cfg.moe_capacity, cfg.dropout)
+                    if cfg.n_experts else MLP(cfg))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -125,7 +137,7 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if p.ndim < 2:
                 continue  # LayerNorm weights/biases keep their defaults (1, 0)
-            std = std_resid if name.endswith("proj.weight") else 0.02
+            std = std_resid if name.endswith(("proj.weight", "mlp.proj")) else 0.02
             nn.init.normal_(p, mean=0.0, std=std)
 
     def num_parameters(self) -> int:
@@ -143,4 +155,15 @@ class GPT(nn.Module):
         if targets is None:
             return logits
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1))
-        return logits, loss
+        balance = self._balance_term()
+        return logits, loss if balance is None else loss + balance
+
+    def _balance_term(self) -> torch.Tensor | None:
+        """In training, ``moe_aux_coef`` × the MoE layers' load-balancing losses (summed), as
+        ``coef·(aux − aux.detach())``: zero in value, so the reported loss is the cross-entropy
+        alone, and the balancing loss's gradient in backward. None in eval or without experts."""
+        aux = [blk.mlp.aux_loss for blk in self.blocks if isinstance(blk.mlp, MoE)]
+        if not aux or not self.training or not self.config.moe_aux_coef:
+            return None
+        total = torch.stack(aux).sum()
+        return self.config.moe_aux_coef * (total - total.detach())

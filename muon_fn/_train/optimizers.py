@@ -4,7 +4,11 @@
 and 1-D parameters → AdamW); ``torch-muon`` is the same split with ``torch.optim.Muon`` on the
 matrices and ``torch.optim.AdamW`` on the rest; ``adamw`` is ``torch.optim.AdamW`` on everything.
 A spec such as ``muon[method=quintic,ns_steps=5,lr=0.04]`` sets ``lr``/``adamw_lr`` of the run
-and passes the other keys to the optimizer.
+and passes the other keys to the optimizer. In the Muon-family rows an MoE model's routers
+(parameters named ``*router.weight``, hidden matrices ``(E, d)``) get Muon, as the hybrid gives
+them; ``router=adamw`` in a spec moves them to the AdamW half. Expert stacks ``(E, out, in)`` get
+Muon per expert (the hybrid reads them as ``matrix_view="experts"``); ``matrix_view=flatten`` in
+a spec reads each stack as one matrix.
 """
 
 from __future__ import annotations
@@ -27,6 +31,10 @@ DEFAULT_ADAMW_LR = 3e-3
 # there). Measured: docs/performance.md, "The hybrid's AdamW half".
 ADAMW_BETAS = (0.9, 0.95)
 HALF_BETAS = (0.9, 0.999)
+
+# Where the Muon-family rows put an MoE router: "muon" (the default: it trained to a lower loss
+# on moe-tiny on both seeds tried, docs/transformers.md) or "adamw" (spec option router=adamw).
+ROUTER_HALVES = ("muon", "adamw")
 
 _SPEC = re.compile(r"^([a-z][a-z-]*)(?:\[(.*)\])?$")
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -109,19 +117,38 @@ def _adamw_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def is_router(name: str, p: torch.Tensor) -> bool:
+    """An MoE router weight (the demo GPT's ``blocks.N.mlp.router.weight``)."""
+    return name == "router.weight" or name.endswith(".router.weight")
+
+
+def _router_split(options: dict[str, Any]) -> dict[str, Any]:
+    """Pops ``router`` from a spec's options: the keywords that put the routers in that half."""
+    half = options.pop("router", "muon")
+    if half not in ROUTER_HALVES:
+        raise ValueError(f"invalid option router={half!r} (valid: {', '.join(ROUTER_HALVES)})")
+    return {"adamw_predicate": is_router} if half == "adamw" else {}
+
+
+def _betas(name: str, options: dict[str, Any]) -> tuple[float, float]:
+    """AdamW's betas of a row: ``beta2=`` (adamw row) or ``adamw_beta2=`` (Muon rows) popped."""
+    default = ADAMW_BETAS if name == "adamw" else HALF_BETAS
+    return default[0], options.pop("beta2" if name == "adamw" else "adamw_beta2", default[1])
+
+
 def build_single(name: str, options: dict[str, Any], model: nn.Module, lr: float, adamw_lr: float, wd: float,
                  compile: bool) -> tuple[Any, str]:
     """One single-device optimizer and a one-line description of it."""
     import muon_fn as mf
 
     options = dict(options)
-    default = ADAMW_BETAS if name == "adamw" else HALF_BETAS
-    betas = (default[0], options.pop("beta2" if name == "adamw" else "adamw_beta2", default[1]))
+    betas = _betas(name, options)
     if name == "adamw":
         opt = torch.optim.AdamW(_adamw_groups(model, wd), lr=lr, betas=betas, **options)
         return opt, f"torch.optim.AdamW(lr={lr}, betas={betas}, weight_decay={wd} on matrices)"
+    split = _router_split(options)
     if name == "torch-muon":
-        muon_params, adamw_params = mf.split_parameters(model)
+        muon_params, adamw_params = mf.split_parameters(model, **split)
         muon = torch.optim.Muon([p for _, p, _ in muon_params], lr=lr, weight_decay=wd, adjust_lr_fn="original",
                                 **options)
         adamw = torch.optim.AdamW([p for _, p, _ in adamw_params], lr=adamw_lr, betas=betas, weight_decay=wd)
@@ -130,32 +157,35 @@ def build_single(name: str, options: dict[str, Any], model: nn.Module, lr: float
     if name in ("muon", "normuon"):
         extra = {"beta2": 0.95, **options} if name == "normuon" else dict(options)
         opt = mf.create_hybrid_optimizer(model, muon_lr=lr, adamw_lr=adamw_lr, adamw_weight_decay=wd,
-                                         muon_weight_decay=wd, adamw_betas=betas, **extra, **compile_opt)
+                                         muon_weight_decay=wd, adamw_betas=betas, **split, **extra, **compile_opt)
         shown = "".join(f", {k}={v}" for k, v in extra.items())
         return opt, f"muon_fn.create_hybrid_optimizer(muon_lr={lr}, adamw_lr={adamw_lr}, adamw_betas={betas}{shown})"
     opt = mf.SpectralSphereOptimizer.from_model(model, lr=lr, adamw_lr=adamw_lr, adamw_weight_decay=wd,
-                                                adamw_betas=betas, **options, **compile_opt)
+                                                adamw_betas=betas, **split, **options, **compile_opt)
     return opt, f"muon_fn.SpectralSphereOptimizer.from_model(lr={lr}, adamw_lr={adamw_lr})"
 
 
 def build_fsdp(name: str, options: dict[str, Any], model: nn.Module, lr: float, adamw_lr: float, wd: float,
                world: int) -> tuple[Any, str]:
-    """The FSDP2 optimizer of one run (same split as create_hybrid_optimizer: hidden matrices →
-    Muon or SSO; embeddings, the head and 1-D params → AdamW, on local shards)."""
+    """The FSDP2 optimizer of one run, configured as :func:`build_single`'s (the same split,
+    routers included, and the same AdamW betas): hidden matrices → Muon or SSO; embeddings, the
+    head and 1-D params → AdamW, on local shards."""
     import muon_fn as mf
 
     if name in ("adamw", "torch-muon"):
         raise ValueError(f"--fsdp supports the muon_fn optimizers, not {name!r}")
-    muon_params, adamw_params = mf.split_parameters(model)
+    options = dict(options)
+    betas = _betas(name, options)
+    muon_params, adamw_params = mf.split_parameters(model, **_router_split(options))
     groups = [{"params": [p for _, p, _ in muon_params], "use_muon": True},
               {"params": [p for _, p, _ in adamw_params], "use_muon": False}]
     if name == "sso":
-        opt = mf.FSDPSpectralSphereOptimizer(model, groups, lr=lr, adamw_lr=adamw_lr, adamw_betas=ADAMW_BETAS,
+        opt = mf.FSDPSpectralSphereOptimizer(model, groups, lr=lr, adamw_lr=adamw_lr, adamw_betas=betas,
                                              adamw_weight_decay=wd, **options)
         return opt, f"muon_fn.FSDPSpectralSphereOptimizer(lr={lr}, adamw_lr={adamw_lr}, world={world})"
     from muon_fn.fsdp import FSDPMuonOptimizer
 
     beta2 = options.pop("beta2", 0.95 if name == "normuon" else None)
     opt = FSDPMuonOptimizer(model, groups, lr=lr, weight_decay=wd, beta2=beta2, adamw_lr=adamw_lr,
-                            adamw_betas=ADAMW_BETAS, adamw_weight_decay=wd, **options)
+                            adamw_betas=betas, adamw_weight_decay=wd, **options)
     return opt, f"muon_fn.fsdp.FSDPMuonOptimizer(lr={lr}, adamw_lr={adamw_lr}, world={world})"

@@ -62,7 +62,8 @@ def build_parser(prog: str = "train_gpt.py") -> argparse.ArgumentParser:
                    "torch-muon,muon,adamw (torch-muon: torch.optim.Muon + torch.optim.AdamW, muon's split)")
     p.add_argument("--seeds", type=int, default=1,
                    help="repeat the comparison for this many seeds (--seed, --seed+1, ...): mean and spread")
-    p.add_argument("--model", choices=sorted(PRESETS), default=None, help="architecture preset, random init (default tiny)")
+    p.add_argument("--model", choices=sorted(PRESETS), default=None,
+                   help="architecture preset, random init (default tiny; moe-tiny: tiny with 4 experts per MLP)")
     p.add_argument("--data", default=None, metavar="PATH",
                    help="a text file or a directory (default: the Python standard library's *.py files)")
     p.add_argument("--max-bytes", type=int, default=None, help="read at most this many corpus bytes")
@@ -532,5 +533,6 @@ def _plot_title(args, corpus: Corpus, ctx: Dist) -> str:
     cfg = config_for(args.model)
     src = "Python stdlib" if args.data is None else Path(args.data).name
     seeds = f"seed {args.seed}" if args.seeds == 1 else f"seeds {args.seed}–{args.seed + args.seeds - 1} (mean, band: min–max)"
-    return (f"byte-level GPT '{args.model}' ({cfg.n_layer}L, d={cfg.n_embd}) on {src}; "
+    moe = f", {cfg.n_experts} experts, top-{cfg.moe_top_k}" if cfg.n_experts else ""
+    return (f"byte-level GPT '{args.model}' ({cfg.n_layer}L, d={cfg.n_embd}{moe}) on {src}; "
             f"batch {args.batch_size * ctx.world}×{args.seq_len}, {seeds}")
