@@ -5,15 +5,15 @@ A pure functional core (``init``/``update`` transforms over pytrees, composed wi
 FSDP2. See ``docs/api.md``.
 """
 
-from ._alias import adamw, hybrid, matrix_labels, muon, normuon
+from ._alias import adamw, hybrid, matrix_labels, muon, normuon, triton_muon
 from ._base import EmptyState, GradientTransformation, TransformInfo, identity, info, stateless
 from ._combine import PartitionState, chain, leafwise_labels, partition
 from ._compile import compile_update
 from ._muon import orthogonalize, scale_by_shape, shape_scale
 from ._newton_schulz import newton_schulz, polar_express, zeropower_via_newtonschulz5
 from ._sso import SpectralSphereState, spectral_sphere, sso
-from .optim import (MuonOptimizer, Optimizer, SolverReport, SpectralSphereOptimizer, create_hybrid_optimizer,
-                    split_parameters)
+from .optim import (MuonOptimizer, Optimizer, SolverReport, SpectralSphereOptimizer, TritonMuon, TritonMuonW,
+                    create_hybrid_optimizer, split_parameters)
 from . import spectral
 from ._transforms import (
     MomentumState,
@@ -23,6 +23,7 @@ from ._transforms import (
     add_decoupled_weight_decay,
     apply_updates,
     momentum,
+    normalize_layerwise,
     normalize_rows,
     scale_by_adam,
     scale_by_learning_rate,
@@ -57,12 +58,14 @@ __all__ = [
     "ScaleByAdamState",
     "normalize_rows",
     "NormalizeRowsState",
+    "normalize_layerwise",
     # recipes
     "muon",
     "adamw",
     "normuon",
     "hybrid",
     "matrix_labels",
+    "triton_muon",
     # math
     "newton_schulz",
     "zeropower_via_newtonschulz5",
@@ -72,6 +75,8 @@ __all__ = [
     "MuonOptimizer",
     "create_hybrid_optimizer",
     "split_parameters",
+    "TritonMuon",
+    "TritonMuonW",
     # spectral sphere (SSO)
     "spectral_sphere",
     "SpectralSphereState",
