@@ -76,7 +76,8 @@ class TritonMuon(_ElementwiseOptimizer):
       gradient_accumulation_steps, nonfinite, compile, bucket_size: see :class:`muon_fn.Optimizer`.
 
     ``lr``, ``momentum`` and ``velocity`` are per-step scalars (schedulers change them without a
-    recompile). Errors use torch's wording: ``Invalid learning rate: -1.0``, ``Invalid momentum
+    recompile), held as 0-d fp32 tensors (fp64 for fp64 parameters), as in every
+    muon_fn optimizer: ``velocity=0.999`` acts as fp32(0.999). Errors use torch's wording: ``Invalid learning rate: -1.0``, ``Invalid momentum
     value: 1.0``, ``Invalid velocity value: 1.0``, ``Invalid weight_decay value: -0.1``.
     """
 
