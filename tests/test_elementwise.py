@@ -226,6 +226,20 @@ def test_param_group_with_its_own_lr_and_hyperparameters(cls):
     assert_close(params, first[:2] + second)
 
 
+def test_without_bias_correction_early_steps_are_longer_than_adams():
+    """The documented step lengths: a constant gradient moves θ by lr·(1 − β₁ᵗ)/√(1 − β₂ᵗ) at
+    step t (3.16·lr, 6.57·lr at t = 12, 1.26·lr at t = 1000), where Adam moves it by lr."""
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = mf.TritonMuon([p], lr=1e-3, compile=False, nonfinite=None)
+    steps = []
+    for _ in range(1000):
+        before = p.detach().clone()
+        p.grad = torch.ones(1)
+        opt.step()
+        steps.append(float(before - p) / 1e-3)
+    assert [round(steps[t - 1], 2) for t in (1, 12, 1000)] == [3.16, 6.57, 1.26]
+
+
 def test_defaults_and_signature_are_the_seeds():
     def seed_part(cls):
         sig = inspect.signature(cls)

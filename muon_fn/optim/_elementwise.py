@@ -63,7 +63,9 @@ class TritonMuon(_ElementwiseOptimizer):
         m ← β₁m + (1 − β₁)g,  v ← β₂v + (1 − β₂)g²
         θ ← θ − lr·m / (√v + eps)
 
-    No bias correction (early steps move less than Adam's). With ``nesterov`` the numerator is
+    No bias correction: for a constant gradient the step is ``lr·(1 − β₁ᵗ)/√(1 − β₂ᵗ)`` per
+    entry, longer than Adam's ``lr`` early on (3.2·lr at the first step, 6.6·lr near step 12,
+    1.3·lr at step 1000 with the defaults). With ``nesterov`` the numerator is
     ``β₁m + (1 − β₁)g`` with the updated ``m``. The step is :func:`muon_fn.triton_muon` run through
     the generic :class:`muon_fn.Optimizer` apply: compiled by default (inductor fuses the rule
     into one kernel per bucket), nothing read back from the device. State per parameter:
