@@ -68,7 +68,8 @@ class TritonMuon(_ElementwiseOptimizer):
     1.3·lr at step 1000 with the defaults). With ``nesterov`` the numerator is
     ``β₁m + (1 − β₁)g`` with the updated ``m``. The step is :func:`muon_fn.triton_muon` run through
     the generic :class:`muon_fn.Optimizer` apply: compiled by default (inductor fuses the rule
-    into one kernel per bucket), nothing read back from the device. State per parameter:
+    into one kernel per bucket on CPU, a reduction kernel before it with ``layerwise_norm``),
+    nothing read back from the device. State per parameter:
     ``step``, ``exp_avg`` (m) and ``exp_avg_sq`` (v), as torch.optim.Adam names them.
 
     Args:
