@@ -124,6 +124,8 @@ ROW_SPECS: dict[str, Row] = {
                        ("torch.optim.AdamW[fused,wd=0.01]", "torch.optim.SGD[fused]")),
     "TritonMuonW[eager]": Row(_triton(TritonMuonW, compile=False), None, None, None, None, False,
                               ("torch.optim.AdamW[fused,wd=0.01]", "TritonMuonW")),
+    "TritonMuonW[nonfinite=None]": Row(_triton(TritonMuonW, nonfinite=None), None, None, None, None, True,
+                                       ("torch.optim.AdamW[fused,wd=0.01]", "TritonMuonW")),
     "torch.optim.Adam[fused]": Row(_torch_adam, None, None, None, None, None),
     "torch.optim.AdamW[fused,wd=0.01]": Row(_torch_adamw_decay, None, None, None, None, None),
     "torch.optim.SGD[fused]": Row(_torch_sgd, None, None, None, None, None),
@@ -132,8 +134,8 @@ ROWS = ("muon_fn", "muon_fn[eager]", "muon_fn[like_torch]", "torch.optim.Muon", 
         "replay[quintic5]", "replay[polar_express5]", "replay[torch_quintic5]")
 OPTIONAL_ROWS = tuple(r for r in ROW_SPECS if r not in ROWS)
 # `muon-fn bench --elementwise`: the elementwise family and its torch peers.
-ELEMENTWISE_ROWS = ("TritonMuon", "TritonMuonW", "TritonMuonW[eager]", "torch.optim.Adam[fused]",
-                    "torch.optim.AdamW[fused,wd=0.01]", "torch.optim.SGD[fused]")
+ELEMENTWISE_ROWS = ("TritonMuon", "TritonMuonW", "TritonMuonW[eager]", "TritonMuonW[nonfinite=None]",
+                    "torch.optim.Adam[fused]", "torch.optim.AdamW[fused,wd=0.01]", "torch.optim.SGD[fused]")
 REFERENCE = "torch.optim.Muon"
 # Rows iterating in bf16 whatever the device: emulated (slow) on CPUs without bf16 instructions.
 BF16_ROWS = tuple(r for r, spec in ROW_SPECS.items() if spec.dtype == _BF16)
