@@ -53,7 +53,8 @@ def elementwise_factory(h: dict[str, Any], *, decoupled: bool) -> GradientTransf
 
 
 class TritonMuon(_ElementwiseOptimizer):
-    """An Adam-like elementwise optimizer with L2 weight decay (the seed's ``TritonMuon``).
+    """An Adam-like elementwise optimizer with L2 weight decay (the signature and defaults of the
+    original ``TritonMuon``, whose hand-written Triton kernels this reproduces).
 
     **It does not orthogonalize** — it is not Muon; for Muon use :class:`muon_fn.MuonOptimizer`.
     Per parameter, with β₁ = ``momentum`` and β₂ = ``velocity``::
@@ -73,9 +74,9 @@ class TritonMuon(_ElementwiseOptimizer):
     ``step``, ``exp_avg`` (m) and ``exp_avg_sq`` (v), as torch.optim.Adam names them.
 
     Args:
-      lr, momentum, velocity, weight_decay, nesterov, layerwise_norm: the seed's signature and
+      lr, momentum, velocity, weight_decay, nesterov, layerwise_norm: the original signature and
         defaults (``lr=1e-3``, β₁ 0.9, β₂ 0.999, no decay, no Nesterov, no normalization).
-      eps: ε of the denominator, ``1e-8`` (keyword-only, after the seed's arguments).
+      eps: ε of the denominator, ``1e-8`` (keyword-only, after the original arguments).
       gradient_accumulation_steps, nonfinite, compile, bucket_size: see :class:`muon_fn.Optimizer`.
 
     ``lr``, ``momentum`` and ``velocity`` are per-step scalars (schedulers change them without a
@@ -107,7 +108,7 @@ class TritonMuon(_ElementwiseOptimizer):
 
 
 class TritonMuonW(_ElementwiseOptimizer):
-    """:class:`TritonMuon` with decoupled weight decay (the seed's ``TritonMuonW``), default ``1e-2``.
+    """:class:`TritonMuon` with decoupled weight decay (the original ``TritonMuonW``), default ``1e-2``.
 
     **It does not orthogonalize** — it is not Muon; for Muon use :class:`muon_fn.MuonOptimizer`.
     The same rule as :class:`TritonMuon` except the decay, which leaves the gradient and the
