@@ -5,7 +5,7 @@ A pure functional core (``init``/``update`` transforms over pytrees, composed wi
 FSDP2. See ``docs/api.md``.
 """
 
-from ._alias import adamw, hybrid, matrix_labels, muon, normuon
+from ._alias import adamw, hybrid, matrix_labels, muon, normuon, triton_muon
 from ._base import EmptyState, GradientTransformation, TransformInfo, identity, info, stateless
 from ._combine import PartitionState, chain, leafwise_labels, partition
 from ._compile import compile_update
@@ -14,8 +14,8 @@ from ._newton_schulz import newton_schulz, polar_express, zeropower_via_newtonsc
 from ._qk_clip import (AttentionHeads, QKClip, QKClipFactors, max_attention_logits, qk_clip_factors,
                        record_max_logits, scale_head_rows, track_max_logits)
 from ._sso import SpectralSphereState, spectral_sphere, sso
-from .optim import (MuonOptimizer, Optimizer, SolverReport, SpectralSphereOptimizer, create_hybrid_optimizer,
-                    split_parameters)
+from .optim import (MuonOptimizer, Optimizer, SolverReport, SpectralSphereOptimizer, TritonMuon, TritonMuonW,
+                    create_hybrid_optimizer, split_parameters)
 from . import spectral
 from ._views import Heads, heads
 from ._transforms import (
@@ -26,6 +26,7 @@ from ._transforms import (
     add_decoupled_weight_decay,
     apply_updates,
     momentum,
+    normalize_layerwise,
     normalize_rows,
     scale_by_adam,
     scale_by_learning_rate,
@@ -62,12 +63,14 @@ __all__ = [
     "ScaleByAdamState",
     "normalize_rows",
     "NormalizeRowsState",
+    "normalize_layerwise",
     # recipes
     "muon",
     "adamw",
     "normuon",
     "hybrid",
     "matrix_labels",
+    "triton_muon",
     # math
     "newton_schulz",
     "zeropower_via_newtonschulz5",
@@ -77,6 +80,8 @@ __all__ = [
     "MuonOptimizer",
     "create_hybrid_optimizer",
     "split_parameters",
+    "TritonMuon",
+    "TritonMuonW",
     # spectral sphere (SSO)
     "spectral_sphere",
     "SpectralSphereState",

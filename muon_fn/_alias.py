@@ -16,6 +16,7 @@ from ._views import View
 from ._transforms import (
     add_decoupled_weight_decay,
     momentum as momentum_tx,
+    normalize_layerwise,
     normalize_rows,
     scale_by_adam,
     scale_by_learning_rate,
@@ -42,11 +43,12 @@ def muon(
     split: None = None,
     mu_dtype: torch.dtype | None = None,
     flatten: bool | None = None,
+    layerwise_norm: bool = False,
 ) -> GradientTransformation:
     """Muon for a tree of matrices.
 
-    ``chain(momentum, orthogonalize, [normalize_rows if beta2], scale_by_shape,
-    add_decoupled_weight_decay, scale_by_learning_rate)``: per matrix,
+    ``chain([normalize_layerwise if layerwise_norm], momentum, orthogonalize, [normalize_rows if
+    beta2], scale_by_shape, add_decoupled_weight_decay, scale_by_learning_rate)``: per matrix,
     ``p ← p(1 − lr·wd) − lr·s(out, in)·msign(M)``. Every leaf must be a matrix (ndim ≥ 2);
     use :func:`hybrid` for trees that also hold biases and norms. ``method=None`` is
     :data:`~muon_fn._newton_schulz.DEFAULT_METHOD`, or with ``ns_coefficients`` (torch's flat
@@ -58,9 +60,12 @@ def muon(
     view :func:`muon_fn.heads` or ``leaf -> view``; ``flatten=`` is its older spelling) is what a
     matrix is, for the orthogonalization, the row normalization and the shape scale alike (see
     :func:`orthogonalize`). ``split`` is removed (a ``TypeError`` points to head views).
+    ``layerwise_norm``: each matrix's gradient is divided by its own norm before it enters the
+    momentum (:func:`normalize_layerwise`), so every step weighs the same in the buffer.
     """
     view = view_argument(view, flatten)
     refuse_split(split)
+    _checks.boolean("layerwise_norm", layerwise_norm)
     if ns_steps is not None:
         _checks.positive_int("ns_steps", ns_steps)
     _checks.positive("eps", eps)
@@ -69,7 +74,8 @@ def muon(
     rule = shape_rule(adjust_lr_fn)
     if ns_coefficients is not None:
         validate_coefficients(ns_coefficients, name="ns_coefficients")
-    parts = [
+    parts = [normalize_layerwise()] if layerwise_norm else []
+    parts += [
         momentum_tx(momentum, nesterov=nesterov, kind=kind, mu_dtype=mu_dtype),
         orthogonalize(method, ns_steps, coefficients=ns_coefficients, dtype=ns_dtype, eps=eps,
                       stepsize=ns_stepsize, view=view),
@@ -114,6 +120,51 @@ def adamw(
     """AdamW with torch.optim.AdamW's defaults and arithmetic (decoupled decay ``p(1 − lr·wd)``)."""
     return chain(scale_by_adam(betas, eps), add_decoupled_weight_decay(weight_decay),
                  scale_by_learning_rate(lr))
+
+
+# The epsilon of TritonMuon's denominator √v + ε (a keyword of triton_muon and the classes).
+TRITON_MUON_EPS = 1e-8
+
+
+def triton_muon(
+    lr: ScalarOrSchedule = 1e-3,
+    momentum: Scalar = 0.9,
+    velocity: Scalar = 0.999,
+    *,
+    weight_decay: Scalar = 0.0,
+    decoupled: bool = False,
+    nesterov: bool = False,
+    layerwise_norm: bool = False,
+    eps: float = TRITON_MUON_EPS,
+) -> GradientTransformation:
+    """The elementwise rule of :class:`~muon_fn.TritonMuon` (``decoupled=False``) and
+    :class:`~muon_fn.TritonMuonW` (``decoupled=True``). It does not orthogonalize: it is an
+    Adam-like rule, not Muon (for Muon see :func:`muon` and :class:`~muon_fn.MuonOptimizer`).
+
+    Per tensor, with β₁ = ``momentum`` and β₂ = ``velocity``::
+
+        g ← g / max(‖g‖, 1e-8)               if layerwise_norm
+        g ← g + wd·θ                         L2 decay (decoupled=False)
+        m ← β₁m + (1 − β₁)g,  v ← β₂v + (1 − β₂)g²
+        θ ← θ − lr·m̃ / (√v + eps) − lr·wd·θ  (the decay term only if decoupled)
+
+    with ``m̃ = m``, or ``β₁m + (1 − β₁)g`` (the updated ``m``) with ``nesterov``. No bias
+    correction. ``chain([normalize_layerwise], [add_decoupled_weight_decay],
+    scale_by_adam((momentum, velocity), eps, bias_correction=False, nesterov=...),
+    [add_decoupled_weight_decay], scale_by_learning_rate)``: the decay transform before the
+    moments is L2 regularization, after them decoupled decay.
+    """
+    _checks.in_unit_interval("momentum", momentum)
+    _checks.in_unit_interval("velocity", velocity)
+    _checks.non_negative("weight_decay", weight_decay)
+    _checks.positive("eps", eps)
+    for name, flag in (("decoupled", decoupled), ("nesterov", nesterov), ("layerwise_norm", layerwise_norm)):
+        _checks.boolean(name, flag)
+    moments = scale_by_adam((momentum, velocity), eps, bias_correction=False, nesterov=nesterov)
+    decay = add_decoupled_weight_decay(weight_decay)
+    parts = [normalize_layerwise()] if layerwise_norm else []
+    parts += [moments, decay] if decoupled else [decay, moments]
+    return chain(*parts, scale_by_learning_rate(lr))
 
 
 def _matrix_label(p: torch.Tensor) -> str:

@@ -1,4 +1,5 @@
-"""Elementwise transforms: momentum, learning rate, decoupled weight decay, Adam, NorMuon rows.
+"""Elementwise transforms: momentum, learning rate, weight decay, Adam, NorMuon rows, and the
+per-tensor gradient normalization.
 
 Every transform maps a ``None`` update (missing gradient) to ``None`` and leaves that leaf's
 state unchanged, as torch.optim skips parameters without ``.grad``.
@@ -134,7 +135,9 @@ def scale_by_learning_rate(lr: ScalarOrSchedule) -> GradientTransformation:
 
 
 def add_decoupled_weight_decay(weight_decay: Scalar = 0.0) -> GradientTransformation:
-    """``u ← u + wd·p``. Followed by ``scale_by_learning_rate(lr)`` this is ``p ← p(1 − lr·wd) − lr·u``."""
+    """``u ← u + wd·p``. Followed by ``scale_by_learning_rate(lr)`` this is ``p ← p(1 − lr·wd) − lr·u``
+    (decoupled decay). Placed before a preconditioner such as :func:`scale_by_adam` the same sum is
+    L2 regularization instead: the gradient of ``wd/2·‖p‖²`` added to the gradient."""
     _checks.non_negative("weight_decay", weight_decay)
 
     if not isinstance(weight_decay, torch.Tensor) and weight_decay == 0:
@@ -166,14 +169,27 @@ class ScaleByAdamState(NamedTuple):
 
 
 def scale_by_adam(
-    betas: tuple[Scalar, Scalar] = (0.9, 0.999), eps: float = 1e-8
+    betas: tuple[Scalar, Scalar] = (0.9, 0.999),
+    eps: float = 1e-8,
+    *,
+    bias_correction: bool = True,
+    nesterov: bool = False,
 ) -> GradientTransformation:
-    """Adam's bias-corrected direction ``m̂ / (√v̂ + eps)``, with torch.optim.Adam's arithmetic."""
+    """Adam's direction ``m̂ / (√v̂ + eps)``, with torch.optim.Adam's arithmetic by default.
+
+    ``m ← lerp(m, g, 1 − β₁)``, ``v ← β₂v + (1 − β₂)g²``; ``m̂ = m / (1 − β₁ᵗ)`` and
+    ``v̂ = v / (1 − β₂ᵗ)`` with ``bias_correction`` (default), else ``m̂ = m``, ``v̂ = v``.
+    ``nesterov`` looks one step ahead in the numerator: ``β₁m + (1 − β₁)g`` with ``m`` the
+    updated moment; with bias correction optax's form,
+    ``β₁m / (1 − β₁ᵗ⁺¹) + (1 − β₁)g / (1 − β₁ᵗ)``.
+    """
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"Invalid betas: {betas!r} (expected a pair (beta1, beta2))")
     _checks.in_unit_interval("beta1", betas[0])
     _checks.in_unit_interval("beta2", betas[1])
     _checks.non_negative("eps", eps)
+    _checks.boolean("bias_correction", bias_correction)
+    _checks.boolean("nesterov", nesterov)
     b1, b2 = betas
 
     def init(params):
@@ -187,9 +203,15 @@ def scale_by_adam(
         count = count + 1
         m = m.lerp(g, 1 - b1)
         v = v * b2 + (1 - b2) * g * g
-        bias1 = 1 - b1**count
+        if not bias_correction:
+            numerator = b1 * m + (1 - b1) * g if nesterov else m
+            return numerator / (v.sqrt() + eps), count, m, v
+        if nesterov:
+            numerator = b1 * m / (1 - b1 ** (count + 1)) + (1 - b1) * g / (1 - b1**count)
+        else:
+            numerator = m / (1 - b1**count)
         bias2_sqrt = (1 - b2**count).sqrt()
-        return (m / bias1) / (v.sqrt() / bias2_sqrt + eps), count, m, v
+        return numerator / (v.sqrt() / bias2_sqrt + eps), count, m, v
 
     def update(updates, state, params=None, **extra):
         del params, extra
@@ -200,8 +222,34 @@ def scale_by_adam(
         pick = lambda i: _tree.tree_map(lambda _, r: r[i], updates, res)  # noqa: E731
         return pick(0), ScaleByAdamState(pick(1), pick(2), pick(3))
 
-    tx = named(GradientTransformation(init, update), "scale_by_adam", betas=tuple(betas), eps=eps)
+    options = {} if bias_correction and not nesterov else {"bias_correction": bias_correction, "nesterov": nesterov}
+    shown = tuple(float(b) if isinstance(b, torch.Tensor) else b for b in betas)
+    tx = named(GradientTransformation(init, update), "scale_by_adam", betas=shown, eps=eps, **options)
     return with_info(tx, leafwise=True, scope=ELEMENTWISE)
+
+
+def normalize_layerwise(eps: float = 1e-8) -> GradientTransformation:
+    """Layer-wise gradient normalization: every tensor divided by its own norm, ``g ← g / max(‖g‖, eps)``.
+
+    ``‖g‖`` is the L2 (Frobenius) norm of the whole leaf — one parameter's gradient, an expert
+    stack included — computed in fp32 for half-precision gradients. A tensor with ``‖g‖ ≥ eps``
+    comes out with norm 1 whatever its scale; zero stays zero. Stateless. Used first in a chain,
+    before momentum (``layerwise_norm=True`` of :func:`muon` and :func:`triton_muon`), it gives
+    every step and every layer the same weight in the moments.
+    """
+    _checks.positive("eps", eps)
+
+    def normalize(g: torch.Tensor) -> torch.Tensor:
+        norm = torch.linalg.vector_norm(g, dtype=torch.promote_types(g.dtype, torch.float32))
+        return (g.to(norm.dtype) / norm.clamp_min(eps)).to(g.dtype)
+
+    def update(updates, state, params=None, **extra):
+        del params, extra
+        return _tree.tree_map(lambda g: None if g is None else normalize(g), updates), state
+
+    # MATRIX: the norm is over the whole leaf, so a shard alone cannot compute it.
+    tx = named(GradientTransformation(init_empty_state, update), "normalize_layerwise", eps=eps)
+    return with_info(tx, leafwise=True, scope=MATRIX)
 
 
 class NormalizeRowsState(NamedTuple):

@@ -216,7 +216,25 @@ def test_main_runs_each_thread_count_and_writes_json(tmp_path, capsys, monkeypat
     assert capsys.readouterr().out.count("s/step min") == 2
 
 
+def test_elementwise_rows_report_paired_ratios_to_their_torch_peers(tmp_path, capsys):
+    path = tmp_path / "e.json"
+    assert bench.main(["--elementwise", "--model-size", "tiny", "--layers", "1", "--rounds", "2",
+                       "--no-memory", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())["tiny,threads=1"]["rows"]
+    assert list(rows) == list(bench.ELEMENTWISE_ROWS) and "quality" not in rows
+    assert set(rows["TritonMuon"]["ratio_to_peers"]) == {"torch.optim.Adam[fused]", "torch.optim.SGD[fused]"}
+    assert set(rows["TritonMuonW"]["ratio_to_peers"]) == {"torch.optim.AdamW[fused,wd=0.01]", "torch.optim.SGD[fused]"}
+    for ratio in rows["TritonMuonW"]["ratio_to_peers"].values():
+        assert len(ratio["per_round"]) == 2 and ratio["median"] > 0
+    assert "ratio_to_peers" not in rows["torch.optim.Adam[fused]"]
+    out = capsys.readouterr().out
+    assert "/peer" in out and "TritonMuon: /torch.optim.Adam[fused] " in out
+    for spec in bench.ROW_SPECS.values():
+        assert all(p in bench.ROW_SPECS for p in spec.peers)
+
+
 @pytest.mark.parametrize("argv,message", [
+    (["--elementwise", "--rows", "muon_fn"], "--elementwise chooses the rows: give it or --rows, not both"),
     (["--device", "meta", "--quick"], "Invalid device: 'meta' (meta tensors hold no data to time)"),
     (["--threads", "0"], "argument --threads: Invalid threads: 0"),
     (["--model-size", "tiny", "--layers", "9", "--no-quality"], "Invalid layers: 9 (expected 1..4 for tiny)"),

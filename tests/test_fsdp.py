@@ -819,6 +819,7 @@ def checks_for(w: int, ckpt_dir: str) -> dict:
         "parity_owner": check_parity(w),
         "parity_owner_bf16_iteration": check_parity(w, ns_dtype=torch.bfloat16),
         "parity_normuon": check_parity(w, beta2=0.95, nesterov=False),
+        "parity_layerwise_norm": check_parity(w, layerwise_norm=True),
         f"parity_compiled_{compiled['backend']}": check_parity(w, Pair, compile=compiled, groups=two_iterations),
         "parity_plain_replicated": check_plain_replicated(w),
         "generic_mid_state": check_generic_mid_state(w),

@@ -3,7 +3,8 @@
 - The Muon step (:func:`benchmark_muon_optimizers`, ``muon-fn bench``): paired step times of
   muon_fn's compiled default, its eager form, torch.optim.Muon, fused AdamW and GEMM replays;
   each row's first (compiling) step, persistent state and peak step memory; orthogonality
-  quality on real gradients.
+  quality on real gradients. ``--elementwise``: TritonMuon and TritonMuonW against torch's fused
+  Adam, AdamW and SGD.
 - SSO (:func:`benchmark_sso`, ``muon-fn bench sso``): SpectralSphereOptimizer against Muon.
 - FSDP (:func:`benchmark_fsdp`, ``muon-fn bench fsdp``): owner-computes against replicate on
   gloo ranks.
@@ -19,7 +20,7 @@ from ._muon import benchmark_muon_optimizers, compile_check, format_table
 from ._problem import MATRIX_NAMES, MODEL_SIZES, matrix_shapes, real_gradients
 from ._quality import TORCH_ORTHO, Ortho, orthogonality, orthogonalizer
 from ._replay import replay
-from ._rows import OPTIONAL_ROWS, ROW_SPECS, ROWS, default_rows
+from ._rows import ELEMENTWISE_ROWS, OPTIONAL_ROWS, ROW_SPECS, ROWS, default_rows
 from ._sso import SSO_DEFAULT_ROWS, SSO_ROWS, benchmark_sso, format_sso_table
 from ._timing import check_device, default_threads, paired_ratio, paired_rounds, parse_threads, synchronize
 
@@ -28,5 +29,5 @@ __all__ = [
     "benchmark_fsdp", "format_fsdp_result", "real_gradients", "matrix_shapes", "MODEL_SIZES", "MATRIX_NAMES",
     "paired_ratio", "paired_rounds", "check_device", "synchronize", "default_threads", "parse_threads",
     "state_bytes", "peak_step_bytes", "orthogonality", "orthogonalizer", "Ortho", "TORCH_ORTHO", "replay", "ROWS",
-    "OPTIONAL_ROWS", "ROW_SPECS", "default_rows", "SSO_ROWS", "SSO_DEFAULT_ROWS",
+    "OPTIONAL_ROWS", "ELEMENTWISE_ROWS", "ROW_SPECS", "default_rows", "SSO_ROWS", "SSO_DEFAULT_ROWS",
 ]

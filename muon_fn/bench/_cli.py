@@ -2,6 +2,7 @@
 
     muon-fn bench --quick                          # the Muon step, tiny set (about a minute)
     muon-fn bench --model-size gpt2-small --threads 1,default --json bench.json
+    muon-fn bench --elementwise --quick            # TritonMuon/TritonMuonW against torch's Adam, AdamW, SGD
     muon-fn bench sso --layers 2 --rounds 4        # SSO against Muon (alias: muon-fn bench-sso)
     muon-fn bench fsdp --world-sizes 2 4           # FSDP owner-computes against replicate (gloo)
 
@@ -19,7 +20,7 @@ from .. import _newton_schulz
 from ._fsdp import benchmark_fsdp, format_fsdp_result
 from ._muon import benchmark_muon_optimizers, check_muon_args, compile_check, format_table
 from ._problem import MODEL_SIZES
-from ._rows import OPTIONAL_ROWS, ROW_SPECS, ROWS, default_rows
+from ._rows import ELEMENTWISE_ROWS, OPTIONAL_ROWS, ROW_SPECS, ROWS, default_rows
 from ._sso import SSO_DEFAULT_ROWS, SSO_ROWS, benchmark_sso, check_sso_args, format_sso_table
 from ._timing import Threads, check_device, parse_threads
 
@@ -63,6 +64,9 @@ def _muon_parser(prog: str) -> argparse.ArgumentParser:
     ap.add_argument("--lr", type=float, default=0.02, help="learning rate of every optimizer row")
     ap.add_argument("--rows", nargs="+", choices=list(ROW_SPECS), default=None, metavar="ROW",
                     help="rows to time (default: " + ", ".join(ROWS) + "; also: " + ", ".join(OPTIONAL_ROWS) + ")")
+    ap.add_argument("--elementwise", action="store_true",
+                    help="time the elementwise family instead: " + ", ".join(ELEMENTWISE_ROWS)
+                         + " (no orthogonalization, so no quality measures)")
     ap.add_argument("--threads", type=_threads_arg, default=[1], metavar="N[,N...]",
                     help="torch threads, a comma-separated list run one after the other; 'default' is the "
                          "count torch picks itself (e.g. --threads 1,default; default 1: docs/performance.md)")
@@ -87,6 +91,10 @@ def _muon_main(argv: list[str], prog: str) -> int:
     except ValueError as e:
         ap.error(str(e))
     sizes = ["tiny"] if args.quick else (list(MODEL_SIZES) if args.model_size == "all" else [args.model_size])
+    if args.elementwise:
+        if args.rows is not None:
+            ap.error("--elementwise chooses the rows: give it or --rows, not both")
+        args.rows, args.no_quality = list(ELEMENTWISE_ROWS), True
     emulated = device.type == "cpu" and not _newton_schulz.CPU_HAS_BF16_GEMM
     if emulated and args.rows is None:
         left_out = sorted({r for s in sizes for r in ROWS if r not in default_rows(s, device)})

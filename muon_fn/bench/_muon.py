@@ -44,7 +44,7 @@ def benchmark_muon_optimizers(
     Args:
       model_size: ``"tiny"`` (4 layers, d=256) or ``"gpt2-small"`` (12 layers, d=768).
       num_steps: optimizer steps per row per round (seconds per step = round time / num_steps).
-      lr: Muon learning rate (AdamW uses ``lr/20``).
+      lr: Muon learning rate (AdamW and the elementwise rows use ``lr/20``).
       rows: names from :data:`ROW_SPECS` (default :data:`ROWS`). A ratio needs its reference
         among them: ``torch.optim.Muon`` for ``ratio_to_torch_muon``, the row's own replay for
         ``ratio_to_own_replay``; without it the ratio is absent.
@@ -66,7 +66,8 @@ def benchmark_muon_optimizers(
     Returns:
       A JSON-serializable dict: ``config``, ``rows`` (per row: seconds per step per round,
       min/median/max, the first step's seconds, whether it compiled, state and peak step bytes,
-      per-round ratios to torch.optim.Muon and to its own replay), and ``quality`` and
+      per-round ratios to torch.optim.Muon, to its own replay and, as ``ratio_to_peers``, to the
+      rows it is compared with (the elementwise rows: torch's fused Adam, AdamW, SGD)), and ``quality`` and
       ``gaussian_quality`` (per row and matrix kind).
     """
     rows, device = check_muon_args(model_size, num_steps, lr, rows, rounds, layers, threads, device)
@@ -144,6 +145,9 @@ def _summarize(built: dict[str, Built], first: dict[str, float],
             if ref in times:
                 q = paired_ratio(t, times[ref])
                 row[key], row[key + "_median"] = q["per_round"], q["median"]
+        peers = {p: paired_ratio(t, times[p]) for p in spec.peers if p in times}
+        if peers:
+            row["ratio_to_peers"] = {p: {"median": q["median"], "per_round": q["per_round"]} for p, q in peers.items()}
         out[r] = row
     return out
 
@@ -216,23 +220,32 @@ def compile_check(model_size: str = "tiny", *, steps: int = 100, lr: float = 0.0
 def format_table(result: dict[str, Any]) -> str:
     """The timing/memory/quality table of a :func:`benchmark_muon_optimizers` result."""
     cfg = result["config"]
+    width = max([26, *(len(r) for r in result["rows"])])
     lines = [f"{cfg['model_size']}: {cfg['matrices']} matrices, {cfg['params'] / 1e6:.1f} M params, "
              f"{cfg['rounds']} paired rounds x {cfg['num_steps']} steps, {cfg['device']}, "
              f"{cfg['threads']} thread(s), torch {cfg['torch']}, default compute dtype {cfg['compute_dtype']} "
              f"(CPU bf16 GEMMs: {cfg['cpu_bf16_gemm']})",
-             f"{'row':26s} {'1st step':>9s} {'s/step min':>10s} {'median':>8s} {'max':>8s} {'/torch':>7s} "
-             f"{'/own':>6s} {'state MB':>9s} {'peak MB':>8s}  quality: worst RMS ratio per matrix (σ range)"]
+             f"{'row':{width}s} {'1st step':>9s} {'s/step min':>10s} {'median':>8s} {'max':>8s} {'/torch':>7s} "
+             f"{'/own':>6s} {'/peer':>6s} {'state MB':>9s} {'peak MB':>8s}  "
+             "quality: worst RMS ratio per matrix (σ range)"]
     q, gq = result.get("quality", {}), result.get("gaussian_quality", {})
     for r, v in result["rows"].items():
         first = f"{v['first_step_s']:8.2f}{'c' if v.get('compiled') else ' '}"
         peak = v.get("peak_step_bytes")
-        lines.append(f"{r:26s} {first} {v['min']:10.4f} {v['median']:8.4f} {v['max']:8.4f} "
+        peer = next(iter(v.get("ratio_to_peers", {}).values()), {}).get("median")
+        lines.append(f"{r:{width}s} {first} {v['min']:10.4f} {v['median']:8.4f} {v['max']:8.4f} "
                      f"{_fmt(v.get('ratio_to_torch_muon_median'), 7, 3)} "
-                     f"{_fmt(v.get('ratio_to_own_replay_median'), 6, 3)} "
+                     f"{_fmt(v.get('ratio_to_own_replay_median'), 6, 3)} {_fmt(peer, 6, 3)} "
                      f"{v['state_bytes'] / 2**20:9.2f} {_fmt(None if peak is None else peak / 2**20, 8, 2)}  "
                      f"{_quality_cell(q.get(r), gq.get(r))}")
-    lines.append("1st step: the first step alone (state allocation; 'c': compiled there). Quality: ratios to "
-                 "torch.optim.Muon's quintic if it is a row; 'same dtype': to the quintic in the row's dtype; "
+    for r, v in result["rows"].items():  # every peer of the rows that have several
+        peers = v.get("ratio_to_peers", {})
+        if len(peers) > 1:
+            lines.append(f"{r}: " + ", ".join(f"/{p} {ratio['median']:.3f}" for p, ratio in peers.items()))
+    lines.append("1st step: the first step alone (state allocation; 'c': compiled there). /peer: to the first "
+                 "of the row's peers, for the elementwise rows the torch optimizer with the same rule. "
+                 "Ratios are medians of paired per-round ratios. Quality: ratios to torch.optim.Muon's quintic "
+                 "if it is a row; 'same dtype': to the quintic in the row's dtype; "
                  "'leak': RMS off-diagonal of Uᵀ·O·V on the gradient's leading singular pairs (0 for msign).")
     return "\n".join(lines)
 

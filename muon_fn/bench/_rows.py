@@ -1,5 +1,6 @@
 """The rows of the Muon step benchmark: what each runs, which orthogonalization it uses (for the
-quality measures) and which replay has the same GEMMs (for the ratio to its own replay)."""
+quality measures), which replay has the same GEMMs (for the ratio to its own replay) and, for the
+elementwise rows, which torch optimizers they are compared with (``peers``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 from .. import _compile, _newton_schulz
 from .._newton_schulz import DEFAULT_METHOD
-from ..optim import BUCKET_SIZE, MuonOptimizer
+from ..optim import BUCKET_SIZE, MuonOptimizer, TritonMuon, TritonMuonW
 from ._quality import TORCH, TORCH_ORTHO, Ortho
 from ._replay import replay
 
@@ -25,6 +26,7 @@ class Row(NamedTuple):
     dtype: Optional[torch.dtype]  # iteration dtype; None: the device's compute dtype
     own_replay: Optional[str]  # the replay row running the same GEMMs
     compile: Optional[bool]  # a muon_fn row's compile option (None: not a muon_fn row)
+    peers: tuple[str, ...] = ()  # rows this one is compared with (ratio_to_peers), the first in the table
 
     def ortho(self, device: torch.device) -> Ortho | None:
         """The orthogonalization this row runs on ``device``, for the quality measures."""
@@ -55,6 +57,30 @@ def _torch_muon(params: list[torch.Tensor], lr: float) -> Built:
 
 def _torch_adamw(params: list[torch.Tensor], lr: float) -> Built:
     opt = torch.optim.AdamW(params, lr=lr * 0.05, weight_decay=0.0, fused=True)
+    return opt, opt.step
+
+
+# The elementwise rows run at the AdamW row's learning rate (lr/20: 1e-3 at the default 0.02),
+# with the same hyperparameters on both sides of each comparison (β₁ 0.9, β₂ 0.999, ε 1e-8).
+def _triton(cls: type, compile: bool = True, **kwargs: Any) -> Callable[[list[torch.Tensor], float], Built]:
+    def build(params: list[torch.Tensor], lr: float) -> Built:
+        opt = cls(params, lr=lr * 0.05, compile=compile, **kwargs)
+        return opt, opt.step
+    return build
+
+
+def _torch_adam(params: list[torch.Tensor], lr: float) -> Built:
+    opt = torch.optim.Adam(params, lr=lr * 0.05, fused=True)
+    return opt, opt.step
+
+
+def _torch_adamw_decay(params: list[torch.Tensor], lr: float) -> Built:
+    opt = torch.optim.AdamW(params, lr=lr * 0.05, weight_decay=0.01, fused=True)
+    return opt, opt.step
+
+
+def _torch_sgd(params: list[torch.Tensor], lr: float) -> Built:
+    opt = torch.optim.SGD(params, lr=lr * 0.05, momentum=0.9, fused=True)
     return opt, opt.step
 
 
@@ -91,10 +117,25 @@ ROW_SPECS: dict[str, Row] = {
     "muon_fn[aol4]": Row(_muon_fn(method="aol", ns_steps=4), "aol", 4, None, "replay[aol4]", True),
     "muon_fn[nonfinite=None]": Row(_muon_fn(nonfinite=None), DEFAULT_METHOD, None, None, _DEFAULT_REPLAY, True),
     "replay[aol4]": Row(_replay("aol", 4), "aol", 4, None, "replay[aol4]", None),
+    # The elementwise family (it does not orthogonalize) against torch's fused Adam, AdamW and SGD.
+    "TritonMuon": Row(_triton(TritonMuon), None, None, None, None, True,
+                      ("torch.optim.Adam[fused]", "torch.optim.SGD[fused]")),
+    "TritonMuonW": Row(_triton(TritonMuonW), None, None, None, None, True,
+                       ("torch.optim.AdamW[fused,wd=0.01]", "torch.optim.SGD[fused]")),
+    "TritonMuonW[eager]": Row(_triton(TritonMuonW, compile=False), None, None, None, None, False,
+                              ("torch.optim.AdamW[fused,wd=0.01]", "TritonMuonW")),
+    "TritonMuonW[nonfinite=None]": Row(_triton(TritonMuonW, nonfinite=None), None, None, None, None, True,
+                                       ("torch.optim.AdamW[fused,wd=0.01]", "TritonMuonW")),
+    "torch.optim.Adam[fused]": Row(_torch_adam, None, None, None, None, None),
+    "torch.optim.AdamW[fused,wd=0.01]": Row(_torch_adamw_decay, None, None, None, None, None),
+    "torch.optim.SGD[fused]": Row(_torch_sgd, None, None, None, None, None),
 }
 ROWS = ("muon_fn", "muon_fn[eager]", "muon_fn[like_torch]", "torch.optim.Muon", "torch.optim.AdamW[fused]",
         "replay[quintic5]", "replay[polar_express5]", "replay[torch_quintic5]")
 OPTIONAL_ROWS = tuple(r for r in ROW_SPECS if r not in ROWS)
+# `muon-fn bench --elementwise`: the elementwise family and its torch peers.
+ELEMENTWISE_ROWS = ("TritonMuon", "TritonMuonW", "TritonMuonW[eager]", "TritonMuonW[nonfinite=None]",
+                    "torch.optim.Adam[fused]", "torch.optim.AdamW[fused,wd=0.01]", "torch.optim.SGD[fused]")
 REFERENCE = "torch.optim.Muon"
 # Rows iterating in bf16 whatever the device: emulated (slow) on CPUs without bf16 instructions.
 BF16_ROWS = tuple(r for r, spec in ROW_SPECS.items() if spec.dtype == _BF16)

@@ -4,16 +4,19 @@
 apply: ``tx.update`` per bucket, written back in place, compiled by default). The optimizer
 classes are configuration only: :class:`MuonOptimizer` (Muon + AdamW),
 :class:`SpectralSphereOptimizer` (SSO + AdamW) and :func:`create_hybrid_optimizer` (one optimizer,
-parameters split by role). :func:`from_torch_state_dict` and :func:`to_torch_state_dict` move
-checkpoints between ``torch.optim.Muon`` (+ ``torch.optim.AdamW``) and :class:`MuonOptimizer`.
+parameters split by role); :class:`TritonMuon` and :class:`TritonMuonW` (the elementwise rule
+:func:`muon_fn.triton_muon`, which does not orthogonalize). :func:`from_torch_state_dict` and
+:func:`to_torch_state_dict` move checkpoints between ``torch.optim.Muon`` (+ ``torch.optim.AdamW``)
+and :class:`MuonOptimizer`.
 """
 
 from ._adapter import BUCKET_SIZE, NONFINITE_POLICIES, Optimizer, StepReport
+from ._elementwise import TritonMuon, TritonMuonW
 from ._hybrid import HybridSplit, create_hybrid_optimizer, split_parameters
 from ._muon import HybridOptimizer, MuonOptimizer
 from ._sso import SolverReport, SpectralSphereOptimizer
 from ._torch_compat import from_torch_state_dict, to_torch_state_dict
 
 __all__ = ["Optimizer", "MuonOptimizer", "SpectralSphereOptimizer", "HybridOptimizer", "SolverReport",
-           "StepReport", "create_hybrid_optimizer", "split_parameters", "HybridSplit", "BUCKET_SIZE",
-           "NONFINITE_POLICIES", "from_torch_state_dict", "to_torch_state_dict"]
+           "TritonMuon", "TritonMuonW", "StepReport", "create_hybrid_optimizer", "split_parameters", "HybridSplit",
+           "BUCKET_SIZE", "NONFINITE_POLICIES", "from_torch_state_dict", "to_torch_state_dict"]

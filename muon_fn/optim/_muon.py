@@ -134,6 +134,9 @@ class MuonOptimizer(HybridOptimizer):
       beta2: ``None`` for Muon; a float enables NorMuon row normalization with ``normuon_eps``.
       momentum_dtype: dtype of the momentum buffer (default: the parameter's), e.g. fp32 for
         bf16 parameters.
+      layerwise_norm: divide each Muon parameter's gradient by its own norm before the momentum
+        (:func:`muon_fn.normalize_layerwise`; default off). The AdamW half sees the raw
+        gradients: Adam's update already ignores the gradient's scale (up to ``adamw_eps``).
       matrix_view: how a parameter is read as matrices (:mod:`muon_fn._views`): ``"flatten"``
         (one ``(out, prod(rest))`` matrix: conv weights) or ``"experts"`` (leading dims are a
         batch: an MoE stack ``(E, out, in)`` is E matrices, each orthogonalized and scaled by its
@@ -175,6 +178,7 @@ class MuonOptimizer(HybridOptimizer):
         normuon_eps: float = 1e-8,
         momentum_kind: str = "ema",
         momentum_dtype: torch.dtype | None = None,
+        layerwise_norm: bool = False,
         matrix_view: Any = None,
         adamw_lr: float = 3e-4,
         adamw_betas: tuple[float, float] = (0.9, 0.999),
@@ -193,8 +197,8 @@ class MuonOptimizer(HybridOptimizer):
             ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
             method=method, ns_dtype=ns_dtype, ns_stepsize=ns_stepsize, beta2=beta2,
             normuon_eps=normuon_eps, momentum_kind=momentum_kind, momentum_dtype=momentum_dtype,
-            matrix_view=matrix_view, adamw_lr=adamw_lr, adamw_betas=adamw_betas,
-            adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay, algorithm=algorithm,
+            layerwise_norm=layerwise_norm, matrix_view=matrix_view, adamw_lr=adamw_lr,
+            adamw_betas=adamw_betas, adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay, algorithm=algorithm,
         )
         super().__init__(params, muon_factory, defaults,
                          gradient_accumulation_steps=gradient_accumulation_steps,
@@ -231,7 +235,19 @@ class MuonOptimizer(HybridOptimizer):
 
         if is_torch_muon_state_dict(state_dict):
             state_dict = from_torch_state_dict(self, state_dict)
-        super().load_state_dict(upgrade_eps_keys(state_dict))
+        super().load_state_dict(_with_later_keys(upgrade_eps_keys(state_dict)))
+
+
+# Group keys MuonOptimizer gained after its first checkpoints, with the value that reproduces them.
+_LATER_KEYS = {"layerwise_norm": False}
+
+
+def _with_later_keys(state_dict: Any) -> Any:
+    """``state_dict`` with :data:`_LATER_KEYS` filled in where a saved group lacks them."""
+    groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+    if not isinstance(groups, list) or all(not isinstance(g, dict) or _LATER_KEYS.keys() <= g.keys() for g in groups):
+        return state_dict
+    return {**state_dict, "param_groups": [{**_LATER_KEYS, **g} if isinstance(g, dict) else g for g in groups]}
 
 
 def validate_muon_group(group: dict[str, Any]) -> None:
@@ -246,6 +262,7 @@ def validate_muon_group(group: dict[str, Any]) -> None:
     _checks.one_of("adjust_lr_fn", group["adjust_lr_fn"], ADJUST_LR_FNS)
     _checks.one_of("momentum_kind", group["momentum_kind"], MOMENTUM_KINDS)
     _checks.boolean("nesterov", group["nesterov"])
+    _checks.boolean("layerwise_norm", group["layerwise_norm"])
     if group["beta2"] is not None:
         _checks.momentum_value(group["beta2"], "beta2", ", or None for Muon")
     for key in ("eps", "normuon_eps", "ns_stepsize"):
@@ -265,7 +282,7 @@ def muon_factory(h: dict[str, Any]) -> GradientTransformation:
             ns_dtype=h["ns_dtype"], eps=h["eps"], ns_stepsize=h["ns_stepsize"],
             adjust_lr_fn=h["adjust_lr_fn"], weight_decay=h["weight_decay"], beta2=h["beta2"],
             normuon_eps=h["normuon_eps"], view=h["matrix_view"] or "flatten",
-            mu_dtype=h["momentum_dtype"],
+            mu_dtype=h["momentum_dtype"], layerwise_norm=h["layerwise_norm"],
         )
 
     return hybrid_transform(h, "muon", muon_tx, matrix_labels)

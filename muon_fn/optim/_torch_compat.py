@@ -32,7 +32,8 @@ _ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
 _MUON_STATE = ("momentum_buffer",)
 _ADAMW_STATE = ("step", "exp_avg", "exp_avg_sq")
 # Settings of a muon_fn group that make its Muon torch.optim.Muon's algorithm (set on load).
-_TORCH_ALGORITHM = {"method": None, "momentum_kind": "ema", "beta2": None, "ns_stepsize": 1.0}
+_TORCH_ALGORITHM = {"method": None, "momentum_kind": "ema", "beta2": None, "ns_stepsize": 1.0,
+                    "layerwise_norm": False}
 
 
 class _Route(NamedTuple):
