@@ -6,11 +6,15 @@ with the owner units ``FSDPMuonOptimizer`` makes: same-shape, same-view buckets 
 (:mod:`muon_fn.fsdp.specs`), every matrix sharded ``Shard(0)`` over the ``dp`` ranks, and
 returns the plan with per-rank figures read off it:
 
+- **Expert stacks** (``"experts"`` views, ndim ≥ 3) are planned per expert, as
+  ``FSDPMuonOptimizer`` plans them for Muon when they are sharded: each rank computes the whole
+  experts it holds and none of their elements travel (NorMuon's and SSO's stacks keep an owner
+  in the optimizer; this planner models Muon).
 - **NS FLOPs** of the matrices each rank owns (:func:`~muon_fn.fsdp._plan.ns_flops`), their
   max/mean, and the *efficiency* mean/max (the fraction of the ideal 1/W speed-up the slowest rank
   allows; ranks that own nothing idle).
 - **Bytes** each rank sends and receives in a step (both all-to-alls, self excluded), and the
-  formula 2(W−1)/W²·S (S: the wire bytes of all Muon matrices), which the mean equals exactly when
+  formula 2(W−1)/W²·S (S: the wire bytes of the Muon matrices that travel), which the mean equals exactly when
   every matrix's rows divide by W.
 - **Extra peak memory** per rank: the buffers :func:`~muon_fn.fsdp._exchange.exchange` holds at
   once, all in the wire dtype (every gather is posted up front: the send buffer of the rows this
@@ -131,10 +135,12 @@ class PlanReport:
     sent: tuple[int, ...]  # bytes each rank sends to others in one step
     received: tuple[int, ...]
     peak: tuple[int, ...]  # extra bytes each rank holds at once (estimate, module doc)
-    muon_bytes: int  # S: wire bytes of all Muon matrices
+    muon_bytes: int  # S: wire bytes of the Muon matrices that travel (not the local expert stacks)
     unit_flops: tuple[int, ...]  # NS FLOPs of each owner unit
     gemm_flops_per_s: float
     link_bytes_per_s: float
+    matrix_flops: tuple[int, ...] = ()  # NS FLOPs of each of the plan's matrices
+    unit_local: tuple[bool, ...] = ()  # per owner unit: planned per expert (no owner, module doc)
 
     @property
     def world_size(self) -> int:
@@ -154,11 +160,18 @@ class PlanReport:
     def bound_max_mean(self) -> float:
         """The least max/mean any assignment of these owner units can reach (a lower bound: the
         largest unit; and for k ≥ 1, some rank gets k + 1 of the kW + 1 largest units)."""
-        w, costs = self.world_size, sorted(self.unit_flops, reverse=True)
-        mean = sum(costs) / w
+        w = self.world_size
+        placed = [f for f, lo in zip(self.unit_flops, self.unit_local) if not lo]
+        costs = sorted(placed, reverse=True) or [0]
+        mean = sum(self.flops) / w
         if not mean:
             return 1.0
-        best = max(mean, costs[0])
+        fixed = [0] * w  # the local units' FLOPs fall where their rows lie
+        for j, mp in enumerate(self.plan.matrices):
+            if mp.local:
+                for r, (start, stop) in enumerate(mp.receive):
+                    fixed[r] += self.matrix_flops[j] * (stop - start) // max(mp.rows, 1)
+        best = max(mean, costs[0], max(fixed))
         for k in range(1, (len(costs) - 1) // w + 1):
             best = max(best, sum(costs[k * w - k:k * w + 1]))
         return best / mean
@@ -218,15 +231,17 @@ def plan_model(model: str | dict | Sequence[Matrix], mesh: str | int | Mesh = "d
     mesh = parse_mesh(mesh)
     units = owner_units(matrices, bucket_size)
     views = [view for _, _, view in matrices]
+    local = [mesh.dp > 1 and len(shape) >= 3 and _views.base(view) == "experts" for _, shape, view in matrices]
     plan = make_plan([shape for _, shape, _ in matrices], mesh.dp, num_buckets=num_buckets,
-                     units=units, views=views)
+                     units=units, views=views, local=local)
     flops = [_views.count(shape, view) * ns_flops(_views.matrix_shape(shape, view), ns_steps)
              for _, shape, view in matrices]
     per_rank = _rank_figures(plan, flops, units, views, wire_bytes, ns_bytes)
     return PlanReport(label, mesh, plan, tuple(name for name, _, _ in matrices),
                       sum(_views.count(shape, view) for _, shape, view in matrices), len(units),
-                      *per_rank, muon_bytes=sum(mp.numel for mp in plan.matrices) * wire_bytes,
+                      *per_rank, muon_bytes=sum(mp.numel for mp in plan.matrices if not mp.local) * wire_bytes,
                       unit_flops=tuple(sum(flops[j] for j in unit) for unit in units),
+                      matrix_flops=tuple(flops), unit_local=tuple(local[unit[0]] for unit in units),
                       gemm_flops_per_s=gemm_tflops * 1e12, link_bytes_per_s=link_gbps * 1e9)
 
 
@@ -254,6 +269,10 @@ def _rank_figures(plan: Plan, flops: list[int], units: list[list[int]], views: l
     held: dict[tuple, int] = {}
     copies: dict[tuple, int] = {}
     for j, mp in enumerate(plan.matrices):
+        if mp.local:  # every rank computes the experts it holds; nothing travels
+            for r, (start, stop) in enumerate(mp.receive):
+                rank_flops[r] += flops[j] * (stop - start) // max(mp.rows, 1)
+            continue
         contributed[mp.contrib] = contributed.get(mp.contrib, 0) + mp.cols
         held[mp.receive] = held.get(mp.receive, 0) + mp.cols
         o = mp.owner
@@ -292,6 +311,10 @@ def _workspaces(plan: Plan, units: list[list[int]], views: list[str], ns_bytes: 
             m, n = _views.matrix_shape(shape, views[j])
             s, l = min(m, n), max(m, n)
             size += _views.count(shape, views[j]) * (2 * s * l + 2 * s * s) * ns_bytes
-        owner = plan.matrices[unit[0]].owner
-        out[owner] = max(out[owner], size)
+        first = plan.matrices[unit[0]]
+        if first.local:  # each rank's share of the unit: the experts it holds
+            for r, (start, stop) in enumerate(first.receive):
+                out[r] = max(out[r], size * (stop - start) // max(first.rows, 1))
+        else:
+            out[first.owner] = max(out[first.owner], size)
     return out
