@@ -221,7 +221,7 @@ def spectral_sphere(
     """SSO's step after the momentum: the final update ``(f − 1)·W − lr·s·Φ`` (module doc).
 
     The update input is the momentum direction ``M`` of each matrix; ``params`` are required.
-    Defaults and the measurements behind them: docs/sso.md (sources disagree, notes §1.4).
+    Defaults and the measurements behind them: docs/sso.md (where the sources disagree).
 
     Args:
       lr: float, 0-d tensor or schedule ``count -> lr`` (count per leaf). With ``scale_mode=
