@@ -301,7 +301,7 @@ Plan(world_size=2, matrices=3, buckets=3)
   w_up (4, 8, 6) bucket=2 local rows per rank=[2, 2]
   w_gate_up (4, 10, 6) bucket=1 local rows per rank=[2, 2]
   w_down (4, 6, 8) bucket=0 local rows per rank=[2, 2]
-  load per rank=[1752, 1752]
+  load per rank=[9736, 9736]
   elements sent per rank=[0, 0]""", value["plan"]
 
 
