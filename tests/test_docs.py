@@ -11,6 +11,8 @@ import pytest
 
 import muon_fn
 
+from _ranks import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 README = ROOT / "README.md"
@@ -191,14 +193,6 @@ def test_muon_fn_commands_parse(page):
             raise AssertionError(f"{page}: `muon-fn {' '.join(argv)}` does not parse: {e}") from None
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # transformers.md has its own test (above), which also checks what its blocks print.
 @pytest.mark.parametrize("page", [p.name for p in _pages() if p.name != "transformers.md" and _python_blocks(p)])
 def test_python_blocks_run(page, monkeypatch, tmp_path):
@@ -208,7 +202,7 @@ def test_python_blocks_run(page, monkeypatch, tmp_path):
 
     path = README if page == "README.md" else DOCS / page
     monkeypatch.chdir(tmp_path)
-    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
+    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                            LOCAL_RANK="0", MUON_FN_COMPILE="0").items():  # eager: compiling is tested elsewhere
         monkeypatch.setenv(key, value)
     namespace: dict = {"__name__": "__docs__"}

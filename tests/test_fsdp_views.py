@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,9 +29,10 @@ import pytest
 import torch
 import torch.nn as nn
 
+from _ranks import run_ranks
+
 pytestmark = pytest.mark.distributed
 
-ROOT = Path(__file__).resolve().parents[1]
 JOB_TIMEOUT_S = 240
 WORLD_SIZES = (2, 3, 4)
 
@@ -235,31 +234,8 @@ def _worker(rank: int, w: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_job(w: int, out: str, logs: Path) -> str:
-    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    files = [open(logs / f"rank{r}.log", "w") for r in range(w)]
-    procs = [subprocess.Popen([sys.executable, __file__, str(w), str(r), out], env=env, stdout=f,
-                              stderr=subprocess.STDOUT, start_new_session=True) for r, f in enumerate(files)]
-    deadline, timed_out = time.monotonic() + JOB_TIMEOUT_S, False
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            timed_out = True
-    for proc, f in zip(procs, files):
-        if proc.poll() is None:
-            os.killpg(proc.pid, 9)  # the rank's own process group
-            proc.wait()
-        f.close()
-    text = "".join((logs / f"rank{r}.log").read_text() for r in range(w))
-    return (f"TIMEOUT after {JOB_TIMEOUT_S}s\n" if timed_out else "") + text
+    return run_ranks(__file__, w, [out], logs, JOB_TIMEOUT_S)
 
 
 _DONE: dict[int, tuple] = {}

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from _ranks import free_port
 
 pytestmark = pytest.mark.distributed
 
@@ -162,18 +163,12 @@ def _worker(rank, port, out):
     dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks():
     out = os.path.join(tempfile.mkdtemp(), "moe_fsdp.json")
     env = dict(os.environ, OMP_NUM_THREADS="1", MUON_FN_COMPILE="0",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, __file__, out, str(_free_port())], env=env,
+    proc = subprocess.Popen([sys.executable, __file__, out, str(free_port())], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, text=True)
     try:
         log, _ = proc.communicate(timeout=JOB_TIMEOUT_S)

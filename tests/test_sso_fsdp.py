@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+
+from _ranks import free_port
 
 pytestmark = pytest.mark.distributed
 
@@ -185,12 +186,6 @@ def _worker(rank, w, port, out):
     dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 _CACHE: dict[int, object] = {}
 
 
@@ -200,7 +195,7 @@ def _job(w):
     out = os.path.join(tempfile.mkdtemp(), f"sso_fsdp_{w}.json")
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, __file__, str(w), out, str(_free_port())], env=env,
+    proc = subprocess.Popen([sys.executable, __file__, str(w), out, str(free_port())], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, text=True)
     try:
         log, _ = proc.communicate(timeout=JOB_TIMEOUT_S)

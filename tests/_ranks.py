@@ -1,0 +1,47 @@
+"""Helpers of the distributed test jobs: a free port, and W rank processes under one deadline.
+
+A job runs its test file as a script, one process per rank; ``run_ranks`` starts them, waits
+until the deadline, kills what is left (each rank in its own process group, so nothing it spawned
+survives) and returns what the ranks printed, so a mismatch or a hang fails instead of blocking.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (for ``MASTER_PORT``)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(script: str, w: int, args: list[str], logs: Path, timeout_s: float) -> str:
+    """Run ``script W RANK *args`` for each of the W ranks and wait at most ``timeout_s`` for
+    all of them; a job past it is killed. Returns the ranks' output, rank 0 first."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    files = [open(logs / f"rank{r}.log", "w") for r in range(w)]
+    procs = [subprocess.Popen([sys.executable, script, str(w), str(r), *args], env=env, stdout=f,
+                              stderr=subprocess.STDOUT, start_new_session=True) for r, f in enumerate(files)]
+    deadline, timed_out = time.monotonic() + timeout_s, False
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+    for proc, f in zip(procs, files):
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)  # the rank's own process group
+            proc.wait()
+        f.close()
+    text = "".join((logs / f"rank{r}.log").read_text() for r in range(w))
+    return (f"TIMEOUT after {timeout_s}s\n" if timed_out else "") + text
