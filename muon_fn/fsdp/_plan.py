@@ -108,8 +108,12 @@ class MatrixPlan:
         that of the rows the rank holds."""
         if not self.local:
             return self.cost if rank == self.owner else 0
+        return self.row_share(self.cost, rank)
+
+    def row_share(self, value: int, rank: int) -> int:
+        """``value`` (of the whole matrix) in proportion to the rows ``rank`` holds."""
         start, stop = self.receive[rank]
-        return self.cost * (stop - start) // max(self.rows, 1)
+        return value * (stop - start) // max(self.rows, 1)
 
     def contrib_numel(self, rank: int) -> int:
         start, stop = self.contrib[rank]

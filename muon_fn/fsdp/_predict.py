@@ -169,8 +169,8 @@ class PlanReport:
         fixed = [0] * w  # the local units' FLOPs fall where their rows lie
         for j, mp in enumerate(self.plan.matrices):
             if mp.local:
-                for r, (start, stop) in enumerate(mp.receive):
-                    fixed[r] += self.matrix_flops[j] * (stop - start) // max(mp.rows, 1)
+                for r in range(w):
+                    fixed[r] += mp.row_share(self.matrix_flops[j], r)
         best = max(mean, costs[0], max(fixed))
         for k in range(1, (len(costs) - 1) // w + 1):
             best = max(best, sum(costs[k * w - k:k * w + 1]))
@@ -270,8 +270,8 @@ def _rank_figures(plan: Plan, flops: list[int], units: list[list[int]], views: l
     copies: dict[tuple, int] = {}
     for j, mp in enumerate(plan.matrices):
         if mp.local:  # every rank computes the experts it holds; nothing travels
-            for r, (start, stop) in enumerate(mp.receive):
-                rank_flops[r] += flops[j] * (stop - start) // max(mp.rows, 1)
+            for r in range(w):
+                rank_flops[r] += mp.row_share(flops[j], r)
             continue
         contributed[mp.contrib] = contributed.get(mp.contrib, 0) + mp.cols
         held[mp.receive] = held.get(mp.receive, 0) + mp.cols
@@ -313,8 +313,8 @@ def _workspaces(plan: Plan, units: list[list[int]], views: list[str], ns_bytes: 
             size += _views.count(shape, views[j]) * (2 * s * l + 2 * s * s) * ns_bytes
         first = plan.matrices[unit[0]]
         if first.local:  # each rank's share of the unit: the experts it holds
-            for r, (start, stop) in enumerate(first.receive):
-                out[r] = max(out[r], size * (stop - start) // max(first.rows, 1))
+            for r in range(plan.world_size):
+                out[r] = max(out[r], first.row_share(size, r))
         else:
             out[first.owner] = max(out[first.owner], size)
     return out
