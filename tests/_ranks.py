@@ -45,3 +45,36 @@ def run_ranks(script: str, w: int, args: list[str], logs: Path, timeout_s: float
         f.close()
     text = "".join((logs / f"rank{r}.log").read_text() for r in range(w))
     return (f"TIMEOUT after {timeout_s}s\n" if timed_out else "") + text
+
+
+def run_checks(checks: dict, rank: int, w: int, out: str) -> None:
+    """One rank of a job: run every check (a callable returning a JSON-able value) with gloo
+    (collective timeout 60 s), each followed by a barrier, and write every rank's results
+    (``{"ok", "value"}`` or ``{"ok": False, "error"}`` per check, rank 0 first) to ``out``."""
+    import json
+    import traceback
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=w, timeout=timedelta(seconds=60))
+    results = {}
+    for name, fn in checks.items():
+        t0 = time.perf_counter()
+        try:
+            results[name] = {"ok": True, "value": fn()}
+        except Exception:  # noqa: BLE001 - reported to pytest
+            results[name] = {"ok": False, "error": traceback.format_exc(limit=8)}
+        print(f"[W={w} rank {rank}] {name}: {'ok' if results[name]['ok'] else 'FAIL'} "
+              f"({time.perf_counter() - t0:.1f}s)", flush=True)
+        if not results[name]["ok"]:
+            print(results[name]["error"], flush=True)
+        dist.barrier()
+    gathered = [None] * w
+    dist.all_gather_object(gathered, results)
+    if rank == 0:
+        Path(out).write_text(json.dumps(gathered, default=str))
+    dist.barrier()
+    dist.destroy_process_group()

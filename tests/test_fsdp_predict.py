@@ -125,9 +125,28 @@ def test_rows_follow_fsdp2_chunks():
     assert stack.contrib == chunk_rows(256, 1024) and stack.cols == 2048 * 7168
 
 
+def test_tensor_parallel_plan():
+    """FSDP×TP: the optimizer exchanges over all dp·tp ranks. Column- and row-wise projections are
+    held in dp·tp row blocks (a row-wise weight after its redistribution to rows, which costs each
+    rank (tp−1)/tp of its block both ways); a matrix TP does not cut is held in dp blocks, alike on
+    the TP ranks, and travels once; expert stacks stay local."""
+    one, two = plan_model("llama3-8b", "dp=8", bucket_size=1), plan_model("llama3-8b", "dp=4,tp=2", bucket_size=1)
+    assert two.world_size == 8 and two.flops == one.flops
+    q = two.plan.matrices[two.names.index("layers.0.attn.q_proj.weight")]
+    assert q.receive == q.contrib == chunk_rows(4096, 8)
+    rowwise = sum(mp.numel for name, mp in zip(two.names, two.plan.matrices) if name.endswith(("o_proj.weight", "down_proj.weight")))
+    assert two.sent_mean == pytest.approx(one.sent_mean + 2 * rowwise / 8 / 2 * 4)
+    ds = plan_model("deepseek-v3", "dp=2,tp=4", bucket_size=1)
+    qa = ds.plan.matrices[ds.names.index("layers.0.attn.q_a_proj.weight")]
+    assert qa.receive == (chunk_rows(1536, 2)[0],) * 4 + (chunk_rows(1536, 2)[1],) * 4
+    assert sum(b - a for a, b in qa.contrib) == 1536  # one copy of each block travels
+    assert all(mp.local for name, mp in zip(ds.names, ds.plan.matrices) if ".experts." in name)
+    assert str(parse_mesh("replicate=2,dp=4,tp=2")) == "replicate=2,dp=4,tp=2"
+    assert plan_model("tiny", "replicate=2,dp=2,tp=2").world_size == 8
+
+
 @pytest.mark.parametrize("mesh, message", [
     ("dp=0", "Invalid mesh: 'dp=0' (dp=0, expected >= 1)"),
-    ("dp=8,tp=4", "Invalid mesh: 'dp=8,tp=4' (tp=4: the FSDP optimizers do not run on tensor parallelism"),
     ("ep=8", "Invalid mesh: 'ep=8' (expected comma-separated dims dp=N, replicate=N, tp=N, e.g. 'dp=64')"),
     ("dp=x", "Invalid mesh: 'dp=x' (expected comma-separated dims"),
     ("dp=2,dp=4", "Invalid mesh: 'dp=2,dp=4' (expected comma-separated dims"),
@@ -168,7 +187,7 @@ def _cli(*argv: str) -> tuple[int, str, str]:
 
 
 def test_cli_bad_arguments_exit_2_naming_the_value():
-    for argv, message in ((["--mesh", "dp=8,tp=2"], "tp=2: the FSDP optimizers do not run on tensor parallelism"),
+    for argv, message in ((["--mesh", "dp=8,tp=0"], "Invalid mesh: 'dp=8,tp=0' (tp=0, expected >= 1)"),
                           (["--bucket-size", "0"], "Invalid bucket_size: 0"),
                           (["--wire", "fp8"], "argument --wire: invalid choice: 'fp8'")):
         code, out, err = _cli("plan", "--model", "tiny", *argv)

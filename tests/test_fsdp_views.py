@@ -20,16 +20,13 @@ import json
 import os
 import sys
 import tempfile
-import time
-import traceback
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
 
-from _ranks import run_ranks
+from _ranks import run_checks, run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -209,31 +206,6 @@ def checks_for(w: int) -> dict:
     }
 
 
-def _worker(rank: int, w: int, out: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=w, timeout=timedelta(seconds=60))
-    results = {}
-    for name, fn in checks_for(w).items():
-        t0 = time.perf_counter()
-        try:
-            results[name] = {"ok": True, "value": fn()}
-        except Exception:  # noqa: BLE001 - reported to pytest
-            results[name] = {"ok": False, "error": traceback.format_exc(limit=8)}
-        print(f"[W={w} rank {rank}] {name}: {'ok' if results[name]['ok'] else 'FAIL'} "
-              f"({time.perf_counter() - t0:.1f}s)", flush=True)
-        if not results[name]["ok"]:
-            print(results[name]["error"], flush=True)
-        dist.barrier()
-    gathered = [None] * w
-    dist.all_gather_object(gathered, results)
-    if rank == 0:
-        Path(out).write_text(json.dumps(gathered, default=str))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
 def run_job(w: int, out: str, logs: Path) -> str:
     return run_ranks(__file__, w, [out], logs, JOB_TIMEOUT_S)
 
@@ -283,7 +255,7 @@ Plan(world_size=2, matrices=3, buckets=3)
 
 if __name__ == "__main__":
     if len(sys.argv) == 4:  # one rank of a job started by run_job: W RANK OUT
-        _worker(int(sys.argv[2]), int(sys.argv[1]), sys.argv[3])
+        run_checks(checks_for(int(sys.argv[1])), int(sys.argv[2]), int(sys.argv[1]), sys.argv[3])
         sys.stdout.flush()
         os._exit(0)
     logs_dir = Path(tempfile.mkdtemp(prefix="muon_fn_fsdp_views_"))

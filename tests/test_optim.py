@@ -620,6 +620,22 @@ def test_add_param_group(fp32_torch_muon):
         opt.add_param_group({"params": [nn.Parameter(torch.randn(3, 3))], "lr": -1.0})
 
 
+def test_use_muon_groups():
+    """``use_muon`` (as in KellerJordan's MuonWithAuxAdam) picks the group's algorithm: False is
+    AdamW at the group's adamw_lr and adamw_weight_decay, also for a 2-D weight; True is Muon."""
+    emb, hidden = nn.Parameter(torch.randn(6, 4)), nn.Parameter(torch.randn(5, 4))
+    opt = mf.MuonOptimizer([{"params": [emb], "use_muon": False}, {"params": [hidden], "use_muon": True}],
+                           lr=0.02, adamw_lr=3e-3, adamw_weight_decay=0.1, weight_decay=0.01)
+    adam, muon = opt.param_groups
+    assert (adam["algorithm"], adam["lr"], adam["weight_decay"]) == ("adamw", 3e-3, 0.1)
+    assert (muon["algorithm"], muon["lr"], muon["weight_decay"]) == ("muon", 0.02, 0.01)
+    assert "use_muon" not in adam and "use_muon" not in muon
+    emb.grad, hidden.grad = torch.randn(6, 4), torch.randn(5, 4)
+    opt.step()
+    assert set(opt.state[emb]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert set(opt.state[hidden]) == {"momentum_buffer"}
+
+
 def test_step_hooks_fire_in_order():
     lin = nn.Linear(4, 4)
     opt = mf.MuonOptimizer(lin.parameters())

@@ -86,7 +86,7 @@ class FSDPAdapter:
         self._process_group = process_group
         named = [(self._fqn(p), p) for g in self.param_groups for p in g["params"]]
         self.topology = _params.resolve_topology(named, process_group)
-        self._layouts = {id(p): _params.layout_of(n, p, self.topology) for n, p in named}
+        self._layouts = _params.layouts(named, self.topology)
         self._fsdp_modules = _fsdp_modules(self._model)
         if k > 1 and not self._fsdp_modules:
             raise ValueError(
@@ -143,19 +143,10 @@ class FSDPAdapter:
         return self._model_views.get(id(p))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """torch's ``add_param_group`` before the plan is made (refused after). ``use_muon`` is
-        accepted as in other distributed Muon optimizers: ``True`` is the optimizer's matrix
-        algorithm, ``False`` is ``algorithm="adamw"`` at the group's ``adamw_lr`` and
-        ``adamw_weight_decay``, as an ``"auto"`` group runs its AdamW half."""
+        """The optimizer's ``add_param_group`` before the plan is made (refused after)."""
         if self._distributed:
             raise RuntimeError(f"{type(self).__name__} cannot add parameter groups after construction "
                                "(the communication plan is fixed); pass every group to __init__")
-        use_muon = param_group.pop("use_muon", None)
-        if use_muon is not None:
-            param_group["algorithm"] = self._matrix_algorithm() if use_muon else "adamw"
-            if not use_muon:
-                for key, source in (("lr", "adamw_lr"), ("weight_decay", "adamw_weight_decay")):
-                    param_group[key] = param_group.get(source, self.defaults[source])
         super().add_param_group(param_group)
 
     def _matrix_algorithm(self) -> str:
@@ -273,6 +264,7 @@ class FSDPAdapter:
             for i, p in enumerate(group["params"]):
                 route, bucket = buckets[i]
                 if route.phases.mid is not None:
+                    self._check_columns(p, route, route.formats[i])
                     view = route.options.get("matrix_view", "flatten")
                     matrices.append(_Matrix(gi, route, bucket, i, p, route.formats[i],
                                             self._param_flops(group, tuple(p.shape), view), view))
@@ -282,6 +274,16 @@ class FSDPAdapter:
         self._plan_key, self._matrix_list = key, matrices
         self._index = {(m.group, m.position): j for j, m in enumerate(matrices)}
         return matrices
+
+    def _check_columns(self, p: torch.Tensor, route: Route, fmt: _rows.RowFormat) -> None:
+        """A parameter sharded by columns (a row-wise TP weight) travels as rows; a per-row state
+        (NorMuon's) cannot be kept in its columns' layout."""
+        if self._layouts[id(p)].row_placements is not None and fmt.row_states:
+            raise ValueError(
+                f"parameter {self._fqn(p)!r} has placements {tuple(p.placements)}, which shard its "
+                f"columns, but the {route.label!r} transform keeps a per-row state "
+                f"({', '.join(leaf.key for leaf in fmt.row_states)}); use plain Muon for column-sharded "
+                "(row-wise tensor parallel) weights, or shard them by rows")
 
     def _is_local(self, m: _Matrix) -> bool:
         """Whether every rank can compute its own rows of ``m`` (per-expert planning), under
@@ -304,6 +306,7 @@ class FSDPAdapter:
         plan = _plan.make_plan(
             [tuple(m.param.shape) for m in matrices], topo.world_size,
             replicated=[not self._layouts[id(m.param)].sharded for m in matrices],
+            held=[self._layouts[id(m.param)].held for m in matrices],
             num_buckets=self._num_buckets, extra_cols=[m.fmt.sent_cols - m.fmt.cols for m in matrices],
             units=units, views=[m.view for m in matrices], local=local)
         _exchange.check_same(self._plan_description(plan), "the optimizer's plan", topo.group, topo.world_size)
@@ -313,8 +316,8 @@ class FSDPAdapter:
         """What every rank must agree on, entry by entry: the options that decide which
         collectives a step makes, the mesh, each parameter (name, global shape, placements,
         route, matrix view of ndim ≥ 3), and the plan (owners, buckets, split sizes) by its hash."""
-        topo, mesh = self.topology, self.topology.mesh
-        where = "no device mesh" if mesh is None else f"mesh {tuple(mesh.shape)} {mesh.mesh_dim_names}"
+        topo = self.topology
+        where = topo.describe()
         out = [("the options", f"strategy={self.strategy!r}, wire_dtype={self.wire_dtype}, "
                                f"num_buckets={self._num_buckets}, gradient_accumulation_steps="
                                f"{self._accumulation_steps}, nonfinite={self.nonfinite!r}, "
@@ -429,8 +432,31 @@ class FSDPAdapter:
                 j = self._index[(gi, i)]
                 fmt = matrices[j].fmt
                 rows = [_params.local(self.state[params[i]][leaf.key]) for leaf in fmt.row_states]
-                held[j] = _rows.pack(fmt, u, p, rows, self._wire_in)
+                held[j] = _rows.pack(fmt, *self._as_rows(fmt, params[i], u, p), rows, self._wire_in)
         return held  # type: ignore[return-value]
+
+    def _as_rows(self, fmt: _rows.RowFormat, param: torch.Tensor, update: torch.Tensor | None,
+                 local: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The update and the parameter as this rank's row block of ``param`` (the same tensors
+        unless columns are sharded: then every rank takes part, zeros standing in for no update)."""
+        layout = self._layouts[id(param)]
+        if layout.row_placements is None:
+            return update, local
+        if update is None:
+            update = torch.zeros(local.shape, dtype=fmt.update_dtype, device=local.device)
+        carried = _params.to_rows(layout, param, local) if fmt.param_dtype is not None else local
+        return _params.to_rows(layout, param, update), carried
+
+    def _from_rows(self, fmt: _rows.RowFormat, param: torch.Tensor, local: torch.Tensor,
+                   result: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """This rank's rows of a matrix's result as its update (laid out like ``local``) and
+        its new row states (the inverse of :meth:`_as_rows`; every rank takes part)."""
+        layout = self._layouts[id(param)]
+        if layout.row_placements is None:
+            return _rows.unpack_result(fmt, result, local.shape)
+        start, stop = layout.rows
+        update, rows = _rows.unpack_result(fmt, result, (stop - start,) + tuple(param.shape[1:]))
+        return _params.from_rows(layout, param, update), rows
 
     def _mid(self, matrices: list[_Matrix], new_replicated: dict, idx: list[int],
              mats: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -484,10 +510,10 @@ class FSDPAdapter:
             for i, p in zip(bucket.indices, local):
                 j = self._index[(gi, i)]
                 fmt = matrices[j].fmt
+                u, rows = self._from_rows(fmt, params[i], p, mine[j])
                 if grads[gi][i] is None:  # this rank leaves the parameter and its state alone
                     u = old = new = None
                 else:
-                    u, rows = _rows.unpack_result(fmt, mine[j], p.shape)
                     old = tuple(_params.local(self.state[params[i]][leaf.key])
                                 for leaf in fmt.row_states + fmt.replicated)
                     new = tuple(rows) + tuple(shared.get(j, ()))
@@ -516,7 +542,7 @@ class FSDPAdapter:
     def _qk_rows(self, p: torch.Tensor) -> tuple[torch.Tensor, int]:
         """This rank's rows of ``p`` and the global index of the first (the shard's offset), so
         QK-Clip finds the head of every local row, also of a head split across ranks."""
-        return _params.local(p), self._layouts[id(p)].rows[0]
+        return _params.local(p), self._layouts[id(p)].offset
 
     def _qk_reduce(self, logits: list[torch.Tensor]) -> None:
         """Each layer's max logits, the max over every rank (each saw its own batch)."""

@@ -165,16 +165,17 @@ def _post_gather(plan: Plan, b: BucketPlan, rows: list[torch.Tensor], wire: _Wir
 
 
 def _assemble(plan: Plan, owned: list[int], recv: torch.Tensor, wire: _Wire) -> list[torch.Tensor]:
-    """The owned matrices, whole: ``recv`` is ordered by source rank, then by the owned matrices."""
-    pieces: dict[int, list[torch.Tensor]] = {j: [] for j in owned}
+    """The owned matrices, whole: ``recv`` is ordered by source rank, then by the owned matrices;
+    each matrix's pieces are put in row order (ranks need not hold rows in rank order)."""
+    pieces: dict[int, list[tuple[int, torch.Tensor]]] = {j: [] for j in owned}
     offset = 0
     for s in range(plan.world_size):
         for j in owned:
             mp = plan.matrices[j]
             k = mp.contrib_numel(s)
-            pieces[j].append(recv[offset:offset + k].view(-1, mp.cols))
+            pieces[j].append((mp.contrib[s][0], recv[offset:offset + k].view(-1, mp.cols)))
             offset += k
-    return [torch.cat(pieces[j]).to(wire.dtype) for j in owned]
+    return [torch.cat([x for _, x in sorted(pieces[j], key=lambda e: e[0])]).to(wire.dtype) for j in owned]
 
 
 def _compute_and_return(plan: Plan, g: _InFlight, compute: Compute, back_cols: list[int],
@@ -317,9 +318,9 @@ def _unpad(plan: Plan, members: list[int], gathered: torch.Tensor, wire: _Wire) 
         mp = plan.matrices[j]
         rows = _padded_rows(plan, j)
         k = rows * mp.cols
-        blocks = [gathered[s * per_rank + offset:s * per_rank + offset + k].view(rows, mp.cols)[
-            : mp.receive[s][1] - mp.receive[s][0]] for s in range(w)]
-        full[j] = torch.cat(blocks).to(wire.dtype)
+        blocks = {mp.receive[s]: gathered[s * per_rank + offset:s * per_rank + offset + k].view(rows, mp.cols)[
+            : mp.receive[s][1] - mp.receive[s][0]] for s in reversed(range(w))}  # one per block (replicas)
+        full[j] = torch.cat([blocks[r] for r in sorted(blocks)]).to(wire.dtype)
         offset += k
     return full
 

@@ -252,6 +252,7 @@ def make_plan(
     units: Sequence[Sequence[int]] | None = None,
     views: Sequence[str | _views.Heads] | None = None,
     local: bool | Sequence[bool] = False,
+    held: Sequence[Sequence[Rows] | None] | None = None,
 ) -> Plan:
     """Owners, row splits and buckets for matrices of global ``shapes`` on ``world_size`` ranks.
 
@@ -273,6 +274,10 @@ def make_plan(
         holding the row can compute alone (an expert stack, sharded): it gets no owner, every rank
         computes its own rows, nothing travels. Not for replicated matrices; a unit's matrices
         must agree.
+      held: per matrix, None or the rows each rank holds (FSDP×TP, expert parallelism: any
+        layout whose row blocks tile the matrix, equal blocks on replicas); it overrides
+        ``replicated`` for that matrix. The first rank holding a block contributes it; every
+        holder receives it back.
 
     Local matrices are planned first (their cost falls where their rows lie). Owners are assigned
     to the other units by LPT on :func:`ns_cost` (FLOPs) over all units at once, from the loads of
@@ -290,23 +295,41 @@ def make_plan(
         raise ValueError(f"Invalid extra_cols: {extra_cols} (expected >= 0)")
     units = _check_units(units, len(shapes))
     local = _check_local(_per_matrix("local", local, len(shapes)), replicated, units)
+    held = [None if h is None else tuple(tuple(r) for r in h) for h in (held or [None] * len(shapes))]
+    receives = [h if h is not None else ((0, m),) * world_size if rep else chunk_rows(m, world_size)
+                for h, rep, (m, _) in zip(held, replicated, flat)]
+    if len(receives) != len(shapes) or any(len(r) != world_size for r in receives):
+        raise ValueError(f"held must give the rows of each of {world_size} ranks for each of {len(shapes)} matrices")
     groups = make_buckets([0 if local[u[0]] else sum(flat[j][0] * flat[j][1] for j in u) for u in units],
                           num_buckets)
     seed = [sum(c * (b - a) // max(flat[j][0], 1) for j, c in enumerate(costs) if local[j]
-                for a, b in [chunk_rows(flat[j][0], world_size)[r]]) for r in range(world_size)]
+                for a, b in [receives[j][r]]) for r in range(world_size)]
     owners, bucket_of = _assign_owners(costs, units, groups, world_size, seed, local)
     matrices = []
     for j, (shape, (m, n)) in enumerate(zip(shapes, flat)):
-        if replicated[j]:
-            everything = (0, m)
-            contrib = tuple(everything if r == owners[j] else (0, 0) for r in range(world_size))
-            receive = (everything,) * world_size
+        receive = receives[j]
+        if held[j] is not None and not local[j]:
+            contrib = first_holders(receive, owners[j])
+        elif replicated[j]:
+            contrib = tuple((0, m) if r == owners[j] else (0, 0) for r in range(world_size))
         else:
-            contrib = receive = chunk_rows(m, world_size)
+            contrib = receive
         matrices.append(MatrixPlan(j, shape, m, n + extra[j], owners[j], bucket_of[j], contrib, receive, costs[j]))
     buckets = [_bucket_plan(b, [j for u in members for j in units[u]], matrices, world_size)
                for b, members in enumerate(groups)]
     return Plan(world_size, tuple(matrices), tuple(buckets))
+
+
+def first_holders(held: Sequence[Rows], owner: int) -> tuple[Rows, ...]:
+    """Each rank's contribution when ranks hold ``held`` rows: each block once, from the owner
+    if it holds it (it need not travel), else from the first rank holding it."""
+    seen: set[Rows] = {tuple(held[owner])}
+    out = []
+    for r, rows in enumerate(held):
+        rows = tuple(rows)
+        out.append(rows if r == owner or (rows not in seen and rows[1] > rows[0]) else (0, 0))
+        seen.add(rows)
+    return tuple(out)
 
 
 def _check_units(units: Sequence[Sequence[int]] | None, n: int) -> list[list[int]]:

@@ -61,7 +61,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--model", nargs="+", required=True, metavar="SPEC",
                    help=f"model spec(s): {', '.join(specs.SPECS)}")
     p.add_argument("--mesh", nargs="+", default=["dp=8"], metavar="MESH",
-                   help="mesh(es): dp=W or replicate=R,dp=W (HSDP); tp>1 is refused (default: dp=8)")
+                   help="mesh(es): dp=W, replicate=R,dp=W (HSDP), either with ,tp=T (tensor parallel) (default: dp=8)")
     p.add_argument("--gemm-tflops", type=float, default=DEFAULT_GEMM_TFLOPS,
                    help=f"achieved GEMM rate per rank, TFLOP/s (default {DEFAULT_GEMM_TFLOPS:g}: H100 bf16 dense)")
     p.add_argument("--link-gbps", type=float, default=DEFAULT_LINK_GBPS,

@@ -44,7 +44,7 @@ from .. import _views
 from .._muon import group_by
 from ..optim._adapter import BUCKET_SIZE  # FSDPMuonOptimizer's default, as MuonOptimizer's
 from . import specs as _specs
-from ._plan import Plan, make_plan, ns_flops
+from ._plan import Plan, chunk_rows, make_plan, ns_flops
 
 DEFAULT_GEMM_TFLOPS = 400.0  # achieved dense bf16 GEMM rate of an H100 (of ~990 peak)
 DEFAULT_LINK_GBPS = 50.0  # GB/s per rank between nodes (one 400 Gb/s NIC per GPU)
@@ -87,11 +87,33 @@ def parse_mesh(mesh: str | int | Mesh) -> Mesh:
     for key, value in sizes.items():
         if value < 1:
             raise ValueError(f"Invalid mesh: {mesh!r} ({key}={value}, expected >= 1)")
-    if sizes.get("tp", 1) > 1:
-        raise ValueError(f"Invalid mesh: {mesh!r} (tp={sizes['tp']}: the FSDP optimizers do not run "
-                         "on tensor parallelism yet (FSDP2 Shard(0) and HSDP only), so there is no "
-                         "plan to predict; use tp=1)")
     return Mesh(**sizes)
+
+
+# Tensor parallelism of the shipped specs, as torchtitan lays out Llama and DeepSeek-V3: these
+# projections are row-wise (Shard(1): their columns are cut), those column-wise (Shard(0)); the
+# rest (MLA's low-rank down-projections, the router) is not cut by TP; expert stacks are sharded
+# on their expert dim over the data and TP dims together (expert parallelism).
+ROWWISE = ("o_proj", "down_proj")
+COLWISE = ("q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj", "gate_proj", "up_proj")
+
+
+def tp_style(name: str, shape: Sequence[int], view: str | _views.Heads) -> str:
+    """How TP lays out a spec matrix: ``"rowwise"``, ``"colwise"``, ``"experts"`` or ``"none"``."""
+    if len(shape) >= 3 and _views.base(view) == "experts":
+        return "experts"
+    leaf = name.split(".")[-2] if name.endswith(".weight") else name.split(".")[-1]
+    return "rowwise" if leaf in ROWWISE else "colwise" if leaf in COLWISE else "none"
+
+
+def held_rows(m: int, mesh: Mesh, style: str) -> tuple[tuple[int, int], ...]:
+    """The rows of an ``m``-row matrix each rank of a mesh with TP holds for the exchange (ranks
+    ordered replicate, dp, tp): blocks over dp·tp (a row-wise weight after its redistribution to
+    rows), or over dp alone and alike on the TP ranks for a matrix TP does not cut."""
+    blocks = chunk_rows(m, mesh.dp * mesh.tp) if style != "none" else chunk_rows(m, mesh.dp)
+    per_replica = [blocks[d * mesh.tp + t] if style != "none" else blocks[d]
+                   for d in range(mesh.dp) for t in range(mesh.tp)]
+    return tuple(per_replica * mesh.replicate)
 
 
 Matrix = tuple[str, Sequence[int], str]  # (name, global shape, matrix view)
@@ -215,7 +237,9 @@ def plan_model(model: str | dict | Sequence[Matrix], mesh: str | int | Mesh = "d
     Args:
       model: a spec name (:data:`muon_fn.fsdp.specs.SPECS`), a spec dict, or a list of
         ``(name, global shape, matrix view)`` of the Muon matrices.
-      mesh: ``"dp=W"`` or ``"replicate=R,dp=W"`` (:func:`parse_mesh`); ``tp`` > 1 is refused.
+      mesh: ``"dp=W"``, ``"replicate=R,dp=W"`` (HSDP) or either with ``",tp=T"`` (FSDP×TP,
+        HSDP×TP; :func:`parse_mesh`). With TP the optimizer exchanges over all R·W·T ranks
+        (:func:`tp_style`, :func:`held_rows`); without, over the W ranks of a shard group.
       ns_steps: Newton–Schulz iterations (quintic / Polar Express: 4s²l + 2s³ FLOPs each).
       bucket_size: FSDPMuonOptimizer's ``bucket_size`` (its owner units); ``None``: no limit.
       num_buckets: FSDPMuonOptimizer's ``num_buckets`` (exchanges per step).
@@ -231,18 +255,37 @@ def plan_model(model: str | dict | Sequence[Matrix], mesh: str | int | Mesh = "d
     mesh = parse_mesh(mesh)
     units = owner_units(matrices, bucket_size)
     views = [view for _, _, view in matrices]
-    local = [mesh.dp > 1 and len(shape) >= 3 and _views.base(view) == "experts" for _, shape, view in matrices]
-    plan = make_plan([shape for _, shape, _ in matrices], mesh.dp, num_buckets=num_buckets,
-                     units=units, views=views, local=local)
+    shards = mesh.dp * mesh.tp
+    local = [shards > 1 and len(shape) >= 3 and _views.base(view) == "experts" for _, shape, view in matrices]
+    styles = [tp_style(name, shape, view) if mesh.tp > 1 else "none" for name, shape, view in matrices]
+    held = [held_rows(shape[0], mesh, style) for (_, shape, _), style in zip(matrices, styles)] if mesh.tp > 1 else None
+    plan = make_plan([shape for _, shape, _ in matrices], mesh.world_size if mesh.tp > 1 else mesh.dp,
+                     num_buckets=num_buckets, units=units, views=views, local=local, held=held)
     flops = [_views.count(shape, view) * ns_flops(_views.matrix_shape(shape, view), ns_steps)
              for _, shape, view in matrices]
     per_rank = _rank_figures(plan, flops, units, views, wire_bytes, ns_bytes)
+    if mesh.tp > 1:
+        per_rank = _with_tp_redistribution(per_rank, plan, styles, mesh.tp, wire_bytes)
     return PlanReport(label, mesh, plan, tuple(name for name, _, _ in matrices),
                       sum(_views.count(shape, view) for _, shape, view in matrices), len(units),
                       *per_rank, muon_bytes=sum(mp.numel for mp in plan.matrices if not mp.local) * wire_bytes,
                       unit_flops=tuple(sum(flops[j] for j in unit) for unit in units),
                       matrix_flops=tuple(flops), unit_local=tuple(local[unit[0]] for unit in units),
                       gemm_flops_per_s=gemm_tflops * 1e12, link_bytes_per_s=link_gbps * 1e9)
+
+
+def _with_tp_redistribution(per_rank: tuple, plan: Plan, styles: list[str], tp: int,
+                            wire_bytes: int) -> tuple:
+    """Per-rank figures plus the redistribution of row-wise TP weights: each rank sends and
+    receives (tp−1)/tp of its block on the way to rows and again on the way back."""
+    flops, sent, received, peak = per_rank
+    extra = [0] * plan.world_size
+    for mp, style in zip(plan.matrices, styles):
+        if style == "rowwise":
+            for r in range(plan.world_size):
+                extra[r] += 2 * mp.receive_numel(r) * (tp - 1) // tp * wire_bytes
+    return (flops, tuple(a + b for a, b in zip(sent, extra)), tuple(a + b for a, b in zip(received, extra)),
+            tuple(a + b for a, b in zip(peak, extra)))
 
 
 def _check_positive(**values: float) -> None:

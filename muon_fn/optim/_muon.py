@@ -33,7 +33,16 @@ class HybridOptimizer(Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's ``add_param_group``; warns once about parameters of ndim ≥ 3 whose matrix
-        view had to be guessed (see ``matrix_view``)."""
+        view had to be guessed (see ``matrix_view``). ``use_muon`` is accepted as in other Muon
+        optimizers (KellerJordan's ``MuonWithAuxAdam``, distributed Muon): ``True`` is the matrix
+        algorithm (``algorithms[1]``), ``False`` is ``algorithm="adamw"`` at the group's
+        ``adamw_lr`` and ``adamw_weight_decay``, as an ``"auto"`` group runs its AdamW half."""
+        use_muon = param_group.pop("use_muon", None)
+        if use_muon is not None:
+            param_group["algorithm"] = self.algorithms[1] if use_muon else "adamw"
+            if not use_muon:
+                for key, source in (("lr", "adamw_lr"), ("weight_decay", "adamw_weight_decay")):
+                    param_group[key] = param_group.get(source, self.defaults[source])
         lr = param_group.get("lr", self.defaults["lr"])
         _checks.learning_rate(lr)
         param_group.setdefault("base_lr", float(lr))
