@@ -129,7 +129,7 @@ def _check_placements(name: str, p: DTensor) -> None:
                 else "not a block of rows or columns")
         raise ValueError(
             f"parameter {name!r} has placements {tuple(p.placements)} on device mesh "
-            f"{tuple(p.device_mesh.shape)}: {placement} is {what}; the FSDP optimizers support "
+            f"{tuple(p.device_mesh.shape)}: {placement!r} is {what}; the FSDP optimizers support "
             "Replicate(), Shard(d) and FSDP2's strided Shard(0) on each mesh dim")
 
 
