@@ -14,9 +14,6 @@ import json
 import os
 import sys
 import tempfile
-import time
-import traceback
-from datetime import timedelta
 from pathlib import Path
 from typing import NamedTuple
 
@@ -24,7 +21,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from _ranks import run_ranks
+from _ranks import run_checks, run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -857,38 +854,20 @@ def _names(w: int) -> list[str]:
 
 # ---------------------------------------------------------------------------- the job
 def _worker(rank: int, w: int, out: str, ckpt_dir: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=w, timeout=timedelta(seconds=60))
-    results = {}
     only = os.environ.get("MUON_FN_FSDP_CHECKS")  # comma-separated subset, for debugging
-    for name, fn in checks_for(w, ckpt_dir).items():
-        if only and name not in only.split(","):
-            continue
-        t0 = time.perf_counter()
-        try:
-            value = fn()
-            results[name] = {"ok": True, "value": value}
-        except Exception:  # noqa: BLE001 - reported to pytest
-            results[name] = {"ok": False, "error": traceback.format_exc(limit=8)}
-        print(f"[W={w} rank {rank}] {name}: {'ok' if results[name]['ok'] else 'FAIL'} "
-              f"({time.perf_counter() - t0:.1f}s)", flush=True)
-        if not results[name]["ok"]:
-            print(results[name]["error"], flush=True)
-        dist.barrier()
-    gathered = [None] * w
-    dist.all_gather_object(gathered, results)
-    if rank == 0:
-        merged = {}
-        for name in results:
-            per_rank = [g[name] for g in gathered]
-            bad = [f"rank {r}: {x['error']}" for r, x in enumerate(per_rank) if not x["ok"]]
-            merged[name] = {"ok": not bad, "error": "\n".join(bad),
-                            "values": [x.get("value") for x in per_rank]}
-        Path(out).write_text(json.dumps(merged, indent=1, default=str))
-    dist.barrier()
-    dist.destroy_process_group()
+    checks = {name: fn for name, fn in checks_for(w, ckpt_dir).items() if not only or name in only.split(",")}
+    run_checks(checks, rank, w, out)
+
+
+def merge_ranks(ranks: list[dict]) -> dict:
+    """Per check, over the ranks: ``ok`` (on every rank), ``error`` (each failing rank's) and
+    ``values`` (each rank's)."""
+    out = {}
+    for name in ranks[0]:
+        per_rank = [r[name] for r in ranks]
+        bad = [f"rank {r}: {x['error']}" for r, x in enumerate(per_rank) if not x["ok"]]
+        out[name] = {"ok": not bad, "error": "\n".join(bad), "values": [x.get("value") for x in per_rank]}
+    return out
 
 
 def run_job(w: int, out: str, ckpt_dir: str, logs: Path) -> str:
@@ -914,8 +893,8 @@ def results(ckpt_dir, tmp_path_factory):
                 logs = tmp_path_factory.mktemp(f"fsdp_w{v}")
                 out = str(logs / "results.json")
                 log = run_job(v, out, ckpt_dir, logs)
-                merged = json.loads(Path(out).read_text()) if os.path.exists(out) else {}
-                done[v] = (merged, log[-4000:])
+                ranks = json.loads(Path(out).read_text()) if os.path.exists(out) else None
+                done[v] = (merge_ranks(ranks) if ranks else {}, log[-4000:])
         return done[w]
 
     return get
