@@ -270,6 +270,24 @@ def _worker(rank: int, w: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+def test_posted_refuses_out_of_order():
+    """Buckets are posted in plan order only (checked before any collective), and finish needs
+    them all."""
+    from muon_fn.fsdp._exchange import Posted
+    from muon_fn.fsdp._plan import make_plan
+
+    plan = make_plan([(4, 3), (6, 2), (5, 5)], 2, num_buckets=3)
+    posted = Posted(plan, 0)
+    with pytest.raises(ValueError, match="out of order"):
+        posted.post(1, {})
+    with pytest.raises(ValueError, match="buckets posted"):
+        posted.finish(lambda idx, mats: mats)
+    with pytest.raises(ValueError, match="holds matrices"):
+        posted.post(0, {})
+    with pytest.raises(ValueError, match="one rank"):
+        Posted(make_plan([(4, 3)], 1), 0)
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     done: dict[int, tuple[dict, str]] = {}
