@@ -5,6 +5,7 @@
     muon-fn bench --elementwise --quick            # TritonMuon/TritonMuonW against torch's Adam, AdamW, SGD
     muon-fn bench sso --layers 2 --rounds 4        # SSO against Muon (alias: muon-fn bench-sso)
     muon-fn bench fsdp --world-sizes 2 4           # FSDP owner-computes against replicate (gloo)
+    muon-fn bench fsdp --overlap --world-sizes 4   # FSDP overlap=False against overlap=True (gloo)
 
 Each prints a table (progress lines to stderr) and writes the full result to ``--json``.
 """
@@ -17,7 +18,7 @@ import sys
 from typing import Any, Sequence
 
 from .. import _newton_schulz
-from ._fsdp import benchmark_fsdp, format_fsdp_result
+from ._fsdp import benchmark_fsdp, benchmark_overlap, format_fsdp_result, format_overlap_result
 from ._muon import benchmark_muon_optimizers, check_muon_args, compile_check, format_table
 from ._problem import MODEL_SIZES
 from ._rows import ELEMENTWISE_ROWS, OPTIONAL_ROWS, ROW_SPECS, ROWS, default_rows
@@ -176,6 +177,10 @@ def _fsdp_parser(prog: str) -> argparse.ArgumentParser:
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--dim", type=int, default=768, help="model width (768 = gpt2-small)")
     ap.add_argument("--buckets", type=int, default=4)
+    ap.add_argument("--overlap", action="store_true",
+                    help="instead: overlap=False against overlap=True through real forward/backward "
+                         "passes (defaults then: --layers 4 --dim 512 --repeats 5)")
+    ap.add_argument("--tokens", type=int, default=1024, help="rows of each rank's batch (--overlap)")
     ap.add_argument("--json", default="", help="also write the results to this file")
     return ap
 
@@ -189,6 +194,16 @@ def _fsdp_main(argv: list[str], prog: str) -> int:
     if any(w < 2 for w in args.world_sizes):
         ap.error(f"Invalid --world-sizes: {args.world_sizes} (expected each >= 2)")
     results = []
+    if args.overlap:
+        given = {a.split("=")[0] for a in argv}
+        kw = {name: getattr(args, name) for name in ("repeats", "ns_steps", "layers", "dim", "buckets", "tokens")
+              if f"--{name.replace('_', '-')}" in given or name in ("ns_steps", "buckets", "tokens")}
+        for w in args.world_sizes:
+            r = benchmark_overlap(w, **kw)
+            print(format_overlap_result(r), flush=True)
+            results.append(r)
+        _write_json(args.json, results)
+        return 0
     for w in args.world_sizes:
         r = benchmark_fsdp(w, repeats=args.repeats, ns_steps=args.ns_steps, layers=args.layers,
                            dim=args.dim, buckets=args.buckets)

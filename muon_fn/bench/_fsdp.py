@@ -7,6 +7,13 @@ For each world size W, :func:`benchmark_fsdp` spawns W processes, shards 12 × [
 time is the slowest rank's. The result has the median step times and their ratio, bytes sent per
 rank against 2(W−1)/W²·S, and the per-rank Newton–Schulz FLOPs max/mean. ``muon_fn.fsdp`` is
 imported only in the spawned ranks.
+
+:func:`benchmark_overlap` (``--overlap``) trains the same matrices through real forward and
+backward passes (a residual MLP-style block per layer, ``tokens`` rows per rank) and compares
+``overlap=False`` with ``overlap=True``, paired: each repeat runs one iteration of each back to
+back, on two identical models. It reports the slowest rank's iteration, backward and step times,
+and the exposed communication (``comm_wait_s`` of the step, the only place either variant
+waits on the exchange), medians over the repeats.
 """
 
 from __future__ import annotations
@@ -49,6 +56,113 @@ def _model(layers: int, dim: int):
 
     scale = dim / 768
     return Stack([(int(m * scale), int(n * scale)) for m, n in GPT2_LAYER])
+
+
+def _trained_model(layers: int, dim: int):
+    """:func:`_model` with a forward that uses every matrix (q, k, v, o; up, down)."""
+    import torch
+
+    model = _model(layers, dim)
+
+    def block_forward(self, x):
+        q, k, v, o, up, down = self.linears
+        x = x + o(q(x) * torch.sigmoid(k(x)) + v(x)) / 4
+        return x + down(torch.tanh(up(x))) / 4
+
+    def stack_forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+    import types
+
+    for block in model.blocks:
+        block.forward = types.MethodType(block_forward, block)
+    model.forward = types.MethodType(stack_forward, model)
+    return model
+
+
+def _overlap_worker(rank: int, w: int, port: int, cfg: dict[str, Any], out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from muon_fn.fsdp import FSDPMuonOptimizer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=w, timeout=timedelta(seconds=600))
+    runs = {}
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        model = _trained_model(cfg["layers"], cfg["dim"])
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        opt = FSDPMuonOptimizer(model, lr=1e-3, method="polar_express", ns_steps=cfg["ns_steps"],
+                                num_buckets=cfg["buckets"], overlap=overlap)
+        runs["overlap" if overlap else "no_overlap"] = (model, opt)
+    gen = torch.Generator().manual_seed(rank)
+    dim = runs["overlap"][0].blocks[0].linears[0].in_features
+    keys = ("iteration_s", "backward_s", "step_s", "comm_wait_s", "overlapped_buckets")
+    rows: dict[str, dict[str, list[float]]] = {name: {k: [] for k in keys} for name in runs}
+    for rep in range(cfg["repeats"] + 2):  # the first two rounds warm up (the second overlaps)
+        x = torch.randn(cfg["tokens"], dim, generator=gen)
+        for name, (model, opt) in runs.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = model(x).square().mean()
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            opt.step()
+            t3 = time.perf_counter()
+            opt.zero_grad()
+            st = opt.last_step_stats
+            mine = torch.tensor([t3 - t0, t2 - t1, t3 - t2, st["comm_wait_s"]], dtype=torch.float64)
+            dist.all_reduce(mine, op=dist.ReduceOp.MAX)  # the slowest rank's
+            if rep >= 2:
+                for k, v in zip(keys, mine.tolist() + [st.get("overlapped_buckets", 0)]):
+                    rows[name][k].append(v)
+    if rank == 0:
+        same = all(torch.equal(p.to_local(), q.to_local()) for p, q in
+                   zip(runs["no_overlap"][0].parameters(), runs["overlap"][0].parameters()))
+        with open(out, "w") as f:
+            json.dump({"rows": rows, "bit_identical_rank0": same}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def benchmark_overlap(world_size: int, *, repeats: int = 5, ns_steps: int = 5, layers: int = 4,
+                      dim: int = 512, buckets: int = 4, tokens: int = 1024) -> dict[str, Any]:
+    """Spawn ``world_size`` gloo ranks; ``overlap=False`` against ``overlap=True``, paired."""
+    import torch.multiprocessing as mp
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    cfg = dict(repeats=repeats, ns_steps=ns_steps, layers=layers, dim=dim, buckets=buckets, tokens=tokens)
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "bench.json")
+        mp.spawn(_overlap_worker, args=(world_size, _free_port(), cfg, out), nprocs=world_size, join=True)
+        with open(out) as f:
+            raw = json.load(f)
+    med = {name: {k: statistics.median(v) for k, v in row.items()} for name, row in raw["rows"].items()}
+    a, b = raw["rows"]["overlap"]["iteration_s"], raw["rows"]["no_overlap"]["iteration_s"]
+    return {"world_size": world_size, "config": cfg, "medians": med, "rows": raw["rows"],
+            "bit_identical": raw["bit_identical_rank0"],
+            "iteration_ratio": paired_ratio(a, b)}
+
+
+def format_overlap_result(r: dict[str, Any]) -> str:
+    """The human-readable summary of a :func:`benchmark_overlap` result."""
+    lines = [f"W={r['world_size']}  config={r['config']}  (medians over repeats; slowest rank)"]
+    for name, m in r["medians"].items():
+        lines.append(f"  {name:10s} iteration {m['iteration_s']:6.3f} s  backward {m['backward_s']:6.3f} s"
+                     f"  step {m['step_s']:6.3f} s  exposed comm (step wait) {m['comm_wait_s']:6.3f} s"
+                     f"  buckets posted in backward {m['overlapped_buckets']:.0f}")
+    q = r["iteration_ratio"]
+    lines.append(f"  overlap/no_overlap iteration = {q['median']:.3f} (paired per repeat "
+                 f"{', '.join(f'{x:.3f}' for x in q['per_round'])});  parameters bit-identical: {r['bit_identical']}")
+    return "\n".join(lines)
 
 
 def _worker(rank: int, w: int, port: int, cfg: dict[str, Any], out: str) -> None:

@@ -25,6 +25,7 @@ import functools
 import hashlib
 import itertools
 import time
+import warnings
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -34,9 +35,9 @@ import torch.nn as nn
 from .. import _checks, _tree, _views
 from .._muon import group_by
 from ..optim import _state
-from ..optim._adapter import StepReport, _all_finite, step_not_traced
+from ..optim._adapter import StepReport, _all_finite, step_not_traced, write_back
 from ..optim._views import module_views
-from . import _exchange, _params, _phases, _plan, _rows
+from . import _exchange, _overlap, _params, _phases, _plan, _rows
 from ._routes import Bucket, Route, group_routes
 
 STRATEGIES = ("owner", "replicate")
@@ -67,13 +68,18 @@ class FSDPAdapter:
     """
 
     def _setup(self, model: nn.Module, strategy: str, wire_dtype: torch.dtype | None,
-               num_buckets: int) -> None:
+               num_buckets: int, overlap: bool = False) -> None:
         """Check and keep the adapter's own options (before the optimizer adds its groups)."""
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         _checks.one_of("strategy", strategy, STRATEGIES)
         _checks.one_of("wire_dtype", wire_dtype, WIRE_DTYPES)
         _checks.positive_int("num_buckets", num_buckets)
+        _checks.one_of("overlap", overlap, (True, False))
+        if overlap and strategy != "owner":
+            raise ValueError(f"overlap=True needs strategy='owner' (the exchange it starts during "
+                             f"backward), got strategy={strategy!r}")
+        self._overlap_wanted, self._overlap = overlap, None
         self._model, self.strategy, self.wire_dtype = model, strategy, wire_dtype
         self._num_buckets = num_buckets
         self._names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
@@ -101,11 +107,14 @@ class FSDPAdapter:
         self._matrices()
         self._set_gradient_sync(k == 1)
         self._distributed = True
+        self.overlap = self._overlap_wanted
 
     # ------------------------------------------------------------------ copies
     # A copy (copy.deepcopy, pickle) carries the model with the parameters, so the two stay one
     # model, and rebuilds the plan from them; a process group cannot travel (a copy uses the
     # DTensor parameters' group, else the default one).
+    # A copy runs without overlap (the hooks and their process group are made collectively):
+    # set ``overlap = True`` on the copies of every rank.
     _FSDP_CONFIG = ("_model", "strategy", "wire_dtype", "_num_buckets", "_accumulation_steps", "_micro_step")
 
     def __getstate__(self) -> dict[str, Any]:
@@ -122,6 +131,7 @@ class FSDPAdapter:
             self._names = {id(p): n for n, p in self._model.named_parameters(remove_duplicate=False)}
             self._model_views = module_views(self._model)
             self._distributed, self._builds = False, itertools.count()
+            self._overlap_wanted, self._overlap = False, None
             micro = self._micro_step
             self._distribute(None, self._accumulation_steps)
             self._micro_step = micro
@@ -234,6 +244,7 @@ class FSDPAdapter:
                     _params.local(self.state[ps[k]][slot.key]).copy_(value if a is None else value[a:b])
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._drop_overlap()
         super().load_state_dict(state_dict)
         self._pending_init = []  # the loaded state is the state
 
@@ -322,6 +333,7 @@ class FSDPAdapter:
                                f"num_buckets={self._num_buckets}, gradient_accumulation_steps="
                                f"{self._accumulation_steps}, nonfinite={self.nonfinite!r}, "
                                f"{topo.world_size} ranks, {where}")]
+        out.append(("overlap", str(self._overlap_wanted)))
         for gi, group in enumerate(self.param_groups):
             routes = {i: route for route in self._routes(gi) for i in route.indices}
             for i, p in enumerate(group["params"]):
@@ -342,8 +354,14 @@ class FSDPAdapter:
         if k > 1 and not self._last_micro_batch(k):
             return
         grads = [self._local_grads(group, k) for group in self.param_groups]
-        finite = self._finite(grads)
-        stats = self._apply(grads, finite)
+        ready = self._overlap_complete(grads)
+        try:
+            finite = self._finite(grads)
+        except BaseException:
+            if ready is not None:  # "error": nothing changed, nothing left in flight
+                ready.posted.drain()
+            raise
+        stats = self._apply(grads, finite, ready)
         if finite is not None:
             self._count_nonfinite(finite)
         self.last_step = StepReport(torch.ones((), dtype=torch.bool) if finite is None else finite, True)
@@ -362,15 +380,15 @@ class FSDPAdapter:
         return final
 
     def _local_grads(self, group: dict[str, Any], k: int) -> tuple[torch.Tensor | None, ...]:
-        grads = []
-        for p in group["params"]:
-            g = p.grad
-            if g is not None and g.is_sparse:
-                raise RuntimeError("muon_fn does not support sparse gradients "
-                                   f"(parameter {self._name(group, p)})")
-            g = None if g is None else _params.local(g.detach())
-            grads.append(g / k if g is not None and k > 1 else g)
-        return tuple(grads)
+        return tuple(self._local_grad(group, p, k) for p in group["params"])
+
+    def _local_grad(self, group: dict[str, Any], p: torch.Tensor, k: int) -> torch.Tensor | None:
+        g = p.grad
+        if g is not None and g.is_sparse:
+            raise RuntimeError("muon_fn does not support sparse gradients "
+                               f"(parameter {self._name(group, p)})")
+        g = None if g is None else _params.local(g.detach())
+        return g / k if g is not None and k > 1 else g
 
     def _finite(self, grads: list[tuple]) -> torch.Tensor | None:
         """Whether every rank's gradients are finite (agreed by all ranks, decided on the device)."""
@@ -388,16 +406,23 @@ class FSDPAdapter:
                 "such steps.")
         return finite
 
-    def _apply(self, grads: list[tuple], finite: torch.Tensor | None) -> dict[str, Any]:
+    def _apply(self, grads: list[tuple], finite: torch.Tensor | None,
+               ready: _overlap.Ready | None = None) -> dict[str, Any]:
         matrices, topo = self._matrices(), self.topology
-        if self._pending_init:
+        if self._pending_init and ready is None:
             self._init_from_whole(grads)
-        held = self._pre(matrices, grads, finite)
         new_replicated: dict[int, list[torch.Tensor]] = {}
         compute = functools.partial(self._mid, matrices, new_replicated)
-        run = _exchange.exchange if self.strategy == "owner" else _exchange.exchange_replicated
-        mine, ex = run(self.plan, topo.rank, held, compute, group=topo.group, wire_dtype=self.wire_dtype,
-                       result_cols=[m.fmt.returned_cols for m in matrices])
+        cols = [m.fmt.returned_cols for m in matrices]
+        if ready is None:
+            held = self._pre(matrices, grads, finite)
+            run = _exchange.exchange if self.strategy == "owner" else _exchange.exchange_replicated
+            mine, ex = run(self.plan, topo.rank, held, compute, group=topo.group, wire_dtype=self.wire_dtype,
+                           result_cols=cols)
+        else:  # every gather posted (overlap): the pre phase's state is written now, under finite
+            for state, new_state in ready.deferred:
+                write_back(state, new_state, finite)
+            mine, ex = ready.posted.finish(compute, result_cols=cols)
         self._post(matrices, grads, mine, self._share(matrices, new_replicated), finite)
         self._elementwise(grads, finite)
         computed = [j for j, mp in enumerate(self.plan.matrices) if self.strategy == "replicate" or
@@ -405,10 +430,14 @@ class FSDPAdapter:
         flops = sum(matrices[j].flops if self.strategy == "replicate" or not self.plan.matrices[j].local else
                     matrices[j].flops * self.plan.matrices[j].cost_on(topo.rank) // max(self.plan.matrices[j].cost, 1)
                     for j in computed)
-        return {"strategy": self.strategy, "rank": topo.rank, "world_size": topo.world_size,
-                "bytes_sent": ex.bytes_sent, "bytes_received": ex.bytes_received,
-                "ns_flops": flops, "matrices_computed": len(computed),
-                "comm_wait_s": ex.comm_wait_s, "compute_s": ex.compute_s}
+        stats = {"strategy": self.strategy, "rank": topo.rank, "world_size": topo.world_size,
+                 "bytes_sent": ex.bytes_sent, "bytes_received": ex.bytes_received,
+                 "ns_flops": flops, "matrices_computed": len(computed),
+                 "comm_wait_s": ex.comm_wait_s, "compute_s": ex.compute_s}
+        if self._overlap is not None:
+            stats.update(overlapped_buckets=0 if ready is None else ready.in_backward,
+                         overlap_backward_s=0.0 if ready is None else ready.backward_s)
+        return stats
 
     def _mid_buckets(self) -> Iterator[tuple[int, Route, Bucket, list[torch.Tensor]]]:
         """(group index, route, bucket, group params) of every route with a mid phase."""
@@ -418,16 +447,25 @@ class FSDPAdapter:
                     for bucket in route.buckets:
                         yield gi, route, bucket, group["params"]
 
-    def _pre(self, matrices: list[_Matrix], grads: list[tuple],
-             finite: torch.Tensor | None) -> list[torch.Tensor]:
-        """The pre phase on local rows; returns every matrix's rows to send (:mod:`._rows`)."""
+    def _pre(self, matrices: list[_Matrix], grads: list[tuple], finite: torch.Tensor | None,
+             only: set[int] | None = None, deferred: list | None = None) -> list[torch.Tensor]:
+        """The pre phase on local rows; returns every matrix's rows to send (:mod:`._rows`).
+        ``only``: the ids of the buckets to run (default: all); ``deferred``: a list that gets
+        each bucket's (state, new state) instead of the state being written (overlap)."""
         held: list[torch.Tensor | None] = [None] * len(matrices)
         for gi, route, bucket, params in self._mid_buckets():
+            if only is not None and id(bucket) not in only:
+                continue
             local = tuple(_params.local(params[i]) for i in bucket.indices)
             g = tuple(grads[gi][i] for i in bucket.indices)
             state, _, _ = route.phases.states(self._local_state(bucket, params))
-            updates = (None,) * len(g) if all(x is None for x in g) else route.steps.pre(
-                _phases.signature(local, g, state, finite), local, g, state, finite)
+            if all(x is None for x in g):
+                updates = (None,) * len(g)
+            elif deferred is None:
+                updates = route.steps.pre(_phases.signature(local, g, state, finite), local, g, state, finite)
+            else:
+                updates, new_state = route.steps.pre_update(_phases.signature(local, g, state), local, g, state)
+                deferred.append((state, new_state))
             for i, p, u in zip(bucket.indices, local, updates):
                 j = self._index[(gi, i)]
                 fmt = matrices[j].fmt
@@ -548,6 +586,62 @@ class FSDPAdapter:
         """Each layer's max logits, the max over every rank (each saw its own batch)."""
         _exchange.all_ranks_max(logits)
 
+    # ------------------------------------------------------------------ overlap
+    @property
+    def overlap(self) -> bool:
+        """Whether each bucket's exchange starts during backward (see ``overlap=`` of the
+        optimizer). Setting it is collective (turning it on makes a process group): set it on
+        every rank. Turning it off removes the hooks."""
+        return self._overlap_wanted
+
+    @overlap.setter
+    def overlap(self, on: bool) -> None:
+        _checks.one_of("overlap", on, (True, False))
+        if on and self.strategy != "owner":
+            raise ValueError(f"overlap=True needs strategy='owner', got strategy={self.strategy!r}")
+        if on and self._overlap is None and self.topology.world_size > 1:
+            self._overlap = _overlap.Overlap(self)
+        elif not on and self._overlap is not None:
+            self._overlap.remove()
+            self._overlap = None
+        self._overlap_wanted = bool(on)
+
+    def _overlap_armed(self) -> bool:
+        """Whether a gradient made final now belongs to the next step's exchange: the backward is
+        the last of an accumulation. (A bucket whose mid state is still to be made from the whole
+        matrices, :meth:`_init_from_whole`, is posted by the step.)"""
+        k = self._accumulation_steps
+        return k == 1 or self._micro_step == k - 1
+
+    def _overlap_complete(self, grads: list[tuple]) -> _overlap.Ready | None:
+        """The step's round with every gather posted, or None (no overlap this step)."""
+        if self._overlap is None:
+            return None
+        self._matrices()
+        if self._pending_init:
+            self._init_from_whole(grads)  # before the buckets that read it are posted
+        return self._overlap.complete(grads)
+
+    def _drop_overlap(self) -> None:
+        if getattr(self, "_overlap", None) is not None:
+            self._overlap.drop()
+
+    def _warn_overlap_stale(self) -> None:
+        if not getattr(self, "_overlap_warned", False):
+            self._overlap_warned = True
+            warnings.warn(
+                f"{type(self).__name__}(overlap=True): a gradient read during backward was replaced "
+                "or changed before step() on some rank (or a parameter without gradient in the last "
+                "backward got one), so the exchange started during backward was dropped and this "
+                "step ran without overlap. Gradients must not change between backward and step() "
+                "with overlap=True (use overlap=False to clip or edit them).",
+                stacklevel=4)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's ``zero_grad``; first drains an exchange started by a backward without a step."""
+        self._drop_overlap()
+        super().zero_grad(set_to_none)
+
     # ------------------------------------------------------------------ FSDP2 helpers
     def _set_gradient_sync(self, enabled: bool) -> None:
         for m in self._fsdp_modules:
@@ -572,7 +666,8 @@ class FSDPAdapter:
     def describe(self) -> str:
         """Which transform each parameter gets, and who computes each matrix (``local``: each
         rank its own rows, nothing exchanged)."""
-        lines = [f"{type(self).__name__}(strategy={self.strategy!r}, world_size={self.topology.world_size})"]
+        more = ", overlap=True" if self._overlap_wanted else ""
+        lines = [f"{type(self).__name__}(strategy={self.strategy!r}, world_size={self.topology.world_size}{more})"]
         owners = {(m.group, m.position): self.plan.matrices[j] for j, m in enumerate(self._matrices())}
         for gi, group in enumerate(self.param_groups):
             for route in self._routes(gi):

@@ -10,8 +10,9 @@ soon as it is computed. The plan's local matrices (expert stacks sharded on thei
 travel: each rank computes its own rows of them while the gathers are in flight. With one rank
 nothing is communicated. :func:`exchange_replicated` is
 the all-gather baseline (every rank computes every matrix). :func:`all_ranks_finite`,
-:func:`share_from_owners`, :func:`check_same` and :func:`all_ranks_max` (QK-Clip's logits) are
-the small collectives around a step.
+:func:`share_from_owners`, :func:`check_same`, :func:`any_rank_flag` and :func:`all_ranks_max`
+(QK-Clip's logits) are the small collectives around a step. :class:`Posted` is :func:`exchange`
+posted bucket by bucket (the FSDP optimizers' ``overlap=True``), on a :func:`dedicated_group`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
-from ._plan import BucketPlan, Plan
+from ._plan import BucketPlan, MatrixPlan, Plan
 
 # compute(matrix indices, full (rows, cols) matrices) -> results of the same shapes, same order.
 Compute = Callable[[list[int], list[torch.Tensor]], list[torch.Tensor]]
@@ -114,17 +115,78 @@ def exchange(
     rows = _contributions(plan, rank, held)
     if not rows:
         return [], ExchangeStats()
-    wire = _Wire(rank, rows[0], wire_dtype, group)
     if plan.world_size == 1:
+        wire = _Wire(rank, rows[0], wire_dtype, group)
         return _compute_locally(plan, rows, compute, wire), wire.stats
-    gathers = [_post_gather(plan, b, rows, wire) for b in plan.buckets]
-    out: list[torch.Tensor | None] = [None] * len(plan.matrices)
+    posted = Posted(plan, rank, group=group, wire_dtype=wire_dtype)
     for b in plan.buckets:
-        _compute_local(plan, b, rows, compute, back_cols, wire, out)
-    returns = [_compute_and_return(plan, g, compute, back_cols, wire) for g in gathers]
-    for r in returns:
-        _collect(plan, r, back_cols, wire, out)
-    return out, wire.stats  # type: ignore[return-value]
+        posted.post(b.index, {j: held[j] for j in b.matrices})
+    return posted.finish(compute, result_cols=back_cols)
+
+
+class Posted:
+    """An :func:`exchange` whose gathers are posted one bucket at a time, in plan order
+    (:meth:`post`, e.g. as each bucket's gradients become final during backward), and finished
+    by :meth:`finish` (the owners compute, the results come back), or dropped by :meth:`drain`.
+    :func:`exchange` is ``post`` of every bucket, then ``finish``: the same collectives and ops.
+    Every rank must post the same buckets in the same order (the plan's) before ``finish``.
+    """
+
+    def __init__(self, plan: Plan, rank: int, *, group: dist.ProcessGroup | None = None,
+                 wire_dtype: torch.dtype | None = None) -> None:
+        if plan.world_size == 1:
+            raise ValueError("Posted: a plan of one rank has nothing to exchange")
+        self.plan, self.rank, self.group, self.wire_dtype = plan, rank, group, wire_dtype
+        self.rows: list[torch.Tensor | None] = [None] * len(plan.matrices)
+        self.gathers: list[_InFlight] = []
+        self.wire: _Wire | None = None
+
+    @property
+    def next_bucket(self) -> int:
+        """The bucket :meth:`post` takes next (``len(plan.buckets)``: all are posted)."""
+        return len(self.gathers)
+
+    def post(self, bucket: int, held: dict[int, torch.Tensor]) -> None:
+        """Start the gather of ``bucket`` (the next in plan order): ``held[j]`` is this rank's
+        rows of each of its matrices ``j``, as :func:`exchange`'s ``held``."""
+        if bucket != self.next_bucket:
+            raise ValueError(f"Posted.post: bucket {bucket} posted out of order (next is {self.next_bucket})")
+        b = self.plan.buckets[bucket]
+        if sorted(held) != sorted(b.matrices):
+            raise ValueError(f"Posted.post: bucket {bucket} holds matrices {sorted(b.matrices)}, got {sorted(held)}")
+        for j in b.matrices:
+            self.rows[j] = _contribution(self.plan.matrices[j], self.rank, held[j])
+        if self.wire is None:
+            self.wire = _Wire(self.rank, self.rows[b.matrices[0]], self.wire_dtype, self.group)
+        self.gathers.append(_post_gather(self.plan, b, self.rows, self.wire))  # type: ignore[arg-type]
+
+    def finish(self, compute: Compute, *, result_cols: Sequence[int] | None = None
+               ) -> tuple[list[torch.Tensor], ExchangeStats]:
+        """Every bucket posted: compute the owned (and local) matrices and return the results;
+        as :func:`exchange`."""
+        plan, wire = self.plan, self.wire
+        if self.next_bucket != len(plan.buckets) or wire is None:
+            raise ValueError(f"Posted.finish: {self.next_bucket} of {len(plan.buckets)} buckets posted")
+        back_cols = _result_cols(plan, result_cols)
+        out: list[torch.Tensor | None] = [None] * len(plan.matrices)
+        for b in plan.buckets:
+            _compute_local(plan, b, self.rows, compute, back_cols, wire, out)  # type: ignore[arg-type]
+        returns = [_compute_and_return(plan, g, compute, back_cols, wire) for g in self.gathers]
+        for r in returns:
+            _collect(plan, r, back_cols, wire, out)
+        self.gathers = []
+        return out, wire.stats  # type: ignore[return-value]
+
+    def drain(self) -> float:
+        """Wait for every posted gather and drop it (every rank posted the same, so nothing is
+        left pending anywhere); returns the seconds waited."""
+        waited = 0.0
+        for g in self.gathers:
+            t0 = time.perf_counter()
+            g.work.wait()
+            waited += time.perf_counter() - t0
+        self.gathers, self.rows = [], [None] * len(self.plan.matrices)
+        return waited
 
 
 def _compute_locally(plan: Plan, rows: list[torch.Tensor], compute: Compute,
@@ -236,17 +298,19 @@ def _contributions(plan: Plan, rank: int, held: Sequence[torch.Tensor]) -> list[
     """The rows each matrix's ``contrib`` asks of this rank, cut from the rows it holds."""
     if len(held) != len(plan.matrices):
         raise ValueError(f"exchange: got {len(held)} tensors for a plan of {len(plan.matrices)} matrices")
-    out = []
-    for mp, x in zip(plan.matrices, held):
-        r0, r1 = mp.receive[rank]
-        if tuple(x.shape) != (r1 - r0, mp.cols):
-            raise ValueError(
-                f"exchange: matrix {mp.index} of global shape {mp.shape} has local rows of shape "
-                f"{tuple(x.shape)} on rank {rank}, the plan expects {(r1 - r0, mp.cols)}"
-            )
-        c0, c1 = mp.contrib[rank]
-        out.append(x[c0 - r0:c1 - r0] if c1 > c0 else x[:0])
-    return out
+    return [_contribution(mp, rank, x) for mp, x in zip(plan.matrices, held)]
+
+
+def _contribution(mp: MatrixPlan, rank: int, x: torch.Tensor) -> torch.Tensor:
+    """The rows of one matrix that its ``contrib`` asks of this rank, cut from the rows it holds."""
+    r0, r1 = mp.receive[rank]
+    if tuple(x.shape) != (r1 - r0, mp.cols):
+        raise ValueError(
+            f"exchange: matrix {mp.index} of global shape {mp.shape} has local rows of shape "
+            f"{tuple(x.shape)} on rank {rank}, the plan expects {(r1 - r0, mp.cols)}"
+        )
+    c0, c1 = mp.contrib[rank]
+    return x[c0 - r0:c1 - r0] if c1 > c0 else x[:0]
 
 
 def exchange_replicated(
@@ -364,6 +428,31 @@ def any_rank(flags: list[bool], group: dist.ProcessGroup | None, world_size: int
     every: list[Any] = [None] * world_size
     dist.all_gather_object(every, flags, group=group)
     return [any(column) for column in zip(*every)]
+
+
+def dedicated_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """A new process group of the ranks of ``group`` (``None``: the default group), for an
+    exchange posted during backward: its collectives then never interleave with those FSDP2 (or
+    the user) posts on ``group`` meanwhile, so ranks cannot match them in different orders, and
+    a big gather does not queue ahead of a reduce-scatter. Collective over the default group:
+    every rank creates every rank's group (as ``torch.distributed.new_group`` requires)."""
+    ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(dist.get_world_size()))
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, ranks)
+    mine = None
+    for members in dict.fromkeys(tuple(r) for r in every):  # each distinct group once, same order
+        made = dist.new_group(list(members))
+        if dist.get_rank() in members:
+            mine = made
+    assert mine is not None
+    return mine
+
+
+def any_rank_flag(flag: bool, group: dist.ProcessGroup | None, device: torch.device) -> bool:
+    """``flag`` OR-ed over the ranks of ``group`` (one tiny all-reduce, read back to the host)."""
+    t = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item())
 
 
 def share_from_owners(values: list[torch.Tensor | None], like: list[torch.Tensor],

@@ -45,6 +45,13 @@ class FSDPMuonOptimizer(FSDPAdapter, MuonOptimizer):
         rank all-gathers and computes every matrix; the baseline).
       wire_dtype: dtype of the rows on the wire (``torch.bfloat16`` halves the bytes; rounds them).
       num_buckets: exchanges per step (communication of later buckets overlaps computation).
+      overlap: start each bucket's exchange during backward, as soon as FSDP2 has reduced its
+        gradients (its pre phase runs then, its gather is posted); ``step()`` posts what is left,
+        waits and computes. Results are the same bit for bit. Needs ``strategy="owner"``; plain
+        (replicated) matrices are exchanged by ``step()``. Gradients must not change between
+        backward and ``step()`` (no clipping or editing in between; a replaced gradient is
+        detected and that step runs without overlap, with a warning). The hooks and a process
+        group of the optimizer's ranks are made in ``__init__`` (see ``docs/distributed.md``).
       process_group: the group to use for plain (replicated) parameters; must match the
         DTensor parameters' shard group if given.
       **muon_options: every other keyword of MuonOptimizer (``method``, ``adjust_lr_fn``,
@@ -85,10 +92,11 @@ class FSDPMuonOptimizer(FSDPAdapter, MuonOptimizer):
         strategy: str = "owner",
         wire_dtype: torch.dtype | None = None,
         num_buckets: int = 4,
+        overlap: bool = False,
         process_group: Any = None,
         **muon_options: Any,
     ) -> None:
-        self._setup(model, strategy, wire_dtype, num_buckets)
+        self._setup(model, strategy, wire_dtype, num_buckets, overlap)
         if params is None:  # frozen parameters never get gradients: leave them out of the plan
             params = [p for p in model.parameters() if p.requires_grad]
         super().__init__(params, lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov,

@@ -101,6 +101,8 @@ class Steps(NamedTuple):
     mid: _compile.PerSignature  # (params, updates, state) -> (updates, new state); pure
     post: _compile.PerSignature  # (params, updates, state, mid state, new mid state, finite)
     whole: _compile.PerSignature  # (params, grads, state, finite): a transform without mid
+    pre_update: _compile.PerSignature  # (params, grads, state) -> (updates, new state); pure: the
+    # pre phase run before the step's finite flag is known (overlap), written back by the step
 
 
 def steps(phases: Phases, options: dict[str, Any] | None) -> Steps:
@@ -121,4 +123,8 @@ def steps(phases: Phases, options: dict[str, Any] | None) -> Steps:
     def whole_step(params, grads, state, finite):
         apply_bucket(whole, params, grads, state, finite)
 
-    return Steps(*(_compile.PerSignature(f, options) for f in (pre_step, mid_step, post_step, whole_step)))
+    def pre_update(params, grads, state):
+        return pre.update(grads, state, params)
+
+    return Steps(*(_compile.PerSignature(f, options)
+                   for f in (pre_step, mid_step, post_step, whole_step, pre_update)))

@@ -31,7 +31,7 @@ class FSDPSpectralSphereOptimizer(FSDPAdapter, SpectralSphereOptimizer):
     dict is kept as it is.
 
     Args:
-      model, params, strategy, wire_dtype, num_buckets, process_group: as
+      model, params, strategy, wire_dtype, num_buckets, overlap, process_group: as
         :class:`muon_fn.fsdp.FSDPMuonOptimizer` (``use_muon=True`` groups get SSO,
         ``use_muon=False`` AdamW at the group's ``adamw_lr`` and ``adamw_weight_decay``).
       lr, momentum, nesterov, **sso_options: SpectralSphereOptimizer's, with its meaning and
@@ -56,11 +56,12 @@ class FSDPSpectralSphereOptimizer(FSDPAdapter, SpectralSphereOptimizer):
         strategy: str = "owner",
         wire_dtype: torch.dtype | None = None,
         num_buckets: int = 4,
+        overlap: bool = False,
         process_group: Any = None,
         gradient_accumulation_steps: int = 1,
         **sso_options: Any,
     ) -> None:
-        self._setup(model, strategy, wire_dtype, num_buckets)
+        self._setup(model, strategy, wire_dtype, num_buckets, overlap)
         if params is None:  # frozen parameters never get gradients: leave them out of the plan
             params = [p for p in model.parameters() if p.requires_grad]
         super().__init__(params, lr, momentum, nesterov,
