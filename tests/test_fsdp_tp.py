@@ -64,7 +64,7 @@ class Holder(nn.Module):
             setattr(self, name, nn.Parameter(value))
 
 
-def block_tp(mesh_dims=(2, 2), names=("dp", "tp")) -> nn.Module:
+def block_tp(mesh_dims=(2, 2), names=("dp", "tp"), net=Block) -> nn.Module:
     """Block with column-/row-wise TP on the last mesh dim and FSDP2 on the others (HSDP when two)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -72,7 +72,7 @@ def block_tp(mesh_dims=(2, 2), names=("dp", "tp")) -> nn.Module:
 
     t = _fsdp()
     mesh = init_device_mesh("cpu", mesh_dims, mesh_dim_names=names)
-    model = t.make(Block)
+    model = t.make(net)
     parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
     data = mesh[names[:-1]] if len(names) > 2 else mesh[names[0]]
     for child in model.children():
@@ -180,6 +180,42 @@ def check_tp_sso():
     return run
 
 
+class Net(Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.mid(self.down(torch.nn.functional.gelu(self.up(x)))))
+
+
+def check_tp_overlap():
+    """Through real backward passes of the FSDP×TP model: ``overlap=True`` (gathers posted from
+    FSDP2's gradient hooks, the row-wise weight redistributed there) equals ``overlap=False`` bit
+    for bit, parameters and state, and posts every bucket during backward."""
+    from muon_fn.fsdp import FSDPMuonOptimizer
+
+    def run():
+        pairs = []
+        for overlap in (False, True):
+            model = block_tp(net=Net)
+            pairs.append((model, FSDPMuonOptimizer(model, overlap=overlap, compile=False, lr=0.02)))
+        gen = torch.Generator().manual_seed(3)
+        dp = torch.distributed.get_rank() // 2
+        for _ in range(STEPS):
+            x = torch.randn(8, 8, generator=gen)[dp * 4:dp * 4 + 4]
+            for model, opt in pairs:
+                model(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+        (a, oa), (b, ob) = pairs
+        for (name, p), q in zip(a.named_parameters(), b.parameters()):
+            assert torch.equal(p.to_local(), q.to_local()), name
+            for key, v in oa.state[p].items():
+                assert torch.equal(v.to_local() if hasattr(v, "to_local") else v,
+                                   ob.state[q][key].to_local() if hasattr(v, "to_local") else ob.state[q][key]), (name, key)
+        assert ob.last_step_stats["overlapped_buckets"] == len(ob.plan.buckets), ob.last_step_stats
+        return {}
+
+    return run
+
+
 def experts(split: bool):
     """Expert stacks on a (dp=2, ep=2) mesh: ``w_up`` (4, 6, 5) and ``w_down`` (4, 5, 6) sharded on
     the expert dim over both dims (one whole expert per rank) or, ``split``, 2 experts on the EP
@@ -264,6 +300,7 @@ def checks() -> dict:
         "hsdp_tp_muon": check_tp(lambda: block_tp((2, 1, 2), ("replicate", "shard", "tp"))),
         "fsdp_tp_normuon": check_tp_normuon(),
         "fsdp_tp_sso": check_tp_sso(),
+        "fsdp_tp_overlap": check_tp_overlap(),
         "ep_whole_experts": check_experts(split=False),
         "ep_split_experts": check_experts(split=True),
         "refused": check_refused(),
