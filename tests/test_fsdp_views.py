@@ -56,6 +56,17 @@ class Stacks(nn.Module):
         self.w_down = nn.Parameter(torch.randn(4, 6, 8) / 8**0.5)
 
 
+class FewExperts(nn.Module):
+    """Stacks with fewer experts than ranks at W = 3 and 4 (2 and 3 experts): cut into one-expert
+    pieces whose owners LPT spreads over every rank, idle ones included; plus a plain matrix."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w_up = nn.Parameter(torch.randn(2, 8, 6) / 6**0.5)
+        self.w_down = nn.Parameter(torch.randn(3, 6, 8) / 8**0.5)
+        self.router = nn.Linear(6, 3, bias=False)
+
+
 def head_views():
     import muon_fn as mf
 
@@ -168,6 +179,30 @@ def check_experts_mixed(w):
     return run
 
 
+def check_expert_pieces(w, **kw):
+    """A stack with fewer experts than ranks is cut into one-expert pieces, each with its own
+    owner (ranks that hold no expert compute some), exchanged, and equal to MuonOptimizer bit for
+    bit (compiled the same way); with as many experts as ranks or more it stays local."""
+    t = _fsdp()
+    from muon_fn.fsdp import FSDPMuonOptimizer
+
+    def run():
+        model = t.shard(t.make(FewExperts))
+        opt = FSDPMuonOptimizer(model, **t.muon_kwargs(**kw))
+        kinds = {}
+        for m, mp in zip(opt._matrices(), opt.plan.matrices):
+            kinds.setdefault(m.position, set()).add("piece" if m.piece is not None else "local" if mp.local else "owned")
+        expected = {0: {"piece" if w > 2 else "local"}, 1: {"piece" if w > 3 else "local"}, 2: {"owned"}}
+        assert kinds == expected, (kinds, opt.plan.describe())
+        t.train([(model, opt)], t.STEPS)
+        views = {"w_*": "experts"}
+        reference = t.reference(t.muon_single(FewExperts, lambda m: m.named_parameters(), matrix_view=views, **kw))
+        t.assert_same(model, opt, reference, what=f"W={w} expert pieces {kw}: ")
+        return {"load": opt.plan.load(), "describe": opt.describe()}
+
+    return run
+
+
 def check_experts_sso(w):
     """FSDPSpectralSphereOptimizer keeps each stack on one owner (SSO's operator is not per
     matrix: an expert's bits can depend on its batch mates), and equals SpectralSphereOptimizer
@@ -203,6 +238,8 @@ def checks_for(w: int) -> dict:
         "experts_normuon_owned": check_experts_local(w, local=False, beta2=0.95),
         "experts_mixed": check_experts_mixed(w),
         "experts_sso": check_experts_sso(w),
+        "expert_pieces": check_expert_pieces(w, compile=False),
+        "expert_pieces_compiled": check_expert_pieces(w),
     }
 
 

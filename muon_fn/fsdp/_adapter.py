@@ -55,6 +55,7 @@ class _Matrix(NamedTuple):
     fmt: _rows.RowFormat
     flops: int  # of its orthogonalization (for last_step_stats)
     view: str | _views.Heads  # its matrix view
+    piece: int | None = None  # a one-row piece of an expert stack: the row (expert); None: whole
 
 
 class FSDPAdapter:
@@ -281,9 +282,11 @@ class FSDPAdapter:
                                             self._param_flops(group, tuple(p.shape), view), view))
         for index in range(len(self.param_groups)):  # the state a rebuilt transform adds
             self._init_state(index)
-        self._set_plan(matrices)
+        matrices = self._set_plan(matrices)
         self._plan_key, self._matrix_list = key, matrices
-        self._index = {(m.group, m.position): j for j, m in enumerate(matrices)}
+        self._index: dict[tuple[int, int], list[int]] = {}  # (group, position) -> plan matrices
+        for j, m in enumerate(matrices):
+            self._index.setdefault((m.group, m.position), []).append(j)
         return matrices
 
     def _check_columns(self, p: torch.Tensor, route: Route, fmt: _rows.RowFormat) -> None:
@@ -307,21 +310,44 @@ class FSDPAdapter:
                 and _views.base(m.view) == "experts" and m.route.phases.mid_per_matrix
                 and all(leaf.shape == () and not leaf.dtype.is_floating_point for leaf in m.fmt.replicated))
 
-    def _set_plan(self, matrices: list[_Matrix]) -> None:
+    def _set_plan(self, matrices: list[_Matrix]) -> list[_Matrix]:
+        """The plan of ``matrices``; returns the plan's matrices: those of a stack with fewer rows
+        (experts) than ranks, planned per expert, become one-row pieces with owners of their own
+        (:func:`~muon_fn.fsdp._plan.expert_pieces`), the rest stay whole."""
         topo = self.topology
         units = group_by([id(m.bucket) for m in matrices])  # the owner computes whole buckets
-        local = [False] * len(matrices)
-        for unit in units:
-            for j in unit:
-                local[j] = all(self._is_local(matrices[k]) for k in unit)
+        per_expert = [all(self._is_local(matrices[k]) for k in unit) for unit in units]
+        split = [lo and all(self._can_cut(matrices[k]) for k in unit) for lo, unit in zip(per_expert, units)]
+        unit_of = {k: u for u, unit in enumerate(units) for k in unit}
+        planned, shapes, held, local, plan_units = [], [], [], [], [[] for _ in units]
+        for k, m in enumerate(matrices):  # in parameter order
+            u = unit_of[k]
+            pieces = list(zip(range(m.param.shape[0]), _plan.pieces_held(self._held_rows(m), m.param.shape[0]))) \
+                if split[u] else [(None, self._layouts[id(m.param)].held)]
+            for e, h in pieces:
+                plan_units[u].append(len(planned))
+                planned.append(m if e is None else m._replace(piece=e, flops=m.flops // m.param.shape[0]))
+                shapes.append(tuple(m.param.shape) if e is None else (1,) + tuple(m.param.shape[1:]))
+                held.append(h)
+                local.append(per_expert[u] and not split[u])
         plan = _plan.make_plan(
-            [tuple(m.param.shape) for m in matrices], topo.world_size,
-            replicated=[not self._layouts[id(m.param)].sharded for m in matrices],
-            held=[self._layouts[id(m.param)].held for m in matrices],
-            num_buckets=self._num_buckets, extra_cols=[m.fmt.sent_cols - m.fmt.cols for m in matrices],
-            units=units, views=[m.view for m in matrices], local=local)
+            shapes, topo.world_size, replicated=[not self._layouts[id(m.param)].sharded for m in planned],
+            held=held, num_buckets=self._num_buckets, extra_cols=[m.fmt.sent_cols - m.fmt.cols for m in planned],
+            units=plan_units, views=[m.view for m in planned], local=local, split=split)
         _exchange.check_same(self._plan_description(plan), "the optimizer's plan", topo.group, topo.world_size)
-        self.plan, self._wire_in = plan, _rows.common_dtype([m.fmt for m in matrices])
+        self.plan, self._wire_in = plan, _rows.common_dtype([m.fmt for m in planned])
+        return planned
+
+    def _held_rows(self, m: _Matrix) -> tuple[tuple[int, int], ...]:
+        """Every rank's rows of ``m``'s parameter (as exchanged)."""
+        layout = self._layouts[id(m.param)]
+        return layout.held if layout.held is not None else _plan.chunk_rows(layout.shape[0], self.topology.world_size)
+
+    def _can_cut(self, m: _Matrix) -> bool:
+        """Whether a stack planned per expert is cut into one-expert pieces: fewer experts than
+        ranks, and no mid state at all (a piece's owner keeps nothing for the other pieces)."""
+        return _plan.expert_pieces(m.param.shape[0], self.topology.world_size) and not m.fmt.replicated \
+            and not m.fmt.row_states
 
     def _plan_description(self, plan: _plan.Plan) -> list[tuple[str, str]]:
         """What every rank must agree on, entry by entry: the options that decide which
@@ -467,10 +493,15 @@ class FSDPAdapter:
                 updates, new_state = route.steps.pre_update(_phases.signature(local, g, state), local, g, state)
                 deferred.append((state, new_state))
             for i, p, u in zip(bucket.indices, local, updates):
-                j = self._index[(gi, i)]
-                fmt = matrices[j].fmt
+                js = self._index[(gi, i)]
+                fmt = matrices[js[0]].fmt
                 rows = [_params.local(self.state[params[i]][leaf.key]) for leaf in fmt.row_states]
-                held[j] = _rows.pack(fmt, *self._as_rows(fmt, params[i], u, p), rows, self._wire_in)
+                packed = _rows.pack(fmt, *self._as_rows(fmt, params[i], u, p), rows, self._wire_in)
+                start = self._layouts[id(params[i])].rows[0]
+                for j in js:  # a stack cut into pieces: each piece's row, if this rank holds it
+                    e = matrices[j].piece
+                    held[j] = packed if e is None else packed[e - start:e - start + 1] if (
+                        0 <= e - start < packed.shape[0]) else packed[:0]
         return held  # type: ignore[return-value]
 
     def _as_rows(self, fmt: _rows.RowFormat, param: torch.Tensor, update: torch.Tensor | None,
@@ -503,10 +534,11 @@ class FSDPAdapter:
         ``new_replicated``."""
         results: dict[int, torch.Tensor] = {}
         for members in group_by([id(matrices[j].bucket) for j in idx]):
-            batch = [idx[q] for q in members]
+            batch, inputs, pieces = self._whole_bucket(matrices, [idx[q] for q in members], [mats[q] for q in members])
+            rows = {idx[q]: mats[q].shape[0] for q in members}
             route, bucket = matrices[batch[0]].route, matrices[batch[0]].bucket
             assert [matrices[j].position for j in batch] == list(bucket.indices)  # the plan's units
-            sent = [_rows.unpack_sent(matrices[j].fmt, mats[q]) for j, q in zip(batch, members)]
+            sent = [_rows.unpack_sent(matrices[j].fmt, x) for j, x in zip(batch, inputs)]
             for j, (_, _, states) in zip(batch, sent):
                 for leaf in matrices[j].fmt.replicated:
                     states[leaf.key] = _params.local(self.state[matrices[j].param][leaf.key])
@@ -518,10 +550,32 @@ class FSDPAdapter:
             out, new_state = route.steps.mid(_phases.signature(*args), *args)
             new = [{} for _ in batch]
             _state.scatter(layout, new_state, new)
-            for j, u, n in zip(batch, out, new):
-                results[j] = _rows.pack_result(matrices[j].fmt, u, n, self._wire_in)
-                new_replicated[j] = [n[leaf.key] for leaf in matrices[j].fmt.replicated]
+            for j, u, n, own in zip(batch, out, new, pieces):
+                result = _rows.pack_result(matrices[j].fmt, u, n, self._wire_in)
+                for k, piece in zip(own, result.split([rows[k] for k in own])) if own is not None else [(j, result)]:
+                    results[k] = piece
+                    new_replicated[k] = [n[leaf.key] for leaf in matrices[j].fmt.replicated]
         return [results[j] for j in idx]
+
+    @staticmethod
+    def _whole_bucket(matrices: list[_Matrix], batch: list[int],
+                      mats: list[torch.Tensor]) -> tuple[list[int], list[torch.Tensor], list]:
+        """A bucket's matrices as its mid step takes them, one per parameter: a stack cut into
+        pieces as the stack of the pieces given here (in row order; none: 0 rows). Returns a plan
+        index per parameter, the inputs, and per parameter its pieces' plan indices (None if whole)."""
+        if all(matrices[j].piece is None for j in batch):
+            return batch, mats, [None] * len(batch)
+        bucket = matrices[batch[0]].bucket
+        given = {j: x for j, x in zip(batch, mats)}
+        first = {m.position: j for j, m in enumerate(matrices) if m.bucket is bucket and m.piece in (None, 0)}
+        out, inputs, pieces = [], [], []
+        for position in bucket.indices:
+            own = sorted((j for j in batch if matrices[j].position == position), key=lambda j: matrices[j].piece)
+            out.append(first[position])
+            like = mats[0]
+            inputs.append(torch.cat([given[j] for j in own]) if own else like.new_zeros((0, like.shape[1])))
+            pieces.append(own)
+        return out, inputs, pieces
 
     def _share(self, matrices: list[_Matrix],
                new: dict[int, list[torch.Tensor]]) -> dict[int, list[torch.Tensor]]:
@@ -546,9 +600,10 @@ class FSDPAdapter:
             _, _, state = route.phases.states(self._local_state(bucket, params))
             updates, old_mid, new_mid = [], [], []
             for i, p in zip(bucket.indices, local):
-                j = self._index[(gi, i)]
-                fmt = matrices[j].fmt
-                u, rows = self._from_rows(fmt, params[i], p, mine[j])
+                js = self._index[(gi, i)]
+                j, fmt = js[0], matrices[js[0]].fmt
+                result = mine[j] if len(js) == 1 else torch.cat([mine[k] for k in js])  # pieces in row order
+                u, rows = self._from_rows(fmt, params[i], p, result)
                 if grads[gi][i] is None:  # this rank leaves the parameter and its state alone
                     u = old = new = None
                 else:
@@ -668,12 +723,15 @@ class FSDPAdapter:
         rank its own rows, nothing exchanged)."""
         more = ", overlap=True" if self._overlap_wanted else ""
         lines = [f"{type(self).__name__}(strategy={self.strategy!r}, world_size={self.topology.world_size}{more})"]
-        owners = {(m.group, m.position): self.plan.matrices[j] for j, m in enumerate(self._matrices())}
+        self._matrices()
         for gi, group in enumerate(self.param_groups):
             for route in self._routes(gi):
                 for i in route.indices:
-                    p, mp = group["params"][i], owners.get((gi, i))
+                    p, js = group["params"][i], self._index.get((gi, i), [])
+                    mp = self.plan.matrices[js[0]] if js else None
                     who = "local" if mp is not None and mp.local else f"owner={mp.owner}" if mp else ""
+                    if len(js) > 1:
+                        who = f"per expert, owners={[self.plan.matrices[j].owner for j in js]}"
                     where = "" if mp is None else f" {who} bucket={mp.bucket}"
                     view = route.options.get("matrix_view", "flatten")
                     if mp is not None and (p.ndim >= 3 or isinstance(view, _views.Heads)):

@@ -66,7 +66,8 @@ class Overlap:
         # FSDP2 calls these hooks after its reduce-scatter: only its parameters' gradients are
         # final then (a plain or a DTensor parameter outside fully_shard is reduced later, if at all).
         managed = {id(p) for module in opt._fsdp_modules for p in module.parameters()}
-        hooked = [m.param for m in opt._matrices() if opt._layouts[id(m.param)].sharded and id(m.param) in managed]
+        hooked = list({id(m.param): m.param for m in opt._matrices()
+                       if opt._layouts[id(m.param)].sharded and id(m.param) in managed}.values())
         for p in hooked:
             self.handles.append(p.register_post_accumulate_grad_hook(_hook(me)))
         weakref.finalize(self, _remove, self.handles)

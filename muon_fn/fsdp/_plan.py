@@ -59,6 +59,7 @@ def flat_shape(shape: Sequence[int]) -> tuple[int, int]:
     return shape[0], math.prod(shape[1:])
 
 
+@functools.lru_cache(maxsize=4096)
 def ns_cost(shape: Sequence[int], view: str | _views.Heads = "flatten") -> int:
     """Newton–Schulz cost of a weight: the GEMM FLOPs of one quintic iteration,
     ``4s²l + 2s³`` (``s = min(m, n)``, ``l = max(m, n)``), for each of its matrices ``(m, n)``
@@ -205,19 +206,32 @@ class Plan:
         return total
 
 
-def lpt_owners(costs: Sequence[int], world_size: int, loads: Sequence[int] | None = None) -> list[int]:
+def lpt_owners(costs: Sequence[int], world_size: int, loads: Sequence[int] | None = None,
+               prefer: Sequence[int] | None = None) -> list[int]:
     """Longest-processing-time-first assignment: biggest cost first to the least-loaded rank.
 
     Ties go to the smaller index (matrix) and the lower rank, so the result is deterministic.
     ``loads`` seeds the per-rank loads (e.g. work already assigned in earlier buckets).
+    ``prefer``: per item, a rank that holds its data (or -1): the item stays there while that
+    rank's load stays within what the step costs anyway (the mean load of the whole assignment,
+    or the largest item if that is more), so data moves only where the balance needs it.
     """
-    heap = [(load, r) for r, load in enumerate(loads if loads is not None else [0] * world_size)]
+    current = list(loads) if loads is not None else [0] * world_size
+    target = max((sum(current) + sum(costs)) / world_size, max(costs, default=0))
+    order = sorted(range(len(costs)), key=lambda j: (-costs[j], j))
+    owners = [-1] * len(costs)
+    for j in order:  # first every item its holder can keep, so the others fill the rest
+        r = prefer[j] if prefer is not None else -1
+        if r >= 0 and current[r] + costs[j] <= target:
+            owners[j] = r
+            current[r] += costs[j]
+    heap = [(load, r) for r, load in enumerate(current)]
     heapq.heapify(heap)  # (load, rank): the least loaded, then the lowest rank, on top
-    owners = [0] * len(costs)
-    for j in sorted(range(len(costs)), key=lambda j: (-costs[j], j)):
-        load, r = heap[0]
-        owners[j] = r
-        heapq.heapreplace(heap, (load + costs[j], r))
+    for j in order:
+        if owners[j] < 0:
+            load, r = heap[0]
+            owners[j] = r
+            heapq.heapreplace(heap, (load + costs[j], r))
     return owners
 
 
@@ -253,6 +267,7 @@ def make_plan(
     views: Sequence[str | _views.Heads] | None = None,
     local: bool | Sequence[bool] = False,
     held: Sequence[Sequence[Rows] | None] | None = None,
+    split: bool | Sequence[bool] = False,
 ) -> Plan:
     """Owners, row splits and buckets for matrices of global ``shapes`` on ``world_size`` ranks.
 
@@ -278,6 +293,9 @@ def make_plan(
         layout whose row blocks tile the matrix, equal blocks on replicas); it overrides
         ``replicated`` for that matrix. The first rank holding a block contributes it; every
         holder receives it back.
+      split: per unit (or one for all), True if its matrices may have different owners (the
+        pieces of expert stacks, :func:`expert_pieces`): they stay in one exchange bucket, but LPT
+        places each matrix on its own. The owner computes its matrices of the unit together.
 
     Local matrices are planned first (their cost falls where their rows lie). Owners are assigned
     to the other units by LPT on :func:`ns_cost` (FLOPs) over all units at once, from the loads of
@@ -295,21 +313,30 @@ def make_plan(
         raise ValueError(f"Invalid extra_cols: {extra_cols} (expected >= 0)")
     units = _check_units(units, len(shapes))
     local = _check_local(_per_matrix("local", local, len(shapes)), replicated, units)
-    held = [None if h is None else tuple(tuple(r) for r in h) for h in (held or [None] * len(shapes))]
+    held = [None if h is None else h if type(h) is tuple and (not h or type(h[0]) is tuple)
+            else tuple(tuple(r) for r in h) for h in (held or [None] * len(shapes))]
     receives = [h if h is not None else ((0, m),) * world_size if rep else chunk_rows(m, world_size)
                 for h, rep, (m, _) in zip(held, replicated, flat)]
     if len(receives) != len(shapes) or any(len(r) != world_size for r in receives):
         raise ValueError(f"held must give the rows of each of {world_size} ranks for each of {len(shapes)} matrices")
     groups = make_buckets([0 if local[u[0]] else sum(flat[j][0] * flat[j][1] for j in u) for u in units],
                           num_buckets)
-    seed = [sum(c * (b - a) // max(flat[j][0], 1) for j, c in enumerate(costs) if local[j]
-                for a, b in [receives[j][r]]) for r in range(world_size)]
-    owners, bucket_of = _assign_owners(costs, units, groups, world_size, seed, local)
+    seed = [0] * world_size
+    for j in (j for j, lo in enumerate(local) if lo):
+        for r, n in _nonzero(receives[j]):
+            seed[r] += costs[j] * n // max(flat[j][0], 1)
+    split = _per_matrix("split", split, len(units))
+    holders = [(_nonzero(rows) or ((-1, 0),))[0][0] for rows in receives]
+    owners, bucket_of = _assign_owners(costs, units, groups, world_size, seed, local, split, holders)
+    for u, unit in enumerate(units):  # a piece its only holder keeps is computed where it lies
+        for j in unit if split[u] else ():
+            if owners[j] == holders[j] and len(_nonzero(receives[j])) == 1:
+                owners[j], local[j] = LOCAL, True
     matrices = []
     for j, (shape, (m, n)) in enumerate(zip(shapes, flat)):
         receive = receives[j]
         if held[j] is not None and not local[j]:
-            contrib = first_holders(receive, owners[j])
+            contrib = receive if _no_replicas(receive) else first_holders(receive, owners[j])
         elif replicated[j]:
             contrib = tuple((0, m) if r == owners[j] else (0, 0) for r in range(world_size))
         else:
@@ -354,49 +381,106 @@ def _check_local(local: list, replicated: list, units: list[list[int]]) -> list[
 
 
 def _assign_owners(costs: list[int], units: list[list[int]], groups: list[list[int]], world_size: int,
-                   loads: list[int], local: list[bool]) -> tuple[list[int], list[int]]:
+                   loads: list[int], local: list[bool], split: list[bool],
+                   holders: list[int]) -> tuple[list[int], list[int]]:
     """Owner and bucket of every matrix (of ``costs``): LPT over all units that are not local at
-    once, from the ``loads`` of the local matrices (which get :data:`LOCAL`)."""
+    once (each matrix of a ``split`` unit on its own, kept by its first holder in ``holders``
+    while that rank's load allows), from the ``loads`` of the local matrices (which get
+    :data:`LOCAL`)."""
     owners, bucket_of = [LOCAL] * len(costs), [0] * len(costs)
+    split_of = [False] * len(costs)
+    for u, unit in enumerate(units):
+        for j in unit:
+            split_of[j] = split[u]
     for b, members in enumerate(groups):
         for u in members:
             for j in units[u]:
                 bucket_of[j] = b
-    placed = [u for u in range(len(units)) if not local[units[u][0]]]
-    unit_costs = [sum(costs[j] for j in units[u]) for u in placed]
-    for u, r in zip(placed, lpt_owners(unit_costs, world_size, loads)):
-        for j in units[u]:
+    placed = [members for u, unit in enumerate(units) if not local[unit[0]]
+              for members in ([[j] for j in unit] if split[u] else [unit])]
+    unit_costs = [sum(costs[j] for j in members) for members in placed]
+    prefer = [holders[members[0]] if split_of[members[0]] else -1 for members in placed]
+    for members, r in zip(placed, lpt_owners(unit_costs, world_size, loads, prefer)):
+        for j in members:
             owners[j] = r
     return owners, bucket_of
 
 
 def _bucket_plan(b: int, members: list[int], matrices: list[MatrixPlan], world_size: int) -> BucketPlan:
-    """Split sizes of one exchange, summed per owner over per-rank element vectors (shared by
-    equal layouts, so W = 1,024 stays fast): ``into[d][r]`` elements go from rank r to owner d,
-    ``out_of[d][r]`` from owner d back to rank r."""
+    """Split sizes of one exchange, summed per owner over per-rank element counts (only the ranks
+    holding rows of a matrix, so many small pieces at W = 1,024 stay fast): ``into[d][r]``
+    elements go from rank r to owner d, ``out_of[d][r]`` from owner d back to rank r."""
     zeros = (0,) * world_size
-    into: dict[int, tuple[int, ...]] = {}
-    out_of: dict[int, tuple[int, ...]] = {}
+    into: dict[int, list[int]] = {}
+    out_of: dict[int, list[int]] = {}
     for j in members:
         mp = matrices[j]
         if mp.local:  # computed where it lies: nothing to send
             continue
-        _add(into, mp.owner, _numels(mp.contrib, mp.cols))
-        _add(out_of, mp.owner, _numels(mp.receive, mp.cols))
-    to_owner = tuple(into.get(d, zeros) for d in range(world_size))
-    scatter = tuple(out_of.get(d, zeros) for d in range(world_size))
+        _add(into, mp.owner, _nonzero(mp.contrib), mp.cols, world_size)
+        _add(out_of, mp.owner, _nonzero(mp.receive), mp.cols, world_size)
+    to_owner = tuple(tuple(into[d]) if d in into else zeros for d in range(world_size))
+    scatter = tuple(tuple(out_of[d]) if d in out_of else zeros for d in range(world_size))
     return BucketPlan(b, tuple(members), to_owner, scatter)
 
 
-def _add(sums: dict[int, tuple[int, ...]], key: int, vector: tuple[int, ...]) -> None:
-    """``sums[key] += vector`` (the first vector is kept as is, shared)."""
-    sums[key] = vector if key not in sums else tuple(map(operator.add, sums[key], vector))
+def _add(sums: dict[int, list[int]], key: int, rows: tuple[tuple[int, int], ...], cols: int, w: int) -> None:
+    """``sums[key][r] += rows·cols`` for each ``(r, rows)`` of ``rows``."""
+    total = sums.get(key)
+    if total is None:
+        total = sums[key] = [0] * w
+    for r, n in rows:
+        total[r] += n * cols
 
 
-@functools.lru_cache(maxsize=4096)
-def _numels(rows: tuple[Rows, ...], cols: int) -> tuple[int, ...]:
-    """Elements of each rank's ``rows`` of a matrix with ``cols`` columns."""
-    return tuple((stop - start) * cols for start, stop in rows)
+def _by_identity(fn):
+    """``fn`` of a row layout, remembered by the layout's identity: plans share layout tuples
+    (``chunk_rows``, :func:`pieces_held`), and hashing a 1,024-rank layout costs more than ``fn``."""
+    memo: dict[int, tuple] = {}
+
+    @functools.wraps(fn)
+    def cached(rows: tuple[Rows, ...]):
+        hit = memo.get(id(rows))
+        if hit is None or hit[0] is not rows:
+            if len(memo) >= 4096:
+                memo.clear()
+            hit = memo[id(rows)] = (rows, fn(rows))  # the layout is kept alive with its value
+        return hit[1]
+
+    return cached
+
+
+@_by_identity
+def _nonzero(rows: tuple[Rows, ...]) -> tuple[tuple[int, int], ...]:
+    """``(rank, row count)`` of every rank holding rows in ``rows``."""
+    return tuple((r, stop - start) for r, (start, stop) in enumerate(rows) if stop > start)
+
+
+@_by_identity
+def _no_replicas(held: tuple[Rows, ...]) -> bool:
+    """No two ranks hold the same non-empty block (each block has one holder)."""
+    blocks = [r for r in held if r[1] > r[0]]
+    return len(blocks) == len(set(blocks))
+
+
+def expert_pieces(rows: int, world_size: int) -> bool:
+    """Whether a stack of ``rows`` whole matrices (an expert stack on its expert dim), planned per
+    matrix, is cut into one-row pieces, each with an owner of its own, instead of being computed
+    where it lies: when there are fewer rows than ranks, so that computing in place would leave
+    ranks idle (DeepSeek-V3's 256 experts on 1,024 ranks)."""
+    return rows < world_size
+
+
+@functools.lru_cache(maxsize=256)
+def pieces_held(held: tuple[Rows, ...], rows: int) -> tuple[tuple[Rows, ...], ...]:
+    """For each row ``e`` of a matrix of ``rows`` rows whose rows the ranks hold as ``held``: per
+    rank, ``(0, 1)`` if it holds row ``e``, else ``(0, 0)`` (the one-row pieces' layouts)."""
+    none = ((0, 0),) * len(held)
+    pieces = [list(none) for _ in range(rows)]
+    for r, (start, stop) in enumerate(held):
+        for e in range(start, stop):
+            pieces[e][r] = (0, 1)
+    return tuple(tuple(p) for p in pieces)
 
 
 def _per_matrix(name: str, value, n: int) -> list:

@@ -36,15 +36,16 @@ optimizers do not run on it, and this planner predicts only what they run.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 from .. import _views
 from .._muon import group_by
 from ..optim._adapter import BUCKET_SIZE  # FSDPMuonOptimizer's default, as MuonOptimizer's
 from . import specs as _specs
-from ._plan import Plan, chunk_rows, make_plan, ns_flops
+from ._plan import Plan, _nonzero, chunk_rows, expert_pieces, make_plan, ns_flops, pieces_held
 
 DEFAULT_GEMM_TFLOPS = 400.0  # achieved dense bf16 GEMM rate of an H100 (of ~990 peak)
 DEFAULT_LINK_GBPS = 50.0  # GB/s per rank between nodes (one 400 Gb/s NIC per GPU)
@@ -158,11 +159,10 @@ class PlanReport:
     received: tuple[int, ...]
     peak: tuple[int, ...]  # extra bytes each rank holds at once (estimate, module doc)
     muon_bytes: int  # S: wire bytes of the Muon matrices that travel (not the local expert stacks)
-    unit_flops: tuple[int, ...]  # NS FLOPs of each owner unit
+    placed_flops: tuple[int, ...]  # NS FLOPs of what LPT places: owner units, expert pieces
     gemm_flops_per_s: float
     link_bytes_per_s: float
     matrix_flops: tuple[int, ...] = ()  # NS FLOPs of each of the plan's matrices
-    unit_local: tuple[bool, ...] = ()  # per owner unit: planned per expert (no owner, module doc)
 
     @property
     def world_size(self) -> int:
@@ -180,11 +180,11 @@ class PlanReport:
 
     @property
     def bound_max_mean(self) -> float:
-        """The least max/mean any assignment of these owner units can reach (a lower bound: the
-        largest unit; and for k ≥ 1, some rank gets k + 1 of the kW + 1 largest units)."""
+        """The least max/mean any assignment of what LPT places (owner units, expert pieces) can
+        reach, the local stacks where they lie (a lower bound: the largest item; and for k ≥ 1,
+        some rank gets k + 1 of the kW + 1 largest)."""
         w = self.world_size
-        placed = [f for f, lo in zip(self.unit_flops, self.unit_local) if not lo]
-        costs = sorted(placed, reverse=True) or [0]
+        costs = sorted(self.placed_flops, reverse=True) or [0]
         mean = sum(self.flops) / w
         if not mean:
             return 1.0
@@ -253,25 +253,82 @@ def plan_model(model: str | dict | Sequence[Matrix], mesh: str | int | Mesh = "d
                                                                    else {"bucket_size": bucket_size}))
     label, matrices = muon_matrices(model)
     mesh = parse_mesh(mesh)
+    world = mesh.world_size if mesh.tp > 1 else mesh.dp
     units = owner_units(matrices, bucket_size)
-    views = [view for _, _, view in matrices]
-    shards = mesh.dp * mesh.tp
-    local = [shards > 1 and len(shape) >= 3 and _views.base(view) == "experts" for _, shape, view in matrices]
-    styles = [tp_style(name, shape, view) if mesh.tp > 1 else "none" for name, shape, view in matrices]
-    held = [held_rows(shape[0], mesh, style) for (_, shape, _), style in zip(matrices, styles)] if mesh.tp > 1 else None
-    plan = make_plan([shape for _, shape, _ in matrices], mesh.world_size if mesh.tp > 1 else mesh.dp,
-                     num_buckets=num_buckets, units=units, views=views, local=local, held=held)
-    flops = [_views.count(shape, view) * ns_flops(_views.matrix_shape(shape, view), ns_steps)
-             for _, shape, view in matrices]
-    per_rank = _rank_figures(plan, flops, units, views, wire_bytes, ns_bytes)
+    expanded = _expert_pieces(matrices, units, mesh, world)
+    plan = make_plan([e.shape for e in expanded.matrices], world, num_buckets=num_buckets,
+                     units=expanded.units, views=[e.view for e in expanded.matrices],
+                     local=[e.local for e in expanded.matrices],
+                     held=[e.held for e in expanded.matrices] if mesh.tp > 1 or any(expanded.split) else None,
+                     split=expanded.split)
+    flops = [_matrix_flops(e.shape, e.view, ns_steps) for e in expanded.matrices]
+    per_rank = _rank_figures(plan, flops, expanded.units, [e.view for e in expanded.matrices], wire_bytes, ns_bytes)
     if mesh.tp > 1:
-        per_rank = _with_tp_redistribution(per_rank, plan, styles, mesh.tp, wire_bytes)
-    return PlanReport(label, mesh, plan, tuple(name for name, _, _ in matrices),
+        per_rank = _with_tp_redistribution(per_rank, plan, [e.style for e in expanded.matrices], mesh.tp, wire_bytes)
+    placed = [sum(flops[j] for j in unit) for unit, cut in zip(expanded.units, expanded.split)
+              if not cut and not expanded.matrices[unit[0]].local]
+    placed += [flops[j] for unit, cut in zip(expanded.units, expanded.split) if cut for j in unit]
+    return PlanReport(label, mesh, plan, tuple(e.name for e in expanded.matrices),
                       sum(_views.count(shape, view) for _, shape, view in matrices), len(units),
                       *per_rank, muon_bytes=sum(mp.numel for mp in plan.matrices if not mp.local) * wire_bytes,
-                      unit_flops=tuple(sum(flops[j] for j in unit) for unit in units),
-                      matrix_flops=tuple(flops), unit_local=tuple(local[unit[0]] for unit in units),
+                      placed_flops=tuple(placed), matrix_flops=tuple(flops),
                       gemm_flops_per_s=gemm_tflops * 1e12, link_bytes_per_s=link_gbps * 1e9)
+
+
+@functools.lru_cache(maxsize=4096)
+def _matrix_flops(shape: tuple[int, ...], view: str | _views.Heads, ns_steps: int) -> int:
+    """NS FLOPs of a parameter: its matrices under ``view``, each ``ns_steps`` iterations."""
+    return _views.count(shape, view) * ns_flops(_views.matrix_shape(shape, view), ns_steps)
+
+
+@functools.lru_cache(maxsize=4096)
+def _workspace(shape: tuple[int, ...], view: str | _views.Heads, ns_bytes: int) -> int:
+    """Bytes of a parameter's Newton–Schulz workspace: X, XXᵀ, its square and the new X of each
+    of its matrices, (2sl + 2s²) elements."""
+    m, n = _views.matrix_shape(shape, view)
+    s, l = min(m, n), max(m, n)
+    return _views.count(shape, view) * (2 * s * l + 2 * s * s) * ns_bytes
+
+
+class _Planned(NamedTuple):
+    """One matrix of the plan: a Muon parameter, or a one-expert piece of a stack."""
+
+    name: str
+    shape: tuple[int, ...]
+    view: str | _views.Heads
+    style: str  # its TP layout (tp_style), "none" without TP
+    held: tuple[tuple[int, int], ...]  # every rank's rows
+    local: bool
+
+
+class _Expanded(NamedTuple):
+    matrices: list[_Planned]
+    units: list[list[int]]  # the optimizer's owner units, over ``matrices``
+    split: list[bool]  # per unit: cut into pieces with owners of their own
+
+
+def _expert_pieces(matrices: Sequence[Matrix], units: list[list[int]], mesh: Mesh, world: int) -> _Expanded:
+    """The plan's matrices as FSDPMuonOptimizer makes them: an expert stack is planned per expert
+    (local) and, with fewer experts than ranks (:func:`~muon_fn.fsdp._plan.expert_pieces`), cut
+    into one-expert pieces; everything else whole."""
+    split, local = [], []
+    for unit in units:
+        names = [matrices[k] for k in unit]
+        local.append(mesh.dp * mesh.tp > 1 and all(len(shape) >= 3 and _views.base(view) == "experts"
+                                                     for _, shape, view in names))
+        split.append(local[-1] and all(expert_pieces(shape[0], world) for _, shape, _ in names))
+    unit_of = {k: u for u, unit in enumerate(units) for k in unit}
+    out, plan_units = [], [[] for _ in units]
+    for k, (name, shape, view) in enumerate(matrices):  # in parameter order
+        u = unit_of[k]
+        style = tp_style(name, shape, view) if mesh.tp > 1 else "none"
+        held = held_rows(shape[0], mesh, style) if mesh.tp > 1 else chunk_rows(shape[0], world)
+        pieces = [(f"{name}[{e}]", (1,) + tuple(shape[1:]), h) for e, h in enumerate(pieces_held(held, shape[0]))] \
+            if split[u] else [(name, tuple(shape), held)]
+        for piece_name, piece_shape, piece_held in pieces:
+            plan_units[u].append(len(out))
+            out.append(_Planned(piece_name, piece_shape, view, style, piece_held, local[u] and not split[u]))
+    return _Expanded(out, plan_units, split)
 
 
 def _with_tp_redistribution(per_rank: tuple, plan: Plan, styles: list[str], tp: int,
@@ -308,25 +365,27 @@ def _rank_figures(plan: Plan, flops: list[int], units: list[list[int]], views: l
     zeros = [0] * w
     rank_flops, owned, kept, returned = list(zeros), list(zeros), list(zeros), list(zeros)
     owned_in_bucket = [list(zeros) for _ in plan.buckets]
-    contributed: dict[tuple, int] = {}  # row layout -> columns summed over the matrices laid out so
-    held: dict[tuple, int] = {}
-    copies: dict[tuple, int] = {}
+    # row layout -> columns summed over the matrices laid out so; keyed by the layout's identity
+    # (plans share layout tuples, and hashing a 1,024-rank layout per matrix is slow)
+    contributed: dict[int, list] = {}
+    held: dict[int, list] = {}
+    copies: dict[int, int] = {}
     for j, mp in enumerate(plan.matrices):
         if mp.local:  # every rank computes the experts it holds; nothing travels
             for r in range(w):
                 rank_flops[r] += mp.row_share(flops[j], r)
             continue
-        contributed[mp.contrib] = contributed.get(mp.contrib, 0) + mp.cols
-        held[mp.receive] = held.get(mp.receive, 0) + mp.cols
+        contributed.setdefault(id(mp.contrib), [mp.contrib, 0])[1] += mp.cols
+        held.setdefault(id(mp.receive), [mp.receive, 0])[1] += mp.cols
         o = mp.owner
         rank_flops[o] += flops[j]
         owned[o] += mp.numel
         owned_in_bucket[mp.bucket][o] += mp.numel
         kept[o] += mp.contrib_numel(o) + mp.receive_numel(o)  # rows the owner keeps both ways
-        if mp.receive not in copies:  # rows returned in all: m (sharded) or W·m (replicated)
-            copies[mp.receive] = sum(stop - start for start, stop in mp.receive)
-        returned[o] += copies[mp.receive] * mp.cols
-    sends, holds = _sum_layouts(contributed, w), _sum_layouts(held, w)
+        if id(mp.receive) not in copies:  # rows returned in all: m (sharded) or W·m (replicated)
+            copies[id(mp.receive)] = sum(stop - start for start, stop in mp.receive)
+        returned[o] += copies[id(mp.receive)] * mp.cols
+    sends, holds = _sum_layouts(contributed.values(), w), _sum_layouts(held.values(), w)
     sent = [wire_bytes * (sends[r] + returned[r] - kept[r]) for r in range(w)]
     received = [wire_bytes * (owned[r] + holds[r] - kept[r]) for r in range(w)]
     workspace = _workspaces(plan, units, views, ns_bytes)
@@ -335,10 +394,10 @@ def _rank_figures(plan: Plan, flops: list[int], units: list[list[int]], views: l
     return tuple(rank_flops), tuple(sent), tuple(received), tuple(peak)
 
 
-def _sum_layouts(columns: dict[tuple, int], w: int) -> list[int]:
-    """Per rank, the elements of its rows summed over row layouts, each with its total columns."""
+def _sum_layouts(columns: Iterable[list], w: int) -> list[int]:
+    """Per rank, the elements of its rows summed over ``(row layout, total columns)`` pairs."""
     total = [0] * w
-    for rows, cols in columns.items():
+    for rows, cols in columns:
         total = [t + (stop - start) * cols for t, (start, stop) in zip(total, rows)]
     return total
 
@@ -348,16 +407,11 @@ def _workspaces(plan: Plan, units: list[list[int]], views: list[str], ns_bytes: 
     and the new X of each matrix, (2sl + 2s²) elements in the iteration's dtype."""
     out = [0] * plan.world_size
     for unit in units:
-        size = 0
+        sizes: dict[int, int] = {}  # per rank computing some of it (an owner; a rank holding local rows)
         for j in unit:
-            shape = plan.matrices[j].shape
-            m, n = _views.matrix_shape(shape, views[j])
-            s, l = min(m, n), max(m, n)
-            size += _views.count(shape, views[j]) * (2 * s * l + 2 * s * s) * ns_bytes
-        first = plan.matrices[unit[0]]
-        if first.local:  # each rank's share of the unit: the experts it holds
-            for r in range(plan.world_size):
-                out[r] = max(out[r], first.row_share(size, r))
-        else:
-            out[first.owner] = max(out[first.owner], size)
+            mp, size = plan.matrices[j], _workspace(plan.matrices[j].shape, views[j], ns_bytes)
+            for r, _ in _nonzero(mp.receive) if mp.local else ((mp.owner, 0),):
+                sizes[r] = sizes.get(r, 0) + (mp.row_share(size, r) if mp.local else size)
+        for r, size in sizes.items():
+            out[r] = max(out[r], size)
     return out
