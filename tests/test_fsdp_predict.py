@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import math
 import pathlib
 import time
@@ -11,11 +12,14 @@ import time
 import expecttest
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from muon_fn import cli
 from muon_fn.fsdp import FSDPMuonOptimizer, Mesh, format_plan, parse_mesh, plan_model, specs
 from muon_fn.fsdp._plan import chunk_rows, ns_flops
+from muon_fn.fsdp._predict import _least_capacity
 
 SPECS = ("llama3-8b", "llama3-70b", "deepseek-v3")
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "distributed.md"
@@ -111,6 +115,25 @@ def test_where_whole_matrices_cannot_reach_the_goal_lpt_reaches_the_bound():
     for name, w, bound in (("llama3-8b", 64, 1.057), ("llama3-70b", 1024, 3.406)):
         r = plan_model(name, w, bucket_size=1)
         assert round(r.bound_max_mean, 3) == bound and r.flops_max_mean == pytest.approx(r.bound_max_mean)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 50), min_size=1, max_size=7), st.integers(1, 3), st.integers(0, 20))
+def test_l2_bound_is_never_above_the_best_assignment(costs, w, base):
+    """The L2 bin-packing bound never exceeds the optimal makespan (brute force over every
+    assignment), with every rank carrying ``base`` already."""
+    best = min(max(base + sum(c for c, r in zip(costs, owners) if r == k) for k in range(w))
+               for owners in itertools.product(range(w), repeat=len(costs)))
+    start = max(base + sum(costs) / w, base + max(costs))
+    assert _least_capacity(costs, w, start, base) <= best + 1e-9
+
+
+def test_missed_cells_are_at_their_bound():
+    """Where max/mean misses 1.05 with as many matrices as ranks, no assignment of whole
+    matrices does better: LPT sits at the lower bound."""
+    for name, w in (("llama3-8b", 64), ("llama3-70b", 256), ("deepseek-v3", 256)):
+        r = plan_model(name, w, bucket_size=1)
+        assert r.flops_max_mean > 1.05 and r.flops_max_mean == pytest.approx(r.bound_max_mean, rel=1e-5)
 
 
 def test_hsdp_replicas_plan_like_one_shard_group():
@@ -237,5 +260,5 @@ class TestCLI(expecttest.TestCase):
 | model | mesh | matrices | units | buckets | NS FLOPs/rank max | max/mean | lower bound | efficiency | idle ranks | sent/rank mean | 2(W−1)/W²·S | sent max | received max | extra peak max | compute | comm | step |
 |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|
 | tiny | dp=2 | 24 | 15 | 4 | 48.8 MFLOP | 1.007 | 1.000 | 99% | 0/2 | 98.8 kB | 98.8 kB | 98.8 kB | 98.8 kB | 525 kB | 0.122 µs | 1.98 µs | 2.47 µs |
-| tiny | replicate=2,dp=4 | 24 | 15 | 4 | 25.9 MFLOP | 1.067 | 1.000 | 94% | 0/4 | 74.1 kB | 74.1 kB | 78.1 kB | 78.1 kB | 328 kB | 0.0647 µs | 1.56 µs | 1.95 µs |
+| tiny | replicate=2,dp=4 | 24 | 15 | 4 | 25.9 MFLOP | 1.067 | 1.067 | 94% | 0/4 | 74.1 kB | 74.1 kB | 78.1 kB | 78.1 kB | 328 kB | 0.0647 µs | 1.56 µs | 1.95 µs |
 """)

@@ -36,6 +36,7 @@ optimizers do not run on it, and this planner predicts only what they run.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import math
 from dataclasses import dataclass
@@ -160,6 +161,7 @@ class PlanReport:
     peak: tuple[int, ...]  # extra bytes each rank holds at once (estimate, module doc)
     muon_bytes: int  # S: wire bytes of the Muon matrices that travel (not the local expert stacks)
     placed_flops: tuple[int, ...]  # NS FLOPs of what LPT places: owner units, expert pieces
+    fixed_flops: tuple[int, ...]  # per rank, NS FLOPs of the stacks computed where they lie
     gemm_flops_per_s: float
     link_bytes_per_s: float
     matrix_flops: tuple[int, ...] = ()  # NS FLOPs of each of the plan's matrices
@@ -180,23 +182,19 @@ class PlanReport:
 
     @property
     def bound_max_mean(self) -> float:
-        """The least max/mean any assignment of what LPT places (owner units, expert pieces) can
-        reach, the local stacks where they lie (a lower bound: the largest item; and for k ≥ 1,
-        some rank gets k + 1 of the kW + 1 largest)."""
+        """A lower bound on the max/mean any assignment of what LPT places (owner units, expert
+        pieces) can reach, the local stacks where they lie: the mean, the largest item, the most
+        loaded rank's local experts, k + 1 of the kW + 1 largest items on one rank, and
+        Martello–Toth's L2 bin-packing bound on the items (:func:`_least_capacity`)."""
         w = self.world_size
-        costs = sorted(self.placed_flops, reverse=True) or [0]
         mean = sum(self.flops) / w
         if not mean:
             return 1.0
-        fixed = [0] * w  # the local units' FLOPs fall where their rows lie
-        for j, mp in enumerate(self.plan.matrices):
-            if mp.local:
-                for r in range(w):
-                    fixed[r] += mp.row_share(self.matrix_flops[j], r)
-        best = max(mean, costs[0], max(fixed))
-        for k in range(1, (len(costs) - 1) // w + 1):
+        costs = sorted(self.placed_flops, reverse=True) or [0]
+        best = max(mean, costs[0], max(self.fixed_flops, default=0))
+        for k in range(1, (len(costs) - 1) // w + 1):  # some rank gets k + 1 of the kW + 1 largest
             best = max(best, sum(costs[k * w - k:k * w + 1]))
-        return best / mean
+        return max(best, _least_capacity(costs, w, best, min(self.fixed_flops, default=0))) / mean
 
     @property
     def idle_ranks(self) -> int:
@@ -268,10 +266,15 @@ def plan_model(model: str | dict | Sequence[Matrix], mesh: str | int | Mesh = "d
     placed = [sum(flops[j] for j in unit) for unit, cut in zip(expanded.units, expanded.split)
               if not cut and not expanded.matrices[unit[0]].local]
     placed += [flops[j] for unit, cut in zip(expanded.units, expanded.split) if cut for j in unit]
+    fixed = [0] * world
+    for unit, cut in zip(expanded.units, expanded.split):
+        for j in unit if expanded.matrices[unit[0]].local and not cut else ():
+            for r, _ in _nonzero(plan.matrices[j].receive):
+                fixed[r] += plan.matrices[j].row_share(flops[j], r)
     return PlanReport(label, mesh, plan, tuple(e.name for e in expanded.matrices),
                       sum(_views.count(shape, view) for _, shape, view in matrices), len(units),
                       *per_rank, muon_bytes=sum(mp.numel for mp in plan.matrices if not mp.local) * wire_bytes,
-                      placed_flops=tuple(placed), matrix_flops=tuple(flops),
+                      placed_flops=tuple(placed), fixed_flops=tuple(fixed), matrix_flops=tuple(flops),
                       gemm_flops_per_s=gemm_tflops * 1e12, link_bytes_per_s=link_gbps * 1e9)
 
 
@@ -329,6 +332,47 @@ def _expert_pieces(matrices: Sequence[Matrix], units: list[list[int]], mesh: Mes
             plan_units[u].append(len(out))
             out.append(_Planned(piece_name, piece_shape, view, style, piece_held, local[u] and not split[u]))
     return _Expanded(out, plan_units, split)
+
+
+def _least_capacity(costs: Sequence[int], w: int, start: float, base: float = 0) -> float:
+    """The least per-rank capacity C ≥ ``start`` (from below, to 1e-6) at which Martello–Toth's L2
+    bound does not prove that ``costs`` cannot go on ``w`` ranks: for every t ≤ C/2, the items above C − t
+    need a rank each, so do those in (C/2, C − t], and the items in [t, C/2] need ranks for what
+    does not fit in the second group's room; every rank already carries ``base`` (the least load
+    of the stacks computed where they lie), so the items have C − base. A bound on the makespan
+    of any assignment."""
+    xs = sorted(costs)
+    if not xs:
+        return start
+    prefix = [0]
+    for x in xs:
+        prefix.append(prefix[-1] + x)
+    sizes = sorted(set(xs))
+
+    def count(lo: float, hi: float, open_lo: bool) -> tuple[int, int]:  # items in (lo|[lo, hi]
+        a = bisect.bisect_right(xs, lo) if open_lo else bisect.bisect_left(xs, lo)
+        b = bisect.bisect_right(xs, hi)
+        return max(0, b - a), prefix[max(a, b)] - prefix[a]
+
+    def ranks_needed(c: float) -> float:
+        if xs[-1] > c:
+            return math.inf
+        need = 0
+        for t in [0] + [x for x in sizes if x <= c / 2]:
+            n1 = len(xs) - bisect.bisect_right(xs, c - t)
+            n2, s2 = count(c / 2, c - t, True)
+            n3, s3 = count(t, c / 2, False) if t else count(0, c / 2, False)
+            need = max(need, n1 + n2 + max(0, math.ceil((s3 - (n2 * c - s2)) / c - 1e-12)))
+        return need
+
+    lo, hi = start, max(start, float(prefix[-1]))
+    if ranks_needed(lo - base) <= w:
+        return lo
+    hi += base
+    while hi - lo > 1e-6 * lo:  # lo stays infeasible: the bound returned is never above the truth
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if ranks_needed(mid - base) <= w else (mid, hi)
+    return lo
 
 
 def _with_tp_redistribution(per_rank: tuple, plan: Plan, styles: list[str], tp: int,
