@@ -358,8 +358,7 @@ class FSDPAdapter:
         out = [("the options", f"strategy={self.strategy!r}, wire_dtype={self.wire_dtype}, "
                                f"num_buckets={self._num_buckets}, gradient_accumulation_steps="
                                f"{self._accumulation_steps}, nonfinite={self.nonfinite!r}, "
-                               f"{topo.world_size} ranks, {where}")]
-        out.append(("overlap", str(self._overlap_wanted)))
+                               f"overlap={self._overlap_wanted}, {topo.world_size} ranks, {where}")]
         for gi, group in enumerate(self.param_groups):
             routes = {i: route for route in self._routes(gi) for i in route.indices}
             for i, p in enumerate(group["params"]):
