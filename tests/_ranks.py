@@ -78,3 +78,14 @@ def run_checks(checks: dict, rank: int, w: int, out: str) -> None:
         Path(out).write_text(json.dumps(gathered, default=str))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def merge_ranks(ranks: list[dict]) -> dict:
+    """Per check of :func:`run_checks`' output, over the ranks: ``ok`` (on every rank), ``error``
+    (each failing rank's) and ``values`` (each rank's)."""
+    out = {}
+    for name in ranks[0]:
+        per_rank = [r[name] for r in ranks]
+        bad = [f"rank {k}: {x['error']}" for k, x in enumerate(per_rank) if not x["ok"]]
+        out[name] = {"ok": not bad, "error": "\n".join(bad), "values": [x.get("value") for x in per_rank]}
+    return out

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from _ranks import run_checks, run_ranks
+from _ranks import merge_ranks, run_checks, run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -857,17 +857,6 @@ def _worker(rank: int, w: int, out: str, ckpt_dir: str) -> None:
     only = os.environ.get("MUON_FN_FSDP_CHECKS")  # comma-separated subset, for debugging
     checks = {name: fn for name, fn in checks_for(w, ckpt_dir).items() if not only or name in only.split(",")}
     run_checks(checks, rank, w, out)
-
-
-def merge_ranks(ranks: list[dict]) -> dict:
-    """Per check, over the ranks: ``ok`` (on every rank), ``error`` (each failing rank's) and
-    ``values`` (each rank's)."""
-    out = {}
-    for name in ranks[0]:
-        per_rank = [r[name] for r in ranks]
-        bad = [f"rank {r}: {x['error']}" for r, x in enumerate(per_rank) if not x["ok"]]
-        out[name] = {"ok": not bad, "error": "\n".join(bad), "values": [x.get("value") for x in per_rank]}
-    return out
 
 
 def run_job(w: int, out: str, ckpt_dir: str, logs: Path) -> str:

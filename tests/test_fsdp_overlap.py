@@ -12,18 +12,15 @@ import json
 import os
 import sys
 import tempfile
-import time
-import traceback
 import warnings
 import weakref
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
 
-from _ranks import run_ranks
+from _ranks import merge_ranks, run_checks, run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -242,34 +239,6 @@ def checks() -> dict:
     }
 
 
-def _worker(rank: int, w: int, out: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=w, timeout=timedelta(seconds=60))
-    results = {}
-    for name, fn in checks().items():
-        t0 = time.perf_counter()
-        try:
-            results[name] = {"ok": True, "value": fn()}
-        except Exception:  # noqa: BLE001 - reported to pytest
-            results[name] = {"ok": False, "error": traceback.format_exc(limit=8)}
-        print(f"[W={w} rank {rank}] {name}: {'ok' if results[name]['ok'] else 'FAIL'} "
-              f"({time.perf_counter() - t0:.1f}s)", flush=True)
-        if not results[name]["ok"]:
-            print(results[name]["error"], flush=True)
-        dist.barrier()
-    gathered = [None] * w
-    dist.all_gather_object(gathered, results)
-    if rank == 0:
-        merged = {name: {"ok": all(g[name]["ok"] for g in gathered),
-                         "error": "\n".join(f"rank {r}: {g[name].get('error')}" for r, g in enumerate(gathered)
-                                            if not g[name]["ok"])} for name in results}
-        Path(out).write_text(json.dumps(merged, indent=1, default=str))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
 def test_posted_refuses_out_of_order():
     """Buckets are posted in plan order only (checked before any collective), and finish needs
     them all."""
@@ -297,7 +266,7 @@ def results(tmp_path_factory):
             logs = tmp_path_factory.mktemp(f"overlap_w{w}")
             out = logs / "results.json"
             log = run_ranks(__file__, w, [str(out)], logs, JOB_TIMEOUT_S)
-            done[w] = (json.loads(out.read_text()) if out.exists() else {}, log[-4000:])
+            done[w] = (merge_ranks(json.loads(out.read_text())) if out.exists() else {}, log[-4000:])
         return done[w]
 
     return get
@@ -313,7 +282,7 @@ def test_overlap(results, w, name):
 
 if __name__ == "__main__":
     if len(sys.argv) == 4:  # one rank of a job: W RANK OUT
-        _worker(int(sys.argv[2]), int(sys.argv[1]), sys.argv[3])
+        run_checks(checks(), int(sys.argv[2]), int(sys.argv[1]), sys.argv[3])
         sys.stdout.flush()
         os._exit(0)
     logs_dir = Path(tempfile.mkdtemp(prefix="muon_fn_overlap_"))
