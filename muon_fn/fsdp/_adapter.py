@@ -719,7 +719,8 @@ class FSDPAdapter:
 
     def describe(self) -> str:
         """Which transform each parameter gets, and who computes each matrix (``local``: each
-        rank its own rows, nothing exchanged)."""
+        rank its own rows, nothing exchanged; ``per expert``: a stack cut into one-expert pieces,
+        each computed by its owner or ``here``, where it lies)."""
         more = ", overlap=True" if self._overlap_wanted else ""
         lines = [f"{type(self).__name__}(strategy={self.strategy!r}, world_size={self.topology.world_size}{more})"]
         self._matrices()
@@ -730,7 +731,8 @@ class FSDPAdapter:
                     mp = self.plan.matrices[js[0]] if js else None
                     who = "local" if mp is not None and mp.local else f"owner={mp.owner}" if mp else ""
                     if len(js) > 1:
-                        who = f"per expert, owners={[self.plan.matrices[j].owner for j in js]}"
+                        who = "per expert, owners=[" + ", ".join(
+                            "here" if self.plan.matrices[j].local else str(self.plan.matrices[j].owner) for j in js) + "]"
                     where = "" if mp is None else f" {who} bucket={mp.bucket}"
                     view = route.options.get("matrix_view", "flatten")
                     if mp is not None and (p.ndim >= 3 or isinstance(view, _views.Heads)):
