@@ -203,6 +203,47 @@ def check_expert_pieces(w, **kw):
     return run
 
 
+class RoutedPair(nn.Module):
+    """Two expert stacks of 2 experts and a Linear, with a forward that uses every expert."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w_up = nn.Parameter(torch.randn(2, 8, 6) / 3)
+        self.w_down = nn.Parameter(torch.randn(2, 6, 8) / 3)
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.einsum("bi,eoi->beo", x, self.w_up).relu()
+        return self.lin(torch.einsum("beo,eio->bi", h, self.w_down))
+
+
+def check_expert_pieces_overlap(w):
+    """Through real backward passes, expert pieces (W = 3, 4) or local stacks (W = 2) give the
+    same bits with ``overlap=True`` as without."""
+    t = _fsdp()
+    from muon_fn.fsdp import FSDPMuonOptimizer
+
+    def run():
+        pairs = []
+        for overlap in (False, True):
+            model = t.shard(t.make(RoutedPair))
+            pairs.append((model, FSDPMuonOptimizer(model, overlap=overlap, compile=False)))
+        gen, rank = torch.Generator().manual_seed(1), torch.distributed.get_rank()
+        for _ in range(3):
+            x = torch.randn(2 * w, 6, generator=gen)[2 * rank:2 * rank + 2]
+            for model, opt in pairs:
+                model(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+        (a, _), (b, ob) = pairs
+        for (name, p), q in zip(a.named_parameters(), b.parameters()):
+            assert torch.equal(p.to_local(), q.to_local()), name
+        assert any(m.piece is not None for m in ob._matrices()) == (w > 2)
+        return {"describe": ob.describe()}
+
+    return run
+
+
 def check_experts_sso(w):
     """FSDPSpectralSphereOptimizer keeps each stack on one owner (SSO's operator is not per
     matrix: an expert's bits can depend on its batch mates), and equals SpectralSphereOptimizer
@@ -240,6 +281,7 @@ def checks_for(w: int) -> dict:
         "experts_sso": check_experts_sso(w),
         "expert_pieces": check_expert_pieces(w, compile=False),
         "expert_pieces_compiled": check_expert_pieces(w),
+        "expert_pieces_overlap": check_expert_pieces_overlap(w),
     }
 
 
