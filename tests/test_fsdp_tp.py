@@ -16,6 +16,7 @@ of them, to the distributed model and to the single-device optimizer with the sa
   mesh. Whole experts are computed where they lie (nothing is exchanged); experts split by rows
   are put back together, each on one rank, and (fewer experts than ranks) planned as one-expert
   pieces with owners of their own.
+- DCP on FSDP×TP: saved and loaded into a fresh model, the run continues bit for bit.
 """
 
 from __future__ import annotations
@@ -217,6 +218,53 @@ def check_tp_overlap():
     return run
 
 
+def check_tp_dcp():
+    """DCP on FSDP×TP: save after 2 steps, load into a fresh model and optimizer (another init),
+    2 more steps: equal to 4 uninterrupted single-device steps, bit for bit."""
+    import shutil
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    t = _fsdp()
+    from muon_fn.fsdp import FSDPMuonOptimizer
+
+    def run():
+        path = [tempfile.mkdtemp(prefix="muon_fn_tp_dcp_") if torch.distributed.get_rank() == 0 else None]
+        torch.distributed.broadcast_object_list(path)
+        model = block_tp()
+        opt = FSDPMuonOptimizer(model, **t.muon_kwargs(compile=False))
+        train(model, opt, 2)
+        dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+                 checkpoint_id=path[0])
+        torch.manual_seed(99)
+        fresh = block_tp()
+        with torch.no_grad():
+            for p in fresh.parameters():
+                p.to_local().normal_()
+        opt = FSDPMuonOptimizer(fresh, **t.muon_kwargs(compile=False))
+        state = {"model": get_model_state_dict(fresh), "optim": get_optimizer_state_dict(fresh, opt)}
+        dcp.load(state, checkpoint_id=path[0])
+        set_model_state_dict(fresh, state["model"])
+        set_optimizer_state_dict(fresh, opt, state["optim"])
+        for step in (2, 3):
+            set_grads(fresh, step)
+            opt.step()
+        t.assert_same(fresh, opt, t.reference(t.muon_single(Block, compile=False), 4), what="TP DCP: ")
+        torch.distributed.barrier()
+        if torch.distributed.get_rank() == 0:
+            shutil.rmtree(path[0])
+        return {}
+
+    return run
+
+
 def experts(split: bool):
     """Expert stacks on a (dp=2, ep=2) mesh: ``w_up`` (4, 6, 5) and ``w_down`` (4, 5, 6) sharded on
     the expert dim over both dims (one whole expert per rank) or, ``split``, 2 experts on the EP
@@ -305,6 +353,7 @@ def checks() -> dict:
         "fsdp_tp_normuon": check_tp_normuon(),
         "fsdp_tp_sso": check_tp_sso(),
         "fsdp_tp_overlap": check_tp_overlap(),
+        "fsdp_tp_dcp": check_tp_dcp(),
         "ep_whole_experts": check_experts(split=False),
         "ep_split_experts": check_experts(split=True),
         "refused": check_refused(),
