@@ -173,7 +173,7 @@ class Plan:
         loads = [0] * self.world_size
         for mp in self.matrices:
             if mp.local:
-                for r in range(self.world_size):
+                for r, _ in _nonzero(mp.receive):
                     loads[r] += mp.cost_on(r)
             else:
                 loads[mp.owner] += mp.cost

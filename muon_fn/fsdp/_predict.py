@@ -416,7 +416,7 @@ def _rank_figures(plan: Plan, flops: list[int], units: list[list[int]], views: l
     copies: dict[int, int] = {}
     for j, mp in enumerate(plan.matrices):
         if mp.local:  # every rank computes the experts it holds; nothing travels
-            for r in range(w):
+            for r, _ in _nonzero(mp.receive):
                 rank_flops[r] += mp.row_share(flops[j], r)
             continue
         contributed.setdefault(id(mp.contrib), [mp.contrib, 0])[1] += mp.cols
