@@ -556,21 +556,22 @@ class FSDPAdapter:
                     new_replicated[k] = [n[leaf.key] for leaf in matrices[j].fmt.replicated]
         return [results[j] for j in idx]
 
-    @staticmethod
-    def _whole_bucket(matrices: list[_Matrix], batch: list[int],
+    def _whole_bucket(self, matrices: list[_Matrix], batch: list[int],
                       mats: list[torch.Tensor]) -> tuple[list[int], list[torch.Tensor], list]:
         """A bucket's matrices as its mid step takes them, one per parameter: a stack cut into
         pieces as the stack of the pieces given here (in row order; none: 0 rows). Returns a plan
         index per parameter, the inputs, and per parameter its pieces' plan indices (None if whole)."""
         if all(matrices[j].piece is None for j in batch):
             return batch, mats, [None] * len(batch)
-        bucket = matrices[batch[0]].bucket
+        gi = matrices[batch[0]].group
         given = {j: x for j, x in zip(batch, mats)}
-        first = {m.position: j for j, m in enumerate(matrices) if m.bucket is bucket and m.piece in (None, 0)}
+        by_position: dict[int, list[int]] = {}
+        for j in sorted(batch, key=lambda j: matrices[j].piece):
+            by_position.setdefault(matrices[j].position, []).append(j)
         out, inputs, pieces = [], [], []
-        for position in bucket.indices:
-            own = sorted((j for j in batch if matrices[j].position == position), key=lambda j: matrices[j].piece)
-            out.append(first[position])
+        for position in matrices[batch[0]].bucket.indices:
+            own = by_position.get(position, [])
+            out.append(self._index[(gi, position)][0])
             like = mats[0]
             inputs.append(torch.cat([given[j] for j in own]) if own else like.new_zeros((0, like.shape[1])))
             pieces.append(own)
