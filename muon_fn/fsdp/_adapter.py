@@ -313,23 +313,22 @@ class FSDPAdapter:
     def _set_plan(self, matrices: list[_Matrix]) -> list[_Matrix]:
         """The plan of ``matrices``; returns the plan's matrices: those of a stack with fewer rows
         (experts) than ranks, planned per expert, become one-row pieces with owners of their own
-        (:func:`~muon_fn.fsdp._plan.expert_pieces`), the rest stay whole."""
+        (:func:`~muon_fn.fsdp._plan.cut_expert_stacks`), the rest stay whole."""
         topo = self.topology
         units = group_by([id(m.bucket) for m in matrices])  # the owner computes whole buckets
-        per_expert = [all(self._is_local(matrices[k]) for k in unit) for unit in units]
-        split = [lo and all(self._can_cut(matrices[k]) for k in unit) for lo, unit in zip(per_expert, units)]
-        unit_of = {k: u for u, unit in enumerate(units) for k in unit}
-        planned, shapes, held, local, plan_units = [], [], [], [], [[] for _ in units]
-        for k, m in enumerate(matrices):  # in parameter order
-            u = unit_of[k]
-            pieces = list(zip(range(m.param.shape[0]), _plan.pieces_held(self._held_rows(m), m.param.shape[0]))) \
-                if split[u] else [(None, self._layouts[id(m.param)].held)]
-            for e, h in pieces:
-                plan_units[u].append(len(planned))
-                planned.append(m if e is None else m._replace(piece=e, flops=m.flops // m.param.shape[0]))
-                shapes.append(tuple(m.param.shape) if e is None else (1,) + tuple(m.param.shape[1:]))
-                held.append(h)
-                local.append(per_expert[u] and not split[u])
+        entries, plan_units, split, local = _plan.cut_expert_stacks(
+            units, [m.param.shape[0] for m in matrices],
+            [all(self._is_local(matrices[k]) for k in unit) for unit in units],
+            # a piece's owner keeps nothing for the other pieces: only a stack without mid state is cut
+            [not m.fmt.replicated and not m.fmt.row_states for m in matrices], topo.world_size)
+        pieces = {k: _plan.pieces_held(self._held_rows(matrices[k]), matrices[k].param.shape[0])
+                  for k, e in entries if e == 0}
+        planned, shapes, held = [], [], []
+        for k, e in entries:
+            m = matrices[k]
+            planned.append(m if e is None else m._replace(piece=e, flops=m.flops // m.param.shape[0]))
+            shapes.append(tuple(m.param.shape) if e is None else (1,) + tuple(m.param.shape[1:]))
+            held.append(self._layouts[id(m.param)].held if e is None else pieces[k][e])
         plan = _plan.make_plan(
             shapes, topo.world_size, replicated=[not self._layouts[id(m.param)].sharded for m in planned],
             held=held, num_buckets=self._num_buckets, extra_cols=[m.fmt.sent_cols - m.fmt.cols for m in planned],
@@ -342,12 +341,6 @@ class FSDPAdapter:
         """Every rank's rows of ``m``'s parameter (as exchanged)."""
         layout = self._layouts[id(m.param)]
         return layout.held if layout.held is not None else _plan.chunk_rows(layout.shape[0], self.topology.world_size)
-
-    def _can_cut(self, m: _Matrix) -> bool:
-        """Whether a stack planned per expert is cut into one-expert pieces: fewer experts than
-        ranks, and no mid state at all (a piece's owner keeps nothing for the other pieces)."""
-        return _plan.expert_pieces(m.param.shape[0], self.topology.world_size) and not m.fmt.replicated \
-            and not m.fmt.row_states
 
     def _plan_description(self, plan: _plan.Plan) -> list[tuple[str, str]]:
         """What every rank must agree on, entry by entry: the options that decide which

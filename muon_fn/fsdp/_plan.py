@@ -471,6 +471,31 @@ def expert_pieces(rows: int, world_size: int) -> bool:
     return rows < world_size
 
 
+def cut_expert_stacks(units: Sequence[Sequence[int]], rows: Sequence[int], per_expert: Sequence[bool],
+                      cuttable: Sequence[bool], world_size: int
+                      ) -> tuple[list[tuple[int, int | None]], list[list[int]], list[bool], list[bool]]:
+    """The plan's matrices from parameters grouped in owner ``units``: a unit planned per expert
+    (``per_expert``) whose stacks all have fewer ``rows`` (experts) than ranks (:func:`expert_pieces`)
+    and may be cut (``cuttable``) becomes one-row pieces; everything else stays whole. Returns, in
+    parameter order, ``(parameter index, row)`` per plan matrix (row None: whole), the units over
+    the plan matrices, per unit whether it was cut (``make_plan``'s ``split``), and per plan
+    matrix whether it is local (planned per expert and not cut). FSDPMuonOptimizer and
+    :func:`~muon_fn.fsdp.plan_model` both plan through it."""
+    split = [per_expert[u] and all(cuttable[k] and expert_pieces(rows[k], world_size) for k in unit)
+             for u, unit in enumerate(units)]
+    unit_of = {k: u for u, unit in enumerate(units) for k in unit}
+    entries: list[tuple[int, int | None]] = []
+    plan_units: list[list[int]] = [[] for _ in units]
+    local: list[bool] = []
+    for k in range(len(rows)):
+        u = unit_of[k]
+        for e in range(rows[k]) if split[u] else (None,):
+            plan_units[u].append(len(entries))
+            entries.append((k, e))
+            local.append(per_expert[u] and not split[u])
+    return entries, plan_units, split, local
+
+
 @functools.lru_cache(maxsize=256)
 def pieces_held(held: tuple[Rows, ...], rows: int) -> tuple[tuple[Rows, ...], ...]:
     """For each row ``e`` of a matrix of ``rows`` rows whose rows the ranks hold as ``held``: per

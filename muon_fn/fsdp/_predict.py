@@ -46,7 +46,7 @@ from .. import _views
 from .._muon import group_by
 from ..optim._adapter import BUCKET_SIZE  # FSDPMuonOptimizer's default, as MuonOptimizer's
 from . import specs as _specs
-from ._plan import Plan, _nonzero, chunk_rows, expert_pieces, make_plan, ns_flops, pieces_held
+from ._plan import Plan, _nonzero, chunk_rows, cut_expert_stacks, make_plan, ns_flops, pieces_held
 
 DEFAULT_GEMM_TFLOPS = 400.0  # achieved dense bf16 GEMM rate of an H100 (of ~990 peak)
 DEFAULT_LINK_GBPS = 50.0  # GB/s per rank between nodes (one 400 Gb/s NIC per GPU)
@@ -312,25 +312,24 @@ class _Expanded(NamedTuple):
 
 def _expert_pieces(matrices: Sequence[Matrix], units: list[list[int]], mesh: Mesh, world: int) -> _Expanded:
     """The plan's matrices as FSDPMuonOptimizer makes them: an expert stack is planned per expert
-    (local) and, with fewer experts than ranks (:func:`~muon_fn.fsdp._plan.expert_pieces`), cut
+    (local) and, with fewer experts than ranks (:func:`~muon_fn.fsdp._plan.cut_expert_stacks`), cut
     into one-expert pieces; everything else whole."""
-    split, local = [], []
-    for unit in units:
-        names = [matrices[k] for k in unit]
-        local.append(mesh.dp * mesh.tp > 1 and all(len(shape) >= 3 and _views.base(view) == "experts"
-                                                     for _, shape, view in names))
-        split.append(local[-1] and all(expert_pieces(shape[0], world) for _, shape, _ in names))
-    unit_of = {k: u for u, unit in enumerate(units) for k in unit}
-    out, plan_units = [], [[] for _ in units]
-    for k, (name, shape, view) in enumerate(matrices):  # in parameter order
-        u = unit_of[k]
-        style = tp_style(name, shape, view) if mesh.tp > 1 else "none"
-        held = held_rows(shape[0], mesh, style) if mesh.tp > 1 else chunk_rows(shape[0], world)
-        pieces = [(f"{name}[{e}]", (1,) + tuple(shape[1:]), h) for e, h in enumerate(pieces_held(held, shape[0]))] \
-            if split[u] else [(name, tuple(shape), held)]
-        for piece_name, piece_shape, piece_held in pieces:
-            plan_units[u].append(len(out))
-            out.append(_Planned(piece_name, piece_shape, view, style, piece_held, local[u] and not split[u]))
+    experts = [len(shape) >= 3 and _views.base(view) == "experts" for _, shape, view in matrices]
+    entries, plan_units, split, local = cut_expert_stacks(
+        units, [shape[0] for _, shape, _ in matrices],
+        [mesh.dp * mesh.tp > 1 and all(experts[k] for k in unit) for unit in units],
+        [True] * len(matrices), world)
+    styles = [tp_style(name, shape, view) if mesh.tp > 1 else "none" for name, shape, view in matrices]
+    held = [held_rows(shape[0], mesh, style) if mesh.tp > 1 else chunk_rows(shape[0], world)
+            for (_, shape, _), style in zip(matrices, styles)]
+    pieces = {k: pieces_held(held[k], matrices[k][1][0]) for k, e in entries if e == 0}
+    out = []
+    for (k, e), lo in zip(entries, local):
+        name, shape, view = matrices[k]
+        if e is None:
+            out.append(_Planned(name, tuple(shape), view, styles[k], held[k], lo))
+        else:
+            out.append(_Planned(f"{name}[{e}]", (1,) + tuple(shape[1:]), view, styles[k], pieces[k][e], lo))
     return _Expanded(out, plan_units, split)
 
 
