@@ -111,9 +111,16 @@ def stateless(fn: Callable[[Updates, Params | None], Updates]) -> GradientTransf
     return GradientTransformation(init_empty_state, update)
 
 
+def shown(v: Any) -> Any:
+    """What a repr shows for a configuration value: a 1-element tensor's value as a float (read
+    once, at build time), anything else (a meta tensor, which has no value) as it is."""
+    if isinstance(v, torch.Tensor) and v.numel() == 1 and v.device.type != "meta":
+        return float(v)
+    return v
+
+
 def named(tx: GradientTransformation, name: str, **config: Any) -> GradientTransformation:
     """Attach a readable repr ``name(k=v, ...)`` to ``tx`` (shown by ``repr(tx)``)."""
-    shown = {k: float(v) if isinstance(v, torch.Tensor) and v.numel() == 1 else v for k, v in config.items()}
-    args = ", ".join(f"{k}={v!r}" for k, v in shown.items())
+    args = ", ".join(f"{k}={shown(v)!r}" for k, v in config.items())
     tx.update._muon_fn_repr = f"{name}({args})"  # type: ignore[attr-defined]
     return tx

@@ -9,10 +9,15 @@ from typing import Any
 import torch
 
 
-def _as_float(name: str, value: Any) -> float:
+def _as_float(name: str, value: Any) -> float | None:
+    """``value`` as a float; ``None`` for a meta tensor, which has no value to check (the adapters
+    trace their transforms at construction with meta copies of the per-step scalars, whose real
+    values were checked already)."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"Tensor {name} must be 1-element, got shape {tuple(value.shape)}")
+        if value.device.type == "meta":
+            return None
         return float(value.detach().reshape(()).item())
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a float or a 0-d tensor, got {type(value).__name__}")
@@ -22,12 +27,16 @@ def _as_float(name: str, value: Any) -> float:
 def non_negative(name: str, value: Any) -> None:
     """``value >= 0`` (and finite), e.g. a learning rate or weight decay."""
     v = _as_float(name, value)
+    if v is None:
+        return
     if not v >= 0.0 or math.isinf(v):
         raise ValueError(f"Invalid {name}: {value} (expected a finite value >= 0)")
 
 
 def positive(name: str, value: Any) -> None:
     v = _as_float(name, value)
+    if v is None:
+        return
     if not v > 0.0 or math.isinf(v):
         raise ValueError(f"Invalid {name}: {value} (expected a finite value > 0)")
 
@@ -35,6 +44,8 @@ def positive(name: str, value: Any) -> None:
 def in_unit_interval(name: str, value: Any) -> None:
     """``0 <= value < 1``, e.g. a momentum or beta."""
     v = _as_float(name, value)
+    if v is None:
+        return
     if not 0.0 <= v < 1.0:
         raise ValueError(f"Invalid {name}: {value} (expected 0 <= {name} < 1)")
 
@@ -84,24 +95,32 @@ def learning_rate(lr: Any) -> None:
     if isinstance(lr, bool) or not isinstance(lr, (int, float, torch.Tensor)):
         raise TypeError(f"Invalid learning rate: {lr!r} (expected a float or a 0-d tensor)")
     v = _as_float("lr", lr)
+    if v is None:
+        return
     if not 0.0 <= v or math.isinf(v):
         raise ValueError(f"Invalid learning rate: {lr}")
 
 
 def momentum_value(momentum: Any, name: str = "momentum", hint: str = "") -> None:
     v = _as_float(name, momentum)
+    if v is None:
+        return
     if not 0.0 <= v < 1.0:
         raise ValueError(f"Invalid {name} value: {momentum} (expected 0 <= {name} < 1{hint})")
 
 
 def decay_value(name: str, value: Any) -> None:
     v = _as_float(name, value)
+    if v is None:
+        return
     if not 0.0 <= v or math.isinf(v):
         raise ValueError(f"Invalid {name} value: {value}")
 
 
 def eps_value(name: str, value: Any) -> None:
     v = _as_float(name, value)
+    if v is None:
+        return
     if not v > 0.0 or math.isinf(v):
         raise ValueError(f"Invalid {name} value: {value} (expected > 0)")
 
@@ -111,6 +130,8 @@ def betas_value(name: str, betas: Any) -> None:
         raise ValueError(f"Invalid {name}: {betas!r} (expected a pair (beta1, beta2))")
     for i, b in enumerate(betas):
         v = _as_float(f"{name}[{i}]", b)
+        if v is None:
+            continue
         if not 0.0 <= v < 1.0:
             raise ValueError(f"Invalid {name} parameter at index {i}: {b}")
 

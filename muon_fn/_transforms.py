@@ -23,6 +23,7 @@ from ._base import (
     identity,
     init_empty_state,
     named,
+    shown,
     with_info,
 )
 from ._views import View
@@ -223,8 +224,8 @@ def scale_by_adam(
         return pick(0), ScaleByAdamState(pick(1), pick(2), pick(3))
 
     options = {} if bias_correction and not nesterov else {"bias_correction": bias_correction, "nesterov": nesterov}
-    shown = tuple(float(b) if isinstance(b, torch.Tensor) else b for b in betas)
-    tx = named(GradientTransformation(init, update), "scale_by_adam", betas=shown, eps=eps, **options)
+    shown_betas = tuple(shown(b) for b in betas)
+    tx = named(GradientTransformation(init, update), "scale_by_adam", betas=shown_betas, eps=eps, **options)
     return with_info(tx, leafwise=True, scope=ELEMENTWISE)
 
 

@@ -16,7 +16,7 @@ import torch
 
 from .._base import GradientTransformation
 from ..optim import _state
-from ..optim._adapter import buckets, variants
+from ..optim._adapter import buckets, meta_scalars, variants
 from . import _phases, _rows
 
 # params -> meta tensors of their global shapes
@@ -38,22 +38,25 @@ class Route:
 
     def __init__(self, label: str, tx: GradientTransformation, indices: tuple[int, ...],
                  params: list[torch.Tensor], meta: Meta, bucket_size: int,
-                 compile_options: dict[str, Any] | None, options: dict[str, Any] | None = None) -> None:
+                 compile_options: dict[str, Any] | None, options: dict[str, Any] | None = None,
+                 traced: GradientTransformation | None = None) -> None:
         self.label, self.indices = label, indices
         self.options = options or {}  # the per-parameter options its transform was built with
         self.phases = _phases.split(tx, f"the {label!r} transform")
+        # what is traced on meta tensors: ``tx`` built from meta copies of the per-step scalars
+        self.traced = self.phases if traced is None else _phases.split(traced, f"the {label!r} transform")
         self.steps = _phases.steps(self.phases, compile_options)
         self.buckets: list[Bucket] = []
         self.formats: dict[int, _rows.RowFormat] = {}  # position in the group -> wire format
         for members in buckets([params[i] for i in indices], bucket_size):
             idx = tuple(indices[k] for k in members)
-            bucket = _bucket(self.phases, idx, meta([params[i] for i in idx]))
+            bucket = _bucket(self.traced, idx, meta([params[i] for i in idx]))
             self.buckets.append(bucket)
             if self.phases.mid is not None:
                 self._add_formats(bucket, meta([params[i] for i in idx]))
 
     def _add_formats(self, bucket: Bucket, meta: tuple[torch.Tensor, ...]) -> None:
-        ins, outs = _phases.update_dtypes(self.phases, meta)
+        ins, outs = _phases.update_dtypes(self.traced, meta)
         pre, mid, _ = bucket.phase_layouts
         first = len(pre.slots)
         for k, i in enumerate(bucket.indices):
@@ -105,7 +108,7 @@ def group_routes(group: dict[str, Any], hyper: dict[str, Any], options: list[dic
             indices = tuple(i for i, (lab, o) in enumerate(zip(labels, options)) if lab == label and o == opts)
             if indices:
                 routes.append(Route(label, factory({**half, **opts}), indices, params, meta, bucket_size,
-                                    compile_options, opts))
+                                    compile_options, opts, factory(meta_scalars({**half, **opts}))))
     return routes
 
 

@@ -311,13 +311,18 @@ class Optimizer(torch.optim.Optimizer):
 
     def _dry_run(self, index: int) -> None:
         """Trace one update of the whole group on meta tensors (each variant's transform on its
-        parameters), so shape errors surface at construction, naming the parameter."""
+        parameters), so shape errors surface at construction, naming the parameter. The traced
+        transforms are built from meta copies of the per-step scalars: nothing real takes part,
+        whatever device the parameters live on (torch lets a 0-d CPU tensor meet a meta one, but
+        not a CUDA one)."""
         rt = self._runtime(index)
         group = self.param_groups[index]
         params = self._meta(group["params"])
+        hyper = meta_scalars(self._group_hyper(group, rt))
         with torch.no_grad():
             for v, variant in enumerate(rt.variants):
-                self._trace(group, variant.tx, params, [i for i, w in enumerate(rt.variant_of) if w == v])
+                tx = self._factory({**hyper, **variant.options})
+                self._trace(group, tx, params, [i for i, w in enumerate(rt.variant_of) if w == v])
 
     def _trace(self, group: dict[str, Any], tx: GradientTransformation, params: tuple, mine: list[int]) -> None:
         """``tx.update`` of the parameters at ``mine`` (the others missing); a ``ValueError``
@@ -549,6 +554,13 @@ def variants(options: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if o not in distinct:
             distinct.append(o)
     return distinct
+
+
+def meta_scalars(hyper: dict[str, Any]) -> dict[str, Any]:
+    """``hyper`` with every tensor value replaced by an empty meta tensor of its shape and dtype:
+    what a construction-time trace builds its transform from."""
+    return {k: torch.empty_like(v, device="meta") if isinstance(v, torch.Tensor) else v
+            for k, v in hyper.items()}
 
 
 def _step_of(tx: GradientTransformation) -> Callable[..., None]:
