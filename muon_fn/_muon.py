@@ -156,7 +156,8 @@ def orthogonalize(
         run exactly as given: Frobenius normalization, no preconditioner, no safety factor; with
         a named ``method`` they replace its rows and keep its preconditioner and form.
       dtype: iteration dtype; ``None`` = the device default
-        (:func:`~muon_fn._newton_schulz.default_compute_dtype`: bf16, fp32 on CPUs without bf16 GEMMs).
+        (:func:`~muon_fn._newton_schulz.default_compute_dtype`: bf16, fp32 on CPUs without bf16 GEMMs;
+        for ``"gram"`` fp16 on GPUs and fp32 on the CPU).
       eps: the normalization is ``X / max(‖X‖_F, eps)`` (torch.optim.Muon's; zero in → zero
         out, never NaN).
       stepsize: damping η of each iteration, ``X ← X + η(p(X) − X)``.
@@ -195,7 +196,7 @@ def orthogonalize(
         if custom:
             wides = [x.mT if x.size(-2) > x.size(-1) else x for x in group]
             return method(torch.stack(wides))
-        compute = dtype or _newton_schulz.default_compute_dtype(group[0].device)
+        compute = dtype or _newton_schulz.default_compute_dtype(group[0].device, schedule)
         if compute.itemsize < group[0].dtype.itemsize:
             # Cast first, as torch.optim.Muon does (G.bfloat16(), then normalize): compiled, the
             # update that enters the iteration is materialized in the compute dtype (half the

@@ -23,7 +23,7 @@ from typing import Callable, Sequence, Union
 
 import torch
 
-from . import _checks
+from . import _checks, _execution
 
 Coefficients = tuple[float, ...]  # (c0, c1, ..., cd): p(σ) = σ·Σ cᵢ σ^{2i}; (a, b, c) for quintics
 Method = Union[str, Callable[[torch.Tensor], torch.Tensor]]
@@ -183,8 +183,11 @@ def default_steps(method: Method | None, coefficients: Sequence[Sequence[float]]
     return _DEFAULT_STEPS.get(method, 5) if isinstance(method, str) else 5
 
 
-def default_compute_dtype(device: torch.device | str | None = None) -> torch.dtype:
-    """The iteration dtype used when none is given: bf16, except fp32 on CPUs without bf16 GEMMs.
+def default_compute_dtype(device: torch.device | str | None = None,
+                          schedule: Sequence[Coefficients] | None = None) -> torch.dtype:
+    """The iteration dtype used when none is given: bf16, except fp32 on CPUs without bf16 GEMMs;
+    for a Gram-form ``schedule`` (unstable in bf16) the execution policy's Gram dtype: fp16 on
+    GPUs, fp32 on the CPU (:mod:`muon_fn._execution`).
 
     ``device=None`` means the CPU. bf16 is the tensor-core dtype on GPUs and the fast path on CPUs
     with bf16 instructions (x86 AVX-512 BF16 or AMX, Arm BF16; :data:`CPU_HAS_BF16_GEMM`).
@@ -192,6 +195,8 @@ def default_compute_dtype(device: torch.device | str | None = None) -> torch.dty
     bf16 57x *slower* (796 vs 14 ms; fp16 alike), so there fp32 is the default.
     """
     device = torch.device("cpu" if device is None else device)
+    if getattr(schedule, "form", "standard") == "gram":
+        return _execution.policy(device).gram_dtype
     if device.type != "cpu" or CPU_HAS_BF16_GEMM:
         return torch.bfloat16
     return torch.float32
@@ -377,7 +382,8 @@ def _split_symmetric(m: int, k: int, *tensors: torch.Tensor | None) -> bool:
     worth it for the dtype (see ``AMX_SPLIT_MIN_RATIO``), and no autograd graph to record and no
     torch.func wrapper (the blocks are written with ``out=``, which neither supports)."""
     a = tensors[0]
-    if m < 2 * SYMMETRIC_MIN_BLOCK or a.device.type != "cpu" or torch.compiler.is_compiling():
+    if m < 2 * SYMMETRIC_MIN_BLOCK or not _execution.policy(a.device).split_symmetric \
+            or torch.compiler.is_compiling():
         return False
     if a.dtype in _amx_dtypes() and k < AMX_SPLIT_MIN_RATIO * m:
         return False
@@ -523,8 +529,15 @@ def _step(x: torch.Tensor, gram: torch.Tensor, row: Coefficients, buffers: Buffe
 # whatever the batch size, so a matrix's result never depends on its batch mates (the FSDP owner
 # batches other matrices than a single device does): on the 2-core Zen 4 CPU, bf16 baddbmm is
 # 9-14 % slower than a loop of addmm from 512² up (16×768²: 603 vs 525 ms) and 5-16 % faster below
-# 384 (16×256²: 19.1 vs 22.8 ms).
-LOOP_MIN_DIM = 384
+# 384 (16×256²: 19.1 vs 22.8 ms). The CPU execution policy's (:mod:`muon_fn._execution`); the
+# batched policy of GPUs never loops.
+LOOP_MIN_DIM = _execution.CPU.loop_min_dim
+
+
+def _loops(m: int, device: torch.device) -> bool:
+    """Whether an eager batch of wide matrices with ``m`` rows runs one matrix at a time."""
+    limit = _execution.policy(device).loop_min_dim
+    return limit is not None and m >= limit and not torch.compiler.is_compiling()
 
 
 def iterate(x: torch.Tensor, schedule: Sequence[Coefficients], gram: torch.Tensor | None = None,
@@ -633,8 +646,9 @@ def _run_schedule(y: torch.Tensor, schedule: Sequence[Coefficients], eps: float,
     the schedule asks for it (its Gram matrix feeds the first iteration), in the schedule's form.
     ``y`` may be rescaled in place (it is the caller's normalized copy). ``buffers`` and ``out``:
     see :func:`iterate` (the Gram form uses neither). ``gram``: ``yyᵀ`` if known. Eager batches of
-    matrices of at least :data:`LOOP_MIN_DIM` rows run one matrix at a time."""
-    if y.ndim == 3 and y.size(-2) >= LOOP_MIN_DIM and not torch.compiler.is_compiling():
+    matrices of at least the execution policy's ``loop_min_dim`` rows (CPU: :data:`LOOP_MIN_DIM`)
+    run one matrix at a time."""
+    if y.ndim == 3 and _loops(y.size(-2), y.device):
         out = torch.empty_like(y) if out is None else out
         for i in range(y.size(0)):
             _run_schedule(y[i], schedule, eps, buffers, None if gram is None else gram[i], out[i])
@@ -713,9 +727,11 @@ def orthogonalize_batch(xs: Sequence[torch.Tensor], schedule: Sequence[Coefficie
     check_dtype(schedule, dtype)
     m, n = wide_shape(xs[0].shape)
     device = xs[0].device
+    if _execution.policy(device).stack_inputs:
+        return _stacked(xs, schedule, eps, norm_scale, dtype)
     out = torch.empty((len(xs), m, n), dtype=dtype, device=device)
     aligned = aligned_slots(m, n, dtype, device)
-    loop = (m >= LOOP_MIN_DIM or not aligned) and not torch.compiler.is_compiling()
+    loop = (_loops(m, device) or not aligned) and not torch.compiler.is_compiling()
     shape = (m, n) if loop else (len(xs), m, n)
     y = _buffer(buffers, "input", shape, out)
     y = torch.empty(shape, dtype=dtype, device=device) if y is None else y
@@ -730,6 +746,15 @@ def orthogonalize_batch(xs: Sequence[torch.Tensor], schedule: Sequence[Coefficie
     if not loop:
         _run_schedule(y, schedule, eps, buffers, out=out)
     return out
+
+
+def _stacked(xs: Sequence[torch.Tensor], schedule: Sequence[Coefficients], eps: float, norm_scale: float,
+             dtype: torch.dtype) -> torch.Tensor:
+    """The batched policy's :func:`orthogonalize_batch`: one stacked ``(B, m, n)`` tensor in the
+    wide orientation, normalized by one reduction, iterated with one batched GEMM per product."""
+    y = torch.stack([x.mT if x.size(-2) > x.size(-1) else x for x in xs])
+    y = (y * _inverse_norm(y, norm_scale, eps, dims=(-2, -1))).to(dtype)
+    return _run_schedule(y, schedule, eps)
 
 
 # CPU BLAS kernels choose their code path by the operands' address: measured with MKL (AVX-512),
@@ -757,9 +782,10 @@ def clear_scratch() -> None:
 
 
 def _scratch(device: torch.device) -> Buffers | None:
-    """Reused scratch on the CPU, where a fresh allocation page-faults on first touch (about 10 %
-    of a small step); CUDA's caching allocator already reuses memory."""
-    if device.type != "cpu":
+    """Reused scratch where the execution policy asks for it: on the CPU, where a fresh
+    allocation page-faults on first touch (about 10 % of a small step); CUDA's caching allocator
+    already reuses memory."""
+    if not _execution.policy(device).scratch:
         return None
     if not hasattr(_SCRATCH, "buffers"):
         _SCRATCH.buffers = {}
@@ -788,11 +814,15 @@ def msign_batch(xs: Sequence[torch.Tensor], schedule: Sequence[Coefficients], *,
                 eps: float, norm_scale: float = 1.0) -> torch.Tensor:
     """:func:`orthogonalize_batch` as one operator (``torch.ops.muon_fn.orthogonalize_batch``).
 
-    Under ``torch.compile`` the iteration stays one opaque call that runs the tuned eager kernels
-    above (reused scratch, symmetric Gram products) while inductor fuses everything around it.
-    Inputs that autograd records take the plain tensor path instead (no backward is defined).
+    Under the CPU execution policy (:mod:`muon_fn._execution`) the iteration stays one opaque call
+    under ``torch.compile`` that runs the tuned eager kernels above (reused scratch, symmetric
+    Gram products) while inductor fuses everything around it. Under the batched policy (GPUs) it
+    is traced inline: inductor fuses the normalization and casts with the neighbouring work, and
+    the graph can be captured as CUDA graphs. Inputs that autograd records take the plain tensor
+    path too (no backward is defined for the operator).
     """
-    if torch.is_grad_enabled() and any(x.requires_grad for x in xs):
+    if not _execution.policy(xs[0].device).opaque or (
+            torch.is_grad_enabled() and any(x.requires_grad for x in xs)):
         return orthogonalize_batch(xs, schedule, dtype=dtype, eps=eps, norm_scale=norm_scale)
     return _orthogonalize_batch_op(
         list(xs), [float(c) for row in schedule for c in row], [len(row) for row in schedule],

@@ -35,7 +35,7 @@ import torch.nn as nn
 from .. import _checks, _tree, _views
 from .._muon import group_by
 from ..optim import _state
-from ..optim._adapter import StepReport, _all_finite, step_not_traced, write_back
+from ..optim._adapter import BUCKET_SIZE, StepReport, _all_finite, step_not_traced, write_back
 from ..optim._views import module_views
 from . import _exchange, _overlap, _params, _phases, _plan, _rows
 from ._routes import Bucket, Route, group_routes
@@ -180,12 +180,19 @@ class FSDPAdapter:
         super()._build(group, rt, static_key)
         rt.routes, rt.build = None, next(self._builds)  # built on first use, after the dry run
 
+    def _owner_bucket_size(self) -> int:
+        """Same-shape matrices one owner computes together: the CPU's :data:`BUCKET_SIZE` on every
+        device unless given (the planner balances owners in such buckets; an unbounded GPU
+        bucket would give every same-shape matrix to one owner)."""
+        return BUCKET_SIZE if self._bucket_size is None else self._bucket_size
+
     def _routes(self, index: int) -> list[Route]:
         rt = self._runtimes[index]
         if rt.routes is None:
             group = self.param_groups[index]
             rt.routes = group_routes(group, self._group_hyper(group, rt), self._param_options(group), self._factory,
-                                     self._matrix_algorithm(), self._meta, self._bucket_size, self._compile_options)
+                                     self._matrix_algorithm(), self._meta, self._owner_bucket_size(),
+                                     self._compile_options)
         return rt.routes
 
     def _init_state(self, index: int) -> None:

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple, Union
 
 import torch
 
-from .. import _checks, _compile, _tree
+from .. import _checks, _compile, _execution, _tree
 from .._base import GradientTransformation, info
 from .._muon import group_by
 from . import _layout, _state
@@ -37,11 +37,13 @@ _ADAPTER_KEYS = frozenset({"params", "param_names", "gradient_accumulation_steps
 # tensor-valued key is one too); other keys are static and rebuild the transform on change.
 # weight_decay is static: it rarely changes, and a static 0 removes the decay term entirely.
 SCALAR_KEYS = frozenset({"lr", "momentum"})
-# At most this many same-shape parameters share one compiled call. Inductor's compile time grows
-# by about a second per parameter in a graph (2-core CPU), while equal buckets reuse one graph:
-# gpt2-small's 72 matrices compile as 3 graphs of at most 4. Larger buckets batch more matrices
-# per orthogonalization call (see MuonOptimizer(bucket_size=...)).
-BUCKET_SIZE = 4
+# On the CPU, at most this many same-shape parameters share one compiled call. Inductor's compile
+# time grows by about a second per parameter in a graph (2-core CPU), while equal buckets reuse one
+# graph: gpt2-small's 72 matrices compile as 3 graphs of at most 4. On GPUs every same-shape
+# parameter of a group shares one call (one batched GEMM per product; the execution policy's
+# default, muon_fn._execution). Larger buckets batch more matrices per orthogonalization call
+# (see MuonOptimizer(bucket_size=...)).
+BUCKET_SIZE = _execution.CPU.bucket_size
 
 
 def buckets(params: list[torch.Tensor], size: int | None) -> list[tuple[int, ...]]:
@@ -141,7 +143,8 @@ class Optimizer(torch.optim.Optimizer):
       compile: ``True`` (default: ``torch.compile(fullgraph=True)`` with inductor, one graph per
         bucket signature; eager with one warning where compiling is impossible), ``False``
         (eager), or a dict of ``torch.compile`` options (e.g. ``{"backend": "eager"}``).
-      bucket_size: same-shape parameters updated by one call (see :data:`BUCKET_SIZE`); only
+      bucket_size: same-shape parameters updated by one call; ``None`` (default): the device's
+        execution policy's, 4 on the CPU (:data:`BUCKET_SIZE`), all of them on GPUs; only
         for transforms that are *leafwise* (:class:`muon_fn.TransformInfo`; every built-in one
         is), others update each group as a whole.
 
@@ -160,7 +163,7 @@ class Optimizer(torch.optim.Optimizer):
         gradient_accumulation_steps: int = 1,
         nonfinite: str | None = "skip",
         compile: _compile.CompileOption = True,
-        bucket_size: int = BUCKET_SIZE,
+        bucket_size: int | None = None,
         **kwargs: Any,
     ) -> None:
         _checks.unexpected_keywords(type(self).__name__, kwargs)
@@ -175,7 +178,8 @@ class Optimizer(torch.optim.Optimizer):
             )
         _checks.positive_int("gradient_accumulation_steps", gradient_accumulation_steps)
         _checks.one_of("nonfinite", nonfinite, NONFINITE_POLICIES)
-        _checks.positive_int("bucket_size", bucket_size)
+        if bucket_size is not None:
+            _checks.positive_int("bucket_size", bucket_size)
         self.nonfinite = nonfinite
         self._compile_options = _compile.resolve(compile)
         self._bucket_size = bucket_size
@@ -291,7 +295,8 @@ class Optimizer(torch.optim.Optimizer):
             tx = self._factory({**hyper, **opts})
             rt.variants.append(_Variant(opts, tx, _compile.PerSignature(_step_of(tx), self._compile_options)))
             members = [i for i, w in enumerate(rt.variant_of) if w == v]
-            for b in buckets([params[i] for i in members], self._bucket_size if info(tx).leafwise else None):
+            mine = [params[i] for i in members]
+            for b in buckets(mine, _execution.bucket_limit(mine, self._bucket_size) if info(tx).leafwise else None):
                 indices = tuple(members[k] for k in b)
                 meta = self._meta([params[i] for i in indices])
                 rt.buckets.append(_Bucket(indices, _state.build_layout(tx.init(meta), len(indices)), v))
@@ -400,6 +405,8 @@ class Optimizer(torch.optim.Optimizer):
             bucket_params = tuple(params[i] for i in bucket.indices)
             variant = rt.variants[bucket.variant]
             state = self._bucket_state(variant.tx, bucket, bucket_params)
+            if self._compile_options is not None and _execution.policy(bucket_params[0].device).static_addresses:
+                _execution.mark_static(bucket_params + tuple(_tree.tree_leaves(state)))
             variant.step(_signature(bucket_params, bucket_grads, finite), bucket_params, bucket_grads, state, finite)
 
     def _bucket_state(self, tx: GradientTransformation, bucket: _Bucket, params: tuple) -> Any:

@@ -14,7 +14,7 @@ import torch
 from .. import _checks, _compile
 from .._alias import TRITON_MUON_EPS, triton_muon
 from .._base import GradientTransformation
-from ._adapter import BUCKET_SIZE, Optimizer
+from ._adapter import Optimizer
 
 
 class _ElementwiseOptimizer(Optimizer):
@@ -27,7 +27,7 @@ class _ElementwiseOptimizer(Optimizer):
     def __init__(self, params: Iterable[Any], lr: float | torch.Tensor, momentum: float, velocity: float,
                  weight_decay: float, nesterov: bool, layerwise_norm: bool, *, eps: float,
                  gradient_accumulation_steps: int, nonfinite: str | None, compile: _compile.CompileOption,
-                 bucket_size: int, **kwargs: Any) -> None:
+                 bucket_size: int | None, **kwargs: Any) -> None:
         if "betas" in kwargs:
             raise TypeError(f"{type(self).__name__}() got an unexpected keyword argument 'betas': "
                             "use momentum (beta1) and velocity (beta2)")
@@ -99,7 +99,7 @@ class TritonMuon(_ElementwiseOptimizer):
         gradient_accumulation_steps: int = 1,
         nonfinite: str | None = "skip",
         compile: _compile.CompileOption = True,
-        bucket_size: int = BUCKET_SIZE,
+        bucket_size: int | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(params, lr, momentum, velocity, weight_decay, nesterov, layerwise_norm, eps=eps,
@@ -135,7 +135,7 @@ class TritonMuonW(_ElementwiseOptimizer):
         gradient_accumulation_steps: int = 1,
         nonfinite: str | None = "skip",
         compile: _compile.CompileOption = True,
-        bucket_size: int = BUCKET_SIZE,
+        bucket_size: int | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(params, lr, momentum, velocity, weight_decay, nesterov, layerwise_norm, eps=eps,

@@ -18,7 +18,7 @@ from .._newton_schulz import COMPUTE_DTYPES, METHODS, validate_coefficients
 from .._qk_clip import QKClip, check_tracked
 from .._transforms import MOMENTUM_KINDS
 from . import _views
-from ._adapter import BUCKET_SIZE, Optimizer, step_not_traced
+from ._adapter import Optimizer, step_not_traced
 
 ALGORITHMS = ("auto", "muon", "adamw")
 
@@ -198,7 +198,7 @@ class MuonOptimizer(HybridOptimizer):
         gradient_accumulation_steps: int = 1,
         nonfinite: str | None = "skip",
         compile: _compile.CompileOption = True,
-        bucket_size: int = BUCKET_SIZE,
+        bucket_size: int | None = None,
         **kwargs: Any,
     ) -> None:
         defaults = dict(

@@ -12,7 +12,6 @@ from .. import _compile
 from .._base import GradientTransformation
 from .._combine import leafwise_labels
 from .._sso import VALIDATED_KEYS, check_options, sso
-from ._adapter import BUCKET_SIZE
 from ._muon import HybridOptimizer, hybrid_transform
 
 # "muon" is accepted as an alias of "sso" so groups built for MuonOptimizer (e.g. by
@@ -126,7 +125,7 @@ class SpectralSphereOptimizer(HybridOptimizer):
         gradient_accumulation_steps: int = 1,
         nonfinite: str | None = "skip",
         compile: _compile.CompileOption = True,
-        bucket_size: int = BUCKET_SIZE,
+        bucket_size: int | None = None,
         **kwargs: Any,
     ) -> None:
         defaults = dict(
