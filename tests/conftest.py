@@ -34,6 +34,28 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+# The device lane (tests/test_device_lane.py and every test taking the ``device`` fixture): the CPU
+# always, CUDA where a GPU is present. MUON_FN_DEVICES=cuda runs the lane on the GPU only
+# (.ci/gpu-lane); MUON_FN_DEVICES=cpu,cuda both.
+def _lane_devices() -> list[str]:
+    wanted = os.environ.get("MUON_FN_DEVICES")
+    if wanted:
+        return [d.strip() for d in wanted.split(",") if d.strip()]
+    return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+DEVICES = _lane_devices()
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> torch.device:
+    """Each device of the lane in turn (skipped where it is absent)."""
+    dev = torch.device(request.param)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        pytest.skip("CUDA is not available")
+    return dev
+
+
 @pytest.fixture(autouse=True)
 def _reset_dynamo():
     torch._dynamo.reset()
