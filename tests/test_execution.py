@@ -198,3 +198,27 @@ def test_compiled_batched_steps_mark_parameters_and_state_static(policy, static)
     if static:
         assert all(getattr(p, "_dynamo_static_input_type", None) for p in model.parameters())
     assert all(getattr(p.grad, "_dynamo_static_input_type", None) is None for p in model.parameters())
+
+
+@pytest.mark.inductor
+def test_batched_policy_compiles_with_inductor_as_one_graph_per_shape(compiled_default, method="quintic"):
+    """The GPU's execution, compiled by inductor (the adapters' default) on CPU tensors: one
+    fullgraph graph per distinct bucket signature (2 matrix shapes, one AdamW bucket per 1-D
+    shape), the eager batched results to fp32 rounding."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    results, counter = [], CompileCounterWithBackend("inductor")
+    for compile in (False, {"backend": counter}):
+        torch.manual_seed(0)
+        model = Stack()
+        with _execution.forced("batched"):
+            opt = mf.MuonOptimizer(model.parameters(), method=method, ns_dtype=torch.float32, compile=compile)
+            for step in range(2):
+                g = torch.Generator().manual_seed(step)
+                for p in model.parameters():
+                    p.grad = torch.randn(p.shape, generator=g)
+                opt.step()
+        results.append([p.detach().clone() for p in model.parameters()])
+    assert counter.frame_count == len(opt._runtimes[0].buckets) == 4  # 32x64, 48x48, (32,), (48,): biases, norm
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
