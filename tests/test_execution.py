@@ -222,3 +222,29 @@ def test_batched_policy_compiles_with_inductor_as_one_graph_per_shape(compiled_d
     assert counter.frame_count == len(opt._runtimes[0].buckets) == 4  # 32x64, 48x48, (32,), (48,): biases, norm
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_batched_symmetric_products_from_half_blocks():
+    """At or above the batched policy's symmetric_min_dim, XXᵀ, A² and the quintic's polynomial
+    are 3 half-size GEMMs each (the block below the diagonal mirrored): the one-GEMM results to
+    fp32 rounding, and exactly symmetric."""
+    policy = _execution.BATCHED._replace(symmetric_min_dim=64)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 64, 96, generator=g) / 20
+    schedule = _newton_schulz.coefficient_schedule("quintic", 5)
+    with _execution.forced("batched"):
+        plain = _newton_schulz.msign_batch(list(x), schedule, dtype=torch.float32, eps=1e-7)
+    with _execution.forced(policy):
+        gram = _newton_schulz.gram_matrix(x)
+        count = GemmCount()
+        with count:
+            split = _newton_schulz.msign_batch(list(x), schedule, dtype=torch.float32, eps=1e-7)
+    torch.testing.assert_close(gram, x @ x.mT, rtol=0, atol=1e-6)
+    assert torch.equal(gram, gram.mT)
+    assert count.count == 5 * (3 + 3 + 1)  # per iteration: XXᵀ and the polynomial in 3, then ·X
+    torch.testing.assert_close(split, plain, rtol=0, atol=2e-5)
+    with _execution.forced(policy):  # below the threshold: one GEMM per product
+        count = GemmCount()
+        with count:
+            _newton_schulz.msign_batch(list(x[:, :32]), schedule, dtype=torch.float32, eps=1e-7)
+    assert count.count == 15
