@@ -17,8 +17,9 @@ def replay(params: Sequence[torch.Tensor], method: str, steps: int | None, *, bu
     (default: the device's compute dtype, as the optimizer picks it), through
     :func:`muon_fn._newton_schulz.iterate`, the iteration the op runs.
 
-    Batching follows the op: matrices of one shape in buckets of at most ``bucket_size``
-    (``None``: one matrix per call, as torch.optim.Muon runs), each bucket one batched call below
+    Batching follows the op: parameters of one shape in buckets of at most ``bucket_size``
+    (``None``: one matrix per call, as torch.optim.Muon runs), each bucket's matrices (an expert
+    stack ``(E, out, in)`` brings E) one batched call below
     :data:`~muon_fn._newton_schulz.LOOP_MIN_DIM` rows and one matrix at a time from there.
 
     The inputs are prepared once, outside the returned function, as the real path prepares them
@@ -30,10 +31,10 @@ def replay(params: Sequence[torch.Tensor], method: str, steps: int | None, *, bu
     aol = getattr(schedule, "precondition", "frobenius") == "aol"
     dtype = dtype or _newton_schulz.default_compute_dtype(params[0].device)
     scale = _newton_schulz.norm_scale(method)
-    wides = [_prepared(p, scale, aol).to(dtype) for p in params]
+    wides = [[_prepared(m, scale, aol).to(dtype) for m in (p.unbind(0) if p.ndim == 3 else (p,))] for p in params]
     calls: list[torch.Tensor] = []
     for members in group_by([tuple(p.shape) for p in params], bucket_size or 1):
-        bucket = [wides[i] for i in members]
+        bucket = [w for i in members for w in wides[i]]
         if bucket_size is None or bucket[0].size(0) >= _newton_schulz.LOOP_MIN_DIM:
             calls += bucket
         else:
