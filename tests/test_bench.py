@@ -421,3 +421,14 @@ def test_replay_of_expert_stacks_runs_the_gemms_of_the_step():
     opt.step()
     replay = bench.replay(params, "quintic", 5, bucket_size=_rows.BUCKET_SIZE)
     assert _gemm_flops(replay) == _gemm_flops(opt.step) > 0
+
+
+def test_replays_built_together_share_their_prepared_inputs():
+    from muon_fn.bench import _replay
+
+    params = [torch.randn(32, 48), torch.randn(3, 32, 48)]
+    with _replay.shared_inputs():
+        for method, bucket_size in (("quintic", 4), ("quintic", None), ("polar_express", 4)):
+            bench.replay(params, method, 5, bucket_size=bucket_size, dtype=torch.float32)
+        shared = dict(_replay._SHARED)
+    assert len(shared) == 2 and _replay._SHARED is None  # quintic twice: one copy; Polar Express: its 1.01 scale

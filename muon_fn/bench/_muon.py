@@ -21,6 +21,7 @@ from ._memory import PEAK_METHODS, peak_step_bytes, state_bytes
 from ._problem import check_cpu_size, check_size, real_gradients, set_size
 from . import _quality
 from ._quality import TORCH
+from ._replay import shared_inputs
 from ._rows import REFERENCE, ROW_SPECS, ROWS, Built, check_rows
 from ._timing import Threads, check_device, check_threads, paired_ratio, paired_rounds, synchronize, using_threads
 
@@ -85,7 +86,8 @@ def benchmark_muon_optimizers(
         params, grads, names = real_gradients(model_size, layers=layers, seed=seed, device=device)
         for p, g in zip(params, grads):
             p.grad = g
-        built = {r: ROW_SPECS[r].build(params, lr) for r in rows}
+        with shared_inputs():
+            built = {r: ROW_SPECS[r].build(params, lr) for r in rows}
         first, times = _time_rows(built, params, rounds, num_steps, device)
         flops = {r: _row_flops(r, params, device) for r in rows}
         rates = _matmul_rates(rows, params, device)
@@ -146,12 +148,13 @@ def _matmul_rates(rows: Sequence[str], params: list[torch.Tensor], device: torch
 def _time_rows(built: dict[str, Built], params: list[torch.Tensor], rounds: int, num_steps: int,
                device: torch.device) -> tuple[dict[str, float], dict[str, list[float]]]:
     """The first step of every row (state allocation, compilation), then ``rounds`` paired rounds;
-    the parameters go back to their start after every round (lr does not matter here)."""
+    the parameters go back to their start after every round (lr does not matter here), copied
+    from the host (no second copy of a large set on the device)."""
     def step(r: str) -> None:
         built[r][1]()
 
     first = {r: t[0] for r, t in paired_rounds(list(built), step, 1, device=device).items()}
-    saved = [p.detach().clone() for p in params]
+    saved = [p.detach().to("cpu", copy=True) for p in params]
 
     def restore(_: int) -> None:
         with torch.no_grad():
