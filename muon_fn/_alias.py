@@ -143,16 +143,17 @@ def triton_muon(
 
     Per tensor, with β₁ = ``momentum`` and β₂ = ``velocity``::
 
-        g ← g / max(‖g‖, 1e-8)               if layerwise_norm
         g ← g + wd·θ                         L2 decay (decoupled=False)
+        g ← g / (‖g‖ + 1e-8)                 if layerwise_norm
         m ← β₁m + (1 − β₁)g,  v ← β₂v + (1 − β₂)g²
         θ ← θ − lr·m̃ / (√v + eps) − lr·wd·θ  (the decay term only if decoupled)
 
     with ``m̃ = m``, or ``β₁m + (1 − β₁)g`` (the updated ``m``) with ``nesterov``. No bias
-    correction. ``chain([normalize_layerwise], [add_decoupled_weight_decay],
-    scale_by_adam((momentum, velocity), eps, bias_correction=False, nesterov=...),
-    [add_decoupled_weight_decay], scale_by_learning_rate)``: the decay transform before the
-    moments is L2 regularization, after them decoupled decay.
+    correction. As the original TritonMuon's layer-wise kernel, the L2 term is added before
+    the normalization, which sees their sum. ``chain([add_decoupled_weight_decay],
+    [normalize_layerwise(add_eps=True)], scale_by_adam((momentum, velocity), eps,
+    bias_correction=False, nesterov=...), [add_decoupled_weight_decay], scale_by_learning_rate)``:
+    the decay transform before the moments is L2 regularization, after them decoupled decay.
     """
     _checks.in_unit_interval("momentum", momentum)
     _checks.in_unit_interval("velocity", velocity)
@@ -162,8 +163,9 @@ def triton_muon(
         _checks.boolean(name, flag)
     moments = scale_by_adam((momentum, velocity), eps, bias_correction=False, nesterov=nesterov)
     decay = add_decoupled_weight_decay(weight_decay)
-    parts = [normalize_layerwise()] if layerwise_norm else []
-    parts += [moments, decay] if decoupled else [decay, moments]
+    parts = [] if decoupled else [decay]
+    parts += [normalize_layerwise(add_eps=True)] if layerwise_norm else []
+    parts += [moments, decay] if decoupled else [moments]
     return chain(*parts, scale_by_learning_rate(lr))
 
 

@@ -480,6 +480,34 @@ def gram_products(row: Coefficients) -> int:
     return min(len(_degree_terms(row)) - 1, 2)
 
 
+def gemm_flops(shape: Sequence[int], schedule: Sequence[Coefficients]) -> int:
+    """Dense GEMM FLOPs of orthogonalizing one ``(m, n)`` matrix with ``schedule``: the matrix
+    products the iteration runs, ``2·a·b·c`` for an ``(a×b)(b×c)`` one (elementwise terms ignored).
+
+    With ``s = min(m, n)``, ``l = max(m, n)``, the standard form runs per row ``XXᵀ`` (2s²l; AOL's
+    Gram matrix takes its place in the first row), the row's m×m products (2s³ each,
+    :func:`gram_products`: 0 cubic, 1 quintic, 2 degree 7/9) and ``(…)X`` (2s²l): a quintic row is
+    ``4s²l + 2s³``. The Gram form (``Schedule.form == "gram"``, non-square) runs ``R = XXᵀ`` once,
+    per row the polynomial's products, ``Q·T`` (2s³, not at a start) and ``R ← T·R·T`` (4s³,
+    before every row but a restart), at each restart ``X ← QX`` and ``R ← XXᵀ`` (4s²l), and
+    ``QX`` (2s²l) at the end.
+    """
+    m, n = int(shape[-2]), int(shape[-1])
+    s, l = min(m, n), max(m, n)
+    products = [gram_products(row) for row in schedule]
+    if getattr(schedule, "form", "standard") != "gram" or m == n:
+        return sum(4 * s * s * l + 2 * s**3 * k for k in products)
+    flops, started = 2 * s * s * l, False
+    for i, k in enumerate(products):
+        if i in GRAM_RESTARTS and started:
+            flops, started = flops + 4 * s * s * l, False
+        flops += 2 * s**3 * (k + started)
+        started = True
+        if i + 1 < len(products) and i + 1 not in GRAM_RESTARTS:
+            flops += 4 * s**3
+    return flops + 2 * s * s * l
+
+
 def _poly(gram: torch.Tensor, row: Coefficients, buffers: Buffers | None = None,
           symmetric: bool = True, overwrite: bool = False) -> torch.Tensor | None:
     """``Σ_{i≥1} cᵢ Aⁱ`` for ``row = (c₀, c₁, …, c_d)``, ``d ≤ 4``, in the fewest m×m products and

@@ -230,27 +230,30 @@ def scale_by_adam(
     return with_info(tx, leafwise=True, scope=ELEMENTWISE)
 
 
-def normalize_layerwise(eps: float = 1e-8) -> GradientTransformation:
+def normalize_layerwise(eps: float = 1e-8, *, add_eps: bool = False) -> GradientTransformation:
     """Layer-wise gradient normalization: every tensor divided by its own norm, ``g ← g / max(‖g‖, eps)``.
 
     ``‖g‖`` is the L2 (Frobenius) norm of the whole leaf — one parameter's gradient, an expert
     stack included — computed in fp32 for half-precision gradients. A tensor with ``‖g‖ ≥ eps``
     comes out with norm 1 whatever its scale; zero stays zero. Stateless. Used first in a chain,
     before momentum (``layerwise_norm=True`` of :func:`muon` and :func:`triton_muon`), it gives
-    every step and every layer the same weight in the moments.
+    every step and every layer the same weight in the moments. ``add_eps``: divide by
+    ``‖g‖ + eps`` instead (the original TritonMuon kernel's form, :func:`triton_muon`).
     """
     _checks.positive("eps", eps)
+    _checks.boolean("add_eps", add_eps)
 
     def normalize(g: torch.Tensor) -> torch.Tensor:
         norm = torch.linalg.vector_norm(g, dtype=torch.promote_types(g.dtype, torch.float32))
-        return (g.to(norm.dtype) / norm.clamp_min(eps)).to(g.dtype)
+        return (g.to(norm.dtype) / (norm + eps if add_eps else norm.clamp_min(eps))).to(g.dtype)
 
     def update(updates, state, params=None, **extra):
         del params, extra
         return _tree.tree_map(lambda g: None if g is None else normalize(g), updates), state
 
     # MATRIX: the norm is over the whole leaf, so a shard alone cannot compute it.
-    tx = named(GradientTransformation(init_empty_state, update), "normalize_layerwise", eps=eps)
+    config = {"eps": eps, "add_eps": True} if add_eps else {"eps": eps}
+    tx = named(GradientTransformation(init_empty_state, update), "normalize_layerwise", **config)
     return with_info(tx, leafwise=True, scope=MATRIX)
 
 

@@ -16,7 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from muon_fn import MuonOptimizer, bench
 from muon_fn import _newton_schulz as O
-from muon_fn.bench import _rows, _timing
+from muon_fn.bench import _muon, _rows, _timing
 
 ONE_LAYER = dict(model_size="tiny", layers=1, rounds=1, quality_layers=1, gaussian=False)
 
@@ -47,9 +47,20 @@ def test_benchmark_smoke_with_torch_reference():
         assert kind["ratio_to_torch"] == pytest.approx(1.0)
     for kind in q["muon_fn"].values():  # the default is the quintic; its σ lands in about [0.68, 1.21]
         assert kind["ratio_to_quintic_same_dtype"] == pytest.approx(1.0) and kind["max"] < 1.25
+    # The bound: the row's GEMM FLOPs at the matmul rate measured in the run, in its dtype.
+    rates = cfg["matmul_rates"]
+    assert set(rates) == {"bfloat16", str(O.default_compute_dtype()).removeprefix("torch.")}
+    assert all(r["shape"] == [256, 1024] and r["reps"] >= 3 and r["flops_per_s"] > 0 for r in rates.values())
+    compute = str(O.default_compute_dtype()).removeprefix("torch.")
+    for r, dtype in (("muon_fn", compute), ("torch.optim.Muon", "bfloat16"), ("replay[quintic5]", compute)):
+        row = res["rows"][r]
+        # 5 quintic iterations of q, k, v, o (6·256³ each) and fc, proj (4·256²·1024 + 2·256³ = 18·256³)
+        assert row["gemm_flops"] == 5 * (4 * 6 + 2 * 18) * 256**3
+        assert row["bound_s"] == pytest.approx(row["gemm_flops"] / rates[dtype]["flops_per_s"])
+        assert row["ratio_to_bound"] == pytest.approx(row["median"] / row["bound_s"])
     json.dumps(res)
     table = bench.format_table(res)
-    assert all(r in table for r in rows) and "tiny: 6 matrices" in table
+    assert all(r in table for r in rows) and "tiny: 1 layer(s), 6 matrices" in table
 
 
 def test_ratios_and_quality_need_their_reference_rows():
@@ -311,3 +322,113 @@ def test_quality_leak_separates_preconditioned_iterations():
             for m in ("quintic", "polar_express", "aol9", "aol")}
     assert leak["quintic"] < 1e-5 and leak["polar_express"] < 1e-5
     assert leak["aol9"] > 0.02 and leak["aol"] > 0.02
+
+
+# ----------------------------------------------------------------------------- GEMM FLOPs and the sets
+def test_gemm_flops_by_hand():
+    quintic5, pe5 = O.coefficient_schedule("quintic", 5), O.coefficient_schedule("polar_express", 5)
+    # Per quintic iteration of a wide (m, n): XXᵀ 2m²n, A² 2m³, (bA + cA²)·X 2m²n.
+    assert O.gemm_flops((768, 3072), quintic5) == 5 * (2 * 768**2 * 3072 + 2 * 768**3 + 2 * 768**2 * 3072)
+    assert O.gemm_flops((3072, 768), quintic5) == O.gemm_flops((768, 3072), quintic5)  # tall: transposed
+    assert O.gemm_flops((64, 64), O.coefficient_schedule("cubic", 3)) == 3 * 4 * 64**3  # no A²
+    # aol9: AOL's Gram matrix feeds iteration 1 (no extra GEMM); iteration 4 is degree 9 (A², then one more m×m).
+    assert O.gemm_flops((64, 96), O.coefficient_schedule("aol9", None)) == 4 * 4 * 64**2 * 96 + 5 * 2 * 64**3
+    # Gram form, one restart before iteration 2 (s = 64, l = 256): X·Xᵀ twice, Q·X twice (8s²l);
+    # per iteration the polynomial's A² (2s³), Q·T after a start (2s³), R ← T·R·T (4s³) unless
+    # the next iteration restarts or none follows: 6 + 4 + 6 + 8 + 4 = 28s³.
+    gram = O.coefficient_schedule("gram", 5)
+    assert O.gemm_flops((64, 256), gram) == 8 * 64**2 * 256 + 28 * 64**3
+    assert O.gemm_flops((64, 256), gram) / O.gemm_flops((64, 256), pe5) == pytest.approx(60 / 90)  # 67 % at α = 4
+    assert O.gemm_flops((64, 64), gram) == O.gemm_flops((64, 64), pe5)  # square: the standard iteration
+
+
+@pytest.mark.parametrize("method,steps", [("quintic", 5), ("polar_express", 7), ("cubic", 2), ("aol", 4),
+                                          ("gram", 5), ("gram", 2), ("you", 3)])
+def test_gemm_flops_equal_the_profilers_count(method, steps):
+    """What the iteration runs, counted by torch's profiler (fp32, below the blockwise sizes;
+    aol9 is counted by hand above: the profiler gives its in-place addmm_ no FLOPs)."""
+    schedule = O.coefficient_schedule(method, steps)
+    for shape in ((48, 80), (80, 48), (40, 40)):
+        x = torch.randn(shape)
+        assert _gemm_flops(lambda: O.newton_schulz(x, method, steps, dtype=torch.float32)) == \
+            O.gemm_flops(shape, schedule), shape
+
+
+def test_step_gemm_flops_of_the_sets_and_their_sizes_cost_no_memory():
+    from muon_fn.bench._bound import step_gemm_flops
+
+    quintic5 = O.coefficient_schedule("quintic", 5)
+
+    def flops(size, layers=None):
+        return step_gemm_flops([s for _, s in bench.matrix_shapes(size, layers)], quintic5)
+
+    def it(s, l):  # one quintic iteration of a wide (s, l)
+        return 4 * s * s * l + 2 * s**3
+
+    assert flops("gpt2-small") == 3600 * 768**3 == 1_630_745_395_200  # 12·5·(4·6 + 2·18)·768³
+    # Per layer: q, o 2048²; k, v 512×2048; gate, up, down 2048×8192.
+    assert flops("llama3-1b") == 16 * 5 * (2 * it(2048, 2048) + 2 * it(512, 2048) + 3 * it(2048, 8192))
+    assert flops("llama3-8b") == 8 * 5 * (2 * it(4096, 4096) + 2 * it(1024, 4096) + 3 * it(4096, 14336))
+    assert flops("deepseek-moe") == 2 * 5 * 3 * 64 * it(1408, 2048)  # 3 stacks of 64 experts a layer
+    sizes = {name: bench.set_size(name) for name in bench.SETS}
+    assert sizes["llama3-1b"] == (112, 973_078_528) and sizes["gpt2-small"] == (72, 84_934_656)
+    assert sizes["llama3-8b"] == (56, 1_744_830_464) and bench.set_size("llama3-8b", 32)[0] == 224
+    assert sizes["deepseek-moe"] == (384, 1_107_296_256)
+    params, names = bench.meta_params("deepseek-moe")
+    assert all(p.is_meta for p in params) and names[:3] == ["h0.gate", "h0.up", "h0.down"]
+    assert [tuple(p.shape) for p in params[:3]] == [(64, 1408, 2048), (64, 1408, 2048), (64, 2048, 1408)]
+
+
+def test_sets_too_large_for_the_cpu_are_refused_with_what_to_do(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--model-size", "llama3-8b"])
+    err = capsys.readouterr().err
+    assert "Invalid model_size: 'llama3-8b' on the CPU (8 layer(s), 56 matrices, 1745 M params" in err
+    assert "--device cuda" in err and "--force" in err
+    with pytest.raises(ValueError, match="deepseek-moe"):
+        bench.benchmark_muon_optimizers("deepseek-moe", layers=1)
+    _muon.check_muon_args("llama3-1b", layers=1)  # 61 M params: timed on the CPU like gpt2-small
+
+
+TOY_SETS = {"llama-toy": bench.MatrixSet("llama", 2, 64, 128, 4, 2, 16),
+            "moe-toy": bench.MatrixSet("moe", 3, 64, 32, 0, 0, 0, experts=4, top_k=2, default_layers=2)}
+
+
+@pytest.mark.parametrize("size", list(TOY_SETS))
+def test_llama_and_expert_sets_run_every_kind_of_row(size, monkeypatch):
+    """The "llama" and "moe" kinds at toy sizes: grouped-query and SwiGLU shapes, expert stacks
+    (E matrices each; torch.optim.Muon sees them as 2-D views of the stacks' storage)."""
+    monkeypatch.setitem(bench.SETS, size, TOY_SETS[size])
+    rows = ["muon_fn[eager]", "torch.optim.Muon", "replay[quintic5]", "replay[torch_quintic5]"]
+    res = bench.benchmark_muon_optimizers(size, rows=rows, rounds=1, gaussian=False)
+    matrices = 14 if size == "llama-toy" else 2 * 3 * 4
+    assert (res["config"]["layers"], res["config"]["matrices"]) == (2, matrices)
+    flops = {r: v["gemm_flops"] for r, v in res["rows"].items()}
+    assert len(set(flops.values())) == 1 and flops["muon_fn[eager]"] > 0
+    states = {r: res["rows"][r]["state_bytes"] for r in ("muon_fn[eager]", "torch.optim.Muon")}
+    assert states["muon_fn[eager]"] == states["torch.optim.Muon"] == 4 * res["config"]["params"]
+    kinds = {"llama-toy": {"q", "k", "v", "o", "gate", "up", "down"}, "moe-toy": {"gate", "up", "down"}}[size]
+    assert set(res["quality"]["torch.optim.Muon"]) == kinds
+
+
+def test_replay_of_expert_stacks_runs_the_gemms_of_the_step():
+    g = torch.Generator().manual_seed(0)
+    shapes = [(3, 32, 48)] * 5 + [(2, O.LOOP_MIN_DIM, 400)]
+    params = [torch.randn(s, generator=g).requires_grad_() for s in shapes]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g)
+    opt = MuonOptimizer(params, lr=0.02, matrix_view="experts", compile=False)
+    opt.step()
+    replay = bench.replay(params, "quintic", 5, bucket_size=_rows.BUCKET_SIZE)
+    assert _gemm_flops(replay) == _gemm_flops(opt.step) > 0
+
+
+def test_replays_built_together_share_their_prepared_inputs():
+    from muon_fn.bench import _replay
+
+    params = [torch.randn(32, 48), torch.randn(3, 32, 48)]
+    with _replay.shared_inputs():
+        for method, bucket_size in (("quintic", 4), ("quintic", None), ("polar_express", 4)):
+            bench.replay(params, method, 5, bucket_size=bucket_size, dtype=torch.float32)
+        shared = dict(_replay._SHARED)
+    assert len(shared) == 2 and _replay._SHARED is None  # quintic twice: one copy; Polar Express: its 1.01 scale

@@ -96,8 +96,8 @@ def test_normalize_layerwise_info():
 
 def reference_run(params, grads_per_step, *, lr, b1=0.9, b2=0.999, wd=0.0, eps=1e-8, decoupled=False,
                   nesterov=False, layerwise=False):
-    """Every step, per tensor: g ← g/max(‖g‖, 1e-8) (layerwise); g ← g + wd·θ (L2);
-    m ← β₁m + (1−β₁)g; v ← β₂v + (1−β₂)g²; θ ← θ − lr·m̃/(√v + ε) − lr·wd·θ (decoupled),
+    """Every step, per tensor: g ← g + wd·θ (L2); g ← g/(‖g‖ + 1e-8) (layerwise: the original
+    TritonMuon kernel normalizes the sum); m ← β₁m + (1−β₁)g; v ← β₂v + (1−β₂)g²; θ ← θ − lr·m̃/(√v + ε) − lr·wd·θ (decoupled),
     m̃ = β₁m + (1−β₁)g with Nesterov. ``lr`` may be a list (one per tensor). Returns θ, m, v."""
     theta = [p.clone() for p in params]
     m = [torch.zeros_like(p) for p in params]
@@ -105,10 +105,10 @@ def reference_run(params, grads_per_step, *, lr, b1=0.9, b2=0.999, wd=0.0, eps=1
     lrs = lr if isinstance(lr, list) else [lr] * len(params)
     for grads in grads_per_step:
         for i, g in enumerate(grads):
-            if layerwise:
-                g = g / torch.linalg.vector_norm(g).clamp_min(1e-8)
             if not decoupled:
                 g = g + wd * theta[i]
+            if layerwise:
+                g = g / (torch.linalg.vector_norm(g) + 1e-8)
             m[i] = b1 * m[i] + (1 - b1) * g
             v[i] = b2 * v[i] + (1 - b2) * g * g
             numerator = b1 * m[i] + (1 - b1) * g if nesterov else m[i]
@@ -137,15 +137,11 @@ def assert_close(actual, expected):
         torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL)
 
 
-# The classes' options (the decay is L2 for TritonMuon, decoupled for TritonMuonW).
-OPTIONS = {
-    "defaults": {},
-    "nesterov": {"nesterov": True},
-    "layerwise": {"layerwise": True},
-    "weight_decay": {"wd": 0.1},
-    "no_weight_decay": {"wd": 0.0},
-    "all": {"wd": 0.05, "nesterov": True, "layerwise": True},
-}
+# The classes' options (the decay is L2 for TritonMuon, decoupled for TritonMuonW): every
+# combination of nesterov, layerwise_norm and weight decay.
+OPTIONS = {f"nesterov={n},layerwise={lw},wd={wd}": {"nesterov": n, "layerwise": lw, "wd": wd}
+           for n in (False, True) for lw in (False, True) for wd in (0.0, 0.1)}
+OPTIONS["defaults"] = {}
 
 
 # β₂ ≥ 0.9: with a short second-moment memory m/√v has no bound (β₂ = 0: m_t/|g_t|), and an ulp of
@@ -368,9 +364,16 @@ class TestValidation(expecttest.TestCase):
 def test_reprs():
     assert repr(mf.triton_muon(weight_decay=0.1, decoupled=True, nesterov=True, layerwise_norm=True)) == """\
 chain(
-  normalize_layerwise(eps=1e-08),
+  normalize_layerwise(eps=1e-08, add_eps=True),
   scale_by_adam(betas=(0.9, 0.999), eps=1e-08, bias_correction=False, nesterov=True),
   add_decoupled_weight_decay(weight_decay=0.1),
+  scale_by_learning_rate(lr=0.001),
+)"""
+    assert repr(mf.triton_muon(weight_decay=0.1, layerwise_norm=True)) == """\
+chain(
+  add_decoupled_weight_decay(weight_decay=0.1),
+  normalize_layerwise(eps=1e-08, add_eps=True),
+  scale_by_adam(betas=(0.9, 0.999), eps=1e-08, bias_correction=False, nesterov=False),
   scale_by_learning_rate(lr=0.001),
 )"""
     assert repr(mf.triton_muon(weight_decay=0.1)) == """\

@@ -295,3 +295,26 @@ def test_train_gpt_fsdp_torchrun(tmp_path):
     run = _run(_metrics(out), "muon")
     assert "FSDPMuonOptimizer" in run["description"] and "world=2" in run["description"]
     assert (out / "muon" / "checkpoint" / "dcp" / ".metadata").exists()
+
+
+def test_train_reports_the_optimizers_share_of_a_step(tmp_path, capsys):
+    """``optimizer.step`` time over the whole step (device-synchronized; on the CPU as on CUDA),
+    per step in the history, as medians in the run record, the log and the table."""
+    out = tmp_path / "run"
+    assert cli.main(["train", "--model", "tiny", "--device", "cpu", "--optimizer", "muon", *SMALL, "--out", str(out),
+                     "--no-checkpoint", "--no-plot"]) == 0
+    printed = capsys.readouterr().out
+    run = _run(_metrics(out), "muon")
+    times = run["history"]["step_time"]
+    assert [s for s, _, _ in times] == [1, 2, 3, 4] and all(0 < o < t for _, o, t in times)
+    assert 0 < run["optimizer_share"] < 1 and 0 < run["optimizer_step_s"] < run["step_s"]
+    assert "[muon] optimizer.step: " in printed and "ms training step (" in printed
+    assert "optimizer.step share" in printed and f"{100 * run['optimizer_share']:.1f} % of" in printed
+
+
+def test_optimizer_share_uses_medians():
+    from muon_fn._train.report import optimizer_share
+
+    share = optimizer_share([[1, 9.0, 10.0], [2, 0.1, 0.4], [3, 0.2, 0.5], [4, 0.1, 0.5]])  # step 1 compiles
+    assert share == pytest.approx({"optimizer_step_s": 0.15, "step_s": 0.5, "optimizer_share": 0.3, "steps": 4})
+    assert optimizer_share([]) is None

@@ -29,7 +29,7 @@ def test_chunk_rows_matches_torch_chunk_and_tensor_split_of_dtensor(m, world_siz
 
 
 def test_chunk_rows_fsdp2_figures():
-    # Verified with fully_shard on CPU/gloo (notes/fsdp2.md §2).
+    # FSDP2's row layout (torch.chunk), as docs/distributed.md states it ("How a step works").
     sizes = lambda m, w: [b - a for a, b in chunk_rows(m, w)]  # noqa: E731
     assert sizes(10, 4) == [3, 3, 3, 1]
     assert sizes(10, 2) == [5, 5]

@@ -229,7 +229,7 @@ def test_state_is_torch_format():
     assert sd["param_groups"][0]["params"] == [0, 1, 2, 3]
     for st in sd["state"].values():
         for v in st.values():
-            assert type(v) is torch.Tensor  # plain tensors, no NamedTuples (style.md §4)
+            assert type(v) is torch.Tensor  # plain tensors in torch's format, no NamedTuples (docs/api.md, Optimizer)
 
 
 # --------------------------------------------------------------------------- parity: torch.optim.Muon
@@ -515,7 +515,7 @@ def test_resume_bf16_params_fp32_state():
     second.load_state_dict(ckpt["model"])
     opt2 = build(second)
     opt2.load_state_dict(ckpt["opt"])
-    # torch.optim.Optimizer.load_state_dict would cast the fp32 buffers to bf16 (style.md §4):
+    # torch.optim.Optimizer.load_state_dict would cast the fp32 buffers to bf16 (docs/faq.md, state_dict):
     # the adapter must restore the saved dtypes, bit for bit.
     w2 = second.blocks[0].fc.weight
     assert opt2.state[w2]["momentum_buffer"].dtype == torch.float32

@@ -28,10 +28,21 @@ def add_steps_to_adamw(results: list[dict[str, Any]]) -> None:
         r["steps_to_adamw_final"] = None if target is None else steps_to_reach(r["history"]["val"], target)
 
 
+def optimizer_share(step_time: list[list[float]]) -> dict[str, Any] | None:
+    """The optimizer's share of a training step from ``[[step, optimizer_s, step_s], ...]``: the
+    median time in ``optimizer.step`` over the median time of the whole step (medians: a compiling
+    first step does not move them); ``None`` without steps."""
+    if not step_time:
+        return None
+    opt, step = (statistics.median(t[i] for t in step_time) for i in (1, 2))
+    return {"optimizer_step_s": opt, "step_s": step, "optimizer_share": opt / step if step > 0 else None,
+            "steps": len(step_time)}
+
+
 def summarize(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per label (optimizer spec), over its seeds: mean, sample std, standard error, min and max of
     the final validation loss, the mean of the final training loss, steps to AdamW's final loss
-    (mean over the seeds that reached it) and CPU time."""
+    (mean over the seeds that reached it), CPU time and the optimizer's share of a step."""
     by_label: dict[str, list[dict[str, Any]]] = {}
     for r in results:
         by_label.setdefault(r["label"], []).append(r)
@@ -48,15 +59,22 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "steps_to_adamw_final": statistics.fmean(reached) if reached else None,
             "reached_adamw_final": f"{len(reached)}/{len(runs)}",
             "cpu_s": statistics.fmean(r["cpu_s"] for r in runs),
+            "optimizer_share": _mean_of(runs, "optimizer_share"),
+            "step_s": _mean_of(runs, "step_s"),
             "description": runs[0]["description"],
         }
     return out
 
 
+def _mean_of(runs: list[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in runs if r.get(key) is not None]
+    return statistics.fmean(values) if values else None
+
+
 def comparison_table(summary: dict[str, dict[str, Any]], steps: int) -> str:
     """The printed table: one row per optimizer, best mean first, with the gap to the best."""
     head = ["optimizer", "seeds", "val loss mean", "± s.e.", "min", "max", "vs best", "train loss",
-            "steps to AdamW's final", "CPU time/run"]
+            "steps to AdamW's final", "CPU time/run", "optimizer.step share"]
     order = sorted(summary, key=lambda k: summary[k]["mean"])
     best = summary[order[0]]["mean"]
     rows = []
@@ -65,13 +83,22 @@ def comparison_table(summary: dict[str, dict[str, Any]], steps: int) -> str:
         reach = "-" if s["steps_to_adamw_final"] is None else f"{s['steps_to_adamw_final']:.0f} of {steps} ({s['reached_adamw_final']})"
         rows.append([label, str(len(s["seeds"])), f"{s['mean']:.4f}", f"{s['stderr']:.4f}", f"{s['min']:.4f}",
                      f"{s['max']:.4f}", "-" if s["mean"] == best else f"+{s['mean'] - best:.4f}",
-                     f"{s['train_mean']:.4f}", reach, f"{s['cpu_s']:.0f} s"])
+                     f"{s['train_mean']:.4f}", reach, f"{s['cpu_s']:.0f} s", _share(s)])
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
 
     def fmt(cells: list[str]) -> str:
         return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
 
     lines = [fmt(head), fmt(["-" * w for w in widths]), *(fmt(r) for r in rows)]
+    if any(summary[k].get("optimizer_share") is not None for k in order):
+        lines.append("optimizer.step share: the median time in optimizer.step over the median training step "
+                     "(batch, forward, backward, step; device-synchronized)")
     if len(order) > 1:
         lines.append(f"lowest mean validation loss at equal steps: {order[0]}")
     return "\n".join(lines)
+
+
+def _share(s: dict[str, Any]) -> str:
+    if s.get("optimizer_share") is None:
+        return "-"
+    return f"{100 * s['optimizer_share']:.1f} % of {s['step_s'] * 1e3:.1f} ms"

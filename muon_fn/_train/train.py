@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..bench._timing import synchronize
 from . import logits, optimizers, report
 from .data import Batcher, Corpus, load_corpus, val_starts, windows
 from .model import GPT, PRESETS, config_for
@@ -344,7 +345,7 @@ def run_one(label: str, name: str, options: dict, args, corpus: Corpus, ctx: Dis
     opt, opt_desc = build_optimizer(name, opt_options, model, args, ctx)
     sched = Schedulers(opt, lr_lambda(steps, warmup, args.min_lr_ratio))
     batcher = Batcher(corpus.train, args.batch_size, args.seq_len, seed=args.seed * 1000 + ctx.rank)
-    history: dict[str, list] = {"train": [], "val": [], "tokens_per_s": [], "max_logit": []}
+    history: dict[str, list] = {"train": [], "val": [], "tokens_per_s": [], "max_logit": [], "step_time": []}
     start, ckpt = 0, _ckpt_dir(args, label)
     if args.resume:
         loaded = load_checkpoint(ckpt, model, opt, sched, batcher, ctx)
@@ -361,6 +362,11 @@ def run_one(label: str, name: str, options: dict, args, corpus: Corpus, ctx: Dis
     _train_loop(label, model, opt, sched, batcher, history, range(start, stop), steps, args, corpus, ctx, ckpt,
                 logit_log)
     wall, cpu = time.perf_counter() - t_run, time.process_time() - cpu_run
+    share = report.optimizer_share(history.get("step_time", []))
+    if share is not None:
+        _log(ctx, f"[{label}] optimizer.step: {share['optimizer_step_s'] * 1e3:.2f} ms of a "
+                  f"{share['step_s'] * 1e3:.2f} ms training step ({100 * share['optimizer_share']:.1f} %, "
+                  f"medians over {share['steps']} steps, {ctx.device.type})")
     if not args.no_checkpoint or stop < steps:
         save_checkpoint(ckpt, model, opt, sched, batcher, stop, history, ctx)
         if stop < steps:
@@ -377,6 +383,7 @@ def run_one(label: str, name: str, options: dict, args, corpus: Corpus, ctx: Dis
         "tokens_per_s": sorted(tps)[len(tps) // 2] if tps else None,
         "wall_s": wall,
         "cpu_s": cpu,  # process CPU time of this run, all threads (less load-dependent than wall time)
+        **(share or {}),  # optimizer_step_s, step_s, optimizer_share (report.optimizer_share)
         "history": history,
     }
 
@@ -384,7 +391,11 @@ def run_one(label: str, name: str, options: dict, args, corpus: Corpus, ctx: Dis
 def _train_loop(label, model, opt, sched, batcher, history, steps_range, total, args, corpus, ctx, ckpt,
                 logit_log=None) -> None:
     """The steps of one run: evaluate every ``--eval-interval``, step, schedule, checkpoint
-    (and log the max attention logit when ``logit_log`` is given)."""
+    (and log the max attention logit when ``logit_log`` is given). Each step's time in
+    ``optimizer.step`` and in the whole step (batch, forward, backward, step, schedule, the
+    loss read; not evaluation or checkpoints) go to ``history["step_time"]`` as
+    ``[step, optimizer_s, step_s]``, clocks read after a device synchronize (a no-op on the CPU;
+    on CUDA one more wait per step, before the optimizer, since reading the loss waits anyway)."""
     starts = val_starts(corpus.val, args.eval_windows, args.seq_len)
     tokens_per_step = args.batch_size * args.seq_len * ctx.world
     bar = _progress(args, ctx, total, steps_range.start, label)
@@ -392,10 +403,15 @@ def _train_loop(label, model, opt, sched, batcher, history, steps_range, total, 
     for step in steps_range:
         if step % args.eval_interval == 0 and not (history["val"] and history["val"][-1][0] == step):
             history["val"].append([step, evaluate(model, corpus.val, starts, args, ctx)])
+        t_step = time.perf_counter()
         x, y = batcher.next()
         _, loss = model(x.to(ctx.device), y.to(ctx.device))
         loss.backward()
+        synchronize(ctx.device)
+        t_opt = time.perf_counter()
         opt.step()
+        synchronize(ctx.device)
+        opt_s = time.perf_counter() - t_opt
         if logit_log is not None:
             history.setdefault("max_logit", []).append([step + 1, logit_log.after_step()])
         sched.step()
@@ -404,6 +420,7 @@ def _train_loop(label, model, opt, sched, batcher, history, steps_range, total, 
         if not math.isfinite(loss_v):
             raise FloatingPointError(f"[{label}] training loss is {loss_v} at step {step}; see docs/faq.md (NaN)")
         history["train"].append([step + 1, loss_v])
+        history.setdefault("step_time", []).append([step + 1, opt_s, time.perf_counter() - t_step])
         tok_last += tokens_per_step
         now = time.perf_counter()
         if now - t_last >= 2.0 or step + 1 == total:

@@ -9,6 +9,9 @@
 - FSDP (:func:`benchmark_fsdp`, ``muon-fn bench fsdp``): owner-computes against replicate on
   gloo ranks.
 
+The sets (:data:`SETS`: tiny, gpt2-small, and the LLM-size llama3-1b, llama3-8b, deepseek-moe
+for GPUs) and the GEMM bound of a step (:func:`step_gemm_flops` over :func:`matmul_rate`).
+
 Shared pieces: the parameter sets and their real gradients (:func:`real_gradients`), paired
 rounds and :func:`paired_ratio`, device synchronization, thread counts, state and peak bytes.
 """
@@ -17,7 +20,9 @@ from ._cli import main
 from ._fsdp import benchmark_fsdp, format_fsdp_result
 from ._memory import peak_step_bytes, state_bytes
 from ._muon import benchmark_muon_optimizers, compile_check, format_table
-from ._problem import MATRIX_NAMES, MODEL_SIZES, matrix_shapes, real_gradients
+from ._bound import matmul_rate, step_gemm_flops
+from ._problem import (DEFAULT_SIZES, MATRIX_NAMES, MODEL_SIZES, SETS, MatrixSet, matrix_shapes, meta_params,
+                       real_gradients, set_size)
 from ._quality import TORCH_ORTHO, Ortho, orthogonality, orthogonalizer
 from ._replay import replay
 from ._rows import ELEMENTWISE_ROWS, OPTIONAL_ROWS, ROW_SPECS, ROWS, default_rows
@@ -30,4 +35,5 @@ __all__ = [
     "paired_ratio", "paired_rounds", "check_device", "synchronize", "default_threads", "parse_threads",
     "state_bytes", "peak_step_bytes", "orthogonality", "orthogonalizer", "Ortho", "TORCH_ORTHO", "replay", "ROWS",
     "OPTIONAL_ROWS", "ELEMENTWISE_ROWS", "ROW_SPECS", "default_rows", "SSO_ROWS", "SSO_DEFAULT_ROWS",
+    "SETS", "MatrixSet", "DEFAULT_SIZES", "meta_params", "set_size", "step_gemm_flops", "matmul_rate",
 ]

@@ -3,6 +3,7 @@
     muon-fn bench --quick                          # the Muon step, tiny set (about a minute)
     muon-fn bench --model-size gpt2-small --threads 1,default --json bench.json
     muon-fn bench --elementwise --quick            # TritonMuon/TritonMuonW against torch's Adam, AdamW, SGD
+    muon-fn bench --device cuda --model-size gpt2-small llama3-1b llama3-8b deepseek-moe  # LLM-size sets
     muon-fn bench sso --layers 2 --rounds 4        # SSO against Muon (alias: muon-fn bench-sso)
     muon-fn bench fsdp --world-sizes 2 4           # FSDP owner-computes against replicate (gloo)
     muon-fn bench fsdp --overlap --world-sizes 4   # FSDP overlap=False against overlap=True (gloo)
@@ -20,7 +21,7 @@ from typing import Any, Sequence
 from .. import _newton_schulz
 from ._fsdp import benchmark_fsdp, benchmark_overlap, format_fsdp_result, format_overlap_result
 from ._muon import benchmark_muon_optimizers, check_muon_args, compile_check, format_table
-from ._problem import MODEL_SIZES
+from ._problem import CPU_MAX_PARAMS, DEFAULT_SIZES, SETS
 from ._rows import ELEMENTWISE_ROWS, OPTIONAL_ROWS, ROW_SPECS, ROWS, default_rows
 from ._sso import SSO_DEFAULT_ROWS, SSO_ROWS, benchmark_sso, check_sso_args, format_sso_table
 from ._timing import Threads, check_device, parse_threads
@@ -57,9 +58,16 @@ def _muon_parser(prog: str) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog=prog, description="Paired step times, memory and orthogonality quality of Muon optimizer steps.",
         epilog="Other benchmarks: muon-fn bench sso --help, muon-fn bench fsdp --help.")
-    ap.add_argument("--model-size", choices=[*MODEL_SIZES, "all"], default="all",
-                    help="parameter set: tiny (4 layers, d = 256), gpt2-small (12 layers, d = 768) or both")
-    ap.add_argument("--layers", type=int, default=None, help="only the set's first N layers (default all)")
+    ap.add_argument("--model-size", nargs="+", choices=[*SETS, "all"], default=["all"], metavar="SET",
+                    help="parameter sets, one after the other: tiny (4 layers, d = 256), gpt2-small (12 layers, "
+                         "d = 768), llama3-1b (16 layers, 973 M params), llama3-8b (8 of 32 layers, 1.75 B), "
+                         "deepseek-moe (expert stacks, 2 of 27 layers, 1.1 B), or all (tiny and gpt2-small; "
+                         f"default). Sets over {CPU_MAX_PARAMS // 10**6} M params run on a GPU (--device cuda) "
+                         "or with --force")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="only the set's first N layers (default all; llama3-8b 8, deepseek-moe 2)")
+    ap.add_argument("--force", action="store_true",
+                    help=f"time a selection of more than {CPU_MAX_PARAMS // 10**6} M params on the CPU anyway")
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps per row per round (default 1)")
     ap.add_argument("--rounds", type=int, default=None, help="paired rounds (default 25 tiny, 5 gpt2-small)")
     ap.add_argument("--lr", type=float, default=0.02, help="learning rate of every optimizer row")
@@ -91,7 +99,8 @@ def _muon_main(argv: list[str], prog: str) -> int:
         device = check_device(args.device)
     except ValueError as e:
         ap.error(str(e))
-    sizes = ["tiny"] if args.quick else (list(MODEL_SIZES) if args.model_size == "all" else [args.model_size])
+    sizes = ["tiny"] if args.quick else list(dict.fromkeys(
+        size for arg in args.model_size for size in (DEFAULT_SIZES if arg == "all" else (arg,))))
     if args.elementwise:
         if args.rows is not None:
             ap.error("--elementwise chooses the rows: give it or --rows, not both")
@@ -106,16 +115,21 @@ def _muon_main(argv: list[str], prog: str) -> int:
         if args.quick:  # 2 rounds where torch.optim.Muon's bf16 is emulated, to stay near a minute
             rounds = args.rounds or (2 if emulated and args.rows is None else 12)
         kwargs = dict(num_steps=args.steps or 1, lr=args.lr, rows=args.rows or default_rows(size, device),
-                      rounds=rounds, layers=args.layers, device=device)
+                      rounds=rounds, layers=args.layers, device=device, force=args.force)
         try:  # every run's arguments before the first run (e.g. --layers 9 of the tiny set)
             check_muon_args(size, **kwargs)
         except ValueError as e:
             ap.error(str(e))
         runs.append((size, kwargs))
     results: dict[str, Any] = {}
+    large = [size for size, _ in runs if size not in DEFAULT_SIZES]
+    if large and not args.no_quality:
+        print(f"note: no quality measures on {', '.join(large)} (CPU SVDs of matrices up to this size take minutes "
+              "each; benchmark_muon_optimizers(quality=True) measures them)", file=sys.stderr, flush=True)
     for size, kwargs in runs:
         for i, threads in enumerate(args.threads):  # quality does not depend on threads: measured once
-            res = benchmark_muon_optimizers(size, **kwargs, threads=threads, quality=not args.no_quality and i == 0,
+            quality = not args.no_quality and i == 0 and size in DEFAULT_SIZES
+            res = benchmark_muon_optimizers(size, **kwargs, threads=threads, quality=quality,
                                             memory=not args.no_memory, quality_layers=1 if args.quick else 2,
                                             gaussian=(256, 1024) if args.quick else True)
             print(format_table(res), flush=True)

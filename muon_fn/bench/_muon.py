@@ -16,9 +16,12 @@ from typing import Any, Sequence
 import torch
 
 from .. import _compile, _newton_schulz
+from ._bound import bound_seconds, matmul_rate, representative_shape, step_gemm_flops
 from ._memory import PEAK_METHODS, peak_step_bytes, state_bytes
-from ._problem import MATRIX_NAMES, check_size, real_gradients
+from ._problem import check_cpu_size, check_size, real_gradients, set_size
 from . import _quality
+from ._quality import TORCH
+from ._replay import shared_inputs
 from ._rows import REFERENCE, ROW_SPECS, ROWS, Built, check_rows
 from ._timing import Threads, check_device, check_threads, paired_ratio, paired_rounds, synchronize, using_threads
 
@@ -38,11 +41,14 @@ def benchmark_muon_optimizers(
     threads: Threads = 1,
     seed: int = 0,
     device: torch.device | str | None = None,
+    force: bool = False,
 ) -> dict[str, Any]:
     """Time every row for ``rounds`` paired rounds of ``num_steps`` steps on ``model_size``.
 
     Args:
-      model_size: ``"tiny"`` (4 layers, d=256) or ``"gpt2-small"`` (12 layers, d=768).
+      model_size: a set of :data:`muon_fn.bench._problem.SETS`: ``"tiny"`` (4 layers, d=256),
+        ``"gpt2-small"`` (12 layers, d=768), ``"llama3-1b"``, ``"llama3-8b"`` (8 of its 32 layers
+        unless ``layers`` says otherwise) or ``"deepseek-moe"`` (expert stacks; 2 of 27 layers).
       num_steps: optimizer steps per row per round (seconds per step = round time / num_steps).
       lr: Muon learning rate (AdamW and the elementwise rows use ``lr/20``).
       rows: names from :data:`ROW_SPECS` (default :data:`ROWS`). A ratio needs its reference
@@ -50,7 +56,7 @@ def benchmark_muon_optimizers(
         ``ratio_to_own_replay``; without it the ratio is absent.
       rounds: paired rounds after the first step; each times every row back to back, in a
         rotated order.
-      layers: the set's first ``layers`` layers only (default all).
+      layers: the set's first ``layers`` layers only (default: all, or the set's default).
       quality: measure orthogonality of each row's orthogonalization on the gradients.
       quality_layers: 1 (first layer), 2 (first and last) or ``None`` (all) layers measured.
       gaussian: also measure quality on rectangular Gaussian 768×3072 and 3072×768 inputs
@@ -62,25 +68,39 @@ def benchmark_muon_optimizers(
       seed: parameters and the data batch.
       device: where the parameters live and every row runs (default CPU). On an accelerator each
         timed row ends with :func:`synchronize`; the quality SVDs run on the CPU.
+      force: time a selection of more than :data:`~muon_fn.bench._problem.CPU_MAX_PARAMS`
+        parameters on the CPU (refused otherwise: hours of GEMMs).
 
     Returns:
-      A JSON-serializable dict: ``config``, ``rows`` (per row: seconds per step per round,
-      min/median/max, the first step's seconds, whether it compiled, state and peak step bytes,
+      A JSON-serializable dict: ``config`` (with ``matmul_rates``: per compute dtype of the
+      rows, the measured FLOP/s of a representative GEMM, :mod:`muon_fn.bench._bound`), ``rows``
+      (per row: seconds per step per round, min/median/max, the first step's seconds, whether it
+      compiled, its Newton–Schulz ``gemm_flops``, ``bound_s`` (those FLOPs at the measured rate)
+      and ``ratio_to_bound`` (median / bound), state and peak step bytes,
       per-round ratios to torch.optim.Muon, to its own replay and, as ``ratio_to_peers``, to the
       rows it is compared with (the elementwise rows: torch's fused Adam, AdamW, SGD)), and ``quality`` and
       ``gaussian_quality`` (per row and matrix kind).
     """
-    rows, device = check_muon_args(model_size, num_steps, lr, rows, rounds, layers, threads, device)
+    rows, device = check_muon_args(model_size, num_steps, lr, rows, rounds, layers, threads, device, force)
     with using_threads(threads) as n_threads:
         params, grads, names = real_gradients(model_size, layers=layers, seed=seed, device=device)
         for p, g in zip(params, grads):
             p.grad = g
-        built = {r: ROW_SPECS[r].build(params, lr) for r in rows}
+        with shared_inputs():
+            built = {r: ROW_SPECS[r].build(params, lr) for r in rows}
         first, times = _time_rows(built, params, rounds, num_steps, device)
+        flops = {r: _row_flops(r, params, device) for r in rows}
+        rates = _matmul_rates(rows, params, device)
         out: dict[str, Any] = {
-            "config": _config(model_size, params, num_steps, lr, rounds, threads, n_threads, device),
+            "config": {**_config(model_size, layers, params, num_steps, lr, rounds, threads, n_threads, device),
+                       "matmul_rates": rates},
             "rows": _summarize(built, first, times),
         }
+        for r, f in flops.items():
+            if f is not None:
+                rate = rates[str(ROW_SPECS[r].ortho(device).dtype).removeprefix("torch.")]
+                bound = bound_seconds(f, rate)
+                out["rows"][r].update(gemm_flops=f, bound_s=bound, ratio_to_bound=out["rows"][r]["median"] / bound)
         if memory:
             for r, (opt, step) in built.items():
                 out["rows"][r]["peak_step_bytes"] = None if opt is None else peak_step_bytes(step, device)
@@ -91,9 +111,10 @@ def benchmark_muon_optimizers(
 
 def check_muon_args(model_size: str = "tiny", num_steps: int = 1, lr: float = 0.02,
                     rows: Sequence[str] | None = None, rounds: int = 1, layers: int | None = None,
-                    threads: Threads = 1, device: Any = None) -> tuple[list[str], torch.device]:
+                    threads: Threads = 1, device: Any = None, force: bool = False) -> tuple[list[str], torch.device]:
     """The rows and the device of a :func:`benchmark_muon_optimizers` call, or ``ValueError``
-    naming the first argument it cannot use (before any work)."""
+    naming the first argument it cannot use (before any work), a set too large for the CPU
+    included (unless ``force``)."""
     check_size(model_size, layers)
     for arg, v in (("num_steps", num_steps), ("rounds", rounds)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -101,18 +122,39 @@ def check_muon_args(model_size: str = "tiny", num_steps: int = 1, lr: float = 0.
     if not (isinstance(lr, (int, float)) and lr > 0 and math.isfinite(lr)):
         raise ValueError(f"Invalid lr: {lr!r} (expected a positive finite float)")
     check_threads(threads)
-    return check_rows(ROWS if rows is None else rows), check_device(device)
+    rows, device = check_rows(ROWS if rows is None else rows), check_device(device)
+    if not force:
+        check_cpu_size(model_size, layers, device)
+    return rows, device
+
+
+def _row_flops(row: str, params: list[torch.Tensor], device: torch.device) -> int | None:
+    """Newton–Schulz GEMM FLOPs of one step of ``row`` (None for a row that does not orthogonalize)."""
+    ortho = ROW_SPECS[row].ortho(device)
+    if ortho is None:
+        return None
+    method = "quintic" if ortho.method == TORCH else ortho.method  # torch.optim.Muon: Keller's quintic
+    return step_gemm_flops([p.shape for p in params], _newton_schulz.coefficient_schedule(method, ortho.steps))
+
+
+def _matmul_rates(rows: Sequence[str], params: list[torch.Tensor], device: torch.device) -> dict[str, Any]:
+    """The measured GEMM rate of every dtype the orthogonalizing rows iterate in."""
+    dtypes = {o.dtype for r in rows if (o := ROW_SPECS[r].ortho(device)) is not None}
+    shape = representative_shape([p.shape for p in params])
+    return {str(dt).removeprefix("torch."): matmul_rate(shape, dt, device)
+            for dt in sorted(dtypes, key=str)}
 
 
 def _time_rows(built: dict[str, Built], params: list[torch.Tensor], rounds: int, num_steps: int,
                device: torch.device) -> tuple[dict[str, float], dict[str, list[float]]]:
     """The first step of every row (state allocation, compilation), then ``rounds`` paired rounds;
-    the parameters go back to their start after every round (lr does not matter here)."""
+    the parameters go back to their start after every round (lr does not matter here), copied
+    from the host (no second copy of a large set on the device)."""
     def step(r: str) -> None:
         built[r][1]()
 
     first = {r: t[0] for r, t in paired_rounds(list(built), step, 1, device=device).items()}
-    saved = [p.detach().clone() for p in params]
+    saved = [p.detach().to("cpu", copy=True) for p in params]
 
     def restore(_: int) -> None:
         with torch.no_grad():
@@ -152,12 +194,13 @@ def _summarize(built: dict[str, Built], first: dict[str, float],
     return out
 
 
-def _config(model_size: str, params: list[torch.Tensor], num_steps: int, lr: float, rounds: int,
-            threads: Threads, n_threads: int, device: torch.device) -> dict[str, Any]:
+def _config(model_size: str, layers: int | None, params: list[torch.Tensor], num_steps: int, lr: float,
+            rounds: int, threads: Threads, n_threads: int, device: torch.device) -> dict[str, Any]:
     return {
-        "model_size": model_size, "layers": len(params) // len(MATRIX_NAMES), "num_steps": num_steps, "lr": lr,
+        "model_size": model_size, "layers": check_size(model_size, layers), "num_steps": num_steps, "lr": lr,
         "rounds": rounds, "threads": n_threads, "threads_requested": threads, "device": str(device),
-        "torch": torch.__version__, "matrices": len(params), "params": sum(p.numel() for p in params),
+        "torch": torch.__version__, "matrices": set_size(model_size, layers)[0],
+        "params": sum(p.numel() for p in params),
         "compute_dtype": str(_newton_schulz.default_compute_dtype(device)).removeprefix("torch."),
         "cpu_bf16_gemm": _newton_schulz.CPU_HAS_BF16_GEMM,
         "compile_default": _compile.resolve(True) is not None,
@@ -170,11 +213,13 @@ def _measure_quality(out: dict[str, Any], rows: list[str], grads: dict[str, torc
                      device: torch.device) -> None:
     """Quality of each row's orthogonalization on the gradients of the chosen layers: each step
     sees the same gradient, so every row's Nesterov momentum is a multiple of it, and msign is
-    scale-invariant. Against torch's own function only if torch.optim.Muon is a row."""
+    scale-invariant; of an expert stack, the expert with the largest gradient. Against torch's
+    own function only if torch.optim.Muon is a row."""
     specs = {r: o for r in rows if (o := ROW_SPECS[r].ortho(device)) is not None}
     used = out["config"]["layers"]
     keep = set(range(used)) if quality_layers is None else {0, used - 1} if quality_layers >= 2 else {0}
-    inputs = {n: g for n, g in grads.items() if int(n.split(".")[0][1:]) in keep}
+    inputs = {n: g if g.ndim == 2 else g[torch.linalg.vector_norm(g, dim=(-2, -1)).argmax()]
+              for n, g in grads.items() if int(n.split(".")[0][1:]) in keep}  # a stack: its busiest expert
     versus_torch = REFERENCE in rows
     out["quality"] = _quality.quality(specs, inputs, versus_torch=versus_torch)
     if gaussian:
@@ -221,19 +266,22 @@ def format_table(result: dict[str, Any]) -> str:
     """The timing/memory/quality table of a :func:`benchmark_muon_optimizers` result."""
     cfg = result["config"]
     width = max([26, *(len(r) for r in result["rows"])])
-    lines = [f"{cfg['model_size']}: {cfg['matrices']} matrices, {cfg['params'] / 1e6:.1f} M params, "
+    rates = ", ".join(f"{dt} {r['flops_per_s'] / 1e12:.3g} TFLOP/s" for dt, r in cfg.get("matmul_rates", {}).items())
+    lines = [f"{cfg['model_size']}: {cfg['layers']} layer(s), {cfg['matrices']} matrices, {cfg['params'] / 1e6:.1f} M params, "
              f"{cfg['rounds']} paired rounds x {cfg['num_steps']} steps, {cfg['device']}, "
              f"{cfg['threads']} thread(s), torch {cfg['torch']}, default compute dtype {cfg['compute_dtype']} "
-             f"(CPU bf16 GEMMs: {cfg['cpu_bf16_gemm']})",
-             f"{'row':{width}s} {'1st step':>9s} {'s/step min':>10s} {'median':>8s} {'max':>8s} {'/torch':>7s} "
-             f"{'/own':>6s} {'/peer':>6s} {'state MB':>9s} {'peak MB':>8s}  "
+             f"(CPU bf16 GEMMs: {cfg['cpu_bf16_gemm']})" + (f"; matmul {rates}" if rates else ""),
+             f"{'row':{width}s} {'1st step':>9s} {'ms/step min':>11s} {'median':>9s} {'max':>9s} {'bound ms':>9s} "
+             f"{'/bound':>6s} {'/torch':>7s} {'/own':>6s} {'/peer':>6s} {'state MB':>9s} {'peak MB':>8s}  "
              "quality: worst RMS ratio per matrix (σ range)"]
     q, gq = result.get("quality", {}), result.get("gaussian_quality", {})
     for r, v in result["rows"].items():
         first = f"{v['first_step_s']:8.2f}{'c' if v.get('compiled') else ' '}"
         peak = v.get("peak_step_bytes")
         peer = next(iter(v.get("ratio_to_peers", {}).values()), {}).get("median")
-        lines.append(f"{r:{width}s} {first} {v['min']:10.4f} {v['median']:8.4f} {v['max']:8.4f} "
+        bound = v.get("bound_s")
+        lines.append(f"{r:{width}s} {first} {v['min'] * 1e3:11.2f} {v['median'] * 1e3:9.2f} {v['max'] * 1e3:9.2f} "
+                     f"{_fmt(None if bound is None else bound * 1e3, 9, 2)} {_fmt(v.get('ratio_to_bound'), 6, 2)} "
                      f"{_fmt(v.get('ratio_to_torch_muon_median'), 7, 3)} "
                      f"{_fmt(v.get('ratio_to_own_replay_median'), 6, 3)} {_fmt(peer, 6, 3)} "
                      f"{v['state_bytes'] / 2**20:9.2f} {_fmt(None if peak is None else peak / 2**20, 8, 2)}  "
@@ -242,7 +290,9 @@ def format_table(result: dict[str, Any]) -> str:
         peers = v.get("ratio_to_peers", {})
         if len(peers) > 1:
             lines.append(f"{r}: " + ", ".join(f"/{p} {ratio['median']:.3f}" for p, ratio in peers.items()))
-    lines.append("1st step: the first step alone (state allocation; 'c': compiled there). /peer: to the first "
+    lines.append("1st step: the first step alone, s (state allocation; 'c': compiled there). bound: the row's "
+                 "Newton-Schulz GEMM FLOPs at the matmul rate measured above in its dtype; /bound: median/bound. "
+                 "/peer: to the first "
                  "of the row's peers, for the elementwise rows the torch optimizer with the same rule. "
                  "Ratios are medians of paired per-round ratios. Quality: ratios to torch.optim.Muon's quintic "
                  "if it is a row; 'same dtype': to the quintic in the row's dtype; "

@@ -3,7 +3,8 @@ a step that orthogonalizes with it)."""
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import contextlib
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -17,23 +18,31 @@ def replay(params: Sequence[torch.Tensor], method: str, steps: int | None, *, bu
     (default: the device's compute dtype, as the optimizer picks it), through
     :func:`muon_fn._newton_schulz.iterate`, the iteration the op runs.
 
-    Batching follows the op: matrices of one shape in buckets of at most ``bucket_size``
-    (``None``: one matrix per call, as torch.optim.Muon runs), each bucket one batched call below
+    Batching follows the op: parameters of one shape in buckets of at most ``bucket_size``
+    (``None``: one matrix per call, as torch.optim.Muon runs), each bucket's matrices (an expert
+    stack ``(E, out, in)`` brings E) one batched call below
     :data:`~muon_fn._newton_schulz.LOOP_MIN_DIM` rows and one matrix at a time from there.
 
     The inputs are prepared once, outside the returned function, as the real path prepares them
     (wide orientation, Frobenius-normalized, then AOL-rescaled for an AOL schedule), so the GEMMs
     run on the values they would see: unnormalized weights make every schedule overflow to
     inf/NaN within a few steps. Products go into reused scratch, as the op's do on the CPU.
+    Inside :func:`shared_inputs`, replays of the same parameters with the same normalization and
+    dtype share one prepared copy.
     """
     schedule = _newton_schulz.coefficient_schedule(method, steps)
     aol = getattr(schedule, "precondition", "frobenius") == "aol"
     dtype = dtype or _newton_schulz.default_compute_dtype(params[0].device)
     scale = _newton_schulz.norm_scale(method)
-    wides = [_prepared(p, scale, aol).to(dtype) for p in params]
+    key = (tuple(id(p) for p in params), scale, aol, dtype)
+    wides = None if _SHARED is None else _SHARED.get(key)
+    if wides is None:
+        wides = [[_prepared(m, scale, aol).to(dtype) for m in (p.unbind(0) if p.ndim == 3 else (p,))] for p in params]
+        if _SHARED is not None:
+            _SHARED[key] = wides
     calls: list[torch.Tensor] = []
     for members in group_by([tuple(p.shape) for p in params], bucket_size or 1):
-        bucket = [wides[i] for i in members]
+        bucket = [w for i in members for w in wides[i]]
         if bucket_size is None or bucket[0].size(0) >= _newton_schulz.LOOP_MIN_DIM:
             calls += bucket
         else:
@@ -45,6 +54,22 @@ def replay(params: Sequence[torch.Tensor], method: str, steps: int | None, *, bu
             gram = _newton_schulz.gram_matrix(x, buffers) if aol else None  # AOL's Gram feeds step 1
             _newton_schulz.iterate(x, schedule, gram, buffers)
     return run
+
+
+_SHARED: dict | None = None  # prepared inputs by (parameters, norm scale, AOL, dtype), in shared_inputs()
+
+
+@contextlib.contextmanager
+def shared_inputs() -> Iterator[None]:
+    """Replays built in the block share the prepared inputs of equal parameters, normalization and
+    dtype (``replay[quintic5]`` and ``replay[torch_quintic5]`` on a GPU, both bf16): one copy in
+    memory instead of one per row, which the LLM-size sets need to fit one GPU."""
+    global _SHARED
+    _SHARED = {}
+    try:
+        yield
+    finally:
+        _SHARED = None
 
 
 def _prepared(p: torch.Tensor, norm_scale: float, aol: bool, eps: float = 1e-7) -> torch.Tensor:

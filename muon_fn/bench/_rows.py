@@ -45,13 +45,29 @@ class Row(NamedTuple):
 
 def _muon_fn(compile: bool = True, **kwargs: Any) -> Callable[[list[torch.Tensor], float], Built]:
     def build(params: list[torch.Tensor], lr: float) -> Built:
-        opt = MuonOptimizer(params, lr=lr, compile=compile, **kwargs)
+        view = {"matrix_view": "experts"} if any(p.ndim == 3 for p in params) else {}  # expert stacks
+        opt = MuonOptimizer(params, lr=lr, compile=compile, **view, **kwargs)
         return opt, opt.step
     return build
 
 
+def matrices(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``params`` with each expert stack ``(E, out, in)`` as its E matrices: views of its storage
+    (so a step on them updates the stack), each with its slice of the gradient as ``.grad``; how
+    a model that keeps one ``nn.Linear`` per expert presents them to a 2-D-only optimizer."""
+    out = []
+    for p in params:
+        if p.ndim == 2:
+            out.append(p)
+            continue
+        for w, g in zip(p.detach().unbind(0), p.grad.unbind(0)):
+            w.grad = g
+            out.append(w)
+    return out
+
+
 def _torch_muon(params: list[torch.Tensor], lr: float) -> Built:
-    opt = torch.optim.Muon(params, lr=lr, weight_decay=0.0, adjust_lr_fn="original")
+    opt = torch.optim.Muon(matrices(params), lr=lr, weight_decay=0.0, adjust_lr_fn="original")
     return opt, opt.step
 
 

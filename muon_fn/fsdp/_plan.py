@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .. import _views
-from .._newton_schulz import gram_products
+from .._newton_schulz import gemm_flops
 
 Rows = tuple[int, int]  # [start, stop) rows of a matrix
 LOCAL = -1  # the owner of a local matrix: every rank computes its own rows
@@ -72,14 +72,15 @@ def ns_flops(shape: Sequence[int], steps: int | Sequence[Sequence[float]]) -> in
     """Dense GEMM FLOPs of an orthogonalization of one matrix (elementwise terms ignored).
 
     ``steps``: a number of quintic iterations, ``steps·(4s²l + 2s³)`` with ``s = min(m, n)``,
-    ``l = max(m, n)`` (``A = XXᵀ`` 2s²l, ``bA + cA²`` 2s³, ``(…)X`` 2s²l); or a schedule of rows,
-    each ``4s²l + 2s³·k`` with ``k`` its m×m products (0 cubic, 1 quintic, 2 degree 7/9).
+    ``l = max(m, n)`` (``A = XXᵀ`` 2s²l, ``bA + cA²`` 2s³, ``(…)X`` 2s²l); or a schedule, counted
+    by :func:`muon_fn._newton_schulz.gemm_flops` (each row ``4s²l + 2s³·k`` with ``k`` its m×m
+    products, 0 cubic, 1 quintic, 2 degree 7/9; the Gram form's own count).
     """
     m, n = flat_shape(shape)
     s, l = min(m, n), max(m, n)
     if isinstance(steps, int):
         return steps * (4 * s * s * l + 2 * s**3)
-    return sum(4 * s * s * l + 2 * s**3 * gram_products(row) for row in steps)
+    return gemm_flops((m, n), steps)
 
 
 @dataclass(frozen=True)

@@ -59,8 +59,8 @@ class TritonMuon(_ElementwiseOptimizer):
     **It does not orthogonalize** — it is not Muon; for Muon use :class:`muon_fn.MuonOptimizer`.
     Per parameter, with β₁ = ``momentum`` and β₂ = ``velocity``::
 
-        g ← g / max(‖g‖, 1e-8)       if layerwise_norm (per tensor, before everything)
         g ← g + weight_decay·θ       (L2 decay, added to the gradient)
+        g ← g / (‖g‖ + 1e-8)         if layerwise_norm (per tensor: the sum is normalized)
         m ← β₁m + (1 − β₁)g,  v ← β₂v + (1 − β₂)g²
         θ ← θ − lr·m / (√v + eps)
 
