@@ -1,6 +1,6 @@
 """The λ solver of SSO: the root of ``h(λ) = ⟨Θ, msign(M̂ + λΘ)⟩ = uᵀ msign(M̂ + λ u vᵀ) v``.
 
-h is non-decreasing in λ, so the root is unique (notes/algorithms.md §1.1). :func:`solve_lambda`
+h is non-decreasing in λ, so the root is unique (docs/sso.md, "Solver"). :func:`solve_lambda`
 finds it in phases, each a function below:
 
 1. **first evaluation** at the root of a :class:`~muon_fn._lambda_model.LambdaModel` if one is

@@ -3,7 +3,7 @@
 ``sso(lr, μ) = chain(momentum(μ, nesterov=True, kind="ema"), spectral_sphere(lr))``. The momentum
 is the shared transform (``b ← lerp(b, g, 1−μ)``, ``M = lerp(g, b, μ)``); ``spectral_sphere``
 takes the direction ``M`` as its update and, per matrix ``W`` (``(out, in)``, conv kernels folded
-into ``in``; notes/algorithms.md §1, arXiv:2601.08393), runs these phases:
+into ``in``; docs/sso.md, arXiv:2601.08393), runs these phases:
 
 1. normalize: ``M̂ = M/max(‖M‖_F, 1e-8)``;
 2. top singular triple ``σ, u, v`` of ``W``: block iteration started from last step's block

@@ -1,7 +1,7 @@
 """Spectral utilities: top singular pair, spectral norm, the sphere's radius and retraction.
 
 Pure tensor functions over a matrix ``(m, n)`` or a batch ``(B, m, n)``; fp32 math. Used by the
-Spectral Sphere Optimizer (:func:`muon_fn.spectral_sphere`, notes/algorithms.md §1) and usable on
+Spectral Sphere Optimizer (:func:`muon_fn.spectral_sphere`, docs/sso.md) and usable on
 their own for monitoring (``compute_spectral_norm``). The λ model and solver of SSO live in
 ``muon_fn._lambda_model`` and ``muon_fn._lambda``.
 

@@ -1,6 +1,6 @@
 """Properties of the Newton–Schulz family (muon_fn._newton_schulz), checked against independent
 references: the SVD, the scalar polynomial each iteration applies to every singular value, and a
-plain float64 re-implementation of the iteration written from notes/algorithms.md §3 (coefficients
+plain float64 re-implementation of the iteration written from docs/algorithms.md §2 (coefficients
 typed in from the notes, not imported from the package).
 
 Tolerances (all measured on torch 2.13 CPU, then given a ~2-4x margin):
@@ -44,7 +44,7 @@ from muon_fn._newton_schulz import coefficient_schedule, newton_schulz
 METHODS4 = ("polar_express", "quintic", "you", "cubic")
 
 # --------------------------------------------------------------------------------------------
-# Independent reference: coefficients typed in from notes/algorithms.md §3.
+# Independent reference: coefficients typed in from docs/algorithms.md §2 and the papers it cites.
 
 _KELLER = [(3.4445, -4.7750, 2.0315)]
 _YOU = [

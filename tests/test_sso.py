@@ -1,6 +1,6 @@
 """The SSO transform ``spectral_sphere`` / ``sso`` and ``SpectralSphereOptimizer``.
 
-The reference step below is written from notes/algorithms.md §1.6 with exact linear algebra
+The reference step below is written from docs/sso.md ("One step, per matrix") with exact linear algebra
 (SVD for σ, u, v and for msign, scalar bisection for λ to 1e-12), independent of muon_fn.spectral.
 
 Tolerances (measured on torch 2.13 CPU, then given a margin):
