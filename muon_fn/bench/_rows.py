@@ -35,7 +35,8 @@ class Row(NamedTuple):
         if self.method == TORCH:
             return TORCH_ORTHO
         steps = self.steps or _newton_schulz.default_steps(self.method)
-        return Ortho(self.method, steps, self.dtype or _newton_schulz.default_compute_dtype(device))
+        schedule = _newton_schulz.coefficient_schedule(self.method, steps)
+        return Ortho(self.method, steps, self.dtype or _newton_schulz.default_compute_dtype(device, schedule))
 
     def compiled(self) -> bool | None:
         """Whether the row runs compiled here (``MUON_FN_COMPILE=0`` turns the default off); None
@@ -43,7 +44,7 @@ class Row(NamedTuple):
         return None if self.compile is None else _compile.resolve(self.compile) is not None
 
 
-def _muon_fn(compile: bool = True, **kwargs: Any) -> Callable[[list[torch.Tensor], float], Built]:
+def _muon_fn(compile: Any = True, **kwargs: Any) -> Callable[[list[torch.Tensor], float], Built]:
     def build(params: list[torch.Tensor], lr: float) -> Built:
         view = {"matrix_view": "experts"} if any(p.ndim == 3 for p in params) else {}  # expert stacks
         opt = MuonOptimizer(params, lr=lr, compile=compile, **view, **kwargs)
@@ -132,6 +133,11 @@ ROW_SPECS: dict[str, Row] = {
     "muon_fn[aol9]": Row(_muon_fn(method="aol9"), "aol9", None, None, "replay[aol9]", True),
     "muon_fn[aol4]": Row(_muon_fn(method="aol", ns_steps=4), "aol", 4, None, "replay[aol4]", True),
     "muon_fn[nonfinite=None]": Row(_muon_fn(nonfinite=None), DEFAULT_METHOD, None, None, _DEFAULT_REPLAY, True),
+    # Gram Newton–Schulz in its device default dtype (fp16 on GPUs, fp32 on the CPU).
+    "muon_fn[gram]": Row(_muon_fn(method="gram"), "gram", None, None, None, True),
+    # The default step captured as CUDA graphs (on the CPU: inductor's reduce-overhead mode, no graphs).
+    "muon_fn[cuda_graphs]": Row(_muon_fn(compile={"mode": "reduce-overhead"}), DEFAULT_METHOD, None, None,
+                                _DEFAULT_REPLAY, True),
     "replay[aol4]": Row(_replay("aol", 4), "aol", 4, None, "replay[aol4]", None),
     # The elementwise family (it does not orthogonalize) against torch's fused Adam, AdamW and SGD.
     "TritonMuon": Row(_triton(TritonMuon), None, None, None, None, True,
