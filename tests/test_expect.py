@@ -48,13 +48,52 @@ partition({
   ),
   'adamw': chain(
     scale_by_adam(betas=(0.9, 0.999), eps=1e-08),
-    add_decoupled_weight_decay(weight_decay=0.0),
+    add_decoupled_weight_decay(weight_decay=0.0, min_ndim=2),
     scale_by_learning_rate(lr=0.0003),
   ),
 }, labels=matrix_labels)""")
 
     def test_empty_chain_repr(self):
         self.assertExpectedInline(repr(mf.chain()), """chain()""")
+
+
+class TestHybridSplit(expecttest.TestCase):
+    """The printed split names each tensor's half, why, and the weight decay it gets."""
+
+    @staticmethod
+    def model():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential()
+        model.add_module("emb", torch.nn.Embedding(10, 4))
+        model.add_module("hidden", torch.nn.Linear(4, 8))
+        model.add_module("norm", torch.nn.LayerNorm(8))
+        model.add_module("out", torch.nn.Linear(8, 10, bias=False))
+        return model
+
+    def test_no_decay_on_1d_by_default(self):
+        opt = mf.create_hybrid_optimizer(self.model(), adamw_weight_decay=0.1, muon_weight_decay=0.01)
+        self.assertExpectedInline(str(opt.split), """\
+Muon: 1 tensors, 32 parameters
+  hidden.weight                            (8, 4)               hidden matrix; weight decay 0.01
+AdamW: 5 tensors, 144 parameters
+  emb.weight                               (10, 4)              embedding; weight decay 0.1
+  hidden.bias                              (8,)                 1-D; weight decay 0
+  norm.weight                              (8,)                 1-D; weight decay 0
+  norm.bias                                (8,)                 1-D; weight decay 0
+  out.weight                               (10, 8)              output head; weight decay 0.1
+  (0-/1-D parameters get no weight decay; adamw_decay_1d=True decays them too)""")
+
+    def test_decay_on_every_parameter(self):
+        opt = mf.create_hybrid_optimizer(self.model(), adamw_weight_decay=0.1, adamw_decay_1d=True)
+        self.assertExpectedInline(str(opt.split), """\
+Muon: 1 tensors, 32 parameters
+  hidden.weight                            (8, 4)               hidden matrix; weight decay 0
+AdamW: 5 tensors, 144 parameters
+  emb.weight                               (10, 4)              embedding; weight decay 0.1
+  hidden.bias                              (8,)                 1-D; weight decay 0.1
+  norm.weight                              (8,)                 1-D; weight decay 0.1
+  norm.bias                                (8,)                 1-D; weight decay 0.1
+  out.weight                               (10, 8)              output head; weight decay 0.1""")
 
 
 class TestStateStructure(expecttest.TestCase):

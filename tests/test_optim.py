@@ -988,6 +988,83 @@ def test_hybrid_split_is_printed(capsys):
         assert reason in line, line
 
 
+def _decay_only_step(model, opt):
+    """One step with zero gradients: Adam's and Muon's directions are 0, so only decay moves a
+    parameter. Returns each parameter's factor p_after / p_before (mean over its elements)."""
+    before = snapshot_params(model)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    return {n: (p.detach() / before[n]).mean().item() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("decay_1d", [False, True])
+def test_hybrid_decays_1d_parameters_only_when_asked(decay_1d):
+    """Default: AdamW's weight decay reaches embeddings and the head (ndim ≥ 2), never norm gains
+    and biases; adamw_decay_1d=True restores decay on every AdamW parameter."""
+    model = make_gpt()
+    with torch.no_grad():  # non-zero everywhere, so a factor is defined
+        for p in model.parameters():
+            p.add_(0.5)
+    kw = {} if not decay_1d else {"adamw_decay_1d": True}
+    opt = mf.create_hybrid_optimizer(model, muon_lr=0.02, adamw_lr=0.01, adamw_weight_decay=0.1,
+                                     muon_weight_decay=0.05, compile=False, **kw)
+    assert all(g["adamw_decay_1d"] is decay_1d for g in opt.param_groups)
+    factors = _decay_only_step(model, opt)
+    where = _where(opt)
+    for n, p in model.named_parameters():
+        if where[n] == "muon":
+            expected = 1 - 0.02 * 0.05
+        else:
+            expected = 1 - 0.01 * 0.1 if (decay_1d or p.ndim >= 2) else 1.0
+        assert factors[n] == pytest.approx(expected, abs=1e-6), n
+    assert any(p.ndim < 2 for p in model.parameters())
+
+
+@pytest.mark.parametrize("decay_1d", [False, True])
+def test_muon_optimizer_adamw_half_decays_1d_only_when_asked(decay_1d):
+    """MuonOptimizer's "auto" group: its AdamW half (0-/1-D) decays only with adamw_decay_1d;
+    an "adamw" group follows the same rule for its own weight_decay."""
+    model = make_gpt()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5)
+    hidden = set(hidden_names(model))
+    named = dict(model.named_parameters())
+    groups = [{"params": [p for n, p in named.items() if n not in ("wte.weight", "wpe.weight", "head.weight")]},
+              {"params": [named["wte.weight"], named["wpe.weight"]], "algorithm": "adamw", "lr": 0.01,
+               "weight_decay": 0.2}]
+    opt = mf.MuonOptimizer(groups, lr=0.02, weight_decay=0.05, adamw_lr=0.01, adamw_weight_decay=0.1,
+                           adamw_decay_1d=decay_1d, compile=False)
+    factors = _decay_only_step(model, opt)
+    for n, p in named.items():
+        if n == "head.weight":
+            assert factors[n] == 1.0  # not in the optimizer
+        elif n in hidden:
+            assert factors[n] == pytest.approx(1 - 0.02 * 0.05, abs=1e-6), n
+        elif p.ndim >= 2:
+            assert factors[n] == pytest.approx(1 - 0.01 * 0.2, abs=1e-6), n
+        else:
+            assert factors[n] == pytest.approx(1 - 0.01 * 0.1 if decay_1d else 1.0, abs=1e-6), n
+
+
+def test_adamw_decay_1d_must_be_a_bool():
+    with pytest.raises(TypeError, match="Invalid adamw_decay_1d: 1 "):
+        mf.MuonOptimizer(make_gpt().parameters(), adamw_decay_1d=1)
+
+
+def test_checkpoint_from_before_adamw_decay_1d_keeps_decaying_every_parameter():
+    """A state_dict saved before the key existed loads with adamw_decay_1d=True: what it ran."""
+    model = make_gpt()
+    opt = mf.create_hybrid_optimizer(model, compile=False)
+    _train(model, opt, 1)
+    sd = opt.state_dict()
+    for g in sd["param_groups"]:
+        del g["adamw_decay_1d"]
+    opt.load_state_dict(sd)
+    assert all(g["adamw_decay_1d"] is True for g in opt.param_groups)
+
+
 def test_hybrid_overrides_by_name_and_predicate():
     model = make_gpt()
     opt = mf.create_hybrid_optimizer(model, adamw_names=["blocks.0.qkv.weight"],
