@@ -73,27 +73,26 @@ class TestHybridSplit(expecttest.TestCase):
     def test_no_decay_on_1d_by_default(self):
         opt = mf.create_hybrid_optimizer(self.model(), adamw_weight_decay=0.1, muon_weight_decay=0.01)
         self.assertExpectedInline(str(opt.split), """\
-Muon: 1 tensors, 32 parameters
-  hidden.weight                            (8, 4)               hidden matrix; weight decay 0.01
-AdamW: 5 tensors, 144 parameters
-  emb.weight                               (10, 4)              embedding; weight decay 0.1
-  hidden.bias                              (8,)                 1-D; weight decay 0
-  norm.weight                              (8,)                 1-D; weight decay 0
-  norm.bias                                (8,)                 1-D; weight decay 0
-  out.weight                               (10, 8)              output head; weight decay 0.1
-  (0-/1-D parameters get no weight decay; adamw_decay_1d=True decays them too)""")
+Muon: 1 tensors, 32 parameters; weight decay 0.01
+  hidden.weight                            (8, 4)               hidden matrix
+AdamW: 5 tensors, 144 parameters; weight decay 0.1 on ndim >= 2, none on 0-/1-D (adamw_decay_1d=True decays every tensor)
+  emb.weight                               (10, 4)              embedding
+  hidden.bias                              (8,)                 1-D, no weight decay
+  norm.weight                              (8,)                 1-D, no weight decay
+  norm.bias                                (8,)                 1-D, no weight decay
+  out.weight                               (10, 8)              output head""")
 
     def test_decay_on_every_parameter(self):
         opt = mf.create_hybrid_optimizer(self.model(), adamw_weight_decay=0.1, adamw_decay_1d=True)
         self.assertExpectedInline(str(opt.split), """\
-Muon: 1 tensors, 32 parameters
-  hidden.weight                            (8, 4)               hidden matrix; weight decay 0
-AdamW: 5 tensors, 144 parameters
-  emb.weight                               (10, 4)              embedding; weight decay 0.1
-  hidden.bias                              (8,)                 1-D; weight decay 0.1
-  norm.weight                              (8,)                 1-D; weight decay 0.1
-  norm.bias                                (8,)                 1-D; weight decay 0.1
-  out.weight                               (10, 8)              output head; weight decay 0.1""")
+Muon: 1 tensors, 32 parameters; no weight decay
+  hidden.weight                            (8, 4)               hidden matrix
+AdamW: 5 tensors, 144 parameters; weight decay 0.1
+  emb.weight                               (10, 4)              embedding
+  hidden.bias                              (8,)                 1-D
+  norm.weight                              (8,)                 1-D
+  norm.bias                                (8,)                 1-D
+  out.weight                               (10, 8)              output head""")
 
 
 class TestStateStructure(expecttest.TestCase):

@@ -118,24 +118,32 @@ class HybridSplit:
 
     def adamw_decays(self, shape: tuple[int, ...]) -> bool:
         """Whether an AdamW parameter of this shape gets ``adamw_weight_decay``."""
-        return self.adamw_decay_1d or len(shape) >= 2
+        return bool(self.adamw_weight_decay) and (self.adamw_decay_1d or len(shape) >= 2)
 
     def __str__(self) -> str:
         def count(rows):
             return sum(int(torch.Size(s).numel()) for _, s, _ in rows)
 
-        def line(n, s, r, wd):
-            return f"  {n:<40} {str(s):<20} {r}" + ("" if wd is None else f"; weight decay {wd:g}")
+        def rows(entries, note=lambda s: ""):
+            return [f"  {n:<40} {str(s):<20} {r}{note(s)}" for n, s, r in entries]
 
         muon_wd, adamw_wd = self.muon_weight_decay, self.adamw_weight_decay
-        lines = [f"Muon: {len(self.muon)} tensors, {count(self.muon):,} parameters"]
-        lines += [line(n, s, r, muon_wd) for n, s, r in self.muon]
-        lines.append(f"AdamW: {len(self.adamw)} tensors, {count(self.adamw):,} parameters")
-        lines += [line(n, s, r, None if adamw_wd is None else adamw_wd if self.adamw_decays(s) else 0)
-                  for n, s, r in self.adamw]
-        if adamw_wd and not self.adamw_decay_1d and any(not self.adamw_decays(s) for _, s, _ in self.adamw):
-            lines.append("  (0-/1-D parameters get no weight decay; adamw_decay_1d=True decays them too)")
-        return "\n".join(lines)
+        muon_head = f"Muon: {len(self.muon)} tensors, {count(self.muon):,} parameters"
+        adamw_head = f"AdamW: {len(self.adamw)} tensors, {count(self.adamw):,} parameters"
+        if muon_wd is not None:
+            muon_head += f"; weight decay {muon_wd:g}" if muon_wd else "; no weight decay"
+        spared = [s for _, s, _ in self.adamw if not self.adamw_decays(s)]
+        if adamw_wd is not None:
+            if not adamw_wd:
+                adamw_head += "; no weight decay"
+            elif not spared:
+                adamw_head += f"; weight decay {adamw_wd:g}"
+            else:
+                adamw_head += (f"; weight decay {adamw_wd:g} on ndim >= 2, none on 0-/1-D "
+                               "(adamw_decay_1d=True decays every tensor)")
+        return "\n".join([muon_head, *rows(self.muon), adamw_head,
+                          *rows(self.adamw, lambda s: ", no weight decay" if adamw_wd and not self.adamw_decays(s)
+                                else "")])
 
     __repr__ = __str__
 
