@@ -361,6 +361,8 @@ def run_one(label: str, name: str, options: dict, args, corpus: Corpus, ctx: Dis
     _train_loop(label, model, opt, sched, batcher, history, range(start, stop), steps, args, corpus, ctx, ckpt,
                 logit_log)
     wall, cpu = time.perf_counter() - t_run, time.process_time() - cpu_run
+    _log(ctx, f"[{label}] seed {args.seed}: validation loss {history['val'][-1][1]:.4f} at step {stop} "
+              f"({wall:.0f} s)")
     if not args.no_checkpoint or stop < steps:
         save_checkpoint(ckpt, model, opt, sched, batcher, stop, history, ctx)
         if stop < steps:
