@@ -106,19 +106,6 @@ def test_train_rows_at_identical_settings_step_alike(tmp_path, capsys):
     assert abs(decay_1d - ours) > 1e-4, (decay_1d, ours)
 
 
-def test_torch_zeropower_twin_is_torchs_function_in_bf16():
-    """The trainer's ns_dtype twin of torch.optim.Muon's iteration, run in bf16, is torch's."""
-    import torch.optim._muon as torch_muon
-
-    from muon_fn._train.optimizers import torch_zeropower
-
-    g = torch.Generator().manual_seed(0)
-    for shape in [(24, 8), (8, 24), (16, 16)]:
-        x = torch.randn(shape, generator=g)
-        ref = torch_muon._zeropower_via_newtonschulz(x, (3.4445, -4.7750, 2.0315), 5, 1e-7)
-        assert torch.equal(torch_zeropower(torch.bfloat16)(x, (3.4445, -4.7750, 2.0315), 5, 1e-7), ref)
-
-
 def test_train_compare_torch_muon_over_seeds(tmp_path, capsys):
     """The quality comparison: torch.optim.Muon (+ AdamW, muon's split) as a row, several seeds,
     mean and spread per optimizer, steps to AdamW's final loss; runs of one seed share the

@@ -33,6 +33,7 @@ import torch
 import torch.optim._muon as torch_muon
 
 import muon_fn as mf
+from muon_fn._train.optimizers import torch_zeropower
 
 SHAPES = [(32, 16), (16, 48), (24, 24), (64, 8), (8, 64)]
 STEPS = 20
@@ -79,23 +80,15 @@ def run_muon_fn(*, lr, weight_decay, momentum, nesterov, adjust_lr_fn, ns_dtype,
 
 
 def _fp32_twin(dtype):
-    """torch.optim._muon._zeropower_via_newtonschulz with the bf16 cast replaced by ``dtype``."""
+    """torch.optim._muon._zeropower_via_newtonschulz with the bf16 cast replaced by ``dtype``
+    (``muon_fn._train.optimizers.torch_zeropower``, what ``torch-muon[ns_dtype=...]`` runs),
+    recording the shapes it is called with."""
     calls = []
+    inner = torch_zeropower(dtype)
 
     def zeropower(grad, ns_coefficients, ns_steps, eps):
         calls.append(tuple(grad.shape))
-        a, b, c = ns_coefficients
-        ortho_grad = grad.to(dtype, copy=True)  # torch's .bfloat16() copies; keep that
-        if grad.size(0) > grad.size(1):
-            ortho_grad = ortho_grad.T
-        ortho_grad.div_(ortho_grad.norm().clamp(min=eps))
-        for _ in range(ns_steps):
-            gram_matrix = ortho_grad @ ortho_grad.T
-            gram_update = torch.addmm(gram_matrix, gram_matrix, gram_matrix, beta=b, alpha=c)
-            ortho_grad = torch.addmm(ortho_grad, gram_update, ortho_grad, beta=a)
-        if grad.size(0) > grad.size(1):
-            ortho_grad = ortho_grad.T
-        return ortho_grad
+        return inner(grad, ns_coefficients, ns_steps, eps)
 
     zeropower.calls = calls
     return zeropower
