@@ -161,10 +161,10 @@ def test_optimizer_specs_set_the_adamw_beta2():
     betas = lambda opt: {g["adamw_betas"] for g in opt.param_groups}  # noqa: E731
     muon, _ = build_single("muon", {"adamw_beta2": 0.999}, model, 0.02, 3e-3, 0.0, compile=False)
     assert betas(muon) == {(0.9, 0.999)}
-    muon, _ = build_single("muon", {"adamw_beta2": 0.95}, model, 0.02, 3e-3, 0.0, compile=False)
-    assert betas(muon) == {(0.9, 0.95)}
+    muon, _ = build_single("muon", {"adamw_beta2": 0.99}, model, 0.02, 3e-3, 0.0, compile=False)
+    assert betas(muon) == {(0.9, 0.99)}
     muon, _ = build_single("muon", {}, model, 0.02, 3e-3, 0.0, compile=False)
-    assert betas(muon) == {(0.9, 0.999)}  # the library's default
+    assert betas(muon) == {(0.9, 0.95)}  # the hybrid's default
     adamw, _ = build_single("adamw", {}, model, 3e-3, 3e-3, 0.0, compile=False)
     assert {g["betas"] for g in adamw.param_groups} == {(0.9, 0.95)}
     adamw, _ = build_single("adamw", {"beta2": 0.999}, model, 3e-3, 3e-3, 0.0, compile=False)

@@ -85,7 +85,7 @@ AdamW: 5 tensors, 144 parameters; weight decay 0.1 on ndim >= 2, none on 0-/1-D 
     def test_decay_on_every_parameter(self):
         opt = mf.create_hybrid_optimizer(self.model(), adamw_weight_decay=0.1, adamw_decay_1d=True)
         self.assertExpectedInline(str(opt.split), """\
-Muon: 1 tensors, 32 parameters; no weight decay
+Muon: 1 tensors, 32 parameters; weight decay 0.01
   hidden.weight                            (8, 4)               hidden matrix
 AdamW: 5 tensors, 144 parameters; weight decay 0.1
   emb.weight                               (10, 4)              embedding

@@ -35,11 +35,11 @@ OPTIMIZERS = ("muon", "torch-muon", "adamw", "normuon", "sso")
 # comparison changes only what happens to the hidden matrices. See docs/algorithms.md.
 DEFAULT_LR = {"muon": 0.02, "torch-muon": 0.02, "normuon": 0.02, "sso": 0.02, "adamw": 3e-3}
 DEFAULT_ADAMW_LR = 3e-3
-# AdamW's betas: (0.9, 0.95) for the AdamW-only row (better than torch's (0.9, 0.999) there);
-# torch's default for the AdamW half of the Muon rows, the library's default (as good or better
-# there). Measured: docs/performance.md, "The hybrid's AdamW half".
+# AdamW's betas: (0.9, 0.95) for the AdamW-only row (better than torch's (0.9, 0.999) there) and
+# for the AdamW half of the Muon rows (create_hybrid_optimizer's default, better than 0.999 there).
+# Measured: docs/performance.md, "Training quality".
 ADAMW_BETAS = (0.9, 0.95)
-HALF_BETAS = (0.9, 0.999)
+HALF_BETAS = (0.9, 0.95)
 
 # Where the Muon-family rows put an MoE router: "muon" (the default: it trained to a lower loss
 # on moe-tiny on both seeds tried, docs/transformers.md) or "adamw" (spec option router=adamw).
