@@ -116,9 +116,16 @@ def adamw(
     betas: tuple[Scalar, Scalar] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: Scalar = 0.01,
+    *,
+    decay_1d: bool = True,
 ) -> GradientTransformation:
-    """AdamW with torch.optim.AdamW's defaults and arithmetic (decoupled decay ``p(1 − lr·wd)``)."""
-    return chain(scale_by_adam(betas, eps), add_decoupled_weight_decay(weight_decay),
+    """AdamW with torch.optim.AdamW's defaults and arithmetic (decoupled decay ``p(1 − lr·wd)``).
+
+    ``decay_1d=False`` decays only leaves of ndim ≥ 2 (biases and norm gains keep their scale);
+    the default decays every leaf, as torch.optim.AdamW does with every parameter of a group.
+    """
+    _checks.boolean("decay_1d", decay_1d)
+    return chain(scale_by_adam(betas, eps), add_decoupled_weight_decay(weight_decay, min_ndim=0 if decay_1d else 2),
                  scale_by_learning_rate(lr))
 
 
@@ -186,6 +193,7 @@ def hybrid(
     adamw_betas: tuple[Scalar, Scalar] = (0.9, 0.999),
     adamw_eps: float = 1e-8,
     adamw_weight_decay: Scalar = 0.0,
+    adamw_decay_1d: bool = False,
     labels: Any = None,
     **muon_kwargs: Any,
 ) -> GradientTransformation:
@@ -193,10 +201,12 @@ def hybrid(
 
     ``labels`` (a tree of ``"muon"``/``"adamw"`` or a function of the params) overrides the
     default ndim rule (:func:`matrix_labels`) — e.g. to send embeddings and the output head to AdamW.
+    ``adamw_weight_decay`` decays the AdamW leaves of ndim ≥ 2 (embeddings, a head); 0-/1-D leaves
+    (biases, norm gains) decay only with ``adamw_decay_1d=True``.
     """
     _checks.scalar_or_schedule("adamw_lr", adamw_lr)
     return partition(
         {"muon": muon(lr, momentum, **muon_kwargs),
-         "adamw": adamw(adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay)},
+         "adamw": adamw(adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay, decay_1d=adamw_decay_1d)},
         matrix_labels if labels is None else labels,
     )

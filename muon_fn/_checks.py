@@ -138,11 +138,12 @@ def betas_value(name: str, betas: Any) -> None:
 
 def adamw_half(group: dict[str, Any]) -> None:
     """The AdamW half of a hybrid group (``adamw_lr``, ``adamw_betas``, ``adamw_eps``,
-    ``adamw_weight_decay``) and its ``weight_decay``."""
+    ``adamw_weight_decay``, ``adamw_decay_1d``) and its ``weight_decay``."""
     for key in ("weight_decay", "adamw_weight_decay", "adamw_lr"):
         decay_value(key, group[key])
     eps_value("adamw_eps", group["adamw_eps"])
     betas_value("adamw_betas", group["adamw_betas"])
+    boolean("adamw_decay_1d", group["adamw_decay_1d"])
 
 
 # ----------------------------------------------------------------------------- foreign keywords

@@ -136,27 +136,36 @@ def scale_by_learning_rate(lr: ScalarOrSchedule) -> GradientTransformation:
     return with_info(tx, leafwise=True, scope=ELEMENTWISE)
 
 
-def add_decoupled_weight_decay(weight_decay: Scalar = 0.0) -> GradientTransformation:
+def add_decoupled_weight_decay(weight_decay: Scalar = 0.0, *, min_ndim: int = 0) -> GradientTransformation:
     """``u ← u + wd·p``. Followed by ``scale_by_learning_rate(lr)`` this is ``p ← p(1 − lr·wd) − lr·u``
     (decoupled decay). Placed before a preconditioner such as :func:`scale_by_adam` the same sum is
-    L2 regularization instead: the gradient of ``wd/2·‖p‖²`` added to the gradient."""
+    L2 regularization instead: the gradient of ``wd/2·‖p‖²`` added to the gradient.
+
+    ``min_ndim``: only leaves with ``ndim ≥ min_ndim`` decay (``2``: matrices, embeddings and conv
+    weights decay, biases and norm gains do not, as in nanoGPT and the Hugging Face Trainer);
+    ``0`` (default) decays every leaf. The rule reads each leaf's own ``ndim``, so it stays leafwise.
+    """
     _checks.non_negative("weight_decay", weight_decay)
+    if isinstance(min_ndim, bool) or not isinstance(min_ndim, int) or min_ndim < 0:
+        raise ValueError(f"Invalid min_ndim: {min_ndim!r} (expected an integer >= 0)")
+    config = {"weight_decay": weight_decay, **({"min_ndim": min_ndim} if min_ndim else {})}
 
     if not isinstance(weight_decay, torch.Tensor) and weight_decay == 0:
-        return with_info(named(identity(), "add_decoupled_weight_decay", weight_decay=weight_decay),
+        return with_info(named(identity(), "add_decoupled_weight_decay", **config),
                          leafwise=True, scope=ELEMENTWISE)
+
+    def decay(u, p):
+        if u is None or p.ndim < min_ndim:
+            return u
+        return u + weight_decay * p.to(u.dtype)
 
     def update(updates, state, params=None, **extra):
         del extra
         if params is None:
             raise ValueError("add_decoupled_weight_decay needs params: call update(updates, state, params)")
-        out = _tree.tree_map(
-            lambda u, p: None if u is None else u + weight_decay * p.to(u.dtype), updates, params
-        )
-        return out, state
+        return _tree.tree_map(decay, updates, params), state
 
-    tx = named(GradientTransformation(init_empty_state, update), "add_decoupled_weight_decay",
-               weight_decay=weight_decay)
+    tx = named(GradientTransformation(init_empty_state, update), "add_decoupled_weight_decay", **config)
     return with_info(tx, leafwise=True, scope=ELEMENTWISE, needs_params=True)
 
 

@@ -14,6 +14,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
+from muon_fn._train.optimizers import torch_zeropower  # noqa: E402
+
 torch.set_num_threads(1)
 
 # "ci" is the default (and what .ci/run uses): bounded, derandomized, no deadline (CPU jitter).
@@ -68,20 +70,9 @@ def compiled_default(monkeypatch):
     monkeypatch.setenv("MUON_FN_COMPILE", "1")
 
 
-def ns_fp32_twin(grad, ns_coefficients, ns_steps, eps):
-    """torch.optim._muon._zeropower_via_newtonschulz, line by line, in fp32 instead of bf16."""
-    a, b, c = ns_coefficients
-    x = grad.float()
-    if grad.size(0) > grad.size(1):
-        x = x.T
-    x = x / x.norm().clamp(min=eps)
-    for _ in range(ns_steps):
-        gram = x @ x.T
-        gram_update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-        x = torch.addmm(x, gram_update, x, beta=a)
-    if grad.size(0) > grad.size(1):
-        x = x.T
-    return x
+# torch.optim._muon._zeropower_via_newtonschulz, line by line, in fp32 instead of bf16 (checked
+# bit-identical to torch's function when run in bf16: test_muon_reference.py).
+ns_fp32_twin = torch_zeropower(torch.float32)
 
 
 @pytest.fixture

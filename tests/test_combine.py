@@ -135,12 +135,13 @@ def test_partition_routes_labels(labels):
     assert state.inner_states["adamw"][0].mu["b1"].shape == (8,)
 
 
-def test_hybrid_is_partition_of_muon_and_adamw():
+@pytest.mark.parametrize("decay_1d", [False, True])
+def test_hybrid_is_partition_of_muon_and_adamw(decay_1d):
     params = rand_tree(0, MIXED)
     h = mf.hybrid(0.02, adamw_lr=1e-3, adamw_betas=(0.9, 0.999), adamw_weight_decay=0.01,
-                  ns_dtype=torch.float32, weight_decay=0.1)
+                  adamw_decay_1d=decay_1d, ns_dtype=torch.float32, weight_decay=0.1)
     p = mf.partition({"muon": mf.muon(0.02, ns_dtype=torch.float32, weight_decay=0.1),
-                      "adamw": mf.adamw(1e-3, (0.9, 0.999), 1e-8, 0.01)}, LABELS)
+                      "adamw": mf.adamw(1e-3, (0.9, 0.999), 1e-8, 0.01, decay_1d=decay_1d)}, LABELS)
     for a, b in zip(run(h, params)[0], run(p, params)[0]):
         assert_same(a, b)
 

@@ -391,3 +391,33 @@ def test_compiling_impossible_falls_back_to_eager_with_one_warning(compiled_defa
     assert len([w for w in record if "muon_fn" in str(w.message)]) == 1
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.equal(p, q)
+
+
+class _SmallLM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(32, 16)
+        self.fc = torch.nn.Linear(16, 16, bias=False)
+        self.norm = torch.nn.LayerNorm(16)
+        self.head = torch.nn.Linear(16, 32, bias=False)
+
+
+@pytest.mark.inductor
+def test_compiled_hybrid_does_not_reuse_another_betas_graph(compiled_default, monkeypatch, tmp_path):
+    """torch's graph caches key the hybrid's AdamW step without β₂ (torch 2.13): a step compiled
+    for adamw_betas=(0.9, 0.999) after one for (0.9, 0.95), same cache directory, ran the bias
+    correction of 0.95 (Adam's first step √50 ≈ 7.1 × lr instead of lr). The adapters compile
+    without those caches (muon_fn._compile.no_compile_cache); each first step here is ±lr."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    for beta2 in (0.95, 0.999):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = _SmallLM()
+        opt = mf.create_hybrid_optimizer(model, adamw_lr=1e-2, adamw_weight_decay=0.1, adamw_betas=(0.9, beta2),
+                                         ns_dtype=torch.float32)
+        before = model.norm.bias.detach().clone()
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()
+        step = (model.norm.bias.detach() - before) / 1e-2
+        torch.testing.assert_close(step, torch.full_like(step, -1.0), atol=1e-4, rtol=0, msg=f"beta2={beta2}")

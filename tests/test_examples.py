@@ -85,6 +85,27 @@ def test_train_moe_tiny(tmp_path, capsys):
         assert run["history"]["val"][-1][1] < run["history"]["val"][0][1] - 0.3, run["label"]
 
 
+def test_train_rows_at_identical_settings_step_alike(tmp_path, capsys):
+    """torch-muon and muon with the same spec options (Muon weight decay, AdamW β₂ and weight
+    decay, the no-decay rule, fp32 iteration) are the same optimizer: after 4 steps their
+    validation losses agree to fp32 rounding; decaying 0-/1-D parameters (adamw_decay_1d=true)
+    is a different one. The descriptions state the settings."""
+    same = "lr=0.04,ns_dtype=fp32,weight_decay=0.01,adamw_weight_decay=0.1,adamw_beta2=0.95"
+    specs = f"torch-muon[{same}],muon[{same}],muon[{same},adamw_decay_1d=true]"
+    out = tmp_path / "run"
+    assert cli.main(["train", "--compare", specs, *SMALL, "--out", str(out), "--no-checkpoint", "--no-plot",
+                     "--no-compile"]) == 0
+    capsys.readouterr()
+    runs = _metrics(out)["runs"]
+    torch_row, ours, decay_1d = (r["history"]["val"][-1][1] for r in runs)
+    assert "iteration in float32" in runs[0]["description"]
+    assert "weight_decay=0.01, adamw_weight_decay=0.1 on ndim >= 2" in runs[0]["description"]
+    assert "weight_decay=0.01, adamw_weight_decay=0.1 on ndim >= 2" in runs[1]["description"]
+    assert "on every parameter" in runs[2]["description"]
+    assert abs(torch_row - ours) < 1e-4, (torch_row, ours)
+    assert abs(decay_1d - ours) > 1e-4, (decay_1d, ours)
+
+
 def test_train_compare_torch_muon_over_seeds(tmp_path, capsys):
     """The quality comparison: torch.optim.Muon (+ AdamW, muon's split) as a row, several seeds,
     mean and spread per optimizer, steps to AdamW's final loss; runs of one seed share the
@@ -140,10 +161,10 @@ def test_optimizer_specs_set_the_adamw_beta2():
     betas = lambda opt: {g["adamw_betas"] for g in opt.param_groups}  # noqa: E731
     muon, _ = build_single("muon", {"adamw_beta2": 0.999}, model, 0.02, 3e-3, 0.0, compile=False)
     assert betas(muon) == {(0.9, 0.999)}
-    muon, _ = build_single("muon", {"adamw_beta2": 0.95}, model, 0.02, 3e-3, 0.0, compile=False)
-    assert betas(muon) == {(0.9, 0.95)}
+    muon, _ = build_single("muon", {"adamw_beta2": 0.99}, model, 0.02, 3e-3, 0.0, compile=False)
+    assert betas(muon) == {(0.9, 0.99)}
     muon, _ = build_single("muon", {}, model, 0.02, 3e-3, 0.0, compile=False)
-    assert betas(muon) == {(0.9, 0.999)}  # the library's default
+    assert betas(muon) == {(0.9, 0.95)}  # the hybrid's default
     adamw, _ = build_single("adamw", {}, model, 3e-3, 3e-3, 0.0, compile=False)
     assert {g["betas"] for g in adamw.param_groups} == {(0.9, 0.95)}
     adamw, _ = build_single("adamw", {"beta2": 0.999}, model, 3e-3, 3e-3, 0.0, compile=False)

@@ -48,13 +48,51 @@ partition({
   ),
   'adamw': chain(
     scale_by_adam(betas=(0.9, 0.999), eps=1e-08),
-    add_decoupled_weight_decay(weight_decay=0.0),
+    add_decoupled_weight_decay(weight_decay=0.0, min_ndim=2),
     scale_by_learning_rate(lr=0.0003),
   ),
 }, labels=matrix_labels)""")
 
     def test_empty_chain_repr(self):
         self.assertExpectedInline(repr(mf.chain()), """chain()""")
+
+
+class TestHybridSplit(expecttest.TestCase):
+    """The printed split names each tensor's half, why, and the weight decay it gets."""
+
+    @staticmethod
+    def model():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential()
+        model.add_module("emb", torch.nn.Embedding(10, 4))
+        model.add_module("hidden", torch.nn.Linear(4, 8))
+        model.add_module("norm", torch.nn.LayerNorm(8))
+        model.add_module("out", torch.nn.Linear(8, 10, bias=False))
+        return model
+
+    def test_no_decay_on_1d_by_default(self):
+        opt = mf.create_hybrid_optimizer(self.model(), adamw_weight_decay=0.1, muon_weight_decay=0.01)
+        self.assertExpectedInline(str(opt.split), """\
+Muon: 1 tensors, 32 parameters; weight decay 0.01
+  hidden.weight                            (8, 4)               hidden matrix
+AdamW: 5 tensors, 144 parameters; weight decay 0.1 on ndim >= 2, none on 0-/1-D (adamw_decay_1d=True decays every tensor)
+  emb.weight                               (10, 4)              embedding
+  hidden.bias                              (8,)                 1-D, no weight decay
+  norm.weight                              (8,)                 1-D, no weight decay
+  norm.bias                                (8,)                 1-D, no weight decay
+  out.weight                               (10, 8)              output head""")
+
+    def test_decay_on_every_parameter(self):
+        opt = mf.create_hybrid_optimizer(self.model(), adamw_weight_decay=0.1, adamw_decay_1d=True)
+        self.assertExpectedInline(str(opt.split), """\
+Muon: 1 tensors, 32 parameters; weight decay 0.01
+  hidden.weight                            (8, 4)               hidden matrix
+AdamW: 5 tensors, 144 parameters; weight decay 0.1
+  emb.weight                               (10, 4)              embedding
+  hidden.bias                              (8,)                 1-D
+  norm.weight                              (8,)                 1-D
+  norm.bias                                (8,)                 1-D
+  out.weight                               (10, 8)              output head""")
 
 
 class TestStateStructure(expecttest.TestCase):

@@ -284,7 +284,8 @@ def test_parity_with_torch_muon_bf16(adjust_lr_fn):
 
 def test_auto_group_adamw_half_matches_torch_adamw(fp32_torch_muon):
     """In an algorithm="auto" group, matrices follow torch.optim.Muon and 0-/1-D params follow
-    torch.optim.AdamW(lr=adamw_lr, betas=adamw_betas, eps=adamw_eps, weight_decay=adamw_weight_decay)."""
+    torch.optim.AdamW(lr=adamw_lr, betas=adamw_betas, eps=adamw_eps, weight_decay=adamw_weight_decay)
+    when 0-/1-D parameters decay too (adamw_decay_1d=True; without it they get no decay)."""
     ref, ours = make_gpt(), make_gpt()
     names = [n for n, p in ref.named_parameters() if n.startswith("blocks.") or n.startswith("ln_f")]
     ref_params, our_params = freeze_all_but(ref, names), freeze_all_but(ours, names)
@@ -295,7 +296,7 @@ def test_auto_group_adamw_half_matches_torch_adamw(fp32_torch_muon):
              torch.optim.AdamW(vecs, lr=3e-3, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1)]
     opt = mf.MuonOptimizer(our_params, lr=0.02, weight_decay=0.05, adjust_lr_fn="original",
                            ns_dtype=torch.float32, adamw_lr=3e-3, adamw_betas=(0.8, 0.9),
-                           adamw_eps=1e-6, adamw_weight_decay=0.1, **TORCH_LIKE)
+                           adamw_eps=1e-6, adamw_weight_decay=0.1, adamw_decay_1d=True, **TORCH_LIKE)
     for step in range(20):
         for o in topts:
             o.zero_grad()
@@ -315,11 +316,14 @@ def test_auto_group_adamw_half_matches_torch_adamw(fp32_torch_muon):
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_hybrid_matches_torch_muon_plus_adamw(fp32_torch_muon, tied):
-    """create_hybrid_optimizer == torch.optim.Muon on hidden matrices + torch.optim.AdamW on the rest."""
+    """create_hybrid_optimizer == torch.optim.Muon on hidden matrices + torch.optim.AdamW on the rest
+    (one AdamW group, which decays every parameter: adamw_decay_1d=True; the default's no-decay
+    groups are tests/test_muon_reference.py::test_hybrid_matches_torch_muon_and_adamw_fp32)."""
     ref, ours = make_gpt(tied), make_gpt(tied)
     opt = mf.create_hybrid_optimizer(ours, muon_lr=0.02, adamw_lr=2e-3, adamw_weight_decay=0.01,
                                      muon_weight_decay=0.1, adamw_betas=(0.9, 0.999), adamw_eps=1e-8,
-                                     adjust_lr_fn="original", ns_dtype=torch.float32, **TORCH_LIKE)
+                                     adamw_decay_1d=True, adjust_lr_fn="original", ns_dtype=torch.float32,
+                                     **TORCH_LIKE)
     hidden = set(hidden_names(ref))
     topt_m = torch.optim.Muon([p for n, p in ref.named_parameters() if n in hidden], lr=0.02,
                               weight_decay=0.1, momentum=0.95, adjust_lr_fn="original")
@@ -729,7 +733,7 @@ def test_nonfinite_error_names_the_parameters():
 def test_gradient_accumulation_equals_mean_gradient_step(fp32_torch_muon, k):
     ours, ref = make_gpt(), make_gpt()
     opt = mf.MuonOptimizer(ours.parameters(), lr=0.02, weight_decay=0.1, adjust_lr_fn="original",
-                           ns_dtype=torch.float32, adamw_lr=1e-3, adamw_weight_decay=0.01,
+                           ns_dtype=torch.float32, adamw_lr=1e-3, adamw_weight_decay=0.01, adamw_decay_1d=True,
                            gradient_accumulation_steps=k, **TORCH_LIKE)
     ref_mats = [p for p in ref.parameters() if p.ndim >= 2]
     ref_vecs = [p for p in ref.parameters() if p.ndim < 2]
@@ -807,10 +811,13 @@ def test_autocast_bf16_matches_torch_reference(fp32_torch_muon):
     ref, ours = make_gpt(), make_gpt()
     opt = mf.create_hybrid_optimizer(ours, adjust_lr_fn="original", ns_dtype=torch.float32, **TORCH_LIKE)
     hidden = set(hidden_names(ref))
+    rest = [(n, p) for n, p in ref.named_parameters() if n not in hidden]
+    # the hybrid's defaults spelled out in torch: Muon wd 0.01; AdamW β (0.9, 0.95), wd 0.01 on ndim ≥ 2 only
     topt = [torch.optim.Muon([p for n, p in ref.named_parameters() if n in hidden], lr=0.02,
-                             weight_decay=0.0, adjust_lr_fn="original"),
-            torch.optim.AdamW([p for n, p in ref.named_parameters() if n not in hidden], lr=1e-3,
-                              betas=(0.9, 0.999), weight_decay=0.01)]
+                             weight_decay=0.01, adjust_lr_fn="original"),
+            torch.optim.AdamW([{"params": [p for _, p in rest if p.ndim >= 2]},
+                               {"params": [p for _, p in rest if p.ndim < 2], "weight_decay": 0.0}],
+                              lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01)]
     for step in range(5):
         for model, opts in ((ref, topt), (ours, [opt])):
             for o in opts:
@@ -960,7 +967,8 @@ def test_hybrid_puts_each_parameter_where_documented(tied):
     assert sorted(n for n, a in where.items() if a == "muon") == sorted(hidden_names(model))
     groups = {g["algorithm"]: g for g in opt.param_groups}
     assert groups["muon"]["lr"] == 0.02 and groups["adamw"]["lr"] == 1e-3
-    assert groups["adamw"]["weight_decay"] == 0.01 and groups["muon"]["weight_decay"] == 0.0
+    assert groups["adamw"]["weight_decay"] == 0.01 and groups["muon"]["weight_decay"] == 0.01
+    assert groups["adamw"]["adamw_betas"] == (0.9, 0.95) and groups["adamw"]["adamw_decay_1d"] is False
     # one optimizer, one state_dict covering every parameter
     _train(model, opt, 1)
     sd = opt.state_dict()
@@ -986,6 +994,83 @@ def test_hybrid_split_is_printed(capsys):
                          ("emb.weight", "embedding"), ("out.weight", "output head"), ("norm.bias", "1-D")]:
         line = next(line for line in text.splitlines() if line.strip().startswith(name + " "))
         assert reason in line, line
+
+
+def _decay_only_step(model, opt):
+    """One step with zero gradients: Adam's and Muon's directions are 0, so only decay moves a
+    parameter. Returns each parameter's factor p_after / p_before (mean over its elements)."""
+    before = snapshot_params(model)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    return {n: (p.detach() / before[n]).mean().item() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("decay_1d", [False, True])
+def test_hybrid_decays_1d_parameters_only_when_asked(decay_1d):
+    """Default: AdamW's weight decay reaches embeddings and the head (ndim ≥ 2), never norm gains
+    and biases; adamw_decay_1d=True restores decay on every AdamW parameter."""
+    model = make_gpt()
+    with torch.no_grad():  # non-zero everywhere, so a factor is defined
+        for p in model.parameters():
+            p.add_(0.5)
+    kw = {} if not decay_1d else {"adamw_decay_1d": True}
+    opt = mf.create_hybrid_optimizer(model, muon_lr=0.02, adamw_lr=0.01, adamw_weight_decay=0.1,
+                                     muon_weight_decay=0.05, compile=False, **kw)
+    assert all(g["adamw_decay_1d"] is decay_1d for g in opt.param_groups)
+    factors = _decay_only_step(model, opt)
+    where = _where(opt)
+    for n, p in model.named_parameters():
+        if where[n] == "muon":
+            expected = 1 - 0.02 * 0.05
+        else:
+            expected = 1 - 0.01 * 0.1 if (decay_1d or p.ndim >= 2) else 1.0
+        assert factors[n] == pytest.approx(expected, abs=1e-6), n
+    assert any(p.ndim < 2 for p in model.parameters())
+
+
+@pytest.mark.parametrize("decay_1d", [False, True])
+def test_muon_optimizer_adamw_half_decays_1d_only_when_asked(decay_1d):
+    """MuonOptimizer's "auto" group: its AdamW half (0-/1-D) decays only with adamw_decay_1d;
+    an "adamw" group follows the same rule for its own weight_decay."""
+    model = make_gpt()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5)
+    hidden = set(hidden_names(model))
+    named = dict(model.named_parameters())
+    groups = [{"params": [p for n, p in named.items() if n not in ("wte.weight", "wpe.weight", "head.weight")]},
+              {"params": [named["wte.weight"], named["wpe.weight"]], "algorithm": "adamw", "lr": 0.01,
+               "weight_decay": 0.2}]
+    opt = mf.MuonOptimizer(groups, lr=0.02, weight_decay=0.05, adamw_lr=0.01, adamw_weight_decay=0.1,
+                           adamw_decay_1d=decay_1d, compile=False)
+    factors = _decay_only_step(model, opt)
+    for n, p in named.items():
+        if n == "head.weight":
+            assert factors[n] == 1.0  # not in the optimizer
+        elif n in hidden:
+            assert factors[n] == pytest.approx(1 - 0.02 * 0.05, abs=1e-6), n
+        elif p.ndim >= 2:
+            assert factors[n] == pytest.approx(1 - 0.01 * 0.2, abs=1e-6), n
+        else:
+            assert factors[n] == pytest.approx(1 - 0.01 * 0.1 if decay_1d else 1.0, abs=1e-6), n
+
+
+def test_adamw_decay_1d_must_be_a_bool():
+    with pytest.raises(TypeError, match="Invalid adamw_decay_1d: 1 "):
+        mf.MuonOptimizer(make_gpt().parameters(), adamw_decay_1d=1)
+
+
+def test_checkpoint_from_before_adamw_decay_1d_keeps_decaying_every_parameter():
+    """A state_dict saved before the key existed loads with adamw_decay_1d=True: what it ran."""
+    model = make_gpt()
+    opt = mf.create_hybrid_optimizer(model, compile=False)
+    _train(model, opt, 1)
+    sd = opt.state_dict()
+    for g in sd["param_groups"]:
+        del g["adamw_decay_1d"]
+    opt.load_state_dict(sd)
+    assert all(g["adamw_decay_1d"] is True for g in opt.param_groups)
 
 
 def test_hybrid_overrides_by_name_and_predicate():

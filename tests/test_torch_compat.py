@@ -318,6 +318,36 @@ def test_muon_fn_checkpoint_converts_for_torch(fp32_torch_muon):
     assert_models_close(ref, ours, atol=1e-5)
 
 
+def test_hybrid_without_decay_on_1d_converts_to_two_torch_adamw_groups(fp32_torch_muon):
+    """torch.optim.AdamW decays every parameter of a group, so the hybrid's AdamW group (the head
+    fc3.weight decays, the biases and norm do not) becomes two torch groups, and back."""
+    ours = make_net()
+    opt = mf.create_hybrid_optimizer(ours, adamw_names=["fc3.weight"], adamw_weight_decay=0.1,
+                                     ns_dtype=torch.float32, compile=False)
+    train(ours, [opt], 3)
+    muon_sd, adamw_sd = to_torch_state_dict(opt)
+    assert [(g["weight_decay"], len(g["params"])) for g in adamw_sd["param_groups"]] == [(0.1, 1), (0.0, 5)]
+    assert adamw_sd["param_groups"][0]["param_names"] == ["fc3.weight"]
+    ref = copy.deepcopy(ours)
+    named = dict(ref.named_parameters())
+    rest = [p for n, p in named.items() if n not in ("fc1.weight", "fc2.weight", "fc3.weight")]
+    topts = [torch.optim.Muon([named["fc1.weight"], named["fc2.weight"]], lr=0.5),
+             torch.optim.AdamW([{"params": [named["fc3.weight"]]}, {"params": rest}], lr=0.5)]
+    for o, sd in zip(topts, (muon_sd, adamw_sd)):
+        o.load_state_dict(roundtrip(sd))
+    again = copy.deepcopy(ours)
+    opt2 = mf.create_hybrid_optimizer(again, adamw_names=["fc3.weight"], adamw_weight_decay=0.3,
+                                      adamw_decay_1d=True, ns_dtype=torch.float32, compile=False)
+    opt2.load_state_dict(from_torch_state_dict(opt2, *map(roundtrip, (muon_sd, adamw_sd))))
+    adamw_group = opt2.param_groups[1]
+    assert adamw_group["weight_decay"] == 0.1 and adamw_group["adamw_decay_1d"] is False
+    train(ours, [opt], 5, start=3)
+    train(ref, topts, 5, start=3)
+    train(again, [opt2], 5, start=3)
+    assert_models_close(ref, ours, atol=1e-5)
+    assert_models_equal(ours, again)
+
+
 def test_round_trip_through_torch_continues_muon_fn_bit_exactly():
     """muon_fn → torch → muon_fn (with a scheduler's initial_lr): exact continuation."""
     straight = make_net()

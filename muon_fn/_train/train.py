@@ -367,6 +367,8 @@ def run_one(label: str, name: str, options: dict, args, corpus: Corpus, ctx: Dis
         _log(ctx, f"[{label}] optimizer.step: {share['optimizer_step_s'] * 1e3:.2f} ms of a "
                   f"{share['step_s'] * 1e3:.2f} ms training step ({100 * share['optimizer_share']:.1f} %, "
                   f"medians over {share['steps']} steps, {ctx.device.type})")
+    _log(ctx, f"[{label}] seed {args.seed}: validation loss {history['val'][-1][1]:.4f} at step {stop} "
+              f"({wall:.0f} s)")
     if not args.no_checkpoint or stop < steps:
         save_checkpoint(ckpt, model, opt, sched, batcher, stop, history, ctx)
         if stop < steps:

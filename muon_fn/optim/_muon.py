@@ -30,6 +30,9 @@ class HybridOptimizer(Optimizer):
 
     algorithms: tuple[str, ...] = ALGORITHMS
     _extra_scalar_keys = ("adamw_lr",)
+    # Group keys added after the first checkpoints, with the value that reproduces those:
+    # before adamw_decay_1d existed the AdamW half decayed every parameter.
+    _later_keys: dict[str, Any] = {"adamw_decay_1d": True}
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's ``add_param_group``; warns once about parameters of ndim ≥ 3 whose matrix
@@ -83,7 +86,7 @@ class HybridOptimizer(Optimizer):
             groups = [g if "matrix_view" in g else {**g, "matrix_view": ours["matrix_view"]}
                       for g, ours in zip(groups, self.param_groups)]
             state_dict = {**state_dict, "param_groups": groups}
-        super().load_state_dict(state_dict)
+        super().load_state_dict(_with_later_keys(state_dict, self._later_keys))
 
     def _derived_scalars(self, group: dict[str, Any], scalars: dict[str, torch.Tensor]) -> None:
         # adamw_lr · lr / base_lr, on the device (lr may be a tensor; nothing is read back). A
@@ -102,11 +105,12 @@ class MuonOptimizer(HybridOptimizer):
 
     In a group with ``algorithm="auto"`` (the default) parameters with ndim ≥ 2 (conv weights
     flattened to (out, in·kh·kw)) get Muon: ``p ← p(1 − lr·wd) − lr·s(out, in)·msign(M)``; 0-/1-D
-    parameters (biases, norm gains) get AdamW with ``adamw_betas``, ``adamw_eps``,
-    ``adamw_weight_decay`` and learning rate ``adamw_lr · lr / base_lr`` — so LR schedulers scale
-    both halves alike (``base_lr`` is the group's ``lr`` at construction). Groups with
-    ``algorithm="muon"`` or ``"adamw"`` use one algorithm with the group's own ``lr`` and
-    ``weight_decay`` (this is what :func:`create_hybrid_optimizer` builds).
+    parameters (biases, norm gains) get AdamW with ``adamw_betas``, ``adamw_eps`` and learning rate
+    ``adamw_lr · lr / base_lr`` — so LR schedulers scale both halves alike (``base_lr`` is the
+    group's ``lr`` at construction) — and no weight decay unless ``adamw_decay_1d=True``. Groups
+    with ``algorithm="muon"`` or ``"adamw"`` use one algorithm with the group's own ``lr`` and
+    ``weight_decay`` (this is what :func:`create_hybrid_optimizer` builds); in an ``"adamw"``
+    group too, only parameters of ndim ≥ 2 decay unless ``adamw_decay_1d=True``.
 
     Every keyword of ``torch.optim.Muon`` has torch's meaning here (``weight_decay``,
     ``momentum``, ``nesterov``, ``ns_coefficients``, ``eps``, ``ns_steps``, ``adjust_lr_fn``), so a
@@ -157,6 +161,11 @@ class MuonOptimizer(HybridOptimizer):
         ``"flatten"`` and warns once, naming it (:func:`create_hybrid_optimizer` knows the
         modules and warns about nothing). A group key like any other.
       adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW half in ``"auto"`` groups.
+      adamw_decay_1d: ``False`` (default): AdamW decays only parameters of ndim ≥ 2 (embeddings,
+        an output head in an ``"adamw"`` group), never biases and norm gains, as nanoGPT and the
+        Hugging Face Trainer do; ``True``: every AdamW parameter decays, as torch.optim.AdamW does
+        with every parameter of a group. An ``"auto"`` group's AdamW half holds only 0-/1-D
+        parameters, so there ``adamw_weight_decay`` acts only with ``adamw_decay_1d=True``.
       qk_clip: a :class:`muon_fn.QKClip` (or None, the default): after every update that
         changes the parameters (not an accumulation micro-step, not a skipped step), rescale the
         query and key rows of each attention head whose max logit exceeded τ, on the device.
@@ -193,6 +202,7 @@ class MuonOptimizer(HybridOptimizer):
         adamw_betas: tuple[float, float] = (0.9, 0.999),
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float = 0.0,
+        adamw_decay_1d: bool = False,
         algorithm: str = "auto",
         qk_clip: QKClip | None = None,
         gradient_accumulation_steps: int = 1,
@@ -207,7 +217,8 @@ class MuonOptimizer(HybridOptimizer):
             method=method, ns_dtype=ns_dtype, ns_stepsize=ns_stepsize, beta2=beta2,
             normuon_eps=normuon_eps, momentum_kind=momentum_kind, momentum_dtype=momentum_dtype,
             layerwise_norm=layerwise_norm, matrix_view=matrix_view, adamw_lr=adamw_lr,
-            adamw_betas=adamw_betas, adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay, algorithm=algorithm,
+            adamw_betas=adamw_betas, adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay,
+            adamw_decay_1d=adamw_decay_1d, algorithm=algorithm,
         )
         super().__init__(params, muon_factory, defaults,
                          gradient_accumulation_steps=gradient_accumulation_steps,
@@ -244,19 +255,18 @@ class MuonOptimizer(HybridOptimizer):
 
         if is_torch_muon_state_dict(state_dict):
             state_dict = from_torch_state_dict(self, state_dict)
-        super().load_state_dict(_with_later_keys(upgrade_eps_keys(state_dict)))
+        super().load_state_dict(upgrade_eps_keys(state_dict))
+
+    _later_keys = {**HybridOptimizer._later_keys, "layerwise_norm": False}
 
 
-# Group keys MuonOptimizer gained after its first checkpoints, with the value that reproduces them.
-_LATER_KEYS = {"layerwise_norm": False}
-
-
-def _with_later_keys(state_dict: Any) -> Any:
-    """``state_dict`` with :data:`_LATER_KEYS` filled in where a saved group lacks them."""
+def _with_later_keys(state_dict: Any, later: dict[str, Any]) -> Any:
+    """``state_dict`` with the group keys ``later`` (key: the value that reproduces a checkpoint
+    saved before the key existed) filled in where a saved group lacks them."""
     groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
-    if not isinstance(groups, list) or all(not isinstance(g, dict) or _LATER_KEYS.keys() <= g.keys() for g in groups):
+    if not isinstance(groups, list) or all(not isinstance(g, dict) or later.keys() <= g.keys() for g in groups):
         return state_dict
-    return {**state_dict, "param_groups": [{**_LATER_KEYS, **g} if isinstance(g, dict) else g for g in groups]}
+    return {**state_dict, "param_groups": [{**later, **g} if isinstance(g, dict) else g for g in groups]}
 
 
 def validate_muon_group(group: dict[str, Any]) -> None:
@@ -304,12 +314,14 @@ def hybrid_transform(h: dict[str, Any], name: str, matrix_tx: Callable[[], Gradi
     through :func:`muon_fn.partition` (``"auto"``: ``labels`` sends each leaf to ``name`` or
     ``"adamw"``; AdamW with the ``adamw_*`` settings)."""
     algorithm = h["algorithm"]
+    decay_1d = h["adamw_decay_1d"]
     if algorithm == "adamw":
-        return adamw(h["lr"], h["adamw_betas"], h["adamw_eps"], h["weight_decay"])
+        return adamw(h["lr"], h["adamw_betas"], h["adamw_eps"], h["weight_decay"], decay_1d=decay_1d)
     if algorithm != "auto":
         return matrix_tx()
     return partition(
         {name: matrix_tx(),
-         "adamw": adamw(h["adamw_lr_effective"], h["adamw_betas"], h["adamw_eps"], h["adamw_weight_decay"])},
+         "adamw": adamw(h["adamw_lr_effective"], h["adamw_betas"], h["adamw_eps"], h["adamw_weight_decay"],
+                        decay_1d=decay_1d)},
         labels,
     )

@@ -69,6 +69,8 @@ class SpectralSphereOptimizer(HybridOptimizer):
         per parameter: each block is); :meth:`from_model` gives expert stacks ``"experts"`` by
         module.
       adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW half in ``"auto"`` groups.
+      adamw_decay_1d: whether AdamW decays 0-/1-D parameters too (default ``False``: only ndim
+        ≥ 2), as in :class:`muon_fn.MuonOptimizer`.
       gradient_accumulation_steps, nonfinite, bucket_size: see :class:`muon_fn.Optimizer`.
       compile: compiled by default, as every adapter: SSO's per-matrix math is one opaque operator
         (eager inside, so the λ solver still exits early), and inductor compiles only the momentum,
@@ -121,6 +123,7 @@ class SpectralSphereOptimizer(HybridOptimizer):
         adamw_betas: tuple[float, float] = (0.9, 0.999),
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float = 0.0,
+        adamw_decay_1d: bool = False,
         algorithm: str = "auto",
         gradient_accumulation_steps: int = 1,
         nonfinite: str | None = "skip",
@@ -139,7 +142,7 @@ class SpectralSphereOptimizer(HybridOptimizer):
             muon_sphere=muon_sphere, momentum_dtype=momentum_dtype, matrix_view=matrix_view,
             adamw_lr=adamw_lr,
             adamw_betas=tuple(adamw_betas), adamw_eps=adamw_eps,
-            adamw_weight_decay=adamw_weight_decay, algorithm=algorithm,
+            adamw_weight_decay=adamw_weight_decay, adamw_decay_1d=adamw_decay_1d, algorithm=algorithm,
         )
         super().__init__(params, sso_factory, defaults,
                          gradient_accumulation_steps=gradient_accumulation_steps,

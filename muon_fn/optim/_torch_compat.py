@@ -140,6 +140,24 @@ def _source_group(pairs: list[tuple[_Route, _Entry]], g: int, source: str) -> di
     return next(iter(groups.values()), None)
 
 
+def _adamw_source(pairs: list[tuple[_Route, _Entry]], g: int) -> tuple[dict[str, Any] | None, bool]:
+    """The torch.optim.AdamW group of this optimizer's group ``g`` and the ``adamw_decay_1d``
+    that reproduces it: ``True`` for one group (torch decays every parameter of a group);
+    ``False`` for the pair :func:`to_torch_state_dict` writes when 0-/1-D parameters get no decay
+    (a decaying group of ndim ≥ 2 parameters and an otherwise equal one with weight_decay 0)."""
+    mine = [(r, e) for r, e in pairs if r.group == g]
+    groups = {id(e.group): e.group for _, e in mine}
+    if len(groups) == 2:
+        decaying = [grp for grp in groups.values() if grp["weight_decay"]]
+        flat = [grp for grp in groups.values() if not grp["weight_decay"]]
+        same = len(decaying) == len(flat) == 1 and all(
+            decaying[0][k] == flat[0][k] for k in _ADAMW_KEYS + ("initial_lr",)
+            if k != "weight_decay" and (k in decaying[0] or k in flat[0]))
+        if same and all((len(r.shape) >= 2) == (e.group is decaying[0]) for r, e in mine):
+            return decaying[0], False
+    return _source_group(pairs, g, "torch.optim.AdamW"), True
+
+
 # ----------------------------------------------------------------------------- torch -> muon_fn
 def from_torch_state_dict(optimizer: MuonOptimizer, muon_state_dict: dict[str, Any],
                           adamw_state_dict: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -171,11 +189,13 @@ def from_torch_state_dict(optimizer: MuonOptimizer, muon_state_dict: dict[str, A
     groups = [dict(g) for g in ours["param_groups"]]
     for g, group in enumerate(groups):
         muon_src = _source_group(muon, g, "torch.optim.Muon")
-        adamw_src = _source_group(adamw, g, "torch.optim.AdamW")
+        adamw_src, decay_1d = _adamw_source(adamw, g)
         if muon_src is not None:
             _take_muon_hyper(group, muon_src)
         if adamw_src is not None:
             _take_adamw_hyper(g, group, adamw_src, muon_src is not None)
+            if adamw_src["weight_decay"]:
+                group["adamw_decay_1d"] = decay_1d
     state: dict[int, dict[str, Any]] = {}
     for pairs, source, keys in ((muon, muon_state_dict, _MUON_STATE), (adamw, adamw_state_dict, _ADAMW_STATE)):
         for route, entry in pairs:
@@ -225,7 +245,10 @@ def to_torch_state_dict(optimizer: MuonOptimizer) -> tuple[dict[str, Any], dict[
     ``ns_stepsize=1``, no head views, and ``adjust_lr_fn`` ``None``/``"original"``/``"keller"``/
     ``"match_rms_adamw"``; otherwise ``ValueError`` names what differs. Build the torch
     optimizers over the same parameters (e.g. ``[p for p in params if p.ndim == 2]`` and the
-    rest for one ``"auto"`` group). torch.optim.Muon iterates in bf16.
+    rest for one ``"auto"`` group). torch.optim.Muon iterates in bf16. torch.optim.AdamW decays
+    every parameter of a group, so a group whose 0-/1-D parameters get no decay
+    (``adamw_decay_1d=False``) and whose ndim ≥ 2 ones do becomes two torch groups: those of
+    ndim ≥ 2, then the rest with ``weight_decay=0`` (build the torch AdamW with the same two).
 
     ``optimizer.state_dict()`` itself is not a torch.optim.Muon state_dict: torch's
     ``load_state_dict`` checks only the number of groups and parameters, so it accepts one and
@@ -244,23 +267,26 @@ def to_torch_state_dict(optimizer: MuonOptimizer) -> tuple[dict[str, Any], dict[
 
 
 def _torch_side(ours: dict[str, Any], routes: list[_Route], keys: tuple[str, ...], make_group) -> dict[str, Any]:
-    state, groups = {}, []
+    state, groups, first = {}, [], 0
     for g in sorted({r.group for r in routes}):
-        members = [r for r in routes if r.group == g]
-        first = len([r for r in routes if r.group < g])
-        group = make_group(g, ours["param_groups"][g])
-        group["params"] = list(range(first, first + len(members)))
-        if all(r.name for r in members):
-            group["param_names"] = [r.name for r in members]
-        groups.append(group)
-        for new, r in zip(group["params"], members):
-            saved = ours["state"].get(r.index, {})
-            if any(k in saved for k in keys):
-                state[new] = {k: saved[k] for k in keys if k in saved}
+        for members, group in make_group(g, ours["param_groups"][g], [r for r in routes if r.group == g]):
+            group["params"] = list(range(first, first + len(members)))
+            first += len(members)
+            if all(r.name for r in members):
+                group["param_names"] = [r.name for r in members]
+            groups.append(group)
+            for new, r in zip(group["params"], members):
+                saved = ours["state"].get(r.index, {})
+                if any(k in saved for k in keys):
+                    state[new] = {k: saved[k] for k in keys if k in saved}
     return {"state": state, "param_groups": groups}
 
 
-def _torch_muon_group(g: int, group: dict[str, Any]) -> dict[str, Any]:
+def _torch_muon_group(g: int, group: dict[str, Any], members: list[_Route]) -> list[tuple[list[_Route], dict]]:
+    return [(members, _torch_muon_hyper(g, group))]
+
+
+def _torch_muon_hyper(g: int, group: dict[str, Any]) -> dict[str, Any]:
     problems, rows = [], KELLER_COEFFICIENTS
     if group["ns_coefficients"] is not None:
         rows = validate_coefficients(group["ns_coefficients"])
@@ -290,7 +316,17 @@ def _torch_muon_group(g: int, group: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _torch_adamw_group(g: int, group: dict[str, Any]) -> dict[str, Any]:
+def _torch_adamw_group(g: int, group: dict[str, Any], members: list[_Route]) -> list[tuple[list[_Route], dict]]:
+    """One torch.optim.AdamW group, or two where only the ndim ≥ 2 parameters decay."""
+    out = _torch_adamw_hyper(g, group)
+    if group.get("adamw_decay_1d", True) or not out["weight_decay"]:
+        return [(members, out)]
+    decaying = [r for r in members if len(r.shape) >= 2]
+    flat = [r for r in members if len(r.shape) < 2]
+    return [(rs, {**out, "weight_decay": wd}) for rs, wd in ((decaying, out["weight_decay"]), (flat, 0.0)) if rs]
+
+
+def _torch_adamw_hyper(g: int, group: dict[str, Any]) -> dict[str, Any]:
     out = dict(torch.optim.AdamW([torch.zeros(1)]).defaults)  # every key torch's step reads
     out.update(betas=tuple(group["adamw_betas"]), eps=group["adamw_eps"])
     if group["algorithm"] == "adamw":
