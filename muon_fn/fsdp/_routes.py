@@ -14,7 +14,6 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from .. import _execution
 from .._base import GradientTransformation
 from ..optim import _state
 from ..optim._adapter import buckets, meta_scalars, variants
@@ -38,7 +37,7 @@ class Route:
     """One transform over some of a group's parameters."""
 
     def __init__(self, label: str, tx: GradientTransformation, indices: tuple[int, ...],
-                 params: list[torch.Tensor], meta: Meta, bucket_size: int | None,
+                 params: list[torch.Tensor], meta: Meta, bucket_size: int,
                  compile_options: dict[str, Any] | None, options: dict[str, Any] | None = None,
                  traced: GradientTransformation | None = None) -> None:
         self.label, self.indices = label, indices
@@ -49,8 +48,7 @@ class Route:
         self.steps = _phases.steps(self.phases, compile_options)
         self.buckets: list[Bucket] = []
         self.formats: dict[int, _rows.RowFormat] = {}  # position in the group -> wire format
-        mine = [params[i] for i in indices]
-        for members in buckets(mine, _execution.bucket_limit(mine, bucket_size)):
+        for members in buckets([params[i] for i in indices], bucket_size):
             idx = tuple(indices[k] for k in members)
             bucket = _bucket(self.traced, idx, meta([params[i] for i in idx]))
             self.buckets.append(bucket)
