@@ -2,8 +2,10 @@
 adapters follow (one ``fullgraph=True`` graph per signature, eager with one warning where
 compiling is impossible).
 
-``compile=True`` (every adapter's default) means ``torch.compile(fullgraph=True)`` with inductor;
-a dict passes ``torch.compile`` options (e.g. ``{"backend": "eager"}``); ``False`` runs eager. The
+``compile=True`` (every adapter's default) means ``torch.compile(fullgraph=True, dynamic=False)``
+with inductor; a dict passes more ``torch.compile`` options (e.g. ``{"backend": "eager"}``; never
+``dynamic=True``, see :func:`options`); ``False`` runs eager. Torch's on-disk caches (inductor's FX
+graph cache, AOTAutograd's) stay on, so a second process starts warm. The
 environment variable ``MUON_FN_COMPILE=0`` turns the default off process-wide (as
 ``TORCH_COMPILE_DISABLE`` does for torch) — for debugging, and for test suites that do not test
 compilation.
@@ -16,13 +18,10 @@ import os
 import sys
 import types
 import warnings
-from collections.abc import Hashable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Hashable, Mapping
 from typing import Any, Callable, Union
 
 import torch
-import torch._functorch.config
-import torch._inductor.config
 
 from ._base import GradientTransformation, info, with_info
 
@@ -30,13 +29,13 @@ CompileOption = Union[bool, Mapping[str, Any]]
 
 
 def compile_update(tx: GradientTransformation, **torch_compile_kwargs: Any) -> GradientTransformation:
-    """``tx`` with ``update`` wrapped in ``torch.compile(fullgraph=True, **kwargs)``.
+    """``tx`` with ``update`` wrapped in ``torch.compile(fullgraph=True, dynamic=False, **kwargs)``.
 
     Pass per-step scalars (lr, ...) as 0-d tensors — build the transform with a 0-d tensor and
-    update it in place — so changing them never recompiles. ``init`` stays eager.
+    update it in place — so changing them never recompiles. Float hyperparameters (betas, eps, NS
+    coefficients) are constants of the graph (see :func:`options`). ``init`` stays eager.
     """
-    kwargs = {"fullgraph": True, **torch_compile_kwargs}
-    compiled = torch.compile(tx.update, **kwargs)
+    compiled = torch.compile(tx.update, **options(torch_compile_kwargs))
     name = getattr(tx.update, "_muon_fn_repr", None)
     if name is not None:
         compiled._muon_fn_repr = f"compile_update({name})"
@@ -57,7 +56,35 @@ def resolve(compile: CompileOption) -> dict[str, Any] | None:
     if not torch._dynamo.is_dynamo_supported():  # e.g. a Python version Dynamo does not support yet
         _fall_back(RuntimeError(f"torch.compile does not support Python {sys.version.split()[0]}"))
         return None
-    return {"fullgraph": True, **(dict(compile) if isinstance(compile, Mapping) else {})}
+    return options(compile if isinstance(compile, Mapping) else {})
+
+
+# What every muon_fn compile passes unless told otherwise.
+DEFAULTS = {"fullgraph": True, "dynamic": False}
+_DYNAMIC_REFUSED = (
+    "Invalid dynamic: {!r} (muon_fn compiles with dynamic=False. A dynamic compile turns float "
+    "hyperparameters such as betas or eps into symbolic values, and torch's on-disk compile caches "
+    "(2.13 and 2.14 measured) can then serve a graph that burned in another value: a silently wrong "
+    "update; pytorch/pytorch#194976 and #197889. Per-step scalars (lr, momentum, schedules) are "
+    "0-d tensors, so a static graph never recompiles for them; see docs/faq.md, 'Compilation')")
+
+
+def options(torch_compile_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``torch.compile`` keyword arguments muon_fn uses: :data:`DEFAULTS`, then the caller's.
+
+    ``dynamic`` must stay ``False``: floats of the update (closed-over betas, eps, NS coefficients)
+    are then constants of the Dynamo graph, hence part of every cache key, and no compile does
+    dynamic-shape work. With Dynamo's default (automatic dynamic), a second compile of the same
+    code with another float makes that float a SymFloat; torch 2.13 burns the value of a use it
+    cannot tensorify (``b2 ** count``) into the AOT graph behind a guard that AOTAutograd's cache
+    drops, under a key that is the same for every value, so a later process (or a compile after
+    ``torch._dynamo.reset()``) is served the old constant. ``ValueError`` for ``dynamic=True`` or
+    ``None``.
+    """
+    kwargs = {**DEFAULTS, **torch_compile_kwargs}
+    if kwargs["dynamic"] is not False:
+        raise ValueError(_DYNAMIC_REFUSED.format(kwargs["dynamic"]))
+    return kwargs
 
 
 def not_traced(reason: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -108,33 +135,13 @@ class PerSignature:
                                       self.fn.__closure__)
             f = self.compiled[key] = torch.compile(copy, **self.options)
         try:
-            if not first:  # compiled already: no config to set (the patch costs ~50 µs a call)
-                return f(*args)
-            with no_compile_cache():
-                return f(*args)
+            return f(*args)
         except Exception as e:  # the compiler itself failed: nothing ran
             if not _cannot_compile(e):
                 raise
             _fall_back(e)
             self.options = None
             return self.fn(*args)
-
-
-@contextmanager
-def no_compile_cache() -> Iterator[None]:
-    """Compile without torch's on-disk graph caches (inductor's FX graph cache and AOTAutograd's).
-
-    Their keys miss a float of the update: measured on torch 2.13, the hybrid's compiled AdamW
-    step built with ``adamw_betas=(0.9, 0.999)`` after one built with ``(0.9, 0.95)`` had run (in
-    this process or an earlier one, same cache directory) reused that graph's bias correction
-    ``√(1 − β₂ᵗ)`` with β₂ = 0.95: an update √50 ≈ 7.1× too large, silently
-    (``tests/test_compile.py::test_compiled_hybrid_does_not_reuse_another_betas_graph``). A
-    compile therefore costs its full time in every process. Only the call that compiles a
-    signature runs under it.
-    """
-    with torch._inductor.config.patch(fx_graph_cache=False), \
-            torch._functorch.config.patch(enable_autograd_cache=False):
-        yield
 
 
 def _cannot_compile(error: BaseException) -> bool:

@@ -100,6 +100,72 @@ def test_one_compile_across_ten_learning_rates(via):
     assert_trees_close(params_c, params_e, atol=1e-5, rtol=1e-5)
 
 
+def _entry_points(model):
+    """Every muon_fn compile entry point, each stepped once (compiled by default)."""
+    from muon_fn.fsdp import FSDPMuonOptimizer, FSDPSpectralSphereOptimizer
+
+    params = list(model.parameters())
+    for p in params:
+        p.grad = torch.ones_like(p)
+    tx = mf.compile_update(mf.adamw(0.1))
+    tx.update(tuple(p.grad for p in params), tx.init(tuple(params)), tuple(params))
+    for make in (lambda: mf.MuonOptimizer(params), lambda: mf.create_hybrid_optimizer(model),
+                 lambda: mf.SpectralSphereOptimizer(params), lambda: mf.TritonMuon(params),
+                 lambda: mf.TritonMuonW(params), lambda: FSDPMuonOptimizer(model),
+                 lambda: FSDPSpectralSphereOptimizer(model)):
+        make().step()
+
+
+def test_every_entry_point_compiles_with_dynamic_false(compiled_default, monkeypatch):
+    """Floats of the update stay constants of the Dynamo graph, so they are in every cache key
+    (tests/test_compile_cache.py shows what happens otherwise)."""
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: (calls.append(kw), fn)[1])  # record, don't compile
+    _entry_points(_SmallLM())
+    assert len(calls) >= 8 and all(kw == {"fullgraph": True, "dynamic": False} for kw in calls), calls
+
+
+@pytest.mark.parametrize("dynamic", [True, None])
+def test_dynamic_compiles_are_refused_with_the_reason(dynamic):
+    message = (f"Invalid dynamic: {dynamic} (muon_fn compiles with dynamic=False. A dynamic compile turns float "
+               "hyperparameters such as betas or eps into symbolic values, and torch's on-disk compile caches "
+               "(2.13 and 2.14 measured) can then serve a graph that burned in another value: a silently wrong "
+               "update; pytorch/pytorch#194976 and #197889. Per-step scalars (lr, momentum, schedules) are 0-d "
+               "tensors, so a static graph never recompiles for them; see docs/faq.md, 'Compilation')")
+    with pytest.raises(ValueError) as error:
+        mf.compile_update(mf.adamw(0.1), dynamic=dynamic)
+    assert str(error.value) == message
+    with pytest.raises(ValueError, match="Invalid dynamic"):  # at construction, before any step
+        mf.MuonOptimizer(_small_model(False).parameters(), compile={"dynamic": dynamic})
+
+
+def test_per_step_scalars_enter_the_graph_as_0d_tensors():
+    """lr and momentum are graph inputs (0-d tensors refreshed in place), never constants: a
+    scheduler changes them without a recompile and the graph reads the new values."""
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append([t for t in example_inputs if isinstance(t, torch.Tensor) and t.ndim == 0])
+        return gm.forward
+
+    model = _small_model(False)
+    opt = mf.MuonOptimizer(model.parameters(), lr=0.02, momentum=0.9, compile={"backend": backend})
+    _backward(model, 0)
+    opt.step()
+    graphs = len(seen)
+    assert graphs == len(opt._runtimes[0].buckets)
+
+    def values():  # each graph's 0-d float inputs (the optimizer's tensors, refreshed in place)
+        return [sorted(float(t) for t in scalars if t.is_floating_point()) for scalars in seen]
+
+    assert values() == [pytest.approx([0.02, 0.9], rel=1e-6)] * graphs
+    opt.param_groups[0]["lr"] = 0.01
+    _backward(model, 1)
+    opt.step()
+    assert len(seen) == graphs
+    assert values() == [pytest.approx([0.01, 0.9], rel=1e-6)] * graphs
+
+
 def test_schedule_lr_does_not_recompile():
     tx = recipe(lambda count: 0.02 * 0.9 ** count.to(torch.float32))
     counter = CompileCounterWithBackend("eager")
@@ -404,10 +470,12 @@ class _SmallLM(torch.nn.Module):
 
 @pytest.mark.inductor
 def test_compiled_hybrid_does_not_reuse_another_betas_graph(compiled_default, monkeypatch, tmp_path):
-    """torch's graph caches key the hybrid's AdamW step without β₂ (torch 2.13): a step compiled
-    for adamw_betas=(0.9, 0.999) after one for (0.9, 0.95), same cache directory, ran the bias
-    correction of 0.95 (Adam's first step √50 ≈ 7.1 × lr instead of lr). The adapters compile
-    without those caches (muon_fn._compile.no_compile_cache); each first step here is ±lr."""
+    """In one process, with torch's caches on: compiled with Dynamo's default (automatic
+    dynamic), the hybrid's AdamW step for adamw_betas=(0.9, 0.999) after one for (0.9, 0.95) was
+    served a graph with 0.95 burned into the bias correction √(1 − β₂ᵗ) (Adam's first step
+    √50 ≈ 7.1 × lr instead of lr; torch 2.13, docs/faq.md "Compilation"). With dynamic=False β₂
+    is a constant of the graph and of its cache key: each first step here is ±lr. Across
+    processes: tests/test_compile_cache.py."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     for beta2 in (0.95, 0.999):
         torch._dynamo.reset()
