@@ -47,7 +47,7 @@ def test_bucket_limit_per_policy():
     assert _execution.bucket_limit(params, None) == BUCKET_SIZE == 4
     assert _execution.bucket_limit(params, 2) == 2
     with _execution.forced("batched"):
-        assert _execution.bucket_limit(params, None) == 9
+        assert _execution.bucket_limit(params, None) == 16 == _execution.BATCHED.bucket_size
         assert _execution.bucket_limit(params, 3) == 3
 
 

@@ -39,10 +39,10 @@ _ADAPTER_KEYS = frozenset({"params", "param_names", "gradient_accumulation_steps
 SCALAR_KEYS = frozenset({"lr", "momentum"})
 # On the CPU, at most this many same-shape parameters share one compiled call. Inductor's compile
 # time grows by about a second per parameter in a graph (2-core CPU), while equal buckets reuse one
-# graph: gpt2-small's 72 matrices compile as 3 graphs of at most 4. On GPUs every same-shape
-# parameter of a group shares one call (one batched GEMM per product; the execution policy's
-# default, muon_fn._execution). Larger buckets batch more matrices per orthogonalization call
-# (see MuonOptimizer(bucket_size=...)).
+# graph: gpt2-small's 72 matrices compile as 3 graphs of at most 4. On GPUs up to 16 same-shape
+# parameters share one call (one batched GEMM per product; the execution policy's default,
+# muon_fn._execution). Larger buckets batch more matrices per orthogonalization call (see
+# MuonOptimizer(bucket_size=...)).
 BUCKET_SIZE = _execution.CPU.bucket_size
 
 
@@ -144,7 +144,7 @@ class Optimizer(torch.optim.Optimizer):
         bucket signature; eager with one warning where compiling is impossible), ``False``
         (eager), or a dict of ``torch.compile`` options (e.g. ``{"backend": "eager"}``).
       bucket_size: same-shape parameters updated by one call; ``None`` (default): the device's
-        execution policy's, 4 on the CPU (:data:`BUCKET_SIZE`), all of them on GPUs; only
+        execution policy's, 4 on the CPU (:data:`BUCKET_SIZE`), 16 on GPUs; only
         for transforms that are *leafwise* (:class:`muon_fn.TransformInfo`; every built-in one
         is), others update each group as a whole.
 
