@@ -3,6 +3,7 @@
     muon-fn bench --quick                          # the Muon step, tiny set (about a minute)
     muon-fn bench --model-size gpt2-small --threads 1,default --json bench.json
     muon-fn bench --elementwise --quick            # TritonMuon/TritonMuonW against torch's Adam, AdamW, SGD
+    muon-fn bench --compile-time                   # cold and warm first steps, both execution policies
     muon-fn bench --device cuda --model-size gpt2-small llama3-1b llama3-8b deepseek-moe  # LLM-size sets
     muon-fn bench sso --layers 2 --rounds 4        # SSO against Muon (alias: muon-fn bench-sso)
     muon-fn bench fsdp --world-sizes 2 4           # FSDP owner-computes against replicate (gloo)
@@ -19,6 +20,7 @@ import sys
 from typing import Any, Sequence
 
 from .. import _newton_schulz
+from ._compile_time import GPT_SETS, benchmark_compile_time, format_compile_table
 from ._fsdp import benchmark_fsdp, benchmark_overlap, format_fsdp_result, format_overlap_result
 from ._muon import benchmark_muon_optimizers, check_muon_args, compile_check, format_table
 from ._problem import CPU_MAX_PARAMS, DEFAULT_SIZES, SETS
@@ -87,6 +89,10 @@ def _muon_parser(prog: str) -> argparse.ArgumentParser:
                          "and 256x1024 Gaussians")
     ap.add_argument("--compile", action="store_true",
                     help="also measure a cold compile and the recompiles over LR-scheduled steps")
+    ap.add_argument("--compile-time", action="store_true",
+                    help="instead: time the first step of a fresh process, cold (new cache directory) and warm "
+                         "(a second process, same directory), for MuonOptimizer and the hybrid on the GPT sets "
+                         f"({', '.join(GPT_SETS)}), under both execution policies on the CPU")
     ap.add_argument("--no-quality", action="store_true", help="skip the orthogonality quality measurements")
     ap.add_argument("--no-memory", action="store_true", help="skip the peak step memory measurement")
     return ap
@@ -101,6 +107,8 @@ def _muon_main(argv: list[str], prog: str) -> int:
         ap.error(str(e))
     sizes = ["tiny"] if args.quick else list(dict.fromkeys(
         size for arg in args.model_size for size in (DEFAULT_SIZES if arg == "all" else (arg,))))
+    if args.compile_time:
+        return _compile_time_main(ap, args, sizes, device)
     if args.elementwise:
         if args.rows is not None:
             ap.error("--elementwise chooses the rows: give it or --rows, not both")
@@ -140,6 +148,20 @@ def _muon_main(argv: list[str], prog: str) -> int:
             for c in checks:
                 print(f"compile ({c['model_size']}): cold first step {c['cold_first_step_seconds']:.1f} s, "
                       f"{c['recompiles']} recompiles over {c['steps']} LR-scheduled steps", flush=True)
+    _write_json(args.json, results)
+    return 0
+
+
+def _compile_time_main(ap: argparse.ArgumentParser, args: argparse.Namespace, sizes: list[str],
+                       device: Any) -> int:
+    wrong = [s for s in sizes if s not in GPT_SETS]
+    if wrong:
+        ap.error(f"--compile-time measures the GPT sets ({', '.join(GPT_SETS)}), not {', '.join(wrong)}")
+    results = {}
+    for threads in args.threads:
+        rows = benchmark_compile_time(sizes, device=device, threads=threads, log=_stderr_line)
+        print(format_compile_table(rows), flush=True)
+        results[f"compile_time,threads={threads}"] = rows
     _write_json(args.json, results)
     return 0
 
