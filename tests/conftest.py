@@ -49,6 +49,14 @@ def _lane_devices() -> list[str]:
 DEVICES = _lane_devices()
 
 
+def pytest_collection_modifyitems(config, items):
+    """Every test that takes the ``device`` fixture is in the lane: ``pytest -m lane`` selects
+    them (.ci/gpu-lane runs them with MUON_FN_DEVICES=cuda)."""
+    for item in items:
+        if "device" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.lane)
+
+
 @pytest.fixture(params=DEVICES)
 def device(request) -> torch.device:
     """Each device of the lane in turn (skipped where it is absent)."""
@@ -83,9 +91,22 @@ def fp32_torch_muon(monkeypatch):
     monkeypatch.setattr(torch_muon_module, "_zeropower_via_newtonschulz", ns_fp32_twin)
 
 
-def roundtrip(obj):
-    """``obj`` through ``torch.save`` and ``torch.load(weights_only=True)``, as a checkpoint travels."""
+def roundtrip(obj, map_location=None):
+    """``obj`` through ``torch.save`` and ``torch.load(weights_only=True)``, as a checkpoint travels
+    (``map_location`` as torch.load's)."""
     buf = io.BytesIO()
     torch.save(obj, buf)
     buf.seek(0)
-    return torch.load(buf, weights_only=True)
+    return torch.load(buf, map_location=map_location, weights_only=True)
+
+
+def read_on_cpu(obj):
+    """A checkpoint written on the device and read on the CPU (``torch.load(map_location="cpu")``);
+    ``load_state_dict`` moves its state to the parameters' device."""
+    return roundtrip(obj, map_location="cpu")
+
+
+# Hypothesis settings for a @given test that takes the ``device`` fixture (function-scoped, but a
+# torch.device: the same, immutable value for every example).
+lane_examples = settings(suppress_health_check=[*settings.default.suppress_health_check,
+                                                HealthCheck.function_scoped_fixture])

@@ -4,6 +4,12 @@ anything changes.
 ``state_dict()`` stores ``param_layout`` (name, global shape, matrix view per parameter) in every
 param group; ``load_state_dict`` compares it with its own first. Messages are pinned with
 expecttest. The FSDP side (DCP, ranks) runs in tests/test_fsdp.py.
+
+Tests taking ``device`` run on each device of the lane (tests/conftest.py): models and state on
+the device, gradients drawn on the CPU from seeded generators and moved, checkpoints written on
+the device and read on the CPU (``map_location``) before they load on the device. What they
+compare is exact on every device (the same optimizer continuing on the same device, or state
+moved as it is); the refusals' messages (the expecttest classes) name shapes and names only.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import torch
 from torch import nn
 
 import muon_fn as mf
-from conftest import roundtrip
+from conftest import read_on_cpu, roundtrip
 from muon_fn.optim import _layout
 
 # Moe built without a matrix_view on purpose: the guessed view is what gets recorded.
@@ -49,9 +55,10 @@ def build(model: nn.Module, **kw) -> mf.MuonOptimizer:
 
 
 def step(model: nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
+    """The same gradients on every device: drawn on the CPU, then moved."""
     g = torch.Generator().manual_seed(seed)
     for p in model.parameters():
-        p.grad = torch.randn(p.shape, generator=g)
+        p.grad = torch.randn(p.shape, generator=g).to(p.device)
     opt.step()
 
 
@@ -76,6 +83,8 @@ def assert_unchanged(opt: torch.optim.Optimizer, snap) -> None:
         assert set(st) == set(state[id(p)])
         for k, v in st.items():
             assert torch.equal(v, state[id(p)][k]), k
+
+
 
 
 def message(fn) -> str:
@@ -178,17 +187,6 @@ class TestWithoutRecord(expecttest.TestCase):
             del g[_layout.KEY]
         return sd
 
-    def test_loads_when_sizes_match_and_continues_bit_for_bit(self):
-        torch.manual_seed(0)
-        model = TwoLayers()
-        opt = trained(model)
-        clone = copy.deepcopy(model)
-        other = build(clone)
-        other.load_state_dict(self.old(roundtrip(opt.state_dict())))
-        step(model, opt, 7)
-        step(clone, other, 7)
-        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), clone.parameters()))
-
     def test_param_names_are_compared(self):
         sd = self.old(roundtrip(trained(TwoLayers()).state_dict()))
         opt = trained(TwoLayers(swap=True), steps=1)
@@ -209,9 +207,25 @@ loaded state 'momentum_buffer' for parameter 'weight' has shape (3, 4), expected
         assert_unchanged(opt, snap)
 
 
-def test_record_survives_json():
+def test_old_checkpoint_loads_when_sizes_match_and_continues_bit_for_bit(device):
+    """A checkpoint without the record (TestWithoutRecord), written on the device and read on the
+    CPU, loads on the device and continues as the uninterrupted run does, bit for bit."""
+    torch.manual_seed(0)
+    model = TwoLayers().to(device)
+    opt = trained(model)
+    clone = copy.deepcopy(model)
+    other = build(clone)
+    other.load_state_dict(TestWithoutRecord.old(read_on_cpu(opt.state_dict())))
+    assert all(v.device == p.device for p, st in other.state.items() for v in st.values()
+               if isinstance(v, torch.Tensor))
+    step(model, opt, 7)
+    step(clone, other, 7)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), clone.parameters()))
+
+
+def test_record_survives_json(device):
     """Tuples come back as lists through JSON; the record still matches."""
-    model = TwoLayers()
+    model = TwoLayers().to(device)
     sd = trained(model).state_dict()
     groups = json.loads(json.dumps([{k: v for k, v in g.items() if k == _layout.KEY} for g in sd["param_groups"]]))
     for g, j in zip(sd["param_groups"], groups):
@@ -219,16 +233,16 @@ def test_record_survives_json():
     build(copy.deepcopy(model)).load_state_dict(sd)
 
 
-def test_dcp_state_dict_matches_by_name():
+def test_dcp_state_dict_matches_by_name(device):
     """``get_optimizer_state_dict`` keys state by name, so a reordered model loads correctly
     through ``set_optimizer_state_dict``; a changed view is still refused, naming it."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
     torch.manual_seed(0)
-    model = TwoLayers()
+    model = TwoLayers().to(device)
     opt = trained(model)
     osd = get_optimizer_state_dict(model, opt)
-    swapped = TwoLayers(swap=True)
+    swapped = TwoLayers(swap=True).to(device)
     swapped.load_state_dict(model.state_dict())
     other = build(swapped)
     set_optimizer_state_dict(swapped, other, copy.deepcopy(osd))
@@ -236,7 +250,7 @@ def test_dcp_state_dict_matches_by_name():
         p, q = dict(model.named_parameters())[name], dict(swapped.named_parameters())[name]
         assert torch.equal(opt.state[p]["momentum_buffer"], other.state[q]["momentum_buffer"]), name
     torch.manual_seed(0)
-    moe = Moe()
+    moe = Moe().to(device)
     flat = trained(moe, matrix_view={"experts": "flatten"})
     moe2 = copy.deepcopy(moe)
     stacks = trained(moe2, steps=1, matrix_view={"experts": "experts"})  # torch would init the state
@@ -246,13 +260,13 @@ def test_dcp_state_dict_matches_by_name():
     assert_unchanged(stacks, snap)
 
 
-def test_dcp_state_dict_of_unnamed_parameters_loads():
+def test_dcp_state_dict_of_unnamed_parameters_loads(device):
     """Saved without names, keyed by name by torch.distributed.checkpoint: the record cannot be
     aligned, so the state's sizes are what is checked."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3))
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3)).to(device)
     opt = mf.MuonOptimizer(model.parameters(), compile=False)
     step(model, opt, 0)
     clone = copy.deepcopy(model)

@@ -1,13 +1,19 @@
-"""FSDPMuonOptimizer in one process (no torch.distributed): W = 1, no communication, and the
-adapter's pieces (phases, wire format) on their own.
+"""FSDPMuonOptimizer in one process: W = 1 without torch.distributed (no communication), FSDP2 on
+a one-rank process group (gloo on the CPU, nccl on CUDA), and the adapter's pieces (phases, wire
+format) on their own.
 
 The multi-rank behaviour is in tests/test_fsdp.py (marked distributed); these run everywhere.
+Tests taking ``device`` run on each device of the lane (tests/conftest.py): models on the device,
+data and gradients drawn on the CPU from seeded generators and moved, comparisons on the CPU.
+Against single-device MuonOptimizer / SpectralSphereOptimizer they are bit for bit on the CPU and
+within ``PARITY`` on CUDA (see there); a run continued from a checkpoint stays bit for bit.
 """
 
 from __future__ import annotations
 
 import copy
 import re
+from datetime import timedelta
 
 import expecttest
 import pytest
@@ -19,6 +25,43 @@ from muon_fn.fsdp import FSDPMuonOptimizer
 from muon_fn.fsdp import _phases, _rows
 from muon_fn.fsdp._exchange import first_difference
 from muon_fn.optim._state import Slot
+from test_fsdp import full, shard
+from conftest import read_on_cpu
+
+# FSDP against single-device optimizers, per device. The CPU: bit for bit (the project's
+# contract: there a matrix's result does not depend on its batch mates, muon_fn._execution).
+# CUDA: a batched GEMM library may pick its kernel by batch size and layout, so the two agree to
+# rounding, not bitwise:
+# - fp32 iteration: fp32 GEMMs reduced in another order, amplified by the first Newton–Schulz
+#   iterations near σ = 0 (2e-5 after a few lr = 0.02 steps);
+# - bf16 iteration (the default on GPUs): a product rounded the other way moves an element by
+#   2^-8 relative and the next steps carry it (emulated on the CPU with fp32 accumulation in
+#   permuted orders: 4.5e-4 after 4 steps);
+# - bf16 parameters or momenta: a value stored one bf16 ulp apart: torch's bf16 rtol and two ulps
+#   of a value below 0.5;
+# - SSO: its bisection on λ amplifies rounding (1e-4, as the device lane); λ itself is solved to
+#   |h| ≤ 2e-4, so a solve that stops one iterate apart moves it by about that.
+# Optimizer state: as the parameters.
+PARITY = {
+    "cpu": None,
+    "cuda": {"fp32": dict(rtol=0, atol=2e-5), "bf16": dict(rtol=0, atol=2e-3),
+             "bf16_stored": dict(rtol=1.6e-2, atol=4e-3), "sso": dict(rtol=0, atol=1e-4),
+             "sso_lambda": dict(rtol=0, atol=1e-3)},
+}
+
+
+def parity(device: torch.device, key: str = "bf16") -> dict | None:
+    """``None`` (bit for bit) on the CPU; on CUDA ``PARITY``'s tolerance for ``key`` (default: a
+    bf16 iteration, the default on GPUs)."""
+    return None if PARITY[device.type] is None else PARITY[device.type][key]
+
+
+def precision(extra=None) -> str:
+    """The ``PARITY`` key of a run with fp32 parameters and the options ``extra``."""
+    extra = extra or {}
+    if extra.get("momentum_dtype") == torch.bfloat16:
+        return "bf16_stored"
+    return "fp32" if extra.get("ns_dtype") == torch.float32 else "bf16"
 
 
 class Net(nn.Module):
@@ -43,8 +86,9 @@ def batch(t: int):
 
 
 def train(model, opt, steps, scheduler=None, start=0, dtype=torch.float32):
+    dev = next(model.parameters()).device
     for t in range(start, start + steps):
-        x, y = batch(t)
+        x, y = (v.to(dev) for v in batch(t))
         opt.zero_grad()
         (model(x.to(dtype)) - y.to(dtype)).float().square().mean().backward()
         opt.step()
@@ -55,18 +99,30 @@ def train(model, opt, steps, scheduler=None, start=0, dtype=torch.float32):
 KW = dict(lr=0.02, momentum=0.95, weight_decay=0.01)
 
 
-def assert_same(model, opt, ref, ref_opt):
-    """Parameters and every state entry of the reference, bit for bit."""
+def assert_match(a: torch.Tensor, b: torch.Tensor, tol: dict | None, what: str = "") -> None:
+    """``a`` equals ``b`` bit for bit (``tol`` None), or within ``tol``; compared on the CPU, a
+    sharded tensor as its full tensor."""
+    a, b = full(a).detach().cpu(), full(b).detach().cpu()
+    if tol is None:
+        assert torch.equal(a, b), f"{what}: max abs error {(a.float() - b.float()).abs().max().item()}"
+    else:
+        torch.testing.assert_close(a, b, **tol, msg=what)
+
+
+def assert_same(model, opt, ref, ref_opt, tol=None):
+    """Parameters and every state entry of the reference: bit for bit, or within ``tol``."""
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert torch.equal(p, q), f"{name}: max abs error {(p - q).abs().max().item()}"
         assert sorted(opt.state[p]) == sorted(ref_opt.state[q]), name
+        assert_match(p, q, tol, name)
         for key, value in ref_opt.state[q].items():
-            assert torch.equal(opt.state[p][key], value), f"{name} state {key}"
+            assert_match(opt.state[p][key], value, tol, f"{name} state {key}")
 
 
-def pair(extra=None, dtype=torch.float32, **fsdp):
+
+
+def pair(extra=None, dtype=torch.float32, device="cpu", **fsdp):
     torch.manual_seed(0)
-    ref = Net().to(dtype)
+    ref = Net().to(device, dtype)
     model = copy.deepcopy(ref)
     extra = dict(KW, **(extra or {}))
     return model, FSDPMuonOptimizer(model, **extra, **fsdp), ref, mf.MuonOptimizer(ref.parameters(), **extra)
@@ -81,31 +137,31 @@ def pair(extra=None, dtype=torch.float32, **fsdp):
     {"matrix_view": lambda p: mf.heads(rows=2) if p.shape == (10, 10) else "flatten",
      "momentum_dtype": torch.bfloat16},
 ], ids=["default", "bf16_iteration", "sgd_quintic", "normuon", "you", "heads_bf16_momentum"])
-def test_bit_exact_vs_default_muon_optimizer(extra):
-    model, opt, ref, ref_opt = pair(extra)
+def test_bit_exact_vs_default_muon_optimizer(device, extra):
+    model, opt, ref, ref_opt = pair(extra, device=device)
     train(model, opt, 4)
     train(ref, ref_opt, 4)
-    assert_same(model, opt, ref, ref_opt)
+    assert_same(model, opt, ref, ref_opt, parity(device, precision(extra)))
 
 
 @pytest.mark.parametrize("beta2", [None, 0.95])
-def test_bit_exact_with_bf16_params(beta2):
+def test_bit_exact_with_bf16_params(device, beta2):
     """bf16 updates travel up-cast to fp32 next to the fp32 NorMuon row state, exactly."""
-    model, opt, ref, ref_opt = pair({"beta2": beta2}, dtype=torch.bfloat16)
+    model, opt, ref, ref_opt = pair({"beta2": beta2}, dtype=torch.bfloat16, device=device)
     train(model, opt, 3, dtype=torch.bfloat16)
     train(ref, ref_opt, 3, dtype=torch.bfloat16)
-    assert_same(model, opt, ref, ref_opt)
+    assert_same(model, opt, ref, ref_opt, parity(device, "bf16_stored"))
     assert opt.state[model.fc1.weight]["momentum_buffer"].dtype == torch.bfloat16
 
 
-def test_compiled_phases_match_compiled_muon_optimizer_without_graph_breaks():
+def test_compiled_phases_match_compiled_muon_optimizer_without_graph_breaks(device):
     from torch._dynamo.utils import counters
 
     counters.clear()
-    model, opt, ref, ref_opt = pair({"beta2": 0.95, "compile": {"backend": "eager"}})
+    model, opt, ref, ref_opt = pair({"beta2": 0.95, "compile": {"backend": "eager"}}, device=device)
     train(model, opt, 2)
     train(ref, ref_opt, 2)
-    assert_same(model, opt, ref, ref_opt)
+    assert_same(model, opt, ref, ref_opt, parity(device))
     assert not counters["graph_break"], dict(counters["graph_break"])
     routes = {r.label: r for r in opt._routes(0)}
     assert routes["muon"].steps.mid.compiled and routes["muon"].steps.post.compiled
@@ -117,7 +173,7 @@ def test_the_default_compiles(compiled_default, monkeypatch):
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)  # record, don't run inductor
     model, opt, _, _ = pair()
     train(model, opt, 1)
-    assert opt._compile_options == {"fullgraph": True}
+    assert opt._compile_options == {"fullgraph": True, "dynamic": False}
     assert opt._routes(0)[0].steps.pre.compiled
 
 
@@ -129,17 +185,17 @@ def test_frozen_parameters_are_left_out():
     assert len(opt.plan.matrices) == 3
 
 
-def test_lr_scheduler_scales_both_halves_like_muon_optimizer():
-    model, opt, ref, ref_opt = pair()
+def test_lr_scheduler_scales_both_halves_like_muon_optimizer(device):
+    model, opt, ref, ref_opt = pair(device=device)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.5)
     train(model, opt, 5, sched)
     train(ref, ref_opt, 5, ref_sched)
-    assert_same(model, opt, ref, ref_opt)
+    assert_same(model, opt, ref, ref_opt, parity(device))
 
 
-def test_changing_a_static_hyperparameter_rebuilds_transforms_state_and_plan():
-    model, opt, ref, ref_opt = pair()
+def test_changing_a_static_hyperparameter_rebuilds_transforms_state_and_plan(device):
+    model, opt, ref, ref_opt = pair(device=device)
     train(model, opt, 2)
     train(ref, ref_opt, 2)
     plan = opt.plan
@@ -147,35 +203,40 @@ def test_changing_a_static_hyperparameter_rebuilds_transforms_state_and_plan():
         o.param_groups[0]["beta2"] = 0.9  # NorMuon from here on
     train(model, opt, 2, start=2)
     train(ref, ref_opt, 2, start=2)
-    assert_same(model, opt, ref, ref_opt)
+    assert_same(model, opt, ref, ref_opt, parity(device))
     assert opt.plan is not plan and opt.plan.matrices[0].cols == 18 + 1  # row_variance travels
 
 
-def test_state_is_prepopulated_and_state_dict_round_trips():
+def test_state_is_prepopulated_and_state_dict_round_trips(device, monkeypatch):
+    """State exists before the first step; a checkpoint written on the device and read on the CPU
+    (map_location) resumes on the device bit for bit."""
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)  # the same conv gradients twice
     torch.manual_seed(0)
-    model = Net()
+    model = Net().to(device)
     opt = FSDPMuonOptimizer(model, **KW)
     assert set(opt.state[model.fc1.weight]) == {"momentum_buffer"}
     assert set(opt.state[model.fc1.bias]) == {"exp_avg", "exp_avg_sq", "step"}
     assert opt.state[model.conv.weight]["momentum_buffer"].shape == model.conv.weight.shape
     train(model, opt, 3)
-    saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    saved_model, saved_opt = read_on_cpu(model.state_dict()), read_on_cpu(opt.state_dict())
     train(model, opt, 3, start=3)
-    resumed = Net()
+    resumed = Net().to(device)
     resumed.load_state_dict(saved_model)
     ropt = FSDPMuonOptimizer(resumed, **KW)
     ropt.load_state_dict(saved_opt)
+    assert all(v.device == p.device for p, st in ropt.state.items() for v in st.values()
+               if isinstance(v, torch.Tensor))
     train(resumed, ropt, 3, start=3)
     for p, q in zip(resumed.parameters(), model.parameters()):
         assert torch.equal(p, q)
     assert opt.state[model.fc1.bias]["step"].item() == 6
 
 
-def test_step_never_modifies_grad_and_reports_stats():
+def test_step_never_modifies_grad_and_reports_stats(device):
     torch.manual_seed(0)
-    model = Net()
+    model = Net().to(device)
     opt = FSDPMuonOptimizer(model, **KW)
-    x, y = batch(0)
+    x, y = (v.to(device) for v in batch(0))
     (model(x) - y).square().mean().backward()
     grads = [p.grad.clone() for p in model.parameters()]
     opt.step()
@@ -189,14 +250,14 @@ def test_step_never_modifies_grad_and_reports_stats():
     assert stats["ns_flops"] == sum(5 * (4 * min(s) ** 2 * max(s) + 2 * min(s) ** 3) for s in shapes)
 
 
-def test_missing_grads_leave_params_and_state_alone():
+def test_missing_grads_leave_params_and_state_alone(device):
     torch.manual_seed(0)
-    model = Net()
+    model = Net().to(device)
     opt = FSDPMuonOptimizer(model, beta2=0.9, **KW)
     before = copy.deepcopy(model.state_dict())
     opt.step()  # no grads at all
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
-    x, y = batch(0)
+    x, y = (v.to(device) for v in batch(0))
     (model(x) - y).square().mean().backward()
     model.fc2.weight.grad = None
     opt.step()
@@ -206,10 +267,10 @@ def test_missing_grads_leave_params_and_state_alone():
     assert not torch.equal(model.fc1.weight, before["fc1.weight"])
 
 
-def test_nonfinite_skip_is_decided_on_the_device_and_error_names_the_parameter():
+def test_nonfinite_skip_is_decided_on_the_device_and_error_names_the_parameter(device):
     torch.manual_seed(0)
-    model = Net()
-    x, y = batch(0)
+    model = Net().to(device)
+    x, y = (v.to(device) for v in batch(0))
     (model(x) - y).square().mean().backward()
     model.fc1.weight.grad[0, 0] = float("inf")
     before = copy.deepcopy(model.state_dict())
@@ -331,13 +392,13 @@ class MoE(nn.Module):
 
 
 @pytest.mark.parametrize("extra", [{}, {"beta2": 0.95}], ids=["muon", "normuon"])
-def test_expert_stacks_are_read_by_module(extra):
+def test_expert_stacks_are_read_by_module(device, extra):
     """The FSDP optimizer has the model: no guess, no warning; bit-exact with MuonOptimizer given
     the same views by name."""
     import warnings
 
     torch.manual_seed(0)
-    ref = MoE()
+    ref = MoE().to(device)
     model = copy.deepcopy(ref)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -349,12 +410,122 @@ def test_expert_stacks_are_read_by_module(extra):
     for t in range(3):
         g = torch.Generator().manual_seed(t)
         for p, q in zip(model.parameters(), ref.parameters()):
-            p.grad = torch.randn(p.shape, generator=g)
+            p.grad = torch.randn(p.shape, generator=g).to(device)
             q.grad = p.grad.clone()
         opt.step()
         ref_opt.step()
-    assert_same(model, opt, ref, ref_opt)
+    assert_same(model, opt, ref, ref_opt, parity(device, precision(extra)))
     assert opt.last_step_stats["ns_flops"] > 0
+
+
+# ---------------------------------------------------------------------------- FSDP2, one rank
+@pytest.fixture
+def one_rank(device, tmp_path):
+    """A one-rank process group in this process (gloo on the CPU, nccl on CUDA; a file store under
+    ``tmp_path``, a 60 s timeout) and its 1-D device mesh; destroyed whatever the test does."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    assert not dist.is_initialized(), "a process group is left over from another test"
+    kw = {"backend": "gloo"}
+    if device.type == "cuda":  # nccl bound to the lane's GPU (eager init: a bad setup fails here)
+        index = torch.cuda.current_device() if device.index is None else device.index
+        torch.cuda.set_device(index)
+        kw = {"backend": "nccl", "device_id": torch.device("cuda", index)}
+    dist.init_process_group(init_method=(tmp_path / "store").as_uri(), world_size=1, rank=0,
+                            timeout=timedelta(seconds=60), **kw)
+    try:
+        yield init_device_mesh(device.type, (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def set_grads(model, step):
+    """Gradients drawn on the CPU from a seeded generator and moved; a sharded parameter gets its
+    shard (at W = 1 every row)."""
+    from torch.distributed.tensor import DTensor
+
+    g = torch.Generator().manual_seed(step)
+    for p in model.parameters():
+        grad = torch.randn(tuple(p.shape), generator=g).to(p.device)
+        p.grad = (DTensor.from_local(grad, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                     stride=p.stride())
+                  if isinstance(p, DTensor) else grad)
+
+
+def sharded_twins(mesh, device, cls=Net):
+    """A model fully_shard-ed on ``mesh`` (each child, then the root) and its plain copy."""
+    torch.manual_seed(0)
+    ref = cls().to(device)
+    return shard(copy.deepcopy(ref), mesh=mesh), ref
+
+
+def single(cls, ref, **kw):
+    """``cls`` (MuonOptimizer, SpectralSphereOptimizer) on ``ref`` with the views the FSDP
+    optimizers read from the model."""
+    return cls(ref.named_parameters(), matrix_view={"conv.weight": "flatten"}, **kw)
+
+
+def steps(pairs, n, start=0):
+    for t in range(start, start + n):
+        for model, opt in pairs:
+            set_grads(model, t)
+            opt.step()
+
+
+def test_fsdp2_one_rank_equals_muon_optimizer(device, one_rank):
+    """FSDP2 on a one-rank group: FSDPMuonOptimizer (NorMuon, fp32 iteration) on the sharded model
+    equals MuonOptimizer on its copy, parameters and state (bit for bit on the CPU, PARITY on CUDA)."""
+    from torch.distributed.tensor import DTensor
+
+    extra = dict(KW, ns_dtype=torch.float32, beta2=0.95)
+    model, ref = sharded_twins(one_rank, device)
+    opt, ref_opt = FSDPMuonOptimizer(model, **extra), single(mf.MuonOptimizer, ref, **extra)
+    assert opt.topology.world_size == 1 and isinstance(model.fc1.weight, DTensor)
+    assert isinstance(opt.state[model.fc1.weight]["momentum_buffer"], DTensor)
+    steps([(model, opt), (ref, ref_opt)], 3)
+    assert_same(model, opt, ref, ref_opt, parity(device, precision(extra)))
+
+
+def test_fsdp2_one_rank_state_dict_round_trip(device, one_rank):
+    """The sharded model's and optimizer's state, gathered to full CPU tensors and through
+    torch.save, loads into a fresh sharded model and optimizer on the device, which continue as
+    the uninterrupted run, bit for bit (the same steps on the same device); both equal MuonOptimizer
+    on the copy."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    model, ref = sharded_twins(one_rank, device)
+    opt, ref_opt = FSDPMuonOptimizer(model, **KW), single(mf.MuonOptimizer, ref, **KW)
+    steps([(model, opt), (ref, ref_opt)], 2)
+    to_cpu, full_sd = StateDictOptions(full_state_dict=True, cpu_offload=True), StateDictOptions(full_state_dict=True)
+    saved = read_on_cpu({"model": get_model_state_dict(model, options=to_cpu),
+                         "optim": get_optimizer_state_dict(model, opt, options=to_cpu)})
+    assert saved["optim"]["state"]["fc1.weight"]["momentum_buffer"].device.type == "cpu"
+    torch.manual_seed(1)  # another init: everything comes from the checkpoint
+    resumed = shard(Net().to(device), mesh=one_rank)
+    ropt = FSDPMuonOptimizer(resumed, **KW)
+    set_model_state_dict(resumed, saved["model"], options=full_sd)
+    set_optimizer_state_dict(resumed, ropt, saved["optim"], options=full_sd)
+    steps([(model, opt), (resumed, ropt), (ref, ref_opt)], 2, start=2)
+    assert_same(resumed, ropt, model, opt)
+    assert_same(resumed, ropt, ref, ref_opt, parity(device))
+
+
+def test_fsdp2_one_rank_sso_equals_spectral_sphere_optimizer(device, one_rank):
+    """FSDPSpectralSphereOptimizer on the sharded model equals SpectralSphereOptimizer on its copy
+    (bit for bit on the CPU, PARITY on CUDA), the λ solver's statistics included."""
+    from muon_fn.fsdp import FSDPSpectralSphereOptimizer
+
+    model, ref = sharded_twins(one_rank, device)
+    opt = FSDPSpectralSphereOptimizer(model, lr=0.02, weight_decay=0.01)
+    ref_opt = single(mf.SpectralSphereOptimizer, ref, lr=0.02, weight_decay=0.01)
+    steps([(model, opt), (ref, ref_opt)], 3)
+    assert_same(model, opt, ref, ref_opt, parity(device, "sso"))
+    assert_match(opt.solver_stats().lam, ref_opt.solver_stats().lam, parity(device, "sso_lambda"), "λ")
 
 
 # ---------------------------------------------------------------------------- ranks agree

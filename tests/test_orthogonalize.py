@@ -24,6 +24,20 @@ Tolerances (all measured on torch 2.13 CPU, then given a ~2-4x margin):
   0.1 for m = 8): its first quintic (8.2, −23.0, 16.5) cancels catastrophically when the normalized
   σ is near 1, which only happens when m is small. That case is not part of the documented
   tolerance.
+
+The device lane (``device`` fixture, tests/conftest.py): the tests that take ``device`` run their
+body on the CPU and, where a GPU is present, on CUDA. Inputs are drawn on the CPU and moved, so
+every device sees the same values; references stay on the CPU in float64 and results are compared
+after ``.cpu()``. On the CPU every tolerance above holds as written. ``TOL`` lists those that differ
+on CUDA, where fp32 GEMMs and the fp32 Frobenius norm reduce in another order (TF32 stays off,
+torch's default for matmul) and the first iterations amplify that rounding near σ = 0 (slope ≈ 3.4
+per quintic step, ≈ 8 for Polar Express's first): 5x the CPU bound. The CPU bounds have a margin of
+only 1.5-4x over the CPU's own maxima (measured: transpose 1.6e-6, batched 8e-6, scale 1.2e-5,
+float64 compute 5e-6, scalar polynomial 1e-5), and a one-ulp change of the fp32 norm alone moves
+the results by up to 1.2e-5 (fp32 compute) and 1.4e-5 (scalar polynomial). Float64 inputs, the
+bands (σ, exact mode, bf16 against fp32 in norm), the bitwise checks between two calls on one
+device and exact zeros are the same on every device: bf16 is checked by bands only, never
+elementwise (two faithful bf16 implementations differ by 2-4e-3).
 """
 
 from __future__ import annotations
@@ -41,7 +55,19 @@ import muon_fn
 from muon_fn import _newton_schulz as orth
 from muon_fn._newton_schulz import coefficient_schedule, newton_schulz
 
+from conftest import lane_examples
+
 METHODS4 = ("polar_express", "quintic", "you", "cubic")
+
+# Max-abs tolerances that differ by device (module docstring). "fp32": one matrix iterated in fp32
+# along two layouts (transposed, batched); "fp64_of_fp32": an fp32 input iterated in float64 (its
+# fp32 norm's rounding, amplified) against the float64 reference, "transpose64" of both layouts;
+# "scale": f(cX, eps) against f(X, eps/c) in fp32.
+TOL = {
+    "cpu": {"fp32": 2e-5, "fp64_of_fp32": 2e-5, "transpose64": 1e-5, "scale": 5e-5},
+    "cuda": {"fp32": 1e-4, "fp64_of_fp32": 1e-4, "transpose64": 5e-5, "scale": 2.5e-4},
+}
+
 
 # --------------------------------------------------------------------------------------------
 # Independent reference: coefficients typed in from docs/algorithms.md §2 and the papers it cites.
@@ -110,12 +136,12 @@ def scalar_map(s, triples):
 
 
 def svdvals(x):
-    return torch.linalg.svdvals(x.double())
+    return torch.linalg.svdvals(x.double().cpu())
 
 
 def orth_error(o):
     """‖OOᵀ − I‖_F / √m on the wide orientation, m = min(shape)."""
-    o = o.double()
+    o = o.double().cpu()
     if o.shape[-2] > o.shape[-1]:
         o = o.mT
     m = o.shape[-2]
@@ -165,46 +191,51 @@ methods = pytest.mark.parametrize("method", METHODS4)
 
 @methods
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@lane_examples
 @given(x=gaussian())
-def test_shape_and_dtype_preserved(method, dtype, x):
-    x = x.to(dtype)
+def test_shape_and_dtype_preserved(device, method, dtype, x):
+    x = x.to(device, dtype)
     out = newton_schulz(x, method, 5)
-    assert out.shape == x.shape and out.dtype == dtype
+    assert out.shape == x.shape and out.dtype == dtype and out.device == x.device
     assert torch.isfinite(out).all()
     # A lower compute dtype still returns the input's dtype.
     out = newton_schulz(x, method, 5, dtype=torch.bfloat16)
     assert out.shape == x.shape and out.dtype == dtype
 
 
-def test_float64_input_supported():
+def test_float64_input_supported(device):
     # Regression: at 235b064 float64 input raised RuntimeError in linalg.vector_norm(dtype=float32).
     x = synth(6, 9, 3.0, 0, torch.float64)
-    out = newton_schulz(x, "quintic", 5)
+    out = newton_schulz(x.to(device), "quintic", 5)
     assert out.dtype == torch.float64
-    torch.testing.assert_close(out, ref_method(x, "quintic", 5), atol=1e-10, rtol=0)
+    torch.testing.assert_close(out.cpu(), ref_method(x, "quintic", 5), atol=1e-10, rtol=0)
 
 
 @methods
+@lane_examples
 @given(x=gaussian())
-def test_transpose_equivariance(method, x):
+def test_transpose_equivariance(device, method, x):
+    x, tol = x.to(device), TOL[device.type]
     out = newton_schulz(x, method, 5, dtype=torch.float32)
     out_t = newton_schulz(x.mT, method, 5, dtype=torch.float32)
-    torch.testing.assert_close(out_t, out.mT, atol=2e-5, rtol=0)
+    torch.testing.assert_close(out_t, out.mT, atol=tol["fp32"], rtol=0)
     # Same in float64 compute: only the fp32 Frobenius norm (summed in another order for the
     # transposed layout) differs, amplified by the composed polynomial's slope.
     out = newton_schulz(x, method, 5, dtype=torch.float64)
     out_t = newton_schulz(x.mT.contiguous(), method, 5, dtype=torch.float64)
-    torch.testing.assert_close(out_t, out.mT, atol=1e-5, rtol=0)
+    torch.testing.assert_close(out_t, out.mT, atol=tol["transpose64"], rtol=0)
 
 
 @methods
+@lane_examples
 @given(x=well_conditioned(), c=st.floats(1e-3, 1e3), eps=st.sampled_from([1e-7, 1e-4]))
-def test_scale_invariance(method, x, c, eps):
+def test_scale_invariance(device, method, x, c, eps):
+    x = x.to(device)
     # The exact identity behind scale invariance: (cX)/max(‖cX‖, eps) = X/max(‖X‖, eps/c).
     torch.testing.assert_close(
         newton_schulz(c * x, method, 5, eps=eps, dtype=torch.float32),
         newton_schulz(x, method, 5, eps=eps / c, dtype=torch.float32),
-        atol=5e-5,
+        atol=TOL[device.type]["scale"],
         rtol=0,
     )
     # With the default eps, f(cX) ≈ f(X) for c in [1e-3, 1e3] (‖X‖_F ≥ 1 here).
@@ -217,11 +248,13 @@ def test_scale_invariance(method, x, c, eps):
 
 
 @methods
+@lane_examples
 @given(
     x=st.one_of(gaussian(batch=(3,)), gaussian(batch=(2, 2)), gaussian(batch=(1,))),
     zero_one=st.booleans(),
 )
-def test_batched_equals_per_matrix(method, x, zero_one):
+def test_batched_equals_per_matrix(device, method, x, zero_one):
+    x = x.to(device)
     if zero_one:  # a zero matrix in the batch must not contaminate its neighbours
         x = x.clone()
         x.view(-1, *x.shape[-2:])[0] = 0
@@ -229,19 +262,21 @@ def test_batched_equals_per_matrix(method, x, zero_one):
     assert out.shape == x.shape
     flat_x, flat_out = x.reshape(-1, *x.shape[-2:]), out.reshape(-1, *x.shape[-2:])
     for xi, oi in zip(flat_x, flat_out):
-        torch.testing.assert_close(oi, newton_schulz(xi, method, 5, dtype=torch.float32), atol=2e-5, rtol=0)
+        torch.testing.assert_close(oi, newton_schulz(xi, method, 5, dtype=torch.float32), atol=TOL[device.type]["fp32"],
+                                   rtol=0)
     if zero_one:
         assert torch.equal(flat_out[0], torch.zeros_like(flat_out[0]))
 
 
 @methods
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@lane_examples
 @given(m=st.integers(1, 40), n=st.integers(1, 40), steps=st.integers(1, 12))
-def test_zero_maps_to_zero(method, dtype, m, n, steps):
-    out = newton_schulz(torch.zeros(m, n, dtype=dtype), method, steps)
-    assert torch.equal(out, torch.zeros(m, n, dtype=dtype))  # also rules out NaN
-    out = newton_schulz(torch.zeros(m, n), method, steps, dtype=dtype)
-    assert torch.equal(out, torch.zeros(m, n))
+def test_zero_maps_to_zero(device, method, dtype, m, n, steps):
+    out = newton_schulz(torch.zeros(m, n, dtype=dtype, device=device), method, steps)
+    assert torch.equal(out, torch.zeros(m, n, dtype=dtype, device=device))  # also rules out NaN
+    out = newton_schulz(torch.zeros(m, n, device=device), method, steps, dtype=dtype)
+    assert torch.equal(out, torch.zeros(m, n, device=device))
 
 
 # --------------------------------------------------------------------------------------------
@@ -256,60 +291,70 @@ BANDS_5 = {  # notes §4, see module docstring
 
 
 @methods
+@lane_examples
 @given(x=well_conditioned())
-def test_singular_values_in_band_after_5_steps(method, x):
+def test_singular_values_in_band_after_5_steps(device, method, x):
     s_in = svdvals(x)
     normalized = s_in / torch.linalg.vector_norm(s_in)
     if method == "cubic":  # cubic's 5-step band is documented for normalized σ ≥ 0.0424 only
         assume(normalized.min() >= 0.0424)
-    s = svdvals(newton_schulz(x, method, 5, dtype=torch.float32))
+    s = svdvals(newton_schulz(x.to(device), method, 5, dtype=torch.float32))
     lo, hi = BANDS_5[method]
     assert lo <= s.min() and s.max() <= hi, (s.min().item(), s.max().item())
 
 
 @methods
+@lane_examples
 @given(x=well_conditioned(max_kappa=20.0), steps=st.integers(1, 10))
-def test_singular_values_follow_the_scalar_polynomial(method, x, steps):
+def test_singular_values_follow_the_scalar_polynomial(device, method, x, steps):
     """σ(f(X)) = p_k∘…∘p_1(σ(X)/(s‖X‖_F+eps)) with the notes' coefficients (an SVD reference)."""
     triples, rule, factor = REF[method]
     s_in = svdvals(x)
     expected = scalar_map(s_in / (factor * torch.linalg.vector_norm(s_in) + 1e-7), ref_schedule(triples, rule, steps))
-    got = svdvals(newton_schulz(x, method, steps, dtype=torch.float64))
-    torch.testing.assert_close(got, expected.abs().sort(descending=True).values, atol=2e-5, rtol=0)
+    got = svdvals(newton_schulz(x.to(device), method, steps, dtype=torch.float64))
+    torch.testing.assert_close(got, expected.abs().sort(descending=True).values, atol=TOL[device.type]["fp64_of_fp32"],
+                               rtol=0)
 
 
 @methods
+@lane_examples
 @given(x=gaussian(), steps=st.integers(1, 12))
-def test_matches_float64_reference_iteration(method, x, steps):
-    expected = ref_method(x, method, steps)
-    torch.testing.assert_close(newton_schulz(x, method, steps, dtype=torch.float64).double(), expected, atol=2e-5, rtol=0)
+def test_matches_float64_reference_iteration(device, method, x, steps):
+    expected, xd = ref_method(x, method, steps), x.to(device)
+    torch.testing.assert_close(newton_schulz(xd, method, steps, dtype=torch.float64).double().cpu(), expected,
+                               atol=TOL[device.type]["fp64_of_fp32"], rtol=0)
     if method != "polar_express" or steps > 1:
         # fp32 compute: rounding amplified by the composed polynomial (largest for PE's first step).
-        torch.testing.assert_close(newton_schulz(x, method, steps, dtype=torch.float32).double(), expected, atol=2e-3, rtol=0)
+        torch.testing.assert_close(newton_schulz(xd, method, steps, dtype=torch.float32).double().cpu(), expected,
+                                   atol=2e-3, rtol=0)
 
 
 @pytest.mark.parametrize(("method", "min_steps"), [("polar_express", 8), ("cubic", 20)])
+@lane_examples
 @given(x=well_conditioned(), extra=st.integers(0, 4))
-def test_exact_mode_fp32(method, min_steps, x, extra):
-    out = newton_schulz(x, method, min_steps + extra, dtype=torch.float32)
+def test_exact_mode_fp32(device, method, min_steps, x, extra):
+    out = newton_schulz(x.to(device), method, min_steps + extra, dtype=torch.float32)
     assert orth_error(out) < 1e-3
     # ... and it is the polar factor U Vᵀ of the input.
     u, _, vh = torch.linalg.svd(x.double(), full_matrices=False)
-    torch.testing.assert_close(out.double(), u @ vh, atol=1e-3, rtol=0)
+    torch.testing.assert_close(out.double().cpu(), u @ vh, atol=1e-3, rtol=0)
 
 
 @pytest.mark.parametrize(("method", "steps"), [("polar_express", 8), ("cubic", 20)])
+@lane_examples
 @given(x=well_conditioned(min_dim=8))
-def test_exact_mode_bf16(method, steps, x):
-    assert orth_error(newton_schulz(x, method, steps, dtype=torch.bfloat16)) < 0.02
+def test_exact_mode_bf16(device, method, steps, x):
+    assert orth_error(newton_schulz(x.to(device), method, steps, dtype=torch.bfloat16)) < 0.02
 
 
 BF16_TOL = {"polar_express": 0.08, "quintic": 0.06, "you": 0.03, "cubic": 0.012}
 
 
 @methods
+@lane_examples
 @given(x=well_conditioned(min_dim=16))
-def test_bf16_close_to_fp32(method, x):
+def test_bf16_close_to_fp32(device, method, x):
+    x = x.to(device)
     o32 = newton_schulz(x, method, 5, dtype=torch.float32)
     o16 = newton_schulz(x, method, 5, dtype=torch.bfloat16)
     rel = (torch.linalg.matrix_norm(o16 - o32) / torch.linalg.matrix_norm(o32)).item()
@@ -327,16 +372,17 @@ def test_bf16_close_to_fp32(method, x):
 
 
 @methods
+@lane_examples
 @given(x=gaussian(), steps=st.integers(1, 8), eta=st.floats(0.05, 1.0))
-def test_stepsize_damping_matches_formula(method, x, steps, eta):
+def test_stepsize_damping_matches_formula(device, method, x, steps, eta):
     """η damps each iteration: X ← X + η(p(X) − X), checked against the textbook iteration."""
     expected = ref_method(x, method, steps, stepsize=eta)
-    got = newton_schulz(x, method, steps, stepsize=eta, dtype=torch.float64).double()
-    torch.testing.assert_close(got, expected, atol=2e-5, rtol=0)
+    got = newton_schulz(x.to(device), method, steps, stepsize=eta, dtype=torch.float64).double().cpu()
+    torch.testing.assert_close(got, expected, atol=TOL[device.type]["fp64_of_fp32"], rtol=0)
 
 
-def test_stepsize_one_is_the_plain_iteration():
-    x = synth(7, 12, 3.0, 1)
+def test_stepsize_one_is_the_plain_iteration(device):
+    x = synth(7, 12, 3.0, 1).to(device)
     assert torch.equal(newton_schulz(x, "quintic", 5, stepsize=1.0), newton_schulz(x, "quintic", 5))
     assert not torch.allclose(newton_schulz(x, "quintic", 5, stepsize=0.5), newton_schulz(x, "quintic", 5))
 
@@ -365,6 +411,7 @@ def test_method_schedules_match_notes(steps):
     assert pe[7] == pe[8] == pe[10] == (1.875, -1.25, 0.375)
 
 
+@lane_examples
 @given(
     triples=st.lists(
         st.tuples(st.floats(1.0, 4.0), st.floats(-5.0, -0.5), st.floats(0.0, 2.5)), min_size=1, max_size=4
@@ -373,7 +420,7 @@ def test_method_schedules_match_notes(steps):
     method=st.sampled_from(METHODS4),
     x=gaussian(max_dim=24),
 )
-def test_custom_coefficients_repeat_last(triples, steps, method, x):
+def test_custom_coefficients_repeat_last(device, triples, steps, method, x):
     """A custom schedule overrides the method's, repeats its last triple, and uses plain X/(‖X‖_F+eps)."""
     sched = coefficient_schedule(method, steps, coefficients=triples)
     assert list(sched) == [tuple(map(float, triples[min(i, len(triples) - 1)])) for i in range(steps)]
@@ -383,12 +430,12 @@ def test_custom_coefficients_repeat_last(triples, steps, method, x):
     # Arbitrary triples can be expansive (|p'(1)| up to ~7 per step), so the fp32 Frobenius norm's
     # relative error (≤ ~1e-6) is amplified: allow what a 1e-6 change of the norm explains.
     sensitivity = (ref_ns(x, sched, norm_factor=1 + 1e-6) - expected).abs().max().item()
-    got = newton_schulz(x, method, steps, coefficients=triples, dtype=torch.float64).double()
+    got = newton_schulz(x.to(device), method, steps, coefficients=triples, dtype=torch.float64).double().cpu()
     torch.testing.assert_close(got, expected, atol=1e-5 * max(1.0, expected.abs().max().item()) + 4 * sensitivity, rtol=1e-5)
 
 
-def test_custom_coefficients_accept_lists_and_tensors_rows():
-    x = synth(5, 9, 2.0, 3)
+def test_custom_coefficients_accept_lists_and_tensors_rows(device):
+    x = synth(5, 9, 2.0, 3).to(device)
     a = newton_schulz(x, coefficients=[[3.4445, -4.7750, 2.0315]], steps=5)
     b = newton_schulz(x, "quintic", 5)
     torch.testing.assert_close(a, b, atol=0, rtol=0)
@@ -431,37 +478,38 @@ def test_cpu_has_bf16_gemm_reads_the_cpu_flags(monkeypatch):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_zeropower_via_newtonschulz5_band(seed):
+def test_zeropower_via_newtonschulz5_band(device, seed):
     torch.manual_seed(seed)
-    out = muon_fn.zeropower_via_newtonschulz5(torch.randn(50, 100))
+    out = muon_fn.zeropower_via_newtonschulz5(torch.randn(50, 100).to(device))
     assert out.shape == (50, 100) and out.dtype == torch.float32
     s = svdvals(out)
     assert 0.6 <= s.min() and s.max() <= 1.2, (s.min().item(), s.max().item())
 
 
-def test_zeropower_is_keller_quintic_in_bf16():
+def test_zeropower_is_keller_quintic_in_bf16(device):
     torch.manual_seed(0)
     G = torch.randn(50, 100)
     expected = ref_method(G, "quintic", 5)
+    G = G.to(device)
     out = muon_fn.zeropower_via_newtonschulz5(G)
     assert torch.isfinite(out).all()
-    assert (torch.linalg.matrix_norm(out.double() - expected) / math.sqrt(50)).item() < 0.02  # bf16 rounding
+    assert (torch.linalg.matrix_norm(out.double().cpu() - expected) / math.sqrt(50)).item() < 0.02  # bf16 rounding
     torch.testing.assert_close(out, newton_schulz(G, "quintic", 5, dtype=torch.bfloat16), atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("shape", [(50, 100), (100, 50)])
-def test_polar_express_8_steps_fp32_orthogonal(shape):
+def test_polar_express_8_steps_fp32_orthogonal(device, shape):
     torch.manual_seed(0)
-    G = torch.randn(*shape)
+    G = torch.randn(*shape).to(device)
     O = muon_fn.polar_express(G, steps=8)
     assert O.dtype == torch.float32
-    o = O.double() if shape[0] <= shape[1] else O.double().T
+    o = O.double().cpu() if shape[0] <= shape[1] else O.double().cpu().T
     assert torch.linalg.matrix_norm(o @ o.T - torch.eye(o.shape[0], dtype=torch.float64)) < 0.1
     assert orth_error(O) < 1e-3
 
 
 @pytest.mark.parametrize("shape", [(50, 100), (100, 50)])
-def test_notes_section_4_five_step_numbers(shape):
+def test_notes_section_4_five_step_numbers(device, shape):
     """notes §4 (b): 5-step σ bands and RMS distance to UVᵀ on Gaussian 50×100."""
     torch.manual_seed(0)
     G = torch.randn(*shape)
@@ -472,10 +520,10 @@ def test_notes_section_4_five_step_numbers(shape):
         ("polar_express", (0.8, 1.2), 0.11),
         ("you", (0.95, 1.05), 0.03),
     ]:
-        O = newton_schulz(G, method, 5, dtype=torch.float32)
+        O = newton_schulz(G.to(device), method, 5, dtype=torch.float32)
         s = svdvals(O)
         assert lo <= s.min() and s.max() <= hi, method
-        assert (torch.linalg.matrix_norm(O.double() - polar) / math.sqrt(50)).item() < rms_max, method
+        assert (torch.linalg.matrix_norm(O.double().cpu() - polar) / math.sqrt(50)).item() < rms_max, method
         # And 5 steps are *not* exact (the reason exact mode exists).
         assert orth_error(O) > 1e-2, method
 
@@ -710,14 +758,14 @@ def test_blockwise_products_leave_torch_func_working(method):
     assert bool(torch.isfinite(g).all())
 
 
-def test_folding_c0_into_the_diagonal_is_the_same_iteration():
+def test_folding_c0_into_the_diagonal_is_the_same_iteration(device):
     """``Schedule.fold_from``: from that iteration on ``X ← (c₀I + P)X`` instead of ``c₀X + PX``
     (no m×n bias pass); the same map, so equal in fp64 to rounding. Only aol9's own schedule
     folds, from its second step (the first one rounds coarser that way, see ``_FOLD_FROM``)."""
     from muon_fn import _newton_schulz as O
 
     base = O.coefficient_schedule("aol9", 6)  # three quintics, the degree-9 step, two more quintics
-    x = torch.randn(40, 70, dtype=torch.float64, generator=torch.Generator().manual_seed(11))
+    x = torch.randn(40, 70, dtype=torch.float64, generator=torch.Generator().manual_seed(11)).to(device)
     unfolded, *folded = (O.orthogonalize_matrices(x, O.Schedule(base, precondition="aol", fold_from=f),
                                                   dtype=torch.float64, eps=1e-7) for f in (None, 0, 1, 5))
     for y in folded:

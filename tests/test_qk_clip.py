@@ -5,6 +5,13 @@ The guarantee checked: after a step, the logits each attention layer produces *f
 saw in that step's forward* are at most τ (up to fp32 rounding of √γ·√γ, a relative 1e-6); a head
 whose max logit was at most τ keeps its W_q and W_k rows bit for bit (they equal the rows of the
 same step without QK-Clip).
+
+Tests taking ``device`` run on each device of the lane (tests/conftest.py): models on the device,
+inputs drawn on the CPU from seeded generators and moved. Tolerances per device in ``TOL``: the
+CPU's are the suite's; on CUDA the logits checked are recomputed by GEMMs that reduce in another
+order than the ones the step saw (TF32 stays off, torch's default) and ``torch.where``/``sqrt`` run
+as GPU kernels: ten times the CPU's relative rounding. What is bit for bit (rows left alone, rows
+scaled by a factor computed the same way on the same device) stays bit for bit.
 """
 
 from __future__ import annotations
@@ -32,24 +39,36 @@ from hypothesis import strategies as st
 import muon_fn as mf
 from muon_fn._train.model import GPT, GPTConfig
 
+from conftest import lane_examples
+
 ROOT = Path(__file__).resolve().parents[1]
-ROUNDING = 1e-6  # relative: (√γ)² is γ to fp32 rounding
+TOL = {
+    # rounding: relative, (√γ)² is γ to fp32 rounding; logits: written out against the function's
+    "cpu": {"rounding": 1e-6, "logits": dict(rtol=1e-6, atol=1e-6)},
+    "cuda": {"rounding": 1e-5, "logits": dict(rtol=1e-5, atol=1e-5)},
+}
+
+
+def rounding(device: torch.device) -> float:
+    return TOL[device.type]["rounding"]
 
 
 # ---------------------------------------------------------------------------- the math
+@lane_examples
 @given(s=st.lists(st.floats(-1e4, 1e4, width=32), min_size=1, max_size=8),
        tau=st.floats(1e-2, 1e3), group=st.sampled_from([1, 2, 4]))
-def test_factors(s, tau, group):
+def test_factors(device, s, tau, group):
     """γ = min(1, τ/S) per query head; a key head takes its group's smallest γ; heads at or
     below τ get exactly 1 and are not marked."""
     n_kv = len(s)
-    S = torch.tensor(s).repeat_interleave(group)  # n_head = n_kv · group
+    S = torch.tensor(s).repeat_interleave(group).to(device)  # n_head = n_kv · group
     f = mf.qk_clip_factors(S, tau, n_kv if group > 1 else None)
-    assert torch.equal(f.q_clipped, S > tau)
-    assert torch.equal(f.q[~f.q_clipped], torch.ones(int((~f.q_clipped).sum())))
+    assert f.q.device == S.device and torch.equal(f.q_clipped, S > tau)
+    assert torch.equal(f.q[~f.q_clipped], torch.ones(int((~f.q_clipped).sum()), device=device))
     clipped = S[f.q_clipped]
     scaled = clipped * f.q[f.q_clipped] ** 2
-    assert (scaled <= tau * (1 + ROUNDING)).all() and (scaled >= tau * (1 - ROUNDING)).all()
+    r = rounding(device)
+    assert (scaled <= tau * (1 + r)).all() and (scaled >= tau * (1 - r)).all()
     assert torch.equal(f.k, f.q.reshape(n_kv, group).amin(1))
     assert torch.equal(f.k_clipped, f.q_clipped.reshape(n_kv, group).any(1))
 
@@ -62,16 +81,17 @@ def _rows_reference(w, first, d, factor, clipped):
     return out
 
 
+@lane_examples
 @given(n=st.integers(1, 5), d=st.integers(1, 4), first=st.integers(0, 6), extra=st.integers(0, 5),
        cuts=st.lists(st.integers(0, 40), max_size=3), seed=st.integers(0, 2**16))
-def test_scale_head_rows_by_shards(n, d, first, extra, cuts, seed):
+def test_scale_head_rows_by_shards(device, n, d, first, extra, cuts, seed):
     """Each head's rows scaled by its factor where clipped, the rest untouched; shards scaled from
     their global offset and concatenated equal the whole weight scaled (bit for bit)."""
     g = torch.Generator().manual_seed(seed)
     rows = first + n * d + extra
-    w = torch.randn(rows, 3, generator=g)
-    factor = torch.rand(n, generator=g)
-    clipped = torch.rand(n, generator=g) > 0.5
+    w = torch.randn(rows, 3, generator=g).to(device)
+    factor = torch.rand(n, generator=g).to(device)
+    clipped = (torch.rand(n, generator=g) > 0.5).to(device)
     whole = mf.scale_head_rows(w, 0, first, d, factor, clipped)
     assert torch.equal(whole, _rows_reference(w, first, d, factor, clipped))
     bounds = sorted({0, rows, *(min(c, rows) for c in cuts)})
@@ -80,9 +100,9 @@ def test_scale_head_rows_by_shards(n, d, first, extra, cuts, seed):
 
 
 @pytest.mark.parametrize("n_head, n_kv, causal", [(4, 4, True), (4, 4, False), (6, 2, True), (4, 1, False)])
-def test_max_attention_logits(n_head, n_kv, causal, monkeypatch):
-    """Against the logits written out (grouped heads as scaled_dot_product_attention(enable_gqa)),
-    in several query blocks too."""
+def test_max_attention_logits(device, n_head, n_kv, causal, monkeypatch):
+    """Against the logits written out on the CPU (grouped heads as
+    scaled_dot_product_attention(enable_gqa)), in several query blocks too."""
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, n_head, 7, 5, generator=g)
     k = torch.randn(2, n_kv, 7, 5, generator=g)
@@ -91,13 +111,14 @@ def test_max_attention_logits(n_head, n_kv, causal, monkeypatch):
     if causal:
         logits = logits.masked_fill(torch.ones(7, 7, dtype=torch.bool).triu(1), -math.inf)
     expected = logits.amax(dim=(0, 2, 3))
-    torch.testing.assert_close(mf.max_attention_logits(q, k, causal=causal), expected, rtol=1e-6, atol=1e-6)
+    q, k, kw = q.to(device), k.to(device), TOL[device.type]["logits"]
+    torch.testing.assert_close(mf.max_attention_logits(q, k, causal=causal).cpu(), expected, **kw)
     monkeypatch.setattr("muon_fn._qk_clip._CHUNK_ELEMENTS", 2 * n_head * 7 * 2)  # blocks of 2 queries
-    torch.testing.assert_close(mf.max_attention_logits(q, k, causal=causal), expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(mf.max_attention_logits(q, k, causal=causal).cpu(), expected, **kw)
 
 
 # ---------------------------------------------------------------------------- models
-def forced_gpt(n_layer=2, seed=0):
+def forced_gpt(n_layer=2, seed=0, device="cpu"):
     """A small demo GPT whose heads 0 and 2 have logits far above the others (W_q rows × 100)."""
     torch.manual_seed(seed)
     model = GPT(GPTConfig(n_layer=n_layer, n_head=4, n_embd=32, block_size=16))
@@ -105,7 +126,7 @@ def forced_gpt(n_layer=2, seed=0):
         for block in model.blocks:
             block.attn.q.weight.mul_(torch.tensor([100.0, 1.0, 100.0, 1.0]).repeat_interleave(8)[:, None])
             block.attn.k.weight.mul_(10.0)
-    return model
+    return model.to(device)
 
 
 class FusedGQA(nn.Module):
@@ -167,32 +188,37 @@ TAU = 5.0
 
 # ---------------------------------------------------------------------------- the optimizers
 @pytest.mark.parametrize("build", ["hybrid", "muon_optimizer"])
-def test_logits_bounded_and_small_heads_untouched(build):
+def test_logits_bounded_and_small_heads_untouched(device, build):
     """A real step (lr 0.02): every layer's logits from its step inputs are ≤ τ afterwards with
     lr = 0, and with lr > 0 each head's W_q/W_k rows equal the step without QK-Clip — scaled by
     exactly √γ for clipped heads, bit for bit for the others."""
     def make(lr, clip):
-        model = forced_gpt()
+        model = forced_gpt(device=device)
         kw = {"qk_clip": mf.QKClip(model, TAU)} if clip else {}
         if build == "hybrid":
             return model, mf.create_hybrid_optimizer(model, muon_lr=lr, adamw_lr=lr / 10, compile=False, **kw)
         return model, mf.MuonOptimizer(model.parameters(), lr=lr, adamw_lr=lr / 10, compile=False, **kw)
 
+    tokens = TOKENS.to(device)
     model, opt = make(0.0, True)
     seen, handles = attention_inputs(model)
-    step_once(model, opt, TOKENS)
+    step_once(model, opt, tokens)
     for h in handles:
         h.remove()
     S = opt.qk_clip.last_max_logits
     assert all((s[[0, 2]] > 2 * TAU).all() and (s[[1, 3]] < TAU).all() for s in S)  # the forcing works
     for after in gpt_logits(model, seen):
-        assert (after <= TAU * (1 + ROUNDING)).all(), after
-    assert all(torch.equal(m.max_logits, torch.full((4,), -math.inf)) for m in model.modules()
+        assert (after <= TAU * (1 + rounding(device))).all(), after
+    assert all(torch.equal(m.max_logits, torch.full((4,), -math.inf, device=device)) for m in model.modules()
                if hasattr(m, "qk_clip_heads"))  # reset for the next step
 
     (clipped_model, clipped_opt), (plain_model, plain_opt) = make(0.02, True), make(0.02, False)
-    for m, o in ((clipped_model, clipped_opt), (plain_model, plain_opt)):
-        step_once(m, o, TOKENS)
+    _, loss = clipped_model(tokens, tokens)
+    loss.backward()  # one backward for both: on GPUs attention's backward may sum in any order
+    for a, b in zip(clipped_model.parameters(), plain_model.parameters()):
+        b.grad = a.grad.clone()
+    clipped_opt.step()
+    plain_opt.step()
     for (name, a), (_, b) in zip(clipped_model.named_parameters(), plain_model.named_parameters()):
         if not name.endswith(("attn.q.weight", "attn.k.weight")):
             assert torch.equal(a, b), name
@@ -205,27 +231,29 @@ def test_logits_bounded_and_small_heads_untouched(build):
             assert torch.equal(a[rows], expected), (name, h)
 
 
-def test_fresh_forward_bounded_one_layer():
+def test_fresh_forward_bounded_one_layer(device):
     """A one-layer model with lr = 0: a fresh forward after the step has every head's max logit ≤ τ."""
-    model = forced_gpt(n_layer=1)
+    model, tokens = forced_gpt(n_layer=1, device=device), TOKENS.to(device)
     opt = mf.create_hybrid_optimizer(model, muon_lr=0.0, adamw_lr=0.0, qk_clip=mf.QKClip(model, TAU), compile=False)
-    step_once(model, opt, TOKENS)
+    step_once(model, opt, tokens)
     assert (opt.qk_clip.max_logit() > 5 * TAU).item()
-    model(TOKENS)
+    model(tokens)
     fresh = model.blocks[0].attn.max_logits
-    assert (fresh <= TAU * (1 + ROUNDING)).all() and (fresh.max() >= TAU * (1 - 1e-5)).item(), fresh
+    assert fresh.device.type == device.type
+    assert (fresh <= TAU * (1 + rounding(device))).all() and (fresh.max() >= TAU * (1 - 1e-5)).item(), fresh
 
 
-def test_fused_qkv_grouped_query():
+def test_fused_qkv_grouped_query(device):
     """Fused [Q; K; V] with 6 query heads over 2 key heads: logits ≤ τ after the step (lr = 0);
     unclipped query heads, key heads of unclipped groups and every V row unchanged bit for bit."""
     torch.manual_seed(0)
     attn = FusedGQA()
     with torch.no_grad():  # query head 1 (group 0) far above τ; group 1 below
         attn.qkv.weight[4:8].mul_(40.0)
+    attn.to(device)
     clip = mf.QKClip(attn, TAU)
     opt = mf.MuonOptimizer(attn.parameters(), lr=0.0, qk_clip=clip, compile=False)
-    x = torch.randn(3, 9, 24, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(3, 9, 24, generator=torch.Generator().manual_seed(2)).to(device)
     before = attn.qkv.weight.detach().clone()
     attn(x).square().mean().backward()
     opt.step()
@@ -234,7 +262,7 @@ def test_fused_qkv_grouped_query():
     with torch.no_grad():
         q, k, _ = attn.split(x)
     after = mf.max_attention_logits(q, k, causal=True)
-    assert (after <= TAU * (1 + ROUNDING)).all(), after
+    assert (after <= TAU * (1 + rounding(device))).all(), after
     w = attn.qkv.weight.detach()
     unchanged = list(range(0, 4)) + list(range(8, 24)) + list(range(28, 32)) + list(range(32, 40))
     assert torch.equal(w[unchanged], before[unchanged])  # q heads 0, 2..5, k head 1, all of V
@@ -242,25 +270,25 @@ def test_fused_qkv_grouped_query():
     assert torch.equal(w[4:8], before[4:8] * f.q[1]) and torch.equal(w[24:28], before[24:28] * f.k[0])
 
 
-def test_accumulation_and_skipped_steps():
+def test_accumulation_and_skipped_steps(device):
     """Micro-steps only record (the max over the micro-batches is used at the applied step); a
     step skipped for a non-finite gradient scales nothing and starts a fresh record."""
-    model = forced_gpt(n_layer=1)
+    model, tokens = forced_gpt(n_layer=1, device=device), TOKENS.to(device)
     opt = mf.create_hybrid_optimizer(model, muon_lr=0.0, adamw_lr=0.0, qk_clip=mf.QKClip(model, TAU),
                                      gradient_accumulation_steps=2, compile=False)
     attn = model.blocks[0].attn
     q0 = attn.q.weight.detach().clone()
-    step_once(model, opt, TOKENS[:2])
+    step_once(model, opt, tokens[:2])
     first = attn.max_logits.clone()
     assert torch.equal(attn.q.weight, q0) and (first > -math.inf).all()  # micro-step: recorded only
-    step_once(model, opt, TOKENS[2:])
+    step_once(model, opt, tokens[2:])
     assert torch.equal(opt.qk_clip.last_max_logits[0], torch.maximum(first, opt.qk_clip.last_max_logits[0]))
     assert not torch.equal(attn.q.weight, q0)
 
-    model = forced_gpt(n_layer=1)
+    model = forced_gpt(n_layer=1, device=device)
     opt = mf.create_hybrid_optimizer(model, muon_lr=0.0, adamw_lr=0.0, qk_clip=mf.QKClip(model, TAU), compile=False)
     q0 = model.blocks[0].attn.q.weight.detach().clone()
-    _, loss = model(TOKENS, TOKENS)
+    _, loss = model(tokens, tokens)
     loss.backward()
     model.lm_head.weight.grad[0, 0] = float("nan")
     opt.step()
@@ -277,15 +305,15 @@ def _host_reads(fn):
 
 @pytest.mark.parametrize("compile, hybrid", [(False, True), ({"backend": "eager"}, False)],
                          ids=["eager-hybrid", "compiled-muon"])
-def test_step_reads_nothing_back(compile, hybrid):
+def test_step_reads_nothing_back(device, compile, hybrid):
     """No .item()/float()/bool() of a device tensor in a step with qk_clip on (the profiler counter
     of tests/test_compile.py), eager and compiled."""
-    model = forced_gpt(n_layer=1)
+    model, tokens = forced_gpt(n_layer=1, device=device), TOKENS.to(device)
     clip = mf.QKClip(model, TAU)
     opt = (mf.create_hybrid_optimizer(model, qk_clip=clip, compile=compile) if hybrid
            else mf.MuonOptimizer(model.parameters(), qk_clip=clip, compile=compile))
-    step_once(model, opt, TOKENS)  # compiles
-    _, loss = model(TOKENS, TOKENS)
+    step_once(model, opt, tokens)  # compiles
+    _, loss = model(tokens, tokens)
     loss.backward()
     w = model.blocks[0].attn.q.weight.detach().clone()
     assert _host_reads(opt.step) == 0
@@ -293,14 +321,16 @@ def test_step_reads_nothing_back(compile, hybrid):
 
 
 @pytest.mark.inductor
-def test_inductor_default(compiled_default, monkeypatch):
+def test_inductor_default(device, compiled_default, monkeypatch):
     """The real compiled default: no host read with qk_clip on, and the same parameters as the
     eager step (the clip runs eagerly after the compiled update; lr = 0 makes the update exact)."""
+    tokens = TOKENS.to(device)
+
     def run():
-        model = forced_gpt(n_layer=1)
+        model = forced_gpt(n_layer=1, device=device)
         opt = mf.create_hybrid_optimizer(model, muon_lr=0.0, adamw_lr=0.0, qk_clip=mf.QKClip(model, TAU))
-        step_once(model, opt, TOKENS)
-        _, loss = model(TOKENS, TOKENS)
+        step_once(model, opt, tokens)
+        _, loss = model(tokens, tokens)
         loss.backward()
         assert _host_reads(opt.step) == 0
         return model
@@ -312,12 +342,12 @@ def test_inductor_default(compiled_default, monkeypatch):
         assert torch.equal(a, b), name
 
 
-def test_standalone_and_copies():
+def test_standalone_and_copies(device):
     """QKClip.step() works after any optimizer's step; a deepcopy of an optimizer clips its copy."""
-    model = forced_gpt(n_layer=1)
+    model = forced_gpt(n_layer=1, device=device)
     clip = mf.QKClip(model, TAU)
     adam = torch.optim.AdamW(model.parameters(), lr=0.0)
-    step_once(model, adam, TOKENS)
+    step_once(model, adam, TOKENS.to(device))
     clip.step()
     assert (clip.max_logit() > TAU).item()
 

@@ -13,7 +13,16 @@ Tolerances:
     in fp32 and casts the normalized matrix once. Each product then rounds to bf16 (relative
     2^-8 ≈ 4e-3) on slightly different inputs, and on matrices 24 wide the rounding does not average out.
   * Round trips (muon_fn → torch → muon_fn and torch → muon_fn → torch) move only state, so the
-    continued runs equal the uninterrupted ones bit for bit (torch.equal).
+    continued runs equal the uninterrupted ones bit for bit (torch.equal), on every device.
+
+Every test taking ``device`` runs on each device of the lane (tests/conftest.py): models and state
+on the device, data drawn on the CPU from seeded generators and moved, checkpoints written on the
+device and read on the CPU (``map_location``) before they load into optimizers on the device.
+Tolerances per device in ``TOL``: the CPU's are the ones above; on CUDA, fp32 GEMMs reduce in
+another order (TF32 stays off, torch's default) and muon_fn's batched GEMMs are other kernels than
+torch's 2-D ``addmm``, so the two sides round apart (emulated on the CPU with fp32 GEMMs summed in
+permuted orders: parameters 4.5e-7 after 10 steps, momenta 1e-8, one iteration 9e-7); bf16 adds
+other bf16 kernels to the rounding the two implementations already differ by (3.4e-3).
 """
 
 from __future__ import annotations
@@ -27,11 +36,18 @@ import torch
 from torch import nn
 
 import muon_fn as mf
-from conftest import roundtrip
 from muon_fn._newton_schulz import DEFAULT_METHOD
 from muon_fn.optim import from_torch_state_dict, to_torch_state_dict
 
+from conftest import read_on_cpu
+
 KELLER = (3.4445, -4.775, 2.0315)
+TOL = {
+    "cpu": {"param": 1e-5, "momentum": 1e-6, "ns": 2e-6, "bf16": 4e-3, "bf16_moved": 15},
+    # 2x the CPU's on parameters and momenta after 10 steps, 5x on one iteration (whose 2e-6 the
+    # CPU already fills to 0.9e-6); bf16: 1.5x, and the "it moved" margin 10x (0.066 travelled).
+    "cuda": {"param": 2e-5, "momentum": 2e-6, "ns": 1e-5, "bf16": 6e-3, "bf16_moved": 10},
+}
 # torch.optim.Muon's settings spelled out (its defaults, except lr and a weight decay to see).
 TORCH_SETTINGS = dict(weight_decay=0.1, momentum=0.95, nesterov=True, ns_coefficients=KELLER, eps=1e-7,
                       ns_steps=5, adjust_lr_fn=None)
@@ -51,14 +67,20 @@ class Net(nn.Module):
         return self.fc3(torch.tanh(self.fc2(self.norm(torch.tanh(self.fc1(x))))))
 
 
-def make_net(seed: int = 0) -> Net:
+def make_net(seed: int = 0, device: torch.device | str = "cpu") -> Net:
     torch.manual_seed(seed)
-    return Net()
+    return Net().to(device)
+
+
+def tol(device: torch.device) -> dict:
+    return TOL[device.type]
 
 
 def backward(model: nn.Module, step: int) -> None:
+    """The same loss on every device: data drawn on the CPU, then moved."""
     g = torch.Generator().manual_seed(100 + step)
-    x, y = torch.randn(16, 12, generator=g), torch.randn(16, 5, generator=g)
+    dev = next(model.parameters()).device
+    x, y = torch.randn(16, 12, generator=g).to(dev), torch.randn(16, 5, generator=g).to(dev)
     (model(x) - y).square().mean().backward()
 
 
@@ -92,12 +114,21 @@ def muon_fn_auto(model, lr=0.02, **kw):
 
 def assert_models_close(a, b, atol):
     for (n, p), q in zip(a.named_parameters(), b.parameters()):
-        torch.testing.assert_close(q, p, atol=atol, rtol=0, msg=n)
+        torch.testing.assert_close(q.detach().cpu(), p.detach().cpu(), atol=atol, rtol=0, msg=n)
+
+
 
 
 def assert_models_equal(a, b):
     for (n, p), q in zip(a.named_parameters(), b.parameters()):
         assert torch.equal(p, q), n
+
+
+def assert_state_on(opt, device):
+    """Every state tensor of ``opt`` on ``device`` (a checkpoint read on the CPU was moved)."""
+    for p, st in opt.state.items():
+        assert all(v.device == p.device and v.device.type == device.type
+                   for v in st.values() if isinstance(v, torch.Tensor)), {k: v.device for k, v in st.items()}
 
 
 # --------------------------------------------------------------------------- keywords
@@ -120,8 +151,8 @@ def test_positional_arguments_after_lr_are_refused():
 
 @pytest.mark.parametrize("nesterov", [True, False])
 @pytest.mark.parametrize("adjust_lr_fn", [None, "original", "match_rms_adamw"])
-def test_torch_keywords_reproduce_torch_muon_fp32(fp32_torch_muon, nesterov, adjust_lr_fn):
-    ref, ours = make_net(), make_net()
+def test_torch_keywords_reproduce_torch_muon_fp32(device, fp32_torch_muon, nesterov, adjust_lr_fn):
+    ref, ours = make_net(device=device), make_net(device=device)
     kw = dict(TORCH_SETTINGS, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn)
     topt = torch.optim.Muon(mats(ref), lr=0.02, **kw)
     opt = mf.MuonOptimizer(mats(ours), lr=0.02, **kw, ns_dtype=torch.float32)
@@ -130,14 +161,14 @@ def test_torch_keywords_reproduce_torch_muon_fp32(fp32_torch_muon, nesterov, adj
     train(ours, [opt], 10)
     assert max((p - s).abs().max().item() for p, s in zip(mats(ref), start)) > 0.02  # it moved
     for p, q in zip(mats(ref), mats(ours)):
-        torch.testing.assert_close(q, p, atol=1e-5, rtol=0)
-        torch.testing.assert_close(opt.state[q]["momentum_buffer"], topt.state[p]["momentum_buffer"],
-                                   atol=1e-6, rtol=0)
+        torch.testing.assert_close(q.detach().cpu(), p.detach().cpu(), atol=tol(device)["param"], rtol=0)
+        torch.testing.assert_close(opt.state[q]["momentum_buffer"].cpu(), topt.state[p]["momentum_buffer"].cpu(),
+                                   atol=tol(device)["momentum"], rtol=0)
 
 
-def test_torch_keywords_reproduce_torch_muon_bf16():
+def test_torch_keywords_reproduce_torch_muon_bf16(device):
     """torch.optim.Muon as shipped (bf16) against ns_dtype=torch.bfloat16 (see the module docstring)."""
-    ref, ours = make_net(), make_net()
+    ref, ours = make_net(device=device), make_net(device=device)
     topt = torch.optim.Muon(mats(ref), lr=0.02, **TORCH_SETTINGS)
     opt = mf.MuonOptimizer(mats(ours), lr=0.02, **TORCH_SETTINGS, ns_dtype=torch.bfloat16)
     start = [p.detach().clone() for p in mats(ref)]
@@ -145,11 +176,11 @@ def test_torch_keywords_reproduce_torch_muon_bf16():
     train(ours, [opt], 5)
     diff = max((p - q).abs().max().item() for p, q in zip(mats(ref), mats(ours)))
     travelled = max((p - s).abs().max().item() for p, s in zip(mats(ref), start))
-    assert diff < 4e-3, diff  # measured 3.2e-3 (1.8e-3 after one step) on 24-wide matrices
-    assert travelled > 15 * diff, travelled  # measured 0.066: a wrong formula would show
+    assert diff < tol(device)["bf16"], diff  # measured 3.2e-3 (1.8e-3 after one step) on 24-wide matrices
+    assert travelled > tol(device)["bf16_moved"] * diff, travelled  # measured 0.066: a wrong formula would show
 
 
-def test_ns_coefficients_select_exactly_that_iteration(fp32_torch_muon):
+def test_ns_coefficients_select_exactly_that_iteration(device, fp32_torch_muon):
     """With ns_coefficients the default method's preconditioner is off: the result is torch's
     function's (fp32), a per-iteration list of the same triple is the flat triple, and the
     default method (Keller's quintic, 5 steps) is that iteration, while another method gives
@@ -157,46 +188,48 @@ def test_ns_coefficients_select_exactly_that_iteration(fp32_torch_muon):
     from conftest import ns_fp32_twin
 
     g = torch.Generator().manual_seed(0)
-    x = {"w": torch.randn(24, 40, generator=g)}
-    ref = ns_fp32_twin(x["w"], KELLER, 5, 1e-7)
+    x = {"w": torch.randn(24, 40, generator=g).to(device)}
+    ref = ns_fp32_twin(x["w"], KELLER, 5, 1e-7).cpu()
 
     def run(**kw):
-        return mf.orthogonalize(dtype=torch.float32, **kw).update(x, None)[0]["w"]
+        return mf.orthogonalize(dtype=torch.float32, **kw).update(x, None)[0]["w"].cpu()
 
-    torch.testing.assert_close(run(coefficients=KELLER), ref, atol=2e-6, rtol=0)
+    atol = tol(device)["ns"]
+    torch.testing.assert_close(run(coefficients=KELLER), ref, atol=atol, rtol=0)
     assert torch.equal(run(coefficients=[KELLER] * 5), run(coefficients=KELLER))
-    torch.testing.assert_close(run(), ref, atol=2e-6, rtol=0)  # DEFAULT_METHOD is torch's iteration
+    torch.testing.assert_close(run(), ref, atol=atol, rtol=0)  # DEFAULT_METHOD is torch's iteration
     assert (run(method="polar_express", steps=5) - ref).abs().max() > 1e-2
     assert mf.orthogonalize(coefficients=KELLER).update(x, None)[0]["w"].shape == (24, 40)
 
 
 @pytest.mark.parametrize("scale", [1e-2, 1e-4, 1e-6])
-def test_small_momenta_are_normalized_like_torch(scale):
+def test_small_momenta_are_normalized_like_torch(device, scale):
     """X / max(‖X‖, eps), torch's normalization: exactly scale-invariant above eps (an added eps
     was 7e-4 off at ‖X‖ = 1e-4 and 6e-2 at 1e-6)."""
     from conftest import ns_fp32_twin
 
     x = torch.randn(32, 64, generator=torch.Generator().manual_seed(1))
-    x = x * scale / x.norm()
+    x = (x * scale / x.norm()).to(device)
     ours = mf.orthogonalize(coefficients=KELLER, dtype=torch.float32).update({"w": x}, None)[0]["w"]
-    torch.testing.assert_close(ours, ns_fp32_twin(x, KELLER, 5, 1e-7), atol=2e-6, rtol=0)
+    torch.testing.assert_close(ours.cpu(), ns_fp32_twin(x, KELLER, 5, 1e-7).cpu(), atol=tol(device)["ns"], rtol=0)
 
 
-def test_adjust_lr_fn_none_is_original():
+def test_adjust_lr_fn_none_is_original(device):
     runs = []
     for rule in (None, "original", "keller"):
-        model = make_net()
+        model = make_net(device=device)
         train(model, [mf.MuonOptimizer(model.parameters(), adjust_lr_fn=rule, ns_dtype=torch.float32)], 2)
         runs.append(model)
     assert_models_equal(runs[0], runs[1])
     assert_models_equal(runs[0], runs[2])
 
 
-def test_eps_is_the_newton_schulz_epsilon_and_normuon_eps_is_normuons():
-    x = torch.randn(8, 8) * 1e-6  # ‖X‖ ≈ 8e-6: below eps=1e-4 the normalization clamps
+def test_eps_is_the_newton_schulz_epsilon_and_normuon_eps_is_normuons(device):
+    # ‖X‖ ≈ 8e-6: below eps=1e-4 the normalization clamps
+    x = (torch.randn(8, 8, generator=torch.Generator().manual_seed(0)) * 1e-6).to(device)
     outs = {}
     for name, kw in {"default": {}, "eps": {"eps": 1e-4}, "normuon_eps": {"normuon_eps": 1.0}}.items():
-        p = nn.Parameter(torch.zeros(8, 8))
+        p = nn.Parameter(torch.zeros(8, 8, device=device))
         opt = mf.MuonOptimizer([p], ns_dtype=torch.float32, **kw)
         p.grad = x.clone()
         opt.step()
@@ -239,15 +272,16 @@ MuonOptimizer() got an unexpected keyword argument 'differentiable': the step ru
 
 
 # --------------------------------------------------------------------------- checkpoints: torch -> muon_fn
-def test_torch_muon_checkpoint_loads_directly(fp32_torch_muon):
+def test_torch_muon_checkpoint_loads_directly(device, fp32_torch_muon):
     """A script written for torch.optim.Muon, with MuonOptimizer substituted, resumes from torch's
-    checkpoint: hyperparameters and momentum carried over, then the same trajectory."""
-    ref = make_net()
+    checkpoint (read on the CPU, loaded on the device): hyperparameters and momentum carried over,
+    then the same trajectory."""
+    ref = make_net(device=device)
     topt = torch.optim.Muon(mats(ref), lr=0.03, **TORCH_SETTINGS)
     train(ref, [topt], 3)
     ours = copy.deepcopy(ref)
     opt = mf.MuonOptimizer(mats(ours), ns_dtype=torch.float32)  # muon_fn's defaults until the load
-    opt.load_state_dict(roundtrip(topt.state_dict()))
+    opt.load_state_dict(read_on_cpu(topt.state_dict()))
     group = opt.param_groups[0]
     assert {k: group[k] for k in TORCH_SETTINGS} == TORCH_SETTINGS and group["lr"] == 0.03
     assert group["method"] is None and group["momentum_kind"] == "ema"
@@ -255,14 +289,14 @@ def test_torch_muon_checkpoint_loads_directly(fp32_torch_muon):
         assert torch.equal(opt.state[q]["momentum_buffer"], topt.state[p]["momentum_buffer"])
     train(ref, [topt], 5, start=3)
     train(ours, [opt], 5, start=3)
-    assert_models_close(ref, ours, atol=1e-5)
+    assert_models_close(ref, ours, atol=tol(device)["param"])
 
 
 @pytest.mark.parametrize("layout", ["auto", "hybrid"])
-def test_torch_muon_and_adamw_checkpoint_converts(fp32_torch_muon, layout):
+def test_torch_muon_and_adamw_checkpoint_converts(device, fp32_torch_muon, layout):
     """torch.optim.Muon (matrices) + torch.optim.AdamW (the rest) → one MuonOptimizer "auto" group,
     or the hybrid's "muon" and "adamw" groups (the head is a matrix routed to AdamW there)."""
-    ref = make_net()
+    ref = make_net(device=device)
     if layout == "hybrid":
         muon_names = ["fc1.weight", "fc2.weight"]
         named = dict(ref.named_parameters())
@@ -277,51 +311,52 @@ def test_torch_muon_and_adamw_checkpoint_converts(fp32_torch_muon, layout):
         opt = mf.create_hybrid_optimizer(ours, adamw_names=["fc3.weight"], ns_dtype=torch.float32)
     else:
         opt = mf.MuonOptimizer(ours.parameters(), ns_dtype=torch.float32)
-    sd = from_torch_state_dict(opt, roundtrip(topts[0].state_dict()), roundtrip(topts[1].state_dict()))
+    sd = from_torch_state_dict(opt, read_on_cpu(topts[0].state_dict()), read_on_cpu(topts[1].state_dict()))
     opt.load_state_dict(sd)
+    assert_state_on(opt, device)  # torch.optim.AdamW's steps are CPU tensors; muon_fn's live with the params
     train(ref, topts, 5, start=3)
     train(ours, [opt], 5, start=3)
-    assert_models_close(ref, ours, atol=1e-5)
+    assert_models_close(ref, ours, atol=tol(device)["param"])
 
 
-def test_round_trip_through_muon_fn_continues_torch_bit_exactly():
+def test_round_trip_through_muon_fn_continues_torch_bit_exactly(device):
     """torch → muon_fn → torch: the torch optimizers continue exactly as if never converted."""
-    ref = make_net()
+    ref = make_net(device=device)
     topts = torch_pair(ref)
     train(ref, topts, 3)
     other = copy.deepcopy(ref)
     opt = mf.MuonOptimizer(other.parameters())
-    opt.load_state_dict(from_torch_state_dict(opt, *(roundtrip(o.state_dict()) for o in topts)))
+    opt.load_state_dict(from_torch_state_dict(opt, *(read_on_cpu(o.state_dict()) for o in topts)))
     back = to_torch_state_dict(opt)
     again = torch_pair(other)
     for o, sd in zip(again, back):
-        o.load_state_dict(roundtrip(sd))
+        o.load_state_dict(read_on_cpu(sd))
     train(ref, topts, 3, start=3)
     train(other, again, 3, start=3)
     assert_models_equal(ref, other)
 
 
 # --------------------------------------------------------------------------- checkpoints: muon_fn -> torch
-def test_muon_fn_checkpoint_converts_for_torch(fp32_torch_muon):
-    ours = make_net()
+def test_muon_fn_checkpoint_converts_for_torch(device, fp32_torch_muon):
+    ours = make_net(device=device)
     opt = muon_fn_auto(ours)
     train(ours, [opt], 3)
     ref = copy.deepcopy(ours)
     topts = torch_pair(ref, lr=0.5)  # hyperparameters come from the checkpoint
     for o, sd in zip(topts, to_torch_state_dict(opt)):
-        o.load_state_dict(roundtrip(sd))
+        o.load_state_dict(read_on_cpu(sd))
     assert topts[0].param_groups[0]["lr"] == 0.02 and topts[1].param_groups[0]["lr"] == pytest.approx(3e-3)
     for p, q in zip(mats(ours), mats(ref)):
         assert torch.equal(topts[0].state[q]["momentum_buffer"], opt.state[p]["momentum_buffer"])
     train(ours, [opt], 5, start=3)
     train(ref, topts, 5, start=3)
-    assert_models_close(ref, ours, atol=1e-5)
+    assert_models_close(ref, ours, atol=tol(device)["param"])
 
 
-def test_hybrid_without_decay_on_1d_converts_to_two_torch_adamw_groups(fp32_torch_muon):
+def test_hybrid_without_decay_on_1d_converts_to_two_torch_adamw_groups(device, fp32_torch_muon):
     """torch.optim.AdamW decays every parameter of a group, so the hybrid's AdamW group (the head
     fc3.weight decays, the biases and norm do not) becomes two torch groups, and back."""
-    ours = make_net()
+    ours = make_net(device=device)
     opt = mf.create_hybrid_optimizer(ours, adamw_names=["fc3.weight"], adamw_weight_decay=0.1,
                                      ns_dtype=torch.float32, compile=False)
     train(ours, [opt], 3)
@@ -334,23 +369,23 @@ def test_hybrid_without_decay_on_1d_converts_to_two_torch_adamw_groups(fp32_torc
     topts = [torch.optim.Muon([named["fc1.weight"], named["fc2.weight"]], lr=0.5),
              torch.optim.AdamW([{"params": [named["fc3.weight"]]}, {"params": rest}], lr=0.5)]
     for o, sd in zip(topts, (muon_sd, adamw_sd)):
-        o.load_state_dict(roundtrip(sd))
+        o.load_state_dict(read_on_cpu(sd))
     again = copy.deepcopy(ours)
     opt2 = mf.create_hybrid_optimizer(again, adamw_names=["fc3.weight"], adamw_weight_decay=0.3,
                                       adamw_decay_1d=True, ns_dtype=torch.float32, compile=False)
-    opt2.load_state_dict(from_torch_state_dict(opt2, *map(roundtrip, (muon_sd, adamw_sd))))
+    opt2.load_state_dict(from_torch_state_dict(opt2, *map(read_on_cpu, (muon_sd, adamw_sd))))
     adamw_group = opt2.param_groups[1]
     assert adamw_group["weight_decay"] == 0.1 and adamw_group["adamw_decay_1d"] is False
     train(ours, [opt], 5, start=3)
     train(ref, topts, 5, start=3)
     train(again, [opt2], 5, start=3)
-    assert_models_close(ref, ours, atol=1e-5)
+    assert_models_close(ref, ours, atol=tol(device)["param"])
     assert_models_equal(ours, again)
 
 
-def test_round_trip_through_torch_continues_muon_fn_bit_exactly():
+def test_round_trip_through_torch_continues_muon_fn_bit_exactly(device):
     """muon_fn → torch → muon_fn (with a scheduler's initial_lr): exact continuation."""
-    straight = make_net()
+    straight = make_net(device=device)
     opt = muon_fn_auto(straight)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     for step in range(3):
@@ -359,7 +394,7 @@ def test_round_trip_through_torch_continues_muon_fn_bit_exactly():
     other = copy.deepcopy(straight)
     opt2 = muon_fn_auto(other, lr=0.5, weight_decay=0.0)
     sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=2, gamma=0.5)
-    opt2.load_state_dict(from_torch_state_dict(opt2, *map(roundtrip, to_torch_state_dict(opt))))
+    opt2.load_state_dict(from_torch_state_dict(opt2, *map(read_on_cpu, to_torch_state_dict(opt))))
     sched2.load_state_dict(sched.state_dict())
     for step in range(3, 6):
         train(straight, [opt], 1, start=step)
@@ -369,11 +404,11 @@ def test_round_trip_through_torch_continues_muon_fn_bit_exactly():
     assert_models_equal(straight, other)
 
 
-def test_muon_optimizer_state_dict_in_torch_without_conversion():
+def test_muon_optimizer_state_dict_in_torch_without_conversion(device):
     """The documented limit: torch.optim.Muon's load_state_dict checks only group and parameter
     counts, so a muon_fn state_dict with the default method loads and its step() fails;
     torch-compatible settings load directly and step like the converted state_dict."""
-    model = make_net()
+    model = make_net(device=device)
     opt = mf.MuonOptimizer(mats(model))
     train(model, [opt], 1)
     topt = torch.optim.Muon(mats(model))
@@ -389,17 +424,18 @@ def test_muon_optimizer_state_dict_in_torch_without_conversion():
         assert direct.param_groups[0][key] == converted.param_groups[0][key], key
 
 
-def test_old_checkpoint_with_ns_eps_loads():
+def test_old_checkpoint_with_ns_eps_loads(device):
     """Checkpoints from before eps became the Newton–Schulz epsilon: eps → normuon_eps, ns_eps → eps."""
-    model = make_net()
+    model = make_net(device=device)
     opt = mf.MuonOptimizer(model.parameters(), beta2=0.9)
     train(model, [opt], 1)
-    sd = roundtrip(opt.state_dict())
+    sd = read_on_cpu(opt.state_dict())
     for g in sd["param_groups"]:
         g["ns_eps"], g["eps"] = 2e-7, 3e-8
         del g["normuon_eps"]
     opt2 = mf.MuonOptimizer(model.parameters(), beta2=0.9)
     opt2.load_state_dict(sd)
+    assert_state_on(opt2, device)
     assert opt2.param_groups[0]["eps"] == 2e-7 and opt2.param_groups[0]["normuon_eps"] == 3e-8
     assert "ns_eps" not in opt2.param_groups[0]
 
