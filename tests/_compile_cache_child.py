@@ -1,13 +1,14 @@
 """One process of the compile-cache tests (tests/test_compile_cache.py).
 
-``python tests/_compile_cache_child.py ROUND OUT CASE [CASE ...]``
+``python tests/_compile_cache_child.py ROUND OUT DEVICE CASE [CASE ...]``
 
 Each case compiles one update twice in a row, each time with another value of one float
 hyperparameter (``ROUND`` "first": values 0 then 1 of its three; "second": 2 then 0), and this
 writes to ``OUT`` (JSON), per case and value, the compiled update's distance from eager,
 ``max|compiled − eager| / max|eager|`` over the update of a state one eager step old (a transform)
 or over two steps (an optimizer), and the AOTAutograd cache's hits and misses. The caller runs both rounds in two processes that
-share one ``TORCHINDUCTOR_CACHE_DIR``. Everything runs in float64, the iteration too (the
+share one ``TORCHINDUCTOR_CACHE_DIR``. Inputs are drawn on the CPU and moved to ``DEVICE``.
+Everything runs in float64, the iteration too (the
 transforms' fp32 step counters and NorMuon's fp32 second moment round at about 1e-7), so a stale
 constant shows as an error of order one.
 
@@ -81,8 +82,11 @@ TRANSFORMS: dict[str, tuple[tuple, Callable[[Any], mf.GradientTransformation], f
 }
 
 
+DEVICE = torch.device("cpu")  # set by main
+
+
 def _matrix(seed: int, scale: float = 1.0) -> torch.Tensor:
-    return torch.randn(6, 4, dtype=F64, generator=torch.Generator().manual_seed(seed)) * scale
+    return (torch.randn(6, 4, dtype=F64, generator=torch.Generator().manual_seed(seed)) * scale).to(DEVICE)
 
 
 def _raw_compile(tx: mf.GradientTransformation) -> mf.GradientTransformation:
@@ -151,7 +155,7 @@ OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
 def optimizer(name: str, v: int) -> dict[str, float]:
     """Two steps of the compiled optimizer against its eager twin: each step's distance."""
     torch.manual_seed(0)
-    model = _LM().to(F64)
+    model = _LM().to(device=DEVICE, dtype=F64)
     twin = copy.deepcopy(model)
     opt, eager = OPTIMIZERS[name](model, v, compile=True), OPTIMIZERS[name](twin, v, compile=False)
     out = {}
@@ -159,7 +163,7 @@ def optimizer(name: str, v: int) -> dict[str, float]:
         before = [p.detach().clone() for p in model.parameters()]
         g = torch.Generator().manual_seed(step)
         for p, q in zip(model.parameters(), twin.parameters()):
-            p.grad = torch.randn(p.shape, dtype=F64, generator=g)
+            p.grad = torch.randn(p.shape, dtype=F64, generator=g).to(DEVICE)
             q.grad = p.grad.clone()
         opt.step()
         eager.step()
@@ -195,7 +199,8 @@ def run(case: str, v: int) -> dict[str, float]:
 
 
 def main(argv: list[str]) -> None:
-    round_, out, cases = argv[0], argv[1], argv[2:]
+    global DEVICE
+    round_, out, DEVICE, cases = argv[0], argv[1], torch.device(argv[2]), argv[3:]
     results = {}
     for case in cases:
         torch._dynamo.reset()  # each case from a fresh Dynamo state (automatic dynamic is kept per code object)

@@ -116,12 +116,12 @@ def _entry_points(model):
         make().step()
 
 
-def test_every_entry_point_compiles_with_dynamic_false(compiled_default, monkeypatch):
+def test_every_entry_point_compiles_with_dynamic_false(device, compiled_default, monkeypatch):
     """Floats of the update stay constants of the Dynamo graph, so they are in every cache key
     (tests/test_compile_cache.py shows what happens otherwise)."""
     calls = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: (calls.append(kw), fn)[1])  # record, don't compile
-    _entry_points(_SmallLM())
+    _entry_points(_SmallLM().to(device))
     assert len(calls) >= 8 and all(kw == {"fullgraph": True, "dynamic": False} for kw in calls), calls
 
 
@@ -139,7 +139,7 @@ def test_dynamic_compiles_are_refused_with_the_reason(dynamic):
         mf.MuonOptimizer(_small_model(False).parameters(), compile={"dynamic": dynamic})
 
 
-def test_per_step_scalars_enter_the_graph_as_0d_tensors():
+def test_per_step_scalars_enter_the_graph_as_0d_tensors(device):
     """lr and momentum are graph inputs (0-d tensors refreshed in place), never constants: a
     scheduler changes them without a recompile and the graph reads the new values."""
     seen = []
@@ -148,7 +148,7 @@ def test_per_step_scalars_enter_the_graph_as_0d_tensors():
         seen.append([t for t in example_inputs if isinstance(t, torch.Tensor) and t.ndim == 0])
         return gm.forward
 
-    model = _small_model(False)
+    model = _small_model(False, device)
     opt = mf.MuonOptimizer(model.parameters(), lr=0.02, momentum=0.9, compile={"backend": backend})
     _backward(model, 0)
     opt.step()
@@ -217,15 +217,16 @@ def test_compile_update_keeps_init_and_repr():
 
 
 @pytest.mark.inductor
-def test_inductor_matches_eager():
-    lr = torch.tensor(0.02)
+def test_inductor_matches_eager(device):
+    lr = torch.tensor(0.02, device=device)
     tx = mf.muon(lr, 0.95, weight_decay=0.01, ns_dtype=torch.float32, ns_steps=3)
-    params = {"w": torch.randn(16, 24), "v": torch.randn(24, 16)}
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(16, 24, generator=g).to(device), "v": torch.randn(24, 16, generator=g).to(device)}
     step = mf.compile_update(tx, backend="inductor").update
     state_c = state_e = tx.init(params)
     for i, value in enumerate([0.02, 0.01]):
         lr.fill_(value)
-        grads = grads_like(params, i)
+        grads = {k: v.to(device) for k, v in grads_like(params, i).items()}
         upd_c, state_c = step(grads, state_c, params)
         upd_e, state_e = tx.update(grads, state_e, params)
         # Inductor fuses and reorders fp32 arithmetic: rounding-level differences, amplified by NS.
@@ -328,14 +329,14 @@ def _host_reads(fn) -> int:
     return sum(1 for e in prof.events() if e.name in ("aten::_local_scalar_dense", "aten::item"))
 
 
-def _small_model(bias: bool):
+def _small_model(bias: bool, device: torch.device | str = "cpu"):
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(8, 16, bias=bias), torch.nn.GELU(),
-                               torch.nn.Linear(16, 16, bias=bias), torch.nn.Linear(16, 4, bias=bias))
+                               torch.nn.Linear(16, 16, bias=bias), torch.nn.Linear(16, 4, bias=bias)).to(device)
 
 
 def _backward(model, step):
-    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(step))
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(step)).to(next(model.parameters()).device)
     model.zero_grad()
     model(x).square().mean().backward()
 
@@ -363,8 +364,8 @@ def test_step_reads_nothing_back(compile, bias):
 
 
 @pytest.mark.inductor
-def test_inductor_step_reads_nothing_back(compiled_default):
-    model = _small_model(True)
+def test_inductor_step_reads_nothing_back(device, compiled_default):
+    model = _small_model(True, device)
     opt = mf.create_hybrid_optimizer(model, beta2=0.95)
     _backward(model, 0)
     opt.step()
@@ -372,9 +373,9 @@ def test_inductor_step_reads_nothing_back(compiled_default):
     assert _host_reads(opt.step) == 0
 
 
-def test_no_recompiles_over_100_steps_with_lr_and_momentum_schedules():
+def test_no_recompiles_over_100_steps_with_lr_and_momentum_schedules(device):
     counter = CompileCounterWithBackend("eager")
-    model = _small_model(True)
+    model = _small_model(True, device)
     opt = mf.MuonOptimizer(model.parameters(), compile={"backend": counter}, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=100, cycle_momentum=True,
                                                 base_momentum=0.8, max_momentum=0.95)
@@ -469,7 +470,7 @@ class _SmallLM(torch.nn.Module):
 
 
 @pytest.mark.inductor
-def test_compiled_hybrid_does_not_reuse_another_betas_graph(compiled_default, monkeypatch, tmp_path):
+def test_compiled_hybrid_does_not_reuse_another_betas_graph(device, compiled_default, monkeypatch, tmp_path):
     """In one process, with torch's caches on: compiled with Dynamo's default (automatic
     dynamic), the hybrid's AdamW step for adamw_betas=(0.9, 0.999) after one for (0.9, 0.95) was
     served a graph with 0.95 burned into the bias correction √(1 − β₂ᵗ) (Adam's first step
@@ -480,7 +481,7 @@ def test_compiled_hybrid_does_not_reuse_another_betas_graph(compiled_default, mo
     for beta2 in (0.95, 0.999):
         torch._dynamo.reset()
         torch.manual_seed(0)
-        model = _SmallLM()
+        model = _SmallLM().to(device)
         opt = mf.create_hybrid_optimizer(model, adamw_lr=1e-2, adamw_weight_decay=0.1, adamw_betas=(0.9, beta2),
                                          ns_dtype=torch.float32)
         before = model.norm.bias.detach().clone()

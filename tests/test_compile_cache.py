@@ -39,7 +39,7 @@ TIMEOUT_S = 600
 pytestmark = [pytest.mark.inductor]
 
 
-def _run_round(round_: str, cache: Path, out: Path) -> dict:
+def _run_round(round_: str, cache: Path, out: Path, device: torch.device) -> dict:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache), OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     env.pop("TORCH_COMPILE_DISABLE", None)
@@ -48,7 +48,7 @@ def _run_round(round_: str, cache: Path, out: Path) -> dict:
         path = out / f"{round_}{i}.json"
         log = open(out / f"{round_}{i}.log", "w")
         procs.append((path, log, subprocess.Popen(
-            [sys.executable, child.__file__, round_, str(path), *cases], env=env, stdout=log,
+            [sys.executable, child.__file__, round_, str(path), str(device), *cases], env=env, stdout=log,
             stderr=subprocess.STDOUT)))
     results = {}
     for path, log, proc in procs:
@@ -63,12 +63,17 @@ def _run_round(round_: str, cache: Path, out: Path) -> dict:
     return results
 
 
-@pytest.fixture(scope="module")
-def rounds(tmp_path_factory) -> dict[str, dict]:
-    """Both rounds' distances from eager: ``{round: {case: {value: {output: distance}}}}``."""
-    base = tmp_path_factory.mktemp("compile_cache")
-    cache = base / "inductor-cache"
-    return {r: _run_round(r, cache, base) for r in child.ROUNDS}
+_ROUNDS: dict[str, dict] = {}  # per device: both processes run once per test session
+
+
+@pytest.fixture
+def rounds(device, tmp_path_factory) -> dict[str, dict]:
+    """Both rounds on ``device``: ``{round: {case: {value: {"distance": {output: d}, "cache": ...}}}}``."""
+    if str(device) not in _ROUNDS:
+        base = tmp_path_factory.mktemp("compile_cache")
+        cache = base / "inductor-cache"
+        _ROUNDS[str(device)] = {r: _run_round(r, cache, base, device) for r in child.ROUNDS}
+    return _ROUNDS[str(device)]
 
 
 def _worst(rounds: dict, case: str) -> dict[str, float]:
