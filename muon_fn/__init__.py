@@ -5,11 +5,11 @@ A pure functional core (``init``/``update`` transforms over pytrees, composed wi
 FSDP2. See ``docs/api.md``.
 """
 
-from ._alias import adamw, hybrid, matrix_labels, muon, normuon, triton_muon
+from ._alias import adamuon, adamw, hybrid, matrix_labels, muon, normuon, triton_muon
 from ._base import EmptyState, GradientTransformation, TransformInfo, identity, info, stateless
 from ._combine import PartitionState, chain, leafwise_labels, partition
 from ._compile import compile_update
-from ._muon import orthogonalize, scale_by_shape, shape_scale
+from ._muon import align_rms, orthogonalize, scale_by_shape, shape_scale
 from ._newton_schulz import newton_schulz, polar_express, zeropower_via_newtonschulz5
 from ._qk_clip import (AttentionHeads, QKClip, QKClipFactors, max_attention_logits, qk_clip_factors,
                        record_max_logits, scale_head_rows, track_max_logits)
@@ -23,6 +23,7 @@ from ._transforms import (
     NormalizeRowsState,
     ScaleByAdamState,
     ScaleByScheduleState,
+    ScaleBySecondMomentState,
     add_decoupled_weight_decay,
     apply_updates,
     momentum,
@@ -30,6 +31,8 @@ from ._transforms import (
     normalize_rows,
     scale_by_adam,
     scale_by_learning_rate,
+    scale_by_second_moment,
+    scale_by_sign,
 )
 
 __version__ = "0.1.0"
@@ -64,10 +67,15 @@ __all__ = [
     "normalize_rows",
     "NormalizeRowsState",
     "normalize_layerwise",
+    "scale_by_sign",
+    "scale_by_second_moment",
+    "ScaleBySecondMomentState",
+    "align_rms",
     # recipes
     "muon",
     "adamw",
     "normuon",
+    "adamuon",
     "hybrid",
     "matrix_labels",
     "triton_muon",

@@ -11,7 +11,7 @@ from . import _checks
 from ._base import GradientTransformation, Scalar, ScalarOrSchedule
 from ._combine import chain, leafwise_labels, partition
 from ._newton_schulz import validate_coefficients
-from ._muon import orthogonalize, refuse_split, scale_by_shape, shape_rule, view_argument
+from ._muon import align_rms, orthogonalize, refuse_split, scale_by_shape, shape_rule, view_argument
 from ._views import View
 from ._transforms import (
     add_decoupled_weight_decay,
@@ -20,6 +20,8 @@ from ._transforms import (
     normalize_rows,
     scale_by_adam,
     scale_by_learning_rate,
+    scale_by_second_moment,
+    scale_by_sign,
 )
 
 
@@ -37,8 +39,12 @@ def muon(
     ns_stepsize: float = 1.0,
     adjust_lr_fn: str | None = "keller",
     weight_decay: Scalar = 0.0,
+    cautious_weight_decay: bool = False,
     beta2: float | None = None,
     normuon_eps: float = 1e-8,
+    adamuon_beta2: float | None = None,
+    adamuon_eps: float = 1e-8,
+    adamuon_sign: bool = True,
     view: View = "flatten",
     split: None = None,
     mu_dtype: torch.dtype | None = None,
@@ -47,8 +53,9 @@ def muon(
 ) -> GradientTransformation:
     """Muon for a tree of matrices.
 
-    ``chain([normalize_layerwise if layerwise_norm], momentum, orthogonalize, [normalize_rows if
-    beta2], scale_by_shape, add_decoupled_weight_decay, scale_by_learning_rate)``: per matrix,
+    ``chain([normalize_layerwise if layerwise_norm], momentum, [scale_by_sign if AdaMuon],
+    orthogonalize, [normalize_rows if beta2], [scale_by_second_moment, align_rms if AdaMuon],
+    scale_by_shape, add_decoupled_weight_decay, scale_by_learning_rate)``: per matrix,
     ``p ← p(1 − lr·wd) − lr·s(out, in)·msign(M)``. Every leaf must be a matrix (ndim ≥ 2);
     use :func:`hybrid` for trees that also hold biases and norms. ``method=None`` is
     :data:`~muon_fn._newton_schulz.DEFAULT_METHOD`, or with ``ns_coefficients`` (torch's flat
@@ -62,6 +69,14 @@ def muon(
     :func:`orthogonalize`). ``split`` is removed (a ``TypeError`` points to head views).
     ``layerwise_norm``: each matrix's gradient is divided by its own norm before it enters the
     momentum (:func:`normalize_layerwise`), so every step weighs the same in the buffer.
+    ``cautious_weight_decay``: decay only where the update and the weight agree in sign
+    (:func:`add_decoupled_weight_decay` ``cautious=True``, arXiv:2510.12402).
+    ``adamuon_beta2``: a float enables AdaMuon (arXiv:2507.11005): the momentum's sign is
+    orthogonalized (``adamuon_sign``), the result divided by the root of its element-wise second
+    moment (:func:`scale_by_second_moment` with ``adamuon_eps``) and rescaled to the size of an
+    orthogonal matrix (:func:`align_rms`) before the shape rule; the paper's RMS-aligned step is
+    ``adjust_lr_fn="match_rms_adamw"`` (see :func:`adamuon`). NorMuon (``beta2``) and AdaMuon
+    both normalize the orthogonalized update: pass one.
     """
     view = view_argument(view, flatten)
     refuse_split(split)
@@ -71,23 +86,80 @@ def muon(
     _checks.positive("eps", eps)
     _checks.positive("normuon_eps", normuon_eps)
     _checks.positive("ns_stepsize", ns_stepsize)
+    _checks.boolean("cautious_weight_decay", cautious_weight_decay)
+    check_one_normalization(beta2, adamuon_beta2)
+    if adamuon_beta2 is not None:
+        _checks.in_unit_interval("adamuon_beta2", adamuon_beta2)
+    _checks.positive("adamuon_eps", adamuon_eps)
+    _checks.boolean("adamuon_sign", adamuon_sign)
     rule = shape_rule(adjust_lr_fn)
     if ns_coefficients is not None:
         validate_coefficients(ns_coefficients, name="ns_coefficients")
     parts = [normalize_layerwise()] if layerwise_norm else []
-    parts += [
-        momentum_tx(momentum, nesterov=nesterov, kind=kind, mu_dtype=mu_dtype),
-        orthogonalize(method, ns_steps, coefficients=ns_coefficients, dtype=ns_dtype, eps=eps,
-                      stepsize=ns_stepsize, view=view),
-    ]
+    adamuon = adamuon_beta2 is not None
+    parts.append(momentum_tx(momentum, nesterov=nesterov, kind=kind, mu_dtype=mu_dtype))
+    if adamuon and adamuon_sign:
+        parts.append(scale_by_sign())
+    parts.append(orthogonalize(method, ns_steps, coefficients=ns_coefficients, dtype=ns_dtype, eps=eps,
+                               stepsize=ns_stepsize, view=view))
     if beta2 is not None:
         parts.append(normalize_rows(beta2, normuon_eps, view=view))
+    if adamuon:
+        parts += [scale_by_second_moment(adamuon_beta2, adamuon_eps), align_rms(view=view)]
     parts += [
         scale_by_shape(rule, view=view),
-        add_decoupled_weight_decay(weight_decay),
+        add_decoupled_weight_decay(weight_decay, cautious=cautious_weight_decay),
         scale_by_learning_rate(lr),
     ]
     return chain(*parts)
+
+
+def check_one_normalization(beta2: Any, adamuon_beta2: Any) -> None:
+    """NorMuon (``beta2``) and AdaMuon (``adamuon_beta2``) are two normalizations of the same
+    orthogonalized update: refuse both at once."""
+    if beta2 is not None and adamuon_beta2 is not None:
+        raise ValueError(
+            f"beta2={beta2!r} (NorMuon) and adamuon_beta2={adamuon_beta2!r} (AdaMuon) both normalize "
+            "the orthogonalized update; pass one of them (the other None)")
+
+
+def adamuon(
+    lr: ScalarOrSchedule = 0.02,
+    momentum: Scalar = 0.95,
+    beta2: float = 0.999,
+    *,
+    nesterov: bool = True,
+    adjust_lr_fn: str = "match_rms_adamw",
+    weight_decay: Scalar = 0.01,
+    adamuon_eps: float = 1e-8,
+    sign: bool = True,
+    **muon_kwargs: Any,
+) -> GradientTransformation:
+    """AdaMuon (Si et al., *AdaMuon: Adaptive Muon Optimizer*, arXiv:2507.11005), per matrix:
+
+    ::
+
+        M ← momentum of G                       (Nesterov by default)
+        O = msign(Sign(M))                      sign-stabilized orthogonal update (sign=True)
+        V ← β₂·V + (1 − β₂)·O ⊙ O               element-wise second moment, no bias correction
+        Ô = O ⊘ (√V + eps)
+        p ← p(1 − lr·wd) − lr·γ·Ô,  γ = 0.2·√(mn) / ‖Ô‖_F    RMS-aligned: update RMS 0.2·lr
+
+    ``chain(momentum, scale_by_sign, orthogonalize, scale_by_second_moment, align_rms,
+    scale_by_shape("match_rms_adamw"), add_decoupled_weight_decay, scale_by_learning_rate)``
+    (:func:`muon` with ``adamuon_beta2=beta2``): :func:`align_rms` gives Ô the Frobenius norm
+    √min(m, n) of an orthogonal matrix and the shape rule multiplies by 0.2·√max(m, n), which is
+    γ. Defaults follow the paper's reference code (lr 0.02, momentum 0.95 with Nesterov, β₂ 0.999,
+    eps 1e-8, weight decay 0.01); the update has Adam's RMS, so an AdamW learning rate carries
+    over. ``sign=False`` orthogonalizes ``M`` itself (the paper's first version and its reference
+    code). ``adjust_lr_fn``: another shape rule in place of the RMS alignment's 0.2·√max(m, n)
+    (e.g. ``"keller"``: Muon's step size with AdaMuon's direction). ``adamuon_eps`` is the second
+    moment's epsilon; ``eps`` (in ``muon_kwargs``) the Newton–Schulz one, as in :func:`muon`.
+    """
+    _checks.in_unit_interval("beta2", beta2)
+    _checks.boolean("sign", sign)
+    return muon(lr, momentum, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn, weight_decay=weight_decay,
+                adamuon_beta2=beta2, adamuon_eps=adamuon_eps, adamuon_sign=sign, **muon_kwargs)
 
 
 def normuon(
@@ -118,15 +190,19 @@ def adamw(
     weight_decay: Scalar = 0.01,
     *,
     decay_1d: bool = True,
+    cautious_weight_decay: bool = False,
 ) -> GradientTransformation:
     """AdamW with torch.optim.AdamW's defaults and arithmetic (decoupled decay ``p(1 − lr·wd)``).
 
     ``decay_1d=False`` decays only leaves of ndim ≥ 2 (biases and norm gains keep their scale);
     the default decays every leaf, as torch.optim.AdamW does with every parameter of a group.
+    ``cautious_weight_decay``: decay only where Adam's direction ``m̂/(√v̂ + eps)`` and the weight
+    agree in sign (:func:`add_decoupled_weight_decay` ``cautious=True``, arXiv:2510.12402).
     """
     _checks.boolean("decay_1d", decay_1d)
-    return chain(scale_by_adam(betas, eps), add_decoupled_weight_decay(weight_decay, min_ndim=0 if decay_1d else 2),
-                 scale_by_learning_rate(lr))
+    _checks.boolean("cautious_weight_decay", cautious_weight_decay)
+    decay = add_decoupled_weight_decay(weight_decay, min_ndim=0 if decay_1d else 2, cautious=cautious_weight_decay)
+    return chain(scale_by_adam(betas, eps), decay, scale_by_learning_rate(lr))
 
 
 # The epsilon of TritonMuon's denominator √v + ε (a keyword of triton_muon and the classes).
@@ -194,6 +270,7 @@ def hybrid(
     adamw_eps: float = 1e-8,
     adamw_weight_decay: Scalar = 0.0,
     adamw_decay_1d: bool = False,
+    cautious_weight_decay: bool = False,
     labels: Any = None,
     **muon_kwargs: Any,
 ) -> GradientTransformation:
@@ -202,11 +279,13 @@ def hybrid(
     ``labels`` (a tree of ``"muon"``/``"adamw"`` or a function of the params) overrides the
     default ndim rule (:func:`matrix_labels`) — e.g. to send embeddings and the output head to AdamW.
     ``adamw_weight_decay`` decays the AdamW leaves of ndim ≥ 2 (embeddings, a head); 0-/1-D leaves
-    (biases, norm gains) decay only with ``adamw_decay_1d=True``.
+    (biases, norm gains) decay only with ``adamw_decay_1d=True``. ``cautious_weight_decay``
+    makes both halves' decay cautious (see :func:`add_decoupled_weight_decay`).
     """
     _checks.scalar_or_schedule("adamw_lr", adamw_lr)
     return partition(
-        {"muon": muon(lr, momentum, **muon_kwargs),
-         "adamw": adamw(adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay, decay_1d=adamw_decay_1d)},
+        {"muon": muon(lr, momentum, cautious_weight_decay=cautious_weight_decay, **muon_kwargs),
+         "adamw": adamw(adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay, decay_1d=adamw_decay_1d,
+                        cautious_weight_decay=cautious_weight_decay)},
         matrix_labels if labels is None else labels,
     )

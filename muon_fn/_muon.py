@@ -1,4 +1,5 @@
-"""Muon-specific transforms: ``orthogonalize`` (msign of each matrix) and ``scale_by_shape``."""
+"""Muon-specific transforms: ``orthogonalize`` (msign of each matrix), ``scale_by_shape`` and
+``align_rms`` (AdaMuon's RMS alignment)."""
 
 from __future__ import annotations
 
@@ -262,3 +263,54 @@ def scale_by_shape(rule: str = "keller", *, view: View = "flatten", split: None 
     tx = named(GradientTransformation(init_empty_state, update), "scale_by_shape", rule=rule,
                view=_views.label(view))
     return with_info(tx, leafwise=True, scope=MATRIX, per_matrix=True)
+
+
+def align_rms(eps: float = 1e-8, *, view: View = "flatten") -> GradientTransformation:
+    """Rescale each matrix ``U`` (m×n) to the size of an exactly orthogonal m×n matrix:
+
+    ``U ← U · √min(m, n) / max(‖U‖_F, eps)``
+
+    so its RMS is ``1/√max(m, n)``, the RMS of ``msign`` — whatever a preceding normalization (the
+    element-wise second moment, :func:`muon_fn.scale_by_second_moment`) did to its size — and a
+    :func:`scale_by_shape` rule after it scales it as it scales ``msign``. With
+    ``scale_by_shape("match_rms_adamw")`` (0.2·√max(m, n)) the product is AdaMuon's RMS-aligned
+    rescaling ``γ = 0.2·√(mn) / ‖Ô‖_F`` (Si et al., *AdaMuon: Adaptive Muon Optimizer*,
+    arXiv:2507.11005): the update's RMS is exactly 0.2, Adam's, so Adam's learning rate carries
+    over. Zero in, zero out. ``view`` says what a matrix is (:func:`orthogonalize`'s): under
+    ``"experts"`` each matrix of a stack, under a head view each block, has its own ``(m, n)`` and
+    norm. Computed in float32 (float64 for float64 updates), the norm from float64 sums.
+    """
+    _checks.positive("eps", eps)
+    _views.check_view(view)
+
+    def align_matrices(x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``(count, m, n)`` (contiguous, compute dtype): each matrix aligned."""
+        # ‖x‖_F from float64 sums of the (exact) squares: compiled, inductor orders a reduction by
+        # the fusion around it, which differs between a whole chain on one device and the FSDP
+        # owner's mid phase; in float64 the order no longer shows in the factor, which is
+        # rounded to x's dtype (MPS has no float64: there it is summed in x's dtype).
+        acc = x.dtype if x.device.type == "mps" else torch.promote_types(x.dtype, torch.float64)
+        norm = x.to(acc).square().sum(dim=(-2, -1), keepdim=True).sqrt()
+        return x * (math.sqrt(min(x.shape[-2:])) / norm.clamp_min(eps)).to(x.dtype)
+
+    def align(u: torch.Tensor) -> torch.Tensor:
+        if u.ndim < 2:
+            raise _not_matrix(u.shape, "align_rms")
+        compute = torch.promote_types(u.dtype, torch.float32)
+        leaf_view = _views.view_of(view, u)
+        if isinstance(leaf_view, _views.Heads):
+            blocks = [align_matrices(b.to(compute).contiguous().unsqueeze(0))[0]
+                      for b in _views.split(u, leaf_view)]
+            return _views.join(blocks, u, leaf_view).to(u.dtype)
+        x = _views.matrices(u.to(compute).contiguous(), leaf_view)
+        return align_matrices(x).reshape(u.shape).to(u.dtype)
+
+    def update(updates, state, params=None, **extra):
+        del params, extra
+        return _tree.tree_map(lambda u: None if u is None else align(u), updates), state
+
+    tx = named(GradientTransformation(init_empty_state, update), "align_rms", eps=eps, view=_views.label(view))
+    # MATRIX: the norm is a whole matrix's. Not per_matrix: compiled, inductor generates the norms
+    # for each tensor shape, so a part of a stack could round differently from the whole (as
+    # normalize_rows).
+    return with_info(tx, leafwise=True, scope=MATRIX)

@@ -1,5 +1,5 @@
-"""Elementwise transforms: momentum, learning rate, weight decay, Adam, NorMuon rows, and the
-per-tensor gradient normalization.
+"""Elementwise transforms: momentum, learning rate, weight decay (cautious too), Adam, AdaMuon's sign
+and second moment, NorMuon rows, and the per-tensor gradient normalization.
 
 Every transform maps a ``None`` update (missing gradient) to ``None`` and leaves that leaf's
 state unchanged, as torch.optim skips parameters without ``.grad``.
@@ -136,7 +136,8 @@ def scale_by_learning_rate(lr: ScalarOrSchedule) -> GradientTransformation:
     return with_info(tx, leafwise=True, scope=ELEMENTWISE)
 
 
-def add_decoupled_weight_decay(weight_decay: Scalar = 0.0, *, min_ndim: int = 0) -> GradientTransformation:
+def add_decoupled_weight_decay(weight_decay: Scalar = 0.0, *, min_ndim: int = 0,
+                               cautious: bool = False) -> GradientTransformation:
     """``u ← u + wd·p``. Followed by ``scale_by_learning_rate(lr)`` this is ``p ← p(1 − lr·wd) − lr·u``
     (decoupled decay). Placed before a preconditioner such as :func:`scale_by_adam` the same sum is
     L2 regularization instead: the gradient of ``wd/2·‖p‖²`` added to the gradient.
@@ -144,11 +145,22 @@ def add_decoupled_weight_decay(weight_decay: Scalar = 0.0, *, min_ndim: int = 0)
     ``min_ndim``: only leaves with ``ndim ≥ min_ndim`` decay (``2``: matrices, embeddings and conv
     weights decay, biases and norm gains do not, as in nanoGPT and the Hugging Face Trainer);
     ``0`` (default) decays every leaf. The rule reads each leaf's own ``ndim``, so it stays leafwise.
+
+    ``cautious``: Cautious Weight Decay (Chen et al., arXiv:2510.12402, Algorithm 1): decay only
+    the coordinates where the update and the parameter agree in sign,
+    ``u ← u + wd·𝟙[u ⊙ p ≥ 0] ⊙ p``, so with the learning rate
+    ``p ← p − lr·(u + wd·𝟙[u ⊙ p ≥ 0] ⊙ p)`` with ``u`` the step direction before the learning
+    rate (Muon's scaled ``msign(M)``, Adam's ``m̂/(√v̂ + eps)``): place it after them. A
+    coordinate where ``u`` or ``p`` is zero decays (``0 ≥ 0``). The mask compares signs, so it is
+    exact in any dtype (a product ``u·p`` could underflow to 0). Elementwise with the parameter,
+    so it runs on any shard.
     """
     _checks.non_negative("weight_decay", weight_decay)
     if isinstance(min_ndim, bool) or not isinstance(min_ndim, int) or min_ndim < 0:
         raise ValueError(f"Invalid min_ndim: {min_ndim!r} (expected an integer >= 0)")
-    config = {"weight_decay": weight_decay, **({"min_ndim": min_ndim} if min_ndim else {})}
+    _checks.boolean("cautious", cautious)
+    config = {"weight_decay": weight_decay, **({"min_ndim": min_ndim} if min_ndim else {}),
+              **({"cautious": True} if cautious else {})}
 
     if not isinstance(weight_decay, torch.Tensor) and weight_decay == 0:
         return with_info(named(identity(), "add_decoupled_weight_decay", **config),
@@ -157,7 +169,11 @@ def add_decoupled_weight_decay(weight_decay: Scalar = 0.0, *, min_ndim: int = 0)
     def decay(u, p):
         if u is None or p.ndim < min_ndim:
             return u
-        return u + weight_decay * p.to(u.dtype)
+        p = p.to(u.dtype)
+        if cautious:
+            agree = torch.sign(u) * torch.sign(p) >= 0  # 𝟙[u ⊙ p ≥ 0]
+            p = torch.where(agree, p, 0)
+        return u + weight_decay * p
 
     def update(updates, state, params=None, **extra):
         del extra
@@ -167,6 +183,69 @@ def add_decoupled_weight_decay(weight_decay: Scalar = 0.0, *, min_ndim: int = 0)
 
     tx = named(GradientTransformation(init_empty_state, update), "add_decoupled_weight_decay", **config)
     return with_info(tx, leafwise=True, scope=ELEMENTWISE, needs_params=True)
+
+
+def scale_by_sign() -> GradientTransformation:
+    """``u ← sign(u)`` elementwise (``−1``, ``0`` or ``1``); stateless.
+
+    AdaMuon's sign-stabilized orthogonal update (Si et al., arXiv:2507.11005, v2 onwards): the
+    momentum is sign-transformed before the orthogonalization, ``O = msign(Sign(M))``, so every
+    entry enters the iteration with the same magnitude. Placed between :func:`momentum` and
+    :func:`muon_fn.orthogonalize` (``adamuon_sign=True`` of :func:`muon_fn.muon`).
+    """
+
+    def update(updates, state, params=None, **extra):
+        del params, extra
+        return _tree.tree_map(lambda u: None if u is None else torch.sign(u), updates), state
+
+    tx = named(GradientTransformation(init_empty_state, update), "scale_by_sign")
+    return with_info(tx, leafwise=True, scope=ELEMENTWISE)
+
+
+class ScaleBySecondMomentState(NamedTuple):
+    """State of :func:`scale_by_second_moment`."""
+
+    nu: Updates  # like params, float32 (float64 for float64 params): EMA of the squared update
+
+    state_keys = {"nu": "update_exp_avg_sq"}  # not AdamW's exp_avg_sq: the square of the update
+
+
+def scale_by_second_moment(beta2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
+    """AdaMuon's element-wise second moment of the (orthogonalized) update ``O``:
+
+    ``V ← β₂·V + (1 − β₂)·O ⊙ O``,  ``Ô = O ⊘ (√V + eps)``
+
+    without bias correction, as in the paper (Si et al., *AdaMuon: Adaptive Muon Optimizer*,
+    arXiv:2507.11005; its reference code divides ``V`` by ``1 − β₂ᵗ``): the RMS alignment that
+    follows (:func:`muon_fn.align_rms`) removes any uniform scale, so ``1 − β₂ᵗ`` would only move
+    ``eps``'s weight. ``V`` is kept in float32 (float64 for float64 parameters) and the
+    arithmetic runs in that dtype; ``Ô`` comes back in the update's dtype. Elementwise: each entry
+    from the same entry of ``O`` and ``V``.
+    """
+    _checks.in_unit_interval("beta2", beta2)
+    _checks.positive("eps", eps)
+
+    def init(params):
+        return ScaleBySecondMomentState(_tree.tree_map(
+            lambda p: None if p is None else torch.zeros(
+                p.shape, dtype=torch.promote_types(p.dtype, torch.float32), device=p.device),
+            params,
+        ))
+
+    def step(o, v):
+        o_hi = o.to(v.dtype)
+        v = beta2 * v + (1 - beta2) * o_hi * o_hi
+        return (o_hi / (v.sqrt() + eps)).to(o.dtype), v
+
+    def update(updates, state, params=None, **extra):
+        del params, extra
+        res = _tree.tree_map(lambda o, v: (None, v) if o is None else step(o, v), updates, state.nu)
+        out = _tree.tree_map(lambda _, r: r[0], updates, res)
+        nu = _tree.tree_map(lambda _, r: r[1], updates, res)
+        return out, ScaleBySecondMomentState(nu)
+
+    tx = named(GradientTransformation(init, update), "scale_by_second_moment", beta2=beta2, eps=eps)
+    return with_info(tx, leafwise=True, scope=ELEMENTWISE)
 
 
 class ScaleByAdamState(NamedTuple):

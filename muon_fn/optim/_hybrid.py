@@ -107,14 +107,18 @@ def matrix_reason(p: torch.Tensor, view: str | Heads, by_module: dict[int, str])
 class HybridSplit:
     """Which parameter went where and the weight decay each gets, printable
     (``print(optimizer.split)``). ``muon_weight_decay``, ``adamw_weight_decay`` and
-    ``adamw_decay_1d`` are those of :func:`create_hybrid_optimizer` (``None``: not shown)."""
+    ``adamw_decay_1d`` are those of :func:`create_hybrid_optimizer` (``None``: not shown);
+    ``algorithm`` names the matrix half's recipe (``"Muon"``, ``"NorMuon"``, ``"AdaMuon"``) and
+    ``cautious`` says that both halves' decay is cautious."""
 
     def __init__(self, muon_params, adamw_params, *, muon_weight_decay: float | None = None,
-                 adamw_weight_decay: float | None = None, adamw_decay_1d: bool = False) -> None:
+                 adamw_weight_decay: float | None = None, adamw_decay_1d: bool = False,
+                 algorithm: str = "Muon", cautious: bool = False) -> None:
         self.muon = [(n, tuple(p.shape), r) for n, p, r in muon_params]
         self.adamw = [(n, tuple(p.shape), r) for n, p, r in adamw_params]
         self.muon_weight_decay, self.adamw_weight_decay = muon_weight_decay, adamw_weight_decay
         self.adamw_decay_1d = adamw_decay_1d
+        self.algorithm, self.cautious = algorithm, cautious
 
     def adamw_decays(self, shape: tuple[int, ...]) -> bool:
         """Whether an AdamW parameter of this shape gets ``adamw_weight_decay``."""
@@ -128,18 +132,19 @@ class HybridSplit:
             return [f"  {n:<40} {str(s):<20} {r}{note(s)}" for n, s, r in entries]
 
         muon_wd, adamw_wd = self.muon_weight_decay, self.adamw_weight_decay
-        muon_head = f"Muon: {len(self.muon)} tensors, {count(self.muon):,} parameters"
+        decay = "cautious weight decay" if self.cautious else "weight decay"
+        muon_head = f"{self.algorithm}: {len(self.muon)} tensors, {count(self.muon):,} parameters"
         adamw_head = f"AdamW: {len(self.adamw)} tensors, {count(self.adamw):,} parameters"
         if muon_wd is not None:
-            muon_head += f"; weight decay {muon_wd:g}" if muon_wd else "; no weight decay"
+            muon_head += f"; {decay} {muon_wd:g}" if muon_wd else "; no weight decay"
         spared = [s for _, s, _ in self.adamw if not self.adamw_decays(s)]
         if adamw_wd is not None:
             if not adamw_wd:
                 adamw_head += "; no weight decay"
             elif not spared:
-                adamw_head += f"; weight decay {adamw_wd:g}"
+                adamw_head += f"; {decay} {adamw_wd:g}"
             else:
-                adamw_head += (f"; weight decay {adamw_wd:g} on ndim >= 2, none on 0-/1-D "
+                adamw_head += (f"; {decay} {adamw_wd:g} on ndim >= 2, none on 0-/1-D "
                                "(adamw_decay_1d=True decays every tensor)")
         return "\n".join([muon_head, *rows(self.muon), adamw_head,
                           *rows(self.adamw, lambda s: ", no weight decay" if adamw_wd and not self.adamw_decays(s)
@@ -159,6 +164,7 @@ def create_hybrid_optimizer(
     adamw_betas: tuple[float, float] = (0.9, 0.95),
     adamw_eps: float = 1e-8,
     adamw_decay_1d: bool = False,
+    cautious_weight_decay: bool = False,
     adamw_names: Sequence[str] = (),
     adamw_predicate: Callable[[str, nn.Parameter], bool] | None = None,
     muon_names: Sequence[str] = (),
@@ -172,7 +178,9 @@ def create_hybrid_optimizer(
     0-/1-D parameters get AdamW with ``adamw_lr``, ``adamw_betas`` and ``adamw_eps`` (see
     :func:`split_parameters` for the rules and overrides). ``adamw_weight_decay`` decays the AdamW
     parameters of ndim ≥ 2 (embeddings, the head); biases and norm gains get no weight decay
-    unless ``adamw_decay_1d=True`` (nanoGPT's and the Hugging Face Trainer's rule). The defaults
+    unless ``adamw_decay_1d=True`` (nanoGPT's and the Hugging Face Trainer's rule).
+    ``cautious_weight_decay=True`` makes both groups' decay cautious (arXiv:2510.12402: only
+    where the update and the weight agree in sign; see :class:`MuonOptimizer`). The defaults
     ``muon_weight_decay=0.01`` and ``adamw_betas=(0.9, 0.95)`` (torch.optim.Muon + AdamW's usual
     configuration) trained better than weight decay 0 and β₂ = 0.999 on every seed measured
     (docs/performance.md, "The hybrid against torch.optim.Muon + torch.optim.AdamW"). One ``state_dict``; schedulers scale each group's ``lr``.
@@ -214,10 +222,15 @@ def create_hybrid_optimizer(
                        "lr": adamw_lr, "weight_decay": adamw_weight_decay, "algorithm": "adamw"})
     if not groups:
         raise ValueError("optimizer got an empty parameter list")
+    if cautious_weight_decay:  # only then: optimizer classes without the key keep working
+        muon_kwargs["cautious_weight_decay"] = True
     optimizer = optimizer_cls(groups, lr=muon_lr, momentum=momentum, adamw_betas=adamw_betas,
                               adamw_eps=adamw_eps, adamw_decay_1d=adamw_decay_1d, **muon_kwargs)
+    algorithm = ("AdaMuon" if muon_kwargs.get("adamuon_beta2") is not None
+                 else "NorMuon" if muon_kwargs.get("beta2") is not None else "Muon")
     optimizer.split = HybridSplit(muon_params, adamw_params, muon_weight_decay=muon_weight_decay,
-                                  adamw_weight_decay=adamw_weight_decay, adamw_decay_1d=adamw_decay_1d)
+                                  adamw_weight_decay=adamw_weight_decay, adamw_decay_1d=adamw_decay_1d,
+                                  algorithm=algorithm, cautious=cautious_weight_decay)
     if verbose:
         print(optimizer.split)
     return optimizer

@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch
 
 from .. import _checks, _compile
-from .._alias import adamw, matrix_labels, muon
+from .._alias import adamw, check_one_normalization, matrix_labels, muon
 from .._base import GradientTransformation
 from .._combine import partition
 from .._muon import ADJUST_LR_FNS
@@ -145,6 +145,17 @@ class MuonOptimizer(HybridOptimizer):
       ns_dtype: iteration dtype (default: bf16, fp32 on CPUs without bf16 GEMMs; torch.optim.Muon
         always iterates in bf16). ``ns_stepsize``: see :func:`muon_fn.orthogonalize`.
       beta2: ``None`` for Muon; a float enables NorMuon row normalization with ``normuon_eps``.
+      adamuon_beta2: ``None`` (default) for Muon; a float enables AdaMuon (arXiv:2507.11005,
+        :func:`muon_fn.adamuon`) with that β₂: the sign of the momentum is orthogonalized
+        (``adamuon_sign=True``), divided by the root of its element-wise second moment (state
+        ``update_exp_avg_sq``, fp32, with ``adamuon_eps``) and rescaled to the size of an
+        orthogonal matrix before the shape rule. ``adjust_lr_fn`` keeps its meaning: the default
+        (``"original"``) gives Muon's step size, ``"match_rms_adamw"`` the paper's RMS-aligned
+        update (RMS 0.2·lr: use an AdamW learning rate). NorMuon and AdaMuon together raise
+        ``ValueError``.
+      cautious_weight_decay: Cautious Weight Decay (arXiv:2510.12402) in both halves: the decay
+        ``lr·wd·p`` (Muon's ``weight_decay``, AdamW's ``adamw_weight_decay``) reaches only the
+        coordinates where the update direction and the weight agree in sign. Default off.
       momentum_dtype: dtype of the momentum buffer (default: the parameter's), e.g. fp32 for
         bf16 parameters.
       layerwise_norm: divide each Muon parameter's gradient by its own norm before the momentum
@@ -194,6 +205,10 @@ class MuonOptimizer(HybridOptimizer):
         ns_stepsize: float = 1.0,
         beta2: float | None = None,
         normuon_eps: float = 1e-8,
+        adamuon_beta2: float | None = None,
+        adamuon_eps: float = 1e-8,
+        adamuon_sign: bool = True,
+        cautious_weight_decay: bool = False,
         momentum_kind: str = "ema",
         momentum_dtype: torch.dtype | None = None,
         layerwise_norm: bool = False,
@@ -215,7 +230,9 @@ class MuonOptimizer(HybridOptimizer):
             lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov,
             ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
             method=method, ns_dtype=ns_dtype, ns_stepsize=ns_stepsize, beta2=beta2,
-            normuon_eps=normuon_eps, momentum_kind=momentum_kind, momentum_dtype=momentum_dtype,
+            normuon_eps=normuon_eps, adamuon_beta2=adamuon_beta2, adamuon_eps=adamuon_eps,
+            adamuon_sign=adamuon_sign, cautious_weight_decay=cautious_weight_decay,
+            momentum_kind=momentum_kind, momentum_dtype=momentum_dtype,
             layerwise_norm=layerwise_norm, matrix_view=matrix_view, adamw_lr=adamw_lr,
             adamw_betas=adamw_betas, adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay,
             adamw_decay_1d=adamw_decay_1d, algorithm=algorithm,
@@ -257,7 +274,9 @@ class MuonOptimizer(HybridOptimizer):
             state_dict = from_torch_state_dict(self, state_dict)
         super().load_state_dict(upgrade_eps_keys(state_dict))
 
-    _later_keys = {**HybridOptimizer._later_keys, "layerwise_norm": False}
+    # Checkpoints saved before these keys existed ran plain Muon with plain decay.
+    _later_keys = {**HybridOptimizer._later_keys, "layerwise_norm": False, "adamuon_beta2": None,
+                   "adamuon_eps": 1e-8, "adamuon_sign": True, "cautious_weight_decay": False}
 
 
 def _with_later_keys(state_dict: Any, later: dict[str, Any]) -> Any:
@@ -284,7 +303,12 @@ def validate_muon_group(group: dict[str, Any]) -> None:
     _checks.boolean("layerwise_norm", group["layerwise_norm"])
     if group["beta2"] is not None:
         _checks.momentum_value(group["beta2"], "beta2", ", or None for Muon")
-    for key in ("eps", "normuon_eps", "ns_stepsize"):
+    if group["adamuon_beta2"] is not None:
+        _checks.momentum_value(group["adamuon_beta2"], "adamuon_beta2", ", or None for Muon")
+    check_one_normalization(group["beta2"], group["adamuon_beta2"])
+    _checks.boolean("adamuon_sign", group["adamuon_sign"])
+    _checks.boolean("cautious_weight_decay", group["cautious_weight_decay"])
+    for key in ("eps", "normuon_eps", "adamuon_eps", "ns_stepsize"):
         _checks.eps_value(key, group[key])
     for key, valid in (("ns_dtype", COMPUTE_DTYPES), ("momentum_dtype", COMPUTE_DTYPES)):
         if group[key] is not None:
@@ -300,8 +324,9 @@ def muon_factory(h: dict[str, Any]) -> GradientTransformation:
             method=h["method"], ns_steps=h["ns_steps"], ns_coefficients=h["ns_coefficients"],
             ns_dtype=h["ns_dtype"], eps=h["eps"], ns_stepsize=h["ns_stepsize"],
             adjust_lr_fn=h["adjust_lr_fn"], weight_decay=h["weight_decay"], beta2=h["beta2"],
-            normuon_eps=h["normuon_eps"], view=h["matrix_view"] or "flatten",
-            mu_dtype=h["momentum_dtype"], layerwise_norm=h["layerwise_norm"],
+            normuon_eps=h["normuon_eps"], adamuon_beta2=h["adamuon_beta2"], adamuon_eps=h["adamuon_eps"],
+            adamuon_sign=h["adamuon_sign"], cautious_weight_decay=h["cautious_weight_decay"],
+            view=h["matrix_view"] or "flatten", mu_dtype=h["momentum_dtype"], layerwise_norm=h["layerwise_norm"],
         )
 
     return hybrid_transform(h, "muon", muon_tx, matrix_labels)
@@ -314,14 +339,15 @@ def hybrid_transform(h: dict[str, Any], name: str, matrix_tx: Callable[[], Gradi
     through :func:`muon_fn.partition` (``"auto"``: ``labels`` sends each leaf to ``name`` or
     ``"adamw"``; AdamW with the ``adamw_*`` settings)."""
     algorithm = h["algorithm"]
-    decay_1d = h["adamw_decay_1d"]
+    # cautious_weight_decay: MuonOptimizer's key (both halves); other hybrids decay plainly
+    decay = {"decay_1d": h["adamw_decay_1d"], "cautious_weight_decay": h.get("cautious_weight_decay", False)}
     if algorithm == "adamw":
-        return adamw(h["lr"], h["adamw_betas"], h["adamw_eps"], h["weight_decay"], decay_1d=decay_1d)
+        return adamw(h["lr"], h["adamw_betas"], h["adamw_eps"], h["weight_decay"], **decay)
     if algorithm != "auto":
         return matrix_tx()
     return partition(
         {name: matrix_tx(),
          "adamw": adamw(h["adamw_lr_effective"], h["adamw_betas"], h["adamw_eps"], h["adamw_weight_decay"],
-                        decay_1d=decay_1d)},
+                        **decay)},
         labels,
     )

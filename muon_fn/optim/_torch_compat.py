@@ -33,7 +33,7 @@ _MUON_STATE = ("momentum_buffer",)
 _ADAMW_STATE = ("step", "exp_avg", "exp_avg_sq")
 # Settings of a muon_fn group that make its Muon torch.optim.Muon's algorithm (set on load).
 _TORCH_ALGORITHM = {"method": None, "momentum_kind": "ema", "beta2": None, "ns_stepsize": 1.0,
-                    "layerwise_norm": False}
+                    "layerwise_norm": False, "adamuon_beta2": None, "cautious_weight_decay": False}
 
 
 class _Route(NamedTuple):
@@ -216,6 +216,7 @@ def _take_muon_hyper(group: dict[str, Any], src: dict[str, Any]) -> None:
 
 def _take_adamw_hyper(g: int, group: dict[str, Any], src: dict[str, Any], has_muon: bool) -> None:
     betas, eps = tuple(float(b) for b in src["betas"]), src["eps"]
+    group["cautious_weight_decay"] = False  # torch.optim.AdamW decays every coordinate
     if group["algorithm"] == "adamw":
         group.update(lr=src["lr"], weight_decay=src["weight_decay"], adamw_betas=betas, adamw_eps=eps)
         if "initial_lr" in src:
@@ -242,6 +243,7 @@ def to_torch_state_dict(optimizer: MuonOptimizer) -> tuple[dict[str, Any], dict[
 
     Only torch-compatible settings convert: every Muon parameter 2-D, one ``(a, b, c)`` triple
     (``ns_coefficients``, ``method="quintic"`` or the default ``method=None``), EMA momentum, no NorMuon (``beta2=None``),
+    no AdaMuon (``adamuon_beta2=None``), no cautious weight decay (in either half),
     ``ns_stepsize=1``, no head views, and ``adjust_lr_fn`` ``None``/``"original"``/``"keller"``/
     ``"match_rms_adamw"``; otherwise ``ValueError`` names what differs. Build the torch
     optimizers over the same parameters (e.g. ``[p for p in params if p.ndim == 2]`` and the
@@ -327,6 +329,9 @@ def _torch_adamw_group(g: int, group: dict[str, Any], members: list[_Route]) -> 
 
 
 def _torch_adamw_hyper(g: int, group: dict[str, Any]) -> dict[str, Any]:
+    if group.get("cautious_weight_decay"):
+        raise ValueError(f"param group {g} cannot be written as torch.optim.AdamW: cautious_weight_decay=True "
+                         "(torch.optim.AdamW decays every coordinate)")
     out = dict(torch.optim.AdamW([torch.zeros(1)]).defaults)  # every key torch's step reads
     out.update(betas=tuple(group["adamw_betas"]), eps=group["adamw_eps"])
     if group["algorithm"] == "adamw":
