@@ -87,31 +87,33 @@ def muon(
     _checks.positive("normuon_eps", normuon_eps)
     _checks.positive("ns_stepsize", ns_stepsize)
     _checks.boolean("cautious_weight_decay", cautious_weight_decay)
-    check_one_normalization(beta2, adamuon_beta2)
-    if adamuon_beta2 is not None:
-        _checks.in_unit_interval("adamuon_beta2", adamuon_beta2)
-    _checks.positive("adamuon_eps", adamuon_eps)
-    _checks.boolean("adamuon_sign", adamuon_sign)
+    _check_adamuon(beta2, adamuon_beta2, adamuon_eps, adamuon_sign)
     rule = shape_rule(adjust_lr_fn)
     if ns_coefficients is not None:
         validate_coefficients(ns_coefficients, name="ns_coefficients")
-    parts = [normalize_layerwise()] if layerwise_norm else []
     adamuon = adamuon_beta2 is not None
+    parts = [normalize_layerwise()] if layerwise_norm else []
     parts.append(momentum_tx(momentum, nesterov=nesterov, kind=kind, mu_dtype=mu_dtype))
-    if adamuon and adamuon_sign:
-        parts.append(scale_by_sign())
+    parts += [scale_by_sign()] if adamuon and adamuon_sign else []
     parts.append(orthogonalize(method, ns_steps, coefficients=ns_coefficients, dtype=ns_dtype, eps=eps,
                                stepsize=ns_stepsize, view=view))
-    if beta2 is not None:
-        parts.append(normalize_rows(beta2, normuon_eps, view=view))
-    if adamuon:
-        parts += [scale_by_second_moment(adamuon_beta2, adamuon_eps), align_rms(view=view)]
+    parts += [normalize_rows(beta2, normuon_eps, view=view)] if beta2 is not None else []
+    parts += [scale_by_second_moment(adamuon_beta2, adamuon_eps), align_rms(view=view)] if adamuon else []
     parts += [
         scale_by_shape(rule, view=view),
         add_decoupled_weight_decay(weight_decay, cautious=cautious_weight_decay),
         scale_by_learning_rate(lr),
     ]
     return chain(*parts)
+
+
+def _check_adamuon(beta2: Any, adamuon_beta2: Any, adamuon_eps: Any, adamuon_sign: Any) -> None:
+    """AdaMuon's arguments of :func:`muon` (one normalization of NorMuon's and AdaMuon's)."""
+    check_one_normalization(beta2, adamuon_beta2)
+    if adamuon_beta2 is not None:
+        _checks.in_unit_interval("adamuon_beta2", adamuon_beta2)
+    _checks.positive("adamuon_eps", adamuon_eps)
+    _checks.boolean("adamuon_sign", adamuon_sign)
 
 
 def check_one_normalization(beta2: Any, adamuon_beta2: Any) -> None:

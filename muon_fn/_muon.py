@@ -177,51 +177,14 @@ def orthogonalize(
     under ``torch.compile`` it stays one opaque call to the tuned eager iteration.
     """
     custom = callable(method) and not isinstance(method, str)
-    if steps is None:
-        steps = _newton_schulz.default_steps(method, None if custom else coefficients)
-    _checks.positive_int("steps", steps)
-    if custom and coefficients is not None:
-        raise ValueError("Invalid coefficients: a callable method runs its own iteration; pass "
-                         "coefficients with method=None (or a named method) instead")
-    if not custom:
-        schedule, scale = resolve_method(method, steps, coefficients=coefficients, stepsize=stepsize)
-    _checks.positive("eps", eps)
+    steps, schedule, scale = _resolve_iteration(method, steps, coefficients, dtype, eps, stepsize, custom)
     view = view_argument(view, flatten)
     refuse_split(split)
-    if dtype is not None and not custom:
-        _checks.dtype("dtype", dtype, _newton_schulz.COMPUTE_DTYPES)
-        _newton_schulz.check_dtype(schedule, dtype)
-
-    def msign(group: list[torch.Tensor]) -> torch.Tensor:
-        """The ``(B, m, n)`` wide-orientation results of one group of equal wide shapes."""
-        if custom:
-            wides = [x.mT if x.size(-2) > x.size(-1) else x for x in group]
-            return method(torch.stack(wides))
-        compute = dtype or _newton_schulz.default_compute_dtype(group[0].device, schedule)
-        if compute.itemsize < group[0].dtype.itemsize:
-            # Cast first, as torch.optim.Muon does (G.bfloat16(), then normalize): compiled, the
-            # update that enters the iteration is materialized in the compute dtype (half the
-            # bytes of an fp32 one), its producer (the momentum) fused with the cast.
-            group = [x.to(compute) for x in group]
-        return _newton_schulz.msign_batch(group, schedule, dtype=compute, eps=eps, norm_scale=scale)
+    msign = _msign_of(method, schedule, scale, dtype, eps) if not custom else _custom_msign(method)
 
     def update(updates, state, params=None, **extra):
         del params, extra
-        paths, leaves, spec = _tree.tree_flatten_with_path(updates)
-        views = [None if u is None or u.ndim < 2 else _views.view_of(view, u) for u in leaves]
-        units = [[] if u is None else _units(u, path, v) for path, u, v in zip(paths, leaves, views)]
-        flat = [(i, j) for i, us in enumerate(units) for j in range(len(us))]
-        keys = [(_newton_schulz.wide_shape(units[i][j].shape), units[i][j].dtype, units[i][j].device)
-                for i, j in flat]
-        results = [list(us) for us in units]
-        for members in group_by(keys, None if batch else 1):
-            batch_out = msign([units[i][j] for i, j in (flat[k] for k in members)])
-            for k, o in zip(members, batch_out.unbind(0)):
-                i, j = flat[k]
-                results[i][j] = o.mT if units[i][j].size(-2) > units[i][j].size(-1) else o
-        out_leaves = [None if u is None else _views.join(outs, u, v).to(u.dtype)
-                      for u, outs, v in zip(leaves, results, views)]
-        return _tree.tree_unflatten(spec, out_leaves), state
+        return _orthogonalize_tree(updates, view, batch, msign), state
 
     if coefficients is None and method is None:
         method = _newton_schulz.DEFAULT_METHOD  # named in the repr
@@ -233,6 +196,67 @@ def orthogonalize(
     tx = named(GradientTransformation(init_empty_state, update), "orthogonalize", **config)
     # per_matrix: the operator computes every step per matrix (a callable method sees its batch).
     return with_info(tx, leafwise=True, scope=MATRIX, per_matrix=not custom)
+
+
+def _resolve_iteration(method: Any, steps: int | None, coefficients: Any, dtype: torch.dtype | None, eps: float,
+                       stepsize: float, custom: bool) -> tuple[int, Any, float]:
+    """``(steps, schedule, norm scale)`` of :func:`orthogonalize`'s arguments, checked in order
+    (``schedule`` and the scale are ``None`` for a callable method)."""
+    if steps is None:
+        steps = _newton_schulz.default_steps(method, None if custom else coefficients)
+    _checks.positive_int("steps", steps)
+    if custom and coefficients is not None:
+        raise ValueError("Invalid coefficients: a callable method runs its own iteration; pass "
+                         "coefficients with method=None (or a named method) instead")
+    schedule, scale = (None, None) if custom else resolve_method(method, steps, coefficients=coefficients,
+                                                                   stepsize=stepsize)
+    _checks.positive("eps", eps)
+    if dtype is not None and not custom:
+        _checks.dtype("dtype", dtype, _newton_schulz.COMPUTE_DTYPES)
+        _newton_schulz.check_dtype(schedule, dtype)
+    return steps, schedule, scale
+
+
+def _custom_msign(method: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[list[torch.Tensor]], torch.Tensor]:
+    """A user's iteration on one group of equal wide shapes, stacked in the wide orientation."""
+    def msign(group: list[torch.Tensor]) -> torch.Tensor:
+        return method(torch.stack([x.mT if x.size(-2) > x.size(-1) else x for x in group]))
+    return msign
+
+
+def _msign_of(method: Any, schedule: Any, scale: float, dtype: torch.dtype | None,
+              eps: float) -> Callable[[list[torch.Tensor]], torch.Tensor]:
+    """A named method's iteration on one group of equal wide shapes: the ``(B, m, n)``
+    wide-orientation results, in the compute dtype (``dtype``, or the device's default)."""
+    def msign(group: list[torch.Tensor]) -> torch.Tensor:
+        compute = dtype or _newton_schulz.default_compute_dtype(group[0].device, schedule)
+        if compute.itemsize < group[0].dtype.itemsize:
+            # Cast first, as torch.optim.Muon does (G.bfloat16(), then normalize): compiled, the
+            # update that enters the iteration is materialized in the compute dtype (half the
+            # bytes of an fp32 one), its producer (the momentum) fused with the cast.
+            group = [x.to(compute) for x in group]
+        return _newton_schulz.msign_batch(group, schedule, dtype=compute, eps=eps, norm_scale=scale)
+    return msign
+
+
+def _orthogonalize_tree(updates: Any, view: View, batch: bool,
+                        msign: Callable[[list[torch.Tensor]], torch.Tensor]) -> Any:
+    """Every matrix of every leaf of ``updates`` (as its view reads it) replaced by its msign,
+    equal wide shapes in one batch (``batch``) or one at a time."""
+    paths, leaves, spec = _tree.tree_flatten_with_path(updates)
+    views = [None if u is None or u.ndim < 2 else _views.view_of(view, u) for u in leaves]
+    units = [[] if u is None else _units(u, path, v) for path, u, v in zip(paths, leaves, views)]
+    flat = [(i, j) for i, us in enumerate(units) for j in range(len(us))]
+    keys = [(_newton_schulz.wide_shape(units[i][j].shape), units[i][j].dtype, units[i][j].device) for i, j in flat]
+    results = [list(us) for us in units]
+    for members in group_by(keys, None if batch else 1):
+        batch_out = msign([units[i][j] for i, j in (flat[k] for k in members)])
+        for k, o in zip(members, batch_out.unbind(0)):
+            i, j = flat[k]
+            results[i][j] = o.mT if units[i][j].size(-2) > units[i][j].size(-1) else o
+    out_leaves = [None if u is None else _views.join(outs, u, v).to(u.dtype)
+                  for u, outs, v in zip(leaves, results, views)]
+    return _tree.tree_unflatten(spec, out_leaves)
 
 
 def scale_by_shape(rule: str = "keller", *, view: View = "flatten", split: None = None) -> GradientTransformation:

@@ -447,7 +447,7 @@ def test_custom_coefficients_accept_lists_and_tensors_rows(device):
 
 @pytest.mark.parametrize("has_bf16", [True, False])
 def test_default_compute_dtype_is_fp32_only_on_cpus_without_bf16_gemms(monkeypatch, has_bf16):
-    monkeypatch.setattr(orth, "CPU_HAS_BF16_GEMM", has_bf16)
+    monkeypatch.setattr(orth.cpu, "CPU_HAS_BF16_GEMM", has_bf16)
     cpu = torch.bfloat16 if has_bf16 else torch.float32
     assert orth.default_compute_dtype() == orth.default_compute_dtype("cpu") == cpu
     assert orth.default_compute_dtype(torch.device("cuda", 0)) == torch.bfloat16
@@ -471,7 +471,7 @@ def test_cpu_has_bf16_gemm_reads_the_cpu_flags(monkeypatch):
     flags = {"_is_avx512_bf16_supported": False, "_is_amx_tile_supported": False}
     for name in flags:
         monkeypatch.setattr(torch.cpu, name, lambda name=name: flags[name])
-    monkeypatch.setattr(orth.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(orth.cpu.platform, "machine", lambda: "x86_64")
     assert orth.cpu_has_bf16_gemm() is False
     flags["_is_amx_tile_supported"] = True
     assert orth.cpu_has_bf16_gemm() is True
@@ -628,8 +628,8 @@ def test_reused_buffers_give_bitwise_the_same_iteration(method, steps, shape):
     for _ in range(2):
         x = torch.randn(shape, generator=gen)
         y = (x / (x.norm(dim=(-2, -1), keepdim=True) * 1.01)).to(torch.bfloat16)
-        plain = O._run_schedule(y.clone(), schedule, 1e-7)
-        reused = O._run_schedule(y.clone(), schedule, 1e-7, buffers)
+        plain = O.run_schedule(y.clone(), schedule, 1e-7, O.CPUProducts())
+        reused = O.run_schedule(y.clone(), schedule, 1e-7, O.CPUProducts(buffers=buffers))
         assert torch.equal(reused, plain)
     assert buffers and all(t.dtype == torch.bfloat16 for t in buffers.values())
 
@@ -640,12 +640,12 @@ def _split_symmetric_products(min_block: int):
     on AMX and only long Gram products are split), or never with a huge ``min_block``."""
     from muon_fn import _newton_schulz as O
 
-    old = O.SYMMETRIC_MIN_BLOCK, O._amx_dtypes
-    O.SYMMETRIC_MIN_BLOCK, O._amx_dtypes = min_block, frozenset
+    old = O.cpu.SYMMETRIC_MIN_BLOCK, O.cpu._amx_dtypes
+    O.cpu.SYMMETRIC_MIN_BLOCK, O.cpu._amx_dtypes = min_block, frozenset
     try:
         yield
     finally:
-        O.SYMMETRIC_MIN_BLOCK, O._amx_dtypes = old
+        O.cpu.SYMMETRIC_MIN_BLOCK, O.cpu._amx_dtypes = old
 
 
 @given(m=st.integers(1, 70), k=st.integers(1, 70), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
@@ -661,7 +661,7 @@ def test_symmetric_products_computed_blockwise(m, k, dtype, beta, alpha, seed):
         gram = O.gram_matrix(x)
         a = x @ x.mT
         a = 0.5 * (a + a.mT)  # exactly symmetric, as the function requires
-        square = O._product(a, a, None, a, beta=beta, alpha=alpha, symmetric=True)
+        square = O.CPUProducts().product(a, a, None, a, beta=beta, alpha=alpha, symmetric=True)
     ref = torch.addmm(a, a, a, beta=beta, alpha=alpha)
     # Rounding bound: a few units of the dtype's eps times the magnitudes that are summed.
     unit = 8 * torch.finfo(dtype).eps
@@ -701,7 +701,7 @@ def test_symmetric_block_plan_tiles_the_matrix_once(m, min_block):
     """Leaves on the diagonal plus each corner and its mirror cover every entry exactly once."""
     from muon_fn import _newton_schulz as O
 
-    blocks = O._symmetric_blocks(m, min_block)
+    blocks = O.cpu._symmetric_blocks(m, min_block)
     covered = torch.zeros(m, m, dtype=torch.int32)
     for rows, cols, mirrored in blocks:
         covered[rows, cols] += 1
@@ -720,13 +720,13 @@ def test_symmetric_split_policy_follows_the_gemm_hardware(monkeypatch):
     from muon_fn import _newton_schulz as O
 
     bf16, fp32 = torch.empty(1, dtype=torch.bfloat16), torch.empty(1)
-    monkeypatch.setattr(O, "_amx_dtypes", lambda: frozenset({torch.bfloat16}))
-    assert not O._split_symmetric(768, 768, bf16)  # A², or a square's XXᵀ
-    assert O._split_symmetric(768, 3072, bf16)  # XXᵀ of a 768×3072 matrix
-    assert O._split_symmetric(768, 768, fp32)
-    assert not O._split_symmetric(2 * O.SYMMETRIC_MIN_BLOCK - 1, 10**4, fp32)
-    monkeypatch.setattr(O, "_amx_dtypes", frozenset)
-    assert O._split_symmetric(768, 768, bf16)
+    monkeypatch.setattr(O.cpu, "_amx_dtypes", lambda: frozenset({torch.bfloat16}))
+    assert not O.CPUProducts().split_symmetric(768, 768, bf16)  # A², or a square's XXᵀ
+    assert O.CPUProducts().split_symmetric(768, 3072, bf16)  # XXᵀ of a 768×3072 matrix
+    assert O.CPUProducts().split_symmetric(768, 768, fp32)
+    assert not O.CPUProducts().split_symmetric(2 * O.SYMMETRIC_MIN_BLOCK - 1, 10**4, fp32)
+    monkeypatch.setattr(O.cpu, "_amx_dtypes", frozenset)
+    assert O.CPUProducts().split_symmetric(768, 768, bf16)
 
 
 @pytest.mark.parametrize("method", ["polar_express", "aol9"])
@@ -788,12 +788,12 @@ def test_degree9_step_accumulates_into_its_scratch_gram(batch):
     row = O.AOL9_COEFFICIENTS[3]
     x = torch.randn(*batch, 30, 50, generator=torch.Generator().manual_seed(12)).to(torch.bfloat16)
     gram = x @ x.mT
-    expected = O._poly(gram.clone(), row)
+    expected = O.poly(gram.clone(), row, O.CPUProducts())
     scratch = gram.clone()
-    out = O._poly(scratch, row, overwrite=True)
+    out = O.poly(scratch, row, O.CPUProducts(), overwrite=True)
     assert out.data_ptr() == scratch.data_ptr() and torch.equal(out, expected)
     recorded = gram.float().requires_grad_()
-    out = O._poly(recorded, row, overwrite=True)
+    out = O.poly(recorded, row, O.CPUProducts(), overwrite=True)
     assert out.data_ptr() != recorded.data_ptr()
     out.sum().backward()
     assert recorded.grad is not None

@@ -89,18 +89,13 @@ def benchmark_muon_optimizers(
         with shared_inputs():
             built = {r: ROW_SPECS[r].build(params, lr) for r in rows}
         first, times = _time_rows(built, params, rounds, num_steps, device)
-        flops = {r: _row_flops(r, params, device) for r in rows}
         rates = _matmul_rates(rows, params, device)
         out: dict[str, Any] = {
             "config": {**_config(model_size, layers, params, num_steps, lr, rounds, threads, n_threads, device),
                        "matmul_rates": rates},
             "rows": _summarize(built, first, times),
         }
-        for r, f in flops.items():
-            if f is not None:
-                rate = rates[str(ROW_SPECS[r].ortho(device).dtype).removeprefix("torch.")]
-                bound = bound_seconds(f, rate)
-                out["rows"][r].update(gemm_flops=f, bound_s=bound, ratio_to_bound=out["rows"][r]["median"] / bound)
+        _add_bounds(out["rows"], params, rates, device)
         if memory:
             for r, (opt, step) in built.items():
                 out["rows"][r]["peak_step_bytes"] = None if opt is None else peak_step_bytes(step, device)
@@ -135,6 +130,17 @@ def _row_flops(row: str, params: list[torch.Tensor], device: torch.device) -> in
         return None
     method = "quintic" if ortho.method == TORCH else ortho.method  # torch.optim.Muon: Keller's quintic
     return step_gemm_flops([p.shape for p in params], _newton_schulz.coefficient_schedule(method, ortho.steps))
+
+
+def _add_bounds(rows: dict[str, dict[str, Any]], params: list[torch.Tensor], rates: dict[str, Any],
+                device: torch.device) -> None:
+    """Each orthogonalizing row's GEMM FLOPs, its bound (those FLOPs at the rate measured for its
+    compute dtype) and its median over that bound."""
+    for r, row in rows.items():
+        f = _row_flops(r, params, device)
+        if f is not None:
+            bound = bound_seconds(f, rates[str(ROW_SPECS[r].ortho(device).dtype).removeprefix("torch.")])
+            row.update(gemm_flops=f, bound_s=bound, ratio_to_bound=row["median"] / bound)
 
 
 def _matmul_rates(rows: Sequence[str], params: list[torch.Tensor], device: torch.device) -> dict[str, Any]:

@@ -26,7 +26,8 @@ def replay(params: Sequence[torch.Tensor], method: str, steps: int | None, *, bu
     The inputs are prepared once, outside the returned function, as the real path prepares them
     (wide orientation, Frobenius-normalized, then AOL-rescaled for an AOL schedule), so the GEMMs
     run on the values they would see: unnormalized weights make every schedule overflow to
-    inf/NaN within a few steps. Products go into reused scratch, as the op's do on the CPU.
+    inf/NaN within a few steps. Products are the device's (:func:`muon_fn._newton_schulz.for_device`):
+    on the CPU they go into reused scratch, as the op's do.
     Inside :func:`shared_inputs`, replays of the same parameters with the same normalization and
     dtype share one prepared copy.
     """
@@ -47,12 +48,12 @@ def replay(params: Sequence[torch.Tensor], method: str, steps: int | None, *, bu
             calls += bucket
         else:
             calls.append(torch.stack(bucket))
-    buffers: dict = {}
+    ops = _newton_schulz.for_device(params[0].device, buffers={})
 
     def run() -> None:
         for x in calls:
-            gram = _newton_schulz.gram_matrix(x, buffers) if aol else None  # AOL's Gram feeds step 1
-            _newton_schulz.iterate(x, schedule, gram, buffers)
+            gram = _newton_schulz.gram_matrix(x, ops) if aol else None  # AOL's Gram feeds step 1
+            _newton_schulz.iterate(x, schedule, gram, ops)
     return run
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import functools
 import heapq
 import math
-import operator
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -314,18 +313,10 @@ def make_plan(
         raise ValueError(f"Invalid extra_cols: {extra_cols} (expected >= 0)")
     units = _check_units(units, len(shapes))
     local = _check_local(_per_matrix("local", local, len(shapes)), replicated, units)
-    held = [None if h is None else h if type(h) is tuple and (not h or type(h[0]) is tuple)
-            else tuple(tuple(r) for r in h) for h in (held or [None] * len(shapes))]
-    receives = [h if h is not None else ((0, m),) * world_size if rep else chunk_rows(m, world_size)
-                for h, rep, (m, _) in zip(held, replicated, flat)]
-    if len(receives) != len(shapes) or any(len(r) != world_size for r in receives):
-        raise ValueError(f"held must give the rows of each of {world_size} ranks for each of {len(shapes)} matrices")
+    held, receives = _held_rows(held, replicated, flat, world_size)
     groups = make_buckets([0 if local[u[0]] else sum(flat[j][0] * flat[j][1] for j in u) for u in units],
                           num_buckets)
-    seed = [0] * world_size
-    for j in (j for j, lo in enumerate(local) if lo):
-        for r, n in _nonzero(receives[j]):
-            seed[r] += costs[j] * n // max(flat[j][0], 1)
+    seed = _local_loads(local, receives, costs, flat, world_size)
     split = _per_matrix("split", split, len(units))
     holders = [(_nonzero(rows) or ((-1, 0),))[0][0] for rows in receives]
     owners, bucket_of = _assign_owners(costs, units, groups, world_size, seed, local, split, holders)
@@ -333,19 +324,47 @@ def make_plan(
         for j in unit if split[u] else ():
             if owners[j] == holders[j] and len(_nonzero(receives[j])) == 1:
                 owners[j], local[j] = LOCAL, True
-    matrices = []
-    for j, (shape, (m, n)) in enumerate(zip(shapes, flat)):
-        receive = receives[j]
-        if held[j] is not None and not local[j]:
-            contrib = receive if _no_replicas(receive) else first_holders(receive, owners[j])
-        elif replicated[j]:
-            contrib = tuple((0, m) if r == owners[j] else (0, 0) for r in range(world_size))
-        else:
-            contrib = receive
-        matrices.append(MatrixPlan(j, shape, m, n + extra[j], owners[j], bucket_of[j], contrib, receive, costs[j]))
+    matrices = [MatrixPlan(j, shape, m, n + extra[j], owners[j], bucket_of[j],
+                           _contributions(receives[j], held[j], local[j], replicated[j], owners[j], m),
+                           receives[j], costs[j])
+                for j, (shape, (m, n)) in enumerate(zip(shapes, flat))]
     buckets = [_bucket_plan(b, [j for u in members for j in units[u]], matrices, world_size)
                for b, members in enumerate(groups)]
     return Plan(world_size, tuple(matrices), tuple(buckets))
+
+
+def _held_rows(held, replicated: list[bool], flat: list[tuple[int, int]],
+               world_size: int) -> tuple[list[tuple[Rows, ...] | None], list[tuple[Rows, ...]]]:
+    """``(held, receives)``: ``held`` as tuples, and the rows each rank receives back of each
+    matrix (what it holds: given, all of it if replicated, else its ``torch.chunk`` rows)."""
+    held = [None if h is None else h if type(h) is tuple and (not h or type(h[0]) is tuple)
+            else tuple(tuple(r) for r in h) for h in (held or [None] * len(flat))]
+    receives = [h if h is not None else ((0, m),) * world_size if rep else chunk_rows(m, world_size)
+                for h, rep, (m, _) in zip(held, replicated, flat)]
+    if len(receives) != len(flat) or any(len(r) != world_size for r in receives):
+        raise ValueError(f"held must give the rows of each of {world_size} ranks for each of {len(flat)} matrices")
+    return held, receives
+
+
+def _local_loads(local: list[bool], receives, costs: list[int], flat: list[tuple[int, int]],
+                 world_size: int) -> list[int]:
+    """Each rank's share of the local matrices' cost (by the rows it holds): LPT's starting loads."""
+    seed = [0] * world_size
+    for j in (j for j, lo in enumerate(local) if lo):
+        for r, n in _nonzero(receives[j]):
+            seed[r] += costs[j] * n // max(flat[j][0], 1)
+    return seed
+
+
+def _contributions(receive: tuple[Rows, ...], held, local: bool, replicated: bool, owner: int,
+                   m: int) -> tuple[Rows, ...]:
+    """The rows each rank sends of one matrix: each held block once (from the owner where it
+    holds it), a replicated matrix's rows from the owner alone, else what each rank holds."""
+    if held is not None and not local:
+        return receive if _no_replicas(receive) else first_holders(receive, owner)
+    if replicated:
+        return tuple((0, m) if r == owner else (0, 0) for r in range(len(receive)))
+    return receive
 
 
 def first_holders(held: Sequence[Rows], owner: int) -> tuple[Rows, ...]:

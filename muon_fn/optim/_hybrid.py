@@ -153,6 +153,20 @@ class HybridSplit:
     __repr__ = __str__
 
 
+def _matrix_views(model: nn.Module, muon_params: list, user_view: Any) -> tuple[dict[str, Any], list]:
+    """The matrix view of each Muon parameter that needs one (ndim ≥ 3, or a head view): the
+    user's, else its module's; and the Muon parameters with the split's reason for each."""
+    by_module = module_views(model)
+    chosen = {name: given(user_view, name, p) or by_module.get(id(p), "flatten") for name, p, _ in muon_params}
+    chosen = {name: view for (name, p, _), view in zip(muon_params, chosen.values())
+              if p.ndim >= 3 or isinstance(view, Heads)}
+    for name, p, _ in muon_params:
+        if isinstance(chosen.get(name), Heads):
+            fits(chosen[name], p, repr(name))
+    return chosen, [(n, p, r if n not in chosen or r == "muon_names" else matrix_reason(p, chosen[n], by_module))
+                    for n, p, r in muon_params]
+
+
 def create_hybrid_optimizer(
     model: nn.Module,
     muon_lr: float = 0.02,
@@ -201,15 +215,7 @@ def create_hybrid_optimizer(
     muon_params, adamw_params = split_parameters(
         model, adamw_names=adamw_names, adamw_predicate=adamw_predicate, muon_names=muon_names
     )
-    by_module = module_views(model)
-    chosen = {name: given(user_view, name, p) or by_module.get(id(p), "flatten") for name, p, _ in muon_params}
-    chosen = {name: view for (name, p, _), view in zip(muon_params, chosen.values())
-              if p.ndim >= 3 or isinstance(view, Heads)}
-    for name, p, _ in muon_params:
-        if isinstance(chosen.get(name), Heads):
-            fits(chosen[name], p, repr(name))
-    muon_params = [(n, p, r if n not in chosen or r == "muon_names" else matrix_reason(p, chosen[n], by_module))
-                   for n, p, r in muon_params]
+    chosen, muon_params = _matrix_views(model, muon_params, user_view)
     groups = []
     if muon_params:
         groups.append({"params": [p for _, p, _ in muon_params],

@@ -1,0 +1,229 @@
+"""The CPU's execution of the Newton–Schulz iteration (execution policy ``"cpu"``).
+
+What the iteration computes is :mod:`.iteration`'s; this module decides how a CPU computes it:
+
+- symmetric products (``XXᵀ``, ``A²``, the quintic's polynomial) split into blocks on and above
+  the diagonal, the block below mirrored (3/4 of the FLOPs), eager, per matrix;
+- batches of matrices from :data:`LOOP_MIN_DIM` rows run one matrix at a time (2-D GEMMs), and
+  every matrix of a batch starts on an aligned slot (:func:`aligned_slots`), so a matrix's result
+  never depends on its batch mates (FSDP owners batch other matrices than a single device);
+- intermediate products go into scratch reused across calls (:func:`scratch_buffers`);
+- whether this CPU has bf16 GEMMs (:data:`CPU_HAS_BF16_GEMM`), and AMX's split rule.
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+import threading
+from typing import Callable, Sequence
+
+import torch
+
+from .. import _execution
+from .iteration import inverse_norm, run_schedule, wide_shape
+from .products import Buffers, Products, matmul, addmm, untracked
+from .schedules import Coefficients
+
+
+def cpu_has_bf16_gemm() -> bool:
+    """Whether this CPU has bf16 dot-product instructions, which torch's CPU bf16 GEMMs need to be
+    fast (without them they are emulated: 56–230x slower than fp32 on a Zen 3)."""
+    if platform.machine().lower() in ("aarch64", "arm64"):
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())  # Arm BF16 (e.g. Neoverse V1+)
+    cpu = getattr(torch, "cpu", None)
+    return any(getattr(cpu, name, lambda: False)() for name in ("_is_avx512_bf16_supported",
+                                                                  "_is_amx_tile_supported"))
+
+
+# Read once at import: a plain global, so torch.compile guards on it instead of tracing the probe.
+CPU_HAS_BF16_GEMM: bool = cpu_has_bf16_gemm()
+
+# Products known to be symmetric (XXᵀ, A², c₁A + c₂A²) are computed from the blocks on and above
+# the diagonal of a 2×2 split, recursively while a block keeps at least this many rows, and the
+# block below is a transposed copy: 3/4 of the FLOPs per level. Each entry is the same dot product:
+# in bf16 the result is bitwise one GEMM's (checked on every size below, and for every method's
+# full iteration); fp32 GEMM kernels differ by shape (8 fp32 Polar Express steps: 2e-7).
+# Measured on the 2-core Zen 4 CPU, bf16, ms (one GEMM → split): XXᵀ 768×3072 8.4 → 5.4, 768² 2.2 → 1.9,
+# 1024×4096 20.1 → 12.9, 2048² 39.4 → 28.0; A² 768² 2.1 → 1.7, 2048² 42.6 → 30.4. Below 384 rows
+# (the batched sizes) the halves lose more GEMM efficiency than they save (16×256²: 1.2 → 2.1).
+# Eager only: compiled graphs keep one GEMM; so do products that autograd records or torch.func
+# transforms.
+SYMMETRIC_MIN_BLOCK = 192
+
+# On AMX the GEMMs are ~6x faster than fp32 (768×3072 XXᵀ: 3.5 vs 22 ms) and the split's mirrored
+# copies and smaller GEMMs cost more than the saved FLOPs unless the inner dimension is long:
+# measured on a 1-thread Xeon with AMX, bf16, ms (one GEMM → split): A² 768² 0.73 → 1.13, XXᵀ 768²
+# 0.86 → 1.10, XXᵀ 768×3072 3.46 → 3.18. So there only Gram products with k ≥ 2m are split.
+AMX_SPLIT_MIN_RATIO = 2
+
+# Batches of matrices with min(m, n) >= this run one matrix at a time (2-D GEMMs) in eager mode,
+# whatever the batch size, so a matrix's result never depends on its batch mates: on the 2-core
+# Zen 4 CPU, bf16 baddbmm is 9-14 % slower than a loop of addmm from 512² up (16×768²: 603 vs
+# 525 ms) and 5-16 % faster below 384 (16×256²: 19.1 vs 22.8 ms).
+LOOP_MIN_DIM = _execution.CPU.loop_min_dim
+
+# CPU BLAS kernels choose their code path by the operands' address: measured with MKL (AVX-512),
+# an fp32 XXᵀ of a 10×11 matrix rounds differently at every 16-byte offset of X (bf16 GEMMs through
+# oneDNN do not). The i-th matrix of a contiguous (B, m, n) batch starts i·m·n elements in.
+SLOT_ALIGNMENT = 64  # bytes: torch's CPU allocator's alignment of a fresh tensor
+
+
+@functools.cache
+def _amx_dtypes() -> frozenset[torch.dtype]:
+    """The half dtypes whose CPU GEMMs oneDNN runs on AMX tiles here (Intel Sapphire Rapids and
+    later: bf16; Granite Rapids: also fp16)."""
+    cpu = getattr(torch, "cpu", None)
+    probe = {torch.bfloat16: "_is_amx_tile_supported", torch.float16: "_is_amx_fp16_supported"}
+    return frozenset(dt for dt, name in probe.items() if getattr(cpu, name, lambda: False)())
+
+
+@functools.lru_cache(maxsize=None)
+def _symmetric_blocks(m: int, min_block: int) -> tuple[tuple[slice, slice, bool], ...]:
+    """The blocks ``(rows, cols, mirrored)`` computed for a symmetric ``m × m`` product split
+    recursively 2×2 while halves keep ``min_block`` rows: the diagonal leaves, then each corner
+    above the diagonal (``mirrored``: its transpose fills the block below)."""
+    leaves: list[tuple[slice, slice, bool]] = []
+    corners: list[tuple[slice, slice, bool]] = []
+
+    def split(r0: int, r2: int) -> None:
+        h = (r2 - r0) // 2
+        if h < min_block:
+            leaves.append((slice(r0, r2), slice(r0, r2), False))
+            return
+        split(r0, r0 + h)
+        split(r0 + h, r2)
+        corners.append((slice(r0, r0 + h), slice(r0 + h, r2), True))
+
+    split(0, m)
+    return tuple(leaves + corners)
+
+
+class CPUProducts(Products):
+    """The iteration's products on the CPU: scratch kept in ``buffers`` (when given), symmetric
+    products split into blocks (:func:`split_symmetric`), batches of large matrices one matrix at
+    a time (:meth:`loops`)."""
+
+    def __init__(self, policy: _execution.ExecutionPolicy = _execution.CPU, buffers: Buffers | None = None) -> None:
+        self.policy, self.buffers = policy, buffers
+
+    def scratch(self, role: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor | None:
+        """A reusable ``empty`` tensor for ``role`` (None without buffers). Reusing them avoids a
+        fresh allocation per product, whose first touch page-faults (measured: the tiny bench set
+        ran ~10 % faster for every row once freed memory stayed mapped)."""
+        if self.buffers is None:
+            return None
+        key = (role, tuple(shape), like.dtype, like.device)
+        t = self.buffers.get(key)
+        if t is None:
+            t = self.buffers[key] = torch.empty(shape, dtype=like.dtype, device=like.device)
+        return t
+
+    def without_scratch(self) -> "CPUProducts":
+        return self if self.buffers is None else CPUProducts(self.policy)
+
+    def product(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
+                bias: torch.Tensor | None = None, beta: float = 1.0, alpha: float = 1.0, *,
+                symmetric: bool = False) -> torch.Tensor:
+        """``a @ b`` or ``beta·bias + alpha·(a @ b)`` (into ``out``); a product the caller knows is
+        exactly symmetric is computed blockwise where :meth:`split_symmetric` allows, a batch one
+        matrix at a time (bf16 bmm on strided halves is slower than one GEMM)."""
+        m = a.shape[-2]
+        if not (symmetric and self.split_symmetric(m, a.shape[-1], a, b, bias)):
+            return super().product(a, b, out, bias, beta, alpha)
+        if out is None:
+            out = torch.empty(a.shape[:-1] + b.shape[-1:], dtype=a.dtype, device=a.device)
+        if a.ndim == 3:
+            for i in range(a.size(0)):
+                self.product(a[i], b[i], out[i], None if bias is None else bias[i], beta, alpha, symmetric=True)
+            return out
+        for rows, cols, mirrored in _symmetric_blocks(m, SYMMETRIC_MIN_BLOCK):
+            block = out[rows, cols]
+            if bias is None:
+                matmul(a[rows], b[:, cols], block)
+            else:
+                addmm(bias[rows, cols], a[rows], b[:, cols], beta=beta, alpha=alpha, out=block)
+            if mirrored:
+                out[cols, rows].copy_(block.mT)
+        return out
+
+    def split_symmetric(self, m: int, k: int, *tensors: torch.Tensor | None) -> bool:
+        """Whether to split an ``m × m`` product with inner dimension ``k``: eager, big enough,
+        worth it for the dtype (see ``AMX_SPLIT_MIN_RATIO``), and no autograd graph to record and
+        no torch.func wrapper (the blocks are written with ``out=``, which neither supports)."""
+        a = tensors[0]
+        if m < 2 * SYMMETRIC_MIN_BLOCK or not self.policy.split_symmetric or torch.compiler.is_compiling():
+            return False
+        if a.dtype in _amx_dtypes() and k < AMX_SPLIT_MIN_RATIO * m:
+            return False
+        return all(untracked(t) for t in tensors if t is not None)
+
+    def loops(self, m: int) -> bool:
+        """Whether an eager batch of wide matrices with ``m`` rows runs one matrix at a time."""
+        limit = self.policy.loop_min_dim
+        return limit is not None and m >= limit and not torch.compiler.is_compiling()
+
+    def each_matrix(self, run: Callable[..., torch.Tensor], y: torch.Tensor, gram: torch.Tensor | None,
+                    out: torch.Tensor | None) -> torch.Tensor:
+        if y.ndim == 3 and self.loops(y.size(-2)):
+            out = torch.empty_like(y) if out is None else out
+            for i in range(y.size(0)):
+                run(y[i], None if gram is None else gram[i], out[i])
+            return out
+        return run(y, gram, out)
+
+    def orthogonalize_batch(self, xs: Sequence[torch.Tensor], schedule: Sequence[Coefficients], dtype: torch.dtype,
+                            eps: float, norm_scale: float) -> torch.Tensor:
+        """Each matrix normalized by its own Frobenius norm (in at least fp32, on its own layout)
+        and cast straight into its slot of the batch, then the batch iterated: batched GEMMs below
+        :data:`LOOP_MIN_DIM` rows, one matrix at a time from there or when the slots are not
+        aligned (eager). Every step is computed per matrix on equally aligned memory, so a
+        matrix's result does not depend on which others share its batch."""
+        m, n = wide_shape(xs[0].shape)
+        device = xs[0].device
+        out = torch.empty((len(xs), m, n), dtype=dtype, device=device)
+        aligned = aligned_slots(m, n, dtype, device)
+        loop = (self.loops(m) or not aligned) and not torch.compiler.is_compiling()
+        shape = (m, n) if loop else (len(xs), m, n)
+        y = self.scratch("input", shape, out)
+        y = torch.empty(shape, dtype=dtype, device=device) if y is None else y
+        for i, x in enumerate(xs):
+            slot = y if loop else y[i]
+            inv = inverse_norm(x, norm_scale, eps)
+            torch.mul(x.mT if x.size(-2) > x.size(-1) else x, inv, out=slot)
+            if loop and aligned:
+                run_schedule(slot, schedule, eps, self, out=out[i])
+            elif loop:  # the last product goes to aligned scratch, then into the slot
+                out[i].copy_(run_schedule(slot, schedule, eps, self))
+        if not loop:
+            run_schedule(y, schedule, eps, self, out=out)
+        return out
+
+
+def aligned_slots(m: int, n: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether every matrix of a batch of wide ``(m, n)`` matrices, and of their ``(m, m)`` Gram
+    products, starts as a fresh tensor does (on a :data:`SLOT_ALIGNMENT` boundary) on the CPU, so
+    a batched GEMM computes each as it would alone; off the CPU, True."""
+    if torch.device(device).type != "cpu":
+        return True
+    size = torch.empty((), dtype=dtype).element_size()
+    return (m * n * size) % SLOT_ALIGNMENT == 0 and (m * m * size) % SLOT_ALIGNMENT == 0
+
+
+_SCRATCH = threading.local()  # per thread: {(role, shape, dtype, device): tensor}
+
+
+def clear_scratch() -> None:
+    """Free the scratch tensors this thread's eager orthogonalizations keep between calls."""
+    _SCRATCH.__dict__.clear()
+
+
+def scratch_buffers(device: torch.device) -> Buffers | None:
+    """This thread's reused scratch where the execution policy asks for it: on the CPU, where a
+    fresh allocation page-faults on first touch (about 10 % of a small step); CUDA's caching
+    allocator already reuses memory."""
+    if not _execution.policy(device).scratch:
+        return None
+    if not hasattr(_SCRATCH, "buffers"):
+        _SCRATCH.buffers = {}
+    return _SCRATCH.buffers
