@@ -432,3 +432,54 @@ def test_replays_built_together_share_their_prepared_inputs():
             bench.replay(params, method, 5, bucket_size=bucket_size, dtype=torch.float32)
         shared = dict(_replay._SHARED)
     assert len(shared) == 2 and _replay._SHARED is None  # quintic twice: one copy; Polar Express: its 1.01 scale
+
+
+# ----------------------------------------------------------------------------- compile time
+def test_compile_time_runs_cold_then_warm_in_one_new_cache_directory(tmp_path, capsys, monkeypatch):
+    """Each set, policy and optimizer: a cold process on a new cache directory, then a warm one on
+    the same directory; the ratio is warm over cold."""
+    from muon_fn.bench import _compile_time
+
+    calls = []
+
+    def fake(model_size, optimizer, policy, device, threads, cache):
+        calls.append((model_size, optimizer, policy, cache))
+        warm = any(c[3] == cache for c in calls[:-1])
+        return {"first_step_s": 2.0 if warm else 10.0, "graphs": 3, "fxgraph_cache_hit": 3 if warm else 0,
+                "fxgraph_cache_miss": 0 if warm else 3, "autograd_cache_hit": 3 if warm else 0,
+                "autograd_cache_miss": 0 if warm else 3}
+
+    monkeypatch.setattr(_compile_time, "_in_process", fake)
+    path = tmp_path / "c.json"
+    assert bench.main(["--compile-time", "--model-size", "tiny", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())["compile_time,threads=1"]
+    assert [(r["policy"], r["optimizer"]) for r in rows] == [
+        ("cpu", "muon"), ("cpu", "hybrid"), ("batched", "muon"), ("batched", "hybrid")]
+    assert [r["warm_over_cold"] for r in rows] == [0.2] * 4
+    caches = [c[3] for c in calls]
+    assert caches[0::2] == caches[1::2] and len(set(caches)) == 4  # cold and warm share one, new per row
+    out = capsys.readouterr().out
+    assert "compile time: first step of a fresh process" in out and out.count("tiny ") == 4
+
+
+def test_compile_time_first_step_counts_graphs_and_cache_lookups(compiled_default, monkeypatch):
+    """The measured process's own part, with Dynamo's eager backend (no code generation)."""
+    from muon_fn import _compile
+    from muon_fn.bench import _compile_time
+
+    monkeypatch.setattr(_compile, "DEFAULTS", {**_compile.DEFAULTS, "backend": "eager"})
+    result = _compile_time.first_step("tiny", "hybrid", "batched")
+    assert result["first_step_s"] > 0 and result["graphs"] >= 2
+    assert set(result) == {"first_step_s", "graphs", "fxgraph_cache_hit", "fxgraph_cache_miss",
+                           "autograd_cache_hit", "autograd_cache_miss"}
+
+
+def test_compile_time_refuses_sets_it_does_not_measure(capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--compile-time", "--model-size", "llama3-1b"])
+    assert exc.value.code == 2
+    assert "--compile-time measures the GPT sets (tiny, gpt2-small), not llama3-1b" in capsys.readouterr().err
+    from muon_fn.bench import _compile_time
+
+    with pytest.raises(ValueError, match=r"Invalid policy: 'gpu' \(expected one of \['cpu', 'batched'\]\)"):
+        _compile_time.measure("tiny", "muon", "gpu")
