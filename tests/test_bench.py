@@ -445,7 +445,7 @@ def test_compile_time_runs_cold_then_warm_in_one_new_cache_directory(tmp_path, c
     def fake(model_size, optimizer, policy, device, threads, cache):
         calls.append((model_size, optimizer, policy, cache))
         warm = any(c[3] == cache for c in calls[:-1])
-        return {"first_step_s": 2.0 if warm else 10.0, "graphs": 3, "fxgraph_cache_hit": 3 if warm else 0,
+        return {"first_step_s": 2.0 if warm else 10.0, "second_step_s": 1.0, "graphs": 3, "fxgraph_cache_hit": 3 if warm else 0,
                 "fxgraph_cache_miss": 0 if warm else 3, "autograd_cache_hit": 3 if warm else 0,
                 "autograd_cache_miss": 0 if warm else 3}
 
@@ -456,6 +456,7 @@ def test_compile_time_runs_cold_then_warm_in_one_new_cache_directory(tmp_path, c
     assert [(r["policy"], r["optimizer"]) for r in rows] == [
         ("cpu", "muon"), ("cpu", "hybrid"), ("batched", "muon"), ("batched", "hybrid")]
     assert [r["warm_over_cold"] for r in rows] == [0.2] * 4
+    assert [r["warm_compile_over_cold"] for r in rows] == [1 / 9] * 4
     caches = [c[3] for c in calls]
     assert caches[0::2] == caches[1::2] and len(set(caches)) == 4  # cold and warm share one, new per row
     out = capsys.readouterr().out
@@ -470,7 +471,7 @@ def test_compile_time_first_step_counts_graphs_and_cache_lookups(compiled_defaul
     monkeypatch.setattr(_compile, "DEFAULTS", {**_compile.DEFAULTS, "backend": "eager"})
     result = _compile_time.first_step("tiny", "hybrid", "batched")
     assert result["first_step_s"] > 0 and result["graphs"] >= 2
-    assert set(result) == {"first_step_s", "graphs", "fxgraph_cache_hit", "fxgraph_cache_miss",
+    assert set(result) == {"first_step_s", "second_step_s", "graphs", "fxgraph_cache_hit", "fxgraph_cache_miss",
                            "autograd_cache_hit", "autograd_cache_miss"}
 
 
