@@ -139,6 +139,14 @@ ROW_SPECS: dict[str, Row] = {
     "muon_fn[cuda_graphs]": Row(_muon_fn(compile={"mode": "reduce-overhead"}), DEFAULT_METHOD, None, None,
                                 _DEFAULT_REPLAY, True),
     "replay[aol4]": Row(_replay("aol", 4), "aol", 4, None, "replay[aol4]", None),
+    # The training-quality candidates (docs/performance.md, "Muon variants"): the default's
+    # iteration plus NorMuon's rows, cautious weight decay, AdaMuon's moment and RMS alignment.
+    "muon_fn[normuon]": Row(_muon_fn(beta2=0.95), DEFAULT_METHOD, None, None, _DEFAULT_REPLAY, True),
+    "muon_fn[cautious]": Row(_muon_fn(weight_decay=0.01, cautious_weight_decay=True), DEFAULT_METHOD, None, None,
+                             _DEFAULT_REPLAY, True),
+    "muon_fn[wd=0.01]": Row(_muon_fn(weight_decay=0.01), DEFAULT_METHOD, None, None, _DEFAULT_REPLAY, True),
+    "muon_fn[adamuon]": Row(_muon_fn(adamuon_beta2=0.999, adjust_lr_fn="match_rms_adamw"), DEFAULT_METHOD, None,
+                            None, _DEFAULT_REPLAY, True),
     # The elementwise family (it does not orthogonalize) against torch's fused Adam, AdamW and SGD.
     "TritonMuon": Row(_triton(TritonMuon), None, None, None, None, True,
                       ("torch.optim.Adam[fused]", "torch.optim.SGD[fused]")),
