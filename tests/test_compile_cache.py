@@ -17,6 +17,7 @@ would have caught it.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -37,6 +38,14 @@ SHARES = (list(child.TRANSFORMS) + [LEGACY], list(child.OPTIMIZERS))
 TIMEOUT_S = 600
 
 pytestmark = [pytest.mark.inductor]
+
+
+def test_importing_the_child_changes_nothing_in_the_suite():
+    """This module imports the child for its case names: the import must leave the rest of the
+    suite eager (MUON_FN_COMPILE) and on its threads."""
+    env, threads = dict(os.environ), torch.get_num_threads()
+    importlib.reload(child)
+    assert dict(os.environ) == env and torch.get_num_threads() == threads
 
 
 def _run_round(round_: str, cache: Path, out: Path, device: torch.device) -> dict:
