@@ -280,7 +280,7 @@ class TestCautiousExpect(expecttest.TestCase):
         model.add_module("out", nn.Linear(8, 10, bias=False))
         opt = mf.create_hybrid_optimizer(model, adamw_weight_decay=0.1, cautious_weight_decay=True)
         self.assertExpectedInline(str(opt.split), """\
-Muon: 1 tensors, 32 parameters; cautious weight decay 0.01
+NorMuon: 1 tensors, 32 parameters; cautious weight decay 0.01
   hidden.weight                            (8, 4)               hidden matrix
 AdamW: 3 tensors, 128 parameters; cautious weight decay 0.1 on ndim >= 2, none on 0-/1-D (adamw_decay_1d=True decays every tensor)
   emb.weight                               (10, 4)              embedding
@@ -290,6 +290,7 @@ AdamW: 3 tensors, 128 parameters; cautious weight decay 0.1 on ndim >= 2, none o
 group 0: 1 params in 1 buckets, chain(
   momentum(momentum=0.949999988079071, nesterov=True, kind='ema'),
   orthogonalize(method='quintic', steps=5, dtype=None, eps=1e-07, stepsize=1.0, view='flatten'),
+  normalize_rows(beta2=0.95, eps=1e-08, view='flatten'),
   scale_by_shape(rule='original', view='flatten'),
   add_decoupled_weight_decay(weight_decay=0.01, cautious=True),
   scale_by_learning_rate(lr=0.019999999552965164),

@@ -91,7 +91,7 @@ def test_train_rows_at_identical_settings_step_alike(tmp_path, capsys):
     validation losses agree to fp32 rounding; decaying 0-/1-D parameters (adamw_decay_1d=true)
     is a different one. The descriptions state the settings."""
     same = "lr=0.04,ns_dtype=fp32,weight_decay=0.01,adamw_weight_decay=0.1,adamw_beta2=0.95"
-    specs = f"torch-muon[{same}],muon[{same}],muon[{same},adamw_decay_1d=true]"
+    specs = f"torch-muon[{same}],muon[{same},beta2=none],muon[{same},beta2=none,adamw_decay_1d=true]"
     out = tmp_path / "run"
     assert cli.main(["train", "--compare", specs, *SMALL, "--out", str(out), "--no-checkpoint", "--no-plot",
                      "--no-compile"]) == 0

@@ -73,7 +73,7 @@ class TestHybridSplit(expecttest.TestCase):
     def test_no_decay_on_1d_by_default(self):
         opt = mf.create_hybrid_optimizer(self.model(), adamw_weight_decay=0.1, muon_weight_decay=0.01)
         self.assertExpectedInline(str(opt.split), """\
-Muon: 1 tensors, 32 parameters; weight decay 0.01
+NorMuon: 1 tensors, 32 parameters; weight decay 0.01
   hidden.weight                            (8, 4)               hidden matrix
 AdamW: 5 tensors, 144 parameters; weight decay 0.1 on ndim >= 2, none on 0-/1-D (adamw_decay_1d=True decays every tensor)
   emb.weight                               (10, 4)              embedding
@@ -85,7 +85,7 @@ AdamW: 5 tensors, 144 parameters; weight decay 0.1 on ndim >= 2, none on 0-/1-D 
     def test_decay_on_every_parameter(self):
         opt = mf.create_hybrid_optimizer(self.model(), adamw_weight_decay=0.1, adamw_decay_1d=True)
         self.assertExpectedInline(str(opt.split), """\
-Muon: 1 tensors, 32 parameters; weight decay 0.01
+NorMuon: 1 tensors, 32 parameters; weight decay 0.01
   hidden.weight                            (8, 4)               hidden matrix
 AdamW: 5 tensors, 144 parameters; weight decay 0.1
   emb.weight                               (10, 4)              embedding

@@ -253,7 +253,7 @@ def test_hybrid_matches_torch_muon_and_adamw_fp32(device, torch_muon_fp32, decay
                                      {"params": no_decay, "weight_decay": 0.0}], lr=3e-3, betas=(0.9, 0.95))
     opt = mf.create_hybrid_optimizer(ours, muon_lr=0.04, adamw_lr=3e-3, adamw_weight_decay=0.1,
                                      muon_weight_decay=0.01, adamw_betas=(0.9, 0.95), adamw_decay_1d=decay_1d,
-                                     ns_dtype=torch.float32, compile=False)
+                                     ns_dtype=torch.float32, beta2=None, compile=False)
     expected = _train(ref, [torch_muon_opt.step, torch_adamw.step], 10)
     got = _train(ours, [opt.step], 10)
     assert len(torch_muon_fp32.calls) == 2 * 10
@@ -279,7 +279,7 @@ def test_hybrid_parity_detects_decay_on_1d(device, torch_muon_fp32):
                                     lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
     opt = mf.create_hybrid_optimizer(ours, muon_lr=0.04, adamw_lr=3e-3, adamw_weight_decay=0.1,
                                      adamw_betas=(0.9, 0.95), adamw_decay_1d=True, ns_dtype=torch.float32,
-                                     compile=False)
+                                     beta2=None, compile=False)
     a = _train(ref, [torch_muon_opt.step, torch_adamw.step], 10)[-1]
     b = _train(ours, [opt.step], 10)[-1]
     names = [n for n, _ in ref.named_parameters()]

@@ -361,7 +361,7 @@ def test_hybrid_matches_torch_muon_plus_adamw(device, fp32_torch_muon, tied):
     opt = mf.create_hybrid_optimizer(ours, muon_lr=0.02, adamw_lr=2e-3, adamw_weight_decay=0.01,
                                      muon_weight_decay=0.1, adamw_betas=(0.9, 0.999), adamw_eps=1e-8,
                                      adamw_decay_1d=True, adjust_lr_fn="original", ns_dtype=torch.float32,
-                                     **TORCH_LIKE)
+                                     beta2=None, **TORCH_LIKE)
     hidden = set(hidden_names(ref))
     topt_m = torch.optim.Muon([p for n, p in ref.named_parameters() if n in hidden], lr=0.02,
                               weight_decay=0.1, momentum=0.95, adjust_lr_fn="original")
@@ -847,7 +847,7 @@ def test_bf16_model_trains_and_keeps_dtypes(device):
 
 def test_autocast_bf16_matches_torch_reference(fp32_torch_muon):
     ref, ours = make_gpt(), make_gpt()
-    opt = mf.create_hybrid_optimizer(ours, adjust_lr_fn="original", ns_dtype=torch.float32, **TORCH_LIKE)
+    opt = mf.create_hybrid_optimizer(ours, adjust_lr_fn="original", ns_dtype=torch.float32, beta2=None, **TORCH_LIKE)
     hidden = set(hidden_names(ref))
     rest = [(n, p) for n, p in ref.named_parameters() if n not in hidden]
     # the hybrid's defaults spelled out in torch: Muon wd 0.01; AdamW β (0.9, 0.95), wd 0.01 on ndim ≥ 2 only
@@ -1026,7 +1026,7 @@ def test_hybrid_split_is_printed(capsys):
     printed = capsys.readouterr().out
     assert printed.strip() == str(opt.split)
     text = str(opt.split)
-    assert text.startswith("Muon: 2 tensors, 248 parameters")
+    assert text.startswith("NorMuon: 2 tensors, 248 parameters")
     assert "AdamW: 6 tensors, 150 parameters" in text
     for name, reason in [("conv.weight", "flattened"), ("hidden.weight", "hidden matrix"),
                          ("emb.weight", "embedding"), ("out.weight", "output head"), ("norm.bias", "1-D")]:

@@ -308,7 +308,7 @@ def test_torch_muon_and_adamw_checkpoint_converts(device, fp32_torch_muon, layou
     train(ref, topts, 3)
     ours = copy.deepcopy(ref)
     if layout == "hybrid":
-        opt = mf.create_hybrid_optimizer(ours, adamw_names=["fc3.weight"], ns_dtype=torch.float32)
+        opt = mf.create_hybrid_optimizer(ours, adamw_names=["fc3.weight"], ns_dtype=torch.float32)  # NorMuon: torch's rule loads
     else:
         opt = mf.MuonOptimizer(ours.parameters(), ns_dtype=torch.float32)
     sd = from_torch_state_dict(opt, read_on_cpu(topts[0].state_dict()), read_on_cpu(topts[1].state_dict()))
@@ -358,7 +358,7 @@ def test_hybrid_without_decay_on_1d_converts_to_two_torch_adamw_groups(device, f
     fc3.weight decays, the biases and norm do not) becomes two torch groups, and back."""
     ours = make_net(device=device)
     opt = mf.create_hybrid_optimizer(ours, adamw_names=["fc3.weight"], adamw_weight_decay=0.1,
-                                     ns_dtype=torch.float32, compile=False)
+                                     ns_dtype=torch.float32, beta2=None, compile=False)
     train(ours, [opt], 3)
     muon_sd, adamw_sd = to_torch_state_dict(opt)
     assert [(g["weight_decay"], len(g["params"])) for g in adamw_sd["param_groups"]] == [(0.1, 1), (0.0, 5)]
@@ -372,7 +372,7 @@ def test_hybrid_without_decay_on_1d_converts_to_two_torch_adamw_groups(device, f
         o.load_state_dict(read_on_cpu(sd))
     again = copy.deepcopy(ours)
     opt2 = mf.create_hybrid_optimizer(again, adamw_names=["fc3.weight"], adamw_weight_decay=0.3,
-                                      adamw_decay_1d=True, ns_dtype=torch.float32, compile=False)
+                                      adamw_decay_1d=True, ns_dtype=torch.float32, beta2=None, compile=False)
     opt2.load_state_dict(from_torch_state_dict(opt2, *map(read_on_cpu, (muon_sd, adamw_sd))))
     adamw_group = opt2.param_groups[1]
     assert adamw_group["weight_decay"] == 0.1 and adamw_group["adamw_decay_1d"] is False

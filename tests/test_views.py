@@ -267,7 +267,8 @@ def test_create_hybrid_optimizer_reads_expert_stacks_by_module():
     model = MoE()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        opt = mf.create_hybrid_optimizer(model, muon_lr=0.03, muon_weight_decay=0.01, ns_dtype=torch.float32)
+        opt = mf.create_hybrid_optimizer(model, muon_lr=0.03, muon_weight_decay=0.01, ns_dtype=torch.float32,
+                                         beta2=None)
     muon_group = opt.param_groups[0]
     assert muon_group["matrix_view"] == {"w_up": "experts", "w_down": "experts", "conv.weight": "flatten"}
     split = str(opt.split)

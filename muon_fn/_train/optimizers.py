@@ -1,7 +1,8 @@
 """The optimizers ``muon-fn train`` compares, and the ``name[key=value,...]`` specs that configure them.
 
-``muon`` is :func:`muon_fn.create_hybrid_optimizer` (hidden matrices → Muon, embeddings, the head
-and 1-D parameters → AdamW); ``torch-muon`` is the same split with ``torch.optim.Muon`` on the
+``muon`` is :func:`muon_fn.create_hybrid_optimizer` with its defaults (hidden matrices → NorMuon,
+embeddings, the head and 1-D parameters → AdamW; ``muon[beta2=none]`` runs plain Muon on the
+matrices, ``normuon`` is the same as ``muon``); ``torch-muon`` is the same split with ``torch.optim.Muon`` on the
 matrices and ``torch.optim.AdamW`` on the rest; ``adamw`` is ``torch.optim.AdamW`` on everything.
 A spec such as ``muon[method=quintic,ns_steps=5,lr=0.04]`` sets ``lr``/``adamw_lr`` of the run
 and passes the other keys to the optimizer. In the Muon-family rows an MoE model's routers
@@ -230,14 +231,14 @@ def build_single(name: str, options: dict[str, Any], model: nn.Module, lr: float
             f"torch.optim.Muon(lr={lr}, iteration in {iteration}) + torch.optim.AdamW(lr={adamw_lr}, "
             f"betas={betas}); {decays}")
     compile_opt = {} if compile else {"compile": False}
-    if name in ("muon", "normuon"):
-        extra = {"beta2": 0.95, **options} if name == "normuon" else dict(options)
+    if name in ("muon", "normuon"):  # one recipe: the hybrid's default (NorMuon) unless beta2= is given
+        extra = dict(options)
         opt = mf.create_hybrid_optimizer(model, muon_lr=lr, adamw_lr=adamw_lr, adamw_weight_decay=adamw_wd,
                                          muon_weight_decay=muon_wd, adamw_betas=betas, adamw_decay_1d=decay_1d,
                                          **split, **extra, **compile_opt)
         shown = "".join(f", {k}={v}" for k, v in extra.items())
         return opt, (f"muon_fn.create_hybrid_optimizer(muon_lr={lr}, adamw_lr={adamw_lr}, adamw_betas={betas}"
-                     f"{shown}); {decays}")
+                     f"{shown}): {opt.split.algorithm}; {decays}")
     opt = mf.SpectralSphereOptimizer.from_model(model, lr=lr, adamw_lr=adamw_lr, adamw_weight_decay=adamw_wd,
                                                 adamw_betas=betas, adamw_decay_1d=decay_1d, **split, **options,
                                                 **compile_opt)
@@ -264,7 +265,9 @@ def build_fsdp(name: str, options: dict[str, Any], model: nn.Module, lr: float, 
         return opt, f"muon_fn.FSDPSpectralSphereOptimizer(lr={lr}, adamw_lr={adamw_lr}, world={world})"
     from muon_fn.fsdp import FSDPMuonOptimizer
 
-    beta2 = options.pop("beta2", 0.95 if name == "normuon" else None)
+    from muon_fn.optim._hybrid import NORMUON_BETA2
+
+    beta2 = options.pop("beta2", NORMUON_BETA2)  # muon and normuon: the hybrid's default, NorMuon
     opt = FSDPMuonOptimizer(model, groups, lr=lr, weight_decay=wd, beta2=beta2, adamw_lr=adamw_lr,
                             adamw_betas=betas, adamw_weight_decay=wd, **options)
     return opt, f"muon_fn.fsdp.FSDPMuonOptimizer(lr={lr}, adamw_lr={adamw_lr}, world={world})"

@@ -153,6 +153,14 @@ class HybridSplit:
     __repr__ = __str__
 
 
+def _recipe(optimizer: Optimizer) -> str:
+    """The name of the rule the Muon group runs: ``"AdaMuon"``, ``"NorMuon"`` or ``"Muon"``."""
+    group = next((g for g in optimizer.param_groups if g.get("algorithm") == "muon"), {})
+    if group.get("adamuon_beta2") is not None:
+        return "AdaMuon"
+    return "NorMuon" if group.get("beta2") is not None else "Muon"
+
+
 def _matrix_views(model: nn.Module, muon_params: list, user_view: Any) -> tuple[dict[str, Any], list]:
     """The matrix view of each Muon parameter that needs one (ndim ≥ 3, or a head view): the
     user's, else its module's; and the Muon parameters with the split's reason for each."""
@@ -165,6 +173,12 @@ def _matrix_views(model: nn.Module, muon_params: list, user_view: Any) -> tuple[
             fits(chosen[name], p, repr(name))
     return chosen, [(n, p, r if n not in chosen or r == "muon_names" else matrix_reason(p, chosen[n], by_module))
                     for n, p, r in muon_params]
+
+
+# The hybrid's matrix half runs NorMuon (arXiv:2510.05491) with this β₂: it trained to a lower
+# loss than torch.optim.Muon at its best lr on every seed of both sizes measured, at most 1.10x
+# the step (docs/performance.md, "Variants against torch.optim.Muon").
+NORMUON_BETA2 = 0.95
 
 
 def create_hybrid_optimizer(
@@ -188,19 +202,25 @@ def create_hybrid_optimizer(
 ) -> Optimizer:
     """One :class:`MuonOptimizer` with two groups: ``algorithm="muon"`` and ``algorithm="adamw"``.
 
-    Hidden 2-D (and conv) weights get Muon with ``muon_lr``; embeddings, the output head and
-    0-/1-D parameters get AdamW with ``adamw_lr``, ``adamw_betas`` and ``adamw_eps`` (see
-    :func:`split_parameters` for the rules and overrides). ``adamw_weight_decay`` decays the AdamW
-    parameters of ndim ≥ 2 (embeddings, the head); biases and norm gains get no weight decay
-    unless ``adamw_decay_1d=True`` (nanoGPT's and the Hugging Face Trainer's rule).
-    ``cautious_weight_decay=True`` makes both groups' decay cautious (arXiv:2510.12402: only
-    where the update and the weight agree in sign; see :class:`MuonOptimizer`). The defaults
-    ``muon_weight_decay=0.01`` and ``adamw_betas=(0.9, 0.95)`` (torch.optim.Muon + AdamW's usual
-    configuration) trained better than weight decay 0 and β₂ = 0.999 on every seed measured
-    (docs/performance.md, "The hybrid against torch.optim.Muon + torch.optim.AdamW"). One ``state_dict``; schedulers scale each group's ``lr``.
-    The split, with the weight decay of each tensor, is ``optimizer.split`` (printed when
-    ``verbose``). ``optimizer_cls`` (default :class:`MuonOptimizer`; e.g.
-    :class:`muon_fn.SpectralSphereOptimizer`) gets the groups and the other keyword arguments.
+    Hidden 2-D (and conv) weights get NorMuon with ``muon_lr`` (Muon, then rows normalized by
+    their second moment: ``beta2=0.95``; it beat torch.optim.Muon + AdamW on every seed measured,
+    docs/performance.md "Variants against torch.optim.Muon"). ``beta2=None`` is plain Muon (equal
+    to torch.optim.Muon + AdamW), ``adamuon_beta2=`` AdaMuon; a checkpoint loads with the rule it
+    ran with (an older one: Muon). Embeddings, the
+    output head and 0-/1-D parameters get AdamW with ``adamw_lr``, ``adamw_betas`` and
+    ``adamw_eps`` (see :func:`split_parameters` for the rules and overrides).
+    ``adamw_weight_decay`` decays the AdamW parameters of ndim ≥ 2 (embeddings, the head); biases
+    and norm gains get no weight decay unless ``adamw_decay_1d=True`` (nanoGPT's and the Hugging
+    Face Trainer's rule). ``cautious_weight_decay=True`` makes both groups' decay cautious
+    (arXiv:2510.12402: only where the update and the weight agree in sign; see
+    :class:`MuonOptimizer`). The defaults ``muon_weight_decay=0.01`` and ``adamw_betas=(0.9,
+    0.95)`` (torch.optim.Muon + AdamW's usual configuration) trained better than weight decay 0
+    and β₂ = 0.999 on every seed measured (docs/performance.md, "The hybrid against
+    torch.optim.Muon + torch.optim.AdamW"). One ``state_dict``; schedulers scale each group's
+    ``lr``. The split, with the recipe and the weight decay of each tensor, is ``optimizer.split``
+    (printed when ``verbose``). ``optimizer_cls`` (default :class:`MuonOptimizer`; e.g.
+    :class:`muon_fn.SpectralSphereOptimizer`, which gets no ``beta2``) gets the groups and the
+    other keyword arguments.
 
     Each Muon parameter of ndim ≥ 3 gets a matrix view by its module: a conv weight
     (``nn.Conv1d/2d/3d``) is one flattened matrix, any other is a stack of matrices (MoE experts
@@ -230,13 +250,15 @@ def create_hybrid_optimizer(
         raise ValueError("optimizer got an empty parameter list")
     if cautious_weight_decay:  # only then: optimizer classes without the key keep working
         muon_kwargs["cautious_weight_decay"] = True
+    if issubclass(optimizer_cls, MuonOptimizer) and muon_kwargs.get("adamuon_beta2") is None:
+        muon_kwargs.setdefault("beta2", NORMUON_BETA2)  # NorMuon unless beta2=None or AdaMuon
     optimizer = optimizer_cls(groups, lr=muon_lr, momentum=momentum, adamw_betas=adamw_betas,
                               adamw_eps=adamw_eps, adamw_decay_1d=adamw_decay_1d, **muon_kwargs)
-    algorithm = ("AdaMuon" if muon_kwargs.get("adamuon_beta2") is not None
-                 else "NorMuon" if muon_kwargs.get("beta2") is not None else "Muon")
     optimizer.split = HybridSplit(muon_params, adamw_params, muon_weight_decay=muon_weight_decay,
                                   adamw_weight_decay=adamw_weight_decay, adamw_decay_1d=adamw_decay_1d,
-                                  algorithm=algorithm, cautious=cautious_weight_decay)
+                                  algorithm=_recipe(optimizer), cautious=cautious_weight_decay)
+    # A checkpoint brings the rule it ran with (an older one: beta2=None, Muon); the split says so.
+    optimizer.register_load_state_dict_post_hook(lambda opt: setattr(opt.split, "algorithm", _recipe(opt)))
     if verbose:
         print(optimizer.split)
     return optimizer
