@@ -214,13 +214,11 @@ def create_hybrid_optimizer(
     Face Trainer's rule). ``cautious_weight_decay=True`` makes both groups' decay cautious
     (arXiv:2510.12402: only where the update and the weight agree in sign; see
     :class:`MuonOptimizer`). The defaults ``muon_weight_decay=0.01`` and ``adamw_betas=(0.9,
-    0.95)`` (torch.optim.Muon + AdamW's usual configuration) trained better than weight decay 0
-    and β₂ = 0.999 on every seed measured (docs/performance.md, "The hybrid against
-    torch.optim.Muon + torch.optim.AdamW"). One ``state_dict``; schedulers scale each group's
-    ``lr``. The split, with the recipe and the weight decay of each tensor, is ``optimizer.split``
-    (printed when ``verbose``). ``optimizer_cls`` (default :class:`MuonOptimizer`; e.g.
-    :class:`muon_fn.SpectralSphereOptimizer`, which gets no ``beta2``) gets the groups and the
-    other keyword arguments.
+    0.95)`` (torch.optim.Muon + AdamW's usual configuration) beat weight decay 0 and β₂ = 0.999 on
+    every seed measured. One ``state_dict``; schedulers scale each group's ``lr``. The split,
+    with the recipe and each tensor's decay, is ``optimizer.split`` (printed when ``verbose``).
+    ``optimizer_cls`` (default :class:`MuonOptimizer`; :class:`muon_fn.SpectralSphereOptimizer`
+    gets no ``beta2``) gets the groups and the other keyword arguments.
 
     Each Muon parameter of ndim ≥ 3 gets a matrix view by its module: a conv weight
     (``nn.Conv1d/2d/3d``) is one flattened matrix, any other is a stack of matrices (MoE experts
