@@ -152,8 +152,9 @@ def test_balance_term_adds_gradient_not_value():
 
 
 def test_trainer_optimizer_steps_each_expert_as_its_own_matrix():
-    """The trainer's muon row: expert stacks read as E matrices (one step of an expert equals
-    MuonOptimizer on that expert alone as a 2-D weight, fp32 bit for bit), routers in Muon."""
+    """The trainer's muon row (the hybrid's default, NorMuon): expert stacks read as E matrices
+    (one step of an expert equals MuonOptimizer(beta2=0.95) on that expert alone as a 2-D weight,
+    fp32 bit for bit), routers in Muon."""
     import muon_fn as mf
     from muon_fn._train.optimizers import build_single
 
@@ -174,7 +175,7 @@ def test_trainer_optimizer_steps_each_expert_as_its_own_matrix():
     for e in range(fc.shape[0]):
         alone = torch.nn.Parameter(before[e].clone())
         alone.grad = grad[e].clone()
-        mf.MuonOptimizer([alone], lr=0.02, weight_decay=0.0, compile=False).step()
+        mf.MuonOptimizer([alone], lr=0.02, weight_decay=0.0, beta2=0.95, compile=False).step()
         assert torch.equal(fc[e].detach(), alone.detach()), e
 
 
