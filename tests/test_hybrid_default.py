@@ -5,6 +5,7 @@ a checkpoint loads with the rule it ran with."""
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -91,3 +92,14 @@ def test_checkpoint_runs_the_rule_it_ran_with(saved_beta2, built_beta2):
     _train(again, after, 3, seed=3)
     for p, q in zip(model.parameters(), again.parameters()):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("copy_of", [copy.deepcopy, lambda o: pickle.loads(pickle.dumps(o))], ids=["deepcopy", "pickle"])
+def test_a_copy_names_the_rule_it_loads(copy_of):
+    """The split reads the rule from its own optimizer: a copy's split follows the copy's groups."""
+    old = mf.create_hybrid_optimizer(_model(), beta2=None, compile=False).state_dict()
+    opt = mf.create_hybrid_optimizer(_model(), compile=False)
+    twin = copy_of(opt)
+    assert twin.split.optimizer is twin and _head(twin) == "NorMuon"
+    twin.load_state_dict(old)
+    assert (_head(twin), _head(opt)) == ("Muon", "NorMuon")

@@ -232,11 +232,10 @@ def build_single(name: str, options: dict[str, Any], model: nn.Module, lr: float
             f"betas={betas}); {decays}")
     compile_opt = {} if compile else {"compile": False}
     if name in ("muon", "normuon"):  # one recipe: the hybrid's default (NorMuon) unless beta2= is given
-        extra = dict(options)
         opt = mf.create_hybrid_optimizer(model, muon_lr=lr, adamw_lr=adamw_lr, adamw_weight_decay=adamw_wd,
                                          muon_weight_decay=muon_wd, adamw_betas=betas, adamw_decay_1d=decay_1d,
-                                         **split, **extra, **compile_opt)
-        shown = "".join(f", {k}={v}" for k, v in extra.items())
+                                         **split, **options, **compile_opt)
+        shown = "".join(f", {k}={v}" for k, v in options.items())
         return opt, (f"muon_fn.create_hybrid_optimizer(muon_lr={lr}, adamw_lr={adamw_lr}, adamw_betas={betas}"
                      f"{shown}): {opt.split.algorithm}; {decays}")
     opt = mf.SpectralSphereOptimizer.from_model(model, lr=lr, adamw_lr=adamw_lr, adamw_weight_decay=adamw_wd,

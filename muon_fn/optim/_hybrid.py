@@ -108,17 +108,22 @@ class HybridSplit:
     """Which parameter went where and the weight decay each gets, printable
     (``print(optimizer.split)``). ``muon_weight_decay``, ``adamw_weight_decay`` and
     ``adamw_decay_1d`` are those of :func:`create_hybrid_optimizer` (``None``: not shown);
-    ``algorithm`` names the matrix half's recipe (``"Muon"``, ``"NorMuon"``, ``"AdaMuon"``) and
-    ``cautious`` says that both halves' decay is cautious."""
+    ``algorithm`` names the matrix half's recipe (``"Muon"``, ``"NorMuon"``, ``"AdaMuon"``): read
+    from ``optimizer``'s Muon group when given, so it follows a loaded checkpoint's rule (and a
+    copy's), else the name passed. ``cautious`` says that both halves' decay is cautious."""
 
     def __init__(self, muon_params, adamw_params, *, muon_weight_decay: float | None = None,
                  adamw_weight_decay: float | None = None, adamw_decay_1d: bool = False,
-                 algorithm: str = "Muon", cautious: bool = False) -> None:
+                 algorithm: str = "Muon", cautious: bool = False, optimizer: Optimizer | None = None) -> None:
         self.muon = [(n, tuple(p.shape), r) for n, p, r in muon_params]
         self.adamw = [(n, tuple(p.shape), r) for n, p, r in adamw_params]
         self.muon_weight_decay, self.adamw_weight_decay = muon_weight_decay, adamw_weight_decay
         self.adamw_decay_1d = adamw_decay_1d
-        self.algorithm, self.cautious = algorithm, cautious
+        self._algorithm, self.cautious, self.optimizer = algorithm, cautious, optimizer
+
+    @property
+    def algorithm(self) -> str:
+        return self._algorithm if self.optimizer is None else _recipe(self.optimizer)
 
     def adamw_decays(self, shape: tuple[int, ...]) -> bool:
         """Whether an AdamW parameter of this shape gets ``adamw_weight_decay``."""
@@ -254,9 +259,7 @@ def create_hybrid_optimizer(
                               adamw_eps=adamw_eps, adamw_decay_1d=adamw_decay_1d, **muon_kwargs)
     optimizer.split = HybridSplit(muon_params, adamw_params, muon_weight_decay=muon_weight_decay,
                                   adamw_weight_decay=adamw_weight_decay, adamw_decay_1d=adamw_decay_1d,
-                                  algorithm=_recipe(optimizer), cautious=cautious_weight_decay)
-    # A checkpoint brings the rule it ran with (an older one: beta2=None, Muon); the split says so.
-    optimizer.register_load_state_dict_post_hook(lambda opt: setattr(opt.split, "algorithm", _recipe(opt)))
+                                  cautious=cautious_weight_decay, optimizer=optimizer)
     if verbose:
         print(optimizer.split)
     return optimizer
