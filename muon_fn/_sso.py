@@ -9,7 +9,8 @@ into ``in``; docs/sso.md, arXiv:2601.08393), runs these phases:
 2. top singular triple ``σ, u, v`` of ``W``: block iteration started from last step's block
    (a warm start; :func:`muon_fn.spectral.subspace_iteration`);
 3. retraction factor ``f`` onto the sphere ``‖W‖₂ = R``, ``R = c·√(out/in)``: ``R/σ``
-   (``"hard"``, the default) or a relative step ``1 ∓ α·lr`` toward it (``"dynamic"``);
+   (``"hard"``, the default) or a relative step ``1 ∓ α·lr`` toward it (``"dynamic"``); 1 at
+   lr = 0 in both, so a step at lr = 0 changes no weight (as torch.optim's contract has it);
 4. λ solve: ``λ*`` = root of ``h(λ) = uᵀ msign(M̂ + λ u vᵀ) v`` (``muon_fn._lambda``), first
    evaluated where a closed-form model of h puts it (``muon_fn._lambda_model``);
 5. direction: ``Φ = msign(M̂ + λ* u vᵀ)``, the solver's accepted evaluation — tangent to the
@@ -176,7 +177,7 @@ def spectral_sphere(
       radius_scale: c in ``R = c·√(out/in)``; 2.0, the paper's best.
       scale_mode: ``s`` in ``W − lr·s·Φ``: ``"radius"`` (s = R, the paper's) or a
         :func:`muon_fn.shape_scale` rule (``"spectral"``, ``"match_rms_adamw"``, ...).
-      retract_mode: ``"hard"``: ``W ← (R/σ)·W``; ``"dynamic"``: ``W ← (1 + α·lr·d)·W``, ``d = −1``
+      retract_mode: ``"hard"``: ``W ← (R/σ)·W`` (where lr > 0); ``"dynamic"``: ``W ← (1 + α·lr·d)·W``, ``d = −1``
         if ``σ > R`` else ``+1`` (a relative step toward the sphere). retract_alpha: that α.
       power_steps, power_block: products with ``WᵀW`` per step and vectors ``k`` of the
         Chebyshev-filtered block iteration (:func:`muon_fn.spectral.subspace_iteration`), warm

@@ -130,9 +130,11 @@ def _per_matrix(x: torch.Tensor) -> torch.Tensor:
 
 
 def _retraction_factor(sp: Sphere, sigma: torch.Tensor, radius: float, lr) -> torch.Tensor:
-    """Phase 3: ``f`` with ``W ← f·W`` on (``"hard"``) or toward (``"dynamic"``) the sphere, ``(B,)``."""
+    """Phase 3: ``f`` with ``W ← f·W`` on (``"hard"``) or toward (``"dynamic"``) the sphere, ``(B,)``;
+    1 where ``lr`` is 0, so a step at lr = 0 leaves ``W`` as it is (torch.distributed.checkpoint
+    initializes an optimizer's state by such a step)."""
     if sp.retract_mode == "hard":
-        return radius / sigma.clamp_min(spectral._TINY)
+        return torch.where(lr > 0, radius / sigma.clamp_min(spectral._TINY), 1.0)
     # a relative step α·lr toward the sphere: shrink above R, grow otherwise
     return 1 + (sp.retract_alpha * lr) * torch.where(sigma > radius, -1.0, 1.0)
 

@@ -235,7 +235,8 @@ def test_record_survives_json(device):
 
 def test_dcp_state_dict_matches_by_name(device):
     """``get_optimizer_state_dict`` keys state by name, so a reordered model loads correctly
-    through ``set_optimizer_state_dict``; a changed view is still refused, naming it."""
+    through ``set_optimizer_state_dict``, as copies of the saved tensors (torch's own load would
+    share them with the live optimizer they came from); a changed view is still refused, naming it."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
     torch.manual_seed(0)
@@ -249,6 +250,8 @@ def test_dcp_state_dict_matches_by_name(device):
     for name in ("a.weight", "b.weight"):
         p, q = dict(model.named_parameters())[name], dict(swapped.named_parameters())[name]
         assert torch.equal(opt.state[p]["momentum_buffer"], other.state[q]["momentum_buffer"]), name
+    shared = {v.data_ptr() for st in opt.state.values() for v in st.values()}
+    assert not shared & {v.data_ptr() for st in other.state.values() for v in st.values()}  # copies
     torch.manual_seed(0)
     moe = Moe().to(device)
     flat = trained(moe, matrix_view={"experts": "flatten"})
@@ -274,4 +277,38 @@ def test_dcp_state_dict_of_unnamed_parameters_loads(device):
     set_optimizer_state_dict(clone, other, copy.deepcopy(get_optimizer_state_dict(model, opt)))
     step(model, opt, 1)
     step(clone, other, 1)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), clone.parameters()))
+
+
+@pytest.mark.parametrize("cls, kw", [
+    (mf.MuonOptimizer, dict(ns_dtype=torch.float32, momentum_dtype=torch.float32)),
+    (mf.SpectralSphereOptimizer, dict(msign_dtype=torch.float32)),  # a dtype by default
+], ids=["muon", "sso"])
+@pytest.mark.parametrize("form", ["full_state_dict", "dtypes_themselves"])
+def test_dtype_hyperparameters_are_saved_by_name(device, cls, kw, form):
+    """Dtype hyperparameters are saved as their names, so the full state dict of
+    torch.distributed.checkpoint (tensors, numbers, strings and containers only; offloaded to the
+    CPU) and JSON take the param groups; the load restores the dtypes and continues as the
+    uninterrupted run, bit for bit. A checkpoint that stored the dtypes themselves loads as well."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+
+    torch.manual_seed(0)
+    model = TwoLayers().to(device)
+    opt = cls(model.named_parameters(), compile=False, **kw)
+    step(model, opt, 0)
+    clone = copy.deepcopy(model)
+    other = cls(clone.named_parameters(), compile=False)
+    if form == "full_state_dict":
+        osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        assert {k: osd["param_groups"][0][k] for k in kw} == {k: str(v) for k, v in kw.items()}
+        osd["param_groups"] = json.loads(json.dumps(osd["param_groups"]))
+        set_optimizer_state_dict(clone, other, osd, options=StateDictOptions(full_state_dict=True))
+    else:
+        sd = read_on_cpu(opt.state_dict())
+        other.load_state_dict({**sd, "param_groups": [{**g, **kw} for g in sd["param_groups"]]})
+    assert {k: other.param_groups[0][k] for k in kw} == kw
+    for t in (1, 2):
+        step(model, opt, t)
+        step(clone, other, t)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), clone.parameters()))

@@ -489,17 +489,28 @@ def test_fsdp2_one_rank_equals_muon_optimizer(device, one_rank):
     assert_same(model, opt, ref, ref_opt, parity(device, precision(extra)))
 
 
-def test_fsdp2_one_rank_state_dict_round_trip(device, one_rank):
+def _fsdp_sso(model, **kw):
+    from muon_fn.fsdp import FSDPSpectralSphereOptimizer
+    return FSDPSpectralSphereOptimizer(model, **kw)
+
+
+@pytest.mark.parametrize("kind", ["muon", "sso"])
+def test_fsdp2_one_rank_state_dict_round_trip(device, one_rank, kind):
     """The sharded model's and optimizer's state, gathered to full CPU tensors and through
     torch.save, loads into a fresh sharded model and optimizer on the device, which continue as
-    the uninterrupted run, bit for bit (the same steps on the same device); both equal MuonOptimizer
-    on the copy."""
+    the uninterrupted run, bit for bit (the same steps on the same device); both equal the
+    single-device optimizer on the copy. Dtype hyperparameters (``ns_dtype``, SSO's
+    ``msign_dtype``) travel by name: a full state dict takes no ``torch.dtype``."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict, set_model_state_dict,
                                                          set_optimizer_state_dict)
 
+    make, ref_cls, kw, tol = {
+        "muon": (FSDPMuonOptimizer, mf.MuonOptimizer, dict(KW, ns_dtype=torch.float32), "fp32"),
+        "sso": (_fsdp_sso, mf.SpectralSphereOptimizer, dict(lr=0.02), "sso"),
+    }[kind]
     model, ref = sharded_twins(one_rank, device)
-    opt, ref_opt = FSDPMuonOptimizer(model, **KW), single(mf.MuonOptimizer, ref, **KW)
+    opt, ref_opt = make(model, **kw), single(ref_cls, ref, **kw)
     steps([(model, opt), (ref, ref_opt)], 2)
     to_cpu, full_sd = StateDictOptions(full_state_dict=True, cpu_offload=True), StateDictOptions(full_state_dict=True)
     saved = read_on_cpu({"model": get_model_state_dict(model, options=to_cpu),
@@ -507,12 +518,12 @@ def test_fsdp2_one_rank_state_dict_round_trip(device, one_rank):
     assert saved["optim"]["state"]["fc1.weight"]["momentum_buffer"].device.type == "cpu"
     torch.manual_seed(1)  # another init: everything comes from the checkpoint
     resumed = shard(Net().to(device), mesh=one_rank)
-    ropt = FSDPMuonOptimizer(resumed, **KW)
+    ropt = make(resumed, **kw)
     set_model_state_dict(resumed, saved["model"], options=full_sd)
     set_optimizer_state_dict(resumed, ropt, saved["optim"], options=full_sd)
     steps([(model, opt), (resumed, ropt), (ref, ref_opt)], 2, start=2)
     assert_same(resumed, ropt, model, opt)
-    assert_same(resumed, ropt, ref, ref_opt, parity(device))
+    assert_same(resumed, ropt, ref, ref_opt, parity(device, tol))
 
 
 def test_fsdp2_one_rank_sso_equals_spectral_sphere_optimizer(device, one_rank):

@@ -467,10 +467,12 @@ class Optimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """torch's ``state_dict``; every param group also records its parameters' layout under
         ``"param_layout"``: one ``(name, global shape, matrix view)`` per parameter, in order
-        (see :meth:`load_state_dict`)."""
+        (see :meth:`load_state_dict`), and dtype hyperparameters by name (``"torch.float32"``), as
+        ``torch.distributed.checkpoint``'s full state dicts require."""
         state_dict = super().state_dict()
-        for group, saved in zip(self.param_groups, state_dict.get("param_groups", ())):
-            saved[_layout.KEY] = [tuple(p) for p in self._layout(group)]
+        state_dict["param_groups"] = [
+            {**_layout.dtypes_by_name(saved), _layout.KEY: [tuple(p) for p in self._layout(group)]}
+            for group, saved in zip(self.param_groups, state_dict["param_groups"])]
         return state_dict
 
     def _layout(self, group: dict[str, Any]) -> list[_layout.ParamLayout]:
@@ -485,13 +487,15 @@ class Optimizer(torch.optim.Optimizer):
         parameter, or integer counters), the loaded hyperparameters checked as the constructor
         checks them, and a check that the state_dict has this optimizer's layout: the recorded
         ``param_layout`` (names, global shapes, matrix views; or, in a checkpoint without it,
-        the ``param_names`` where both sides have them) and the state's keys and shapes. A
-        rejected state_dict leaves the optimizer as it was."""
+        the ``param_names`` where both sides have them) and the state's keys and shapes. State
+        tensors are copied (never shared with the state_dict, which may be another optimizer's
+        live state), dtype names read back as dtypes. A rejected state_dict leaves the optimizer
+        as it was."""
         self._check_saved_groups(state_dict)
         for index, (group, saved_group) in enumerate(zip(self.param_groups, state_dict["param_groups"])):
             _layout.check_group(index, saved_group, self._layout(group))
-        state_dict = {**state_dict, "param_groups": [
-            {k: v for k, v in g.items() if k != _layout.KEY} for g in state_dict["param_groups"]]}
+        state_dict = {**state_dict, "param_groups": [_layout.dtypes_from_names(
+            {k: v for k, v in g.items() if k != _layout.KEY}) for g in state_dict["param_groups"]]}
         saved = state_dict["state"]
         backup_state, backup_groups = self.state, self.param_groups
         try:
@@ -499,8 +503,9 @@ class Optimizer(torch.optim.Optimizer):
             for group in self.param_groups:
                 self._validate_group(group)
             params = [p for g in self.param_groups for p in g["params"]]
-            for idx, p in enumerate(params):
-                entry = saved.get(idx, saved.get(str(idx)))
+            saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]  # or names
+            for pid, p in zip(saved_ids, params):
+                entry = saved.get(pid, saved.get(str(pid)))
                 for key, value in (entry or {}).items():
                     if isinstance(value, torch.Tensor):
                         self.state[p][key] = value.detach().to(device=p.device, copy=True)

@@ -1,4 +1,5 @@
-"""The parameter layout a checkpoint records, and the check that a load matches it.
+"""What a checkpoint records besides torch's own: the parameter layout, checked on load, and
+dtype hyperparameters by name.
 
 ``state_dict()`` stores in every saved param group, under :data:`KEY`, one
 :class:`ParamLayout` ``(name, global shape, matrix view)`` per parameter, in the group's order.
@@ -11,6 +12,11 @@ Groups whose saved ``params`` are names (``torch.distributed.checkpoint``'s
 name; if the record has no names, the saved order is lost and only the state's sizes are
 checked. A checkpoint without the record (``torch.optim`` optimizers, older muon_fn versions) is
 checked by its ``param_names`` where both sides have them, else only by the state's sizes.
+
+Hyperparameters that are dtypes (``ns_dtype``, ``momentum_dtype``, ``msign_dtype``) are saved by
+name, ``"torch.bfloat16"`` (:func:`dtypes_by_name`): a full state dict of
+``torch.distributed.checkpoint`` takes only tensors, numbers, strings and containers. Loading reads
+either form (:func:`dtypes_from_names`), so checkpoints that stored the dtype itself still load.
 """
 
 from __future__ import annotations
@@ -18,8 +24,23 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import torch
+
 KEY = "param_layout"
 _MISMATCH = "loaded state dict contains a parameter group that doesn't match optimizer's group"
+
+
+_DTYPES = {str(d): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
+
+def dtypes_by_name(group: dict[str, Any]) -> dict[str, Any]:
+    """``group`` with every ``torch.dtype`` value replaced by its name (``"torch.float32"``)."""
+    return {k: str(v) if isinstance(v, torch.dtype) else v for k, v in group.items()}
+
+
+def dtypes_from_names(group: dict[str, Any]) -> dict[str, Any]:
+    """``group`` with every dtype name (``"torch.float32"``) replaced by the ``torch.dtype``."""
+    return {k: _DTYPES.get(v, v) if isinstance(v, str) else v for k, v in group.items()}
 
 
 class ParamLayout(NamedTuple):
