@@ -312,3 +312,27 @@ def test_cuda_graphs_capture_the_compiled_step(device):
             o.step()
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
     assert_params_close(a, b, **tol(device))
+
+
+def test_gpu_lane_script_keeps_to_its_budget(tmp_path):
+    """``.ci/gpu-lane`` with a spent budget skips every step, names each one in OUT/summary.txt
+    (to run next with MUON_FN_LANE_STEPS), exits 1 and leaves only the summary and the packed logs:
+    what a GPU lease that ran out returns. On the CPU, so this runs without a GPU."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = dict(os.environ, MUON_FN_LANE_DEVICE="cpu", MUON_FN_LANE_BUDGET_S="1", MUON_FN_LANE_PACK="1",
+               PYTHON=sys.executable)
+    done = subprocess.run(["bash", str(root / ".ci" / "gpu-lane"), str(tmp_path)], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    summary = (tmp_path / "summary.txt").read_text().splitlines()
+    assert summary[0].startswith("gpu-lane: CPU") and "| torch " in summary[0]
+    steps = ["lane", "lane-execution", "bench-gpt2", "bench-llm", "compile-time", "train", "fsdp",
+             "lane-compile-cache", "gram-compare"]
+    assert [line.split(":")[0] for line in summary[1:]] == steps
+    assert all("skipped" in line for line in summary[1:])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["logs.tar.gz", "summary.txt"]
