@@ -139,7 +139,9 @@ def _muon_main(argv: list[str], prog: str) -> int:
             quality = not args.no_quality and i == 0 and size in DEFAULT_SIZES
             res = benchmark_muon_optimizers(size, **kwargs, threads=threads, quality=quality,
                                             memory=not args.no_memory, quality_layers=1 if args.quick else 2,
-                                            gaussian=(256, 1024) if args.quick else True)
+                                            gaussian=(256, 1024) if args.quick else True,
+                                            progress=lambda line, size=size: print(f"{size}: {line}", file=sys.stderr,
+                                                                                   flush=True))
             print(format_table(res), flush=True)
             results[f"{size},threads={threads}"] = res
         if args.compile:

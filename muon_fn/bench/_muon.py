@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -42,6 +42,7 @@ def benchmark_muon_optimizers(
     seed: int = 0,
     device: torch.device | str | None = None,
     force: bool = False,
+    progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Time every row for ``rounds`` paired rounds of ``num_steps`` steps on ``model_size``.
 
@@ -70,6 +71,8 @@ def benchmark_muon_optimizers(
         timed row ends with :func:`synchronize`; the quality SVDs run on the CPU.
       force: time a selection of more than :data:`~muon_fn.bench._problem.CPU_MAX_PARAMS`
         parameters on the CPU (refused otherwise: hours of GEMMs).
+      progress: called with a line after each row's first step and after each round (the CLI
+        prints them to stderr, so a run stopped early still shows how far it got).
 
     Returns:
       A JSON-serializable dict: ``config`` (with ``matmul_rates``: per compute dtype of the
@@ -88,7 +91,7 @@ def benchmark_muon_optimizers(
             p.grad = g
         with shared_inputs():
             built = {r: ROW_SPECS[r].build(params, lr) for r in rows}
-        first, times = _time_rows(built, params, rounds, num_steps, device)
+        first, times = _time_rows(built, params, rounds, num_steps, device, progress or (lambda _: None))
         rates = _matmul_rates(rows, params, device)
         out: dict[str, Any] = {
             "config": {**_config(model_size, layers, params, num_steps, lr, rounds, threads, n_threads, device),
@@ -152,17 +155,22 @@ def _matmul_rates(rows: Sequence[str], params: list[torch.Tensor], device: torch
 
 
 def _time_rows(built: dict[str, Built], params: list[torch.Tensor], rounds: int, num_steps: int,
-               device: torch.device) -> tuple[dict[str, float], dict[str, list[float]]]:
+               device: torch.device, progress: Callable[[str], None]) -> tuple[dict[str, float], dict[str, list[float]]]:
     """The first step of every row (state allocation, compilation), then ``rounds`` paired rounds;
     the parameters go back to their start after every round (lr does not matter here), copied
     from the host (no second copy of a large set on the device)."""
     def step(r: str) -> None:
         built[r][1]()
 
-    first = {r: t[0] for r, t in paired_rounds(list(built), step, 1, device=device).items()}
+    def first_step(r: str, _: int, seconds: float) -> None:
+        progress(f"{r}: first step {seconds:.2f} s")
+
+    first = {r: t[0] for r, t in paired_rounds(list(built), step, 1, device=device, after_row=first_step).items()}
     saved = [p.detach().to("cpu", copy=True) for p in params]
 
-    def restore(_: int) -> None:
+    def restore(k: int) -> None:
+        if k > 0:
+            progress(f"round {k} of {rounds} timed")
         with torch.no_grad():
             for p, s in zip(params, saved):
                 p.copy_(s)
