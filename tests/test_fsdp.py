@@ -568,6 +568,41 @@ def check_dcp_load(w, ckpt_dir):
     return run
 
 
+def check_full_state_dict(w):
+    """A full state dict (every DTensor gathered and offloaded to rank 0's CPU; dtype
+    hyperparameters by name) after 2 steps of NorMuon with the fp32 iteration, broadcast from rank
+    0 into a fresh sharded model and optimizer, which continue as 4 uninterrupted single-device
+    steps do, bit for bit."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    from muon_fn.fsdp import FSDPMuonOptimizer
+
+    kw = muon_kwargs(beta2=0.9, ns_dtype=torch.float32)
+
+    def run():
+        model = shard(make())
+        opt = FSDPMuonOptimizer(model, **kw)
+        train([(model, opt)], 2)
+        gather = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        saved = {"model": get_model_state_dict(model, options=gather),
+                 "optim": get_optimizer_state_dict(model, opt, options=gather)}
+        if dist.get_rank() == 0:  # the other ranks get empty dicts (cpu_offload)
+            assert saved["optim"]["param_groups"][0]["ns_dtype"] == "torch.float32"
+        resumed = shard(make(seed=123))
+        ropt = FSDPMuonOptimizer(resumed, **kw)
+        full_sd = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(resumed, saved["model"], options=full_sd)
+        set_optimizer_state_dict(resumed, ropt, saved["optim"], options=full_sd)
+        train([(resumed, ropt)], 2, first=2)
+        expected = reference(muon_single(beta2=0.9, ns_dtype=torch.float32), steps=4)
+        assert_same(resumed, ropt, expected, what=f"full state dict W={w}: ")
+
+    return run
+
+
 def check_dcp_refused(w, ckpt_dir):
     """What W=4 saved, into a model with a renamed or a reshaped parameter: DCP refuses it while
     planning the read, naming the key, before anything changes (the optimizer's state tensors are
@@ -825,6 +860,7 @@ def checks_for(w: int, ckpt_dir: str) -> dict:
         "expert_stacks": check_expert_stacks(w),
         "expert_stacks_normuon": check_expert_stacks(w, beta2=0.95, nesterov=False),
         "plan_mismatch": check_plan_mismatch(w),
+        "full_state_dict": check_full_state_dict(w),
     }
     if w == 4:
         checks.update({
