@@ -223,7 +223,8 @@ def top_singular(W: torch.Tensor, *, squarings: int = 14) -> tuple[torch.Tensor,
     for _ in range(squarings):
         P = P / torch.linalg.matrix_norm(P, keepdim=True).clamp_min(_TINY)
         P = P @ P
-    col_norms = torch.linalg.vector_norm(P, dim=-2)  # (..., k)
+    # (..., k); keepdim, then squeeze: torch 2.10–2.11's meta kernel keeps a reduced dim of size 1
+    col_norms = torch.linalg.vector_norm(P, dim=-2, keepdim=True).squeeze(-2)
     idx = col_norms.argmax(dim=-1, keepdim=True)  # (..., 1)
     x = torch.gather(P, -1, idx.unsqueeze(-2).expand(P.shape[:-1] + (1,))).squeeze(-1)
     x, _ = _normalize(x)

@@ -227,3 +227,19 @@ class TestMessages(expecttest.TestCase):
                                   """Invalid v0: shape (3,) does not match W's 4 columns""")
         self.assertExpectedInline(self._msg(lambda: spectral.target_radius((5,))),
                                   """target_radius expects a matrix shape, got (5,)""")
+
+
+@pytest.mark.parametrize("shape", [(1, 5), (5, 1), (1, 1), (3, 1, 5)])
+def test_meta_shapes_of_one_row_or_column_matrices(shape):
+    """Construction traces run on meta tensors: there the helpers give the shapes they give on
+    real tensors, also for a matrix with one row or one column (a value head's (1, d) weight);
+    torch 2.10–2.11's meta ``vector_norm`` kept a reduced dim of size 1."""
+    real = torch.randn(shape)
+    meta = real.to("meta")
+    for fn in (lambda w: spectral.top_singular(w, squarings=3),
+               lambda w: spectral.subspace_iteration(w, 3, block=min(w.shape[-2:])),
+               spectral.compute_spectral_norm):
+        out_real, out_meta = fn(real), fn(meta)
+        out_real = out_real if isinstance(out_real, tuple) else (out_real,)
+        out_meta = out_meta if isinstance(out_meta, tuple) else (out_meta,)
+        assert [t.shape for t in out_meta] == [t.shape for t in out_real]
