@@ -1252,6 +1252,43 @@ def test_resume_in_the_middle_of_accumulation():
     assert_models_equal(full, b)
 
 
+def test_accumulation_resumes_through_distributed_checkpoint():
+    """With gradient accumulation the state exists from construction, so the state-initializing
+    step of torch.distributed.checkpoint (zero gradients, lr = 0) never enters the window: its
+    template of a fresh optimizer has the momentum to load into, and a run resumed through it at a
+    window boundary continues bit for bit. A checkpoint taken inside a window carries no
+    accumulated gradients there, and its load is refused, saying so."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    def build(m):
+        return mf.MuonOptimizer(m.named_parameters(), gradient_accumulation_steps=2, compile=False)
+
+    full = make_gpt()
+    _train(full, build(full), 6)
+    a = make_gpt()
+    opt_a = build(a)
+    assert sorted(get_optimizer_state_dict(a, opt_a)["state"]["blocks.0.qkv.weight"]) == ["momentum_buffer"]
+    assert opt_a.param_groups[0]["micro_step"] == 0
+    _train(a, opt_a, 4)  # two optimizer steps
+    saved = copy.deepcopy(get_optimizer_state_dict(a, opt_a))
+    b = make_gpt(seed=9)
+    b.load_state_dict(a.state_dict())
+    opt_b = build(b)
+    template = get_optimizer_state_dict(b, opt_b)  # what dcp.load fills in
+    assert b.blocks[0].qkv.weight.equal(a.blocks[0].qkv.weight) and opt_b.param_groups[0]["micro_step"] == 0
+    assert sorted(template["state"]) == sorted(saved["state"])
+    set_optimizer_state_dict(b, opt_b, saved)
+    _train(b, opt_b, 2, start=4)
+    assert_models_equal(full, b)
+    _train(a, opt_a, 1, start=4)  # inside the next window
+    mid = get_optimizer_state_dict(a, opt_a)
+    for st in mid["state"].values():
+        st.pop("grad_accumulator", None)  # what a fresh optimizer's template would load
+    with pytest.raises(ValueError, match="inside a gradient accumulation window .micro_step 1 of 2. but the "
+                                         "state_dict holds no 'grad_accumulator'"):
+        set_optimizer_state_dict(b, opt_b, mid)
+
+
 def test_nonfinite_skip_compiled(device):
     model = make_gpt(device=device)
     opt = mf.MuonOptimizer(model.parameters(), nonfinite="skip", compile={"backend": "eager"})

@@ -147,6 +147,9 @@ class FSDPAdapter(AdapterStep):
                                "(the communication plan is fixed); pass every group to __init__")
         super().add_param_group(param_group)
 
+    def _initial_state(self, index: int) -> None:
+        """Nothing here: the plan creates every group's state at construction (``_distribute``)."""
+
     def _matrix_algorithm(self) -> str:
         """The algorithm of a hybrid's matrices (``algorithms[1]``: "muon", "sso")."""
         return getattr(self, "algorithms", ("auto", "matrix"))[1]

@@ -222,6 +222,18 @@ class Optimizer(torch.optim.Optimizer):
         self._validate_group(group)
         self._runtimes.append(_GroupRuntime())
         self._dry_run(len(self.param_groups) - 1)
+        if group["gradient_accumulation_steps"] > 1:
+            self._initial_state(len(self.param_groups) - 1)
+
+    def _initial_state(self, index: int) -> None:
+        """Create the transforms' state of group ``index`` now, not at its first update. Done for
+        groups with gradient accumulation: torch.distributed.checkpoint initializes an optimizer
+        that has no state by a step with zero gradients at lr = 0, which would count as the
+        window's first micro-batch (and leave only an accumulator as the state to load into)."""
+        group, rt = self.param_groups[index], self._runtime(index)
+        for bucket in rt.buckets:
+            params = tuple(group["params"][i] for i in bucket.indices)
+            self._bucket_state(rt.variants[bucket.variant].tx, bucket, params)
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         """Check a group's hyperparameters (subclasses add theirs): the per-step scalars ``lr`` and
@@ -510,12 +522,25 @@ class Optimizer(torch.optim.Optimizer):
                     if isinstance(value, torch.Tensor):
                         self.state[p][key] = value.detach().to(device=p.device, copy=True)
             for index, group in enumerate(self.param_groups):
+                self._check_window(index)
                 self._check_loaded_state(index)
         except Exception:
             self.state, self.param_groups = backup_state, backup_groups
             for index in range(len(self.param_groups)):
                 self._runtime(index)
             raise
+
+    def _check_window(self, index: int) -> None:
+        """A group loaded inside an accumulation window holds the window's accumulated gradients
+        (a window's first micro-batch with a gradient creates them)."""
+        group = self.param_groups[index]
+        if group.get("micro_step", 0) and not any("grad_accumulator" in self.state[p] for p in group["params"]):
+            raise ValueError(
+                f"loaded param group {index} is inside a gradient accumulation window (micro_step "
+                f"{group['micro_step']} of {group['gradient_accumulation_steps']}) but the state_dict holds no "
+                "'grad_accumulator': the gradients accumulated so far are missing (torch.distributed."
+                "checkpoint loads only the keys of the optimizer it loads into). Save at a window "
+                "boundary, or save and load this optimizer's own state_dict()")
 
     def _check_loaded_state(self, index: int) -> None:
         group = self.param_groups[index]
