@@ -229,11 +229,13 @@ class Optimizer(torch.optim.Optimizer):
         """Create the transforms' state of group ``index`` now, not at its first update. Done for
         groups with gradient accumulation: torch.distributed.checkpoint initializes an optimizer
         that has no state by a step with zero gradients at lr = 0, which would count as the
-        window's first micro-batch (and leave only an accumulator as the state to load into)."""
+        window's first micro-batch (and leave only an accumulator as the state to load into).
+        Parameters still on the meta device (materialized later) get theirs at the first update."""
         group, rt = self.param_groups[index], self._runtime(index)
         for bucket in rt.buckets:
             params = tuple(group["params"][i] for i in bucket.indices)
-            self._bucket_state(rt.variants[bucket.variant].tx, bucket, params)
+            if not any(p.is_meta for p in params):
+                self._bucket_state(rt.variants[bucket.variant].tx, bucket, params)
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         """Check a group's hyperparameters (subclasses add theirs): the per-step scalars ``lr`` and
