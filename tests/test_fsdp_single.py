@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 import muon_fn as mf
-from muon_fn.fsdp import FSDPMuonOptimizer
+from muon_fn.fsdp import FSDPMuonOptimizer, FSDPSpectralSphereOptimizer
 from muon_fn.fsdp import _phases, _rows
 from muon_fn.fsdp._exchange import first_difference
 from muon_fn.optim._state import Slot
@@ -489,11 +489,6 @@ def test_fsdp2_one_rank_equals_muon_optimizer(device, one_rank):
     assert_same(model, opt, ref, ref_opt, parity(device, precision(extra)))
 
 
-def _fsdp_sso(model, **kw):
-    from muon_fn.fsdp import FSDPSpectralSphereOptimizer
-    return FSDPSpectralSphereOptimizer(model, **kw)
-
-
 @pytest.mark.parametrize("kind", ["muon", "sso"])
 def test_fsdp2_one_rank_state_dict_round_trip(device, one_rank, kind):
     """The sharded model's and optimizer's state, gathered to full CPU tensors and through
@@ -507,7 +502,7 @@ def test_fsdp2_one_rank_state_dict_round_trip(device, one_rank, kind):
 
     make, ref_cls, kw, tol = {
         "muon": (FSDPMuonOptimizer, mf.MuonOptimizer, dict(KW, ns_dtype=torch.float32), "fp32"),
-        "sso": (_fsdp_sso, mf.SpectralSphereOptimizer, dict(lr=0.02), "sso"),
+        "sso": (FSDPSpectralSphereOptimizer, mf.SpectralSphereOptimizer, dict(lr=0.02), "sso"),
     }[kind]
     model, ref = sharded_twins(one_rank, device)
     opt, ref_opt = make(model, **kw), single(ref_cls, ref, **kw)
@@ -529,8 +524,6 @@ def test_fsdp2_one_rank_state_dict_round_trip(device, one_rank, kind):
 def test_fsdp2_one_rank_sso_equals_spectral_sphere_optimizer(device, one_rank):
     """FSDPSpectralSphereOptimizer on the sharded model equals SpectralSphereOptimizer on its copy
     (bit for bit on the CPU, PARITY on CUDA), the λ solver's statistics included."""
-    from muon_fn.fsdp import FSDPSpectralSphereOptimizer
-
     model, ref = sharded_twins(one_rank, device)
     opt = FSDPSpectralSphereOptimizer(model, lr=0.02, weight_decay=0.01)
     ref_opt = single(mf.SpectralSphereOptimizer, ref, lr=0.02, weight_decay=0.01)
