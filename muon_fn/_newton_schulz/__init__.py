@@ -3,14 +3,19 @@
 - :mod:`.schedules`: each method's coefficients, how a schedule extends to ``steps`` iterations,
   its preconditioner and form, and what it costs in GEMM FLOPs;
 - :mod:`.iteration`: the iteration as formulas (``step``, ``poly``, ``iterate``, the Gram form,
-  the AOL rescale, normalization), asking a :class:`~.products.Products` for every product;
+  the AOL rescale, normalization), asking the :class:`~.products.Products` it is given for every
+  product;
 - :mod:`.products`: the products the iteration asks for, computed plainly;
 - :mod:`.cpu`: the CPU's execution (block-split symmetric products, AMX's rule, one matrix at a
   time from 384 rows, aligned slots, reused scratch, the bf16 probe);
 - :mod:`.batched`: the GPUs' execution (stacked batches, half-block symmetric GEMMs);
-- :mod:`.execution`: the default dtype per device, batched orthogonalization through the device's
-  products, and the operator ``torch.ops.muon_fn.orthogonalize_batch``.
+- :mod:`.execution`: the device's products (``for_device``) and the iteration run through them
+  (``newton_schulz``, ``orthogonalize_matrices``; ``gram_matrix``, ``iterate``, ``iterate_gram``
+  with the device's products by default), the default dtype per device, batched orthogonalization
+  through the device's products, and the operator ``torch.ops.muon_fn.orthogonalize_batch``.
 
+Imports point down only: the math (schedules, iteration, products) imports no execution module;
+the execution side (cpu, batched, execution) picks the products (``tests/test_layering.py``).
 Which execution runs on a device is its policy (:mod:`muon_fn._execution`). The names below are
 this package's public face, importable as ``muon_fn._newton_schulz.<name>``.
 """
@@ -18,11 +23,11 @@ this package's public face, importable as ``muon_fn._newton_schulz.<name>``.
 from .batched import BatchedProducts, half_blocks
 from .cpu import (AMX_SPLIT_MIN_RATIO, CPU_HAS_BF16_GEMM, LOOP_MIN_DIM, SLOT_ALIGNMENT, SYMMETRIC_MIN_BLOCK,
                   CPUProducts, aligned_slots, clear_scratch, cpu_has_bf16_gemm)
-from .execution import default_compute_dtype, msign_batch, orthogonalize_batch
-from .iteration import (aol_scale, gram_matrix, inverse_norm, iterate, iterate_gram, newton_schulz,
-                        orthogonalize_matrices, poly, polar_express, run_schedule, step, wide_shape,
+from .execution import (default_compute_dtype, for_device, gram_matrix, iterate, iterate_gram, msign_batch,
+                        newton_schulz, orthogonalize_batch, orthogonalize_matrices, polar_express,
                         zeropower_via_newtonschulz5)
-from .products import Buffers, Products, for_device
+from .iteration import aol_scale, inverse_norm, poly, run_schedule, step, wide_shape
+from .products import Buffers, Products
 from .schedules import (AOL9_COEFFICIENTS, AOL_COEFFICIENTS, COMPUTE_DTYPES, CUBIC_COEFFICIENTS, DEFAULT_METHOD,
                         FORMS, GRAM_RESTARTS, KELLER_COEFFICIENTS, METHODS, POLAR_EXPRESS_COEFFICIENTS,
                         POLAR_EXPRESS_SAFETY, PRECONDITIONERS, TORCH_NS_STEPS, YOU_COEFFICIENTS, Coefficients,

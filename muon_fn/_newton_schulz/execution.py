@@ -1,7 +1,15 @@
-"""Which execution runs where: the default iteration dtype of a device, the batched
-orthogonalization of same-shape matrices through the device's products, and the operator
+"""Which execution runs where: the products of a device's execution policy (:func:`for_device`),
+the iteration run through them (:func:`newton_schulz` and its presets; :func:`gram_matrix`,
+:func:`iterate`, :func:`iterate_gram`, :func:`orthogonalize_matrices`: :mod:`.iteration`'s
+formulas with the device's products unless given), the default iteration dtype of a device, the
+batched orthogonalization of same-shape matrices through the device's products, and the operator
 ``torch.ops.muon_fn.orthogonalize_batch`` that keeps it one opaque call under ``torch.compile``
-where the execution policy asks for that (the CPU's)."""
+where the execution policy asks for that (the CPU's).
+
+This module picks the products; the math (:mod:`.schedules`, :mod:`.iteration`, :mod:`.products`)
+imports no execution module, so imports point down only: execution → cpu, batched → iteration →
+products, schedules.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +17,109 @@ from typing import Sequence
 
 import torch
 
-from .. import _execution
-from . import cpu
+from .. import _checks, _execution
+from . import batched, cpu, iteration
 from .iteration import wide_shape
-from .products import Buffers, for_device
-from .schedules import Coefficients, Schedule, check_dtype
+from .products import Buffers, Products
+from .schedules import GRAM_RESTARTS, Coefficients, Schedule, check_dtype, coefficient_schedule
+from .schedules import norm_scale as method_norm_scale
+
+
+def for_device(device: torch.device, buffers: Buffers | None = None) -> Products:
+    """The products of ``device``'s execution policy (scratch kept in ``buffers`` where the
+    policy reuses scratch)."""
+    policy = _execution.policy(device)
+    return {"cpu": cpu.CPUProducts, "batched": batched.BatchedProducts}[policy.name](policy, buffers)
+
+
+def gram_matrix(x: torch.Tensor, ops: Products | None = None) -> torch.Tensor:
+    """``XXᵀ`` of a (batch of) wide matrices (:func:`.iteration.gram_matrix`; into ``ops``'
+    ``"gram"`` scratch, if it keeps one; default: the products of ``x``'s device)."""
+    return iteration.gram_matrix(x, for_device(x.device) if ops is None else ops)
+
+
+def iterate(x: torch.Tensor, schedule: Sequence[Coefficients], gram: torch.Tensor | None = None,
+            ops: Products | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`.iteration.iterate` (``ops``: the products, default: those of ``x``'s device)."""
+    return iteration.iterate(x, schedule, gram, for_device(x.device) if ops is None else ops, out)
+
+
+def iterate_gram(x: torch.Tensor, schedule: Sequence[Coefficients], gram: torch.Tensor | None = None,
+                 restarts: Sequence[int] = GRAM_RESTARTS, ops: Products | None = None) -> torch.Tensor:
+    """:func:`.iteration.iterate_gram` (``ops``: the products, default: those of ``x``'s device;
+    they must keep no scratch)."""
+    return iteration.iterate_gram(x, schedule, gram, restarts, ops=for_device(x.device) if ops is None else ops)
+
+
+def orthogonalize_matrices(
+    x: torch.Tensor,
+    schedule: Sequence[Coefficients],
+    *,
+    dtype: torch.dtype,
+    eps: float,
+    norm_scale: float = 1.0,
+    gram: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The iteration behind :func:`newton_schulz` with a resolved schedule, through the products
+    of ``x``'s device (:func:`.iteration.orthogonalize_matrices`: plain tensor code, traceable by
+    autograd, torch.func and torch.compile).
+
+    A :class:`~.schedules.Schedule` brings its preconditioner and form; a plain tuple of triples
+    runs the standard iteration after Frobenius normalization. ``gram``: ``XXᵀ`` of ``x``'s wide
+    orientation (``XᵀX`` for tall ``x``), ``(..., k, k)`` with ``k = min(m, n)``, if the caller
+    already has it (SSO forms it by a rank-two update); the first iteration then uses it, scaled
+    and cast like ``x``, instead of a product.
+    """
+    return iteration.orthogonalize_matrices(x, schedule, dtype=dtype, eps=eps, norm_scale=norm_scale, gram=gram,
+                                            ops=for_device(x.device))
+
+
+def newton_schulz(
+    x: torch.Tensor,
+    method: str = "polar_express",
+    steps: int | None = 5,
+    *,
+    coefficients: Sequence[Sequence[float]] | None = None,
+    dtype: torch.dtype | None = None,
+    eps: float = 1e-7,
+    stepsize: float = 1.0,
+) -> torch.Tensor:
+    """Approximate ``msign(x)`` for a matrix or a batch of matrices ``(..., m, n)``.
+
+    Args:
+      x: input of shape ``(..., m, n)``; tall matrices are transposed internally.
+      method: ``"polar_express"``, ``"quintic"`` (Keller), ``"you"``, ``"cubic"``, ``"aol"``
+        (AOL-preconditioned, 4 steps by default), ``"aol9"`` or ``"gram"`` (Polar Express as
+        Gram NS; fp32/fp16 only).
+      steps: number of iterations (``None``: :func:`~.schedules.default_steps`).
+      coefficients: a custom schedule of ``(a, b, c)`` triples (overrides ``method``'s).
+      dtype: iteration dtype; ``None`` iterates in ``x.dtype``.
+      eps: the normalization is ``x / max(‖x‖_F, eps)`` (torch.optim.Muon's), so a zero
+        input maps to zero.
+      stepsize: damping η of each iteration (1 = the plain iteration).
+
+    Returns:
+      A tensor of ``x``'s shape and dtype.
+    """
+    if x.ndim < 2:
+        raise ValueError(f"newton_schulz expects a matrix or a batch of matrices, got shape {tuple(x.shape)}")
+    _checks.positive("eps", eps)
+    schedule = coefficient_schedule(method, steps, coefficients=coefficients, stepsize=stepsize)
+    scale = 1.0 if coefficients is not None else method_norm_scale(method)
+    return orthogonalize_matrices(x, schedule, dtype=dtype or x.dtype, eps=eps, norm_scale=scale)
+
+
+def zeropower_via_newtonschulz5(G: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """Keller Jordan's Muon orthogonalization: quintic (3.4445, -4.7750, 2.0315) in bf16."""
+    return newton_schulz(G, "quintic", steps, dtype=torch.bfloat16, eps=1e-7)
+
+
+def polar_express(G: torch.Tensor, steps: int = 5, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Polar Express (safety factor 1.01) in ``dtype`` (default: ``G.dtype``).
+
+    5 steps land σ in about 1 ± 0.12; 8 or more steps in fp32 converge (‖OOᵀ − I‖_F/√m ≈ 1e-6).
+    """
+    return newton_schulz(G, "polar_express", steps, dtype=dtype)
 
 
 def default_compute_dtype(device: torch.device | str | None = None,
@@ -39,7 +145,7 @@ def orthogonalize_batch(xs: Sequence[torch.Tensor], schedule: Sequence[Coefficie
                         eps: float, norm_scale: float = 1.0, buffers: Buffers | None = None) -> torch.Tensor:
     """msign of each matrix of ``xs`` (2-D, one wide shape ``(m, n)`` in either orientation) as
     one ``(B, m, n)`` tensor in ``dtype``, wide orientation (transpose tall results back), run by
-    the products of the matrices' device (:func:`~.products.for_device`; ``buffers``: scratch kept
+    the products of the matrices' device (:func:`for_device`; ``buffers``: scratch kept
     across calls where that execution reuses scratch). The result is always fresh."""
     check_dtype(schedule, dtype)
     return for_device(xs[0].device, buffers).orthogonalize_batch(xs, schedule, dtype, eps, norm_scale)

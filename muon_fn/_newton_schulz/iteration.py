@@ -6,8 +6,11 @@ orientation (``m ≤ n``; tall inputs are transposed) and applies one odd polyno
 :func:`poly`, :func:`iterate`). ``precondition="aol"`` rescales the rows first (:func:`aol_scale`,
 reusing the first Gram matrix); ``form="gram"`` runs the same polynomials through ``R = XXᵀ``
 only (:func:`iterate_gram`). Every matrix product goes through a :class:`~.products.Products`
-(``ops``), which a device's execution module provides: these functions say *what* is computed,
-the products say *how* on that device.
+(``ops``), which the caller passes: these functions say *what* is computed, the products say *how*
+on a device. Choosing a device's products is the execution side's (:mod:`.execution`:
+``for_device``, and the entry points that run these functions through it: ``newton_schulz``, and
+``gram_matrix``, ``iterate``, ``iterate_gram``, ``orthogonalize_matrices`` without ``ops``), so
+this module imports no execution module.
 """
 
 from __future__ import annotations
@@ -16,10 +19,8 @@ from typing import Sequence
 
 import torch
 
-from .. import _checks
-from .products import Products, addmm, for_device, matmul, untracked
-from .schedules import (GRAM_RESTARTS, Coefficients, check_dtype, coefficient_schedule, degree_terms,
-                        norm_scale as method_norm_scale)
+from .products import Products, addmm, matmul, untracked
+from .schedules import GRAM_RESTARTS, Coefficients, check_dtype, degree_terms
 
 
 def inverse_norm(x: torch.Tensor, norm_scale: float, eps: float, dims: tuple[int, ...] | None = None) -> torch.Tensor:
@@ -46,10 +47,8 @@ def aol_scale(x: torch.Tensor, gram: torch.Tensor, eps: float) -> tuple[torch.Te
     return x * row, gram * row * col
 
 
-def gram_matrix(x: torch.Tensor, ops: Products | None = None) -> torch.Tensor:
-    """``XXᵀ`` of a (batch of) wide matrices (into ``ops``' ``"gram"`` scratch, if it keeps one;
-    default: the products of ``x``'s device)."""
-    ops = for_device(x.device) if ops is None else ops
+def gram_matrix(x: torch.Tensor, ops: Products) -> torch.Tensor:
+    """``XXᵀ`` of a (batch of) wide matrices (into ``ops``' ``"gram"`` scratch, if it keeps one)."""
     return ops.product(x, x.mT, ops.scratch("gram", x.shape[:-1] + x.shape[-2:-1], x), symmetric=True)
 
 
@@ -104,20 +103,19 @@ def step(x: torch.Tensor, gram: torch.Tensor, row: Coefficients, ops: Products, 
     return matmul(p, x, out)
 
 
-def iterate(x: torch.Tensor, schedule: Sequence[Coefficients], gram: torch.Tensor | None = None,
-            ops: Products | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+def iterate(x: torch.Tensor, schedule: Sequence[Coefficients], gram: torch.Tensor | None, ops: Products,
+            out: torch.Tensor | None = None) -> torch.Tensor:
     """Apply ``X ← c₀X + (Σ_{i≥1} cᵢAⁱ)X``, ``A = XXᵀ``, once per row (``aX + (bA + cA²)X`` for a
     quintic). ``x``: (m, n) or (B, m, n). A :class:`~.schedules.Schedule`'s ``fold_from`` says
     from which iteration on ``c₀`` goes onto the polynomial's diagonal (:func:`step`).
 
     ``gram``: ``XXᵀ`` of the input if already computed (used by the first iteration; it need not
-    be exactly symmetric, e.g. after the AOL rescale, so its square is one GEMM). ``ops``: the
-    products (default: those of ``x``'s device); where they keep scratch, every intermediate
-    product is written into it (X alternates between two). ``out``: where the last iteration
+    be exactly symmetric, e.g. after the AOL rescale, so its square is one GEMM; ``None``: computed).
+    ``ops``: the products; where they keep scratch, every intermediate product is written into it
+    (X alternates between two). ``out``: where the last iteration
     writes (it must not alias ``x``); without it the result may be scratch, overwritten by the
     next call with the same shapes. Bitwise the same values either way.
     """
-    ops = for_device(x.device) if ops is None else ops
     fold_from = getattr(schedule, "fold_from", None)
     last = len(schedule) - 1
     for k, row in enumerate(schedule):
@@ -129,8 +127,8 @@ def iterate(x: torch.Tensor, schedule: Sequence[Coefficients], gram: torch.Tenso
     return x
 
 
-def iterate_gram(x: torch.Tensor, schedule: Sequence[Coefficients], gram: torch.Tensor | None = None,
-                 restarts: Sequence[int] = GRAM_RESTARTS, ops: Products | None = None) -> torch.Tensor:
+def iterate_gram(x: torch.Tensor, schedule: Sequence[Coefficients], gram: torch.Tensor | None,
+                 restarts: Sequence[int] = GRAM_RESTARTS, *, ops: Products) -> torch.Tensor:
     """Gram Newton–Schulz: the polynomials of :func:`iterate` applied through ``R = XXᵀ`` only.
 
     Keeps ``X_k = Q X_0`` with ``Q`` a polynomial in ``R_0``: per row ``T = c₀I + Σ cᵢRⁱ``,
@@ -139,7 +137,6 @@ def iterate_gram(x: torch.Tensor, schedule: Sequence[Coefficients], gram: torch.
     ``4m²n`` per iteration. Loses orthogonality in bf16 (spurious negative eigenvalues of ``R``).
     ``ops`` must keep no scratch (``Q`` holds a polynomial across rows).
     """
-    ops = for_device(x.device) if ops is None else ops
     if x.size(-2) == x.size(-1):  # square: nothing to save
         return iterate(x, schedule, gram, ops)
     r = x @ x.mT if gram is None else gram
@@ -184,9 +181,11 @@ def orthogonalize_matrices(
     eps: float,
     norm_scale: float = 1.0,
     gram: torch.Tensor | None = None,
+    ops: Products,
 ) -> torch.Tensor:
-    """The iteration behind :func:`newton_schulz` with a resolved schedule (plain tensor code:
-    traceable by autograd, torch.func and torch.compile).
+    """The iteration behind ``newton_schulz`` with a resolved schedule, through the products
+    ``ops`` (plain tensor code: traceable by autograd, torch.func and torch.compile;
+    :func:`.execution.orthogonalize_matrices` runs it through the products of ``x``'s device).
 
     A :class:`~.schedules.Schedule` brings its preconditioner and form; a plain tuple of triples
     runs the standard iteration after Frobenius normalization. ``gram``: ``XXᵀ`` of ``x``'s wide
@@ -206,55 +205,7 @@ def orthogonalize_matrices(
         y = y.mT
     if gram is not None:
         gram = (gram * inv.square()).to(dtype)
-    y = run_schedule(y, schedule, eps, for_device(y.device), gram=gram)
+    y = run_schedule(y, schedule, eps, ops, gram=gram)
     if tall:
         y = y.mT
     return y.to(out_dtype).reshape(shape)
-
-
-def newton_schulz(
-    x: torch.Tensor,
-    method: str = "polar_express",
-    steps: int | None = 5,
-    *,
-    coefficients: Sequence[Sequence[float]] | None = None,
-    dtype: torch.dtype | None = None,
-    eps: float = 1e-7,
-    stepsize: float = 1.0,
-) -> torch.Tensor:
-    """Approximate ``msign(x)`` for a matrix or a batch of matrices ``(..., m, n)``.
-
-    Args:
-      x: input of shape ``(..., m, n)``; tall matrices are transposed internally.
-      method: ``"polar_express"``, ``"quintic"`` (Keller), ``"you"``, ``"cubic"``, ``"aol"``
-        (AOL-preconditioned, 4 steps by default), ``"aol9"`` or ``"gram"`` (Polar Express as
-        Gram NS; fp32/fp16 only).
-      steps: number of iterations (``None``: :func:`~.schedules.default_steps`).
-      coefficients: a custom schedule of ``(a, b, c)`` triples (overrides ``method``'s).
-      dtype: iteration dtype; ``None`` iterates in ``x.dtype``.
-      eps: the normalization is ``x / max(‖x‖_F, eps)`` (torch.optim.Muon's), so a zero
-        input maps to zero.
-      stepsize: damping η of each iteration (1 = the plain iteration).
-
-    Returns:
-      A tensor of ``x``'s shape and dtype.
-    """
-    if x.ndim < 2:
-        raise ValueError(f"newton_schulz expects a matrix or a batch of matrices, got shape {tuple(x.shape)}")
-    _checks.positive("eps", eps)
-    schedule = coefficient_schedule(method, steps, coefficients=coefficients, stepsize=stepsize)
-    scale = 1.0 if coefficients is not None else method_norm_scale(method)
-    return orthogonalize_matrices(x, schedule, dtype=dtype or x.dtype, eps=eps, norm_scale=scale)
-
-
-def zeropower_via_newtonschulz5(G: torch.Tensor, steps: int = 5) -> torch.Tensor:
-    """Keller Jordan's Muon orthogonalization: quintic (3.4445, -4.7750, 2.0315) in bf16."""
-    return newton_schulz(G, "quintic", steps, dtype=torch.bfloat16, eps=1e-7)
-
-
-def polar_express(G: torch.Tensor, steps: int = 5, *, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Polar Express (safety factor 1.01) in ``dtype`` (default: ``G.dtype``).
-
-    5 steps land σ in about 1 ± 0.12; 8 or more steps in fp32 converge (‖OOᵀ − I‖_F/√m ≈ 1e-6).
-    """
-    return newton_schulz(G, "polar_express", steps, dtype=dtype)

@@ -3,9 +3,10 @@ GEMM or batched GEMM each, fresh outputs, traceable by autograd, torch.func and 
 
 A device's execution module subclasses :class:`Products` to run the same products its own way
 (:mod:`.cpu`: scratch reuse, block-split symmetric products, one matrix at a time;
-:mod:`.batched`: half-block symmetric GEMMs); :func:`for_device` picks the one of a device's
-execution policy (:mod:`muon_fn._execution`). The iteration (:mod:`.iteration`) only ever calls
-these methods, so its formulas hold no device's tuning.
+:mod:`.batched`: half-block symmetric GEMMs); the execution side picks the one of a device's
+execution policy (:func:`.execution.for_device`). The iteration (:mod:`.iteration`) only ever
+calls these methods, so its formulas hold no device's tuning; and this module, like the
+iteration, imports no execution module (the execution modules import it).
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-
-from .. import _execution
 
 Buffers = dict  # scratch tensors kept by the caller across calls, keyed by (role, shape, dtype, device)
 
@@ -88,11 +87,3 @@ class Products:
                     out: torch.Tensor | None) -> torch.Tensor:
         return run(y, gram, out)
 
-
-def for_device(device: torch.device, buffers: Buffers | None = None) -> Products:
-    """The products of ``device``'s execution policy (scratch kept in ``buffers`` where the
-    policy reuses scratch)."""
-    from . import batched, cpu  # the execution modules import the iteration, which imports this
-
-    policy = _execution.policy(device)
-    return {"cpu": cpu.CPUProducts, "batched": batched.BatchedProducts}[policy.name](policy, buffers)

@@ -1,0 +1,172 @@
+"""Layering (docs/design.md §2): imports point down only, no cycles; modules stay small.
+
+The import graph is read from the source, not from ``sys.modules``: every ``import`` and
+``from … import`` of a muon_fn module at any depth (module level, inside functions, under
+``if TYPE_CHECKING``), and ``importlib.import_module`` of a literal name. A function-level import
+that goes back up is a cycle all the same: it only defers the circle to the first call.
+
+Edges go to the module named, not to the packages above it: Python imports a package's
+``__init__`` before its submodules, but that is no dependency of the importer's. ``from pkg import
+name`` is an edge to ``pkg.name`` where that is a module, else to ``pkg`` (its ``__init__``).
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import warnings
+
+import pytest
+
+import muon_fn
+
+ROOT = pathlib.Path(muon_fn.__file__).resolve().parent
+PACKAGE = "muon_fn"
+
+MAX_LINES = 600
+# Modules over MAX_LINES, each with the most lines it may have: shrink this list, never grow it.
+LONG_MODULES: dict[str, int] = {}
+
+# Import cycles elsewhere in muon_fn known today (each one elementary cycle, written from its
+# smallest module name). Not fixed here (not this package's modules); none may be added, and one
+# that is gone should leave this list (the test warns).
+KNOWN_CYCLES: set[tuple[str, ...]] = {
+    # _muon.py imports _torch_compat inside MuonOptimizer.load_state_dict; _torch_compat imports
+    # MuonOptimizer at module level (to convert torch.optim.Muon's state dicts).
+    ("muon_fn.optim._muon", "muon_fn.optim._torch_compat"),
+}
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, pathlib.Path]:
+    return {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def _resolve(importer: str, is_package: bool, level: int, module: str | None) -> str:
+    """The absolute name ``from <level dots><module> import …`` in ``importer`` refers to."""
+    if level == 0:
+        return module or ""
+    base = importer.split(".")
+    base = base if is_package else base[:-1]  # a package's own name is the base of its "."
+    base = base[: len(base) - (level - 1)]
+    return ".".join(base + ([module] if module else []))
+
+
+def imports_of(name: str, path: pathlib.Path, known: set[str]) -> set[str]:
+    """The muon_fn modules ``name`` imports, at any depth of its source."""
+    is_package = path.name == "__init__.py"
+    found: set[str] = set()
+
+    def add(target: str) -> None:
+        # the module itself, or its nearest enclosing muon_fn module (``import muon_fn.x.Y``)
+        while target and target not in known:
+            target = target.rpartition(".")[0]
+        if target and target != name:
+            found.add(target)
+
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name == PACKAGE or alias.name.startswith(PACKAGE + "."):
+                    add(alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            source = _resolve(name, is_package, node.level, node.module)
+            if source != PACKAGE and not source.startswith(PACKAGE + "."):
+                continue
+            for alias in node.names:
+                sub = f"{source}.{alias.name}"
+                add(sub if sub in known else source)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr == "import_module" and node.args
+              and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)
+              and node.args[0].value.startswith(PACKAGE)):
+            add(node.args[0].value)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    mods = modules()
+    known = set(mods)
+    return {name: imports_of(name, path, known) for name, path in mods.items()}
+
+
+def elementary_cycles(graph: dict[str, set[str]]) -> set[tuple[str, ...]]:
+    """Every elementary cycle of ``graph``, each written from its smallest node (a simple search
+    from each node over larger nodes only: each cycle is found once, from its smallest node)."""
+    cycles: set[tuple[str, ...]] = set()
+    for start in sorted(graph):
+        stack = [(start, iter(sorted(graph[start])))]
+        path, on_path = [start], {start}
+        while stack:
+            node, children = stack[-1]
+            child = next(children, None)
+            if child is None:
+                stack.pop()
+                on_path.discard(path.pop())
+            elif child == start:
+                cycles.add(tuple(path))
+            elif child > start and child not in on_path and child in graph:
+                stack.append((child, iter(sorted(graph[child]))))
+                path.append(child)
+                on_path.add(child)
+    return cycles
+
+
+def _show(cycles) -> str:
+    return "\n".join(" -> ".join(c + (c[0],)) for c in sorted(cycles)) or "(none)"
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    return import_graph()
+
+
+def test_the_graph_sees_function_level_and_relative_imports(graph):
+    # a sanity check of the reader itself, on edges that exist for certain
+    assert "muon_fn._execution" in graph["muon_fn._newton_schulz.execution"]  # from .. import _execution
+    assert "muon_fn._newton_schulz.cpu" in graph["muon_fn._newton_schulz.execution"]  # from . import cpu
+    assert "muon_fn._newton_schulz.products" in graph["muon_fn._newton_schulz.iteration"]
+    assert "muon_fn._newton_schulz" in graph["muon_fn"]
+    toy = {"a": {"b"}, "b": {"c", "a"}, "c": {"a"}, "d": {"d"}}
+    assert elementary_cycles(toy) == {("a", "b"), ("a", "b", "c"), ("d",)}
+    src = "def f():\n    from .cpu import x\n"
+    tree_edges = [n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.ImportFrom)]
+    assert _resolve("muon_fn._newton_schulz.products", False, tree_edges[0].level, tree_edges[0].module) \
+        == "muon_fn._newton_schulz.cpu"
+
+
+def test_no_import_cycle_in_newton_schulz(graph):
+    """The Newton–Schulz math (schedules, iteration, products) imports no execution module; the
+    execution side (cpu, batched, execution) picks the products: no cycle touches the package."""
+    ns = "muon_fn._newton_schulz"
+    touching = {c for c in elementary_cycles(graph) if any(m == ns or m.startswith(ns + ".") for m in c)}
+    assert not touching, f"import cycles through {ns}:\n{_show(touching)}"
+
+
+def test_newton_schulz_math_imports_no_execution(graph):
+    ns = "muon_fn._newton_schulz"
+    execution = {"muon_fn._execution", f"{ns}.cpu", f"{ns}.batched", f"{ns}.execution", ns}
+    for math in ("schedules", "iteration", "products"):
+        assert not graph[f"{ns}.{math}"] & execution, f"{ns}.{math} imports {graph[f'{ns}.{math}'] & execution}"
+
+
+def test_no_new_import_cycles_in_muon_fn(graph):
+    cycles = elementary_cycles(graph)
+    new = cycles - KNOWN_CYCLES
+    assert not new, f"new import cycles in muon_fn:\n{_show(new)}"
+    gone = KNOWN_CYCLES - cycles
+    if gone:
+        warnings.warn(f"known import cycles that are gone (remove them from KNOWN_CYCLES):\n{_show(gone)}")
+
+
+def test_modules_are_at_most_600_lines():
+    lengths = {p.relative_to(ROOT.parent).as_posix(): len(p.read_text().splitlines()) for p in ROOT.rglob("*.py")}
+    over = {p: n for p, n in lengths.items() if n > LONG_MODULES.get(p, MAX_LINES)}
+    assert not over, f"modules over {MAX_LINES} lines (or over their LONG_MODULES ceiling): {over}"
+    stale = sorted(p for p in LONG_MODULES if lengths.get(p, 0) <= MAX_LINES)
+    if stale:
+        warnings.warn(f"now at most {MAX_LINES} lines or gone (remove from LONG_MODULES): {stale}")
