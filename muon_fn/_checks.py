@@ -177,3 +177,53 @@ def foreign_group_keys(group: dict[str, Any]) -> None:
         if key in FOREIGN_KEYWORDS:
             raise ValueError(f"Invalid param group key {key!r} (this optimizer does not use it): "
                              f"{FOREIGN_KEYWORDS[key]}")
+
+
+# ----------------------------------------------------------------------------- parameter groups
+def _param_label(names: list[Any] | None, i: int, p: torch.Tensor) -> str:
+    return repr(names[i]) if names and names[i] is not None else f"#{i} of shape {tuple(p.shape)}"
+
+
+def listed_once(new: dict[str, Any], groups: list[dict[str, Any]]) -> None:
+    """``ValueError`` naming a parameter that ``new`` (a param group about to be added, its
+    ``params`` a list of tensors or ``(name, tensor)`` pairs) lists twice, or that an earlier
+    group of ``groups`` holds already: it would be updated twice per step."""
+    entries = new["params"]
+    if isinstance(entries, torch.Tensor) or isinstance(entries, set):
+        return  # torch's add_param_group takes (or refuses) these
+    entries = list(entries)
+    pairs = [(e[0], e[1]) if isinstance(e, tuple) and len(e) == 2 else (None, e) for e in entries]
+    names = [n for n, _ in pairs] if any(n is not None for n, _ in pairs) else new.get("param_names")
+    seen: dict[int, int] = {}
+    for i, (_, p) in enumerate(pairs):
+        j = seen.setdefault(id(p), i)
+        if j != i:
+            raise ValueError(f"parameter {_param_label(names, i, p)} appears twice in one parameter group "
+                             f"(positions {j} and {i}); it would be updated twice per step: list each "
+                             "parameter once")
+    for g, group in enumerate(groups):
+        held = {id(q) for q in group["params"]}
+        for i, (_, p) in enumerate(pairs):
+            if id(p) in held:
+                raise ValueError(f"some parameters appear in more than one parameter group: the new group's "
+                                 f"parameter {_param_label(names, i, p)} is in group {g} already")
+    new["params"] = entries  # a generator has been read
+
+
+def misspelled_keys(group: dict[str, Any], hyperparameters: Iterable[str], owner: str,
+                    internal: Iterable[str] = ()) -> None:
+    """``ValueError`` for a key of a user's param group that looks like a misspelled
+    hyperparameter of ``owner`` (``lrr`` for ``lr``): it would be kept and never used. Other
+    unknown keys (``"name"``, a scheduler's own) are kept, as torch.optim keeps them;
+    ``internal``: keys the optimizer keeps in its groups that are not hyperparameters."""
+    import difflib
+
+    hyper = sorted(set(hyperparameters))
+    for key in group:
+        if not isinstance(key, str) or key in hyper or key in internal or key in FOREIGN_KEYWORDS:
+            continue  # a foreign keyword gets its own message (foreign_group_keys)
+        close = [k for k in difflib.get_close_matches(key, hyper, n=3, cutoff=0.8)
+                 if not (key.startswith(k + "_") or key.endswith("_" + k))]  # lr_scale: a key of its own
+        if close:
+            raise ValueError(f"Invalid param group key {key!r}: {owner} has no hyperparameter {key!r}; did you "
+                             f"mean {close[0]!r}? (its hyperparameters: {', '.join(hyper)})")

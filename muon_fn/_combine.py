@@ -23,6 +23,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         return tuple(tx.init(params) for tx in transforms)
 
     def update(updates: Updates, state: tuple, params: Params | None = None, **extra: Any):
+        check_updates(updates, params)
         new_state = []
         for tx, s in zip(transforms, state):
             updates, s = tx.update(updates, s, params, **extra)
@@ -36,6 +37,14 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     return with_info(GradientTransformation(init, update), leafwise=all(i.leafwise for i in infos),
                      scope=_common_scope(infos), parts=tuple(transforms),
                      final=bool(infos) and infos[-1].final, needs_params=any(i.needs_params for i in infos))
+
+
+def check_updates(updates: Updates, params: Params | None) -> None:
+    """``ValueError`` unless ``updates`` fit ``params`` (when given): the same tree, each
+    leaf of its parameter's shape (checked while tracing, so a compiled update pays nothing)."""
+    why = None if params is None else _tree.mismatch(updates, params)
+    if why is not None:
+        raise ValueError(f"the updates (gradients) do not match the parameters: {why}")
 
 
 def _common_scope(infos) -> str | None:
@@ -95,6 +104,7 @@ def partition(
         )
 
     def update(updates: Updates, state: PartitionState, params: Params | None = None, **extra: Any):
+        check_updates(updates, params)
         tree_labels = label_tree(params if params is not None else updates)
         new_inner, outs = {}, {}
         for label, tx in transforms.items():

@@ -96,7 +96,36 @@ def _(W, M, V0, lam0, lr, key):
 
 def _sphere_step(sp: Sphere, W: torch.Tensor, M: torch.Tensor, V0: torch.Tensor, lam0, lr):
     """Phases 1–6 of the module doc on ``W``, ``M`` ``(B, m, n)``: ``(u, V, λ*, σ, |h|, evaluations,
-    fallback)``, each matrix's independent of the others in the batch."""
+    fallback)``, each matrix's independent of the others in the batch. A matrix whose ``W`` or
+    ``M`` holds an inf or nan (only with ``nonfinite=None``: the optimizers' other policies zero
+    such a step's gradients first) gets a nan update and no solve (:func:`_nonfinite_rows`)."""
+    bad = ~(torch.isfinite(W).flatten(1).all(1) & torch.isfinite(M).flatten(1).all(1))
+    if bool(bad.any()):
+        return _nonfinite_rows(sp, W, M, V0, lam0, lr, bad)
+    return _finite_step(sp, W, M, V0, lam0, lr)
+
+
+def _nonfinite_rows(sp: Sphere, W, M, V0, lam0, lr, bad: torch.Tensor):
+    """:func:`_sphere_step` of a batch with non-finite matrices (``bad``): the finite ones solved
+    as usual; the others' update all nan (the nan a plain Muon step would apply: the step is
+    applied whole, never half), their warm-start block kept, λ 0, σ and |h| nan, no evaluation,
+    counted as a fallback. Nothing raises: under FSDP every rank must finish the step."""
+    B = W.shape[0]
+    out = [W.new_full(W.shape, float("nan"), dtype=torch.float32), V0.float().clone(),
+           W.new_zeros(B, dtype=torch.float32) if lam0 is None else lam0.float().clone(),
+           W.new_full((B,), float("nan"), dtype=torch.float32), W.new_full((B,), float("nan"), dtype=torch.float32),
+           W.new_zeros(B, dtype=torch.int32), bad.clone()]
+    out[2][bad] = 0.0
+    good = (~bad).nonzero().squeeze(-1)
+    if good.numel():
+        solved = _finite_step(sp, W[good], M[good], V0[good], None if lam0 is None else lam0[good], lr)
+        for dst, src in zip(out, solved):
+            dst.index_copy_(0, good, src.to(dst.dtype))
+    return tuple(x.contiguous() for x in out)  # as the operator's fake outputs
+
+
+def _finite_step(sp: Sphere, W: torch.Tensor, M: torch.Tensor, V0: torch.Tensor, lam0, lr):
+    """:func:`_sphere_step` of a batch of finite matrices."""
     rows, n = W.shape[-2:]
     W = W.float()
     m_hat = _normalize(M)
@@ -176,8 +205,8 @@ def _model_groups(sp: Sphere, m_hat, u, v) -> list[tuple[torch.Tensor | None, An
         if not full:
             return None
         x = (m_hat, u, v) if rows is None else (m_hat[rows], u[rows], v[rows])
-        return _lambda_model.lambda_model(*x, sp.fit, precision="fp64" if sp.direction == "spectral" else None,
-                                          **kw)
+        return _unless_failed(_lambda_model.lambda_model, *x, sp.fit,
+                              precision="fp64" if sp.direction == "spectral" else None, **kw)
 
     eager = not torch.compiler.is_compiling() and m_hat.device.type != "meta"
     if not (eager and sp.direction == "msign" and _lambda_model.krylov_shape(m_hat.shape)):
@@ -185,8 +214,8 @@ def _model_groups(sp: Sphere, m_hat, u, v) -> list[tuple[torch.Tensor | None, An
     by_size: dict[int, list[int]] = {}
     models, rest = {}, []
     for i in range(m_hat.shape[0]):
-        models[i] = _lambda_model.krylov_lambda_model(m_hat[i:i + 1], u[i:i + 1], v[i:i + 1], sp.fit,
-                                                      tol=sp.solver["tol"], reach=sp.reach, **kw)
+        models[i] = _unless_failed(_lambda_model.krylov_lambda_model, m_hat[i:i + 1], u[i:i + 1], v[i:i + 1],
+                                   sp.fit, tol=sp.solver["tol"], reach=sp.reach, **kw)
         if models[i] is None:
             rest.append(i)
         else:
@@ -199,11 +228,21 @@ def _model_groups(sp: Sphere, m_hat, u, v) -> list[tuple[torch.Tensor | None, An
     return groups
 
 
+def _unless_failed(build, *args, **kwargs):
+    """A λ model from ``build``, or None (the solver then brackets from λ₀) where its
+    eigendecomposition fails to converge (LAPACK on an ill-conditioned Gram matrix): the model
+    only chooses where the solver starts."""
+    try:
+        return build(*args, **kwargs)
+    except torch.linalg.LinAlgError:
+        return None
+
+
 def _solve(sp: Sphere, m_hat, u, v, lam0, model):
     """λ*, Φ and statistics of one group: the msign solver, or ``direction="spectral"``'s model
     root and model direction; a matrix that model did not certify (|h| > tol) is solved again by
     the msign solver (eager: a host read; while compiling it is reported unconverged instead)."""
-    if sp.direction == "spectral":
+    if sp.direction == "spectral" and model is not None:
         lam, phi, stats = _spectral_direction(model, m_hat, u, v, sp.solver["tol"], sp.reach)
         eager = not torch.compiler.is_compiling() and m_hat.device.type != "meta"
         if not eager or bool(stats.converged.all()):

@@ -47,3 +47,30 @@ def zeros_like(tree: Any, dtype: torch.dtype | None = None) -> Any:
 
 def is_none(x: Any) -> bool:
     return x is None
+
+
+def path_name(path: tuple[Any, ...]) -> str:
+    """A leaf's path as its keys joined, e.g. ``"['layer'][0]"`` (``"the tree"`` for the root)."""
+    return "".join(f"[{k!r}]" for k in path) or "the tree"
+
+
+def mismatch(updates: Any, params: Any) -> str | None:
+    """Why ``updates`` cannot be the updates of ``params`` (another structure, or a leaf of
+    another shape), or None. Missing gradients (``None`` leaves) match anything."""
+    if tree_structure(updates) != tree_structure(params):
+        got = {path_name(p) for p in optree.tree_paths(updates, none_is_leaf=True, namespace=NAMESPACE)}
+        want = {path_name(p) for p in optree.tree_paths(params, none_is_leaf=True, namespace=NAMESPACE)}
+        missing, extra = sorted(want - got), sorted(got - want)
+        if not missing and not extra:
+            return (f"their trees have the same leaves but different containers (updates: "
+                    f"{tree_structure(updates)}, params: {tree_structure(params)})")
+        return "; ".join(part for part in (missing and f"no update for {', '.join(missing[:5])}",
+                                           extra and f"updates for {', '.join(extra[:5])}, which are not parameters")
+                         if part)
+    for i, (u, p) in enumerate(zip(tree_leaves(updates), tree_leaves(params))):
+        if u is not None and p is not None and u.shape != p.shape:
+            path = optree.tree_paths(params, none_is_leaf=True, namespace=NAMESPACE)[i]
+            hint = " (transposed?)" if u.ndim == 2 and u.shape == p.shape[::-1] else ""
+            return (f"the update at {path_name(path)} has shape {tuple(u.shape)} but its parameter has "
+                    f"shape {tuple(p.shape)}{hint}")
+    return None

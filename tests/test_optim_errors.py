@@ -190,14 +190,14 @@ class TestParameters(expecttest.TestCase):
         self.assertExpectedInline(
             self.message(ValueError, lambda: mf.MuonOptimizer(
                 [{"params": [lin.weight]}, {"params": [lin.bias, lin.weight]}])),
-            """some parameters appear in more than one parameter group""")
+            """some parameters appear in more than one parameter group: the new group's parameter #1 of shape (3, 4) is in group 0 already""")
 
     def test_parameter_in_two_groups_via_add_param_group(self):
         lin = _linear()
         opt = mf.MuonOptimizer(lin.parameters())
         self.assertExpectedInline(
             self.message(ValueError, lambda: opt.add_param_group({"params": [lin.bias]})),
-            """some parameters appear in more than one parameter group""")
+            """some parameters appear in more than one parameter group: the new group's parameter #0 of shape (3,) is in group 0 already""")
 
     def test_sparse_gradient(self):
         torch.manual_seed(0)

@@ -241,9 +241,9 @@ class FSDPAdapter(AdapterStep):
                     a, b = self._layouts[id(ps[k])].rows if bucket.rows[len(pre.slots) + n] else (None, None)
                     _params.local(self.state[ps[k]][slot.key]).copy_(value if a is None else value[a:b])
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any], *, allow_missing_state: bool = False) -> None:
         self._drop_overlap()
-        super().load_state_dict(state_dict)
+        super().load_state_dict(state_dict, allow_missing_state=allow_missing_state)
         self._pending_init = []  # the loaded state is the state
 
     def _state_leaf(self, p: torch.Tensor, slot: _state.Slot, local: torch.Tensor,

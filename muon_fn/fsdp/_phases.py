@@ -12,8 +12,9 @@ A transform without a ``MATRIX`` part (AdamW) runs whole on local rows, with no 
 is not a chain is a chain of one part. The state of ``chain(*parts)`` is the tuple of the parts'
 states, so a phase's state is a slice of it, and so are the slots of its state layout.
 
-The step functions built here are what the adapter compiles, one graph per signature, each
-writing back in place as :func:`muon_fn.optim._adapter.apply_bucket` does.
+The step functions built here are what the adapter compiles, one graph per signature; each
+returns what it would write, and the adapter commits a whole step at once, as the single-device
+step does (:mod:`muon_fn.optim._apply`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from .. import _compile, _tree
 from .._base import ELEMENTWISE, MATRIX, GradientTransformation, info
 from .._combine import chain
 from ..optim import _state
-from ..optim._adapter import apply_bucket, write_back
+from ..optim._apply import compute_bucket, kept, masked
 
 
 class Phases(NamedTuple):
@@ -95,33 +96,34 @@ def signature(*trees: Any) -> tuple:
 
 
 class Steps(NamedTuple):
-    """The compiled (or eager) steps of one :class:`Phases`."""
+    """The compiled (or eager) steps of one :class:`Phases`; each is pure: it returns what the
+    adapter's commit writes (:mod:`muon_fn.optim._apply`), under the step's finite flag."""
 
-    pre: _compile.PerSignature  # (params, grads, state, finite) -> updates; state written back
-    mid: _compile.PerSignature  # (params, updates, state) -> (updates, new state); pure
+    pre: _compile.PerSignature  # (params, grads, state, finite) -> (updates, new state)
+    mid: _compile.PerSignature  # (params, updates, state, finite) -> (updates, new state)
     post: _compile.PerSignature  # (params, updates, state, mid state, new mid state, finite)
-    whole: _compile.PerSignature  # (params, grads, state, finite): a transform without mid
-    pre_update: _compile.PerSignature  # (params, grads, state) -> (updates, new state); pure: the
-    # pre phase run before the step's finite flag is known (overlap), written back by the step
+    # -> (updates, new state, new mid state)
+    whole: _compile.PerSignature  # (params, grads, state, finite) -> (updates, new state): no mid
+    pre_update: _compile.PerSignature  # (params, grads, state) -> (updates, new state): the pre
+    # phase run before the step's finite flag is known (overlap); the step applies the flag
 
 
 def steps(phases: Phases, options: dict[str, Any] | None) -> Steps:
     pre, mid, post, whole = phases.pre, phases.mid, phases.post, phases.whole
 
     def pre_step(params, grads, state, finite):
-        updates, new_state = pre.update(grads, state, params)
-        write_back(state, new_state, finite)
-        return updates
+        updates, new_state = pre.update(masked(grads, finite), state, params)
+        return updates, kept(state, new_state, finite)
 
-    def mid_step(params, updates, state):
-        return mid.update(updates, state, params)
+    def mid_step(params, updates, state, finite):
+        return mid.update(masked(updates, finite), state, params)
 
     def post_step(params, updates, state, mid_state, new_mid_state, finite):
-        write_back(mid_state, new_mid_state, finite)
-        apply_bucket(post, params, updates, state, finite)
+        final, new_state = compute_bucket(post, params, updates, state, finite)
+        return final, new_state, kept(mid_state, new_mid_state, finite)
 
     def whole_step(params, grads, state, finite):
-        apply_bucket(whole, params, grads, state, finite)
+        return compute_bucket(whole, params, grads, state, finite)
 
     def pre_update(params, grads, state):
         return pre.update(grads, state, params)

@@ -18,7 +18,8 @@ import torch
 from .. import _views
 from .._muon import group_by
 from ..optim import _state
-from ..optim._adapter import StepReport, _all_finite, step_not_traced, write_back
+from ..optim._apply import Staged, commit, finite_flags, kept
+from ..optim._step import StepReport, step_not_traced
 from . import _exchange, _overlap, _params, _phases, _rows
 from ._routes import Bucket, Route
 
@@ -87,8 +88,9 @@ class AdapterStep:
         """Whether every rank's gradients are finite (agreed by all ranks, decided on the device)."""
         if self.nonfinite is None:
             return None
-        local = [g for gs in grads for g in gs if g is not None]
-        flag = _all_finite(local) if local else torch.ones((), dtype=torch.bool, device=self._device)
+        pairs = [(gi, i, g) for gi, gs in enumerate(grads) for i, g in enumerate(gs) if g is not None]
+        flags = finite_flags([g for _, _, g in pairs]) if pairs else torch.ones(0, dtype=torch.bool, device=self._device)
+        flag = flags.all() if pairs else torch.ones((), dtype=torch.bool, device=self._device)
         finite = _exchange.all_ranks_finite(flag, self.topology.group, self.topology.world_size)
         if self.nonfinite == "error" and not bool(finite):
             self._count_nonfinite(finite)
@@ -97,6 +99,11 @@ class AdapterStep:
                 f"non-finite gradient (inf or nan) in {', '.join(bad) or 'parameters of another rank'}; "
                 "parameters and optimizer state were left unchanged. Pass nonfinite='skip' to skip "
                 "such steps.")
+
+        def names() -> list[str]:
+            return [self._name(self.param_groups[gi], self.param_groups[gi]["params"][i]) for gi, i, _ in pairs]
+
+        self._skip_notice().watch(flags, names, type(self).__name__, everywhere=finite)
         return finite
 
     def _apply(self, grads: list[tuple], finite: torch.Tensor | None,
@@ -105,19 +112,22 @@ class AdapterStep:
         if self._pending_init and ready is None:
             self._init_from_whole(grads)
         new_replicated: dict[int, list[torch.Tensor]] = {}
-        compute = functools.partial(self._mid, matrices, new_replicated)
+        compute = functools.partial(self._mid, matrices, new_replicated, finite)
         cols = [m.fmt.returned_cols for m in matrices]
+        staged: list[Staged] = []  # what the step writes, all at once at the end (all or nothing)
         if ready is None:
-            held = self._pre(matrices, grads, finite)
+            deferred: list[tuple[Any, Any]] = []
+            held = self._pre(matrices, grads, finite, deferred=deferred)
             run = _exchange.exchange if self.strategy == "owner" else _exchange.exchange_replicated
             mine, ex = run(self.plan, topo.rank, held, compute, group=topo.group, wire_dtype=self.wire_dtype,
                            result_cols=cols)
-        else:  # every gather posted (overlap): the pre phase's state is written now, under finite
-            for state, new_state in ready.deferred:
-                write_back(state, new_state, finite)
+        else:  # every gather posted (overlap): the pre phase ran before the flag was known
+            deferred = [(state, kept(state, new_state, finite)) for state, new_state in ready.deferred]
             mine, ex = ready.posted.finish(compute, result_cols=cols)
-        self._post(matrices, grads, mine, self._share(matrices, new_replicated), finite)
-        self._elementwise(grads, finite)
+        staged += [Staged((), (), state, new_state) for state, new_state in deferred]
+        staged += self._post(matrices, grads, mine, self._share(matrices, new_replicated), finite)
+        staged += self._elementwise(grads, finite)
+        commit(staged)
         computed = [j for j, mp in enumerate(self.plan.matrices) if self.strategy == "replicate" or
                     mp.owner == topo.rank or (mp.local and mp.cost_on(topo.rank))]
         flops = sum(matrices[j].flops if self.strategy == "replicate" or not self.plan.matrices[j].local else
@@ -141,10 +151,11 @@ class AdapterStep:
                         yield gi, route, bucket, group["params"]
 
     def _pre(self, matrices: list[Matrix], grads: list[tuple], finite: torch.Tensor | None,
-             only: set[int] | None = None, deferred: list | None = None) -> list[torch.Tensor]:
+             only: set[int] | None = None, *, deferred: list) -> list[torch.Tensor]:
         """The pre phase on local rows; returns every matrix's rows to send (:mod:`._rows`).
-        ``only``: the ids of the buckets to run (default: all); ``deferred``: a list that gets
-        each bucket's (state, new state) instead of the state being written (overlap)."""
+        ``only``: the ids of the buckets to run (default: all); ``deferred`` gets each bucket's
+        (state, new state) for the commit. ``finite`` None with ``nonfinite`` set: the flag is
+        not known yet (overlap), the step applies it to the deferred state."""
         held: list[torch.Tensor | None] = [None] * len(matrices)
         for gi, route, bucket, params in self._mid_buckets():
             if only is not None and id(bucket) not in only:
@@ -154,10 +165,12 @@ class AdapterStep:
             state, _, _ = route.phases.states(self._local_state(bucket, params))
             if all(x is None for x in g):
                 updates = (None,) * len(g)
-            elif deferred is None:
-                updates = route.steps.pre(_phases.signature(local, g, state, finite), local, g, state, finite)
             else:
-                updates, new_state = route.steps.pre_update(_phases.signature(local, g, state), local, g, state)
+                if finite is None and self.nonfinite is not None:
+                    updates, new_state = route.steps.pre_update(_phases.signature(local, g, state), local, g, state)
+                else:
+                    args = (local, g, state, finite)
+                    updates, new_state = route.steps.pre(_phases.signature(*args), *args)
                 deferred.append((state, new_state))
             for i, p, u in zip(bucket.indices, local, updates):
                 js = self._index[(gi, i)]
@@ -194,11 +207,11 @@ class AdapterStep:
         update, rows = _rows.unpack_result(fmt, result, (stop - start,) + tuple(param.shape[1:]))
         return _params.from_rows(layout, param, update), rows
 
-    def _mid(self, matrices: list[Matrix], new_replicated: dict, idx: list[int],
+    def _mid(self, matrices: list[Matrix], new_replicated: dict, finite: torch.Tensor | None, idx: list[int],
              mats: list[torch.Tensor]) -> list[torch.Tensor]:
         """The owner's mid phase on whole matrices ``mats`` (plan indices ``idx``), one call per
-        bucket, as single-device MuonOptimizer batches them; new replicated state goes to
-        ``new_replicated``."""
+        bucket, as single-device MuonOptimizer batches them (its inputs zeroed where ``finite``
+        is False); new replicated state goes to ``new_replicated``."""
         results: dict[int, torch.Tensor] = {}
         for members in group_by([id(matrices[j].bucket) for j in idx]):
             batch, inputs, pieces = self._whole_bucket(matrices, [idx[q] for q in members], [mats[q] for q in members])
@@ -213,7 +226,7 @@ class AdapterStep:
             state = _state.gather(layout, [states for _, _, states in sent])
             updates = tuple(u for u, _, _ in sent)
             params = tuple(p for _, p, _ in sent) if route.phases.mid_needs_params else None
-            args = (params, updates, state)
+            args = (params, updates, state, finite)
             out, new_state = route.steps.mid(_phases.signature(*args), *args)
             new = [{} for _ in batch]
             _state.scatter(layout, new_state, new)
@@ -261,8 +274,9 @@ class AdapterStep:
         return {**{j: v for j, v in new.items() if self.plan.matrices[j].local}, **shared}
 
     def _post(self, matrices: list[Matrix], grads: list[tuple], mine: list[torch.Tensor],
-              shared: dict[int, list[torch.Tensor]], finite: torch.Tensor | None) -> None:
-        """The mid state written back and the post phase applied, on local rows."""
+              shared: dict[int, list[torch.Tensor]], finite: torch.Tensor | None) -> list[Staged]:
+        """The post phase on local rows: the updates, the new post state and mid state to commit."""
+        staged = []
         for gi, route, bucket, params in self._mid_buckets():
             local = tuple(_params.local(params[i]) for i in bucket.indices)
             _, _, state = route.phases.states(self._local_state(bucket, params))
@@ -283,10 +297,13 @@ class AdapterStep:
                 new_mid.append(new)
             if any(u is not None for u in updates):
                 args = (local, tuple(updates), state, tuple(old_mid), tuple(new_mid), finite)
-                route.steps.post(_phases.signature(*args), *args)
+                final, new_state, kept_mid = route.steps.post(_phases.signature(*args), *args)
+                staged += [Staged(local, final, state, new_state), Staged((), (), tuple(old_mid), kept_mid)]
+        return staged
 
-    def _elementwise(self, grads: list[tuple], finite: torch.Tensor | None) -> None:
+    def _elementwise(self, grads: list[tuple], finite: torch.Tensor | None) -> list[Staged]:
         """Transforms without a mid phase (AdamW), whole on local rows."""
+        staged = []
         for gi, group in enumerate(self.param_groups):
             for route in self._routes(gi):
                 if route.phases.mid is not None:
@@ -296,6 +313,9 @@ class AdapterStep:
                     if all(x is None for x in g):
                         continue
                     local = tuple(_params.local(group["params"][i]) for i in bucket.indices)
-                    args = (local, g, self._local_state(bucket, group["params"]), finite)
-                    route.steps.whole(_phases.signature(*args), *args)
+                    state = self._local_state(bucket, group["params"])
+                    args = (local, g, state, finite)
+                    updates, new_state = route.steps.whole(_phases.signature(*args), *args)
+                    staged.append(Staged(local, updates, state, new_state))
+        return staged
 

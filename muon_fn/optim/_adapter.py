@@ -8,11 +8,12 @@ tuples) is static and rebuilds the transform when it changes. State lives in tor
 dicts holding exactly the transform's state (``state[p]["momentum_buffer"]`` for Muon, as
 torch.optim.Muon; ``step``/``exp_avg``/``exp_avg_sq`` for AdamW; see ``_state``).
 
-The step is generic: for each *bucket* of a group (see :func:`buckets`) it runs
-``updates, new_state = tx.update(grads, state, params)`` and writes back in place
-(``state.copy_(new_state)``, ``p.add_(updates)``) — as one ``torch.compile(fullgraph=True)``
-graph per bucket signature by default, or eagerly with the same ops in the same order. Every
-algorithm (Muon, the hybrid, NorMuon, SSO, AdamW) is a transform run through this one apply.
+The step is generic (:mod:`._step`): for each *bucket* of a group (see :func:`buckets`) it runs
+``updates, new_state = tx.update(grads, state, params)`` — as one ``torch.compile(fullgraph=True)``
+graph per bucket signature by default, or eagerly with the same ops — and once every bucket of
+the step is computed it writes them all back in place (``state.copy_(new_state)``,
+``p.add_(updates)``; :mod:`._apply`), so a step is all or nothing. Every algorithm (Muon, the
+hybrid, NorMuon, SSO, AdamW) is a transform run through this one apply.
 """
 
 from __future__ import annotations
@@ -26,13 +27,15 @@ from .. import _checks, _compile, _execution, _tree
 from .._base import GradientTransformation, info
 from .._muon import group_by
 from . import _layout, _state
+from ._apply import compute_of
+from ._step import StagedStep, StepReport, signature, step_not_traced  # noqa: F401 (re-exported)
 
 Factory = Callable[[dict[str, Any]], GradientTransformation]
 
 NONFINITE_POLICIES = ("skip", "error", None)
 # Group keys the adapter itself uses; they never reach the factory.
 _ADAPTER_KEYS = frozenset({"params", "param_names", "gradient_accumulation_steps", "micro_step",
-                           "initial_lr", "base_lr", _layout.KEY})
+                           "initial_lr", "base_lr", _layout.KEY, _layout.STATELESS})
 # Hyperparameters passed to the factory as 0-d tensors refreshed before every step (any
 # tensor-valued key is one too); other keys are static and rebuild the transform on change.
 # weight_decay is static: it rarely changes, and a static 0 removes the decay term entirely.
@@ -80,51 +83,7 @@ class _GroupRuntime:
         self.buckets: list[_Bucket] = []
 
 
-# The adapters' step runs its own compiled graphs; an outer torch.compile(opt.step) leaves it to them.
-step_not_traced = _compile.not_traced(
-    "muon_fn optimizers compile their own step (see their compile= argument); "
-    "torch.compile(opt.step) leaves the step to those graphs, so use it with fullgraph=False")
-
-
-class StepReport(NamedTuple):
-    """What the last ``step()`` did (reading ``finite`` as a bool syncs with the device)."""
-
-    finite: torch.Tensor  # shape=(), bool: False if the step was skipped for non-finite grads
-    applied: bool  # False for an accumulation micro-step that changed no parameter
-
-
-def apply_bucket(tx: GradientTransformation, params: tuple, grads: tuple, state: Any,
-                 finite: torch.Tensor | None) -> None:
-    """``tx.update`` on one bucket, then the new state copied into the old buffers and the
-    updates added to the parameters, in place. ``finite`` (a 0-d bool tensor or None): when it is
-    False nothing changes (decided on the device, without reading the flag)."""
-    updates, new_state = tx.update(grads, state, params)
-    write_back(state, new_state, finite)
-    for p, u in zip(params, updates):
-        if u is not None:
-            p.add_(u if finite is None else torch.where(finite, u, 0))
-
-
-def write_back(state: Any, new_state: Any, finite: torch.Tensor | None) -> None:
-    """Copy every leaf of ``new_state`` into the matching buffer of ``state`` in place (a ``None``
-    buffer is skipped); where ``finite`` (a 0-d bool tensor) is False the buffers keep their values."""
-    _tree.tree_map(lambda old, new: _write(old, new, finite), state, new_state)
-
-
-def _write(old: torch.Tensor | None, new: torch.Tensor | None, finite: torch.Tensor | None) -> None:
-    if old is None or new is old:
-        return
-    old.copy_(new if finite is None else torch.where(finite, new, old))
-
-
-def _signature(params: tuple, grads: tuple, finite: torch.Tensor | None) -> tuple:
-    """What a compiled bucket step is specialized on (a new one compiles once)."""
-    return (finite is None,) + tuple(
-        (tuple(p.shape), p.stride(), p.dtype, p.device)
-        + (None if g is None else (g.dtype, g.stride(), g.device),) for p, g in zip(params, grads))
-
-
-class Optimizer(torch.optim.Optimizer):
+class Optimizer(StagedStep, torch.optim.Optimizer):
     """A ``torch.optim.Optimizer`` running a functional transform per parameter group.
 
     Args:
@@ -190,13 +149,14 @@ class Optimizer(torch.optim.Optimizer):
         defaults = dict(defaults or {})
         defaults.setdefault("gradient_accumulation_steps", gradient_accumulation_steps)
         super().__init__(params, defaults)
+        self._check_groups()
 
     # ----------------------------------------------------------------------- copies
     # torch's Optimizer pickles only defaults, state and param_groups; the configuration below
     # travels too, so copy.deepcopy and pickle give an optimizer that steps like the original.
     # Compiled steps, scalar tensors and transforms are caches, rebuilt on the copy's first use.
     _CONFIG = ("nonfinite", "_factory", "_compile_options", "_bucket_size", "_scalar_keys",
-               "_nonfinite_count", "last_step", "split")
+               "_nonfinite_count", "last_step", "split", "_built")
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -210,8 +170,33 @@ class Optimizer(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------------- groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's ``add_param_group``, refusing a parameter listed twice (in the group or in
+        another group), a key that looks like a misspelled hyperparameter, complex or integer
+        parameters and invalid hyperparameters, each naming the parameter or key. A refused
+        group is not added."""
+        if isinstance(param_group, dict) and "params" in param_group:
+            _checks.listed_once(param_group, self.param_groups)
+            _checks.misspelled_keys(param_group, self._hyperparameters(), type(self).__name__, _ADAPTER_KEYS)
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
+        try:
+            self._accept_group(self.param_groups[-1])
+            if len(self._runtimes) == len(self.param_groups) and "_built" in self.__dict__:
+                self._check_groups()
+        except BaseException:
+            self.param_groups.pop()
+            del self._runtimes[len(self.param_groups):]
+            raise
+
+    def _check_groups(self) -> None:
+        """Hook for subclasses: checks across the param groups, once they are all there (at the
+        end of construction, then at every ``add_param_group``)."""
+        self.__dict__["_built"] = True
+
+    def _hyperparameters(self) -> set[str]:
+        """The hyperparameters a param group of this optimizer may set."""
+        return set(self.defaults)
+
+    def _accept_group(self, group: dict[str, Any]) -> None:
         group.setdefault("micro_step", 0)
         for p in group["params"]:
             if torch.is_complex(p):
@@ -235,7 +220,9 @@ class Optimizer(torch.optim.Optimizer):
         for bucket in rt.buckets:
             params = tuple(group["params"][i] for i in bucket.indices)
             if not any(p.is_meta for p in params):
-                self._bucket_state(rt.variants[bucket.variant].tx, bucket, params)
+                _, fresh = self._bucket_state(rt.variants[bucket.variant].tx, bucket, params)
+                for p, st in zip(params, fresh or ()):
+                    self.state[p].update(st)
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         """Check a group's hyperparameters (subclasses add theirs): the per-step scalars ``lr`` and
@@ -307,7 +294,7 @@ class Optimizer(torch.optim.Optimizer):
         rt.variant_of = tuple(options.index(o) for o in per_param)
         for v, opts in enumerate(options):
             tx = self._factory({**hyper, **opts})
-            rt.variants.append(_Variant(opts, tx, _compile.PerSignature(_step_of(tx), self._compile_options)))
+            rt.variants.append(_Variant(opts, tx, _compile.PerSignature(compute_of(tx), self._compile_options)))
             members = [i for i, w in enumerate(rt.variant_of) if w == v]
             mine = [params[i] for i in members]
             for b in buckets(mine, _execution.bucket_limit(mine, self._bucket_size) if info(tx).leafwise else None):
@@ -359,133 +346,17 @@ class Optimizer(torch.optim.Optimizer):
                     raise ValueError(f"parameter {self._name(group, group['params'][i])}: {error}") from None
             raise
 
-    # ----------------------------------------------------------------------- step
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Perform one optimization step (or accumulate one micro-batch).
-
-        Reads nothing back from the device unless ``nonfinite="error"``; ``.grad`` is never
-        modified. Already compiled: ``torch.compile(opt.step)`` leaves it to these graphs."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._step()
-        self._post_step()
-        return loss
-
-    def _post_step(self) -> None:
-        """Hook for subclasses: what changes the parameters after the update (e.g. QK-Clip)."""
-
-    @step_not_traced
-    def _step(self) -> None:
-        work = []
-        for index, group in enumerate(self.param_groups):
-            grads = self._grads(group)
-            if grads is None:
-                continue
-            k = group["gradient_accumulation_steps"]
-            if k > 1:
-                grads = self._accumulate(group, grads, k)
-                if grads is None:
-                    continue
-            work.append((index, grads))
-        finite = None
-        if self.nonfinite is not None and work:
-            # One check over every gradient before anything changes: a skipped or failed step
-            # leaves every group's parameters and state as they were.
-            finite = _all_finite([g for _, grads in work for g in grads if g is not None])
-            if self.nonfinite == "error" and not bool(finite):
-                self._count_nonfinite(finite)
-                raise RuntimeError(
-                    "non-finite gradient (inf or nan) in " + ", ".join(self._nonfinite_params(work))
-                    + "; parameters and optimizer state were left unchanged. Pass nonfinite='skip' "
-                    "to skip such steps, or use torch.amp.GradScaler."
-                )
-        for index, grads in work:
-            self._apply_group(index, grads, finite)
-        if work and finite is not None:
-            self._count_nonfinite(finite)
-        self.last_step = StepReport(torch.ones((), dtype=torch.bool) if finite is None else finite, bool(work))
-
-    def _apply_group(self, index: int, grads: tuple, finite: torch.Tensor | None) -> None:
-        group = self.param_groups[index]
-        rt = self._runtime(index)
-        params = group["params"]
-        for bucket in rt.buckets:
-            bucket_grads = tuple(grads[i] for i in bucket.indices)
-            if all(g is None for g in bucket_grads):
-                continue
-            bucket_params = tuple(params[i] for i in bucket.indices)
-            variant = rt.variants[bucket.variant]
-            state = self._bucket_state(variant.tx, bucket, bucket_params)
-            if self._compile_options is not None and _execution.policy(bucket_params[0].device).static_addresses:
-                _execution.mark_static(bucket_params + tuple(_tree.tree_leaves(state)))
-            variant.step(_signature(bucket_params, bucket_grads, finite), bucket_params, bucket_grads, state, finite)
-
-    def _bucket_state(self, tx: GradientTransformation, bucket: _Bucket, params: tuple) -> Any:
-        states = [self.state[p] for p in params]
-        if not _state.complete(bucket.layout, states):  # first step, or a param added later
-            fresh = tx.init(tuple(p.detach() for p in params))
-            _state.scatter(bucket.layout, fresh, states, overwrite=False)  # keep loaded state
-        return _state.gather(bucket.layout, states)
-
-    def _count_nonfinite(self, finite: torch.Tensor) -> None:
-        bad = (~finite).long()
-        self._nonfinite_count = bad if self._nonfinite_count is None else self._nonfinite_count + bad
-
-    @property
-    def nonfinite_steps(self) -> int:
-        """How many steps were skipped (or raised) because of non-finite gradients (reading it
-        syncs with the device)."""
-        return 0 if self._nonfinite_count is None else int(self._nonfinite_count)
-
-    def _nonfinite_params(self, work: list) -> list[str]:
-        bad = []
-        for index, grads in work:
-            group = self.param_groups[index]
-            for p, g in zip(group["params"], grads):
-                if g is not None and not bool(torch.isfinite(g).all()):
-                    bad.append(self._name(group, p))
-        return bad
-
-    def _grads(self, group: dict[str, Any]) -> tuple[torch.Tensor | None, ...] | None:
-        grads = []
-        for p in group["params"]:
-            g = p.grad
-            if g is not None and g.is_sparse:
-                raise RuntimeError(f"muon_fn does not support sparse gradients (parameter {self._name(group, p)})")
-            grads.append(None if g is None else g.detach())
-        return None if all(g is None for g in grads) else tuple(grads)
-
-    def _accumulate(self, group, grads, k):
-        """Add this micro-batch's grads; return the mean over ``k`` on every k-th call, else None."""
-        group["micro_step"] = group.get("micro_step", 0) + 1
-        total = []
-        for p, g in zip(group["params"], grads):
-            st = self.state[p]
-            acc = st.get("grad_accumulator")
-            if g is not None:
-                acc = g.clone() if acc is None else acc.add_(g)
-                st["grad_accumulator"] = acc
-            total.append(acc)
-        if group["micro_step"] < k:
-            return None
-        group["micro_step"] = 0
-        out = tuple(None if a is None else a / k for a in total)
-        for p in group["params"]:
-            self.state[p].pop("grad_accumulator", None)
-        return out
-
     # ----------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
         """torch's ``state_dict``; every param group also records its parameters' layout under
         ``"param_layout"``: one ``(name, global shape, matrix view)`` per parameter, in order
         (see :meth:`load_state_dict`), and dtype hyperparameters by name (``"torch.float32"``), as
-        ``torch.distributed.checkpoint``'s full state dicts require."""
+        ``torch.distributed.checkpoint``'s full state dicts require, and under
+        ``"params_without_state"`` the positions of the parameters that have no state yet."""
         state_dict = super().state_dict()
         state_dict["param_groups"] = [
-            {**_layout.dtypes_by_name(saved), _layout.KEY: [tuple(p) for p in self._layout(group)]}
+            {**_layout.dtypes_by_name(saved), _layout.KEY: [tuple(p) for p in self._layout(group)],
+             _layout.STATELESS: _layout.stateless_positions(group["params"], self.state)}
             for group, saved in zip(self.param_groups, state_dict["param_groups"])]
         return state_dict
 
@@ -495,7 +366,7 @@ class Optimizer(torch.optim.Optimizer):
         return [_layout.ParamLayout(name, tuple(p.shape), opts.get("matrix_view"))
                 for name, p, opts in zip(self._param_names(group), group["params"], options)]
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any], *, allow_missing_state: bool = False) -> None:
         """torch's ``load_state_dict``, with every state tensor in the dtype its transform uses
         (torch would cast all tensor state to the parameter's dtype, e.g. fp32 momentum of a bf16
         parameter, or integer counters), the loaded hyperparameters checked as the constructor
@@ -503,13 +374,18 @@ class Optimizer(torch.optim.Optimizer):
         ``param_layout`` (names, global shapes, matrix views; or, in a checkpoint without it,
         the ``param_names`` where both sides have them) and the state's keys and shapes. State
         tensors are copied (never shared with the state_dict, which may be another optimizer's
-        live state), dtype names read back as dtypes. A rejected state_dict leaves the optimizer
-        as it was."""
+        live state), dtype names read back as dtypes. A parameter whose state the state_dict
+        lacks is refused, naming it, unless it had none when saved or ``allow_missing_state=True``
+        (its state then starts afresh). A rejected state_dict leaves the optimizer as it was."""
         self._check_saved_groups(state_dict)
         for index, (group, saved_group) in enumerate(zip(self.param_groups, state_dict["param_groups"])):
             _layout.check_group(index, saved_group, self._layout(group))
+            if not allow_missing_state:
+                _layout.check_state_present(index, saved_group, state_dict["state"],
+                                            lambda i, g=group: self._name(g, g["params"][i]))
         state_dict = {**state_dict, "param_groups": [_layout.dtypes_from_names(
-            {k: v for k, v in g.items() if k != _layout.KEY}) for g in state_dict["param_groups"]]}
+            {k: v for k, v in g.items() if k not in (_layout.KEY, _layout.STATELESS)})
+            for g in state_dict["param_groups"]]}
         saved = state_dict["state"]
         backup_state, backup_groups = self.state, self.param_groups
         try:
@@ -600,21 +476,3 @@ def meta_scalars(hyper: dict[str, Any]) -> dict[str, Any]:
     what a construction-time trace builds its transform from."""
     return {k: torch.empty_like(v, device="meta") if isinstance(v, torch.Tensor) else v
             for k, v in hyper.items()}
-
-
-def _step_of(tx: GradientTransformation) -> Callable[..., None]:
-    """The bucket step of ``tx`` (compiled per signature by :class:`_compile.PerSignature`)."""
-
-    def step(params, grads, state, finite):
-        apply_bucket(tx, params, grads, state, finite)
-
-    return step
-
-
-def _all_finite(grads: list[torch.Tensor]) -> torch.Tensor:
-    """One reduction per gradient: a sum is non-finite iff an entry is (or the sum overflows fp32)."""
-    low = (torch.float16, torch.bfloat16)
-    sums = [g.sum(dtype=torch.float32) if g.dtype in low else g.sum() for g in grads]
-    if len({(s.dtype, s.device) for s in sums}) > 1:
-        sums = [s.to(device=sums[0].device, dtype=torch.float64) for s in sums]
-    return torch.stack(sums).isfinite().all()

@@ -11,7 +11,7 @@ from torch import nn
 from .._views import Heads, count, matrix_shape, unit_shapes
 from ._adapter import Optimizer
 from ._muon import MuonOptimizer
-from ._views import check_spec, fits, given, module_views
+from ._views import check_spec, fits, given, module_views, refuse_unmatched
 
 
 def _head_names(model: nn.Module, embedding_params: set[int]) -> set[str]:
@@ -166,11 +166,14 @@ def _recipe(optimizer: Optimizer) -> str:
     return "NorMuon" if group.get("beta2") is not None else "Muon"
 
 
-def _matrix_views(model: nn.Module, muon_params: list, user_view: Any) -> tuple[dict[str, Any], list]:
+def _matrix_views(model: nn.Module, muon_params: list, user_view: Any,
+                  adamw_params: list = ()) -> tuple[dict[str, Any], list]:
     """The matrix view of each Muon parameter that needs one (ndim ≥ 3, or a head view): the
     user's, else its module's; and the Muon parameters with the split's reason for each."""
     by_module = module_views(model)
     chosen = {name: given(user_view, name, p) or by_module.get(id(p), "flatten") for name, p, _ in muon_params}
+    refuse_unmatched(user_view, [n for n, _, _ in muon_params], "Muon parameter of the model",
+                     {n: f"AdamW ({r})" for n, _, r in adamw_params})
     chosen = {name: view for (name, p, _), view in zip(muon_params, chosen.values())
               if p.ndim >= 3 or isinstance(view, Heads)}
     for name, p, _ in muon_params:
@@ -182,6 +185,27 @@ def _matrix_views(model: nn.Module, muon_params: list, user_view: Any) -> tuple[
 
 # The hybrid's matrix half runs NorMuon (arXiv:2510.05491) with this β₂: it trained to a lower
 # loss than torch.optim.Muon at its best lr on every seed of both sizes measured, at most 1.10x
+# Keywords of torch optimizers that the hybrid spells per half (passed on, they would collide
+# with or be overridden by each group's own value): what to pass instead.
+_PER_HALF = {
+    "lr": "muon_lr= for the Muon half (default 0.02) and adamw_lr= for the AdamW half (default 1e-3)",
+    "weight_decay": "muon_weight_decay= and adamw_weight_decay= (default 0.01 each)",
+}
+
+
+def refuse_torch_style(owner: str, model: Any, kwargs: dict[str, Any]) -> None:
+    """``TypeError`` for the calls a torch.optim user tries first: parameters instead of the
+    model, and a keyword the hybrid spells per half (``lr``, ``weight_decay``)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"{owner}() takes the model (an nn.Module), to split its parameters by role (embeddings, "
+            f"output head, hidden matrices), got {type(model).__name__}; for an iterable of parameters use "
+            "muon_fn.MuonOptimizer(params) (Muon for ndim >= 2, AdamW for the rest)")
+    for key, use in _PER_HALF.items():
+        if key in kwargs:
+            raise TypeError(f"{owner}() got an unexpected keyword argument {key!r}: use {use}")
+
+
 # the step (docs/performance.md, "Variants against torch.optim.Muon").
 NORMUON_BETA2 = 0.95
 
@@ -236,9 +260,10 @@ def create_hybrid_optimizer(
     user_view = muon_kwargs.pop("matrix_view", None)
     check_spec(user_view)
     muon_params, adamw_params = split_parameters(
+    refuse_torch_style("create_hybrid_optimizer", model, muon_kwargs)
         model, adamw_names=adamw_names, adamw_predicate=adamw_predicate, muon_names=muon_names
     )
-    chosen, muon_params = _matrix_views(model, muon_params, user_view)
+    chosen, muon_params = _matrix_views(model, muon_params, user_view, adamw_params)
     groups = []
     if muon_params:
         groups.append({"params": [p for _, p, _ in muon_params],

@@ -27,6 +27,9 @@ from typing import Any, NamedTuple
 import torch
 
 KEY = "param_layout"
+# The positions in a saved group of the parameters that had no state when it was saved (they had
+# not received a gradient yet): the load tells them from state that went missing.
+STATELESS = "params_without_state"
 _MISMATCH = "loaded state dict contains a parameter group that doesn't match optimizer's group"
 
 
@@ -119,3 +122,30 @@ def _check_names(index: int, names: Any, ours: Sequence[ParamLayout]) -> None:
             raise ValueError(f"{_MISMATCH} {index}: parameter {position} is {name!r} in the state dict's "
                              f"param_names but {p.name!r} in this optimizer; the state_dict comes from a "
                              "different model layout")
+
+
+def stateless_positions(params: Sequence[torch.Tensor], state: Any) -> list[int]:
+    """The positions of ``params`` that hold no state in ``state`` (an optimizer's ``state``)."""
+    return [i for i, p in enumerate(params) if not state.get(p)]
+
+
+def check_state_present(index: int, saved_group: dict[str, Any], saved_state: dict[Any, Any],
+                        name: Any) -> None:
+    """``ValueError`` naming the first parameter of saved group ``index`` whose state the state
+    dict lacks although it had state when saved (its :data:`STATELESS` record does not list it);
+    for a checkpoint without the record, one whose state is missing while other parameters have
+    theirs. ``name(position)``: the loading optimizer's name for the parameter at that position."""
+    record = saved_group.get(STATELESS)
+    if record is None and not saved_state:
+        return  # saved before the first step: no parameter had state
+    listed = set(record or ())
+    for position, pid in enumerate(saved_group.get("params", ())):
+        if position in listed or saved_state.get(pid, saved_state.get(str(pid))):
+            continue
+        why = ("which had state when the state_dict was saved" if record is not None else
+               "while other parameters have theirs (if it had none when saved, as a parameter that never "
+               "received a gradient, this is expected)")
+        raise ValueError(
+            f"loaded state dict has no state for parameter {name(position)} of group {index}, {why}: it would "
+            "restart from zero momentum. Load the complete state_dict, or pass allow_missing_state=True to "
+            "start the state of such parameters afresh")

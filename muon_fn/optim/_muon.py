@@ -4,7 +4,7 @@ ndim ≥ 2, AdamW for the rest)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, Callable
 
 import torch
@@ -58,6 +58,18 @@ class HybridOptimizer(Optimizer):
                 shown = [(f"#{i}" if names[i] is None else repr(names[i]), tuple(params[i].shape)) for i in guessed]
                 _views.warn(_views.guess_warning(type(self).__name__, shown))
 
+    def _check_groups(self) -> None:
+        """A ``matrix_view`` mapping's keys each name a parameter of the groups that use it (a
+        misspelled name would be ignored)."""
+        super()._check_groups()
+        users: dict[int, list[dict[str, Any]]] = {}
+        for group in self.param_groups:
+            if isinstance(group["matrix_view"], Mapping) and group["algorithm"] != "adamw":
+                users.setdefault(id(group["matrix_view"]), []).append(group)
+        for groups in users.values():
+            names = [n for g in groups for n in self._param_names(g)]
+            _views.refuse_unmatched(groups[0]["matrix_view"], names, "parameter of its groups")
+
     def _validate_group(self, group: dict[str, Any]) -> None:
         _checks.foreign_group_keys(group)
         super()._validate_group(group)  # lr and momentum, in torch's wording
@@ -76,7 +88,7 @@ class HybridOptimizer(Optimizer):
     def _param_options(self, group: dict[str, Any]) -> list[dict[str, Any]]:
         return [{"matrix_view": view} for view in self._matrix_views(group)[0]]
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any], *, allow_missing_state: bool = False) -> None:
         """torch's ``load_state_dict``; a group saved before ``matrix_view`` existed keeps this
         optimizer's, and one saved with the former ``split=None`` loads without it."""
         state_dict = _views.drop_unset_split(state_dict)
@@ -86,7 +98,7 @@ class HybridOptimizer(Optimizer):
             groups = [g if "matrix_view" in g else {**g, "matrix_view": ours["matrix_view"]}
                       for g, ours in zip(groups, self.param_groups)]
             state_dict = {**state_dict, "param_groups": groups}
-        super().load_state_dict(_with_later_keys(state_dict, self._later_keys))
+        super().load_state_dict(_with_later_keys(state_dict, self._later_keys), allow_missing_state=allow_missing_state)
 
     def _derived_scalars(self, group: dict[str, Any], scalars: dict[str, torch.Tensor]) -> None:
         # adamw_lr · lr / base_lr, on the device (lr may be a tensor; nothing is read back). A
@@ -263,7 +275,7 @@ class MuonOptimizer(HybridOptimizer):
         super()._validate_group(group)
         validate_muon_group(group)
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any], *, allow_missing_state: bool = False) -> None:
         """torch's ``load_state_dict`` (see :meth:`muon_fn.Optimizer.load_state_dict`); a
         ``torch.optim.Muon`` state_dict loads directly when this optimizer's parameters are
         exactly that optimizer's (its matrices, group by group), through
@@ -272,7 +284,7 @@ class MuonOptimizer(HybridOptimizer):
 
         if is_torch_muon_state_dict(state_dict):
             state_dict = from_torch_state_dict(self, state_dict)
-        super().load_state_dict(upgrade_eps_keys(state_dict))
+        super().load_state_dict(upgrade_eps_keys(state_dict), allow_missing_state=allow_missing_state)
 
     # Checkpoints saved before these keys existed ran plain Muon with plain decay.
     _later_keys = {**HybridOptimizer._later_keys, "layerwise_norm": False, "adamuon_beta2": None,

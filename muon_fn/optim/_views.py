@@ -48,6 +48,29 @@ def check_spec(spec: Spec) -> None:
     _views.check_view(spec, "matrix_view")
 
 
+def unmatched(spec: Spec, names: list[str | None]) -> list[str]:
+    """The keys of a mapping ``spec`` that name none of ``names`` (exactly or as a glob pattern):
+    a misspelled name would otherwise be ignored."""
+    if not isinstance(spec, Mapping):
+        return []
+    named = [n for n in names if n is not None]
+    return [k for k in spec if not any(n == k or fnmatch.fnmatchcase(n, k) for n in named)]
+
+
+def refuse_unmatched(spec: Spec, names: list[str | None], what: str, elsewhere: dict[str, str] | None = None) -> None:
+    """``ValueError`` for the first key of a mapping ``spec`` that names none of ``names`` (the
+    parameters it may give a view, ``what``); ``elsewhere``: other parameters, name -> why the
+    mapping does not apply to them."""
+    missing = unmatched(spec, names)
+    if not missing:
+        return
+    key = missing[0]
+    hits = [n for n in (elsewhere or {}) if n == key or fnmatch.fnmatchcase(n, key)]
+    why = (f" ({hits[0]!r} gets {elsewhere[hits[0]]}, which reads no matrix view)" if hits else "")
+    shown = ", ".join(repr(n) for n in names[:8] if n is not None) + (", ..." if len(names) > 8 else "")
+    raise ValueError(f"Invalid matrix_view: key {key!r} matches no {what}{why}; they are: {shown}")
+
+
 def given(spec: Spec, name: str | None, p: torch.Tensor) -> str | _views.Heads | None:
     """The view ``spec`` gives parameter ``p`` named ``name`` (None: it names none). A mapping
     matches the exact name first, then its glob patterns in order; a function may return None."""

@@ -1,0 +1,360 @@
+"""A bad batch never half-applies a step, for every optimizer class, eager and compiled.
+
+- ``nonfinite="skip"`` (the default): a NaN or inf in one matrix's gradient or in one 1-D
+  parameter's leaves every parameter, every state tensor and every step count exactly as they
+  were, counts the skip, and warns once, naming the parameter. No solver sees the non-finite
+  value (SSO's ``eigh`` raised on it before).
+- ``"error"``: raises, naming the parameter; nothing changes.
+- ``None``: no check; the step is applied whole (the NaN reaches that parameter, as in
+  torch.optim) and never raises midway (SSO included: under FSDP every rank must finish).
+- An error in the middle of a step (here: raised from inside the second bucket's computation, or
+  inside SSO's operator in a compiled graph) leaves everything as it was: the step is staged,
+  then committed.
+
+The FSDP optimizers run the same checks in one spawned job at W = 2 (gloo), the NaN on one rank.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import muon_fn as mf
+from muon_fn import _compile, _sso_step
+
+from _ranks import merge_ranks, run_checks, run_ranks
+
+COMPILED = {"compile": {"backend": "inductor"}}  # the real default's compiler (conftest turns compile=True off)
+EAGER = {"compile": False}
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 6))
+
+
+def build(name: str, net: nn.Module, **kw) -> torch.optim.Optimizer:
+    if name == "muon":
+        return mf.MuonOptimizer(net.named_parameters(), ns_dtype=torch.float32, **kw)
+    if name == "hybrid":
+        return mf.create_hybrid_optimizer(net, ns_dtype=torch.float32, **kw)
+    if name == "sso":
+        return mf.SpectralSphereOptimizer(net.named_parameters(), **kw)
+    if name == "triton_muon_w":
+        return mf.TritonMuonW(net.named_parameters(), **kw)
+    raise AssertionError(name)
+
+
+CLASSES = ("muon", "hybrid", "sso", "triton_muon_w")
+BAD = {"matrix": "2.weight", "vector": "4.bias"}
+
+
+def set_grads(net: nn.Module, seed: int, bad: str | None = None, value: float = float("nan")) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in net.named_parameters():
+        p.grad = torch.randn(p.shape, generator=gen)
+        if name == bad:
+            p.grad.view(-1)[3] = value
+
+
+def snapshot(net: nn.Module, opt: torch.optim.Optimizer) -> dict:
+    return {"params": {n: p.detach().clone() for n, p in net.named_parameters()},
+            "state": copy.deepcopy({k: {s: v for s, v in st.items()} for k, st in opt.state_dict()["state"].items()})}
+
+
+def same(a: dict, b: dict) -> bool:
+    """Bit for bit (NaN equal to NaN)."""
+    def eq(x, y):
+        if isinstance(x, torch.Tensor):
+            return x.shape == y.shape and x.dtype == y.dtype and torch.equal(x.nan_to_num(), y.nan_to_num()) and \
+                torch.equal(x.isnan(), y.isnan())
+        if isinstance(x, dict):
+            return x.keys() == y.keys() and all(eq(x[k], y[k]) for k in x)
+        return x == y
+    return eq(a, b)
+
+
+def skipped_step_leaves_everything(name: str, where: str, value: float, options: dict) -> None:
+    net = model()
+    opt = build(name, net, **options)
+    set_grads(net, 0)
+    opt.step()  # state exists
+    before = snapshot(net, opt)
+    set_grads(net, 1, BAD[where], value)
+    grads = {n: p.grad.clone() for n, p in net.named_parameters()}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+    assert same(snapshot(net, opt), before)
+    assert opt.nonfinite_steps == 1 and not bool(opt.last_step.finite)
+    assert all(torch.equal(p.grad.nan_to_num(), grads[n].nan_to_num()) for n, p in net.named_parameters())
+    notes = [str(w.message) for w in caught if "skipped a step" in str(w.message)]
+    assert len(notes) == 1 and f"'{BAD[where]}'" in notes[0], notes
+    with warnings.catch_warnings(record=True) as again:  # once per optimizer
+        warnings.simplefilter("always")
+        opt.step()
+    assert not [w for w in again if "skipped a step" in str(w.message)]
+    assert opt.nonfinite_steps == 2
+    set_grads(net, 2)
+    opt.step()  # a good batch after bad ones: applied
+    assert not same(snapshot(net, opt)["params"], before["params"])
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("where", sorted(BAD))
+@pytest.mark.parametrize("name", CLASSES)
+def test_skip_eager(name, where, value):
+    skipped_step_leaves_everything(name, where, value, EAGER)
+
+
+def error_raises_before_anything(name: str, options: dict) -> None:
+    net = model()
+    opt = build(name, net, nonfinite="error", **options)
+    set_grads(net, 0)
+    opt.step()
+    before = snapshot(net, opt)
+    set_grads(net, 1, BAD["matrix"], float("inf"))
+    with pytest.raises(RuntimeError, match=r"non-finite gradient \(inf or nan\) in '2.weight'"):
+        opt.step()
+    assert same(snapshot(net, opt), before)
+
+
+def none_applies_the_whole_step(name: str, options: dict) -> None:
+    net = model()
+    opt = build(name, net, nonfinite=None, **options)
+    set_grads(net, 0)
+    opt.step()
+    before = snapshot(net, opt)
+    set_grads(net, 1, BAD["matrix"])
+    opt.step()  # never raises midway
+    after = snapshot(net, opt)["params"]
+    for n, p in after.items():
+        changed = not torch.equal(p, before["params"][n])
+        assert changed, f"{n} was not updated"
+        assert bool(p.isfinite().all()) == (n != BAD["matrix"]), n
+
+
+class Injected(RuntimeError):
+    pass
+
+
+def fail_in_second_bucket(monkeypatch) -> None:
+    """The second bucket step of a step raises (after the first bucket was computed)."""
+    calls = {"n": 0}
+    real = _compile.PerSignature.__call__
+
+    def call(self, key, *args):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise Injected("injected")
+        return real(self, key, *args)
+
+    monkeypatch.setattr(_compile.PerSignature, "__call__", call)
+
+
+def error_midway_changes_nothing(name: str, options: dict, monkeypatch) -> None:
+    net = model()
+    opt = build(name, net, **options)  # buckets: one per shape
+    set_grads(net, 0)
+    opt.step()
+    before = snapshot(net, opt)
+    set_grads(net, 1)
+    with monkeypatch.context() as m:
+        fail_in_second_bucket(m)
+        with pytest.raises(Injected):
+            opt.step()
+    assert same(snapshot(net, opt), before)
+    opt.step()  # and the step runs once the error is gone
+    assert not same(snapshot(net, opt)["params"], before["params"])
+
+
+@pytest.mark.parametrize("name", CLASSES)
+def test_error_and_none_eager(name, monkeypatch):
+    error_raises_before_anything(name, EAGER)
+    none_applies_the_whole_step(name, EAGER)
+    error_midway_changes_nothing(name, EAGER, monkeypatch)
+
+
+@pytest.mark.inductor
+@pytest.mark.parametrize("name", CLASSES)
+def test_compiled(name, monkeypatch):
+    """The compiled default (inductor): every policy and an error midway, in one optimizer's
+    graphs per policy."""
+    for where, value in (("matrix", float("nan")), ("vector", float("inf"))):
+        skipped_step_leaves_everything(name, where, value, COMPILED)
+    error_raises_before_anything(name, COMPILED)
+    none_applies_the_whole_step(name, COMPILED)
+    error_midway_changes_nothing(name, COMPILED, monkeypatch)
+
+
+@pytest.mark.parametrize("options", [EAGER, COMPILED], ids=["eager", "compiled"])
+def test_sso_operator_error_inside_a_compiled_graph_changes_nothing(options, monkeypatch):
+    """SSO's per-chunk operator raises on its second chunk (inside the graph when compiled)."""
+    net = model()
+    opt = build("sso", net, bucket_size=1, **options)
+    set_grads(net, 0)
+    opt.step()
+    before = snapshot(net, opt)
+    calls = {"n": 0}
+    real = _sso_step._finite_step
+
+    def finite_step(*args):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise Injected("inside the operator")
+        return real(*args)
+
+    monkeypatch.setattr(_sso_step, "_finite_step", finite_step)
+    set_grads(net, 1)
+    with pytest.raises(Injected):
+        opt.step()
+    assert same(snapshot(net, opt), before)
+
+
+def test_sso_skip_never_reaches_the_solver(monkeypatch):
+    """Under "skip" the solver sees zeros, not the NaN: a lone (6, 12) parameter, whose eigh
+    raised ``LinAlgError`` on the NaN before."""
+    w = nn.Parameter(torch.randn(6, 12))
+    opt = mf.SpectralSphereOptimizer([w], compile=False)
+    seen = []
+    real = _sso_step._finite_step
+    monkeypatch.setattr(_sso_step, "_finite_step", lambda sp, W, M, *rest: seen.append(bool(M.isfinite().all()))
+                        or real(sp, W, M, *rest))
+    w.grad = torch.full_like(w, float("nan"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt.step()
+    assert seen == [True] and opt.nonfinite_steps == 1
+
+
+# ------------------------------------------------------------------------------------------- FSDP
+JOB_TIMEOUT_S = 300
+
+
+def _fsdp_check(cls_name: str, compile_option):
+    """On every rank: skip (a NaN on rank 1 only in a matrix, then an inf in a bias), error,
+    None (no rank raises, no hang), and an error raised on every rank after the exchange, before
+    the commit: nothing changes."""
+    def run():
+        import torch.distributed as dist
+
+        from muon_fn.fsdp import FSDPMuonOptimizer, FSDPSpectralSphereOptimizer
+        from test_fsdp import shard
+
+        cls = {"muon": FSDPMuonOptimizer, "sso": FSDPSpectralSphereOptimizer}[cls_name]
+        rank = dist.get_rank()
+
+        def local(net):
+            return {n: p.to_local().clone() for n, p in net.named_parameters()}
+
+        def states(opt, net):
+            return {n: {k: (v.to_local() if hasattr(v, "to_local") else v).clone()
+                        for k, v in opt.state[p].items() if isinstance(v, torch.Tensor)}
+                    for n, p in net.named_parameters()}
+
+        def fsdp_grads(net, seed, bad=None, value=float("nan")):
+            gen = torch.Generator().manual_seed(seed)
+            for n, p in net.named_parameters():
+                g = torch.randn(p.to_local().shape, generator=gen)
+                if n == bad and rank == 1 and g.numel():
+                    g.view(-1)[0] = value
+                p.grad = torch.distributed.tensor.DTensor.from_local(
+                    g, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+        out = {}
+        for policy in ("skip", "error", None):
+            net = shard(model())
+            opt = cls(net, nonfinite=policy, compile=compile_option)
+            fsdp_grads(net, 0)
+            opt.step()
+            before = (local(net), states(opt, net))
+            fsdp_grads(net, 1, BAD["matrix"])
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    opt.step()
+                    raised = ""
+                except RuntimeError as e:
+                    raised = str(e)
+            now = (local(net), states(opt, net))
+            if policy == "skip":
+                assert not raised and opt.nonfinite_steps == 1, raised
+                assert same({"a": now[0], "b": now[1]}, {"a": before[0], "b": before[1]})
+                notes = [str(w.message) for w in caught if "skipped a step" in str(w.message)]
+                named = "'2.weight'" if rank == 1 else "a parameter of another rank"
+                assert len(notes) == 1 and named in notes[0], notes
+                fsdp_grads(net, 2, BAD["vector"], float("inf"))
+                opt.step()
+                assert same({"a": local(net)}, {"a": before[0]}) and opt.nonfinite_steps == 2
+            elif policy == "error":
+                assert "non-finite" in raised, raised
+                assert same({"a": now[0], "b": now[1]}, {"a": before[0], "b": before[1]})
+            else:
+                assert not raised, raised
+                assert all(not torch.equal(now[0][n], before[0][n]) for n in now[0] if now[0][n].numel())
+        # an error on every rank after the exchange, before the commit
+        net = shard(model())
+        opt = cls(net, compile=compile_option)
+        fsdp_grads(net, 0)
+        opt.step()
+        before = (local(net), states(opt, net))
+        fsdp_grads(net, 1)
+        real = type(opt)._elementwise
+
+        def failing(self, *args):
+            real(self, *args)
+            raise Injected("after the exchange")
+
+        type(opt)._elementwise = failing
+        try:
+            opt.step()
+        except Injected:
+            out["injected"] = True
+        finally:
+            type(opt)._elementwise = real
+        assert out.get("injected") and same({"a": local(net), "b": states(opt, net)},
+                                            {"a": before[0], "b": before[1]})
+        return out
+
+    return run
+
+
+def checks() -> dict:
+    return {f"{name}_{mode}": _fsdp_check(name, option) for name in ("muon", "sso")
+            for mode, option in (("eager", False), ("compiled", COMPILED["compile"]))}
+
+
+@pytest.fixture(scope="module")
+def fsdp_results(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("bad_batch_fsdp")
+    out = str(logs / "results.json")
+    log = run_ranks(__file__, 2, [out], logs, JOB_TIMEOUT_S)
+    ranks = json.loads(Path(out).read_text()) if os.path.exists(out) else None
+    return (merge_ranks(ranks) if ranks else {}), log[-4000:]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", list(checks()))
+def test_fsdp_w2(fsdp_results, name):
+    merged, log = fsdp_results
+    assert merged, f"the W=2 job wrote no results; its output:\n{log}"
+    assert merged[name]["ok"], merged[name]["error"]
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4:  # one rank of a job: W RANK OUT
+        sys.path.insert(0, str(Path(__file__).parent))
+        run_checks(checks(), int(sys.argv[2]), int(sys.argv[1]), sys.argv[3])
+        sys.stdout.flush()
+        os._exit(0)
+    logs_dir = Path(tempfile.mkdtemp(prefix="muon_fn_bad_batch_"))
+    print(run_ranks(__file__, 2, [str(logs_dir / "results.json")], logs_dir, JOB_TIMEOUT_S))
