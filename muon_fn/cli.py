@@ -5,7 +5,9 @@
     muon-fn bench sso|fsdp [options]   the SSO and FSDP benchmarks (``bench-sso``: alias of ``bench sso``)
     muon-fn plan --model SPEC --mesh dp=W   the FSDP owner-computes plan of a model spec, predicted
 
-``muon-fn <command> --help`` lists a command's options.
+``muon-fn <command> --help`` lists a command's options. A mistake in the options exits with
+status 2 and one ``muon-fn <command>: error: ...`` line naming the option, the value and what is
+allowed (argparse's error path; the commands share the argument types of :mod:`muon_fn._argtypes`).
 """
 
 from __future__ import annotations

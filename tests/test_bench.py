@@ -246,11 +246,11 @@ def test_elementwise_rows_report_paired_ratios_to_their_torch_peers(tmp_path, ca
 
 @pytest.mark.parametrize("argv,message", [
     (["--elementwise", "--rows", "muon_fn"], "--elementwise chooses the rows: give it or --rows, not both"),
-    (["--device", "meta", "--quick"], "Invalid device: 'meta' (meta tensors hold no data to time)"),
+    (["--device", "meta", "--quick"], "argument --device: invalid device 'meta' (valid: cpu, cuda, cuda:N"),
     (["--threads", "0"], "argument --threads: Invalid threads: 0"),
     (["--model-size", "tiny", "--layers", "9", "--no-quality"], "Invalid layers: 9 (expected 1..4 for tiny)"),
     (["sso", "--rows", "sso"], "Invalid rows: must include 'muon'"),
-    (["fsdp", "--world-sizes", "1"], "Invalid --world-sizes: [1] (expected each >= 2)"),
+    (["fsdp", "--world-sizes", "1"], "argument --world-sizes: expected an integer >= 2, got 1"),
 ])
 def test_main_reports_bad_arguments_as_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -187,17 +188,18 @@ def test_train_resume_continues_exactly(tmp_path):
     assert b["final_val_loss"] == a["final_val_loss"]
 
 
-def test_train_rejects_bad_options(tmp_path):
-    with pytest.raises(SystemExit, match="unknown optimizer"):
-        cli.main(["train", "--compare", "muon,sgd", "--out", str(tmp_path)])
-    with pytest.raises(SystemExit, match="either --steps or --epochs"):
-        cli.main(["train", "--steps", "3", "--epochs", "1", "--out", str(tmp_path)])
-    with pytest.raises(SystemExit, match="needs torchrun"):
-        cli.main(["train", "--fsdp", "--steps", "1", "--out", str(tmp_path)])
-    with pytest.raises(SystemExit, match="--seeds must be >= 1"):
-        cli.main(["train", "--seeds", "0", "--out", str(tmp_path)])
-    with pytest.raises(SystemExit, match="muon: .*unexpected keyword argument 'frob'"):
-        cli.main(["train", "--optimizer", "muon[frob=1]", *SMALL, "--out", str(tmp_path)])
+def test_train_rejects_bad_options(tmp_path, capsys):
+    """Usage errors: status 2 and a `muon-fn train: error:` line (tests/test_cli_errors.py has them all)."""
+    for argv, message in ((["--compare", "muon,sgd"], "unknown optimizer"),
+                          (["--steps", "3", "--epochs", "1"], "argument --epochs: not allowed with argument --steps"),
+                          (["--fsdp", "--steps", "1"], "needs torchrun"),
+                          (["--seeds", "0"], "argument --seeds: expected an integer >= 1, got 0"),
+                          (["--optimizer", "muon[frob=1]", *SMALL],
+                           r"muon\[frob=1\]: .*unexpected keyword argument 'frob'")):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["train", *argv, "--out", str(tmp_path)])
+        assert exc.value.code == 2
+        assert re.search(f"muon-fn train: error: .*{message}", capsys.readouterr().err)
 
 
 def test_train_data_path_text_file(tmp_path):

@@ -230,7 +230,7 @@ def _cli(*argv: str) -> tuple[int, str, str]:
 
 def test_cli_bad_arguments_exit_2_naming_the_value():
     for argv, message in ((["--mesh", "dp=8,tp=0"], "Invalid mesh: 'dp=8,tp=0' (tp=0, expected >= 1)"),
-                          (["--bucket-size", "0"], "Invalid bucket_size: 0"),
+                          (["--bucket-size", "0"], "argument --bucket-size: expected an integer >= 1, got 0"),
                           (["--wire", "fp8"], "argument --wire: invalid choice: 'fp8'")):
         code, out, err = _cli("plan", "--model", "tiny", *argv)
         assert code == 2 and message in err and not out

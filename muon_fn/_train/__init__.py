@@ -3,8 +3,9 @@
 Not part of the public API (names may change); ``examples/train_gpt.py`` is the readable entry.
 """
 
+from .args import UsageError, build_parser
 from .data import Corpus, load_corpus
 from .model import GPT, PRESETS, GPTConfig, config_for
-from .train import build_parser, main
+from .train import main
 
-__all__ = ["GPT", "GPTConfig", "PRESETS", "config_for", "Corpus", "load_corpus", "build_parser", "main"]
+__all__ = ["GPT", "GPTConfig", "PRESETS", "config_for", "Corpus", "load_corpus", "build_parser", "main", "UsageError"]

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from .args import UsageError
+
 __all__ = ["Corpus", "load_corpus", "stdlib_files", "Batcher", "WindowDataset"]
 
 _SEPARATOR = b"\n\n"
@@ -56,7 +58,8 @@ def _is_val(rel: str) -> bool:
     return zlib.crc32(rel.encode()) % VAL_BUCKETS == 0
 
 
-def _from_files(name: str, root: Path, files: list[Path], max_bytes: int | None) -> Corpus:
+def _from_files(name: str, root: Path, files: list[Path], max_bytes: int | None, what: str | None = None) -> Corpus:
+    """The corpus of ``files`` (``what``: how messages name it, default ``name``)."""
     train, val = bytearray(), bytearray()
     # With a byte budget, fill each split to its share (so both exist), in file order.
     val_cap = None if max_bytes is None else max(1, max_bytes // VAL_BUCKETS)
@@ -69,10 +72,30 @@ def _from_files(name: str, root: Path, files: list[Path], max_bytes: int | None)
             if len(train) >= train_cap and len(val) >= val_cap:
                 break
             continue
-        buf.extend(f.read_bytes() + _SEPARATOR)
+        buf.extend(_read(f, f"{what or name}: cannot read {rel!r}") + _SEPARATOR)
     if not train or not val:
-        raise ValueError(f"{name}: need at least one training and one validation file (got {len(files)} files)")
+        raise UsageError(_split_error(what or name, len(files), bool(train), max_bytes))
     return Corpus(name, _to_tensor(train), _to_tensor(val), len(files))
+
+
+def _split_error(what: str, n_files: int, has_train: bool, max_bytes: int | None) -> str:
+    """Why a corpus of ``n_files`` files has no training bytes (``has_train`` False) or no validation bytes."""
+    if n_files == 0:
+        return f"{what}: no files to read"
+    if not has_train and max_bytes == 1:
+        return f"{what}: --max-bytes 1 leaves no bytes for the training split"
+    where = "validation" if not has_train else "training"
+    files = "its only file is" if n_files == 1 else f"all its {n_files} files are"
+    return (f"{what}: {files} in the {where} split (a file's split is a hash of its path: about 1 in "
+            f"{VAL_BUCKETS} files is validation); a run needs both: add files, or pass one text file")
+
+
+def _read(f: Path, message: str) -> bytes:
+    """The bytes of ``f``; :class:`UsageError` with ``message`` and the reason if it cannot be read."""
+    try:
+        return f.read_bytes()
+    except OSError as e:
+        raise UsageError(f"{message} ({e.strerror or e})") from None
 
 
 def _to_tensor(b: bytearray) -> torch.Tensor:
@@ -80,23 +103,27 @@ def _to_tensor(b: bytearray) -> torch.Tensor:
 
 
 def load_corpus(path: str | None = None, *, glob: str = "*", max_bytes: int | None = None) -> Corpus:
-    """Load the default corpus (``path=None``), a text file, or a directory of files."""
+    """Load the default corpus (``path=None``), a text file, or a directory of files.
+
+    A path that is missing or unreadable, or data too small to split, raises :class:`UsageError`
+    (a ``ValueError``) with a message naming ``--data``."""
     if path is None:
         root, files = stdlib_files()
         return _from_files(f"Python {sysconfig.get_python_version()} stdlib ({root})", root, files, max_bytes)
-    p = Path(path)
+    p, what = Path(path), f"--data {str(path)!r}"
     if p.is_dir():
         files = sorted((f for f in p.rglob(glob) if f.is_file()), key=lambda f: f.relative_to(p).as_posix())
-        return _from_files(str(p), p, files, max_bytes)
+        return _from_files(str(p), p, files, max_bytes, what)
     if p.is_file():
-        data = p.read_bytes()
-        if max_bytes is not None:
-            data = data[:max_bytes]
-        cut = int(len(data) * (1 - 1 / VAL_BUCKETS))
-        if cut < 2 or len(data) - cut < 2:
-            raise ValueError(f"{p}: too small to split into train and validation ({len(data)} bytes)")
-        return Corpus(str(p), _to_tensor(bytearray(data[:cut])), _to_tensor(bytearray(data[cut:])), 1)
-    raise FileNotFoundError(f"--data {path!r}: no such file or directory")
+        data = _read(p, f"{what}: cannot read the file")
+        cut = f" (--max-bytes {max_bytes})" if max_bytes is not None and max_bytes < len(data) else ""
+        data = data if max_bytes is None else data[:max_bytes]
+        split = int(len(data) * (1 - 1 / VAL_BUCKETS))
+        if split < 2 or len(data) - split < 2:
+            raise UsageError(f"{what}: {len(data)} bytes{cut}, too few to split into training and validation")
+        return Corpus(str(p), _to_tensor(bytearray(data[:split])), _to_tensor(bytearray(data[split:])), 1)
+    problem = "not a file or a directory" if p.exists() else "no such file or directory"
+    raise UsageError(f"{what}: {problem}")
 
 
 class Batcher:

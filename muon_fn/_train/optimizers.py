@@ -245,7 +245,7 @@ def build_single(name: str, options: dict[str, Any], model: nn.Module, lr: float
 
 
 def build_fsdp(name: str, options: dict[str, Any], model: nn.Module, lr: float, adamw_lr: float, wd: float,
-               world: int) -> tuple[Any, str]:
+               world: int, compile: bool = True) -> tuple[Any, str]:
     """The FSDP2 optimizer of one run, configured as :func:`build_single`'s (the same split,
     routers included, and the same AdamW betas): hidden matrices → Muon or SSO; embeddings, the
     head and 1-D params → AdamW, on local shards."""
@@ -253,7 +253,7 @@ def build_fsdp(name: str, options: dict[str, Any], model: nn.Module, lr: float, 
 
     if name in ("adamw", "torch-muon"):
         raise ValueError(f"--fsdp supports the muon_fn optimizers, not {name!r}")
-    options = dict(options)
+    options = dict(options, **({} if compile else {"compile": False}))
     betas = _betas(name, options)
     muon_params, adamw_params = mf.split_parameters(model, **_router_split(options))
     groups = [{"params": [p for _, p, _ in muon_params], "use_muon": True},

@@ -19,122 +19,22 @@ import os
 import sys
 import time
 import warnings
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from .. import _compile
 from ..bench._timing import synchronize
 from . import logits, optimizers, report
+from .args import DEFAULT_STEPS, UsageError, build_parser, check_corpus, resolve, schedule_error
 from .data import Batcher, Corpus, load_corpus, val_starts, windows
-from .model import GPT, PRESETS, config_for
-from .optimizers import ADAMW_BETAS, HALF_BETAS, DEFAULT_ADAMW_LR, DEFAULT_LR, OPTIMIZERS
+from .model import GPT, config_for
+from .optimizers import DEFAULT_ADAMW_LR, DEFAULT_LR
 
-# `--quick`: a few minutes on 2 CPU cores for muon + adamw (see docs/index.md for the figures).
-# One thread: the tiny model's 128-wide GEMMs gain little from a second thread, and on a machine
-# shared with other jobs OpenMP threads that spin-wait make a step many times slower.
-QUICK = dict(model="tiny", steps=300, batch_size=16, seq_len=128, eval_interval=50, eval_windows=64,
-             warmup=30, threads=1)
-
-
-# --------------------------------------------------------------------------------------------
-# arguments
-
-
-def build_parser(prog: str = "train_gpt.py") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=prog,
-        description="Train a small byte-level GPT from scratch with muon_fn optimizers "
-        "(default corpus: this Python's standard library sources).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    p.add_argument("--quick", action="store_true",
-                   help=f"a few-minute CPU run: {', '.join(f'{k}={v}' for k, v in QUICK.items())}, "
-                   "and --compare muon,adamw unless --optimizer/--compare is given")
-    p.add_argument("--optimizer", default=None, metavar="SPEC",
-                   help=f"optimizer of a single run (default muon): one of {', '.join(OPTIMIZERS)}, optionally "
-                   "with options: the optimizer's keywords and lr, e.g. muon[method=aol9,lr=0.04]; "
-                   f"adamw_beta2= sets the β₂ of a Muon row's AdamW half (default {HALF_BETAS[1]}), "
-                   f"beta2= that of the adamw row (default {ADAMW_BETAS[1]})")
-    p.add_argument("--compare", default=None, metavar="A,B",
-                   help="comma-separated optimizer specs trained from the same init and batches, e.g. "
-                   "torch-muon,muon,adamw (torch-muon: torch.optim.Muon + torch.optim.AdamW, muon's split)")
-    p.add_argument("--seeds", type=int, default=1,
-                   help="repeat the comparison for this many seeds (--seed, --seed+1, ...): mean and spread")
-    p.add_argument("--model", choices=sorted(PRESETS), default=None,
-                   help="architecture preset, random init (default tiny; moe-tiny: tiny with 4 experts per MLP)")
-    p.add_argument("--data", default=None, metavar="PATH",
-                   help="a text file or a directory (default: the Python standard library's *.py files)")
-    p.add_argument("--max-bytes", type=int, default=None, help="read at most this many corpus bytes")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 300)")
-    p.add_argument("--epochs", type=float, default=None,
-                   help="instead of --steps: passes over the training bytes (steps = epochs·bytes/(batch·seq·world))")
-    p.add_argument("--batch-size", type=int, default=None, help="sequences per step per rank (default 16)")
-    p.add_argument("--seq-len", type=int, default=None, help="tokens (bytes) per sequence (default: the preset's block size)")
-    p.add_argument("--lr", type=float, default=None,
-                   help=f"learning rate of the main optimizer (default {DEFAULT_LR})")
-    p.add_argument("--adamw-lr", type=float, default=None,
-                   help=f"AdamW lr for embeddings/head/1-D params of Muon-family runs (default {DEFAULT_ADAMW_LR})")
-    p.add_argument("--weight-decay", type=float, default=0.0, help="decoupled weight decay of every optimizer")
-    p.add_argument("--warmup", type=int, default=None, help="linear warmup steps (default 10%% of steps)")
-    p.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decay ends at this fraction of the lr")
-    p.add_argument("--eval-interval", type=int, default=None, help="steps between validation evaluations (default 50)")
-    p.add_argument("--eval-windows", type=int, default=None, help="fixed validation windows per evaluation (default 64)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="runs/train_gpt", help="output directory (metrics.json, loss.png, checkpoints)")
-    p.add_argument("--checkpoint-interval", type=int, default=0,
-                   help="save a checkpoint every N steps (0: only at the end)")
-    p.add_argument("--no-checkpoint", action="store_true", help="do not write checkpoints")
-    p.add_argument("--resume", action="store_true", help="continue from the run's checkpoint in --out if there is one")
-    p.add_argument("--stop-at", type=int, default=None, metavar="STEP",
-                   help="checkpoint and stop after this step (the schedule still spans --steps); continue with --resume")
-    p.add_argument("--qk-clip", type=float, default=None, metavar="TAU",
-                   help="QK-Clip: after each step rescale W_q and W_k of every attention head whose max logit "
-                   "exceeded TAU (per optimizer: qk_clip=TAU in its spec); logs the max logit per step")
-    p.add_argument("--log-max-logit", action="store_true",
-                   help="log (and plot) the largest attention logit of every step, without clipping")
-    p.add_argument("--fsdp", action="store_true",
-                   help="shard with FSDP2 (run under torchrun; gloo on CPU, nccl on CUDA)")
-    p.add_argument("--no-compile", action="store_true",
-                   help="run muon_fn's optimizer step eagerly (default: compiled, as the library does)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
-    p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
-    p.add_argument("--no-plot", action="store_true", help="do not write loss.png")
-    p.add_argument("--verbose", action="store_true", help="print which parameter each optimizer half got")
-    return p
-
-
-def resolve(args: argparse.Namespace) -> argparse.Namespace:
-    """Fill defaults that depend on other options (``--quick``, the preset)."""
-    if args.quick:
-        for k, v in QUICK.items():
-            if getattr(args, k) is None:
-                setattr(args, k, v)
-        if args.compare is None and args.optimizer is None:
-            args.compare = "muon,adamw"
-    args.model = args.model or "tiny"
-    args.batch_size = args.batch_size or 16
-    args.seq_len = args.seq_len or PRESETS[args.model]["block_size"]
-    args.eval_interval = args.eval_interval or 50
-    args.eval_windows = args.eval_windows or 64
-    if args.compare and args.optimizer is not None:
-        raise SystemExit("give either --optimizer or --compare, not both")
-    specs = optimizers.split_specs(args.compare) if args.compare else [args.optimizer or "muon"]
-    try:
-        args.runs = [(spec, *optimizers.parse_spec(spec)) for spec in specs]
-    except ValueError as e:
-        raise SystemExit(f"{'--compare' if args.compare else '--optimizer'}: {e}") from None
-    if not args.runs or len({label for label, _, _ in args.runs}) != len(args.runs):
-        raise SystemExit(f"--compare: give each optimizer spec once, got {args.compare!r}")
-    if args.seeds < 1:
-        raise SystemExit(f"--seeds must be >= 1, got {args.seeds}")
-    if args.steps is not None and args.epochs is not None:
-        raise SystemExit("give either --steps or --epochs, not both")
-    return args
-
+__all__ = ["main", "build_parser", "run_all", "UsageError"]
+COMPILING = "compiling the optimizer step (first step; later runs load it from torch's cache)"
 
 # --------------------------------------------------------------------------------------------
 # distributed context
@@ -151,7 +51,7 @@ class Dist:
             import torch.distributed as dist
 
             if "RANK" not in os.environ:
-                raise SystemExit("--fsdp needs torchrun, e.g. torchrun --nproc_per_node=2 examples/train_gpt.py --fsdp")
+                raise UsageError("--fsdp needs torchrun, e.g. torchrun --nproc_per_node=2 examples/train_gpt.py --fsdp")
             backend = "nccl" if device.type == "cuda" else "gloo"
             if device.type == "cuda":
                 self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -192,10 +92,7 @@ class Dist:
 
 def build_model(args: argparse.Namespace, ctx: Dist) -> nn.Module:
     torch.manual_seed(args.seed)  # the same initial weights for every optimizer and every rank
-    cfg = config_for(args.model)
-    if args.seq_len > cfg.block_size:
-        raise SystemExit(f"--seq-len {args.seq_len} exceeds the '{args.model}' preset's block size {cfg.block_size}")
-    model = GPT(cfg).to(ctx.device)
+    model = GPT(config_for(args.model)).to(ctx.device)
     if ctx.enabled:
         from torch.distributed.fsdp import fully_shard
 
@@ -205,18 +102,38 @@ def build_model(args: argparse.Namespace, ctx: Dist) -> nn.Module:
     return model
 
 
-def build_optimizer(name: str, options: dict, model: nn.Module, args: argparse.Namespace, ctx: Dist):
-    """The optimizer of one run and a one-line description of it (``lr``/``adamw_lr`` in
-    ``options`` override ``--lr``/``--adamw-lr``)."""
+def build_optimizer(label: str, name: str, options: dict, model: nn.Module, args: argparse.Namespace, ctx: Dist):
+    """The optimizer of run ``label`` (spec ``name[options]``), a one-line description of it, and
+    its logit log (:func:`logits.setup`). ``lr``/``adamw_lr`` in ``options`` override
+    ``--lr``/``--adamw-lr``. A spec the optimizer refuses (an unknown key, a bad value: its
+    constructor's ``TypeError``/``ValueError``) raises :class:`UsageError` naming the spec."""
     options = dict(options)
     lr = options.pop("lr", args.lr if args.lr is not None else DEFAULT_LR[name])
     adamw_lr = options.pop("adamw_lr", args.adamw_lr if args.adamw_lr is not None else DEFAULT_ADAMW_LR)
     try:
+        options, logit_log = logits.setup(name, options, model, args.qk_clip, args.log_max_logit)
         if ctx.enabled:
-            return optimizers.build_fsdp(name, options, model, lr, adamw_lr, args.weight_decay, ctx.world)
-        return optimizers.build_single(name, options, model, lr, adamw_lr, args.weight_decay, not args.no_compile)
+            opt = optimizers.build_fsdp(name, options, model, lr, adamw_lr, args.weight_decay, ctx.world,
+                                        not args.no_compile)
+        else:
+            opt = optimizers.build_single(name, options, model, lr, adamw_lr, args.weight_decay, not args.no_compile)
     except (TypeError, ValueError) as e:
-        raise SystemExit(f"{name}: {e}") from None
+        raise UsageError(f"argument {'--compare' if args.compare else '--optimizer'}: {label}: {e}") from None
+    return (*opt, logit_log)
+
+
+def check_optimizers(args: argparse.Namespace, ctx: Dist) -> None:
+    """Build every run's optimizer on a meta-device model (no memory, no data), so that a spec
+    the optimizer refuses stops the command before the first run trains, not after it
+    (:class:`UsageError`). Under ``--fsdp`` the optimizers need the sharded model: not checked."""
+    if ctx.enabled:
+        return
+    with torch.device("meta"):
+        model = GPT(config_for(args.model))
+    with warnings.catch_warnings():  # the real build warns, once
+        warnings.simplefilter("ignore")
+        for label, name, options in args.runs:
+            build_optimizer(label, name, options, model, args, ctx)
 
 
 class Schedulers:
@@ -296,7 +213,12 @@ def load_checkpoint(path: Path, model, opt, sched, batcher, ctx: Dist) -> tuple[
         if not (path / "state.pt").exists():
             return None
         meta = torch.load(path / "state.pt", map_location=ctx.device, weights_only=False)
-        model.load_state_dict(meta["model"])
+        try:
+            model.load_state_dict(meta["model"])
+        except RuntimeError as e:  # e.g. a checkpoint of another --model in the same --out
+            lines = str(e).strip().splitlines()  # torch's: "Error(s) in loading state_dict for GPT:", then each
+            raise UsageError(f"--resume: {path / 'state.pt'} holds another model than this run's (another --model "
+                             f"in the same --out?): {lines[-1].strip()}") from None
         opt.load_state_dict(meta["optimizer"])
         batcher.load_state_dict(meta["batcher"])
     sched.load_state_dict(meta["scheduler"])
@@ -333,7 +255,7 @@ def total_steps(args, corpus: Corpus, world: int) -> int:
         return args.steps
     if args.epochs is not None:
         return max(1, math.ceil(args.epochs * corpus.train.numel() / (args.batch_size * args.seq_len * world)))
-    return 300
+    return DEFAULT_STEPS
 
 
 def run_one(label: str, name: str, options: dict, args, corpus: Corpus, ctx: Dist) -> dict[str, Any]:
@@ -341,8 +263,7 @@ def run_one(label: str, name: str, options: dict, args, corpus: Corpus, ctx: Dis
     steps = total_steps(args, corpus, ctx.world)
     warmup = args.warmup if args.warmup is not None else max(1, steps // 10)
     model = build_model(args, ctx)
-    opt_options, logit_log = logits.setup(name, options, model, args.qk_clip, args.log_max_logit)
-    opt, opt_desc = build_optimizer(name, opt_options, model, args, ctx)
+    opt, opt_desc, logit_log = build_optimizer(label, name, options, model, args, ctx)
     sched = Schedulers(opt, lr_lambda(steps, warmup, args.min_lr_ratio))
     batcher = Batcher(corpus.train, args.batch_size, args.seq_len, seed=args.seed * 1000 + ctx.rank)
     history: dict[str, list] = {"train": [], "val": [], "tokens_per_s": [], "max_logit": [], "step_time": []}
@@ -360,7 +281,7 @@ def run_one(label: str, name: str, options: dict, args, corpus: Corpus, ctx: Dis
     stop = steps if args.stop_at is None else max(start, min(args.stop_at, steps))
     t_run, cpu_run = time.perf_counter(), time.process_time()
     _train_loop(label, model, opt, sched, batcher, history, range(start, stop), steps, args, corpus, ctx, ckpt,
-                logit_log)
+                logit_log, compiles=_compiles(name, args))
     wall, cpu = time.perf_counter() - t_run, time.process_time() - cpu_run
     share = report.optimizer_share(history.get("step_time", []))
     if share is not None:
@@ -391,13 +312,14 @@ def run_one(label: str, name: str, options: dict, args, corpus: Corpus, ctx: Dis
 
 
 def _train_loop(label, model, opt, sched, batcher, history, steps_range, total, args, corpus, ctx, ckpt,
-                logit_log=None) -> None:
+                logit_log=None, compiles=False) -> None:
     """The steps of one run: evaluate every ``--eval-interval``, step, schedule, checkpoint
     (and log the max attention logit when ``logit_log`` is given). Each step's time in
     ``optimizer.step`` and in the whole step (batch, forward, backward, step, schedule, the
     loss read; not evaluation or checkpoints) go to ``history["step_time"]`` as
     ``[step, optimizer_s, step_s]``, clocks read after a device synchronize (a no-op on the CPU;
-    on CUDA one more wait per step, before the optimizer, since reading the loss waits anyway)."""
+    on CUDA one more wait per step, before the optimizer, since reading the loss waits anyway).
+    ``compiles``: the first ``optimizer.step`` compiles; the progress bar says so until it returns."""
     starts = val_starts(corpus.val, args.eval_windows, args.seq_len)
     tokens_per_step = args.batch_size * args.seq_len * ctx.world
     bar = _progress(args, ctx, total, steps_range.start, label)
@@ -405,6 +327,8 @@ def _train_loop(label, model, opt, sched, batcher, history, steps_range, total, 
     for step in steps_range:
         if step % args.eval_interval == 0 and not (history["val"] and history["val"][-1][0] == step):
             history["val"].append([step, evaluate(model, corpus.val, starts, args, ctx)])
+        if bar is not None and compiles and step == steps_range.start:
+            bar.set_postfix_str(COMPILING)  # 5-60 s on a CPU: not a frozen bar
         t_step = time.perf_counter()
         x, y = batcher.next()
         _, loss = model(x.to(ctx.device), y.to(ctx.device))
@@ -441,6 +365,13 @@ def _train_loop(label, model, opt, sched, batcher, history, steps_range, total, 
     if bar is not None:
         bar.set_postfix_str(_postfix(history, tok_s))
         bar.close()
+
+
+def _compiles(name: str, args: argparse.Namespace) -> bool:
+    """Whether the run's first step compiles: a muon_fn row (the torch.optim rows run eager)
+    without --no-compile or ``MUON_FN_COMPILE=0``."""
+    muon_fn_row = args.fsdp or name not in ("adamw", "torch-muon")
+    return muon_fn_row and not args.no_compile and _compile.resolve(True) is not None
 
 
 def _tail_mean(points: list, n: int) -> float:
@@ -511,14 +442,26 @@ def run_all(args, corpus: Corpus, ctx: Dist) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None, *, prog: str = "train_gpt.py") -> int:
+    """Run the command; a mistake in the options or the data exits with status 2 and one
+    ``<prog>: error: ...`` line (argparse's exit), without a traceback."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = resolve(build_parser(prog).parse_args(argv))
-    if args.threads:
+    parser = build_parser(prog)
+    args = resolve(parser.parse_args(argv), parser)
+    try:
+        return _run(args, argv)
+    except UsageError as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
+
+
+def _run(args: argparse.Namespace, argv: list[str]) -> int:
+    if args.threads is not None:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     ctx = Dist(args.fsdp, device)
     try:
+        check_optimizers(args, ctx)
         corpus = load_corpus(args.data, max_bytes=args.max_bytes)
+        _check_data(args, corpus, ctx)
         _log(ctx, corpus.describe())
         results = run_all(args, corpus, ctx)
         if ctx.main:
@@ -527,6 +470,16 @@ def main(argv: list[str] | None = None, *, prog: str = "train_gpt.py") -> int:
     finally:
         ctx.close()
     return 0
+
+
+def _check_data(args: argparse.Namespace, corpus: Corpus, ctx: Dist) -> None:
+    """:class:`UsageError` if the corpus is too short for ``--seq-len``, or if the steps that
+    ``--epochs`` gives leave no room for ``--warmup``/``--stop-at`` (known only now)."""
+    check_corpus(args, corpus)
+    if args.epochs is not None:
+        message = schedule_error(args, total_steps(args, corpus, ctx.world))
+        if message:
+            raise UsageError(message)
 
 
 def _report(args, corpus: Corpus, results: list[dict], argv: list[str], ctx: Dist) -> None:

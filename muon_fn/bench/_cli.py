@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any, Sequence
 
 from .. import _newton_schulz
+from .._argtypes import device_arg, float_arg, int_arg
 from ._compile_time import GPT_SETS, benchmark_compile_time, format_compile_table
 from ._fsdp import benchmark_fsdp, benchmark_overlap, format_fsdp_result, format_overlap_result
 from ._muon import benchmark_muon_optimizers, check_muon_args, compile_check, format_table
@@ -49,6 +51,15 @@ def _threads_arg(text: str) -> list[Threads]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _parse(ap: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """``ap``'s arguments; a ``--json`` in a missing directory is refused now, not after the benchmark."""
+    args = ap.parse_args(argv)
+    folder = os.path.dirname(os.path.abspath(args.json)) if args.json else None
+    if folder is not None and not os.path.isdir(folder):
+        ap.error(f"argument --json: {args.json!r}: no such directory {folder!r}")
+    return args
+
+
 def _write_json(path: str, results: Any) -> None:
     if path:
         with open(path, "w") as f:
@@ -70,9 +81,12 @@ def _muon_parser(prog: str) -> argparse.ArgumentParser:
                     help="only the set's first N layers (default all; llama3-8b 8, deepseek-moe 2)")
     ap.add_argument("--force", action="store_true",
                     help=f"time a selection of more than {CPU_MAX_PARAMS // 10**6} M params on the CPU anyway")
-    ap.add_argument("--steps", type=int, default=None, help="optimizer steps per row per round (default 1)")
-    ap.add_argument("--rounds", type=int, default=None, help="paired rounds (default 25 tiny, 5 gpt2-small)")
-    ap.add_argument("--lr", type=float, default=0.02, help="learning rate of every optimizer row")
+    ap.add_argument("--steps", type=int_arg(1), default=1, metavar="N",
+                    help="optimizer steps per row per round (default 1)")
+    ap.add_argument("--rounds", type=int_arg(1), default=None, metavar="N",
+                    help="paired rounds (default 25 tiny, 5 gpt2-small; --quick: 12)")
+    ap.add_argument("--lr", type=float_arg(0, strict=True), default=0.02,
+                    help="learning rate of every optimizer row (default 0.02)")
     ap.add_argument("--rows", nargs="+", choices=list(ROW_SPECS), default=None, metavar="ROW",
                     help="rows to time (default: " + ", ".join(ROWS) + "; also: " + ", ".join(OPTIONAL_ROWS) + ")")
     ap.add_argument("--elementwise", action="store_true",
@@ -81,7 +95,7 @@ def _muon_parser(prog: str) -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=_threads_arg, default=[1], metavar="N[,N...]",
                     help="torch threads, a comma-separated list run one after the other; 'default' is the "
                          "count torch picks itself (e.g. --threads 1,default; default 1: docs/performance.md)")
-    ap.add_argument("--device", default="cpu",
+    ap.add_argument("--device", type=device_arg, default="cpu",
                     help="where every row runs: cpu (default), cuda, cuda:1, ... (timed with a synchronize per row)")
     ap.add_argument("--json", default="muon_fn_bench.json", help="write the results here ('' to skip)")
     ap.add_argument("--quick", action="store_true",
@@ -100,7 +114,7 @@ def _muon_parser(prog: str) -> argparse.ArgumentParser:
 
 def _muon_main(argv: list[str], prog: str) -> int:
     ap = _muon_parser(prog)
-    args = ap.parse_args(argv)
+    args = _parse(ap, argv)
     try:
         device = check_device(args.device)
     except ValueError as e:
@@ -119,10 +133,12 @@ def _muon_main(argv: list[str], prog: str) -> int:
         print(_EMULATED_BF16.format(", ".join(left_out)), file=sys.stderr, flush=True)
     runs = []
     for size in sizes:
-        rounds = args.rounds or (25 if size == "tiny" else 5)
-        if args.quick:  # 2 rounds where torch.optim.Muon's bf16 is emulated, to stay near a minute
-            rounds = args.rounds or (2 if emulated and args.rows is None else 12)
-        kwargs = dict(num_steps=args.steps or 1, lr=args.lr, rows=args.rows or default_rows(size, device),
+        rounds = args.rounds
+        if rounds is None and args.quick:  # 2 rounds where torch.optim.Muon's bf16 is emulated: near a minute
+            rounds = 2 if emulated and args.rows is None else 12
+        elif rounds is None:
+            rounds = 25 if size == "tiny" else 5
+        kwargs = dict(num_steps=args.steps, lr=args.lr, rows=args.rows or default_rows(size, device),
                       rounds=rounds, layers=args.layers, device=device, force=args.force)
         try:  # every run's arguments before the first run (e.g. --layers 9 of the tiny set)
             check_muon_args(size, **kwargs)
@@ -191,7 +207,7 @@ def _sso_parser(prog: str) -> argparse.ArgumentParser:
 
 def _sso_main(argv: list[str], prog: str) -> int:
     ap = _sso_parser(prog)
-    args = ap.parse_args(argv)
+    args = _parse(ap, argv)
     rows = args.rows.split(",")
     try:
         check_sso_args(args.layers, args.rounds, args.warmup, rows)
@@ -209,28 +225,25 @@ def _sso_main(argv: list[str], prog: str) -> int:
 
 def _fsdp_parser(prog: str) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=prog, description="FSDP owner-computes against replicate (CPU, gloo).")
-    ap.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--ns-steps", type=int, default=5)
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--dim", type=int, default=768, help="model width (768 = gpt2-small)")
-    ap.add_argument("--buckets", type=int, default=4)
+    ap.add_argument("--world-sizes", type=int_arg(2), nargs="+", default=[2, 4], metavar="W",
+                    help="process counts, one run each (default 2 4)")
+    ap.add_argument("--repeats", type=int_arg(1), default=3, metavar="N", help="paired repeats (default 3)")
+    ap.add_argument("--ns-steps", type=int_arg(1), default=5, metavar="N", help="Newton–Schulz steps (default 5)")
+    ap.add_argument("--layers", type=int_arg(1), default=12, metavar="N", help="layers of 4 D×D, 4D×D and D×4D matrices (default 12)")
+    ap.add_argument("--dim", type=int_arg(1), default=768, metavar="D", help="model width (default 768: gpt2-small)")
+    ap.add_argument("--buckets", type=int_arg(1), default=4, metavar="N", help="num_buckets (default 4)")
     ap.add_argument("--overlap", action="store_true",
                     help="instead: overlap=False against overlap=True through real forward/backward "
                          "passes (defaults then: --layers 4 --dim 512 --repeats 5)")
-    ap.add_argument("--tokens", type=int, default=1024, help="rows of each rank's batch (--overlap)")
+    ap.add_argument("--tokens", type=int_arg(1), default=1024, metavar="N",
+                    help="rows of each rank's batch (--overlap; default 1024)")
     ap.add_argument("--json", default="", help="also write the results to this file")
     return ap
 
 
 def _fsdp_main(argv: list[str], prog: str) -> int:
     ap = _fsdp_parser(prog)
-    args = ap.parse_args(argv)
-    for name in ("repeats", "ns_steps", "layers", "dim", "buckets"):
-        if getattr(args, name) < 1:
-            ap.error(f"Invalid --{name.replace('_', '-')}: {getattr(args, name)} (expected >= 1)")
-    if any(w < 2 for w in args.world_sizes):
-        ap.error(f"Invalid --world-sizes: {args.world_sizes} (expected each >= 2)")
+    args = _parse(ap, argv)
     results = []
     if args.overlap:
         given = {a.split("=")[0] for a in argv}

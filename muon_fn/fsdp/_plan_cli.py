@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import Sequence
 
+from .._argtypes import float_arg, int_arg
 from . import specs
 from ._predict import (BUCKET_SIZE, DEFAULT_GEMM_TFLOPS, DEFAULT_LINK_GBPS, PlanReport, parse_mesh,
                        plan_model)
@@ -62,15 +63,16 @@ def _parser(prog: str) -> argparse.ArgumentParser:
                    help=f"model spec(s): {', '.join(specs.SPECS)}")
     p.add_argument("--mesh", nargs="+", default=["dp=8"], metavar="MESH",
                    help="mesh(es): dp=W, replicate=R,dp=W (HSDP), either with ,tp=T (tensor parallel) (default: dp=8)")
-    p.add_argument("--gemm-tflops", type=float, default=DEFAULT_GEMM_TFLOPS,
+    p.add_argument("--gemm-tflops", type=float_arg(0, strict=True), default=DEFAULT_GEMM_TFLOPS, metavar="TFLOPS",
                    help=f"achieved GEMM rate per rank, TFLOP/s (default {DEFAULT_GEMM_TFLOPS:g}: H100 bf16 dense)")
-    p.add_argument("--link-gbps", type=float, default=DEFAULT_LINK_GBPS,
+    p.add_argument("--link-gbps", type=float_arg(0, strict=True), default=DEFAULT_LINK_GBPS, metavar="GBPS",
                    help=f"link bandwidth per rank, GB/s (default {DEFAULT_LINK_GBPS:g}: 400 Gb/s between nodes)")
-    p.add_argument("--ns-steps", type=int, default=5, help="Newton–Schulz iterations (default 5)")
-    p.add_argument("--bucket-size", type=int, default=BUCKET_SIZE,
+    p.add_argument("--ns-steps", type=int_arg(1), default=5, metavar="N", help="Newton–Schulz iterations (default 5)")
+    p.add_argument("--bucket-size", type=int_arg(1), default=BUCKET_SIZE, metavar="N",
                    help=f"FSDPMuonOptimizer's bucket_size: same-shape matrices one owner computes together "
                         f"(default {BUCKET_SIZE}, the optimizer's)")
-    p.add_argument("--num-buckets", type=int, default=4, help="FSDPMuonOptimizer's num_buckets (default 4)")
+    p.add_argument("--num-buckets", type=int_arg(1), default=4, metavar="N",
+                   help="FSDPMuonOptimizer's num_buckets (default 4)")
     p.add_argument("--wire", choices=("fp32", "bf16"), default="fp32",
                    help="dtype on the wire (FSDPMuonOptimizer's wire_dtype; default fp32)")
     return p
