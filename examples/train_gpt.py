@@ -2,7 +2,7 @@
 
     python examples/train_gpt.py --quick                       # Muon vs AdamW, a few minutes on a CPU
     python examples/train_gpt.py --optimizer muon --steps 1000 --model small
-    python examples/train_gpt.py --data my_corpus.txt --compare muon,normuon,adamw
+    python examples/train_gpt.py --data my_corpus.txt --compare "muon,muon[beta2=none],adamw"  # NorMuon, Muon, AdamW
     python examples/train_gpt.py --optimizer muon --steps 200 --checkpoint-interval 50   # then --resume
     torchrun --nproc_per_node=2 examples/train_gpt.py --fsdp --steps 20                   # FSDP2, gloo on CPU
 
