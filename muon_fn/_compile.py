@@ -24,6 +24,7 @@ from typing import Any, Callable, Union
 import torch
 
 from ._base import GradientTransformation, info, with_info
+from ._log import notice
 
 CompileOption = Union[bool, Mapping[str, Any]]
 
@@ -120,8 +121,9 @@ class PerSignature:
     no state has changed when it is retried eagerly.
     """
 
-    def __init__(self, fn: Callable[..., Any], options: dict[str, Any] | None) -> None:
-        self.fn, self.options = fn, options
+    def __init__(self, fn: Callable[..., Any], options: dict[str, Any] | None,
+                 what: str = "the optimizer step") -> None:
+        self.fn, self.options, self.what = fn, options, what
         self.compiled: dict[Hashable, Callable[..., Any]] = {}
 
     def __call__(self, key: Hashable, *args: Any) -> Any:
@@ -134,6 +136,7 @@ class PerSignature:
             copy = types.FunctionType(code, self.fn.__globals__, self.fn.__name__, self.fn.__defaults__,
                                       self.fn.__closure__)
             f = self.compiled[key] = torch.compile(copy, **self.options)
+            _announce(self.what, self.options)
         try:
             return f(*args)
         except Exception as e:  # the compiler itself failed: nothing ran
@@ -142,6 +145,22 @@ class PerSignature:
             _fall_back(e)
             self.options = None
             return self.fn(*args)
+
+
+_ANNOUNCED = False  # the first compile of this process has said what it does
+
+
+def _announce(what: str, options: dict[str, Any]) -> None:
+    """One line, at the first compile of the process (:func:`muon_fn._log.notice`)."""
+    global _ANNOUNCED
+    if _ANNOUNCED:
+        return
+    _ANNOUNCED = True
+    backend = options.get("backend", "inductor")
+    backend = backend if isinstance(backend, str) else getattr(backend, "__name__", "a custom backend")
+    notice(f"compiling {what} with torch.compile ({backend}) on first use: one graph per bucket shape, "
+           "seconds to a minute on a CPU; later processes load them from torch's on-disk cache. "
+           "compile=False runs eagerly; logging.getLogger('muon_fn').setLevel(logging.WARNING) silences this.")
 
 
 def _cannot_compile(error: BaseException) -> bool:

@@ -127,3 +127,31 @@ def test_a_refused_group_is_not_added():
     assert len(opt.param_groups) == 1
     opt.add_param_group({"params": [nn.Parameter(torch.zeros(3, 3))]})
     assert len(opt.param_groups) == 2
+
+
+def test_the_first_compile_says_what_it_does(monkeypatch, capsys, caplog):
+    """One line at the first compile of the process, naming what compiles and the cache; through
+    the 'muon_fn' logger where logging is configured, else on stderr; silenced by its level."""
+    import logging
+
+    from muon_fn import _compile, _log
+
+    def first_steps():
+        monkeypatch.setattr(_compile, "_ANNOUNCED", False)
+        w = matrix()
+        opt = mf.MuonOptimizer([w], compile={"backend": "eager"})
+        for _ in range(2):
+            w.grad = torch.ones_like(w)
+            opt.step()
+
+    caplog.set_level(logging.INFO, logger="muon_fn")
+    first_steps()
+    lines = [r.getMessage() for r in caplog.records if r.name == "muon_fn"]
+    assert len(lines) == 1 and lines[0].startswith("compiling MuonOptimizer's step with torch.compile (eager)")
+    assert "on-disk cache" in lines[0]
+    monkeypatch.setattr(_log.logger, "hasHandlers", lambda: False)  # logging not configured
+    first_steps()
+    assert capsys.readouterr().err.count("muon_fn: compiling MuonOptimizer's step") == 1
+    monkeypatch.setattr(_log.logger, "level", logging.WARNING)  # setLevel, undone by monkeypatch
+    first_steps()
+    assert "compiling" not in capsys.readouterr().err

@@ -128,5 +128,5 @@ def steps(phases: Phases, options: dict[str, Any] | None) -> Steps:
     def pre_update(params, grads, state):
         return pre.update(grads, state, params)
 
-    return Steps(*(_compile.PerSignature(f, options)
+    return Steps(*(_compile.PerSignature(f, options, "the FSDP optimizer's step")
                    for f in (pre_step, mid_step, post_step, whole_step, pre_update)))

@@ -294,7 +294,8 @@ class Optimizer(StagedStep, torch.optim.Optimizer):
         rt.variant_of = tuple(options.index(o) for o in per_param)
         for v, opts in enumerate(options):
             tx = self._factory({**hyper, **opts})
-            rt.variants.append(_Variant(opts, tx, _compile.PerSignature(compute_of(tx), self._compile_options)))
+            step = _compile.PerSignature(compute_of(tx), self._compile_options, f"{type(self).__name__}'s step")
+            rt.variants.append(_Variant(opts, tx, step))
             members = [i for i, w in enumerate(rt.variant_of) if w == v]
             mine = [params[i] for i in members]
             for b in buckets(mine, _execution.bucket_limit(mine, self._bucket_size) if info(tx).leafwise else None):
