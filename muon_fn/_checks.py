@@ -225,5 +225,5 @@ def misspelled_keys(group: dict[str, Any], hyperparameters: Iterable[str], owner
         close = [k for k in difflib.get_close_matches(key, hyper, n=3, cutoff=0.8)
                  if not (key.startswith(k + "_") or key.endswith("_" + k))]  # lr_scale: a key of its own
         if close:
-            raise ValueError(f"Invalid param group key {key!r}: {owner} has no hyperparameter {key!r}; did you "
-                             f"mean {close[0]!r}? (its hyperparameters: {', '.join(hyper)})")
+            raise ValueError(f"Invalid param group key {key!r}: {owner} has no hyperparameter {key!r} (it would "
+                             f"be kept and never used); did you mean {close[0]!r}?")

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping
 from typing import Any, Callable, NamedTuple, Union
 
+import torch
+
 from . import _tree
 from ._base import ELEMENTWISE, MATRIX, GradientTransformation, OptState, Params, Updates, info, with_info
 
@@ -40,9 +42,12 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 
 
 def check_updates(updates: Updates, params: Params | None) -> None:
-    """``ValueError`` unless ``updates`` fit ``params`` (when given): the same tree, each
-    leaf of its parameter's shape (checked while tracing, so a compiled update pays nothing)."""
-    why = None if params is None else _tree.mismatch(updates, params)
+    """``ValueError`` unless ``updates`` fit ``params`` (when given): the same tree, each leaf of
+    its parameter's shape. Eager calls only: Dynamo's tree polyfills mis-trace the comparison
+    (torch 2.13), and a compiled update's first call is checked by Dynamo itself."""
+    if params is None or torch.compiler.is_compiling():
+        return
+    why = _tree.mismatch(updates, params)
     if why is not None:
         raise ValueError(f"the updates (gradients) do not match the parameters: {why}")
 

@@ -9,8 +9,9 @@ from typing import Any, Callable, Union
 
 import torch
 
-from . import _checks, _newton_schulz, _tree, _views
+from . import _checks, _metrics, _newton_schulz, _tree, _views
 from ._base import MATRIX, GradientTransformation, init_empty_state, named, with_info
+from ._metrics import collector_of
 from ._views import View, matrix_shape
 
 SHAPE_RULES = ("keller", "original", "match_rms_adamw", "spectral", "legacy", "none")
@@ -183,8 +184,8 @@ def orthogonalize(
     msign = _msign_of(method, schedule, scale, dtype, eps) if not custom else _custom_msign(method)
 
     def update(updates, state, params=None, **extra):
-        del params, extra
-        return _orthogonalize_tree(updates, view, batch, msign), state
+        del params
+        return _orthogonalize_tree(updates, view, batch, msign, collector_of(extra)), state
 
     if coefficients is None and method is None:
         method = _newton_schulz.DEFAULT_METHOD  # named in the repr
@@ -240,20 +241,29 @@ def _msign_of(method: Any, schedule: Any, scale: float, dtype: torch.dtype | Non
 
 
 def _orthogonalize_tree(updates: Any, view: View, batch: bool,
-                        msign: Callable[[list[torch.Tensor]], torch.Tensor]) -> Any:
+                        msign: Callable[[list[torch.Tensor]], torch.Tensor], collector: Any = None) -> Any:
     """Every matrix of every leaf of ``updates`` (as its view reads it) replaced by its msign,
-    equal wide shapes in one batch (``batch``) or one at a time."""
+    equal wide shapes in one batch (``batch``) or one at a time; with a ``collector``, each
+    unit's orthogonality residual recorded (:func:`muon_fn._metrics.residual`)."""
     paths, leaves, spec = _tree.tree_flatten_with_path(updates)
     views = [None if u is None or u.ndim < 2 else _views.view_of(view, u) for u in leaves]
     units = [[] if u is None else _units(u, path, v) for path, u, v in zip(paths, leaves, views)]
     flat = [(i, j) for i, us in enumerate(units) for j in range(len(us))]
     keys = [(_newton_schulz.wide_shape(units[i][j].shape), units[i][j].dtype, units[i][j].device) for i, j in flat]
     results = [list(us) for us in units]
+    residuals = [[None] * len(us) for us in units]
     for members in group_by(keys, None if batch else 1):
         batch_out = msign([units[i][j] for i, j in (flat[k] for k in members)])
-        for k, o in zip(members, batch_out.unbind(0)):
+        res = None if collector is None else _metrics.residual(batch_out)
+        for n, (k, o) in enumerate(zip(members, batch_out.unbind(0))):
             i, j = flat[k]
             results[i][j] = o.mT if units[i][j].size(-2) > units[i][j].size(-1) else o
+            if res is not None:
+                residuals[i][j] = res[n]
+    if collector is not None:
+        for i, rs in enumerate(residuals):
+            if rs:
+                collector.put("ortho_residual", i, torch.stack(rs))
     out_leaves = [None if u is None else _views.join(outs, u, v).to(u.dtype)
                   for u, outs, v in zip(leaves, results, views)]
     return _tree.tree_unflatten(spec, out_leaves)
@@ -281,7 +291,12 @@ def scale_by_shape(rule: str = "keller", *, view: View = "flatten", split: None 
         return _views.join([b * s for b, s in zip(_views.split(u, leaf_view), scales)], u, leaf_view)
 
     def update(updates, state, params=None, **extra):
-        del params, extra
+        del params
+        collector = _metrics.collector_of(extra)
+        if collector is not None:
+            collector.each("shape_scale", updates, lambda u, i: torch.tensor(
+                [shape_scale(rule, sh) for sh in _views.unit_shapes(u.shape, _views.view_of(view, u))],
+                dtype=torch.float32, device=u.device))
         return _tree.tree_map(lambda u: None if u is None else scale(u), updates), state
 
     tx = named(GradientTransformation(init_empty_state, update), "scale_by_shape", rule=rule,

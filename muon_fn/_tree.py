@@ -57,20 +57,24 @@ def path_name(path: tuple[Any, ...]) -> str:
 def mismatch(updates: Any, params: Any) -> str | None:
     """Why ``updates`` cannot be the updates of ``params`` (another structure, or a leaf of
     another shape), or None. Missing gradients (``None`` leaves) match anything."""
-    if tree_structure(updates) != tree_structure(params):
-        got = {path_name(p) for p in optree.tree_paths(updates, none_is_leaf=True, namespace=NAMESPACE)}
-        want = {path_name(p) for p in optree.tree_paths(params, none_is_leaf=True, namespace=NAMESPACE)}
-        missing, extra = sorted(want - got), sorted(got - want)
+    u_leaves, u_spec = tree_flatten(updates)
+    p_leaves, p_spec = tree_flatten(params)
+    if len(u_leaves) != len(p_leaves) or u_spec.num_nodes != p_spec.num_nodes or _paths(updates) != _paths(params):
+        got, want = set(_paths(updates)), set(_paths(params))
+        missing, extra = sorted(map(path_name, want - got)), sorted(map(path_name, got - want))
         if not missing and not extra:
-            return (f"their trees have the same leaves but different containers (updates: "
-                    f"{tree_structure(updates)}, params: {tree_structure(params)})")
+            return (f"their trees have the same leaves but different containers (updates: {u_spec}, "
+                    f"params: {p_spec})")
         return "; ".join(part for part in (missing and f"no update for {', '.join(missing[:5])}",
                                            extra and f"updates for {', '.join(extra[:5])}, which are not parameters")
                          if part)
-    for i, (u, p) in enumerate(zip(tree_leaves(updates), tree_leaves(params))):
+    for i, (u, p) in enumerate(zip(u_leaves, p_leaves)):
         if u is not None and p is not None and u.shape != p.shape:
-            path = optree.tree_paths(params, none_is_leaf=True, namespace=NAMESPACE)[i]
             hint = " (transposed?)" if u.ndim == 2 and u.shape == p.shape[::-1] else ""
-            return (f"the update at {path_name(path)} has shape {tuple(u.shape)} but its parameter has "
-                    f"shape {tuple(p.shape)}{hint}")
+            return (f"the update at {path_name(_paths(params)[i])} has shape {tuple(u.shape)} but its parameter "
+                    f"has shape {tuple(p.shape)}{hint}")
     return None
+
+
+def _paths(tree: Any) -> list[tuple[Any, ...]]:
+    return optree.tree_paths(tree, none_is_leaf=True, namespace=NAMESPACE)

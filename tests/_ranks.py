@@ -80,6 +80,27 @@ def run_checks(checks: dict, rank: int, w: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+def job_results(script: str, w: int, logs: Path, timeout_s: float) -> tuple[dict, str]:
+    """Run the job ``script`` at world size ``w`` (its ranks write under ``logs``): the merged
+    results of its checks (:func:`merge_ranks`; ``{}`` if it wrote none) and the tail of its output."""
+    import json
+
+    out = str(logs / "results.json")
+    log = run_ranks(script, w, [out], logs, timeout_s)
+    ranks = json.loads(Path(out).read_text()) if os.path.exists(out) else None
+    return (merge_ranks(ranks) if ranks else {}), log[-4000:]
+
+
+def rank_main(checks_for) -> None:
+    """The ``__main__`` of a job file run as one rank (``W RANK OUT``): its checks
+    (``checks_for(W)``) through :func:`run_checks`, then exit at once."""
+    w, rank, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    sys.path.insert(0, str(Path(__file__).parent))
+    run_checks(checks_for(w), rank, w, out)
+    sys.stdout.flush()
+    os._exit(0)
+
+
 def merge_ranks(ranks: list[dict]) -> dict:
     """Per check of :func:`run_checks`' output, over the ranks: ``ok`` (on every rank), ``error``
     (each failing rank's) and ``values`` (each rank's)."""

@@ -17,12 +17,7 @@ The FSDP optimizers run the same checks in one spawned job at W = 2 (gloo), the 
 from __future__ import annotations
 
 import copy
-import json
-import os
-import sys
-import tempfile
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -31,7 +26,7 @@ from torch import nn
 import muon_fn as mf
 from muon_fn import _compile, _sso_step
 
-from _ranks import merge_ranks, run_checks, run_ranks
+from _ranks import job_results, rank_main
 
 COMPILED = {"compile": {"backend": "inductor"}}  # the real default's compiler (conftest turns compile=True off)
 EAGER = {"compile": False}
@@ -161,7 +156,8 @@ def fail_in_second_bucket(monkeypatch) -> None:
     monkeypatch.setattr(_compile.PerSignature, "__call__", call)
 
 
-def error_midway_changes_nothing(name: str, options: dict, monkeypatch) -> None:
+def step_failing_midway(name: str, options: dict, monkeypatch) -> tuple:
+    """One good step, then one whose second bucket raises: ``(net, opt, snapshot before it)``."""
     net = model()
     opt = build(name, net, **options)  # buckets: one per shape
     set_grads(net, 0)
@@ -172,6 +168,11 @@ def error_midway_changes_nothing(name: str, options: dict, monkeypatch) -> None:
         fail_in_second_bucket(m)
         with pytest.raises(Injected):
             opt.step()
+    return net, opt, before
+
+
+def error_midway_changes_nothing(name: str, options: dict, monkeypatch) -> None:
+    net, opt, before = step_failing_midway(name, options, monkeypatch)
     assert same(snapshot(net, opt), before)
     opt.step()  # and the step runs once the error is gone
     assert not same(snapshot(net, opt)["params"], before["params"])
@@ -234,6 +235,42 @@ def test_sso_skip_never_reaches_the_solver(monkeypatch):
         warnings.simplefilter("ignore")
         opt.step()
     assert seen == [True] and opt.nonfinite_steps == 1
+
+
+def test_atomic_false_writes_bucket_by_bucket(monkeypatch):
+    """``atomic=False``: the same steps bit for bit; an error midway leaves the buckets computed
+    before it applied (the documented price of one bucket's transient memory)."""
+    results = []
+    for atomic in (True, False):
+        net = model()
+        opt = build("hybrid", net, atomic=atomic, **EAGER)
+        for t in range(3):
+            set_grads(net, t)
+            opt.step()
+        results.append([p.detach().clone() for p in net.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    net, opt, before = step_failing_midway("muon", {"atomic": False, **EAGER}, monkeypatch)
+    changed = [n for n, p in snapshot(net, opt)["params"].items() if not torch.equal(p, before["params"][n])]
+    assert len(changed) == 1, changed  # the first bucket (one parameter), written before the error
+
+
+def test_skip_warns_once_on_every_device(device):
+    """The lane: on a GPU the first skip's warning comes from a pinned copy of the flags, read by
+    the next step once its event has completed (no sync); on the CPU at once."""
+    net = model().to(device)
+    opt = mf.MuonOptimizer(net.named_parameters(), compile=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for t, bad in enumerate((BAD["matrix"], None, BAD["vector"], None)):
+            set_grads(net, t, bad)
+            for p in net.parameters():
+                p.grad = p.grad.to(device)
+            opt.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+    notes = [str(w.message) for w in caught if "skipped a step" in str(w.message)]
+    assert len(notes) == 1 and "'2.weight'" in notes[0], notes
+    assert opt.nonfinite_steps == 2
 
 
 # ------------------------------------------------------------------------------------------- FSDP
@@ -335,11 +372,7 @@ def checks() -> dict:
 
 @pytest.fixture(scope="module")
 def fsdp_results(tmp_path_factory):
-    logs = tmp_path_factory.mktemp("bad_batch_fsdp")
-    out = str(logs / "results.json")
-    log = run_ranks(__file__, 2, [out], logs, JOB_TIMEOUT_S)
-    ranks = json.loads(Path(out).read_text()) if os.path.exists(out) else None
-    return (merge_ranks(ranks) if ranks else {}), log[-4000:]
+    return job_results(__file__, 2, tmp_path_factory.mktemp("bad_batch_fsdp"), JOB_TIMEOUT_S)
 
 
 @pytest.mark.distributed
@@ -350,11 +383,5 @@ def test_fsdp_w2(fsdp_results, name):
     assert merged[name]["ok"], merged[name]["error"]
 
 
-if __name__ == "__main__":
-    if len(sys.argv) == 4:  # one rank of a job: W RANK OUT
-        sys.path.insert(0, str(Path(__file__).parent))
-        run_checks(checks(), int(sys.argv[2]), int(sys.argv[1]), sys.argv[3])
-        sys.stdout.flush()
-        os._exit(0)
-    logs_dir = Path(tempfile.mkdtemp(prefix="muon_fn_bad_batch_"))
-    print(run_ranks(__file__, 2, [str(logs_dir / "results.json")], logs_dir, JOB_TIMEOUT_S))
+if __name__ == "__main__":  # one rank of a job: W RANK OUT
+    rank_main(lambda w: checks())

@@ -225,8 +225,17 @@ def check_state_and_hooks():
     assert "overlapped_buckets" not in opt2.last_step_stats
 
 
+def check_metrics():
+    """metrics=2 with overlap: a measured step drains the round posted during backward and runs
+    without overlap (its pre phase records), the others overlap; results equal the pair's."""
+    posted = run_pair("muon", metrics=2)
+    assert posted[0::2] == [0] * len(posted[0::2]) and all(n > 0 for n in posted[1::2]), posted
+    return posted
+
+
 def checks() -> dict:
     return {
+        "metrics": check_metrics,
         "muon": check_muon,
         "sso": check_sso,
         "normuon_bf16_wire": check_normuon_bf16_wire,

@@ -10,16 +10,10 @@ and runs on the owner. The harness (models, synthetic gradients, references) is
 
 from __future__ import annotations
 
-import json
-import os
-import sys
-import tempfile
-from pathlib import Path
-
 import pytest
 import torch
 
-from _ranks import merge_ranks, run_checks, run_ranks
+from _ranks import job_results, rank_main
 from test_fsdp import JOB_TIMEOUT_S, Pair, check_parity, make, muon_kwargs, shard, train
 
 pytestmark = pytest.mark.distributed
@@ -63,21 +57,13 @@ def checks_for(w: int) -> dict:
     }
 
 
-def _worker(rank: int, w: int, out: str) -> None:
-    run_checks(checks_for(w), rank, w, out)
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     done: dict[int, tuple[dict, str]] = {}
 
     def get(w: int) -> tuple[dict, str]:
         if w not in done:
-            logs = tmp_path_factory.mktemp(f"variants_w{w}")
-            out = str(logs / "results.json")
-            log = run_ranks(__file__, w, [out], logs, JOB_TIMEOUT_S)
-            ranks = json.loads(Path(out).read_text()) if os.path.exists(out) else None
-            done[w] = (merge_ranks(ranks) if ranks else {}, log[-4000:])
+            done[w] = job_results(__file__, w, tmp_path_factory.mktemp(f"variants_w{w}"), JOB_TIMEOUT_S)
         return done[w]
 
     return get
@@ -91,10 +77,5 @@ def test_variants_fsdp(results, w, name):
     assert merged[name]["ok"], merged[name]["error"]
 
 
-if __name__ == "__main__":
-    if len(sys.argv) == 4:  # one rank of a job: W RANK OUT
-        _worker(int(sys.argv[2]), int(sys.argv[1]), sys.argv[3])
-        sys.stdout.flush()
-        os._exit(0)
-    logs_dir = Path(tempfile.mkdtemp(prefix="muon_fn_variants_"))  # by hand: python tests/test_variants_fsdp.py W
-    print(run_ranks(__file__, int(sys.argv[1]), [str(logs_dir / "results.json")], logs_dir, JOB_TIMEOUT_S))
+if __name__ == "__main__":  # one rank of a job: W RANK OUT
+    rank_main(checks_for)

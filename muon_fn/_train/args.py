@@ -124,6 +124,11 @@ def _add_output_options(p: argparse.ArgumentParser) -> None:
                    "(default: no clipping)")
     p.add_argument("--log-max-logit", action="store_true",
                    help="log (and plot) the largest attention logit of every step, without clipping")
+    p.add_argument("--metrics", nargs="?", type=int_arg(1), const=1, default=0, metavar="K",
+                   help="optimizer telemetry (metrics=K of the optimizer): record optimizer.metrics() of every "
+                   "K-th step (steps 1, K+1, ...; --metrics alone: every step) in metrics.json and plot the "
+                   "group totals beside the loss; the muon_fn rows only (torch-muon and adamw are "
+                   "torch.optim optimizers, without telemetry) (default: off)")
     p.add_argument("--no-plot", action="store_true", help="do not write loss.png")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     p.add_argument("--verbose", action="store_true", help="print which parameter each optimizer half got")

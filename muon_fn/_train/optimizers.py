@@ -207,8 +207,9 @@ def _decay_text(muon_wd: float, adamw_wd: float, decay_1d: bool) -> str:
 
 
 def build_single(name: str, options: dict[str, Any], model: nn.Module, lr: float, adamw_lr: float, wd: float,
-                 compile: bool) -> tuple[Any, str]:
-    """One single-device optimizer and a one-line description of it."""
+                 compile: bool, metrics: int = 0) -> tuple[Any, str]:
+    """One single-device optimizer and a one-line description of it. ``metrics``: the muon_fn
+    rows' ``metrics=`` (0: off; a spec's own ``metrics=`` wins); the torch.optim rows have none."""
     import muon_fn as mf
 
     options = dict(options)
@@ -231,6 +232,8 @@ def build_single(name: str, options: dict[str, Any], model: nn.Module, lr: float
             f"torch.optim.Muon(lr={lr}, iteration in {iteration}) + torch.optim.AdamW(lr={adamw_lr}, "
             f"betas={betas}); {decays}")
     compile_opt = {} if compile else {"compile": False}
+    if metrics and "metrics" not in options:
+        compile_opt["metrics"] = metrics
     if name in ("muon", "normuon"):  # one recipe: the hybrid's default (NorMuon) unless beta2= is given
         opt = mf.create_hybrid_optimizer(model, muon_lr=lr, adamw_lr=adamw_lr, adamw_weight_decay=adamw_wd,
                                          muon_weight_decay=muon_wd, adamw_betas=betas, adamw_decay_1d=decay_1d,
@@ -245,7 +248,7 @@ def build_single(name: str, options: dict[str, Any], model: nn.Module, lr: float
 
 
 def build_fsdp(name: str, options: dict[str, Any], model: nn.Module, lr: float, adamw_lr: float, wd: float,
-               world: int, compile: bool = True) -> tuple[Any, str]:
+               world: int, compile: bool = True, metrics: int = 0) -> tuple[Any, str]:
     """The FSDP2 optimizer of one run, configured as :func:`build_single`'s (the same split,
     routers included, and the same AdamW betas): hidden matrices → Muon or SSO; embeddings, the
     head and 1-D params → AdamW, on local shards."""
@@ -254,6 +257,8 @@ def build_fsdp(name: str, options: dict[str, Any], model: nn.Module, lr: float, 
     if name in ("adamw", "torch-muon"):
         raise ValueError(f"--fsdp supports the muon_fn optimizers, not {name!r}")
     options = dict(options, **({} if compile else {"compile": False}))
+    if metrics and "metrics" not in options:
+        options["metrics"] = metrics
     betas = _betas(name, options)
     muon_params, adamw_params = mf.split_parameters(model, **_router_split(options))
     groups = [{"params": [p for _, p, _ in muon_params], "use_muon": True},

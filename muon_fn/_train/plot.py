@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 __all__ = ["plot_runs", "ema"]
@@ -46,7 +47,9 @@ def _color(label: str, index: int) -> str:
 def plot_runs(results: list[dict], path: str | Path, *, title: str = "") -> Path | None:
     """Two panels, training loss (EMA-smoothed) and validation loss vs step: the mean over seeds
     of each optimizer, with a band from the lowest to the highest seed; a third, the largest
-    attention logit of each step, when the runs logged it (``--qk-clip``, ``--log-max-logit``)."""
+    attention logit of each step, when the runs logged it (``--qk-clip``, ``--log-max-logit``);
+    and a second row of four, the optimizer's figures (:func:`_plot_telemetry`), when the runs
+    recorded them (``--metrics``)."""
     try:
         import matplotlib
 
@@ -58,7 +61,15 @@ def plot_runs(results: list[dict], path: str | Path, *, title: str = "") -> Path
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with_logits = any(r["history"].get("max_logit") for r in results)
-    fig, axes = plt.subplots(1, 3 if with_logits else 2, figsize=(18 if with_logits else 12, 4.8), dpi=120)
+    with_figures = any(r["history"].get("metrics") for r in results)
+    top = 3 if with_logits else 2
+    if with_figures:
+        fig = plt.figure(figsize=(20, 9.6), dpi=120)
+        grid = fig.add_gridspec(2, 12)
+        axes = [fig.add_subplot(grid[0, i * 12 // top:(i + 1) * 12 // top]) for i in range(top)]
+        _plot_telemetry([fig.add_subplot(grid[1, 3 * i:3 * i + 3]) for i in range(4)], results)
+    else:
+        fig, axes = plt.subplots(1, top, figsize=(18 if with_logits else 12, 4.8), dpi=120)
     ax_t, ax_v = axes[0], axes[1]
     if with_logits:
         _plot_max_logit(axes[2], results)
@@ -104,6 +115,64 @@ def _plot_max_logit(ax, results: list[dict]) -> None:
     ax.set_title("Largest attention logit of each step")
     ax.grid(True, alpha=0.3)
     ax.legend()
+
+
+# The second row (--metrics): per run (its color) and group (line style: the orthogonalized
+# matrices solid, the AdamW parameters dashed), each measured step, on log axes.
+_TELEMETRY = (
+    ("grad_norm", "Gradient norm (L2 over each group; EMA, raw faint)", "‖g‖"),
+    ("weight_norm", "Weight norm (L2 over each group)", "‖W‖"),
+    ("update_norm", "Update norm (L2 over each group, lr included)", "‖ΔW‖"),
+)
+
+
+def _plot_telemetry(axes, results: list[dict]) -> None:
+    """Group totals of ``optimizer.metrics()`` against steps: gradient, weight and update norms
+    per group; and the worst matrix's orthogonality residual (solid) and NorMuon row-scale range
+    (dotted). A run without figures (a torch.optim row) draws nothing."""
+    from .telemetry import groups
+
+    runs = [r for r in results if r["history"].get("metrics")]
+    labels = list(dict.fromkeys(r["label"] for r in results))
+    first = min((r["seed"] for r in runs), default=0)
+    seeds = f" (seed {first})" if len({r["seed"] for r in results}) > 1 else ""
+    for r in runs:
+        if r["seed"] != first:
+            continue  # one seed: the first
+        series, color = r["history"]["metrics"], _color(r["label"], labels.index(r["label"]))
+        steps = series["step"]
+        matrix, other = groups(series)
+        for ax, (key, _, _) in zip(axes, _TELEMETRY):
+            for group in matrix + other:
+                _line(ax, steps, series.get(f"{group}/{key}"), color, "-" if group in matrix else "--",
+                      f"{r['label']}: {group}", smooth=key == "grad_norm")
+        for group in matrix:
+            _line(axes[3], steps, series.get(f"{group}/ortho_residual_max"), color, "-", f"{r['label']}: orthogonality")
+            _line(axes[3], steps, series.get(f"{group}/row_scale_range_max"), color, ":",
+                  f"{r['label']}: row-scale range")
+    titles = [*_TELEMETRY, (None, "Worst matrix: orthogonality residual (solid),\nNorMuon row-scale range (dotted)",
+                            "max over the matrices")]
+    for ax, (_, title, ylabel) in zip(axes, titles):
+        ax.set_yscale("log")
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title + seeds, fontsize=10)
+        ax.grid(True, alpha=0.3, which="both")
+        if ax.lines:
+            ax.legend(fontsize=7)
+
+
+def _line(ax, steps: list, values: list | None, color: str, style: str, label: str, smooth: bool = False) -> None:
+    """One series on a log axis (steps without a finite positive value left out); ``smooth``: the
+    raw values faint and their EMA, taken over the logarithms, on top."""
+    points = [(s, v) for s, v in zip(steps, values or []) if v is not None and 0 < v < math.inf]
+    if not points:
+        return
+    xs, ys = zip(*points)
+    if smooth:
+        ax.plot(xs, ys, color=color, linestyle=style, linewidth=0.6, alpha=0.25)
+        ys = [math.exp(v) for v in ema([math.log(v) for v in ys])]
+    ax.plot(xs, ys, color=color, linestyle=style, linewidth=1.4, label=label)
 
 
 def _zoom(results: list[dict], ax_t, ax_v) -> None:

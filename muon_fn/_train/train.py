@@ -27,7 +27,8 @@ from torch import nn
 
 from .. import _compile
 from ..bench._timing import synchronize
-from . import logits, optimizers, report
+from ..integrations._common import Reader, measures
+from . import logits, optimizers, report, telemetry
 from .args import DEFAULT_STEPS, UsageError, build_parser, check_corpus, resolve, schedule_error
 from .data import Batcher, Corpus, load_corpus, val_starts, windows
 from .model import GPT, config_for
@@ -114,9 +115,10 @@ def build_optimizer(label: str, name: str, options: dict, model: nn.Module, args
         options, logit_log = logits.setup(name, options, model, args.qk_clip, args.log_max_logit)
         if ctx.enabled:
             opt = optimizers.build_fsdp(name, options, model, lr, adamw_lr, args.weight_decay, ctx.world,
-                                        not args.no_compile)
+                                        not args.no_compile, getattr(args, "metrics", 0))
         else:
-            opt = optimizers.build_single(name, options, model, lr, adamw_lr, args.weight_decay, not args.no_compile)
+            opt = optimizers.build_single(name, options, model, lr, adamw_lr, args.weight_decay, not args.no_compile,
+                                          getattr(args, "metrics", 0))
     except (TypeError, ValueError) as e:
         raise UsageError(f"argument {'--compare' if args.compare else '--optimizer'}: {label}: {e}") from None
     return (*opt, logit_log)
@@ -278,6 +280,8 @@ def run_one(label: str, name: str, options: dict, args, corpus: Corpus, ctx: Dis
               f"{args.batch_size * ctx.world}×{args.seq_len} tokens; {opt_desc}")
     if getattr(opt, "split", None) is not None and args.verbose:
         _log(ctx, _indent(str(opt.split)))
+    if getattr(args, "metrics", 0) and not measures(opt):
+        _log(ctx, f"[{label}] --metrics: a torch.optim row, without telemetry: nothing recorded")
     stop = steps if args.stop_at is None else max(start, min(args.stop_at, steps))
     t_run, cpu_run = time.perf_counter(), time.process_time()
     _train_loop(label, model, opt, sched, batcher, history, range(start, stop), steps, args, corpus, ctx, ckpt,
@@ -314,13 +318,15 @@ def run_one(label: str, name: str, options: dict, args, corpus: Corpus, ctx: Dis
 def _train_loop(label, model, opt, sched, batcher, history, steps_range, total, args, corpus, ctx, ckpt,
                 logit_log=None, compiles=False) -> None:
     """The steps of one run: evaluate every ``--eval-interval``, step, schedule, checkpoint
-    (and log the max attention logit when ``logit_log`` is given). Each step's time in
-    ``optimizer.step`` and in the whole step (batch, forward, backward, step, schedule, the
-    loss read; not evaluation or checkpoints) go to ``history["step_time"]`` as
+    (and log the max attention logit when ``logit_log`` is given; ``optimizer.metrics()`` of each
+    step the optimizer measured, ``--metrics``, to ``history["metrics"]``: :mod:`.telemetry`).
+    Each step's time in ``optimizer.step`` and in the whole step (batch, forward, backward, step,
+    schedule, the loss read; not evaluation or checkpoints) go to ``history["step_time"]`` as
     ``[step, optimizer_s, step_s]``, clocks read after a device synchronize (a no-op on the CPU;
     on CUDA one more wait per step, before the optimizer, since reading the loss waits anyway).
     ``compiles``: the first ``optimizer.step`` compiles; the progress bar says so until it returns."""
     starts = val_starts(corpus.val, args.eval_windows, args.seq_len)
+    figures = Reader("", None)  # optimizer.metrics() of each measured step -> history["metrics"]
     tokens_per_step = args.batch_size * args.seq_len * ctx.world
     bar = _progress(args, ctx, total, steps_range.start, label)
     t_last, tok_last, tok_s = time.perf_counter(), 0, 0.0
@@ -340,6 +346,8 @@ def _train_loop(label, model, opt, sched, batcher, history, steps_range, total, 
         opt_s = time.perf_counter() - t_opt
         if logit_log is not None:
             history.setdefault("max_logit", []).append([step + 1, logit_log.after_step()])
+        if ctx.main and figures.fresh([opt]):  # a host-side check: a device read only on measured steps
+            telemetry.record(history, step + 1, opt.metrics())
         sched.step()
         opt.zero_grad(set_to_none=True)
         loss_v = ctx.mean(loss.item())
@@ -425,7 +433,7 @@ def write_metrics(path: Path, args, corpus: Corpus, results: list[dict], summary
         "runs": results,
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(path, json.dumps(doc, indent=1, default=str))
+    _atomic_write(path, telemetry.dumps(doc))
 
 
 def run_all(args, corpus: Corpus, ctx: Dist) -> list[dict[str, Any]]:

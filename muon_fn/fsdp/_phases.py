@@ -23,11 +23,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .. import _compile, _tree
+from .. import _compile, _metrics, _tree
 from .._base import ELEMENTWISE, MATRIX, GradientTransformation, info
 from .._combine import chain
 from ..optim import _state
-from ..optim._apply import compute_bucket, kept, masked
+from ..optim._apply import compute_bucket, kept, masked, measured_of
 
 
 class Phases(NamedTuple):
@@ -97,7 +97,9 @@ def signature(*trees: Any) -> tuple:
 
 class Steps(NamedTuple):
     """The compiled (or eager) steps of one :class:`Phases`; each is pure: it returns what the
-    adapter's commit writes (:mod:`muon_fn.optim._apply`), under the step's finite flag."""
+    adapter's commit writes (:mod:`muon_fn.optim._apply`), under the step's finite flag. The
+    ``*_measured`` ones also return the raw telemetry of their phase (:mod:`muon_fn._metrics`)
+    for the ``Leaf`` of each parameter, their last argument."""
 
     pre: _compile.PerSignature  # (params, grads, state, finite) -> (updates, new state)
     mid: _compile.PerSignature  # (params, updates, state, finite) -> (updates, new state)
@@ -106,6 +108,10 @@ class Steps(NamedTuple):
     whole: _compile.PerSignature  # (params, grads, state, finite) -> (updates, new state): no mid
     pre_update: _compile.PerSignature  # (params, grads, state) -> (updates, new state): the pre
     # phase run before the step's finite flag is known (overlap); the step applies the flag
+    pre_measured: _compile.PerSignature
+    mid_measured: _compile.PerSignature
+    post_measured: _compile.PerSignature
+    whole_measured: _compile.PerSignature
 
 
 def steps(phases: Phases, options: dict[str, Any] | None) -> Steps:
@@ -128,5 +134,25 @@ def steps(phases: Phases, options: dict[str, Any] | None) -> Steps:
     def pre_update(params, grads, state):
         return pre.update(grads, state, params)
 
+    def pre_measured(params, grads, state, finite, leaves):
+        c = _metrics.Collector(leaves)
+        c.sumsq("grad_sumsq", grads)
+        updates, new_state = pre.update(masked(grads, finite), state, params, metrics=c)
+        return updates, kept(state, new_state, finite), c.result()
+
+    def mid_measured(params, updates, state, finite, leaves):
+        c = _metrics.Collector(leaves)
+        out, new_state = mid.update(masked(updates, finite), state, params, metrics=c)
+        return out, new_state, c.result()
+
+    def post_measured(params, updates, state, mid_state, new_mid_state, finite, leaves):
+        c = _metrics.Collector(leaves)
+        c.sumsq("weight_sumsq", _tree.tree_map(lambda u, p: None if u is None else p, updates, params))
+        final, new_state = post.update(masked(updates, finite), state, params, metrics=c)
+        c.sumsq("update_sumsq", final)
+        return masked(final, finite), kept(state, new_state, finite), kept(mid_state, new_mid_state, finite), \
+            c.result()
+
     return Steps(*(_compile.PerSignature(f, options, "the FSDP optimizer's step")
-                   for f in (pre_step, mid_step, post_step, whole_step, pre_update)))
+                   for f in (pre_step, mid_step, post_step, whole_step, pre_update, pre_measured, mid_measured,
+                             post_measured, measured_of(whole))))

@@ -22,6 +22,7 @@ from ..optim._apply import Staged, commit, finite_flags, kept
 from ..optim._step import StepReport, step_not_traced
 from . import _exchange, _overlap, _params, _phases, _rows
 from ._routes import Bucket, Route
+from ._telemetry import FSDPTelemetry
 
 
 class Matrix(NamedTuple):
@@ -38,7 +39,7 @@ class Matrix(NamedTuple):
     piece: int | None = None  # a one-row piece of an expert stack: the row (expert); None: whole
 
 
-class AdapterStep:
+class AdapterStep(FSDPTelemetry):
     """The step of :class:`~._adapter.FSDPAdapter`, which builds everything it reads."""
 
     @step_not_traced
@@ -56,6 +57,7 @@ class AdapterStep:
                 ready.posted.drain()
             raise
         stats = self._apply(grads, finite, ready)
+        self._applied_steps = self.__dict__.get("_applied_steps", 0) + 1
         if finite is not None:
             self._count_nonfinite(finite)
         self.last_step = StepReport(torch.ones((), dtype=torch.bool) if finite is None else finite, True)
@@ -109,25 +111,32 @@ class AdapterStep:
     def _apply(self, grads: list[tuple], finite: torch.Tensor | None,
                ready: _overlap.Ready | None = None) -> dict[str, Any]:
         matrices, topo = self._matrices(), self.topology
+        figs: dict | None = {} if self._measure_now() else None  # telemetry (._telemetry)
+        if figs is not None and ready is not None:  # a measured step runs without overlap
+            ready.posted.drain()
+            ready = None
         if self._pending_init and ready is None:
             self._init_from_whole(grads)
         new_replicated: dict[int, list[torch.Tensor]] = {}
-        compute = functools.partial(self._mid, matrices, new_replicated, finite)
+        compute = functools.partial(self._mid, matrices, new_replicated, finite, figs)
         cols = [m.fmt.returned_cols for m in matrices]
         staged: list[Staged] = []  # what the step writes, all at once at the end (all or nothing)
         if ready is None:
             deferred: list[tuple[Any, Any]] = []
-            held = self._pre(matrices, grads, finite, deferred=deferred)
+            held = self._pre(matrices, grads, finite, deferred=deferred, figs=figs)
             run = _exchange.exchange if self.strategy == "owner" else _exchange.exchange_replicated
             mine, ex = run(self.plan, topo.rank, held, compute, group=topo.group, wire_dtype=self.wire_dtype,
                            result_cols=cols)
         else:  # every gather posted (overlap): the pre phase ran before the flag was known
             deferred = [(state, kept(state, new_state, finite)) for state, new_state in ready.deferred]
             mine, ex = ready.posted.finish(compute, result_cols=cols)
-        staged += [Staged((), (), state, new_state) for state, new_state in deferred]
-        staged += self._post(matrices, grads, mine, self._share(matrices, new_replicated), finite)
-        staged += self._elementwise(grads, finite)
-        commit(staged)
+        for state, new_state in deferred:
+            self._stage(staged, Staged((), (), state, new_state))
+        staged += self._post(matrices, grads, mine, self._share(matrices, new_replicated), finite, figs)
+        staged += self._elementwise(grads, finite, figs)
+        commit(staged)  # atomic=False: written already, bucket by bucket
+        if figs is not None:
+            self._keep_fsdp_figures(figs, finite)
         computed = [j for j, mp in enumerate(self.plan.matrices) if self.strategy == "replicate" or
                     mp.owner == topo.rank or (mp.local and mp.cost_on(topo.rank))]
         flops = sum(matrices[j].flops if self.strategy == "replicate" or not self.plan.matrices[j].local else
@@ -151,7 +160,7 @@ class AdapterStep:
                         yield gi, route, bucket, group["params"]
 
     def _pre(self, matrices: list[Matrix], grads: list[tuple], finite: torch.Tensor | None,
-             only: set[int] | None = None, *, deferred: list) -> list[torch.Tensor]:
+             only: set[int] | None = None, *, deferred: list, figs: dict | None = None) -> list[torch.Tensor]:
         """The pre phase on local rows; returns every matrix's rows to send (:mod:`._rows`).
         ``only``: the ids of the buckets to run (default: all); ``deferred`` gets each bucket's
         (state, new state) for the commit. ``finite`` None with ``nonfinite`` set: the flag is
@@ -168,6 +177,11 @@ class AdapterStep:
             else:
                 if finite is None and self.nonfinite is not None:
                     updates, new_state = route.steps.pre_update(_phases.signature(local, g, state), local, g, state)
+                elif figs is not None:
+                    leaves = self._local_leaves(gi, bucket, params)
+                    args = (local, g, state, finite, leaves)
+                    updates, new_state, raw = route.steps.pre_measured(_phases.signature(*args[:4]), *args)
+                    self._note(figs, gi, bucket.indices, leaves, raw)
                 else:
                     args = (local, g, state, finite)
                     updates, new_state = route.steps.pre(_phases.signature(*args), *args)
@@ -207,8 +221,8 @@ class AdapterStep:
         update, rows = _rows.unpack_result(fmt, result, (stop - start,) + tuple(param.shape[1:]))
         return _params.from_rows(layout, param, update), rows
 
-    def _mid(self, matrices: list[Matrix], new_replicated: dict, finite: torch.Tensor | None, idx: list[int],
-             mats: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _mid(self, matrices: list[Matrix], new_replicated: dict, finite: torch.Tensor | None, figs: dict | None,
+             idx: list[int], mats: list[torch.Tensor]) -> list[torch.Tensor]:
         """The owner's mid phase on whole matrices ``mats`` (plan indices ``idx``), one call per
         bucket, as single-device MuonOptimizer batches them (its inputs zeroed where ``finite``
         is False); new replicated state goes to ``new_replicated``."""
@@ -227,7 +241,12 @@ class AdapterStep:
             updates = tuple(u for u, _, _ in sent)
             params = tuple(p for _, p, _ in sent) if route.phases.mid_needs_params else None
             args = (params, updates, state, finite)
-            out, new_state = route.steps.mid(_phases.signature(*args), *args)
+            if figs is None:
+                out, new_state = route.steps.mid(_phases.signature(*args), *args)
+            else:
+                leaves = self._owner_leaves(matrices, batch, pieces)
+                out, new_state, raw = route.steps.mid_measured(_phases.signature(*args), *args, leaves)
+                self._note(figs, matrices[batch[0]].group, tuple(matrices[j].position for j in batch), leaves, raw)
             new = [{} for _ in batch]
             _state.scatter(layout, new_state, new)
             for j, u, n, own in zip(batch, out, new, pieces):
@@ -274,7 +293,7 @@ class AdapterStep:
         return {**{j: v for j, v in new.items() if self.plan.matrices[j].local}, **shared}
 
     def _post(self, matrices: list[Matrix], grads: list[tuple], mine: list[torch.Tensor],
-              shared: dict[int, list[torch.Tensor]], finite: torch.Tensor | None) -> list[Staged]:
+              shared: dict[int, list[torch.Tensor]], finite: torch.Tensor | None, figs: dict | None = None) -> list[Staged]:
         """The post phase on local rows: the updates, the new post state and mid state to commit."""
         staged = []
         for gi, route, bucket, params in self._mid_buckets():
@@ -297,11 +316,17 @@ class AdapterStep:
                 new_mid.append(new)
             if any(u is not None for u in updates):
                 args = (local, tuple(updates), state, tuple(old_mid), tuple(new_mid), finite)
-                final, new_state, kept_mid = route.steps.post(_phases.signature(*args), *args)
-                staged += [Staged(local, final, state, new_state), Staged((), (), tuple(old_mid), kept_mid)]
+                if figs is None:
+                    final, new_state, kept_mid = route.steps.post(_phases.signature(*args), *args)
+                else:
+                    leaves = self._local_leaves(gi, bucket, params)
+                    final, new_state, kept_mid, raw = route.steps.post_measured(_phases.signature(*args), *args, leaves)
+                    self._note(figs, gi, bucket.indices, leaves, raw)
+                self._stage(staged, Staged(local, final, state, new_state))
+                self._stage(staged, Staged((), (), tuple(old_mid), kept_mid))
         return staged
 
-    def _elementwise(self, grads: list[tuple], finite: torch.Tensor | None) -> list[Staged]:
+    def _elementwise(self, grads: list[tuple], finite: torch.Tensor | None, figs: dict | None = None) -> list[Staged]:
         """Transforms without a mid phase (AdamW), whole on local rows."""
         staged = []
         for gi, group in enumerate(self.param_groups):
@@ -315,7 +340,12 @@ class AdapterStep:
                     local = tuple(_params.local(group["params"][i]) for i in bucket.indices)
                     state = self._local_state(bucket, group["params"])
                     args = (local, g, state, finite)
-                    updates, new_state = route.steps.whole(_phases.signature(*args), *args)
-                    staged.append(Staged(local, updates, state, new_state))
+                    if figs is None:
+                        updates, new_state = route.steps.whole(_phases.signature(*args), *args)
+                    else:
+                        leaves = self._local_leaves(gi, bucket, group["params"])
+                        updates, new_state, raw = route.steps.whole_measured(_phases.signature(*args), *args, leaves)
+                        self._note(figs, gi, bucket.indices, leaves, raw)
+                    self._stage(staged, Staged(local, updates, state, new_state))
         return staged
 

@@ -23,12 +23,13 @@ from typing import Any, NamedTuple, Union
 
 import torch
 
-from .. import _checks, _compile, _execution, _tree
+from .. import _checks, _compile, _execution, _metrics
 from .._base import GradientTransformation, info
 from .._muon import group_by
 from . import _layout, _state
-from ._apply import compute_of
+from ._apply import compute_of, measured_of
 from ._step import StagedStep, StepReport, signature, step_not_traced  # noqa: F401 (re-exported)
+from ._telemetry import Telemetry, check_metrics
 
 Factory = Callable[[dict[str, Any]], GradientTransformation]
 
@@ -64,12 +65,14 @@ class _Variant(NamedTuple):
     options: dict[str, Any]  # what they override in the group's hyperparameters
     tx: GradientTransformation
     step: _compile.PerSignature
+    measured: _compile.PerSignature  # the same step with telemetry (metrics=)
 
 
 class _Bucket(NamedTuple):
     indices: tuple[int, ...]  # positions in group["params"]
     layout: _state.StateLayout  # where the bucket's state leaves live in torch's state dicts
     variant: int  # which of the group's variants updates it
+    leaves: tuple[_metrics.Leaf, ...]  # what telemetry reads as each parameter's units
 
 
 class _GroupRuntime:
@@ -83,7 +86,7 @@ class _GroupRuntime:
         self.buckets: list[_Bucket] = []
 
 
-class Optimizer(StagedStep, torch.optim.Optimizer):
+class Optimizer(StagedStep, Telemetry, torch.optim.Optimizer):
     """A ``torch.optim.Optimizer`` running a functional transform per parameter group.
 
     Args:
@@ -106,6 +109,15 @@ class Optimizer(StagedStep, torch.optim.Optimizer):
         execution policy's, 4 on the CPU (:data:`BUCKET_SIZE`), 16 on GPUs; only
         for transforms that are *leafwise* (:class:`muon_fn.TransformInfo`; every built-in one
         is), others update each group as a whole.
+      atomic: ``True`` (default): a step computes every bucket before it writes any, so an
+        error midway (a compiler error, an out-of-memory) leaves the optimizer as it was; the
+        price is the transient memory of the whole step's new state and updates (one more state
+        and parameter copy) until the commit. ``False``: each bucket is written as soon as it is
+        computed (the transient memory of one bucket); an error midway leaves the buckets before
+        it applied. Same results either way.
+      metrics: telemetry. ``False`` (default): none, the same graphs as without the option;
+        ``True``: every step's figures, computed inside the step's graphs; ``k``: every k-th
+        step's (the others run the unmeasured graphs). :meth:`metrics` reads them.
 
     Other keywords raise ``TypeError``; for torch's ``maximize``, ``foreach``, ``fused``,
     ``capturable`` and ``differentiable`` the message says what to use instead.
@@ -123,9 +135,14 @@ class Optimizer(StagedStep, torch.optim.Optimizer):
         nonfinite: str | None = "skip",
         compile: _compile.CompileOption = True,
         bucket_size: int | None = None,
+        metrics: bool | int = False,
+        atomic: bool = True,
         **kwargs: Any,
     ) -> None:
         _checks.unexpected_keywords(type(self).__name__, kwargs)
+        _checks.boolean("atomic", atomic)
+        self.atomic = atomic
+        self._metrics_every, self._applied_steps = check_metrics(metrics), 0
         if isinstance(tx_or_factory, GradientTransformation):
             self._factory: Factory = lambda hyper, _tx=tx_or_factory: _tx  # noqa: E731
         elif callable(tx_or_factory):
@@ -156,7 +173,7 @@ class Optimizer(StagedStep, torch.optim.Optimizer):
     # travels too, so copy.deepcopy and pickle give an optimizer that steps like the original.
     # Compiled steps, scalar tensors and transforms are caches, rebuilt on the copy's first use.
     _CONFIG = ("nonfinite", "_factory", "_compile_options", "_bucket_size", "_scalar_keys",
-               "_nonfinite_count", "last_step", "split", "_built")
+               "_nonfinite_count", "last_step", "split", "_built", "_metrics_every", "_applied_steps", "atomic")
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -291,17 +308,20 @@ class Optimizer(StagedStep, torch.optim.Optimizer):
         per_param = self._param_options(group)
         options = variants(per_param)
         rt.static_key, rt.variants, rt.buckets = static_key, [], []
+        self._forget_figures(next(i for i, g in enumerate(self.param_groups) if g is group))
         rt.variant_of = tuple(options.index(o) for o in per_param)
         for v, opts in enumerate(options):
             tx = self._factory({**hyper, **opts})
-            step = _compile.PerSignature(compute_of(tx), self._compile_options, f"{type(self).__name__}'s step")
-            rt.variants.append(_Variant(opts, tx, step))
+            what = f"{type(self).__name__}'s step"
+            rt.variants.append(_Variant(opts, tx, _compile.PerSignature(compute_of(tx), self._compile_options, what),
+                                        _compile.PerSignature(measured_of(tx), self._compile_options, what)))
             members = [i for i, w in enumerate(rt.variant_of) if w == v]
             mine = [params[i] for i in members]
             for b in buckets(mine, _execution.bucket_limit(mine, self._bucket_size) if info(tx).leafwise else None):
                 indices = tuple(members[k] for k in b)
                 meta = self._meta([params[i] for i in indices])
-                rt.buckets.append(_Bucket(indices, _state.build_layout(tx.init(meta), len(indices)), v))
+                leaves = tuple(_metrics.leaf_of(params[i], opts.get("matrix_view", "flatten")) for i in indices)
+                rt.buckets.append(_Bucket(indices, _state.build_layout(tx.init(meta), len(indices)), v, leaves))
 
     @staticmethod
     def _group_hyper(group: dict[str, Any], rt: _GroupRuntime) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .. import _tree
+from .. import _metrics, _tree
 from .._base import GradientTransformation
 
 
@@ -101,6 +101,19 @@ def compute_of(tx: GradientTransformation) -> Callable[..., tuple[tuple, Any]]:
 
     def compute(params, grads, state, finite):
         return compute_bucket(tx, params, grads, state, finite)
+
+    return compute
+
+
+def measured_of(tx: GradientTransformation) -> Callable[..., tuple[tuple, Any, tuple]]:
+    """:func:`compute_of` with telemetry: also the step's raw figures (:mod:`muon_fn._metrics`)
+    of the bucket's leaves ``leaves``; the gradients' figure is that of the gradients as they
+    came (a skipped step shows its inf or nan there)."""
+
+    def compute(params, grads, state, finite, leaves):
+        updates, new_state, raw = _metrics.measured_update(tx, masked(grads, finite), state, params, leaves,
+                                                           grads=grads)
+        return masked(updates, finite), kept(state, new_state, finite), raw
 
     return compute
 

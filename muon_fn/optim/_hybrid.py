@@ -108,7 +108,8 @@ class HybridSplit:
     """Which parameter went where and the weight decay each gets, printable
     (``print(optimizer.split)``). ``muon_weight_decay``, ``adamw_weight_decay`` and
     ``adamw_decay_1d`` are those of :func:`create_hybrid_optimizer` (``None``: not shown);
-    ``algorithm`` names the matrix half's recipe (``"Muon"``, ``"NorMuon"``, ``"AdaMuon"``): read
+    ``algorithm`` names the matrix half's recipe (``"Muon"``, ``"NorMuon"``, ``"AdaMuon"``,
+    ``"AdaMuon (no sign)"``): read
     from ``optimizer``'s Muon group when given, so it follows a loaded checkpoint's rule (and a
     copy's), else the name passed. ``cautious`` says that both halves' decay is cautious."""
 
@@ -159,10 +160,11 @@ class HybridSplit:
 
 
 def _recipe(optimizer: Optimizer) -> str:
-    """The name of the rule the Muon group runs: ``"AdaMuon"``, ``"NorMuon"`` or ``"Muon"``."""
+    """The name of the rule the Muon group runs: ``"AdaMuon"``, ``"AdaMuon (no sign)"``
+    (``adamuon_sign=False``), ``"NorMuon"`` or ``"Muon"``."""
     group = next((g for g in optimizer.param_groups if g.get("algorithm") == "muon"), {})
     if group.get("adamuon_beta2") is not None:
-        return "AdaMuon"
+        return "AdaMuon" if group.get("adamuon_sign", True) else "AdaMuon (no sign)"
     return "NorMuon" if group.get("beta2") is not None else "Muon"
 
 
@@ -170,10 +172,10 @@ def _matrix_views(model: nn.Module, muon_params: list, user_view: Any,
                   adamw_params: list = ()) -> tuple[dict[str, Any], list]:
     """The matrix view of each Muon parameter that needs one (ndim ≥ 3, or a head view): the
     user's, else its module's; and the Muon parameters with the split's reason for each."""
-    by_module = module_views(model)
-    chosen = {name: given(user_view, name, p) or by_module.get(id(p), "flatten") for name, p, _ in muon_params}
     refuse_unmatched(user_view, [n for n, _, _ in muon_params], "Muon parameter of the model",
                      {n: f"AdamW ({r})" for n, _, r in adamw_params})
+    by_module = module_views(model)
+    chosen = {name: given(user_view, name, p) or by_module.get(id(p), "flatten") for name, p, _ in muon_params}
     chosen = {name: view for (name, p, _), view in zip(muon_params, chosen.values())
               if p.ndim >= 3 or isinstance(view, Heads)}
     for name, p, _ in muon_params:
@@ -183,8 +185,6 @@ def _matrix_views(model: nn.Module, muon_params: list, user_view: Any,
                     for n, p, r in muon_params]
 
 
-# The hybrid's matrix half runs NorMuon (arXiv:2510.05491) with this β₂: it trained to a lower
-# loss than torch.optim.Muon at its best lr on every seed of both sizes measured, at most 1.10x
 # Keywords of torch optimizers that the hybrid spells per half (passed on, they would collide
 # with or be overridden by each group's own value): what to pass instead.
 _PER_HALF = {
@@ -206,6 +206,8 @@ def refuse_torch_style(owner: str, model: Any, kwargs: dict[str, Any]) -> None:
             raise TypeError(f"{owner}() got an unexpected keyword argument {key!r}: use {use}")
 
 
+# The hybrid's matrix half runs NorMuon (arXiv:2510.05491) with this β₂: it trained to a lower
+# loss than torch.optim.Muon at its best lr on every seed of both sizes measured, at most 1.10x
 # the step (docs/performance.md, "Variants against torch.optim.Muon").
 NORMUON_BETA2 = 0.95
 
@@ -234,7 +236,8 @@ def create_hybrid_optimizer(
     Hidden 2-D (and conv) weights get NorMuon with ``muon_lr`` (Muon, then rows normalized by
     their second moment: ``beta2=0.95``; it beat torch.optim.Muon + AdamW on every seed measured,
     docs/performance.md "Variants against torch.optim.Muon"). ``beta2=None`` is plain Muon (equal
-    to torch.optim.Muon + AdamW), ``adamuon_beta2=`` AdaMuon; a checkpoint loads with the rule it
+    to torch.optim.Muon + AdamW), ``adamuon_beta2=`` AdaMuon (the authors' β: ``adamuon_beta2=0.95``,
+    the momentum; ``adamuon_sign=False`` without the sign); a checkpoint loads with the rule it
     ran with (an older one: Muon). Embeddings, the
     output head and 0-/1-D parameters get AdamW with ``adamw_lr``, ``adamw_betas`` and
     ``adamw_eps`` (see :func:`split_parameters` for the rules and overrides).
@@ -257,10 +260,10 @@ def create_hybrid_optimizer(
     and gives head views (:func:`muon_fn.heads`) to the parameters it names. The Muon group's
     ``matrix_view`` holds the result, one entry per parameter of ndim ≥ 3 or with a head view.
     """
+    refuse_torch_style("create_hybrid_optimizer", model, muon_kwargs)
     user_view = muon_kwargs.pop("matrix_view", None)
     check_spec(user_view)
     muon_params, adamw_params = split_parameters(
-    refuse_torch_style("create_hybrid_optimizer", model, muon_kwargs)
         model, adamw_names=adamw_names, adamw_predicate=adamw_predicate, muon_names=muon_names
     )
     chosen, muon_params = _matrix_views(model, muon_params, user_view, adamw_params)

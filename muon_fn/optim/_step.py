@@ -78,8 +78,9 @@ class StagedStep:
         finite = self._finite(applied)  # "error": raised here, before anything changed
         staged: list[Staged] = []
         fresh: list[tuple[tuple, list[dict]]] = []
+        measured: list[tuple[Any, tuple]] | None = [] if applied and self._measure_now() else None
         for w in applied:
-            staged += self._stage_group(w.index, w.grads, finite, fresh)
+            staged += self._stage_group(w.index, w.grads, finite, fresh, measured)
         # ---- commit: nothing above changed the optimizer
         for params, states in fresh:
             for p, st in zip(params, states):
@@ -87,8 +88,12 @@ class StagedStep:
         commit(staged)
         for w in work:
             self._commit_window(w)
-        if applied and finite is not None:
-            self._count_nonfinite(finite)
+        if measured is not None:
+            self._keep_figures(measured, finite)
+        if applied:
+            self._applied_steps = self.__dict__.get("_applied_steps", 0) + 1
+            if finite is not None:
+                self._count_nonfinite(finite)
         self.last_step = StepReport(torch.ones((), dtype=torch.bool) if finite is None else finite, bool(applied))
 
     def _work(self) -> list[_Work]:
@@ -149,26 +154,45 @@ class StagedStep:
 
     # ----------------------------------------------------------------------- buckets
     def _stage_group(self, index: int, grads: tuple, finite: torch.Tensor | None,
-                     fresh: list[tuple[tuple, list[dict]]]) -> list[Staged]:
-        """Every bucket of group ``index`` computed; new state dicts go to ``fresh``."""
+                     fresh: list[tuple[tuple, list[dict]]], measured: list | None = None) -> list[Staged]:
+        """Every bucket of group ``index`` computed; new state dicts go to ``fresh``, and with
+        ``measured`` (a list: telemetry) each bucket's raw figures there."""
         group = self.param_groups[index]
         rt = self._runtime(index)
         params, staged = group["params"], []
-        for bucket in rt.buckets:
+        for b, bucket in enumerate(rt.buckets):
             bucket_grads = tuple(grads[i] for i in bucket.indices)
             if all(g is None for g in bucket_grads):
                 continue
             bucket_params = tuple(params[i] for i in bucket.indices)
             variant = rt.variants[bucket.variant]
             state, new_dicts = self._bucket_state(variant.tx, bucket, bucket_params)
-            if new_dicts is not None:
+            if new_dicts is not None and self.__dict__.get("atomic", True):
                 fresh.append((bucket_params, new_dicts))
             if self._compile_options is not None and _execution.policy(bucket_params[0].device).static_addresses:
                 _execution.mark_static(bucket_params + tuple(_tree.tree_leaves(state)))
-            updates, new_state = variant.step(signature(bucket_params, bucket_grads, finite), bucket_params,
-                                              bucket_grads, state, finite)
-            staged.append(Staged(bucket_params, updates, state, new_state))
+            key = signature(bucket_params, bucket_grads, finite)
+            if measured is None:
+                updates, new_state = variant.step(key, bucket_params, bucket_grads, state, finite)
+            else:
+                updates, new_state, raw = variant.measured(key, bucket_params, bucket_grads, state, finite,
+                                                           bucket.leaves)
+                measured.append(((index, b), self._labels(index, bucket.indices, bucket.leaves), raw))
+            self._stage(staged, Staged(bucket_params, updates, state, new_state),
+                        None if new_dicts is None else (bucket_params, new_dicts))
         return staged
+
+    def _stage(self, staged: list[Staged], item: Staged, fresh: tuple | None = None) -> None:
+        """Hold ``item`` for the step's commit (``atomic=True``, the default), or write it now
+        (``atomic=False``: the transient memory of one bucket instead of the whole step's),
+        with ``fresh`` state dicts ``(params, dicts)`` stored first."""
+        if self.__dict__.get("atomic", True):
+            staged.append(item)
+            return
+        if fresh is not None:
+            for p, st in zip(*fresh):
+                self.state[p].update(st)
+        commit([item])
 
     def _bucket_state(self, tx: GradientTransformation, bucket: Any, params: tuple) -> tuple[Any, list[dict] | None]:
         """The bucket's state pytree; where some of it does not exist yet (a first step, a

@@ -1,0 +1,224 @@
+"""Telemetry where users read it: the Lightning and Hugging Face callbacks
+(:mod:`muon_fn.integrations`) log ``optimizer.metrics()`` in a tiny training run, and ``muon-fn
+train --metrics`` writes the series to metrics.json and plots it.
+
+The framework tests skip without their extra, as tests/test_examples.py's do (and fail instead
+under ``MUON_FN_REQUIRE_EXTRAS=1``, .ci/run).
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import subprocess
+import sys
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+import muon_fn as mf
+from muon_fn import cli
+from muon_fn.integrations import _common
+
+from test_examples import _require_extra
+
+GROUP_TOTALS = ("muon/grad_norm", "muon/update_norm", "muon/weight_norm", "muon/ortho_residual_max",
+                "adamw/update_norm")
+
+
+class Net(nn.Module):
+    """Two hidden matrices (Muon) between a first and a last layer and biases (AdamW)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.h1, self.h2, self.out = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.h2(torch.relu(self.h1(self.inp(x))))))
+
+
+def _data(n: int = 24) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(n, 8, generator=g), torch.randn(n, 1, generator=g)
+
+
+def _check_figures(figures: dict, prefix: str = "optim/") -> None:
+    for name in GROUP_TOTALS:
+        value = figures[prefix + name]
+        assert value == value and float(value) > 0, (name, value)
+
+
+def test_lightning_callback_logs_every_measured_step(tmp_path):
+    _require_extra("lightning", "lightning")
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import CSVLogger
+
+    from muon_fn.integrations.lightning import MuonMetricsCallback
+
+    class Lit(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = Net()
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = (self.net(x) - y).pow(2).mean()
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return mf.create_hybrid_optimizer(self.net, compile=False, metrics=2)
+
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*_data()), batch_size=4)
+    trainer = pl.Trainer(max_steps=3, logger=CSVLogger(tmp_path), callbacks=[MuonMetricsCallback()],
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         accelerator="cpu", log_every_n_steps=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's own (few workers, deprecations)
+        trainer.fit(Lit(), loader)
+    rows = list(csv.DictReader(open(f"{trainer.logger.log_dir}/metrics.csv")))
+    measured = [r for r in rows if r.get("optim/step")]
+    assert [float(r["optim/step"]) for r in measured] == [1.0, 3.0]  # metrics=2: steps 1 and 3
+    for r in measured:
+        _check_figures(r)
+        assert float(r["optim/h1.weight/update_rms"]) > 0
+    # logged at the step of that batch's self.log values (Lightning counts from 0)
+    losses = {r["step"] for r in rows if r.get("train_loss")}
+    assert [r["step"] for r in measured] == ["0", "2"] and {"0", "2"} <= losses
+    no_logger = SimpleNamespace(loggers=[], optimizers=[], is_global_zero=True)
+    with pytest.raises(ValueError, match="needs a logger"):
+        MuonMetricsCallback().on_train_start(no_logger, None)
+
+
+def test_hf_callback_adds_figures_to_the_logs(tmp_path):
+    _require_extra("hf", "transformers", "accelerate")
+    from transformers import Trainer, TrainingArguments
+
+    from muon_fn.integrations.hf import MuonMetricsCallback
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = Net()
+
+        def forward(self, x, labels):
+            return {"loss": (self.net(x) - labels).pow(2).mean()}
+
+    class Data(torch.utils.data.Dataset):
+        def __init__(self) -> None:
+            self.x, self.y = _data()
+
+        def __len__(self) -> int:
+            return len(self.x)
+
+        def __getitem__(self, i: int) -> dict:
+            return {"x": self.x[i], "labels": self.y[i]}
+
+    model = Model()
+    optimizer = mf.create_hybrid_optimizer(model, compile=False, metrics=2)
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=3, logging_steps=2, report_to=[], use_cpu=True,
+                             save_strategy="no", disable_tqdm=True, per_device_train_batch_size=4,
+                             dataloader_num_workers=0)
+    callback = MuonMetricsCallback(names=["*/*_norm", "*/ortho_residual_max"])
+    trainer = Trainer(model=model, args=args, train_dataset=Data(), optimizers=(optimizer, None), callbacks=[callback])
+    trainer.train()
+    history = [h for h in trainer.state.log_history if "loss" in h]
+    # steps 1 and 3 are measured and logged although logging_steps=2 logs step 2 only
+    assert [h["step"] for h in history] == [1, 2, 3]
+    assert [h.get("optim/step") for h in history] == [1.0, None, 3.0]
+    for h in (history[0], history[2]):
+        _check_figures(h)
+        assert not any(k.endswith("_rms") for k in h), sorted(h)  # names= kept the group totals
+    # report_to integrations run before the callback: it says how to reach them
+    with pytest.warns(UserWarning, match=r"report_to integrations \['wandb'\].*report_to='none'"):
+        callback.on_train_begin(SimpleNamespace(report_to=["wandb"]), SimpleNamespace(is_world_process_zero=True),
+                                None, optimizer=optimizer)
+
+
+def test_callbacks_name_the_extra_and_stay_out_of_import_muon_fn():
+    """``import muon_fn`` (and its integrations package) imports no framework; a callback whose
+    framework is missing raises ImportError naming the extra to install."""
+    code = """
+import sys
+for name in ("lightning", "pytorch_lightning", "transformers"):
+    sys.modules[name] = None  # as if not installed
+import muon_fn, muon_fn.integrations
+from muon_fn.integrations import hf, lightning
+for module, extra in ((lightning, "lightning"), (hf, "hf")):
+    try:
+        module.MuonMetricsCallback()
+    except ImportError as e:
+        assert f"pip install 'muon-fn[{extra}]'" in str(e), e
+    else:
+        raise AssertionError(module)
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_reader_reads_each_measured_step_once():
+    model = Net()
+    opt = mf.create_hybrid_optimizer(model, compile=False, metrics=2)
+    reader = _common.Reader("optim/", ("*/update_norm",))
+    assert _common.no_measuring_hint("cb", [opt]) is None
+    assert "metrics=True" in _common.no_measuring_hint("cb", [mf.create_hybrid_optimizer(model, compile=False)])
+    assert "no muon_fn optimizer" in _common.no_measuring_hint("cb", [torch.optim.SGD(model.parameters(), lr=0.1)])
+    x, y = _data(4)
+    seen = []
+    for _ in range(4):
+        (model(x) - y).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        seen.append(reader.read([opt]))
+    assert [f.get("optim/step") for f in seen] == [1.0, None, 3.0, None]
+    assert sorted(seen[0]) == ["optim/adamw/update_norm", "optim/muon/update_norm", "optim/step"]
+    with pytest.raises(ValueError, match="Invalid names"):
+        _common.check_names([])
+
+
+def test_train_metrics_series_and_plot(tmp_path, capsys):
+    """``--metrics 2``: the muon row's metrics.json history holds optimizer.metrics() of steps 1
+    and 3; the adamw row (torch.optim) none, and the log says so; loss.png gets the figures' panels."""
+    out = tmp_path / "run"
+    argv = ["train", "--compare", "muon,adamw", "--metrics", "2", "--steps", "4", "--eval-interval", "2",
+            "--eval-windows", "4", "--batch-size", "2", "--seq-len", "32", "--max-bytes", "200000",
+            "--no-progress", "--no-checkpoint", "--threads", "1", "--out", str(out)]
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "[adamw] --metrics: a torch.optim row, without telemetry" in printed
+    runs = {r["label"]: r for r in json.loads((out / "metrics.json").read_text())["runs"]}
+    series = runs["muon"]["history"]["metrics"]  # one list per figure, aligned with "step"
+    assert series["step"] == [1, 3]
+    assert all(len(values) == 2 for values in series.values())
+    for i in range(2):
+        _check_figures({name: values[i] for name, values in series.items()}, prefix="")
+        assert series["blocks.0.attn.q.weight/update_rms"][i] > 0
+    assert "metrics" not in runs["adamw"]["history"]
+    text = (out / "metrics.json").read_text()
+    assert '"step": [1,3]' in text  # each series on one line
+    assert [s for s, _ in runs["muon"]["history"]["train"]] == [1, 2, 3, 4]  # the rest as before
+    png = out / "loss.png"
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        from PIL import Image  # matplotlib's own dependency
+
+        assert Image.open(png).size[1] > 900  # the second row of panels
+
+
+def test_train_metrics_option_is_validated(capsys):
+    from muon_fn._train.train import build_parser
+
+    parser = build_parser("muon-fn train")
+    assert parser.parse_args([]).metrics == 0
+    assert parser.parse_args(["--metrics"]).metrics == 1
+    assert parser.parse_args(["--metrics=5", "--no-plot"]).metrics == 5
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(["--metrics=0"])
+    assert e.value.code == 2
+    assert "argument --metrics: expected an integer >= 1, got 0" in capsys.readouterr().err
