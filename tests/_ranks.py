@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -80,15 +81,40 @@ def run_checks(checks: dict, rank: int, w: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def job_results(script: str, w: int, logs: Path, timeout_s: float) -> tuple[dict, str]:
-    """Run the job ``script`` at world size ``w`` (its ranks write under ``logs``): the merged
-    results of its checks (:func:`merge_ranks`; ``{}`` if it wrote none) and the tail of its output."""
+def job_results(script: str, w: int, logs: Path, timeout_s: float, args: Sequence[str] = ()) -> tuple[dict, str]:
+    """Run the job ``script`` at world size ``w`` (its ranks write under ``logs``; ``args`` follow
+    the results file on each rank's command line): the merged results of its checks
+    (:func:`merge_ranks`; ``{}`` if it wrote none) and the tail of its output."""
     import json
 
     out = str(logs / "results.json")
-    log = run_ranks(script, w, [out], logs, timeout_s)
+    log = run_ranks(script, w, [out, *args], logs, timeout_s)
     ranks = json.loads(Path(out).read_text()) if os.path.exists(out) else None
     return (merge_ranks(ranks) if ranks else {}), log[-4000:]
+
+
+def job_runner(script: str, prefix: str, tmp_path_factory, timeout_s: float, *, args: Sequence[str] = (),
+               order: Sequence[int] = ()) -> Callable[[int], tuple[dict, str]]:
+    """A module fixture's value: ``get(w)`` gives :func:`job_results` at world size ``w``, run on
+    first use, after the world sizes before ``w`` in ``order`` (a job that saves what a later one
+    loads)."""
+    done: dict[int, tuple[dict, str]] = {}
+
+    def get(w: int) -> tuple[dict, str]:
+        for v in (*order[:order.index(w)], w) if w in order else (w,):
+            if v not in done:
+                done[v] = job_results(script, v, tmp_path_factory.mktemp(f"{prefix}_w{v}"), timeout_s, args)
+        return done[w]
+
+    return get
+
+
+def assert_check(results: tuple[dict, str], w: int, name: str) -> None:
+    """The check ``name`` of a job's results ran and passed on every rank."""
+    merged, log = results
+    assert merged, f"the W={w} job wrote no results; its output:\n{log}"
+    assert name in merged, f"check {name} did not run at W={w}; output:\n{log}"
+    assert merged[name]["ok"], merged[name]["error"]
 
 
 def rank_main(checks_for) -> None:

@@ -26,7 +26,7 @@ from torch import nn
 import muon_fn as mf
 from muon_fn import _compile, _sso_step
 
-from _ranks import job_results, rank_main
+from _ranks import assert_check, job_results, rank_main
 
 COMPILED = {"compile": {"backend": "inductor"}}  # the real default's compiler (conftest turns compile=True off)
 EAGER = {"compile": False}
@@ -378,9 +378,7 @@ def fsdp_results(tmp_path_factory):
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", list(checks()))
 def test_fsdp_w2(fsdp_results, name):
-    merged, log = fsdp_results
-    assert merged, f"the W=2 job wrote no results; its output:\n{log}"
-    assert merged[name]["ok"], merged[name]["error"]
+    assert_check(fsdp_results, 2, name)
 
 
 if __name__ == "__main__":  # one rank of a job: W RANK OUT

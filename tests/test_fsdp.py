@@ -10,7 +10,6 @@ timeout (60 s) and a job timeout bound every hang.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import tempfile
@@ -21,7 +20,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from _ranks import merge_ranks, run_checks, run_ranks
+from _ranks import assert_check, job_runner, run_checks, run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -910,27 +909,12 @@ def ckpt_dir():
 @pytest.fixture(scope="module")
 def results(ckpt_dir, tmp_path_factory):
     """Each world size's results, run on first use, W=4 first (it saves the checkpoint)."""
-    done: dict[int, tuple[dict, str]] = {}
-
-    def get(w: int) -> tuple[dict, str]:
-        for v in WORLD_SIZES[:WORLD_SIZES.index(w) + 1]:
-            if v not in done:
-                logs = tmp_path_factory.mktemp(f"fsdp_w{v}")
-                out = str(logs / "results.json")
-                log = run_job(v, out, ckpt_dir, logs)
-                ranks = json.loads(Path(out).read_text()) if os.path.exists(out) else None
-                done[v] = (merge_ranks(ranks) if ranks else {}, log[-4000:])
-        return done[w]
-
-    return get
+    return job_runner(__file__, "fsdp", tmp_path_factory, JOB_TIMEOUT_S, args=[ckpt_dir], order=WORLD_SIZES)
 
 
 @pytest.mark.parametrize("w, name", [(w, name) for w in WORLD_SIZES for name in _names(w)])
 def test_fsdp(results, w, name):
-    merged, log = results(w)
-    assert merged, f"the W={w} job wrote no results; its output:\n{log}"
-    assert name in merged, f"check {name} did not run at W={w}; output:\n{log}"
-    assert merged[name]["ok"], merged[name]["error"]
+    assert_check(results(w), w, name)
 
 
 if __name__ == "__main__":

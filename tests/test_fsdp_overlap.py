@@ -8,7 +8,6 @@ timeout bound every hang.
 from __future__ import annotations
 
 import gc
-import json
 import os
 import sys
 import tempfile
@@ -20,7 +19,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from _ranks import merge_ranks, run_checks, run_ranks
+from _ranks import assert_check, job_runner, run_checks, run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -268,25 +267,12 @@ def test_posted_refuses_out_of_order():
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    done: dict[int, tuple[dict, str]] = {}
-
-    def get(w: int) -> tuple[dict, str]:
-        if w not in done:
-            logs = tmp_path_factory.mktemp(f"overlap_w{w}")
-            out = logs / "results.json"
-            log = run_ranks(__file__, w, [str(out)], logs, JOB_TIMEOUT_S)
-            done[w] = (merge_ranks(json.loads(out.read_text())) if out.exists() else {}, log[-4000:])
-        return done[w]
-
-    return get
+    return job_runner(__file__, "overlap", tmp_path_factory, JOB_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("w, name", [(w, name) for w in WORLD_SIZES for name in checks()])
 def test_overlap(results, w, name):
-    merged, log = results(w)
-    assert merged, f"the W={w} job wrote no results; its output:\n{log}"
-    assert name in merged, f"check {name} did not run at W={w}; output:\n{log}"
-    assert merged[name]["ok"], merged[name]["error"]
+    assert_check(results(w), w, name)
 
 
 if __name__ == "__main__":

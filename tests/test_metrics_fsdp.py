@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from _ranks import job_results, rank_main
+from _ranks import assert_check, job_runner, rank_main
 from test_fsdp import JOB_TIMEOUT_S, Experts, Toy, make, muon_kwargs, shard, train
 
 pytestmark = pytest.mark.distributed
@@ -107,22 +107,12 @@ def checks_for(w: int) -> dict:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    done: dict[int, tuple[dict, str]] = {}
-
-    def get(w: int) -> tuple[dict, str]:
-        if w not in done:
-            done[w] = job_results(__file__, w, tmp_path_factory.mktemp(f"metrics_w{w}"), JOB_TIMEOUT_S)
-        return done[w]
-
-    return get
+    return job_runner(__file__, "metrics", tmp_path_factory, JOB_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("w, name", [(w, name) for w in WORLD_SIZES for name in checks_for(w)])
 def test_metrics_fsdp(results, w, name):
-    merged, log = results(w)
-    assert merged, f"the W={w} job wrote no results; its output:\n{log}"
-    assert name in merged, f"check {name} did not run at W={w}; output:\n{log}"
-    assert merged[name]["ok"], merged[name]["error"]
+    assert_check(results(w), w, name)
 
 
 if __name__ == "__main__":  # one rank of a job: W RANK OUT
