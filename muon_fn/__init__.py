@@ -5,10 +5,11 @@ A pure functional core (``init``/``update`` transforms over pytrees, composed wi
 FSDP2. See ``docs/api.md``.
 """
 
-from ._alias import adamuon, adamw, hybrid, matrix_labels, muon, normuon, triton_muon
+from ._alias import adamuon, adamuon_nosign, adamw, hybrid, matrix_labels, muon, normuon, triton_muon
 from ._base import EmptyState, GradientTransformation, TransformInfo, identity, info, stateless
 from ._combine import PartitionState, chain, leafwise_labels, partition
 from ._compile import compile_update
+from ._metrics import MetricsState, read_metrics, with_metrics
 from ._muon import align_rms, orthogonalize, scale_by_shape, shape_scale
 from ._newton_schulz import newton_schulz, polar_express, zeropower_via_newtonschulz5
 from ._qk_clip import (AttentionHeads, QKClip, QKClipFactors, max_attention_logits, qk_clip_factors,
@@ -21,6 +22,8 @@ from ._views import Heads, heads
 from ._transforms import (
     MomentumState,
     NormalizeRowsState,
+    QuantizedAdamState,
+    QuantizedMomentumState,
     ScaleByAdamState,
     ScaleByScheduleState,
     ScaleBySecondMomentState,
@@ -51,9 +54,14 @@ __all__ = [
     "info",
     "apply_updates",
     "compile_update",
+    # telemetry
+    "with_metrics",
+    "MetricsState",
+    "read_metrics",
     # transforms
     "momentum",
     "MomentumState",
+    "QuantizedMomentumState",
     "orthogonalize",
     "heads",
     "Heads",
@@ -64,6 +72,7 @@ __all__ = [
     "ScaleByScheduleState",
     "scale_by_adam",
     "ScaleByAdamState",
+    "QuantizedAdamState",
     "normalize_rows",
     "NormalizeRowsState",
     "normalize_layerwise",
@@ -76,6 +85,7 @@ __all__ = [
     "adamw",
     "normuon",
     "adamuon",
+    "adamuon_nosign",
     "hybrid",
     "matrix_labels",
     "triton_muon",

@@ -50,6 +50,7 @@ def muon(
     mu_dtype: torch.dtype | None = None,
     flatten: bool | None = None,
     layerwise_norm: bool = False,
+    state_bits: int = 32,
 ) -> GradientTransformation:
     """Muon for a tree of matrices.
 
@@ -69,14 +70,20 @@ def muon(
     :func:`orthogonalize`). ``split`` is removed (a ``TypeError`` points to head views).
     ``layerwise_norm``: each matrix's gradient is divided by its own norm before it enters the
     momentum (:func:`normalize_layerwise`), so every step weighs the same in the buffer.
+    ``state_bits``: the momentum's storage between steps (:func:`momentum`): 32 (``mu_dtype``),
+    16 (bf16), 8 or 4 (blockwise absmax codes within rows, :mod:`muon_fn._quantize`); NorMuon's
+    row statistics and AdaMuon's second moment stay fp32.
     ``cautious_weight_decay``: decay only where the update and the weight agree in sign
     (:func:`add_decoupled_weight_decay` ``cautious=True``, arXiv:2510.12402).
-    ``adamuon_beta2``: a float enables AdaMuon (arXiv:2507.11005): the momentum's sign is
-    orthogonalized (``adamuon_sign``), the result divided by the root of its element-wise second
-    moment (:func:`scale_by_second_moment` with ``adamuon_eps``) and rescaled to the size of an
-    orthogonal matrix (:func:`align_rms`) before the shape rule; the paper's RMS-aligned step is
-    ``adjust_lr_fn="match_rms_adamw"`` (see :func:`adamuon`). NorMuon (``beta2``) and AdaMuon
-    both normalize the orthogonalized update: pass one.
+    ``adamuon_beta2``: a float enables AdaMuon (arXiv:2507.11005) with that β for its second
+    moment; the authors use the momentum's β (``adamuon_beta2=momentum``, 0.95 here), which is
+    what :func:`adamuon` passes. The momentum's sign is orthogonalized (``adamuon_sign=True``;
+    ``False`` orthogonalizes the momentum itself, :func:`adamuon_nosign`), the result divided by
+    the root of its element-wise second moment (:func:`scale_by_second_moment` with
+    ``adamuon_eps``) and rescaled to the size of an orthogonal matrix (:func:`align_rms`) before
+    the shape rule; the paper's RMS-aligned step is ``adjust_lr_fn="match_rms_adamw"`` (see
+    :func:`adamuon`). NorMuon (``beta2``) and AdaMuon both normalize the orthogonalized update:
+    pass one.
     """
     view = view_argument(view, flatten)
     refuse_split(split)
@@ -93,7 +100,7 @@ def muon(
         validate_coefficients(ns_coefficients, name="ns_coefficients")
     adamuon = adamuon_beta2 is not None
     parts = [normalize_layerwise()] if layerwise_norm else []
-    parts.append(momentum_tx(momentum, nesterov=nesterov, kind=kind, mu_dtype=mu_dtype))
+    parts.append(momentum_tx(momentum, nesterov=nesterov, kind=kind, mu_dtype=mu_dtype, state_bits=state_bits))
     parts += [scale_by_sign()] if adamuon and adamuon_sign else []
     parts.append(orthogonalize(method, ns_steps, coefficients=ns_coefficients, dtype=ns_dtype, eps=eps,
                                stepsize=ns_stepsize, view=view))
@@ -126,13 +133,13 @@ def check_one_normalization(beta2: Any, adamuon_beta2: Any) -> None:
 
 
 def adamuon(
-    lr: ScalarOrSchedule = 0.02,
+    lr: ScalarOrSchedule = 6e-4,
     momentum: Scalar = 0.95,
-    beta2: float = 0.999,
+    beta2: Scalar | None = None,
     *,
     nesterov: bool = True,
     adjust_lr_fn: str = "match_rms_adamw",
-    weight_decay: Scalar = 0.01,
+    weight_decay: Scalar = 0.1,
     adamuon_eps: float = 1e-8,
     sign: bool = True,
     **muon_kwargs: Any,
@@ -143,25 +150,59 @@ def adamuon(
 
         M ← momentum of G                       (Nesterov by default)
         O = msign(Sign(M))                      sign-stabilized orthogonal update (sign=True)
-        V ← β₂·V + (1 − β₂)·O ⊙ O               element-wise second moment, no bias correction
-        Ô = O ⊘ (√V + eps)
+        V ← β·V + (1 − β)·O ⊙ O                 element-wise second moment, β = the momentum's
+        Ô = O ⊘ (√V + eps)                      no bias correction
         p ← p(1 − lr·wd) − lr·γ·Ô,  γ = 0.2·√(mn) / ‖Ô‖_F    RMS-aligned: update RMS 0.2·lr
 
     ``chain(momentum, scale_by_sign, orthogonalize, scale_by_second_moment, align_rms,
     scale_by_shape("match_rms_adamw"), add_decoupled_weight_decay, scale_by_learning_rate)``
     (:func:`muon` with ``adamuon_beta2=beta2``): :func:`align_rms` gives Ô the Frobenius norm
     √min(m, n) of an orthogonal matrix and the shape rule multiplies by 0.2·√max(m, n), which is
-    γ. Defaults follow the paper's reference code (lr 0.02, momentum 0.95 with Nesterov, β₂ 0.999,
-    eps 1e-8, weight decay 0.01); the update has Adam's RMS, so an AdamW learning rate carries
-    over. ``sign=False`` orthogonalizes ``M`` itself (the paper's first version and its reference
-    code). ``adjust_lr_fn``: another shape rule in place of the RMS alignment's 0.2·√max(m, n)
-    (e.g. ``"keller"``: Muon's step size with AdaMuon's direction). ``adamuon_eps`` is the second
-    moment's epsilon; ``eps`` (in ``muon_kwargs``) the Newton–Schulz one, as in :func:`muon`.
+    γ. The defaults are the authors' current algorithm and settings:
+
+    - ``beta2=None``: the second moment uses the momentum's β (``momentum``, 0.95; a 0-d tensor
+      momentum is shared, so a schedule moves both), as in the paper's Algorithm 1, which adds no
+      hyperparameter to Muon's. A float sets its own β (0.999 was the first reference code's).
+    - ``sign=True``: the sign before the orthogonalization (the paper from its second version on).
+      ``sign=False`` is :func:`adamuon_nosign`.
+    - ``lr=6e-4``, ``weight_decay=0.1``: the update's RMS is 0.2·lr, the RMS of an AdamW update at
+      the same learning rate, so ``lr`` and ``weight_decay`` are an AdamW learning rate and decay;
+      6e-4 and 0.1 are the authors' GPT-2 settings (nanoGPT's AdamW values), where the decay is
+      ``p(1 − lr·wd)`` as here. Tune them as you would AdamW's: a smaller model or a shorter run
+      takes a larger lr.
+
+    ``adjust_lr_fn``: another shape rule in place of the RMS alignment's 0.2·√max(m, n) (e.g.
+    ``"keller"``: Muon's step size and learning rate with AdaMuon's direction). ``adamuon_eps`` is
+    the second moment's epsilon; ``eps`` (in ``muon_kwargs``) the Newton–Schulz one, as in
+    :func:`muon`.
     """
+    if beta2 is None:
+        _checks.in_unit_interval("momentum", momentum)
+        beta2 = momentum
     _checks.in_unit_interval("beta2", beta2)
     _checks.boolean("sign", sign)
     return muon(lr, momentum, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn, weight_decay=weight_decay,
                 adamuon_beta2=beta2, adamuon_eps=adamuon_eps, adamuon_sign=sign, **muon_kwargs)
+
+
+def adamuon_nosign(
+    lr: ScalarOrSchedule = 6e-4,
+    momentum: Scalar = 0.95,
+    beta2: Scalar | None = None,
+    **kwargs: Any,
+) -> GradientTransformation:
+    """AdaMuon without the sign: :func:`adamuon` with ``sign=False``, per matrix
+    ``O = msign(M)`` (the momentum itself is orthogonalized, as in Muon), then the same element-wise
+    second moment (β: the momentum's unless ``beta2`` is given), RMS alignment, decay and lr.
+
+    This is the paper's first version (arXiv:2507.11005v1) and its first reference code's
+    direction (that code also used β₂ 0.999 and bias correction, which the RMS alignment cancels
+    except through ``eps``). The other keywords and the defaults are :func:`adamuon`'s; ``sign=``
+    is not one of them.
+    """
+    if "sign" in kwargs:
+        raise TypeError("adamuon_nosign() takes no sign= (it is adamuon(sign=False)); use adamuon(sign=...)")
+    return adamuon(lr, momentum, beta2, sign=False, **kwargs)
 
 
 def normuon(
@@ -193,6 +234,7 @@ def adamw(
     *,
     decay_1d: bool = True,
     cautious_weight_decay: bool = False,
+    state_bits: int = 32,
 ) -> GradientTransformation:
     """AdamW with torch.optim.AdamW's defaults and arithmetic (decoupled decay ``p(1 − lr·wd)``).
 
@@ -200,11 +242,12 @@ def adamw(
     the default decays every leaf, as torch.optim.AdamW does with every parameter of a group.
     ``cautious_weight_decay``: decay only where Adam's direction ``m̂/(√v̂ + eps)`` and the weight
     agree in sign (:func:`add_decoupled_weight_decay` ``cautious=True``, arXiv:2510.12402).
+    ``state_bits``: the moments' storage (:func:`scale_by_adam`; 32, 16, 8 or 4).
     """
     _checks.boolean("decay_1d", decay_1d)
     _checks.boolean("cautious_weight_decay", cautious_weight_decay)
     decay = add_decoupled_weight_decay(weight_decay, min_ndim=0 if decay_1d else 2, cautious=cautious_weight_decay)
-    return chain(scale_by_adam(betas, eps), decay, scale_by_learning_rate(lr))
+    return chain(scale_by_adam(betas, eps, state_bits=state_bits), decay, scale_by_learning_rate(lr))
 
 
 # The epsilon of TritonMuon's denominator √v + ε (a keyword of triton_muon and the classes).
@@ -221,6 +264,7 @@ def triton_muon(
     nesterov: bool = False,
     layerwise_norm: bool = False,
     eps: float = TRITON_MUON_EPS,
+    state_bits: int = 32,
 ) -> GradientTransformation:
     """The elementwise rule of :class:`~muon_fn.TritonMuon` (``decoupled=False``) and
     :class:`~muon_fn.TritonMuonW` (``decoupled=True``). It does not orthogonalize: it is an
@@ -239,6 +283,7 @@ def triton_muon(
     [normalize_layerwise(add_eps=True)], scale_by_adam((momentum, velocity), eps,
     bias_correction=False, nesterov=...), [add_decoupled_weight_decay], scale_by_learning_rate)``:
     the decay transform before the moments is L2 regularization, after them decoupled decay.
+    ``state_bits``: the moments' storage (:func:`scale_by_adam`; 32, 16, 8 or 4).
     """
     _checks.in_unit_interval("momentum", momentum)
     _checks.in_unit_interval("velocity", velocity)
@@ -246,7 +291,8 @@ def triton_muon(
     _checks.positive("eps", eps)
     for name, flag in (("decoupled", decoupled), ("nesterov", nesterov), ("layerwise_norm", layerwise_norm)):
         _checks.boolean(name, flag)
-    moments = scale_by_adam((momentum, velocity), eps, bias_correction=False, nesterov=nesterov)
+    moments = scale_by_adam((momentum, velocity), eps, bias_correction=False, nesterov=nesterov,
+                            state_bits=state_bits)
     decay = add_decoupled_weight_decay(weight_decay)
     parts = [] if decoupled else [decay]
     parts += [normalize_layerwise(add_eps=True)] if layerwise_norm else []
@@ -274,6 +320,7 @@ def hybrid(
     adamw_decay_1d: bool = False,
     cautious_weight_decay: bool = False,
     labels: Any = None,
+    state_bits: int = 32,
     **muon_kwargs: Any,
 ) -> GradientTransformation:
     """Muon on matrices, AdamW on everything else, via :func:`partition`.
@@ -282,12 +329,14 @@ def hybrid(
     default ndim rule (:func:`matrix_labels`) — e.g. to send embeddings and the output head to AdamW.
     ``adamw_weight_decay`` decays the AdamW leaves of ndim ≥ 2 (embeddings, a head); 0-/1-D leaves
     (biases, norm gains) decay only with ``adamw_decay_1d=True``. ``cautious_weight_decay``
-    makes both halves' decay cautious (see :func:`add_decoupled_weight_decay`).
+    makes both halves' decay cautious (see :func:`add_decoupled_weight_decay`). ``state_bits``
+    stores both halves' state in 32, 16, 8 or 4 bits (:func:`momentum`, :func:`scale_by_adam`).
     """
     _checks.scalar_or_schedule("adamw_lr", adamw_lr)
     return partition(
-        {"muon": muon(lr, momentum, cautious_weight_decay=cautious_weight_decay, **muon_kwargs),
+        {"muon": muon(lr, momentum, cautious_weight_decay=cautious_weight_decay, state_bits=state_bits,
+                      **muon_kwargs),
          "adamw": adamw(adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay, decay_1d=adamw_decay_1d,
-                        cautious_weight_decay=cautious_weight_decay)},
+                        cautious_weight_decay=cautious_weight_decay, state_bits=state_bits)},
         matrix_labels if labels is None else labels,
     )

@@ -54,8 +54,9 @@ from typing import Any, NamedTuple
 import torch
 
 from . import _checks, _lambda, _newton_schulz, _tree, _views, spectral
-from ._sso_step import STEP_OUTPUTS, sphere
+from ._sso_step import STEP_OUTPUTS, sphere, update_scale
 from ._base import MATRIX, GradientTransformation, ScalarOrSchedule, Updates, named, with_info
+from ._metrics import collector_of
 from ._combine import chain
 from ._muon import SHAPE_RULES, _not_matrix, group_by, refuse_split
 from ._transforms import momentum as momentum_tx
@@ -230,10 +231,13 @@ def spectral_sphere(
         return _init(cfg, params)
 
     def update(updates, state, params=None, **extra):
-        del extra
         if params is None:
             raise ValueError("spectral_sphere needs params: call update(updates, state, params)")
-        return _update(cfg, updates, state, params)
+        out, new_state = _update(cfg, updates, state, params)
+        collector = collector_of(extra)
+        if collector is not None:
+            _record(collector, cfg, updates, params, state, new_state)
+        return out, new_state
 
     shown = dict(lr=getattr(lr, "__name__", lr) if lr_schedule else lr, power_block=power_block,
                  msign_dtype=msign_dtype, warm_lambda=warm_lambda, view=view, **options)
@@ -242,6 +246,26 @@ def spectral_sphere(
     # are not 64-byte aligned (1.2e-7 on 5x6 experts, 4 in a batch vs 1), so the FSDP adapter
     # computes each stack whole on one owner.
     return with_info(tx, leafwise=True, scope=MATRIX, final=True, needs_params=True)
+
+
+def _record(collector: Any, cfg: "_Transform", updates, params, state: "SpectralSphereState",
+            new_state: "SpectralSphereState") -> None:
+    """Telemetry (:mod:`muon_fn._metrics`): each unit's solve (σ, λ*, |h|, evaluations, fallback),
+    the step's ``lr`` and the update scale ``s``, so the effective learning rate is ``lr·s``."""
+    for field, name in (("sigma", "sso_sigma"), ("lam", "sso_lambda"), ("residual", "sso_residual"),
+                        ("iterations", "sso_iterations"), ("fallback", "sso_fallback")):
+        values = _tree.tree_leaves(getattr(new_state, field))
+        collector.each(name, updates, lambda u, i, values=values: values[i])
+    sp, counts = sphere(cfg.key), _tree.tree_leaves(state.count)
+    p_leaves = _tree.tree_leaves(params)
+
+    def scales(u, i):
+        shapes = _views.unit_shapes(p_leaves[i].shape, _views.view_of(cfg.view, p_leaves[i]))
+        return torch.tensor([update_scale(sp.scale_mode, sh, spectral.target_radius(sh, sp.radius_scale))
+                             for sh in shapes], dtype=torch.float32, device=u.device)
+
+    collector.each("shape_scale", updates, scales)
+    collector.each("lr", updates, lambda u, i: _unit_lr(cfg, [counts[i]], u.device).reshape(-1)[:1])
 
 
 _SHOWN = ("lr", "radius_scale", "scale_mode", "power_steps", "power_block", "cold_start", "msign_method",
@@ -267,6 +291,7 @@ def sso(
     *,
     nesterov: bool = True,
     mu_dtype: torch.dtype | None = None,
+    state_bits: int = 32,
     **kwargs: Any,
 ) -> GradientTransformation:
     """The Spectral Sphere Optimizer for a tree of matrices:
@@ -278,13 +303,15 @@ def sso(
         not matter: ``M̂`` is scale-invariant.
       nesterov: Nesterov momentum (every source's default).
       mu_dtype: dtype of the momentum buffer (default: the param's).
+      state_bits: the momentum's storage (:func:`muon_fn.momentum`: 32, 16, 8 or 4 bits); the
+        warm-start block and the per-matrix statistics stay fp32 (they are ``in × k`` per matrix).
       kwargs: any other :func:`spectral_sphere` option; ``muon_sphere=True`` gives MuonSphere.
 
     The chain is final (it contains the retraction). Use :func:`muon_fn.partition` (or
     :class:`muon_fn.SpectralSphereOptimizer`) to send 0-/1-D params to AdamW.
     """
     _check_flag("nesterov", nesterov)
-    return chain(momentum_tx(momentum, nesterov=nesterov, kind="ema", mu_dtype=mu_dtype),
+    return chain(momentum_tx(momentum, nesterov=nesterov, kind="ema", mu_dtype=mu_dtype, state_bits=state_bits),
                  spectral_sphere(lr, **kwargs))
 
 

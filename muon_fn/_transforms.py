@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import _checks, _tree, _views
+from . import _checks, _quantize, _tree, _views
 from ._base import (
     ELEMENTWISE,
     MATRIX,
@@ -26,6 +26,7 @@ from ._base import (
     shown,
     with_info,
 )
+from ._metrics import collector_of
 from ._views import View
 
 MOMENTUM_KINDS = ("sgd", "ema")
@@ -44,12 +45,24 @@ class MomentumState(NamedTuple):
     state_keys = {"mu": "momentum_buffer"}  # names in torch.optim state dicts
 
 
+class QuantizedMomentumState(NamedTuple):
+    """State of :func:`momentum` with ``state_bits`` 8 or 4: each matrix's buffer as codes and
+    per-block scales (:mod:`muon_fn._quantize`); a leaf of ndim < 2 keeps its buffer in ``mu``."""
+
+    mu: Updates  # fp32 where a leaf is not quantized (ndim < 2), else None
+    codes: Updates  # per matrix (rows, n) int8, or (rows, ⌈n/2⌉) uint8 at 4 bits; else None
+    scales: Updates  # per matrix (rows, blocks) fp32: each block's absolute maximum; else None
+
+    state_keys = {"mu": "momentum_buffer", "codes": "momentum_buffer_codes", "scales": "momentum_buffer_scales"}
+
+
 def momentum(
     momentum: Scalar = 0.95,
     *,
     nesterov: bool = True,
     kind: str = "sgd",
     mu_dtype: torch.dtype | None = None,
+    state_bits: int = 32,
 ) -> GradientTransformation:
     """Heavy-ball momentum, optionally Nesterov.
 
@@ -57,29 +70,58 @@ def momentum(
     ``kind="ema"`` (torch.optim.Muon / Keller): ``b ← lerp(b, g, 1 − μ)``; returns
     ``lerp(g, b, μ)`` (Nesterov) or ``b``. For constant μ the two differ by the factor (1 − μ),
     so they agree after any scale-invariant step such as orthogonalization.
+
+    ``state_bits``: how the buffer is stored between steps. 32 (default): in ``mu_dtype`` (the
+    parameter's by default), the arithmetic in that dtype. 16: bf16; 8 and 4: blockwise linear
+    absmax codes within rows (:class:`QuantizedMomentumState`, :mod:`muon_fn._quantize`); the
+    buffer is dequantized, updated in fp32 and requantized in the same update, and the output is
+    fp32. Leaves of ndim < 2 keep an fp32 buffer at every width. ``mu_dtype`` only with 32.
     """
     _checks.in_unit_interval("momentum", momentum)
     _checks.one_of("kind", kind, MOMENTUM_KINDS)
+    _quantize.check_state_bits(state_bits)
+    if mu_dtype is not None and state_bits != 32:
+        raise ValueError(f"momentum: mu_dtype={mu_dtype} and state_bits={state_bits} both set the buffer's "
+                         "storage; pass one of them")
+    storage = _quantize.Storage(state_bits, _quantize.LINEAR)
 
     def init(params):
-        return MomentumState(mu=_tree.zeros_like(params, dtype=mu_dtype))
+        if state_bits == 32:
+            return MomentumState(mu=_tree.zeros_like(params, dtype=mu_dtype))
+        plain, codes, scales = _quantize.stored_zeros(storage, params)
+        return MomentumState(mu=plain) if state_bits == 16 else QuantizedMomentumState(plain, codes, scales)
 
-    def step(b: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(b: Any, g: torch.Tensor) -> tuple[torch.Tensor, Any, torch.Tensor]:
+        """``(output, new stored buffer, new buffer)``; ``b`` a tensor, or a stored triple."""
+        stored = b if state_bits != 32 else None
+        if stored is not None:
+            b = storage.load(stored, g.shape, _quantize.compute_dtype(g))
         g = g.to(b.dtype)
         if kind == "ema":
             b = b.lerp(g, 1 - momentum)
-            return (g.lerp(b, momentum) if nesterov else b), b
-        b = scaled_add(g, b, momentum)
-        return (scaled_add(g, b, momentum) if nesterov else b), b
+            out = g.lerp(b, momentum) if nesterov else b
+        else:
+            b = scaled_add(g, b, momentum)
+            out = scaled_add(g, b, momentum) if nesterov else b
+        return out, (b if stored is None else storage.store(b, stored)), b
 
     def update(updates, state, params=None, **extra):
-        del params, extra
-        pairs = _tree.tree_map(lambda g, b: (None, b) if g is None else step(b, g), updates, state.mu)
-        out = _tree.tree_map(lambda _, pair: pair[0], updates, pairs)
-        mu = _tree.tree_map(lambda _, pair: pair[1], updates, pairs)
-        return out, MomentumState(mu=mu)
+        del params
+        held = state.mu if state_bits == 32 else _quantize.stored_triples(*state)
+        res = _tree.tree_map(lambda g, b: (None, b, None) if g is None else step(b, g), updates, held)
+        out = _tree.tree_map(lambda _, r: r[0], updates, res)
+        mu = _tree.tree_map(lambda _, r: r[1], updates, res)
+        collector = collector_of(extra)
+        if collector is not None:
+            collector.sumsq("momentum_sumsq", _tree.tree_map(lambda _, r: r[2], updates, res))
+        if state_bits == 32:
+            return out, MomentumState(mu=mu)
+        plain, codes, scales = _quantize.split_triples(updates, mu)
+        return out, MomentumState(mu=plain) if state_bits == 16 else QuantizedMomentumState(plain, codes, scales)
 
-    tx = named(GradientTransformation(init, update), "momentum", momentum=momentum, nesterov=nesterov, kind=kind)
+    config = {"state_bits": state_bits} if state_bits != 32 else {}
+    tx = named(GradientTransformation(init, update), "momentum", momentum=momentum, nesterov=nesterov, kind=kind,
+               **config)
     return with_info(tx, leafwise=True, scope=ELEMENTWISE)
 
 
@@ -118,9 +160,10 @@ def scale_by_learning_rate(lr: ScalarOrSchedule) -> GradientTransformation:
             return ScaleByScheduleState(count=torch.zeros((), dtype=torch.int64))
 
         def update(updates, state, params=None, **extra):
-            del params, extra
+            del params
             step_lr = schedule(state.count)
             out = _tree.tree_map(lambda u: None if u is None else u * -step_lr, updates)
+            _record_lr(extra, updates, step_lr)
             return out, ScaleByScheduleState(count=state.count + 1)
 
         # Not leafwise: the count is one per tree, so updating the tree in parts would count twice.
@@ -129,11 +172,18 @@ def scale_by_learning_rate(lr: ScalarOrSchedule) -> GradientTransformation:
         return with_info(tx, leafwise=False, scope=ELEMENTWISE)
 
     def update_const(updates, state, params=None, **extra):
-        del params, extra
+        del params
+        _record_lr(extra, updates, lr)
         return _tree.tree_map(lambda u: None if u is None else u * -lr, updates), state
 
     tx = named(GradientTransformation(init_empty_state, update_const), "scale_by_learning_rate", lr=lr)
     return with_info(tx, leafwise=True, scope=ELEMENTWISE)
+
+
+def _record_lr(extra: dict[str, Any], updates: Updates, lr: Scalar) -> None:
+    collector = collector_of(extra)
+    if collector is not None:
+        collector.scalar("lr", updates, lr)
 
 
 def add_decoupled_weight_decay(weight_decay: Scalar = 0.0, *, min_ndim: int = 0,
@@ -166,20 +216,28 @@ def add_decoupled_weight_decay(weight_decay: Scalar = 0.0, *, min_ndim: int = 0,
         return with_info(named(identity(), "add_decoupled_weight_decay", **config),
                          leafwise=True, scope=ELEMENTWISE)
 
-    def decay(u, p):
+    def decay(u, p, collector=None, index=None):
         if u is None or p.ndim < min_ndim:
             return u
         p = p.to(u.dtype)
         if cautious:
             agree = torch.sign(u) * torch.sign(p) >= 0  # 𝟙[u ⊙ p ≥ 0]
             p = torch.where(agree, p, 0)
+            if collector is not None:  # the decay applied: wd on the fraction that decays
+                collector.put("weight_decay", index, weight_decay * agree.float().mean())
+        elif collector is not None:
+            collector.put("weight_decay", index, torch.as_tensor(weight_decay, dtype=torch.float32, device=u.device))
         return u + weight_decay * p
 
     def update(updates, state, params=None, **extra):
-        del extra
         if params is None:
             raise ValueError("add_decoupled_weight_decay needs params: call update(updates, state, params)")
-        return _tree.tree_map(decay, updates, params), state
+        collector = collector_of(extra)
+        if collector is None:
+            return _tree.tree_map(decay, updates, params), state
+        leaves, spec = _tree.tree_flatten(updates)
+        out = [decay(u, p, collector, i) for i, (u, p) in enumerate(zip(leaves, spec.flatten_up_to(params)))]
+        return _tree.tree_unflatten(spec, out), state
 
     tx = named(GradientTransformation(init_empty_state, update), "add_decoupled_weight_decay", **config)
     return with_info(tx, leafwise=True, scope=ELEMENTWISE, needs_params=True)
@@ -216,11 +274,12 @@ def scale_by_second_moment(beta2: float = 0.999, eps: float = 1e-8) -> GradientT
     ``V ← β₂·V + (1 − β₂)·O ⊙ O``,  ``Ô = O ⊘ (√V + eps)``
 
     without bias correction, as in the paper (Si et al., *AdaMuon: Adaptive Muon Optimizer*,
-    arXiv:2507.11005; its reference code divides ``V`` by ``1 − β₂ᵗ``): the RMS alignment that
-    follows (:func:`muon_fn.align_rms`) removes any uniform scale, so ``1 − β₂ᵗ`` would only move
-    ``eps``'s weight. ``V`` is kept in float32 (float64 for float64 parameters) and the
-    arithmetic runs in that dtype; ``Ô`` comes back in the update's dtype. Elementwise: each entry
-    from the same entry of ``O`` and ``V``.
+    arXiv:2507.11005; its first reference code divided ``V`` by ``1 − β₂ᵗ``): the RMS alignment
+    that follows (:func:`muon_fn.align_rms`) removes any uniform scale, so ``1 − β₂ᵗ`` would only
+    move ``eps``'s weight. ``beta2`` defaults to Adam's 0.999; AdaMuon (:func:`muon_fn.adamuon`)
+    passes the momentum's β (0.95), as the paper does. ``V`` is kept in float32 (float64 for
+    float64 parameters) and the arithmetic runs in that dtype; ``Ô`` comes back in the update's
+    dtype. Elementwise: each entry from the same entry of ``O`` and ``V``.
     """
     _checks.in_unit_interval("beta2", beta2)
     _checks.positive("eps", eps)
@@ -258,12 +317,30 @@ class ScaleByAdamState(NamedTuple):
     state_keys = {"count": "step", "mu": "exp_avg", "nu": "exp_avg_sq"}
 
 
+class QuantizedAdamState(NamedTuple):
+    """State of :func:`scale_by_adam` with ``state_bits`` 16, 8 or 4: each moment of a matrix as
+    codes and per-block scales (:mod:`muon_fn._quantize`; the first moment at 16 bits: bf16 in
+    ``mu``); leaves of ndim < 2 keep fp32 moments in ``mu`` and ``nu``."""
+
+    count: Updates  # per leaf: shape=(), float32
+    mu: Updates  # first moment where not quantized (ndim < 2: fp32; 16 bits: bf16), else None
+    mu_codes: Updates  # linear absmax codes (as QuantizedMomentumState.codes), else None
+    mu_scales: Updates  # (rows, blocks) fp32, else None
+    nu: Updates  # second moment where not quantized (ndim < 2: fp32), else None
+    nu_codes: Updates  # codes of v relative to each block's maximum (int16, int8 or two a byte)
+    nu_scales: Updates  # (rows, blocks) fp32, else None
+
+    state_keys = {"count": "step", "mu": "exp_avg", "mu_codes": "exp_avg_codes", "mu_scales": "exp_avg_scales",
+                  "nu": "exp_avg_sq", "nu_codes": "exp_avg_sq_codes", "nu_scales": "exp_avg_sq_scales"}
+
+
 def scale_by_adam(
     betas: tuple[Scalar, Scalar] = (0.9, 0.999),
     eps: float = 1e-8,
     *,
     bias_correction: bool = True,
     nesterov: bool = False,
+    state_bits: int = 32,
 ) -> GradientTransformation:
     """Adam's direction ``m̂ / (√v̂ + eps)``, with torch.optim.Adam's arithmetic by default.
 
@@ -272,7 +349,17 @@ def scale_by_adam(
     ``nesterov`` looks one step ahead in the numerator: ``β₁m + (1 − β₁)g`` with ``m`` the
     updated moment; with bias correction optax's form,
     ``β₁m / (1 − β₁ᵗ⁺¹) + (1 − β₁)g / (1 − β₁ᵗ)``.
+
+    ``state_bits``: how the moments are stored between steps. 32 (default): the parameter's
+    dtype, the arithmetic in it (torch.optim.AdamW's). 16, 8, 4: :class:`QuantizedAdamState`,
+    blockwise within rows (:mod:`muon_fn._quantize`): ``m`` linear absmax (bf16 at 16 bits),
+    ``v`` as a small float relative to each block's maximum (no ``v > 0`` is stored as 0); the
+    moments are dequantized, updated in fp32 and requantized in the same update, and the
+    direction is fp32. Leaves of ndim < 2 keep fp32 moments at every width.
     """
+    _quantize.check_state_bits(state_bits)
+    m_storage = _quantize.Storage(state_bits, _quantize.LINEAR)
+    v_storage = _quantize.Storage(state_bits, _quantize.UNSIGNED)
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"Invalid betas: {betas!r} (expected a pair (beta1, beta2))")
     _checks.in_unit_interval("beta1", betas[0])
@@ -286,9 +373,21 @@ def scale_by_adam(
         count = _tree.tree_map(
             lambda p: None if p is None else torch.zeros((), dtype=torch.float32, device=p.device), params
         )
+        if state_bits != 32:
+            return QuantizedAdamState(count, *_quantize.stored_zeros(m_storage, params),
+                                      *_quantize.stored_zeros(v_storage, params))
         return ScaleByAdamState(count, _tree.zeros_like(params), _tree.zeros_like(params))
 
     def step(g, count, m, v):
+        """``(direction, count, new m, new v, m's value)``: ``m``, ``v`` tensors, or stored triples."""
+        if state_bits == 32:
+            out, count, m, v = moments(g, count, m, v)
+            return out, count, m, v, m
+        cd = _quantize.compute_dtype(g)
+        out, count, m_new, v_new = moments(g, count, m_storage.load(m, g.shape, cd), v_storage.load(v, g.shape, cd))
+        return out, count, m_storage.store(m_new, m), v_storage.store(v_new, v), m_new
+
+    def moments(g, count, m, v):
         g = g.to(m.dtype)
         count = count + 1
         m = m.lerp(g, 1 - b1)
@@ -304,15 +403,27 @@ def scale_by_adam(
         return numerator / (v.sqrt() / bias2_sqrt + eps), count, m, v
 
     def update(updates, state, params=None, **extra):
-        del params, extra
+        del params
+        if state_bits == 32:
+            held_m, held_v = state.mu, state.nu
+        else:
+            held_m = _quantize.stored_triples(state.mu, state.mu_codes, state.mu_scales)
+            held_v = _quantize.stored_triples(state.nu, state.nu_codes, state.nu_scales)
         res = _tree.tree_map(
-            lambda g, c, m, v: (None, c, m, v) if g is None else step(g, c, m, v),
-            updates, state.count, state.mu, state.nu,
+            lambda g, c, m, v: (None, c, m, v, None) if g is None else step(g, c, m, v),
+            updates, state.count, held_m, held_v,
         )
         pick = lambda i: _tree.tree_map(lambda _, r: r[i], updates, res)  # noqa: E731
-        return pick(0), ScaleByAdamState(pick(1), pick(2), pick(3))
+        collector = collector_of(extra)
+        if collector is not None:  # the first moment is Adam's momentum
+            collector.sumsq("momentum_sumsq", pick(4))
+        if state_bits == 32:
+            return pick(0), ScaleByAdamState(pick(1), pick(2), pick(3))
+        m, v = _quantize.split_triples(updates, pick(2)), _quantize.split_triples(updates, pick(3))
+        return pick(0), QuantizedAdamState(pick(1), *m, *v)
 
     options = {} if bias_correction and not nesterov else {"bias_correction": bias_correction, "nesterov": nesterov}
+    options.update({"state_bits": state_bits} if state_bits != 32 else {})
     shown_betas = tuple(shown(b) for b in betas)
     tx = named(GradientTransformation(init, update), "scale_by_adam", betas=shown_betas, eps=eps, **options)
     return with_info(tx, leafwise=True, scope=ELEMENTWISE)
@@ -394,10 +505,13 @@ def normalize_rows(beta2: float = 0.95, eps: float = 1e-8, *, view: View = "flat
         return _rows_of_matrix(u, v, beta2, eps)
 
     def update(updates, state, params=None, **extra):
-        del params, extra
+        del params
         res = _tree.tree_map(lambda u, v: (None, v) if u is None else step(u, v), updates, state.nu)
         out = _tree.tree_map(lambda _, r: r[0], updates, res)
         nu = _tree.tree_map(lambda _, r: r[1], updates, res)
+        collector = collector_of(extra)
+        if collector is not None:
+            _record_row_scales(collector, updates, nu, view, eps)
         return out, NormalizeRowsState(nu)
 
     # MATRIX: the rows are normalized and then rescaled to the matrix's Frobenius norm.
@@ -407,6 +521,26 @@ def normalize_rows(beta2: float = 0.95, eps: float = 1e-8, *, view: View = "flat
     # of a stack rounds differently from the whole (7.5e-9 after 4 FSDP steps with 1-2 of 5
     # experts per rank); eager it is per matrix.
     return with_info(tx, leafwise=True, scope=MATRIX)
+
+
+def _record_row_scales(collector, updates: Updates, nu: Updates, view: View, eps: float) -> None:
+    """Each unit's smallest and largest row divisor ``√v + eps`` (telemetry: their ratio is the
+    range of NorMuon's row scales, ``muon_fn._metrics``)."""
+    leaves, spec = _tree.tree_flatten(updates)
+    for i, (u, v) in enumerate(zip(leaves, spec.flatten_up_to(nu))):
+        if u is None:
+            continue
+        leaf_view = _views.view_of(view, u)
+        k = _views.column_blocks(u.shape, leaf_view)
+        rows = v.reshape(-1, k).sqrt() + eps  # (count·out, column blocks)
+        if not isinstance(leaf_view, _views.Heads):
+            per = rows.reshape(_views.count(u.shape, leaf_view), -1)
+            collector.put("row_scale_min", i, per.amin(dim=1))
+            collector.put("row_scale_max", i, per.amax(dim=1))
+            continue
+        blocks = [rows[r, j % k] for j, (r, _) in enumerate(_views.units(u.shape, leaf_view))]
+        collector.put("row_scale_min", i, torch.stack([b.min() for b in blocks]))
+        collector.put("row_scale_max", i, torch.stack([b.max() for b in blocks]))
 
 
 # NorMuon's row step. The sums run over contiguous fp32 copies, so a matrix's result does not

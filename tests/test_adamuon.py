@@ -1,13 +1,14 @@
 """AdaMuon (Si et al., *AdaMuon: Adaptive Muon Optimizer*, arXiv:2507.11005), per matrix W (m×n):
 
     M ← momentum of G
-    O = msign(Sign(M))                      sign-stabilized orthogonal update
-    V ← β₂·V + (1 − β₂)·O ⊙ O               element-wise second moment
+    O = msign(Sign(M))                      sign-stabilized orthogonal update (msign(M): no sign)
+    V ← β·V + (1 − β)·O ⊙ O                 element-wise second moment, β = the momentum's
     Ô = O ⊘ (√V + ε)
     W ← W − η·(γ·Ô + λ·W),  γ = 0.2·√(mn)/‖Ô‖_F     RMS-aligned: update RMS 0.2·η
 
 Checked against those lines written out in float64 (with Keller's quintic as msign), transform
-by transform and as the ``adamuon`` recipe; the optimizers (compiled and eager, FSDP at W = 1,
+by transform and as the ``adamuon`` and ``adamuon_nosign`` recipes (their defaults: the authors'
+one β, sign on, lr 6e-4, decay 0.1); the optimizers (compiled and eager, FSDP at W = 1,
 checkpoints old and new); and Moonlight's RMS-matched shape rule through
 ``create_hybrid_optimizer``.
 """
@@ -45,10 +46,13 @@ def quintic_msign(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.T
 
 def adamuon_reference(w0, grads, *, lr, mu, beta2, eps, wd, sign=True):
     """AdaMuon's lines for one matrix over the steps of ``grads`` (SGD-form Nesterov momentum,
-    muon_fn's default: msign, the sign and the RMS alignment make its scale irrelevant)."""
+    muon_fn's default: msign, the sign and the RMS alignment make its scale irrelevant).
+    ``mu`` and ``beta2`` are floats or one value per step."""
     w, b, v = w0.clone(), torch.zeros_like(w0), torch.zeros_like(w0)
     m, n = w0.shape[0], math.prod(w0.shape[1:])
-    for g in grads:
+    mus = mu if isinstance(mu, list) else [mu] * len(grads)
+    beta2s = beta2 if isinstance(beta2, list) else [beta2] * len(grads)
+    for g, mu, beta2 in zip(grads, mus, beta2s):
         b = mu * b + g
         big_m = (g + mu * b).reshape(m, n)
         o = quintic_msign(torch.sign(big_m) if sign else big_m)
@@ -70,15 +74,71 @@ def run(tx, params, grads_per_step):
 shape = st.sampled_from([(4, 6), (7, 3), (5, 5), (3, 2, 2, 2)])  # wide, tall, square, conv (3x8)
 
 
-@given(shape, st.integers(0, 2 ** 16), st.sampled_from([0.9, 0.95, 0.999]), st.booleans())
+@given(shape, st.integers(0, 2 ** 16), st.sampled_from([None, 0.9, 0.95, 0.999]), st.booleans())
 def test_recipe_is_the_papers_update(w_shape, seed, beta2, sign):
     gen = torch.Generator().manual_seed(seed)
     w0 = torch.randn(w_shape, generator=gen, dtype=torch.float64)
     grads = [torch.randn(w_shape, generator=gen, dtype=torch.float64) for _ in range(4)]
     tx = mf.adamuon(0.01, 0.9, beta2, weight_decay=0.1, sign=sign, method="quintic", ns_dtype=torch.float64)
     (w,), _ = run(tx, (w0,), [(g,) for g in grads])
-    want = adamuon_reference(w0, grads, lr=0.01, mu=0.9, beta2=beta2, eps=1e-8, wd=0.1, sign=sign)
+    want = adamuon_reference(w0, grads, lr=0.01, mu=0.9, beta2=0.9 if beta2 is None else beta2, eps=1e-8,
+                             wd=0.1, sign=sign)
     torch.testing.assert_close(w, want, rtol=1e-10, atol=1e-12)
+
+
+def test_defaults_are_the_authors():
+    """One β for both moments (the momentum's), the sign, no bias correction, lr 6e-4, decay 0.1."""
+    assert repr(mf.adamuon()) == repr(mf.muon(6e-4, 0.95, adjust_lr_fn="match_rms_adamw", weight_decay=0.1,
+                                              adamuon_beta2=0.95, adamuon_sign=True))
+    assert "scale_by_second_moment(beta2=0.9," in repr(mf.adamuon(momentum=0.9))
+    assert "scale_by_second_moment(beta2=0.999," in repr(mf.adamuon(momentum=0.9, beta2=0.999))
+    assert repr(mf.adamuon_nosign()) == repr(mf.adamuon(sign=False))
+    assert repr(mf.adamuon_nosign(0.01, 0.9, 0.99, weight_decay=0.0)) == repr(
+        mf.adamuon(0.01, 0.9, 0.99, weight_decay=0.0, sign=False))
+
+
+def test_second_moment_follows_a_scheduled_momentum():
+    """A 0-d tensor momentum is the second moment's β too: a schedule that changes it in place
+    moves both, step by step."""
+    gen = torch.Generator().manual_seed(0)
+    w0 = torch.randn(5, 7, generator=gen, dtype=torch.float64)
+    grads = [torch.randn(5, 7, generator=gen, dtype=torch.float64) for _ in range(3)]
+    mu = torch.tensor(0.9, dtype=torch.float64)
+    tx = mf.adamuon(0.01, mu, weight_decay=0.1, method="quintic", ns_dtype=torch.float64)
+    params, state = (w0,), tx.init((w0,))
+    for g, value in zip(grads, (0.9, 0.8, 0.6)):
+        mu.fill_(value)
+        updates, state = tx.update((g,), state, params)
+        params = mf.apply_updates(params, updates)
+    want = adamuon_reference(w0, grads, lr=0.01, mu=[0.9, 0.8, 0.6], beta2=[0.9, 0.8, 0.6], eps=1e-8, wd=0.1)
+    torch.testing.assert_close(params[0], want, rtol=1e-10, atol=1e-12)
+
+
+def test_nosign_is_the_first_versions_formula():
+    """``adamuon_nosign``: O = msign(M) of the momentum itself, then AdaMuon's moment (β = μ),
+    RMS alignment, decay and lr: two steps written out by hand from the same tensors."""
+    gen = torch.Generator().manual_seed(3)
+    w0 = torch.randn(6, 4, generator=gen, dtype=torch.float64)
+    g1, g2 = (torch.randn(6, 4, generator=gen, dtype=torch.float64) for _ in range(2))
+    lr, mu, wd, eps = 0.01, 0.9, 0.1, 1e-8
+    tx = mf.adamuon_nosign(lr, mu, weight_decay=wd, method="quintic", ns_dtype=torch.float64)
+    (w,), _ = run(tx, (w0,), [(g1,), (g2,)])
+    # step 1: b = g1, M = g1 + μ·g1; V = (1 − μ)·O²
+    o1 = quintic_msign(g1 + mu * g1)
+    v1 = (1 - mu) * o1 * o1
+    u1 = o1 / (v1.sqrt() + eps)
+    w1 = w0 * (1 - lr * wd) - lr * 0.2 * math.sqrt(24) * u1 / torch.linalg.norm(u1)
+    # step 2: b = g2 + μ·g1, M = g2 + μ·b; V = μ·V + (1 − μ)·O²
+    b2 = g2 + mu * g1
+    o2 = quintic_msign(g2 + mu * b2)
+    v2 = mu * v1 + (1 - mu) * o2 * o2
+    u2 = o2 / (v2.sqrt() + eps)
+    w2 = w1 * (1 - lr * wd) - lr * 0.2 * math.sqrt(24) * u2 / torch.linalg.norm(u2)
+    torch.testing.assert_close(w, w2, rtol=1e-10, atol=1e-12)
+    # the sign changes the direction: the signed recipe's first step is not this one
+    (w_sign,), _ = run(mf.adamuon(lr, mu, weight_decay=wd, method="quintic", ns_dtype=torch.float64),
+                       (w0,), [(g1,)])
+    assert not torch.allclose(w_sign, w1)
 
 
 def test_update_rms_is_exactly_0_2_lr():
@@ -169,7 +229,7 @@ def test_zero_in_zero_out(device):
     params = (torch.randn(4, 6, device=device),)
     updates, state = tx.update((zeros,), tx.init(params), params)
     assert torch.isfinite(updates[0]).all()
-    torch.testing.assert_close(updates[0], -0.02 * 0.01 * params[0])  # the decay alone
+    torch.testing.assert_close(updates[0], -6e-4 * 0.1 * params[0])  # the decay alone
     (aligned,), _ = mf.align_rms().update((zeros,), ())
     assert torch.equal(aligned, zeros)
 
@@ -363,6 +423,29 @@ def test_create_hybrid_optimizer_runs_adamuon_and_says_so():
     assert "update_exp_avg_sq" not in opt.state[model.head.weight]  # the head is AdamW's
 
 
+def test_nosign_variant_by_name_in_the_hybrid_and_in_train_specs():
+    """``adamuon_sign=False`` through ``create_hybrid_optimizer`` and ``muon-fn train``'s spec
+    ``muon[adamuon_beta2=0.95,adamuon_sign=false]``: the split names it, no sign transform runs."""
+    from muon_fn._train import optimizers
+
+    torch.manual_seed(0)
+    opt = mf.create_hybrid_optimizer(Net(), adamuon_beta2=0.95, adamuon_sign=False, adjust_lr_fn="match_rms_adamw")
+    assert str(opt.split).startswith("AdaMuon (no sign): 3 tensors")
+    assert "scale_by_sign" not in opt.describe() and "scale_by_second_moment(beta2=0.95" in opt.describe()
+    name, options = optimizers.parse_spec(
+        "muon[weight_decay=0.01,adamuon_beta2=0.95,adamuon_sign=false,adjust_lr_fn=match_rms_adamw,lr=0.01]")
+    options.pop("lr")
+    built, desc = optimizers.build_single(name, options, Net(), 0.01, 3e-3, 0.0, False)
+    assert desc.endswith("AdaMuon (no sign); weight_decay=0.01, adamw_weight_decay=0.0 on ndim >= 2"), desc
+    group = built.param_groups[0]
+    assert (group["adamuon_beta2"], group["adamuon_sign"], group["beta2"]) == (0.95, False, None)
+    # --fsdp: the same spec builds FSDPMuonOptimizer with AdaMuon and without NorMuon's default
+    name, options = optimizers.parse_spec("muon[adamuon_beta2=0.95,adamuon_sign=false]")
+    fsdp, _ = optimizers.build_fsdp(name, options, Net(), 0.01, 3e-3, 0.0, 1)
+    group = fsdp.param_groups[0]
+    assert (group["adamuon_beta2"], group["adamuon_sign"], group["beta2"]) == (0.95, False, None)
+
+
 class TestAdaMuonExpect(expecttest.TestCase):
     def test_recipe_repr(self):
         self.assertExpectedInline(repr(mf.adamuon()), """\
@@ -370,11 +453,11 @@ chain(
   momentum(momentum=0.95, nesterov=True, kind='sgd'),
   scale_by_sign(),
   orthogonalize(method='quintic', steps=5, dtype=None, eps=1e-07, stepsize=1.0, view='flatten'),
-  scale_by_second_moment(beta2=0.999, eps=1e-08),
+  scale_by_second_moment(beta2=0.95, eps=1e-08),
   align_rms(eps=1e-08, view='flatten'),
   scale_by_shape(rule='match_rms_adamw', view='flatten'),
-  add_decoupled_weight_decay(weight_decay=0.01),
-  scale_by_learning_rate(lr=0.02),
+  add_decoupled_weight_decay(weight_decay=0.1),
+  scale_by_learning_rate(lr=0.0006),
 )""")
 
     def test_state_structure(self):
@@ -407,6 +490,8 @@ chain(
         self.assertExpectedInline(msg(mf.align_rms().update, [torch.zeros(3)], ()), """align_rms only supports matrices (ndim >= 2) whereas we found a leaf with size: (3,). Route 0-/1-D parameters (biases, norms) to another transform with muon_fn.partition, e.g. muon_fn.hybrid(...), or use muon_fn.MuonOptimizer / muon_fn.create_hybrid_optimizer, which do this for you.""")
         self.assertExpectedInline(msg(mf.adamuon, beta2=-0.1), """Invalid beta2: -0.1 (expected 0 <= beta2 < 1)""")
         self.assertExpectedInline(msg(mf.adamuon, sign=1), """Invalid sign: 1 (expected True or False)""")
+        self.assertExpectedInline(msg(mf.adamuon, momentum=1.0), """Invalid momentum: 1.0 (expected 0 <= momentum < 1)""")
+        self.assertExpectedInline(msg(mf.adamuon_nosign, sign=True), """adamuon_nosign() takes no sign= (it is adamuon(sign=False)); use adamuon(sign=...)""")
         self.assertExpectedInline(msg(mf.adamuon, adamuon_eps=0.0), """Invalid adamuon_eps: 0.0 (expected a finite value > 0)""")
         self.assertExpectedInline(msg(mf.muon, adamuon_beta2=1.0), """Invalid adamuon_beta2: 1.0 (expected 0 <= adamuon_beta2 < 1)""")
         self.assertExpectedInline(msg(mf.muon, beta2=0.95, adamuon_beta2=0.95), """beta2=0.95 (NorMuon) and adamuon_beta2=0.95 (AdaMuon) both normalize the orthogonalized update; pass one of them (the other None)""")

@@ -260,18 +260,20 @@ def build_fsdp(name: str, options: dict[str, Any], model: nn.Module, lr: float, 
     if metrics and "metrics" not in options:
         options["metrics"] = metrics
     betas = _betas(name, options)
+    muon_wd, adamw_wd = options.pop("weight_decay", wd), options.pop("adamw_weight_decay", wd)  # a spec's own
     muon_params, adamw_params = mf.split_parameters(model, **_router_split(options))
     groups = [{"params": [p for _, p, _ in muon_params], "use_muon": True},
               {"params": [p for _, p, _ in adamw_params], "use_muon": False}]
     if name == "sso":
         opt = mf.FSDPSpectralSphereOptimizer(model, groups, lr=lr, adamw_lr=adamw_lr, adamw_betas=betas,
-                                             adamw_weight_decay=wd, **options)
+                                             adamw_weight_decay=adamw_wd, weight_decay=muon_wd, **options)
         return opt, f"muon_fn.FSDPSpectralSphereOptimizer(lr={lr}, adamw_lr={adamw_lr}, world={world})"
     from muon_fn.fsdp import FSDPMuonOptimizer
 
     from muon_fn.optim._hybrid import NORMUON_BETA2
 
-    beta2 = options.pop("beta2", NORMUON_BETA2)  # muon and normuon: the hybrid's default, NorMuon
-    opt = FSDPMuonOptimizer(model, groups, lr=lr, weight_decay=wd, beta2=beta2, adamw_lr=adamw_lr,
-                            adamw_betas=betas, adamw_weight_decay=wd, **options)
+    # muon and normuon: the hybrid's default, NorMuon, unless the spec asks for AdaMuon (as the hybrid)
+    beta2 = options.pop("beta2", None if options.get("adamuon_beta2") is not None else NORMUON_BETA2)
+    opt = FSDPMuonOptimizer(model, groups, lr=lr, weight_decay=muon_wd, beta2=beta2, adamw_lr=adamw_lr,
+                            adamw_betas=betas, adamw_weight_decay=adamw_wd, **options)
     return opt, f"muon_fn.fsdp.FSDPMuonOptimizer(lr={lr}, adamw_lr={adamw_lr}, world={world})"

@@ -133,6 +133,12 @@ ROW_SPECS: dict[str, Row] = {
     "muon_fn[aol9]": Row(_muon_fn(method="aol9"), "aol9", None, None, "replay[aol9]", True),
     "muon_fn[aol4]": Row(_muon_fn(method="aol", ns_steps=4), "aol", 4, None, "replay[aol4]", True),
     "muon_fn[nonfinite=None]": Row(_muon_fn(nonfinite=None), DEFAULT_METHOD, None, None, _DEFAULT_REPLAY, True),
+    # Telemetry: every step's figures, every 10th step's; the step written bucket by bucket.
+    "muon_fn[metrics]": Row(_muon_fn(metrics=True), DEFAULT_METHOD, None, None, _DEFAULT_REPLAY, True),
+    "muon_fn[metrics=10]": Row(_muon_fn(metrics=10), DEFAULT_METHOD, None, None, _DEFAULT_REPLAY, True),
+    "muon_fn[normuon,metrics]": Row(_muon_fn(beta2=0.95, metrics=True), DEFAULT_METHOD, None, None,
+                                    _DEFAULT_REPLAY, True),
+    "muon_fn[atomic=False]": Row(_muon_fn(atomic=False), DEFAULT_METHOD, None, None, _DEFAULT_REPLAY, True),
     # Gram Newton–Schulz in its device default dtype (fp16 on GPUs, fp32 on the CPU).
     "muon_fn[gram]": Row(_muon_fn(method="gram"), "gram", None, None, None, True),
     # The default step captured as CUDA graphs (on the CPU: inductor's reduce-overhead mode, no graphs).
@@ -145,8 +151,15 @@ ROW_SPECS: dict[str, Row] = {
     "muon_fn[cautious]": Row(_muon_fn(weight_decay=0.01, cautious_weight_decay=True), DEFAULT_METHOD, None, None,
                              _DEFAULT_REPLAY, True),
     "muon_fn[wd=0.01]": Row(_muon_fn(weight_decay=0.01), DEFAULT_METHOD, None, None, _DEFAULT_REPLAY, True),
-    "muon_fn[adamuon]": Row(_muon_fn(adamuon_beta2=0.999, adjust_lr_fn="match_rms_adamw"), DEFAULT_METHOD, None,
+    # AdaMuon at the authors' settings: one β (the momentum's, 0.95) for both moments, the sign.
+    "muon_fn[adamuon]": Row(_muon_fn(adamuon_beta2=0.95, adjust_lr_fn="match_rms_adamw"), DEFAULT_METHOD, None,
                             None, _DEFAULT_REPLAY, True),
+    # Low-bit state: the default step with its momentum stored in 16, 8 or 4 bits (state MiB and
+    # the step's cost against the fp32 state's; docs/performance.md, "Low-bit state").
+    **{f"muon_fn[state_bits={bits}]": Row(_muon_fn(state_bits=bits), DEFAULT_METHOD, None, None, _DEFAULT_REPLAY,
+                                          True, ("muon_fn",)) for bits in (16, 8, 4)},
+    "TritonMuonW[state_bits=8]": Row(_triton(TritonMuonW, state_bits=8), None, None, None, None, True,
+                                     ("TritonMuonW", "torch.optim.AdamW[fused,wd=0.01]")),
     # The elementwise family (it does not orthogonalize) against torch's fused Adam, AdamW and SGD.
     "TritonMuon": Row(_triton(TritonMuon), None, None, None, None, True,
                       ("torch.optim.Adam[fused]", "torch.optim.SGD[fused]")),
@@ -156,6 +169,8 @@ ROW_SPECS: dict[str, Row] = {
                               ("torch.optim.AdamW[fused,wd=0.01]", "TritonMuonW")),
     "TritonMuonW[nonfinite=None]": Row(_triton(TritonMuonW, nonfinite=None), None, None, None, None, True,
                                        ("torch.optim.AdamW[fused,wd=0.01]", "TritonMuonW")),
+    "TritonMuonW[atomic=False]": Row(_triton(TritonMuonW, atomic=False), None, None, None, None, True,
+                                     ("torch.optim.AdamW[fused,wd=0.01]", "TritonMuonW")),
     "torch.optim.Adam[fused]": Row(_torch_adam, None, None, None, None, None),
     "torch.optim.AdamW[fused,wd=0.01]": Row(_torch_adamw_decay, None, None, None, None, None),
     "torch.optim.SGD[fused]": Row(_torch_sgd, None, None, None, None, None),

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .. import _checks, _tree, _views
+from .. import _checks, _quantize, _tree, _views
 from .._muon import group_by
 from ..optim import _state
 from ..optim._adapter import BUCKET_SIZE
@@ -196,6 +196,7 @@ class FSDPAdapter(AdapterStep):
         for route in self._routes(index):
             for bucket in route.buckets:
                 ps = [params[i] for i in bucket.indices]
+                self._check_blocks(ps, bucket, self.param_groups[index].get("state_bits"))
                 states = [self.state[p] for p in ps]
                 fresh, whole = self._fresh_leaves(route, bucket, ps)
                 if whole and not _state.complete(bucket.phase_layouts[1], states):
@@ -204,6 +205,20 @@ class FSDPAdapter(AdapterStep):
                           for slot, rows, leaf in zip(bucket.layout.slots, bucket.rows, fresh)]
                 _state.scatter(bucket.layout, _tree.tree_unflatten(bucket.layout.spec, leaves), states,
                                overwrite=False)
+
+    def _check_blocks(self, ps: list[torch.Tensor], bucket: Bucket, bits: Any) -> None:
+        """Quantized state (``state_bits`` 16, 8, 4) keeps its blocks within rows: a parameter
+        whose columns are sharded (a row-wise TP weight) cannot hold it."""
+        for slot in bucket.layout.slots:
+            if slot is not None and slot.key.endswith(_quantize.CODES) and slot.index is not None:
+                p = ps[slot.index]
+                if self._layouts[id(p)].row_placements is not None:
+                    raise ValueError(
+                        f"parameter {self._fqn(p)!r} has placements {tuple(p.placements)}, which shard its "
+                        f"columns, but its state {slot.key[:-len(_quantize.CODES)]!r} is quantized in blocks "
+                        f"within rows (state_bits={bits}); use state_bits=32 "
+                        "(or 16 for the momentum alone) for column-sharded (row-wise tensor parallel) weights, "
+                        "or shard them by rows")
 
     def _fresh_leaves(self, route: Route, bucket: Bucket, ps: list[torch.Tensor]) -> tuple[list, bool]:
         """The leaves of a fresh state of the bucket from its local rows, and whether its mid

@@ -12,6 +12,7 @@ import argparse
 from typing import Sequence
 
 from .._argtypes import float_arg, int_arg
+from .._quantize import STATE_BITS
 from . import specs
 from ._predict import (BUCKET_SIZE, DEFAULT_GEMM_TFLOPS, DEFAULT_LINK_GBPS, PlanReport, parse_mesh,
                        plan_model)
@@ -19,6 +20,7 @@ from ._predict import (BUCKET_SIZE, DEFAULT_GEMM_TFLOPS, DEFAULT_LINK_GBPS, Plan
 COLUMNS = ("model", "mesh", "matrices", "units", "buckets", "NS FLOPs/rank max", "max/mean",
            "lower bound", "efficiency", "idle ranks", "sent/rank mean", "2(W−1)/W²·S", "sent max",
            "received max", "extra peak max", "compute", "comm", "step")
+STATE_COLUMN = "state/rank max"  # after "extra peak max", when the reports count the state
 
 
 def _row(r: PlanReport) -> list[str]:
@@ -29,7 +31,8 @@ def _row(r: PlanReport) -> list[str]:
     return [r.model, str(r.mesh), str(r.matrices), str(r.units), str(len(r.plan.buckets)),
             _si(max(r.flops), "FLOP"), f"{r.flops_max_mean:.3f}", f"{r.bound_max_mean:.3f}",
             f"{r.efficiency:.0%}", f"{r.idle_ranks}/{w}", gb(r.sent_mean), gb(r.bytes_formula),
-            gb(max(r.sent)), gb(max(r.received)), gb(max(r.peak)), _seconds(compute), _seconds(comm),
+            gb(max(r.sent)), gb(max(r.received)), gb(max(r.peak)),
+            *([gb(max(r.state))] if r.state else []), _seconds(compute), _seconds(comm),
             _seconds(r.step_s)]
 
 
@@ -49,9 +52,12 @@ def _seconds(value: float) -> str:
 
 def format_plan(reports: Sequence[PlanReport]) -> str:
     """A markdown table of ``reports``, one row each (columns: docs/distributed.md)."""
-    rows = [list(COLUMNS)] + [_row(r) for r in reports]
+    columns = list(COLUMNS)
+    if reports and all(r.state for r in reports):
+        columns.insert(columns.index("extra peak max") + 1, f"{STATE_COLUMN} ({reports[0].state_bits}-bit)")
+    rows = [columns] + [_row(r) for r in reports]
     lines = ["| " + " | ".join(row) + " |" for row in rows]
-    lines.insert(1, "|" + "---|" * len(COLUMNS))
+    lines.insert(1, "|" + "---|" * len(columns))
     return "\n".join(lines)
 
 
@@ -75,6 +81,9 @@ def _parser(prog: str) -> argparse.ArgumentParser:
                    help="FSDPMuonOptimizer's num_buckets (default 4)")
     p.add_argument("--wire", choices=("fp32", "bf16"), default="fp32",
                    help="dtype on the wire (FSDPMuonOptimizer's wire_dtype; default fp32)")
+    p.add_argument("--state-bits", type=int, choices=STATE_BITS, default=None, metavar="BITS",
+                   help="the optimizers' state_bits (32, 16, 8 or 4): add a column with the optimizer state each "
+                        "rank holds at that width, Muon momentum and AdamW moments (default: no column)")
     return p
 
 
@@ -86,7 +95,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "muon-fn plan") -> int:
         meshes = [parse_mesh(m) for m in args.mesh]
         reports = [plan_model(model, mesh, ns_steps=args.ns_steps, bucket_size=args.bucket_size,
                               num_buckets=args.num_buckets, wire_bytes=4 if args.wire == "fp32" else 2,
-                              gemm_tflops=args.gemm_tflops, link_gbps=args.link_gbps)
+                              gemm_tflops=args.gemm_tflops, link_gbps=args.link_gbps, state_bits=args.state_bits)
                    for model in args.model for mesh in meshes]
     except ValueError as e:
         parser.error(str(e))

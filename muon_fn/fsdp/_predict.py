@@ -24,6 +24,10 @@ returns the plan with per-rank figures read off it:
   of its largest unit (X, XXᵀ, its square and the new X, in ``ns_bytes``). Plain Muon's rows are
   the update itself; a format with more columns (NorMuon's row state, SSO's weight rows) packs a
   copy, which this leaves out.
+- **Optimizer state** per rank at ``state_bits`` (when given): the rows each rank holds (FSDP2's
+  ``Shard(0)`` over the ``dp`` ranks; with TP, a dp shard's share divided by T) of every Muon
+  matrix's momentum and, for a spec, every AdamW parameter's two moments and step
+  (:func:`muon_fn._quantize.nbytes`: codes and scales at 16, 8 and 4 bits; fp32 parameters).
 - A **predicted step time** for a GEMM rate and a per-rank link bandwidth: rank r computes for
   C = FLOPs/rate and communicates for X = max(sent, received)/bandwidth; buckets overlap the two
   except one exchange's worth, so t_r = max(C, X) + X/buckets, and the step is the slowest rank's.
@@ -42,7 +46,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, NamedTuple, Sequence
 
-from .. import _views
+from .. import _quantize, _views
 from .._muon import group_by
 from ..optim._adapter import BUCKET_SIZE  # FSDPMuonOptimizer's default, as MuonOptimizer's
 from . import specs as _specs
@@ -165,6 +169,8 @@ class PlanReport:
     gemm_flops_per_s: float
     link_bytes_per_s: float
     matrix_flops: tuple[int, ...] = ()  # NS FLOPs of each of the plan's matrices
+    state: tuple[int, ...] = ()  # optimizer state bytes each rank holds (module doc); () if not asked
+    state_bits: int | None = None
 
     @property
     def world_size(self) -> int:
@@ -229,7 +235,7 @@ class PlanReport:
 def plan_model(model: str | dict | Sequence[Matrix], mesh: str | int | Mesh = "dp=8", *,
                ns_steps: int = 5, bucket_size: int | None = BUCKET_SIZE, num_buckets: int = 4,
                wire_bytes: int = 4, ns_bytes: int = 2, gemm_tflops: float = DEFAULT_GEMM_TFLOPS,
-               link_gbps: float = DEFAULT_LINK_GBPS) -> PlanReport:
+               link_gbps: float = DEFAULT_LINK_GBPS, state_bits: int | None = None) -> PlanReport:
     """The FSDP optimizer's plan for ``model`` on ``mesh`` and its per-rank figures.
 
     Args:
@@ -245,7 +251,11 @@ def plan_model(model: str | dict | Sequence[Matrix], mesh: str | int | Mesh = "d
       ns_bytes: bytes per element of the Newton–Schulz iteration (2: bf16, the GPU default).
       gemm_tflops, link_gbps: the achieved GEMM rate (TFLOP/s) and the per-rank link bandwidth
         (GB/s) of the predicted step time.
+      state_bits: the optimizers' ``state_bits`` (32, 16, 8, 4): count the optimizer state each
+        rank holds at that width (``PlanReport.state``); ``None`` (default): not counted.
     """
+    if state_bits is not None:
+        _quantize.check_state_bits(state_bits)
     _check_positive(ns_steps=ns_steps, num_buckets=num_buckets, wire_bytes=wire_bytes, ns_bytes=ns_bytes,
                     gemm_tflops=gemm_tflops, link_gbps=link_gbps, **({} if bucket_size is None
                                                                    else {"bucket_size": bucket_size}))
@@ -275,7 +285,32 @@ def plan_model(model: str | dict | Sequence[Matrix], mesh: str | int | Mesh = "d
                       sum(_views.count(shape, view) for _, shape, view in matrices), len(units),
                       *per_rank, muon_bytes=sum(mp.numel for mp in plan.matrices if not mp.local) * wire_bytes,
                       placed_flops=tuple(placed), fixed_flops=tuple(fixed), matrix_flops=tuple(flops),
-                      gemm_flops_per_s=gemm_tflops * 1e12, link_bytes_per_s=link_gbps * 1e9)
+                      gemm_flops_per_s=gemm_tflops * 1e12, link_bytes_per_s=link_gbps * 1e9,
+                      state=() if state_bits is None else state_per_rank(model, mesh, state_bits),
+                      state_bits=state_bits)
+
+
+def state_per_rank(model: str | dict | Sequence[Matrix], mesh: str | int | Mesh,
+                   state_bits: int = 32) -> tuple[int, ...]:
+    """Optimizer state bytes each rank of a ``dp`` shard group holds (module doc): Muon matrices'
+    momentum (linear format) and, for a spec, AdamW parameters' moments (``exp_avg``,
+    ``exp_avg_sq``) and 4-byte step."""
+    mesh = parse_mesh(mesh)
+    if isinstance(model, (str, dict)):
+        params = [(p.shape, p.view is not None) for p in _specs.model_params(model)]
+    else:
+        params = [(shape, True) for _, shape, _ in muon_matrices(model)[1]]
+    out = [0] * mesh.dp
+    for shape, muon in params:
+        shape = tuple(shape)
+        for r, (a, b) in enumerate(chunk_rows(shape[0], mesh.dp)):
+            local = (b - a,) + shape[1:]
+            if muon:
+                out[r] += _quantize.nbytes(local, state_bits, _quantize.LINEAR)
+            else:
+                out[r] += (_quantize.nbytes(local, state_bits, _quantize.LINEAR)
+                           + _quantize.nbytes(local, state_bits, _quantize.UNSIGNED) + 4)
+    return tuple(-(-b // mesh.tp) for b in out)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -27,7 +27,7 @@ from .. import _checks, _compile, _execution, _metrics
 from .._base import GradientTransformation, info
 from .._muon import group_by
 from . import _layout, _state
-from ._apply import compute_of, measured_of
+from ._apply import applied_of, compute_of, measured_of
 from ._step import StagedStep, StepReport, signature, step_not_traced  # noqa: F401 (re-exported)
 from ._telemetry import Telemetry, check_metrics
 
@@ -66,6 +66,7 @@ class _Variant(NamedTuple):
     tx: GradientTransformation
     step: _compile.PerSignature
     measured: _compile.PerSignature  # the same step with telemetry (metrics=)
+    applied: _compile.PerSignature  # the step and its commit in one (atomic=False)
 
 
 class _Bucket(NamedTuple):
@@ -113,8 +114,8 @@ class Optimizer(StagedStep, Telemetry, torch.optim.Optimizer):
         error midway (a compiler error, an out-of-memory) leaves the optimizer as it was; the
         price is the transient memory of the whole step's new state and updates (one more state
         and parameter copy) until the commit. ``False``: each bucket is written as soon as it is
-        computed (the transient memory of one bucket); an error midway leaves the buckets before
-        it applied. Same results either way.
+        computed, in the same graph (the transient memory of one bucket's intermediates); an
+        error midway leaves the buckets before it applied. Same results either way.
       metrics: telemetry. ``False`` (default): none, the same graphs as without the option;
         ``True``: every step's figures, computed inside the step's graphs; ``k``: every k-th
         step's (the others run the unmeasured graphs). :meth:`metrics` reads them.
@@ -313,8 +314,8 @@ class Optimizer(StagedStep, Telemetry, torch.optim.Optimizer):
         for v, opts in enumerate(options):
             tx = self._factory({**hyper, **opts})
             what = f"{type(self).__name__}'s step"
-            rt.variants.append(_Variant(opts, tx, _compile.PerSignature(compute_of(tx), self._compile_options, what),
-                                        _compile.PerSignature(measured_of(tx), self._compile_options, what)))
+            rt.variants.append(_Variant(opts, tx, *(_compile.PerSignature(f(tx), self._compile_options, what)
+                                                     for f in (compute_of, measured_of, applied_of))))
             members = [i for i, w in enumerate(rt.variant_of) if w == v]
             mine = [params[i] for i in members]
             for b in buckets(mine, _execution.bucket_limit(mine, self._bucket_size) if info(tx).leafwise else None):

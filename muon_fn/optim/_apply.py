@@ -105,6 +105,17 @@ def compute_of(tx: GradientTransformation) -> Callable[..., tuple[tuple, Any]]:
     return compute
 
 
+def applied_of(tx: GradientTransformation) -> Callable[..., None]:
+    """:func:`compute_of` and the bucket's commit in one function (``atomic=False``): compiled,
+    one graph that writes the new state and the update in place, with the transient memory of
+    the bucket's intermediates only."""
+
+    def apply(params, grads, state, finite):
+        apply_bucket(tx, params, grads, state, finite)
+
+    return apply
+
+
 def measured_of(tx: GradientTransformation) -> Callable[..., tuple[tuple, Any, tuple]]:
     """:func:`compute_of` with telemetry: also the step's raw figures (:mod:`muon_fn._metrics`)
     of the bucket's leaves ``leaves``; the gradients' figure is that of the gradients as they

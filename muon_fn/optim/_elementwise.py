@@ -14,7 +14,9 @@ import torch
 from .. import _checks, _compile
 from .._alias import TRITON_MUON_EPS, triton_muon
 from .._base import GradientTransformation
+from .._quantize import check_state_bits
 from ._adapter import Optimizer
+from ._muon import convert_stored, keep_storage
 
 
 class _ElementwiseOptimizer(Optimizer):
@@ -25,17 +27,17 @@ class _ElementwiseOptimizer(Optimizer):
     _extra_scalar_keys = ("velocity",)  # like lr and momentum: a 0-d tensor, schedulable
 
     def __init__(self, params: Iterable[Any], lr: float | torch.Tensor, momentum: float, velocity: float,
-                 weight_decay: float, nesterov: bool, layerwise_norm: bool, *, eps: float,
+                 weight_decay: float, nesterov: bool, layerwise_norm: bool, *, eps: float, state_bits: int,
                  gradient_accumulation_steps: int, nonfinite: str | None, compile: _compile.CompileOption,
-                 bucket_size: int | None, **kwargs: Any) -> None:
+                 bucket_size: int | None, metrics: bool | int = False, **kwargs: Any) -> None:
         if "betas" in kwargs:
             raise TypeError(f"{type(self).__name__}() got an unexpected keyword argument 'betas': "
                             "use momentum (beta1) and velocity (beta2)")
         defaults = dict(lr=lr, momentum=momentum, velocity=velocity, weight_decay=weight_decay,
-                        nesterov=nesterov, layerwise_norm=layerwise_norm, eps=eps)
+                        nesterov=nesterov, layerwise_norm=layerwise_norm, eps=eps, state_bits=state_bits)
         super().__init__(params, functools.partial(elementwise_factory, decoupled=self._decoupled), defaults,
                          gradient_accumulation_steps=gradient_accumulation_steps, nonfinite=nonfinite,
-                         compile=compile, bucket_size=bucket_size, **kwargs)
+                         compile=compile, bucket_size=bucket_size, metrics=metrics, **kwargs)
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         super()._validate_group(group)  # lr and momentum, in torch's wording
@@ -44,12 +46,23 @@ class _ElementwiseOptimizer(Optimizer):
         _checks.eps_value("eps", group["eps"])
         _checks.boolean("nesterov", group["nesterov"])
         _checks.boolean("layerwise_norm", group["layerwise_norm"])
+        check_state_bits(group.get("state_bits", 32))
+
+    def _build(self, group: dict[str, Any], rt: Any, static_key: Any) -> None:
+        super()._build(group, rt, static_key)
+        convert_stored(self, group, rt)
+
+    def load_state_dict(self, state_dict: dict[str, Any], *, allow_missing_state: bool = False) -> None:
+        """torch's ``load_state_dict`` (see :meth:`muon_fn.Optimizer.load_state_dict`); the state of a
+        checkpoint saved at another ``state_bits`` is converted to this optimizer's."""
+        super().load_state_dict(keep_storage(state_dict, self.param_groups), allow_missing_state=allow_missing_state)
 
 
 def elementwise_factory(h: dict[str, Any], *, decoupled: bool) -> GradientTransformation:
     """The transform of a :class:`TritonMuon` (or, ``decoupled``, :class:`TritonMuonW`) group."""
     return triton_muon(h["lr"], h["momentum"], h["velocity"], weight_decay=h["weight_decay"], decoupled=decoupled,
-                       nesterov=h["nesterov"], layerwise_norm=h["layerwise_norm"], eps=h["eps"])
+                       nesterov=h["nesterov"], layerwise_norm=h["layerwise_norm"], eps=h["eps"],
+                       state_bits=h.get("state_bits", 32))
 
 
 class TritonMuon(_ElementwiseOptimizer):
@@ -77,7 +90,10 @@ class TritonMuon(_ElementwiseOptimizer):
       lr, momentum, velocity, weight_decay, nesterov, layerwise_norm: the original signature and
         defaults (``lr=1e-3``, β₁ 0.9, β₂ 0.999, no decay, no Nesterov, no normalization).
       eps: ε of the denominator, ``1e-8`` (keyword-only, after the original arguments).
-      gradient_accumulation_steps, nonfinite, compile, bucket_size: see :class:`muon_fn.Optimizer`.
+      state_bits: how ``exp_avg`` and ``exp_avg_sq`` are stored between steps: 32 (default, the
+        parameter's dtype), 16, 8 or 4 (blockwise within rows, :func:`muon_fn.scale_by_adam`);
+        0-/1-D parameters keep fp32 moments.
+      gradient_accumulation_steps, nonfinite, compile, bucket_size, metrics: see :class:`muon_fn.Optimizer`.
 
     ``lr``, ``momentum`` and ``velocity`` are per-step scalars (schedulers change them without a
     recompile), held as 0-d fp32 tensors (fp64 for fp64 parameters), as in every
@@ -96,15 +112,17 @@ class TritonMuon(_ElementwiseOptimizer):
         layerwise_norm: bool = False,
         *,
         eps: float = TRITON_MUON_EPS,
+        state_bits: int = 32,
         gradient_accumulation_steps: int = 1,
         nonfinite: str | None = "skip",
         compile: _compile.CompileOption = True,
         bucket_size: int | None = None,
+        metrics: bool | int = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(params, lr, momentum, velocity, weight_decay, nesterov, layerwise_norm, eps=eps,
-                         gradient_accumulation_steps=gradient_accumulation_steps, nonfinite=nonfinite,
-                         compile=compile, bucket_size=bucket_size, **kwargs)
+                         state_bits=state_bits, gradient_accumulation_steps=gradient_accumulation_steps,
+                         nonfinite=nonfinite, compile=compile, bucket_size=bucket_size, metrics=metrics, **kwargs)
 
 
 class TritonMuonW(_ElementwiseOptimizer):
@@ -132,12 +150,14 @@ class TritonMuonW(_ElementwiseOptimizer):
         layerwise_norm: bool = False,
         *,
         eps: float = TRITON_MUON_EPS,
+        state_bits: int = 32,
         gradient_accumulation_steps: int = 1,
         nonfinite: str | None = "skip",
         compile: _compile.CompileOption = True,
         bucket_size: int | None = None,
+        metrics: bool | int = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(params, lr, momentum, velocity, weight_decay, nesterov, layerwise_norm, eps=eps,
-                         gradient_accumulation_steps=gradient_accumulation_steps, nonfinite=nonfinite,
-                         compile=compile, bucket_size=bucket_size, **kwargs)
+                         state_bits=state_bits, gradient_accumulation_steps=gradient_accumulation_steps,
+                         nonfinite=nonfinite, compile=compile, bucket_size=bucket_size, metrics=metrics, **kwargs)

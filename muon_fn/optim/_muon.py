@@ -16,6 +16,8 @@ from .._combine import partition
 from .._muon import ADJUST_LR_FNS
 from .._newton_schulz import COMPUTE_DTYPES, METHODS, validate_coefficients
 from .._qk_clip import QKClip, check_tracked
+from .. import _quantize
+from .._quantize import check_state_bits as check_state_bits_value
 from .._transforms import MOMENTUM_KINDS
 from . import _views
 from ._adapter import Optimizer, step_not_traced
@@ -98,7 +100,12 @@ class HybridOptimizer(Optimizer):
             groups = [g if "matrix_view" in g else {**g, "matrix_view": ours["matrix_view"]}
                       for g, ours in zip(groups, self.param_groups)]
             state_dict = {**state_dict, "param_groups": groups}
-        super().load_state_dict(_with_later_keys(state_dict, self._later_keys), allow_missing_state=allow_missing_state)
+        state_dict = keep_storage(_with_later_keys(state_dict, self._later_keys), self.param_groups)
+        super().load_state_dict(state_dict, allow_missing_state=allow_missing_state)
+
+    def _build(self, group: dict[str, Any], rt: Any, static_key: Any) -> None:
+        super()._build(group, rt, static_key)
+        convert_stored(self, group, rt)
 
     def _derived_scalars(self, group: dict[str, Any], scalars: dict[str, torch.Tensor]) -> None:
         # adamw_lr · lr / base_lr, on the device (lr may be a tensor; nothing is read back). A
@@ -158,18 +165,29 @@ class MuonOptimizer(HybridOptimizer):
         always iterates in bf16). ``ns_stepsize``: see :func:`muon_fn.orthogonalize`.
       beta2: ``None`` for Muon; a float enables NorMuon row normalization with ``normuon_eps``.
       adamuon_beta2: ``None`` (default) for Muon; a float enables AdaMuon (arXiv:2507.11005,
-        :func:`muon_fn.adamuon`) with that β₂: the sign of the momentum is orthogonalized
-        (``adamuon_sign=True``), divided by the root of its element-wise second moment (state
-        ``update_exp_avg_sq``, fp32, with ``adamuon_eps``) and rescaled to the size of an
-        orthogonal matrix before the shape rule. ``adjust_lr_fn`` keeps its meaning: the default
-        (``"original"``) gives Muon's step size, ``"match_rms_adamw"`` the paper's RMS-aligned
-        update (RMS 0.2·lr: use an AdamW learning rate). NorMuon and AdaMuon together raise
-        ``ValueError``.
+        :func:`muon_fn.adamuon`) with that β for its second moment. Recommended: the momentum's
+        value (``adamuon_beta2=0.95`` at the default momentum), the authors' one β; any float
+        keeps its meaning (0.999 was the first reference code's). The sign of the momentum is
+        orthogonalized (``adamuon_sign=True``, the paper's current version; ``False``: the
+        momentum itself, its first version, :func:`muon_fn.adamuon_nosign`), divided by the root
+        of its element-wise second moment (state ``update_exp_avg_sq``, fp32, with
+        ``adamuon_eps``) and rescaled to the size of an orthogonal matrix before the shape rule.
+        ``adjust_lr_fn`` keeps its meaning: the default (``"original"``) gives Muon's step size,
+        ``"match_rms_adamw"`` the paper's RMS-aligned update (RMS 0.2·lr: use an AdamW learning
+        rate and decay). NorMuon and AdaMuon together raise ``ValueError``.
       cautious_weight_decay: Cautious Weight Decay (arXiv:2510.12402) in both halves: the decay
         ``lr·wd·p`` (Muon's ``weight_decay``, AdamW's ``adamw_weight_decay``) reaches only the
         coordinates where the update direction and the weight agree in sign. Default off.
       momentum_dtype: dtype of the momentum buffer (default: the parameter's), e.g. fp32 for
         bf16 parameters.
+      state_bits: how the state is stored between steps: ``32`` (default: the momentum in
+        ``momentum_dtype``, AdamW's moments in the parameter's dtype), ``16`` (bf16; AdamW's
+        second moment as 16-bit codes), ``8`` or ``4`` (blockwise codes within rows with one fp32
+        scale per block: the momentum and AdamW's first moment linear absmax, its second moment a
+        small float relative to each block's maximum; :mod:`muon_fn._quantize`). The step dequantizes, updates in fp32
+        and requantizes inside its compiled graph; no full-precision copy is kept. 0-/1-D
+        parameters, NorMuon's row statistics and AdaMuon's second moment stay fp32. A
+        checkpoint of another width loads (converted); see docs/api.md.
       layerwise_norm: divide each Muon parameter's gradient by its own norm before the momentum
         (:func:`muon_fn.normalize_layerwise`; default off). The AdamW half sees the raw
         gradients: Adam's update already ignores the gradient's scale (up to ``adamw_eps``).
@@ -193,7 +211,7 @@ class MuonOptimizer(HybridOptimizer):
         changes the parameters (not an accumulation micro-step, not a skipped step), rescale the
         query and key rows of each attention head whose max logit exceeded τ, on the device.
         Its weights must be parameters of this optimizer. Not saved in ``state_dict``.
-      gradient_accumulation_steps, nonfinite, compile, bucket_size: see :class:`muon_fn.Optimizer`.
+      gradient_accumulation_steps, nonfinite, compile, bucket_size, metrics: see :class:`muon_fn.Optimizer`.
 
     Keywords of other torch optimizers (``maximize``, ``foreach``, ``fused``, ``capturable``,
     ``differentiable``) and former names (``ns_eps``, ``split``) are refused with a ``TypeError`` that says
@@ -223,6 +241,7 @@ class MuonOptimizer(HybridOptimizer):
         cautious_weight_decay: bool = False,
         momentum_kind: str = "ema",
         momentum_dtype: torch.dtype | None = None,
+        state_bits: int = 32,
         layerwise_norm: bool = False,
         matrix_view: Any = None,
         adamw_lr: float = 3e-4,
@@ -236,6 +255,7 @@ class MuonOptimizer(HybridOptimizer):
         nonfinite: str | None = "skip",
         compile: _compile.CompileOption = True,
         bucket_size: int | None = None,
+        metrics: bool | int = False,
         **kwargs: Any,
     ) -> None:
         defaults = dict(
@@ -244,14 +264,14 @@ class MuonOptimizer(HybridOptimizer):
             method=method, ns_dtype=ns_dtype, ns_stepsize=ns_stepsize, beta2=beta2,
             normuon_eps=normuon_eps, adamuon_beta2=adamuon_beta2, adamuon_eps=adamuon_eps,
             adamuon_sign=adamuon_sign, cautious_weight_decay=cautious_weight_decay,
-            momentum_kind=momentum_kind, momentum_dtype=momentum_dtype,
+            momentum_kind=momentum_kind, momentum_dtype=momentum_dtype, state_bits=state_bits,
             layerwise_norm=layerwise_norm, matrix_view=matrix_view, adamw_lr=adamw_lr,
             adamw_betas=adamw_betas, adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay,
             adamw_decay_1d=adamw_decay_1d, algorithm=algorithm,
         )
         super().__init__(params, muon_factory, defaults,
                          gradient_accumulation_steps=gradient_accumulation_steps,
-                         nonfinite=nonfinite, compile=compile, bucket_size=bucket_size, **kwargs)
+                         nonfinite=nonfinite, compile=compile, bucket_size=bucket_size, metrics=metrics, **kwargs)
         check_tracked(qk_clip, [p for g in self.param_groups for p in g["params"]], type(self).__name__)
         self.qk_clip = qk_clip
 
@@ -287,8 +307,36 @@ class MuonOptimizer(HybridOptimizer):
         super().load_state_dict(upgrade_eps_keys(state_dict), allow_missing_state=allow_missing_state)
 
     # Checkpoints saved before these keys existed ran plain Muon with plain decay.
-    _later_keys = {**HybridOptimizer._later_keys, "layerwise_norm": False, "adamuon_beta2": None,
+    _later_keys = {**HybridOptimizer._later_keys, "state_bits": 32, "layerwise_norm": False, "adamuon_beta2": None,
                    "adamuon_eps": 1e-8, "adamuon_sign": True, "cautious_weight_decay": False}
+
+
+# Group keys that say how this optimizer stores its state, not what it computes: a loaded
+# checkpoint keeps the loading optimizer's values, and its state is converted to them
+# (muon_fn.optim._state.cast_to_layout).
+STORAGE_KEYS = ("state_bits",)
+
+
+def keep_storage(state_dict: Any, groups: list[dict[str, Any]]) -> Any:
+    """``state_dict`` with every saved group's :data:`STORAGE_KEYS` set to ``groups``' values."""
+    saved = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+    if not isinstance(saved, list) or len(saved) != len(groups):
+        return state_dict
+    mine = [{k: g[k] for k in STORAGE_KEYS if k in g} for g in groups]
+    return {**state_dict, "param_groups": [{**g, **own} if isinstance(g, dict) else g
+                                           for g, own in zip(saved, mine)]}
+
+
+def convert_stored(optimizer: Optimizer, group: dict[str, Any], rt: Any) -> None:
+    """After a group's transforms are rebuilt (its ``state_bits`` changed, say), state stored at
+    another width is converted to the new layout (:func:`muon_fn._quantize.convert`) instead of
+    restarting from zero."""
+    for bucket in rt.buckets:
+        for k, i in enumerate(bucket.indices):
+            st = optimizer.state.get(group["params"][i])
+            if st:
+                _quantize.convert(st, {slot.key: (slot.shape, slot.dtype) for slot in bucket.layout.slots
+                                       if slot is not None and slot.index in (k, None)})
 
 
 def _with_later_keys(state_dict: Any, later: dict[str, Any]) -> Any:
@@ -325,6 +373,16 @@ def validate_muon_group(group: dict[str, Any]) -> None:
     for key, valid in (("ns_dtype", COMPUTE_DTYPES), ("momentum_dtype", COMPUTE_DTYPES)):
         if group[key] is not None:
             _checks.dtype(key, group[key], valid)
+    check_state_bits(group)
+
+
+def check_state_bits(group: dict[str, Any]) -> None:
+    """A group's ``state_bits`` (one of 32, 16, 8, 4), and not with a ``momentum_dtype``."""
+    bits = group.get("state_bits", 32)
+    check_state_bits_value(bits)
+    if bits != 32 and group.get("momentum_dtype") is not None:
+        raise ValueError(f"momentum_dtype={group['momentum_dtype']} and state_bits={bits} both set how the "
+                         "momentum is stored; pass one of them (state_bits=16 stores it in bf16)")
 
 
 def muon_factory(h: dict[str, Any]) -> GradientTransformation:
@@ -339,6 +397,7 @@ def muon_factory(h: dict[str, Any]) -> GradientTransformation:
             normuon_eps=h["normuon_eps"], adamuon_beta2=h["adamuon_beta2"], adamuon_eps=h["adamuon_eps"],
             adamuon_sign=h["adamuon_sign"], cautious_weight_decay=h["cautious_weight_decay"],
             view=h["matrix_view"] or "flatten", mu_dtype=h["momentum_dtype"], layerwise_norm=h["layerwise_norm"],
+            state_bits=h.get("state_bits", 32),
         )
 
     return hybrid_transform(h, "muon", muon_tx, matrix_labels)
@@ -352,7 +411,8 @@ def hybrid_transform(h: dict[str, Any], name: str, matrix_tx: Callable[[], Gradi
     ``"adamw"``; AdamW with the ``adamw_*`` settings)."""
     algorithm = h["algorithm"]
     # cautious_weight_decay: MuonOptimizer's key (both halves); other hybrids decay plainly
-    decay = {"decay_1d": h["adamw_decay_1d"], "cautious_weight_decay": h.get("cautious_weight_decay", False)}
+    decay = {"decay_1d": h["adamw_decay_1d"], "cautious_weight_decay": h.get("cautious_weight_decay", False),
+             "state_bits": h.get("state_bits", 32)}
     if algorithm == "adamw":
         return adamw(h["lr"], h["adamw_betas"], h["adamw_eps"], h["weight_decay"], **decay)
     if algorithm != "auto":

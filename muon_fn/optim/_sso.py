@@ -12,7 +12,7 @@ from .. import _compile
 from .._base import GradientTransformation
 from .._combine import leafwise_labels
 from .._sso import VALIDATED_KEYS, check_options, sso
-from ._muon import HybridOptimizer, hybrid_transform
+from ._muon import HybridOptimizer, check_state_bits, hybrid_transform
 
 # "muon" is accepted as an alias of "sso" so groups built for MuonOptimizer (e.g. by
 # muon_fn.split_parameters / create_hybrid_optimizer) work unchanged.
@@ -64,6 +64,8 @@ class SpectralSphereOptimizer(HybridOptimizer):
         solver, warm_lambda, lambda_model, model_steps, direction, muon_sphere: see
         :func:`muon_fn.spectral_sphere`.
       momentum_dtype: dtype of the momentum buffer (default: the parameter's).
+      state_bits: how the momentum and AdamW's moments are stored between steps (32, 16, 8 or 4),
+        as in :class:`muon_fn.MuonOptimizer`; SSO's warm-start block and statistics stay fp32.
       matrix_view: how a parameter is read as matrices, as in :class:`muon_fn.MuonOptimizer`
         (``"experts"``: each matrix of an ``(E, out, in)`` stack is its own sphere; a head view
         per parameter: each block is); :meth:`from_model` gives expert stacks ``"experts"`` by
@@ -71,7 +73,7 @@ class SpectralSphereOptimizer(HybridOptimizer):
       adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW half in ``"auto"`` groups.
       adamw_decay_1d: whether AdamW decays 0-/1-D parameters too (default ``False``: only ndim
         ≥ 2), as in :class:`muon_fn.MuonOptimizer`.
-      gradient_accumulation_steps, nonfinite, bucket_size: see :class:`muon_fn.Optimizer`.
+      gradient_accumulation_steps, nonfinite, bucket_size, metrics: see :class:`muon_fn.Optimizer`.
       compile: compiled by default, as every adapter: SSO's per-matrix math is one opaque operator
         (eager inside, so the λ solver still exits early), and inductor compiles only the momentum,
         the stacking and the write-back around it. Measured on a 2-core Zen 3 (fp32, one thread):
@@ -118,6 +120,7 @@ class SpectralSphereOptimizer(HybridOptimizer):
         direction: str = "msign",
         muon_sphere: bool = False,
         momentum_dtype: torch.dtype | None = None,
+        state_bits: int = 32,
         matrix_view: Any = None,
         adamw_lr: float = 3e-4,
         adamw_betas: tuple[float, float] = (0.9, 0.999),
@@ -129,6 +132,7 @@ class SpectralSphereOptimizer(HybridOptimizer):
         nonfinite: str | None = "skip",
         compile: _compile.CompileOption = True,
         bucket_size: int | None = None,
+        metrics: bool | int = False,
         **kwargs: Any,
     ) -> None:
         defaults = dict(
@@ -139,14 +143,14 @@ class SpectralSphereOptimizer(HybridOptimizer):
             max_iterations=max_iterations, bracket_step=bracket_step,
             max_expansions=max_expansions, solver=solver, warm_lambda=warm_lambda,
             lambda_model=lambda_model, model_steps=model_steps, direction=direction,
-            muon_sphere=muon_sphere, momentum_dtype=momentum_dtype, matrix_view=matrix_view,
+            muon_sphere=muon_sphere, momentum_dtype=momentum_dtype, state_bits=state_bits, matrix_view=matrix_view,
             adamw_lr=adamw_lr,
             adamw_betas=tuple(adamw_betas), adamw_eps=adamw_eps,
             adamw_weight_decay=adamw_weight_decay, adamw_decay_1d=adamw_decay_1d, algorithm=algorithm,
         )
         super().__init__(params, sso_factory, defaults,
                          gradient_accumulation_steps=gradient_accumulation_steps,
-                         nonfinite=nonfinite, compile=compile, bucket_size=bucket_size, **kwargs)
+                         nonfinite=nonfinite, compile=compile, bucket_size=bucket_size, metrics=metrics, **kwargs)
 
     @classmethod
     def from_model(cls, model: nn.Module, lr: float = 0.02, adamw_lr: float = 1e-3,
@@ -161,6 +165,7 @@ class SpectralSphereOptimizer(HybridOptimizer):
     def _validate_group(self, group: dict[str, Any]) -> None:
         super()._validate_group(group)  # lr, momentum and the AdamW half, in torch's wording
         check_options(**{key: group[key] for key in VALIDATED_KEYS})  # the recipe's own checks
+        check_state_bits(group)
         if group["algorithm"] in ("sso", "muon"):
             for p in group["params"]:
                 if p.ndim < 2:
@@ -206,7 +211,7 @@ def sso_factory(h: dict[str, Any]) -> GradientTransformation:
         # The group's keys are the recipe's argument names (VALIDATED_KEYS: lr, momentum, nesterov
         # and spectral_sphere's checked options); three more are passed by name.
         return sso(mu_dtype=h["momentum_dtype"], msign_dtype=h["msign_dtype"], view=h["matrix_view"] or "flatten",
-                   **{key: h[key] for key in VALIDATED_KEYS})
+                   state_bits=h.get("state_bits", 32), **{key: h[key] for key in VALIDATED_KEYS})
 
     return hybrid_transform(h, "sso", sso_tx, _sso_labels)
 

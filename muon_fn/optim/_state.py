@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .. import _tree
+from .. import _quantize, _tree
 
 
 class Slot(NamedTuple):
@@ -150,7 +150,14 @@ def check(layout: StateLayout, param_states: list[dict[str, Any]], names: list[s
 
 def cast_to_layout(layout: StateLayout, param_states: list[dict[str, Any]]) -> None:
     """Give every stored leaf the dtype the transform's ``init`` creates; a Python number (an old
-    torch checkpoint's ``step``) becomes a 0-d tensor."""
+    torch checkpoint's ``step``) becomes a 0-d tensor. State stored at another ``state_bits``
+    (an fp32 ``momentum_buffer`` where this layout keeps ``momentum_buffer_codes`` and
+    ``_scales``, or the reverse, or codes of another width) is converted first
+    (:func:`muon_fn._quantize.convert`; the rows each rank holds, for DTensor state)."""
+    for i, st in enumerate(param_states):
+        if st:
+            _quantize.convert(st, {slot.key: (slot.shape, slot.dtype) for slot in layout.slots
+                                   if slot is not None and slot.index in (i, None)})
     for slot in layout.slots:
         if slot is None:
             continue

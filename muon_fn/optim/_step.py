@@ -172,6 +172,11 @@ class StagedStep:
             if self._compile_options is not None and _execution.policy(bucket_params[0].device).static_addresses:
                 _execution.mark_static(bucket_params + tuple(_tree.tree_leaves(state)))
             key = signature(bucket_params, bucket_grads, finite)
+            if measured is None and not self.__dict__.get("atomic", True):  # written in the graph
+                variant.applied(key, bucket_params, bucket_grads, state, finite)
+                for p, st in zip(bucket_params, new_dicts or ()):
+                    self.state[p].update(st)
+                continue
             if measured is None:
                 updates, new_state = variant.step(key, bucket_params, bucket_grads, state, finite)
             else:

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .. import _quantize
 from .._newton_schulz import DEFAULT_METHOD, KELLER_COEFFICIENTS, TORCH_NS_STEPS, validate_coefficients
 from .._views import Heads
 from ._muon import MuonOptimizer
@@ -278,7 +279,7 @@ def _torch_side(ours: dict[str, Any], routes: list[_Route], keys: tuple[str, ...
                 group["param_names"] = [r.name for r in members]
             groups.append(group)
             for new, r in zip(group["params"], members):
-                saved = ours["state"].get(r.index, {})
+                saved = _quantize.dequantized(ours["state"].get(r.index, {}), r.shape)  # state_bits < 32: fp32
                 if any(k in saved for k in keys):
                     state[new] = {k: saved[k] for k in keys if k in saved}
     return {"state": state, "param_groups": groups}
