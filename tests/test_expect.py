@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import expecttest
 import optree
-import pytest
 import torch
 
 import muon_fn as mf

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import copy
 import io
-import math
 
 import pytest
 import torch

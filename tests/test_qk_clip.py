@@ -23,7 +23,6 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 import traceback
 from datetime import timedelta
 from pathlib import Path

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 import muon_fn
-from muon_fn import _tree, spectral
+from muon_fn import _tree
 from muon_fn._newton_schulz import newton_schulz
 from muon_fn._sso import SpectralSphereState, spectral_sphere, sso
 from muon_fn.optim._sso import SpectralSphereOptimizer
@@ -560,7 +560,7 @@ def test_from_model_split_and_scheduler():
     opt = SpectralSphereOptimizer.from_model(model, lr=0.02, adamw_lr=1e-3)
     assert [n for n, _, _ in opt.split.muon] == ["hidden.weight"]
     assert {n for n, _, _ in opt.split.adamw} == {"emb.weight", "hidden.bias", "head.weight", "head.bias"}
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1e-30)  # lr → 2e-32: pure retraction
+    torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1e-30)  # sets lr → 2e-32: pure retraction
     x = torch.randint(0, 50, (4, 5))
     opt.zero_grad()
     model(x).square().mean().backward()

@@ -36,7 +36,6 @@ import torch
 from torch import nn
 
 import muon_fn as mf
-from muon_fn._newton_schulz import DEFAULT_METHOD
 from muon_fn.optim import from_torch_state_dict, to_torch_state_dict
 
 from conftest import read_on_cpu
