@@ -179,7 +179,7 @@ def test_reader_reads_each_measured_step_once():
     assert [f.get("optim/step") for f in seen] == [1.0, None, 3.0, None]
     assert sorted(seen[0]) == ["optim/adamw/update_norm", "optim/muon/update_norm", "optim/step"]
     with pytest.raises(ValueError, match="Invalid names"):
-        _common.check_names([])
+        _common.Reader("optim/", [])
 
 
 def test_train_metrics_series_and_plot(tmp_path, capsys):

@@ -37,12 +37,7 @@ def measures(optimizer: Any) -> bool:
     return is_muon_fn(optimizer) and bool(optimizer.metrics_every)
 
 
-def measured_step(optimizer: Any) -> int | None:
-    """The number of the last step ``optimizer`` measured (None: none yet); read on the host."""
-    return optimizer.measured_step
-
-
-def check_names(names: str | Sequence[str] | None) -> tuple[str, ...] | None:
+def _check_names(names: str | Sequence[str] | None) -> tuple[str, ...] | None:
     if names is None:
         return None
     patterns = (names,) if isinstance(names, str) else tuple(names)
@@ -52,7 +47,7 @@ def check_names(names: str | Sequence[str] | None) -> tuple[str, ...] | None:
     return patterns
 
 
-def check_prefix(prefix: str) -> str:
+def _check_prefix(prefix: str) -> str:
     if not isinstance(prefix, str):
         raise ValueError(f"Invalid prefix: {prefix!r} (expected a string, e.g. 'optim/')")
     return prefix
@@ -61,11 +56,11 @@ def check_prefix(prefix: str) -> str:
 class Reader:
     """Each new measured step's figures of the muon_fn optimizers given, as one flat dict:
     ``prefix + name`` (``prefix + "<i>/" + name`` when several optimizers measure), filtered by
-    the glob ``patterns`` (None: every figure). The optimizers' ``"step"`` entries are kept:
-    the optimizer step the figures describe."""
+    the glob patterns ``names`` (a pattern, a list of them, or None: every figure; checked here).
+    The optimizers' ``"step"`` entries are kept: the optimizer step the figures describe."""
 
-    def __init__(self, prefix: str, patterns: tuple[str, ...] | None) -> None:
-        self.prefix, self.patterns = prefix, patterns
+    def __init__(self, prefix: str, names: str | Sequence[str] | None) -> None:
+        self.prefix, self.patterns = _check_prefix(prefix), _check_names(names)
         self._last: dict[int, int] = {}
 
     def fresh(self, optimizers: Iterable[Any]) -> list[tuple[str, Any]]:
@@ -74,7 +69,7 @@ class Reader:
         mine = [o for o in (unwrap(o) for o in optimizers) if measures(o)]
         out = []
         for i, opt in enumerate(mine):
-            step = measured_step(opt)
+            step = opt.measured_step  # host-side: None before the first measured step
             if step is None or self._last.get(id(opt)) == step:
                 continue
             self._last[id(opt)] = step

@@ -21,7 +21,7 @@ from __future__ import annotations
 import warnings
 from typing import Any, Sequence
 
-from ._common import Reader, check_names, check_prefix, no_measuring_hint
+from ._common import Reader, no_measuring_hint
 
 try:
     from transformers import TrainerCallback as _Callback
@@ -46,9 +46,8 @@ class MuonMetricsCallback(_Callback):
             raise ImportError("muon_fn.integrations.hf.MuonMetricsCallback needs transformers: "
                               "pip install 'muon-fn[hf]'") from _MISSING
         super().__init__()
-        self.prefix = check_prefix(prefix)
-        self.names = check_names(names)
-        self._reader = Reader(self.prefix, self.names)
+        self._reader = Reader(prefix, names)
+        self.prefix, self.names = self._reader.prefix, self._reader.patterns
         self._pending: dict[str, float] = {}
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import warnings
 from typing import Any, Sequence
 
-from ._common import Reader, check_names, check_prefix, no_measuring_hint
+from ._common import Reader, no_measuring_hint
 
 try:
     from lightning.pytorch import Callback as _Callback
@@ -49,9 +49,8 @@ class MuonMetricsCallback(_Callback):
             raise ImportError("muon_fn.integrations.lightning.MuonMetricsCallback needs Lightning: "
                               "pip install 'muon-fn[lightning]'") from _MISSING
         super().__init__()
-        self.prefix = check_prefix(prefix)
-        self.names = check_names(names)
-        self._reader = Reader(self.prefix, self.names)
+        self._reader = Reader(prefix, names)
+        self.prefix, self.names = self._reader.prefix, self._reader.patterns
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if not trainer.loggers:

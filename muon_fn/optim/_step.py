@@ -7,7 +7,7 @@ as they were.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -82,9 +82,7 @@ class StagedStep:
         for w in applied:
             staged += self._stage_group(w.index, w.grads, finite, fresh, measured)
         # ---- commit: nothing above changed the optimizer
-        for params, states in fresh:
-            for p, st in zip(params, states):
-                self.state[p].update(st)
+        self._store_states(fresh)
         commit(staged)
         for w in work:
             self._commit_window(w)
@@ -160,6 +158,7 @@ class StagedStep:
         group = self.param_groups[index]
         rt = self._runtime(index)
         params, staged = group["params"], []
+        atomic = self.__dict__.get("atomic", True)
         for b, bucket in enumerate(rt.buckets):
             bucket_grads = tuple(grads[i] for i in bucket.indices)
             if all(g is None for g in bucket_grads):
@@ -167,15 +166,15 @@ class StagedStep:
             bucket_params = tuple(params[i] for i in bucket.indices)
             variant = rt.variants[bucket.variant]
             state, new_dicts = self._bucket_state(variant.tx, bucket, bucket_params)
-            if new_dicts is not None and self.__dict__.get("atomic", True):
-                fresh.append((bucket_params, new_dicts))
+            new = [] if new_dicts is None else [(bucket_params, new_dicts)]
+            if atomic:
+                fresh += new
             if self._compile_options is not None and _execution.policy(bucket_params[0].device).static_addresses:
                 _execution.mark_static(bucket_params + tuple(_tree.tree_leaves(state)))
             key = signature(bucket_params, bucket_grads, finite)
-            if measured is None and not self.__dict__.get("atomic", True):  # written in the graph
+            if measured is None and not atomic:  # written in the graph
                 variant.applied(key, bucket_params, bucket_grads, state, finite)
-                for p, st in zip(bucket_params, new_dicts or ()):
-                    self.state[p].update(st)
+                self._store_states(new)
                 continue
             if measured is None:
                 updates, new_state = variant.step(key, bucket_params, bucket_grads, state, finite)
@@ -183,21 +182,24 @@ class StagedStep:
                 updates, new_state, raw = variant.measured(key, bucket_params, bucket_grads, state, finite,
                                                            bucket.leaves)
                 measured.append(((index, b), self._labels(index, bucket.indices, bucket.leaves), raw))
-            self._stage(staged, Staged(bucket_params, updates, state, new_state),
-                        None if new_dicts is None else (bucket_params, new_dicts))
+            self._stage(staged, Staged(bucket_params, updates, state, new_state), new)
         return staged
 
-    def _stage(self, staged: list[Staged], item: Staged, fresh: tuple | None = None) -> None:
+    def _stage(self, staged: list[Staged], item: Staged, fresh: Sequence[tuple[tuple, list[dict]]] = ()) -> None:
         """Hold ``item`` for the step's commit (``atomic=True``, the default), or write it now
         (``atomic=False``: the transient memory of one bucket instead of the whole step's),
-        with ``fresh`` state dicts ``(params, dicts)`` stored first."""
+        with ``fresh`` state dicts stored first (:meth:`_store_states`)."""
         if self.__dict__.get("atomic", True):
             staged.append(item)
             return
-        if fresh is not None:
-            for p, st in zip(*fresh):
-                self.state[p].update(st)
+        self._store_states(fresh)
         commit([item])
+
+    def _store_states(self, fresh: Sequence[tuple[tuple, list[dict]]]) -> None:
+        """Put fresh state dicts ``(params, dicts)`` (:meth:`_bucket_state`) into ``self.state``."""
+        for params, dicts in fresh:
+            for p, st in zip(params, dicts):
+                self.state[p].update(st)
 
     def _bucket_state(self, tx: GradientTransformation, bucket: Any, params: tuple) -> tuple[Any, list[dict] | None]:
         """The bucket's state pytree; where some of it does not exist yet (a first step, a
