@@ -78,7 +78,7 @@ def group_by(keys: Sequence[Hashable], cap: int | None = None) -> list[list[int]
     """The one batching rule: indices of equal ``keys`` grouped in order of first appearance,
     each group cut into consecutive chunks of at most ``cap`` (``None``: no limit).
 
-    ``orthogonalize`` batches equal wide matrix shapes with it, the adapters cut a parameter
+    ``orthogonalize`` batches equal matrix shapes with it, the adapters cut a parameter
     group into buckets with it, and the FSDP owner batches the matrices it computes with it."""
     groups: dict[Hashable, list[int]] = {}
     for i, key in enumerate(keys):
@@ -170,7 +170,7 @@ def orthogonalize(
         it must fit every leaf), or a function ``leaf -> view``. Pass :func:`scale_by_shape` the
         same view.
       split: removed; a ``TypeError`` says to use ``view=muon_fn.heads(rows=...)``.
-      batch: orthogonalize equal wide shapes together (one batched call); False: one at a time.
+      batch: orthogonalize equal shapes together (one batched call); False: one at a time.
         The result of a matrix is the same either way (every step is computed per matrix).
       flatten: the older spelling of ``view``: ``True`` is ``"flatten"``, ``False`` ``"experts"``.
 
@@ -219,16 +219,19 @@ def _resolve_iteration(method: Any, steps: int | None, coefficients: Any, dtype:
 
 
 def _custom_msign(method: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[list[torch.Tensor]], torch.Tensor]:
-    """A user's iteration on one group of equal wide shapes, stacked in the wide orientation."""
+    """A user's iteration on one group of equal shapes, stacked in the wide orientation; the
+    results in the group's orientation."""
     def msign(group: list[torch.Tensor]) -> torch.Tensor:
-        return method(torch.stack([x.mT if x.size(-2) > x.size(-1) else x for x in group]))
+        tall = group[0].size(-2) > group[0].size(-1)
+        out = method(torch.stack([x.mT if tall else x for x in group]))
+        return out.mT if tall else out
     return msign
 
 
 def _msign_of(method: Any, schedule: Any, scale: float, dtype: torch.dtype | None,
               eps: float) -> Callable[[list[torch.Tensor]], torch.Tensor]:
-    """A named method's iteration on one group of equal wide shapes: the ``(B, m, n)``
-    wide-orientation results, in the compute dtype (``dtype``, or the device's default)."""
+    """A named method's iteration on one group of equal shapes: the ``(B, *shape)`` results in
+    the group's orientation, in the compute dtype (``dtype``, or the device's default)."""
     def msign(group: list[torch.Tensor]) -> torch.Tensor:
         compute = dtype or _newton_schulz.default_compute_dtype(group[0].device, schedule)
         if compute.itemsize < group[0].dtype.itemsize:
@@ -243,13 +246,15 @@ def _msign_of(method: Any, schedule: Any, scale: float, dtype: torch.dtype | Non
 def _orthogonalize_tree(updates: Any, view: View, batch: bool,
                         msign: Callable[[list[torch.Tensor]], torch.Tensor], collector: Any = None) -> Any:
     """Every matrix of every leaf of ``updates`` (as its view reads it) replaced by its msign,
-    equal wide shapes in one batch (``batch``) or one at a time; with a ``collector``, each
+    equal shapes in one batch (``batch``) or one at a time; with a ``collector``, each
     unit's orthogonality residual recorded (:func:`muon_fn._metrics.residual`)."""
     paths, leaves, spec = _tree.tree_flatten_with_path(updates)
     views = [None if u is None or u.ndim < 2 else _views.view_of(view, u) for u in leaves]
     units = [[] if u is None else _units(u, path, v) for path, u, v in zip(paths, leaves, views)]
     flat = [(i, j) for i, us in enumerate(units) for j in range(len(us))]
-    keys = [(_newton_schulz.wide_shape(units[i][j].shape), units[i][j].dtype, units[i][j].device) for i, j in flat]
+    # one batch per shape (a tall and a wide matrix of one wide shape are two: results come back
+    # in their inputs' orientation), dtype and device
+    keys = [(tuple(units[i][j].shape), units[i][j].dtype, units[i][j].device) for i, j in flat]
     results = [list(us) for us in units]
     residuals = [[None] * len(us) for us in units]
     for members in group_by(keys, None if batch else 1):
@@ -257,7 +262,7 @@ def _orthogonalize_tree(updates: Any, view: View, batch: bool,
         res = None if collector is None else _metrics.residual(batch_out)
         for n, (k, o) in enumerate(zip(members, batch_out.unbind(0))):
             i, j = flat[k]
-            results[i][j] = o.mT if units[i][j].size(-2) > units[i][j].size(-1) else o
+            results[i][j] = o
             if res is not None:
                 residuals[i][j] = res[n]
     if collector is not None:

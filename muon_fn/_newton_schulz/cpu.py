@@ -178,10 +178,12 @@ class CPUProducts(Products):
         and cast straight into its slot of the batch, then the batch iterated: batched GEMMs below
         :data:`LOOP_MIN_DIM` rows, one matrix at a time from there or when the slots are not
         aligned (eager). Every step is computed per matrix on equally aligned memory, so a
-        matrix's result does not depend on which others share its batch."""
+        matrix's result does not depend on which others share its batch. The last product of a
+        tall batch is written transposed, so the result is contiguous in the inputs' orientation
+        (:func:`result_buffer`)."""
         m, n = wide_shape(xs[0].shape)
         device = xs[0].device
-        out = torch.empty((len(xs), m, n), dtype=dtype, device=device)
+        out = result_buffer(xs, dtype)
         aligned = aligned_slots(m, n, dtype, device)
         loop = (self.loops(m) or not aligned) and not torch.compiler.is_compiling()
         shape = (m, n) if loop else (len(xs), m, n)
@@ -198,6 +200,20 @@ class CPUProducts(Products):
         if not loop:
             run_schedule(y, schedule, eps, self, out=out)
         return out
+
+
+def result_buffer(xs: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """Where :meth:`CPUProducts.orthogonalize_batch` writes: a ``(B, m, n)`` wide view whose memory
+    is contiguous in the inputs' orientation (for tall inputs, the transpose of a contiguous
+    ``(B, n, m)`` tensor; BLAS writes a transposed result at no cost).
+
+    Compiled code then never reads the iteration's bf16 result transposed: inductor's CPU tile
+    transpose of bf16 (``transpose_mxn<BFloat16, 32, 32>``) is miscompiled by GCC 12 at ``-O3``
+    under ``-mtune=generic`` with AVX-512 (docs/faq.md, "NaN on some Intel CPUs"), and a
+    contiguous read is also the cheaper one for every fused consumer."""
+    shape = (len(xs),) + tuple(xs[0].shape)
+    buffer = torch.empty(shape, dtype=dtype, device=xs[0].device)
+    return buffer.mT if shape[-2] > shape[-1] else buffer
 
 
 def aligned_slots(m: int, n: int, dtype: torch.dtype, device: torch.device) -> bool:

@@ -144,11 +144,14 @@ def default_compute_dtype(device: torch.device | str | None = None,
 def orthogonalize_batch(xs: Sequence[torch.Tensor], schedule: Sequence[Coefficients], *, dtype: torch.dtype,
                         eps: float, norm_scale: float = 1.0, buffers: Buffers | None = None) -> torch.Tensor:
     """msign of each matrix of ``xs`` (2-D, one wide shape ``(m, n)`` in either orientation) as
-    one ``(B, m, n)`` tensor in ``dtype``, wide orientation (transpose tall results back), run by
-    the products of the matrices' device (:func:`for_device`; ``buffers``: scratch kept
-    across calls where that execution reuses scratch). The result is always fresh."""
+    one ``(B, *xs[0].shape)`` tensor in ``dtype``, in the inputs' orientation, run by the products
+    of the matrices' device (:func:`for_device`; ``buffers``: scratch kept across calls where that
+    execution reuses scratch). The result is always fresh; on the CPU it is contiguous (a tall
+    batch is iterated wide and its last product written transposed), elsewhere it may be the
+    transposed view of the wide result."""
     check_dtype(schedule, dtype)
-    return for_device(xs[0].device, buffers).orthogonalize_batch(xs, schedule, dtype, eps, norm_scale)
+    wide = for_device(xs[0].device, buffers).orthogonalize_batch(xs, schedule, dtype, eps, norm_scale)
+    return wide.mT if xs[0].size(-2) > xs[0].size(-1) else wide
 
 
 @torch.library.custom_op("muon_fn::orthogonalize_batch", mutates_args=())
@@ -166,7 +169,7 @@ def _orthogonalize_batch_op(xs: list[torch.Tensor], coefficients: list[float], d
 
 @_orthogonalize_batch_op.register_fake
 def _(xs, coefficients, degrees, precondition, form, fold_from, eps, norm_scale, dtype):
-    return torch.empty((len(xs),) + wide_shape(xs[0].shape), dtype=dtype, device=xs[0].device)
+    return torch.empty((len(xs),) + tuple(xs[0].shape), dtype=dtype, device=xs[0].device)
 
 
 def msign_batch(xs: Sequence[torch.Tensor], schedule: Sequence[Coefficients], *, dtype: torch.dtype,
