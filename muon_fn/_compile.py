@@ -23,8 +23,10 @@ from typing import Any, Callable, Union
 
 import torch
 
+from . import _verify
 from ._base import GradientTransformation, info, with_info
 from ._log import notice
+from ._tree import tree_leaves
 
 CompileOption = Union[bool, Mapping[str, Any]]
 
@@ -111,6 +113,12 @@ def _fall_back(error: Exception) -> None:
             "and silence this warning.", RuntimeWarning, stacklevel=4)
 
 
+# What a graph that failed its check (muon_fn._verify) is compiled with next, on the CPU: AVX2-width
+# vectors, which avoids the known miscompile (GCC 12's SLP vectorizer on inductor's 512-bit bf16
+# tile transpose, under -mtune=generic); if that also fails, the signature runs eagerly.
+SAFE_CPU_OPTIONS = {"cpp.simdlen": 256}
+
+
 class PerSignature:
     """``fn`` compiled once per signature key, each with a fresh copy of ``fn``'s code object, so
     Dynamo's per-code recompile limit never applies however many signatures there are, and a
@@ -119,32 +127,80 @@ class PerSignature:
     If compiling is impossible (no C++ compiler, an unsupported platform or Python), the first
     failure warns once and every later call runs eagerly: a failed compilation runs nothing, so
     no state has changed when it is retried eagerly.
+
+    ``verify``: the first run of each signature is checked against ``fn`` run eagerly on copies
+    of its inputs (:mod:`muon_fn._verify`); a graph that fails is recompiled with safe options
+    (inductor on the CPU: :data:`SAFE_CPU_OPTIONS`) and checked again, else that signature runs
+    eagerly, with one warning. Every later call of a checked signature costs nothing more.
     """
 
     def __init__(self, fn: Callable[..., Any], options: dict[str, Any] | None,
-                 what: str = "the optimizer step") -> None:
-        self.fn, self.options, self.what = fn, options, what
+                 what: str = "the optimizer step", verify: bool = False) -> None:
+        self.fn, self.options, self.what, self.verify = fn, options, what, verify
         self.compiled: dict[Hashable, Callable[..., Any]] = {}
+        self.checked: set[Hashable] = set()  # signatures whose graph passed its check
+        self.safe: set[Hashable] = set()  # signatures compiled with safe options
+        self.eager: set[Hashable] = set()  # signatures whose graphs failed: run eagerly
 
     def __call__(self, key: Hashable, *args: Any) -> Any:
-        if self.options is None or (_UNUSABLE is not None and self.options.get("backend", "inductor") == "inductor"):
+        if self.options is None or key in self.eager or (
+                _UNUSABLE is not None and self.options.get("backend", "inductor") == "inductor"):
             return self.fn(*args)
         f = self.compiled.get(key)
-        first = f is None
-        if first:
-            code = self.fn.__code__.replace()
-            copy = types.FunctionType(code, self.fn.__globals__, self.fn.__name__, self.fn.__defaults__,
-                                      self.fn.__closure__)
-            f = self.compiled[key] = torch.compile(copy, **self.options)
+        if f is None:
+            f = self.compiled[key] = self._compile(self.options)
             _announce(self.what, self.options)
         try:
-            return f(*args)
+            if not self.verify or key in self.checked:
+                return f(*args)
+            return self._first_run(key, f, args)
         except Exception as e:  # the compiler itself failed: nothing ran
             if not _cannot_compile(e):
                 raise
             _fall_back(e)
             self.options = None
             return self.fn(*args)
+
+    def _compile(self, options: dict[str, Any]) -> Callable[..., Any]:
+        code = self.fn.__code__.replace()
+        copy = types.FunctionType(code, self.fn.__globals__, self.fn.__name__, self.fn.__defaults__,
+                                  self.fn.__closure__)
+        return torch.compile(copy, **options)
+
+    def _first_run(self, key: Hashable, f: Callable[..., Any], args: tuple) -> Any:
+        """Run a signature's graph for the first time, checked (class doc)."""
+        result, verdict = _verify.first_run(f, self.fn, args)
+        if verdict.ok:
+            if verdict.conclusive:  # a skipped step compares nothing: check the next one
+                self.checked.add(key)
+            return result
+        device = _device_of(args)
+        safe = self._safe_options(device)
+        if safe is not None and key not in self.safe:
+            self.safe.add(key)
+            fallback = "compiled with safe options (" + ", ".join(f"{k}={v}" for k, v in SAFE_CPU_OPTIONS.items()) + \
+                ") if they pass the same check, else eagerly"
+            warnings.warn(_verify.message(self.what, verdict, device, fallback), RuntimeWarning, stacklevel=4)
+            self.compiled[key] = self._compile(safe)
+            return self(key, *args)
+        if key not in self.safe:
+            warnings.warn(_verify.message(self.what, verdict, device, "eagerly"), RuntimeWarning, stacklevel=4)
+        self.eager.add(key)
+        return self.fn(*args)
+
+    def _safe_options(self, device: torch.device) -> dict[str, Any] | None:
+        """The options of a recompile after a failed check (None: none known; run eagerly)."""
+        if device.type != "cpu" or self.options.get("backend", "inductor") != "inductor":
+            return None
+        extra = dict(self.options.get("options") or {})
+        if self.options.get("mode") is not None:  # torch.compile takes mode or options, not both
+            return None
+        return {**self.options, "options": {**extra, **SAFE_CPU_OPTIONS}}
+
+
+def _device_of(args: tuple) -> torch.device:
+    """The device of the first tensor among ``args`` (the CPU if none)."""
+    return next((t.device for t in tree_leaves(args) if isinstance(t, torch.Tensor)), torch.device("cpu"))
 
 
 _ANNOUNCED = False  # the first compile of this process has said what it does

@@ -7,9 +7,13 @@
 - ``"error"``: raises, naming the parameter; nothing changes.
 - ``None``: no check; the step is applied whole (the NaN reaches that parameter, as in
   torch.optim) and never raises midway (SSO included: under FSDP every rank must finish).
-- An error in the middle of a step (here: raised from inside the second bucket's computation, or
-  inside SSO's operator in a compiled graph) leaves everything as it was: the step is staged,
-  then committed.
+- The default writes each bucket in place: every check above is decided before the first write.
+  With ``atomic=True`` an error in the middle of a step (here: raised from inside the second
+  bucket's computation, or inside SSO's operator in a compiled graph) also leaves everything as it
+  was: the step is staged, then committed.
+- An optimizer fault (finite gradients, a non-finite update or state: here an overflow) keeps
+  that bucket's parameters and state bit for bit, warns once that the fault is the optimizer's,
+  and is counted; the other buckets of the step are applied.
 
 The FSDP optimizers run the same checks in one spawned job at W = 2 (gloo), the NaN on one rank.
 """
@@ -172,7 +176,7 @@ def step_failing_midway(name: str, options: dict, monkeypatch) -> tuple:
 
 
 def error_midway_changes_nothing(name: str, options: dict, monkeypatch) -> None:
-    net, opt, before = step_failing_midway(name, options, monkeypatch)
+    net, opt, before = step_failing_midway(name, {**options, "atomic": True}, monkeypatch)
     assert same(snapshot(net, opt), before)
     opt.step()  # and the step runs once the error is gone
     assert not same(snapshot(net, opt)["params"], before["params"])
@@ -188,20 +192,64 @@ def test_error_and_none_eager(name, monkeypatch):
 @pytest.mark.inductor
 @pytest.mark.parametrize("name", CLASSES)
 def test_compiled(name, monkeypatch):
-    """The compiled default (inductor): every policy and an error midway, in one optimizer's
-    graphs per policy."""
+    """The compiled default (inductor): every policy, an optimizer fault and an error midway
+    (atomic=True), in one optimizer's graphs per policy."""
     for where, value in (("matrix", float("nan")), ("vector", float("inf"))):
         skipped_step_leaves_everything(name, where, value, COMPILED)
     error_raises_before_anything(name, COMPILED)
     none_applies_the_whole_step(name, COMPILED)
+    fault_keeps_the_bucket(name, COMPILED)
     error_midway_changes_nothing(name, COMPILED, monkeypatch)
+
+
+OVERFLOW = 2e38  # finite, but its square overflows fp32: AdamW's second moment becomes inf
+
+
+def fault_keeps_the_bucket(name: str, options: dict, policy: str = "skip", atomic: bool = False) -> None:
+    """Finite gradients, one of which overflows inside the update (a bias: the AdamW part of every
+    class, TritonMuonW's moments): that parameter's bucket keeps every bit, the rest of the
+    step is applied, one warning blames the optimizer, and the fault is counted (and shown by
+    metrics())."""
+    bad = BAD["vector"]
+    net = model()
+    opt = build(name, net, nonfinite=policy, metrics=True, atomic=atomic, **options)
+    set_grads(net, 0)
+    opt.step()
+    before = snapshot(net, opt)
+    set_grads(net, 1, bad, OVERFLOW)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+    after = snapshot(net, opt)
+    assert same(after["params"][bad], before["params"][bad])
+    pid = [n for n, _ in net.named_parameters()].index(bad)
+    assert same(after["state"][pid], before["state"][pid])
+    others = [n for n in after["params"] if n != bad]
+    assert all(not torch.equal(after["params"][n], before["params"][n]) for n in others), others
+    assert all(bool(p.isfinite().all()) for p in net.parameters())
+    assert all(bool(v.isfinite().all()) for st in after["state"].values() for v in st.values()
+               if isinstance(v, torch.Tensor) and v.is_floating_point())
+    notes = [str(w.message) for w in caught if "optimizer fault" in str(w.message)]
+    assert len(notes) == 1 and f"'{bad}'" in notes[0], notes
+    assert opt.optimizer_faults == 1 and opt.nonfinite_steps == 0 and bool(opt.last_step.finite)
+    assert opt.metrics()["optimizer_faults"] == 1.0
+    set_grads(net, 2)
+    opt.step()  # training goes on
+    assert not same(snapshot(net, opt)["params"][bad], before["params"][bad])
+
+
+@pytest.mark.parametrize("name", CLASSES)
+def test_fault_eager(name):
+    for policy, atomic in (("skip", False), ("error", False), ("skip", True)):
+        fault_keeps_the_bucket(name, EAGER, policy, atomic)
 
 
 @pytest.mark.parametrize("options", [EAGER, COMPILED], ids=["eager", "compiled"])
 def test_sso_operator_error_inside_a_compiled_graph_changes_nothing(options, monkeypatch):
-    """SSO's per-chunk operator raises on its second chunk (inside the graph when compiled)."""
+    """SSO's per-chunk operator raises on its second chunk (inside the graph when compiled);
+    ``atomic=True``."""
     net = model()
-    opt = build("sso", net, bucket_size=1, **options)
+    opt = build("sso", net, bucket_size=1, atomic=True, **options)
     set_grads(net, 0)
     opt.step()
     before = snapshot(net, opt)
@@ -237,9 +285,10 @@ def test_sso_skip_never_reaches_the_solver(monkeypatch):
     assert seen == [True] and opt.nonfinite_steps == 1
 
 
-def test_atomic_false_writes_bucket_by_bucket(monkeypatch):
-    """``atomic=False``: the same steps bit for bit; an error midway leaves the buckets computed
-    before it applied (the documented price of one bucket's transient memory)."""
+def test_in_place_writes_bucket_by_bucket(monkeypatch):
+    """The in-place default and ``atomic=True``: the same steps bit for bit; in place, an error
+    midway leaves the buckets computed before it applied (the documented price of one bucket's
+    transient memory)."""
     results = []
     for atomic in (True, False):
         net = model()
@@ -249,7 +298,7 @@ def test_atomic_false_writes_bucket_by_bucket(monkeypatch):
             opt.step()
         results.append([p.detach().clone() for p in net.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*results))
-    net, opt, before = step_failing_midway("muon", {"atomic": False, **EAGER}, monkeypatch)
+    net, opt, before = step_failing_midway("muon", EAGER, monkeypatch)
     changed = [n for n, p in snapshot(net, opt)["params"].items() if not torch.equal(p, before["params"][n])]
     assert len(changed) == 1, changed  # the first bucket (one parameter), written before the error
 
@@ -338,9 +387,9 @@ def _fsdp_check(cls_name: str, compile_option):
             else:
                 assert not raised, raised
                 assert all(not torch.equal(now[0][n], before[0][n]) for n in now[0] if now[0][n].numel())
-        # an error on every rank after the exchange, before the commit
+        # atomic=True: an error on every rank after the exchange, before the commit
         net = shard(model())
-        opt = cls(net, compile=compile_option)
+        opt = cls(net, compile=compile_option, atomic=True)
         fsdp_grads(net, 0)
         opt.step()
         before = (local(net), states(opt, net))

@@ -325,7 +325,8 @@ def test_compiled_default_matches_the_plain_loop(device, cls, compiled_default):
             p.grad = g
         opt.step()
     (variant,) = opt._runtimes[0].variants
-    assert variant.step.options == {"fullgraph": True, "dynamic": False} and len(variant.step.compiled) == len(shapes)  # inductor
+    in_place = variant.steps[(True, False)]  # the default: written in the graph, no telemetry
+    assert in_place.options == {"fullgraph": True, "dynamic": False} and len(in_place.compiled) == len(shapes)  # inductor
     expected, _, _ = reference_run(make_params(shapes=shapes, device=device), grads, lr=0.01, b1=f32(0.9),
                                    b2=f32(0.999), wd=0.1, nesterov=True, layerwise=True,
                                    decoupled=cls is mf.TritonMuonW)

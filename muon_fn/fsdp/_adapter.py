@@ -182,7 +182,7 @@ class FSDPAdapter(AdapterStep):
             group = self.param_groups[index]
             rt.routes = group_routes(group, self._group_hyper(group, rt), self._param_options(group), self._factory,
                                      self._matrix_algorithm(), self._meta, self._owner_bucket_size(),
-                                     self._compile_options)
+                                     self._compile_options, self.__dict__.get("verify", True))
         return rt.routes
 
     def _init_state(self, index: int) -> None:

@@ -50,7 +50,7 @@ class Ready(NamedTuple):
     """Every bucket posted, handed to the step."""
 
     posted: _exchange.Posted
-    deferred: list[tuple[Any, Any]]  # (stored pre state, its new value) to write back
+    deferred: list[tuple[Any, Any, tuple]]  # (stored pre state, its new value, the params) to write back
     in_backward: int  # buckets posted during backward
     backward_s: float  # time the hooks spent (pre phase and posting)
 
@@ -80,7 +80,7 @@ class Overlap:
         self.matrices: list | None = None  # the optimizer's matrix list the round was posted for
         self.ready: set[int] = set()  # ids of parameters whose gradient is final this round
         self.consumed: list[tuple[torch.Tensor, Any, int]] = []  # (param, its .grad, version)
-        self.deferred: list[tuple[Any, Any]] = []
+        self.deferred: list[tuple[Any, Any, tuple]] = []
         self.in_backward, self.backward_s = 0, 0.0
 
     def remove(self) -> None:

@@ -13,8 +13,8 @@ is not a chain is a chain of one part. The state of ``chain(*parts)`` is the tup
 states, so a phase's state is a slice of it, and so are the slots of its state layout.
 
 The step functions built here are what the adapter compiles, one graph per signature; each
-returns what it would write, and the adapter commits a whole step at once, as the single-device
-step does (:mod:`muon_fn.optim._apply`).
+returns what it would write, and the adapter writes each bucket as soon as it is computed (or,
+``atomic=True``, the whole step at once), as the single-device step does (:mod:`muon_fn.optim._apply`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from .. import _compile, _metrics, _tree
 from .._base import ELEMENTWISE, MATRIX, GradientTransformation, info
 from .._combine import chain
 from ..optim import _state
-from ..optim._apply import compute_bucket, kept, masked, measured_of
+from ..optim._apply import compute_bucket, finite_flags, guarded, masked
 
 
 class Phases(NamedTuple):
@@ -97,15 +97,16 @@ def signature(*trees: Any) -> tuple:
 
 class Steps(NamedTuple):
     """The compiled (or eager) steps of one :class:`Phases`; each is pure: it returns what the
-    adapter's commit writes (:mod:`muon_fn.optim._apply`), under the step's finite flag. The
-    ``*_measured`` ones also return the raw telemetry of their phase (:mod:`muon_fn._metrics`)
-    for the ``Leaf`` of each parameter, their last argument."""
+    adapter writes (:mod:`muon_fn.optim._apply`), under the step's finite flag and the guard of
+    what the phase writes (:func:`~muon_fn.optim._apply.guarded`: ``ok`` and ``fault``, 0-d bools,
+    ``None`` without a non-finite policy). The ``*_measured`` ones also return the raw telemetry
+    of their phase (:mod:`muon_fn._metrics`) for the ``Leaf`` of each parameter, their last argument."""
 
-    pre: _compile.PerSignature  # (params, grads, state, finite) -> (updates, new state)
+    pre: _compile.PerSignature  # (params, grads, state, finite) -> (updates, new state, fault)
     mid: _compile.PerSignature  # (params, updates, state, finite) -> (updates, new state)
     post: _compile.PerSignature  # (params, updates, state, mid state, new mid state, finite)
-    # -> (updates, new state, new mid state)
-    whole: _compile.PerSignature  # (params, grads, state, finite) -> (updates, new state): no mid
+    # -> (updates, new state, new mid state, ok, fault)
+    whole: _compile.PerSignature  # (params, grads, state, finite) -> (updates, new state, ok, fault): no mid
     pre_update: _compile.PerSignature  # (params, grads, state) -> (updates, new state): the pre
     # phase run before the step's finite flag is known (overlap); the step applies the flag
     pre_measured: _compile.PerSignature
@@ -114,19 +115,30 @@ class Steps(NamedTuple):
     whole_measured: _compile.PerSignature
 
 
-def steps(phases: Phases, options: dict[str, Any] | None) -> Steps:
+def steps(phases: Phases, options: dict[str, Any] | None, verify: bool = False) -> Steps:
+    """The phase steps of ``phases``, compiled with ``options`` (None: eager); ``verify``: each
+    signature's first run is checked (:class:`muon_fn._compile.PerSignature`).
+
+    What each guards: the pre phase its new state (its updates travel on as they are, so that a
+    non-finite one reaches the post phase's guard); the owner's mid phase nothing, but a bucket
+    with a non-finite result is returned all non-finite, so that every rank keeps its rows of
+    those matrices back alike; the post phase the parameters, its state and the mid state."""
     pre, mid, post, whole = phases.pre, phases.mid, phases.post, phases.whole
 
     def pre_step(params, grads, state, finite):
         updates, new_state = pre.update(masked(grads, finite), state, params)
-        return updates, kept(state, new_state, finite)
+        _, new_state, _, fault = guarded(state, (), new_state, finite)
+        return updates, new_state, fault
 
     def mid_step(params, updates, state, finite):
-        return mid.update(masked(updates, finite), state, params)
+        out, new_state = mid.update(masked(updates, finite), state, params)
+        return poisoned(out, finite), new_state
 
     def post_step(params, updates, state, mid_state, new_mid_state, finite):
-        final, new_state = compute_bucket(post, params, updates, state, finite)
-        return final, new_state, kept(mid_state, new_mid_state, finite)
+        final, new_state = post.update(masked(updates, finite), state, params)
+        final, (new_state, kept_mid), ok, fault = guarded((state, mid_state), final, (new_state, new_mid_state),
+                                                          finite)
+        return final, new_state, kept_mid, ok, fault
 
     def whole_step(params, grads, state, finite):
         return compute_bucket(whole, params, grads, state, finite)
@@ -138,21 +150,39 @@ def steps(phases: Phases, options: dict[str, Any] | None) -> Steps:
         c = _metrics.Collector(leaves)
         c.sumsq("grad_sumsq", grads)
         updates, new_state = pre.update(masked(grads, finite), state, params, metrics=c)
-        return updates, kept(state, new_state, finite), c.result()
+        _, new_state, _, fault = guarded(state, (), new_state, finite)
+        return updates, new_state, fault, c.result()
 
     def mid_measured(params, updates, state, finite, leaves):
         c = _metrics.Collector(leaves)
         out, new_state = mid.update(masked(updates, finite), state, params, metrics=c)
-        return out, new_state, c.result()
+        return poisoned(out, finite), new_state, c.result()
 
     def post_measured(params, updates, state, mid_state, new_mid_state, finite, leaves):
         c = _metrics.Collector(leaves)
         c.sumsq("weight_sumsq", _tree.tree_map(lambda u, p: None if u is None else p, updates, params))
         final, new_state = post.update(masked(updates, finite), state, params, metrics=c)
         c.sumsq("update_sumsq", final)
-        return masked(final, finite), kept(state, new_state, finite), kept(mid_state, new_mid_state, finite), \
-            c.result()
+        final, (new_state, kept_mid), ok, fault = guarded((state, mid_state), final, (new_state, new_mid_state),
+                                                          finite)
+        return final, new_state, kept_mid, ok, fault, c.result()
 
-    return Steps(*(_compile.PerSignature(f, options, "the FSDP optimizer's step")
+    def whole_measured(params, grads, state, finite, leaves):
+        updates, new_state, raw = _metrics.measured_update(whole, masked(grads, finite), state, params, leaves,
+                                                           grads=grads)
+        return (*guarded(state, updates, new_state, finite), raw)
+
+    return Steps(*(_compile.PerSignature(f, options, "the FSDP optimizer's step", verify=verify)
                    for f in (pre_step, mid_step, post_step, whole_step, pre_update, pre_measured, mid_measured,
-                             post_measured, measured_of(whole))))
+                             post_measured, whole_measured)))
+
+
+def poisoned(out: tuple, finite: torch.Tensor | None) -> tuple:
+    """The owner's results of one bucket, all NaN if any is not finite (with a non-finite policy),
+    so that every rank's guard keeps its rows of those matrices back (none is half updated)."""
+    if finite is None:
+        return out
+    whole = finite_flags([u for u in out if u is not None]).all() if any(u is not None for u in out) else None
+    if whole is None:
+        return out
+    return tuple(None if u is None else torch.where(whole, u, float("nan")) for u in out)

@@ -39,13 +39,13 @@ class Route:
     def __init__(self, label: str, tx: GradientTransformation, indices: tuple[int, ...],
                  params: list[torch.Tensor], meta: Meta, bucket_size: int,
                  compile_options: dict[str, Any] | None, options: dict[str, Any] | None = None,
-                 traced: GradientTransformation | None = None) -> None:
+                 traced: GradientTransformation | None = None, verify: bool = False) -> None:
         self.label, self.indices = label, indices
         self.options = options or {}  # the per-parameter options its transform was built with
         self.phases = _phases.split(tx, f"the {label!r} transform")
         # what is traced on meta tensors: ``tx`` built from meta copies of the per-step scalars
         self.traced = self.phases if traced is None else _phases.split(traced, f"the {label!r} transform")
-        self.steps = _phases.steps(self.phases, compile_options)
+        self.steps = _phases.steps(self.phases, compile_options, verify)
         self.buckets: list[Bucket] = []
         self.formats: dict[int, _rows.RowFormat] = {}  # position in the group -> wire format
         for members in buckets([params[i] for i in indices], bucket_size):
@@ -88,11 +88,12 @@ def _bucket(phases: _phases.Phases, idx: tuple[int, ...], meta: tuple[torch.Tens
 def group_routes(group: dict[str, Any], hyper: dict[str, Any], options: list[dict[str, Any]],
                  factory: Callable[[dict], GradientTransformation], matrix_algorithm: str, meta: Meta,
                  bucket_size: int,
-                 compile_options: dict[str, Any] | None) -> list[Route]:
+                 compile_options: dict[str, Any] | None, verify: bool = False) -> list[Route]:
     """The routes of ``group``, each transform built by the optimizer's ``factory`` from the
     group's hyperparameters ``hyper``: for an ``algorithm="auto"`` group (a hybrid optimizer's)
     ``matrix_algorithm`` on ndim ≥ 2 and ``"adamw"`` on the rest, else one route; each split by
-    the per-parameter ``options`` (the optimizer's variants, e.g. matrix views)."""
+    the per-parameter ``options`` (the optimizer's variants, e.g. matrix views). ``verify``: the
+    compiled steps check their first run (:class:`muon_fn._compile.PerSignature`)."""
     params = group["params"]
     algorithm = group.get("algorithm", "recipe")
     if algorithm != "auto":
@@ -108,7 +109,7 @@ def group_routes(group: dict[str, Any], hyper: dict[str, Any], options: list[dic
             indices = tuple(i for i, (lab, o) in enumerate(zip(labels, options)) if lab == label and o == opts)
             if indices:
                 routes.append(Route(label, factory({**half, **opts}), indices, params, meta, bucket_size,
-                                    compile_options, opts, factory(meta_scalars({**half, **opts}))))
+                                    compile_options, opts, factory(meta_scalars({**half, **opts})), verify))
     return routes
 
 

@@ -18,7 +18,7 @@ import torch
 from .. import _views
 from .._muon import group_by
 from ..optim import _state
-from ..optim._apply import Staged, commit, finite_flags, kept
+from ..optim._apply import Staged, commit, finite_flags, guarded
 from ..optim._step import StepReport, step_not_traced
 from . import _exchange, _overlap, _params, _phases, _rows
 from ._routes import Bucket, Route
@@ -56,10 +56,13 @@ class AdapterStep(FSDPTelemetry):
             if ready is not None:  # "error": nothing changed, nothing left in flight
                 ready.posted.drain()
             raise
+        self._writes: list[Staged] = []  # atomic=True: the step's writes, committed at its end
+        self._faults: list[tuple[torch.Tensor, tuple]] = []  # each bucket's guard
         stats = self._apply(grads, finite, ready)
         self._applied_steps = self.__dict__.get("_applied_steps", 0) + 1
         if finite is not None:
             self._count_nonfinite(finite)
+            self._count_faults(self._faults)
         self.last_step = StepReport(torch.ones((), dtype=torch.bool) if finite is None else finite, True)
         self.last_step_stats = {**stats, "step_s": time.perf_counter() - start, "applied": True}
 
@@ -120,21 +123,19 @@ class AdapterStep(FSDPTelemetry):
         new_replicated: dict[int, list[torch.Tensor]] = {}
         compute = functools.partial(self._mid, matrices, new_replicated, finite, figs)
         cols = [m.fmt.returned_cols for m in matrices]
-        staged: list[Staged] = []  # what the step writes, all at once at the end (all or nothing)
         if ready is None:
-            deferred: list[tuple[Any, Any]] = []
-            held = self._pre(matrices, grads, finite, deferred=deferred, figs=figs)
+            held = self._pre(matrices, grads, finite, deferred=[], figs=figs)
             run = _exchange.exchange if self.strategy == "owner" else _exchange.exchange_replicated
             mine, ex = run(self.plan, topo.rank, held, compute, group=topo.group, wire_dtype=self.wire_dtype,
                            result_cols=cols)
         else:  # every gather posted (overlap): the pre phase ran before the flag was known
-            deferred = [(state, kept(state, new_state, finite)) for state, new_state in ready.deferred]
+            for state, new_state, params in ready.deferred:
+                _, new_state, _, fault = guarded(state, (), new_state, finite)
+                self._write(Staged((), (), state, new_state), fault, params)
             mine, ex = ready.posted.finish(compute, result_cols=cols)
-        for state, new_state in deferred:
-            self._stage(staged, Staged((), (), state, new_state))
-        staged += self._post(matrices, grads, mine, self._share(matrices, new_replicated), finite, figs)
-        staged += self._elementwise(grads, finite, figs)
-        commit(staged)  # atomic=False: written already, bucket by bucket
+        self._post(matrices, grads, mine, self._share(matrices, new_replicated), finite, figs)
+        self._elementwise(grads, finite, figs)
+        commit(self._writes)  # atomic=False: written already, bucket by bucket
         if figs is not None:
             self._keep_fsdp_figures(figs, finite)
         computed = [j for j, mp in enumerate(self.plan.matrices) if self.strategy == "replicate" or
@@ -162,9 +163,10 @@ class AdapterStep(FSDPTelemetry):
     def _pre(self, matrices: list[Matrix], grads: list[tuple], finite: torch.Tensor | None,
              only: set[int] | None = None, *, deferred: list, figs: dict | None = None) -> list[torch.Tensor]:
         """The pre phase on local rows; returns every matrix's rows to send (:mod:`._rows`).
-        ``only``: the ids of the buckets to run (default: all); ``deferred`` gets each bucket's
-        (state, new state) for the commit. ``finite`` None with ``nonfinite`` set: the flag is
-        not known yet (overlap), the step applies it to the deferred state."""
+        ``only``: the ids of the buckets to run (default: all). Each bucket's new state is written
+        (:meth:`_write`), or, with ``finite`` None and ``nonfinite`` set (overlap: the flag is not
+        known yet), goes to ``deferred`` as ``(state, new state, params)``; the step applies the
+        flag and the guard to it."""
         held: list[torch.Tensor | None] = [None] * len(matrices)
         for gi, route, bucket, params in self._mid_buckets():
             if only is not None and id(bucket) not in only:
@@ -177,15 +179,17 @@ class AdapterStep(FSDPTelemetry):
             else:
                 if finite is None and self.nonfinite is not None:
                     updates, new_state = route.steps.pre_update(_phases.signature(local, g, state), local, g, state)
+                    deferred.append((state, new_state, tuple(params[i] for i in bucket.indices)))
                 elif figs is not None:
                     leaves = self._local_leaves(gi, bucket, params)
                     args = (local, g, state, finite, leaves)
-                    updates, new_state, raw = route.steps.pre_measured(_phases.signature(*args[:4]), *args)
+                    updates, new_state, fault, raw = route.steps.pre_measured(_phases.signature(*args[:4]), *args)
                     self._note(figs, gi, bucket.indices, leaves, raw)
+                    self._write(Staged((), (), state, new_state), fault, tuple(params[i] for i in bucket.indices))
                 else:
                     args = (local, g, state, finite)
-                    updates, new_state = route.steps.pre(_phases.signature(*args), *args)
-                deferred.append((state, new_state))
+                    updates, new_state, fault = route.steps.pre(_phases.signature(*args), *args)
+                    self._write(Staged((), (), state, new_state), fault, tuple(params[i] for i in bucket.indices))
             for i, p, u in zip(bucket.indices, local, updates):
                 js = self._index[(gi, i)]
                 fmt = matrices[js[0]].fmt
@@ -293,9 +297,8 @@ class AdapterStep(FSDPTelemetry):
         return {**{j: v for j, v in new.items() if self.plan.matrices[j].local}, **shared}
 
     def _post(self, matrices: list[Matrix], grads: list[tuple], mine: list[torch.Tensor],
-              shared: dict[int, list[torch.Tensor]], finite: torch.Tensor | None, figs: dict | None = None) -> list[Staged]:
-        """The post phase on local rows: the updates, the new post state and mid state to commit."""
-        staged = []
+              shared: dict[int, list[torch.Tensor]], finite: torch.Tensor | None, figs: dict | None = None) -> None:
+        """The post phase on local rows: the updates, the new post state and mid state written."""
         for gi, route, bucket, params in self._mid_buckets():
             local = tuple(_params.local(params[i]) for i in bucket.indices)
             _, _, state = route.phases.states(self._local_state(bucket, params))
@@ -317,18 +320,17 @@ class AdapterStep(FSDPTelemetry):
             if any(u is not None for u in updates):
                 args = (local, tuple(updates), state, tuple(old_mid), tuple(new_mid), finite)
                 if figs is None:
-                    final, new_state, kept_mid = route.steps.post(_phases.signature(*args), *args)
+                    final, new_state, kept_mid, ok, fault = route.steps.post(_phases.signature(*args), *args)
                 else:
                     leaves = self._local_leaves(gi, bucket, params)
-                    final, new_state, kept_mid, raw = route.steps.post_measured(_phases.signature(*args), *args, leaves)
+                    final, new_state, kept_mid, ok, fault, raw = route.steps.post_measured(
+                        _phases.signature(*args), *args, leaves)
                     self._note(figs, gi, bucket.indices, leaves, raw)
-                self._stage(staged, Staged(local, final, state, new_state))
-                self._stage(staged, Staged((), (), tuple(old_mid), kept_mid))
-        return staged
+                self._write(Staged(local, final, state, new_state, ok), fault, tuple(params[i] for i in bucket.indices))
+                self._write(Staged((), (), tuple(old_mid), kept_mid))
 
-    def _elementwise(self, grads: list[tuple], finite: torch.Tensor | None, figs: dict | None = None) -> list[Staged]:
+    def _elementwise(self, grads: list[tuple], finite: torch.Tensor | None, figs: dict | None = None) -> None:
         """Transforms without a mid phase (AdamW), whole on local rows."""
-        staged = []
         for gi, group in enumerate(self.param_groups):
             for route in self._routes(gi):
                 if route.phases.mid is not None:
@@ -341,11 +343,19 @@ class AdapterStep(FSDPTelemetry):
                     state = self._local_state(bucket, group["params"])
                     args = (local, g, state, finite)
                     if figs is None:
-                        updates, new_state = route.steps.whole(_phases.signature(*args), *args)
+                        updates, new_state, ok, fault = route.steps.whole(_phases.signature(*args), *args)
                     else:
                         leaves = self._local_leaves(gi, bucket, group["params"])
-                        updates, new_state, raw = route.steps.whole_measured(_phases.signature(*args), *args, leaves)
+                        updates, new_state, ok, fault, raw = route.steps.whole_measured(
+                            _phases.signature(*args), *args, leaves)
                         self._note(figs, gi, bucket.indices, leaves, raw)
-                    self._stage(staged, Staged(local, updates, state, new_state))
-        return staged
+                    self._write(Staged(local, updates, state, new_state, ok), fault,
+                                tuple(group["params"][i] for i in bucket.indices))
+
+    def _write(self, item: Staged, fault: torch.Tensor | None = None, params: tuple = ()) -> None:
+        """Write ``item`` now (or hold it for the step's commit, ``atomic=True``) and note its
+        bucket's guard ``fault`` with its parameters."""
+        self._stage(self._writes, item)
+        if fault is not None:
+            self._faults.append((fault, params))
 

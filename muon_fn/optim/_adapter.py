@@ -10,10 +10,11 @@ torch.optim.Muon; ``step``/``exp_avg``/``exp_avg_sq`` for AdamW; see ``_state``)
 
 The step is generic (:mod:`._step`): for each *bucket* of a group (see :func:`buckets`) it runs
 ``updates, new_state = tx.update(grads, state, params)`` — as one ``torch.compile(fullgraph=True)``
-graph per bucket signature by default, or eagerly with the same ops — and once every bucket of
-the step is computed it writes them all back in place (``state.copy_(new_state)``,
-``p.add_(updates)``; :mod:`._apply`), so a step is all or nothing. Every algorithm (Muon, the
-hybrid, NorMuon, SSO, AdamW) is a transform run through this one apply.
+graph per bucket signature by default, or eagerly with the same ops — and writes the result
+in place (``state.copy_(new_state)``, ``p.add_(updates)``; :mod:`._apply`): inside each bucket's
+graph by default, or all at once after the last bucket (``atomic=True``). Everything that can
+refuse a step is decided before the first write, so a bad batch changes nothing either way.
+Every algorithm (Muon, the hybrid, NorMuon, SSO, AdamW) is a transform run through this one apply.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from .. import _checks, _compile, _execution, _metrics
 from .._base import GradientTransformation, info
 from .._muon import group_by
 from . import _layout, _state
-from ._apply import applied_of, compute_of, measured_of
+from ._apply import bucket_step
 from ._step import StagedStep, StepReport, signature, step_not_traced  # noqa: F401 (re-exported)
 from ._telemetry import Telemetry, check_metrics
 
@@ -64,9 +65,9 @@ class _Variant(NamedTuple):
 
     options: dict[str, Any]  # what they override in the group's hyperparameters
     tx: GradientTransformation
-    step: _compile.PerSignature
-    measured: _compile.PerSignature  # the same step with telemetry (metrics=)
-    applied: _compile.PerSignature  # the step and its commit in one (atomic=False)
+    # the bucket step by (write, measure): written in the graph (atomic=False) or returned for
+    # the step's commit; with telemetry (metrics=) or without (muon_fn.optim._apply.bucket_step)
+    steps: dict[tuple[bool, bool], _compile.PerSignature]
 
 
 class _Bucket(NamedTuple):
@@ -110,12 +111,20 @@ class Optimizer(StagedStep, Telemetry, torch.optim.Optimizer):
         execution policy's, 4 on the CPU (:data:`BUCKET_SIZE`), 16 on GPUs; only
         for transforms that are *leafwise* (:class:`muon_fn.TransformInfo`; every built-in one
         is), others update each group as a whole.
-      atomic: ``True`` (default): a step computes every bucket before it writes any, so an
-        error midway (a compiler error, an out-of-memory) leaves the optimizer as it was; the
-        price is the transient memory of the whole step's new state and updates (one more state
-        and parameter copy) until the commit. ``False``: each bucket is written as soon as it is
-        computed, in the same graph (the transient memory of one bucket's intermediates); an
-        error midway leaves the buckets before it applied. Same results either way.
+      atomic: ``False`` (default): each bucket's graph writes its parameters and state in place
+        (the transient memory of one bucket's intermediates). A step is still all or nothing
+        for everything training meets: missing, sparse or mis-shaped gradients, the accumulation
+        window and non-finite gradients are decided before the first write, and a bucket whose
+        own result is not finite is kept back (``nonfinite``). ``True``: every bucket is
+        computed before any is written, so an exception midway (an out-of-memory, a compiler
+        error) also leaves the optimizer as it was; the price is the transient memory of the
+        whole step's new state and updates (about one more state and parameter copy). Same
+        results either way.
+      verify: ``True`` (default): the first time a compiled graph runs in this optimizer, its
+        result is checked against the same bucket run eagerly on copies of its inputs; a graph
+        whose result is not finite where eager's is, or differs beyond the iteration dtype's
+        bound, warns once (naming the graph and the host's compiler) and that signature runs
+        with safe compiler options or eagerly (:mod:`muon_fn._verify`). ``False``: no check.
       metrics: telemetry. ``False`` (default): none, the same graphs as without the option;
         ``True``: every step's figures, computed inside the step's graphs; ``k``: every k-th
         step's (the others run the unmeasured graphs). :meth:`metrics` reads them.
@@ -137,12 +146,14 @@ class Optimizer(StagedStep, Telemetry, torch.optim.Optimizer):
         compile: _compile.CompileOption = True,
         bucket_size: int | None = None,
         metrics: bool | int = False,
-        atomic: bool = True,
+        atomic: bool = False,
+        verify: bool = True,
         **kwargs: Any,
     ) -> None:
         _checks.unexpected_keywords(type(self).__name__, kwargs)
         _checks.boolean("atomic", atomic)
-        self.atomic = atomic
+        _checks.boolean("verify", verify)
+        self.atomic, self.verify = atomic, verify
         self._metrics_every, self._applied_steps = check_metrics(metrics), 0
         if isinstance(tx_or_factory, GradientTransformation):
             self._factory: Factory = lambda hyper, _tx=tx_or_factory: _tx  # noqa: E731
@@ -174,7 +185,8 @@ class Optimizer(StagedStep, Telemetry, torch.optim.Optimizer):
     # travels too, so copy.deepcopy and pickle give an optimizer that steps like the original.
     # Compiled steps, scalar tensors and transforms are caches, rebuilt on the copy's first use.
     _CONFIG = ("nonfinite", "_factory", "_compile_options", "_bucket_size", "_scalar_keys",
-               "_nonfinite_count", "last_step", "split", "_built", "_metrics_every", "_applied_steps", "atomic")
+               "_nonfinite_count", "last_step", "split", "_built", "_metrics_every", "_applied_steps", "atomic", "verify",
+               "_fault_count")
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -182,7 +194,14 @@ class Optimizer(StagedStep, Telemetry, torch.optim.Optimizer):
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        # torch's __setstate__ adds ``differentiable`` to the defaults, which add_param_group
+        # would then copy into every new group (and the checks refuse as a foreign key): keep
+        # the defaults as they were.
+        defaults = state.get("defaults", self.__dict__.get("defaults", {}))
+        torch_added = "differentiable" not in defaults
         super().__setstate__(state)  # torch's load_state_dict calls it too: keep the caches then
+        if torch_added:
+            self.defaults.pop("differentiable", None)
         if len(self.__dict__.get("_runtimes", ())) != len(self.param_groups):
             self._runtimes = [_GroupRuntime() for _ in self.param_groups]
 
@@ -314,8 +333,10 @@ class Optimizer(StagedStep, Telemetry, torch.optim.Optimizer):
         for v, opts in enumerate(options):
             tx = self._factory({**hyper, **opts})
             what = f"{type(self).__name__}'s step"
-            rt.variants.append(_Variant(opts, tx, *(_compile.PerSignature(f(tx), self._compile_options, what)
-                                                     for f in (compute_of, measured_of, applied_of))))
+            steps = {(write, measure): _compile.PerSignature(bucket_step(tx, write=write, measure=measure),
+                                                              self._compile_options, what, verify=self.verify)
+                     for write in (False, True) for measure in (False, True)}
+            rt.variants.append(_Variant(opts, tx, steps))
             members = [i for i, w in enumerate(rt.variant_of) if w == v]
             mine = [params[i] for i in members]
             for b in buckets(mine, _execution.bucket_limit(mine, self._bucket_size) if info(tx).leafwise else None):

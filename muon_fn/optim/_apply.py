@@ -1,17 +1,23 @@
-"""The generic apply, staged: every bucket's update is computed first, touching nothing; then one
-commit writes all of them. A step is therefore all or nothing: an error while computing any
-bucket (a compiler error, an out-of-memory, a transform that raises) leaves every parameter and
-every state buffer as it was before the step.
+"""The generic apply: one bucket's step as a pure function under the step's flags
+(:func:`bucket_step`), and the writes (:func:`commit`).
 
-:func:`compute_bucket` runs ``tx.update`` on one bucket and returns what it would write (a
-:class:`Staged`), under the non-finite policy's flag: where the step is skipped the gradients the
-transform sees are zeros (no solver or iteration ever sees an inf or nan), the updates are zero
-and the new state is the old one, all decided on the device. :func:`commit` then copies every new
-state into its buffer and adds every update to its parameter (``torch._foreach_copy_`` and
-``torch._foreach_add_``: a few kernels per step, not one per tensor). The cost of staging: the
-new state and the updates of the whole step exist at once until the commit (the transient
-memory of one more state and one more parameter copy), and the state is written by a copy after
-the graphs rather than inside them.
+A step has two flags, both decided on the device. ``finite`` (the non-finite policy's, one check
+over every gradient of the step, computed before any bucket runs): where it is False the
+gradients a transform sees are zeros (no solver or iteration ever sees an inf or nan) and
+nothing is written, in every bucket. The **guard** (:func:`guarded`, per bucket, inside the
+graph that writes it): an update or a new state that is not finite although the gradients were
+(a miscompiled graph, an overflow) is an optimizer fault; that bucket's parameters and state keep
+their values and the fault is counted. So no parameter is ever made non-finite by the optimizer,
+and a bad batch changes nothing, without staging.
+
+Two ways to write (``atomic=``):
+
+- in place (``atomic=False``, the default): each bucket's graph writes its parameters and its
+  state itself, the transient memory of one bucket's intermediates;
+- staged (``atomic=True``): every bucket's graph returns what it would write and one
+  :func:`commit` writes the whole step (``torch._foreach_copy_`` and ``torch._foreach_add_``: a
+  few kernels per step), so an exception midway (an out-of-memory, a compiler error) leaves the
+  optimizer as it was, at the price of the whole step's new state and updates held at once.
 """
 
 from __future__ import annotations
@@ -26,12 +32,23 @@ from .._base import GradientTransformation
 
 
 class Staged(NamedTuple):
-    """What one bucket's step writes at the commit."""
+    """What one bucket's step writes."""
 
     params: tuple  # the bucket's parameters (or local shards): p += u
     updates: tuple  # one per parameter; None: no update
     state: Any  # the state buffers: old ← new (a None buffer is skipped)
     new_state: Any
+    ok: torch.Tensor | None = None  # 0-d bool: False keeps every parameter bit for bit (None: no flag)
+
+
+class BucketResult(NamedTuple):
+    """What a bucket's step returns (:func:`bucket_step`)."""
+
+    updates: tuple | None  # None where the step wrote them itself
+    new_state: Any  # None where the step wrote it itself
+    ok: torch.Tensor | None  # 0-d bool: the bucket is written (None: no non-finite policy)
+    fault: torch.Tensor | None  # 0-d bool: finite gradients gave a non-finite update or state
+    raw: tuple | None  # the bucket's raw telemetry (:mod:`muon_fn._metrics`), if measured
 
 
 def masked(tree: Any, finite: torch.Tensor | None) -> Any:
@@ -55,78 +72,81 @@ def kept(state: Any, new_state: Any, finite: torch.Tensor | None) -> Any:
     return _tree.tree_map(keep, state, new_state)
 
 
+def sound(updates: Any, state: Any, new_state: Any) -> torch.Tensor:
+    """Whether every update and every changed state tensor is finite (a 0-d bool on the device;
+    one sum per tensor, fused by the compiler with the work that produces it). Integer state
+    (quantized codes) is finite by construction."""
+    changed = [new for old, new in zip(_tree.tree_leaves(state), _tree.tree_leaves(new_state))
+               if new is not None and new is not old and new.is_floating_point()]
+    tensors = [u for u in _tree.tree_leaves(updates) if u is not None] + changed
+    return finite_flags(tensors).all()
+
+
+def guarded(state: Any, updates: Any, new_state: Any, finite: torch.Tensor | None) -> tuple:
+    """``(updates, new state, ok, fault)`` of a bucket under the step's flag ``finite`` and the
+    guard: written only if the gradients were finite and so is everything the bucket would write
+    (zero updates and the old state otherwise); ``fault`` says the bucket was kept back for its
+    own result. ``finite`` None (``nonfinite=None``): no check at all."""
+    if finite is None:
+        return updates, new_state, None, None
+    values_ok = sound(updates, state, new_state)
+    ok = finite & values_ok
+    return masked(updates, ok), kept(state, new_state, ok), ok, finite & ~values_ok
+
+
 def compute_bucket(tx: GradientTransformation, params: tuple, grads: tuple, state: Any,
-                   finite: torch.Tensor | None) -> tuple[tuple, Any]:
-    """``tx.update`` on one bucket under the flag ``finite`` (None: no check): ``(updates, new
-    state)``, zero and unchanged where the flag is False; the gradients are zeroed first, so the
-    transform never sees a non-finite value of a skipped step. Nothing is written."""
+                   finite: torch.Tensor | None) -> tuple:
+    """``tx.update`` on one bucket under the flag ``finite`` and the guard (:func:`guarded`):
+    ``(updates, new state, ok, fault)``. The gradients are zeroed first where the step is
+    skipped, so the transform never sees a non-finite value of a skipped step. Nothing is written."""
     updates, new_state = tx.update(masked(grads, finite), state, params)
-    return masked(updates, finite), kept(state, new_state, finite)
+    return guarded(state, updates, new_state, finite)
 
 
 def commit(staged: Sequence[Staged]) -> None:
     """Write every staged bucket: each new state into its buffer, then each update into its
-    parameter, in place."""
-    olds, news, params, updates = [], [], [], []
+    parameter, in place (a bucket whose ``ok`` is False keeps every bit of its parameters)."""
+    olds, news, params, updates, flagged = [], [], [], [], []
     for s in staged:
         for old, new in zip(_tree.tree_leaves(s.state), _tree.tree_leaves(s.new_state)):
             if old is not None and new is not None and new is not old:
                 olds.append(old)
                 news.append(new)
         for p, u in zip(s.params, s.updates):
-            if u is not None:
+            if u is not None and s.ok is not None:
+                flagged.append((p, u, s.ok))
+            elif u is not None:
                 params.append(p)
                 updates.append(u)
     if olds:
         torch._foreach_copy_(olds, news)
     if params:
         torch._foreach_add_(params, updates)
+    if flagged:  # p + 0 would turn a -0.0 into +0.0
+        torch._foreach_copy_([p for p, _, _ in flagged], [torch.where(ok, p + u, p) for p, u, ok in flagged])
 
 
-def apply_bucket(tx: GradientTransformation, params: tuple, grads: tuple, state: Any,
-                 finite: torch.Tensor | None) -> None:
-    """:func:`compute_bucket` and its :func:`commit` at once (one bucket that is a step by itself)."""
-    updates, new_state = compute_bucket(tx, params, grads, state, finite)
-    commit([Staged(params, updates, state, new_state)])
+def bucket_step(tx: GradientTransformation, *, write: bool, measure: bool) -> Callable[..., BucketResult]:
+    """One bucket's step of ``tx``, ``(params, grads, state, finite, leaves) -> BucketResult``
+    (compiled per signature by :class:`muon_fn._compile.PerSignature`): :func:`compute_bucket`,
+    with ``measure`` also the raw figures (:mod:`muon_fn._metrics`) of the bucket's leaves
+    ``leaves`` (the gradients' figure is that of the gradients as they came: a skipped step shows
+    its inf or nan there), and with ``write`` its :func:`commit` inside the same function (one
+    graph that writes the new state and the parameters in place)."""
 
+    def step(params, grads, state, finite, leaves):
+        inputs = masked(grads, finite)
+        if measure:
+            updates, new_state, raw = _metrics.measured_update(tx, inputs, state, params, leaves, grads=grads)
+        else:
+            (updates, new_state), raw = tx.update(inputs, state, params), None
+        updates, new_state, ok, fault = guarded(state, updates, new_state, finite)
+        if not write:
+            return BucketResult(updates, new_state, ok, fault, raw)
+        commit([Staged(params, updates, state, new_state, ok)])
+        return BucketResult(None, None, ok, fault, raw)
 
-def write_back(state: Any, new_state: Any, finite: torch.Tensor | None) -> None:
-    """Copy every leaf of ``new_state`` into the matching buffer of ``state`` in place (a ``None``
-    buffer is skipped); where ``finite`` (a 0-d bool tensor) is False the buffers keep their values."""
-    commit([Staged((), (), state, kept(state, new_state, finite))])
-
-
-def compute_of(tx: GradientTransformation) -> Callable[..., tuple[tuple, Any]]:
-    """The bucket computation of ``tx`` (compiled per signature by :class:`muon_fn._compile.PerSignature`)."""
-
-    def compute(params, grads, state, finite):
-        return compute_bucket(tx, params, grads, state, finite)
-
-    return compute
-
-
-def applied_of(tx: GradientTransformation) -> Callable[..., None]:
-    """:func:`compute_of` and the bucket's commit in one function (``atomic=False``): compiled,
-    one graph that writes the new state and the update in place, with the transient memory of
-    the bucket's intermediates only."""
-
-    def apply(params, grads, state, finite):
-        apply_bucket(tx, params, grads, state, finite)
-
-    return apply
-
-
-def measured_of(tx: GradientTransformation) -> Callable[..., tuple[tuple, Any, tuple]]:
-    """:func:`compute_of` with telemetry: also the step's raw figures (:mod:`muon_fn._metrics`)
-    of the bucket's leaves ``leaves``; the gradients' figure is that of the gradients as they
-    came (a skipped step shows its inf or nan there)."""
-
-    def compute(params, grads, state, finite, leaves):
-        updates, new_state, raw = _metrics.measured_update(tx, masked(grads, finite), state, params, leaves,
-                                                           grads=grads)
-        return masked(updates, finite), kept(state, new_state, finite), raw
-
-    return compute
+    return step
 
 
 def finite_flags(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -144,7 +164,8 @@ class SkipNotice:
     gradients were not finite, without a host sync: a CPU flag is read at once, a GPU flag once
     its copy to the host has arrived (looked at by the next step)."""
 
-    def __init__(self) -> None:
+    def __init__(self, fault: bool = False) -> None:
+        self.fault = fault  # the flags are the guard's (an optimizer fault), not the gradients'
         self.done = False
         self._pending: tuple[torch.Tensor, Any, Callable[[], list[str]], str] | None = None
         self._host: dict[int, torch.Tensor] = {}  # pinned buffers by size, reused
@@ -194,6 +215,13 @@ class SkipNotice:
         bad = bad[:-1] if len(bad) > 1 and bad[-1] == "a parameter of another rank" else bad
         from ._views import warn
 
+        if self.fault:
+            warn(f"{owner}: optimizer fault: finite gradients gave a non-finite update or state for {'; '.join(bad)}; "
+                 "those parameters and their optimizer state were left unchanged for this step. The fault is the "
+                 "optimizer's (a miscompiled graph or an overflow), not the data's. Later faults are counted in "
+                 "optimizer.optimizer_faults and metrics()['optimizer_faults'] without a warning; compile=False "
+                 "runs the step eagerly (see docs/faq.md, 'Optimizer faults').")
+            return
         warn(f"{owner}: skipped a step: non-finite gradient (inf or nan) in {', '.join(bad)}; parameters "
              "and optimizer state were left unchanged (nonfinite='skip', the default). Later skipped steps "
              "are counted in optimizer.nonfinite_steps without a warning; pass nonfinite='error' to raise "

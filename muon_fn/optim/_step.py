@@ -1,8 +1,10 @@
-"""The step of :class:`muon_fn.Optimizer` (a base of it): gradients read and checked, every
-bucket's update computed (staged), then one commit (:mod:`._apply`). Nothing changes before the
-commit, so a step that raises (a non-finite gradient under ``nonfinite="error"``, a compiler error,
-an out-of-memory) leaves the parameters, the state, the accumulation window and the step counts
-as they were.
+"""The step of :class:`muon_fn.Optimizer` (a base of it): gradients read and checked, then
+every bucket's step (:mod:`._apply`), written in place by its own graph (the default) or staged
+and committed at once (``atomic=True``). Everything that can refuse a step — a sparse or
+mis-shaped gradient, the accumulation window, a non-finite gradient under ``"skip"`` and
+``"error"`` — is decided before the first write, so a refused or skipped step leaves the
+parameters, the state, the accumulation window and the step counts as they were; staged, so does
+an exception midway (a compiler error, an out-of-memory).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 from .. import _compile, _execution, _tree
 from .._base import GradientTransformation
 from . import _state
-from ._apply import SkipNotice, Staged, commit, finite_flags
+from ._apply import BucketResult, SkipNotice, Staged, commit, finite_flags
 
 # The adapters' step runs its own compiled graphs; an outer torch.compile(opt.step) leaves it to them.
 step_not_traced = _compile.not_traced(
@@ -47,19 +49,22 @@ def signature(params: tuple, grads: tuple, finite: torch.Tensor | None) -> tuple
 
 
 class StagedStep:
-    """``step()`` of :class:`muon_fn.Optimizer`: stage every bucket, then commit."""
+    """``step()`` of :class:`muon_fn.Optimizer`: check, then every bucket in place (or staged
+    and committed at once)."""
 
     nonfinite: str | None
     last_step: StepReport | None
     _nonfinite_count: torch.Tensor | None
+    _fault_count: torch.Tensor | None
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Perform one optimization step (or accumulate one micro-batch).
 
-        All or nothing: every bucket's update is computed before any parameter or state
-        changes. Reads nothing back from the device unless ``nonfinite="error"``; ``.grad`` is
-        never modified. Already compiled: ``torch.compile(opt.step)`` leaves it to these graphs."""
+        All or nothing for a bad batch: every check is decided before any parameter or state
+        changes (and with ``atomic=True`` every bucket is computed first). Reads nothing back
+        from the device unless ``nonfinite="error"``; ``.grad`` is never modified. Already
+        compiled: ``torch.compile(opt.step)`` leaves it to these graphs."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -75,13 +80,15 @@ class StagedStep:
     def _step(self) -> None:
         work = self._work()
         applied = [w for w in work if w.last]
+        self._refuse_bad_micro_batch([w for w in work if not w.last])
         finite = self._finite(applied)  # "error": raised here, before anything changed
         staged: list[Staged] = []
         fresh: list[tuple[tuple, list[dict]]] = []
+        faults: list[tuple[torch.Tensor, tuple]] = []
         measured: list[tuple[Any, tuple]] | None = [] if applied and self._measure_now() else None
         for w in applied:
-            staged += self._stage_group(w.index, w.grads, finite, fresh, measured)
-        # ---- commit: nothing above changed the optimizer
+            staged += self._group_step(w.index, w.grads, finite, fresh, faults, measured)
+        # ---- staged (atomic=True): nothing above changed the optimizer
         self._store_states(fresh)
         commit(staged)
         for w in work:
@@ -92,6 +99,7 @@ class StagedStep:
             self._applied_steps = self.__dict__.get("_applied_steps", 0) + 1
             if finite is not None:
                 self._count_nonfinite(finite)
+                self._count_faults(faults)
         self.last_step = StepReport(torch.ones((), dtype=torch.bool) if finite is None else finite, bool(applied))
 
     def _work(self) -> list[_Work]:
@@ -115,6 +123,10 @@ class StagedStep:
             g = p.grad
             if g is not None and g.is_sparse:
                 raise RuntimeError(f"muon_fn does not support sparse gradients (parameter {self._name(group, p)})")
+            if g is not None and (g.shape != p.shape or g.device != p.device):
+                raise RuntimeError(
+                    f"gradient of parameter {self._name(group, p)} has shape {tuple(g.shape)} on {g.device}, but the "
+                    f"parameter has shape {tuple(p.shape)} on {p.device}; nothing was changed")
             grads.append(None if g is None else g.detach())
         return None if all(g is None for g in grads) else tuple(grads)
 
@@ -151,48 +163,47 @@ class StagedStep:
                 st["grad_accumulator"] = g.clone() if acc is None else acc.add_(g)
 
     # ----------------------------------------------------------------------- buckets
-    def _stage_group(self, index: int, grads: tuple, finite: torch.Tensor | None,
-                     fresh: list[tuple[tuple, list[dict]]], measured: list | None = None) -> list[Staged]:
-        """Every bucket of group ``index`` computed; new state dicts go to ``fresh``, and with
-        ``measured`` (a list: telemetry) each bucket's raw figures there."""
+    def _group_step(self, index: int, grads: tuple, finite: torch.Tensor | None, fresh: list[tuple[tuple, list[dict]]],
+                    faults: list[tuple[torch.Tensor, tuple]], measured: list | None = None) -> list[Staged]:
+        """Every bucket of group ``index``: written in place by its graph, or (``atomic=True``)
+        returned for the step's commit, new state dicts then in ``fresh``. Each bucket's fault
+        flag goes to ``faults`` with its parameters, and with ``measured`` (a list: telemetry)
+        its raw figures there."""
         group = self.param_groups[index]
         rt = self._runtime(index)
-        params, staged = group["params"], []
-        atomic = self.__dict__.get("atomic", True)
+        atomic = self.__dict__.get("atomic", False)
+        staged = []
         for b, bucket in enumerate(rt.buckets):
             bucket_grads = tuple(grads[i] for i in bucket.indices)
             if all(g is None for g in bucket_grads):
                 continue
-            bucket_params = tuple(params[i] for i in bucket.indices)
+            params = tuple(group["params"][i] for i in bucket.indices)
             variant = rt.variants[bucket.variant]
-            state, new_dicts = self._bucket_state(variant.tx, bucket, bucket_params)
-            new = [] if new_dicts is None else [(bucket_params, new_dicts)]
+            state, new_dicts = self._bucket_state(variant.tx, bucket, params)
+            new = [] if new_dicts is None else [(params, new_dicts)]
+            if self._compile_options is not None and _execution.policy(params[0].device).static_addresses:
+                _execution.mark_static(params + tuple(_tree.tree_leaves(state)))
+            key = signature(params, bucket_grads, finite)
+            step = variant.steps[(not atomic, measured is not None)]
+            out: BucketResult = step(key, params, bucket_grads, state, finite,
+                                     None if measured is None else bucket.leaves)
             if atomic:
                 fresh += new
-            if self._compile_options is not None and _execution.policy(bucket_params[0].device).static_addresses:
-                _execution.mark_static(bucket_params + tuple(_tree.tree_leaves(state)))
-            key = signature(bucket_params, bucket_grads, finite)
-            if measured is None and not atomic:  # written in the graph
-                variant.applied(key, bucket_params, bucket_grads, state, finite)
-                self._store_states(new)
-                continue
-            if measured is None:
-                updates, new_state = variant.step(key, bucket_params, bucket_grads, state, finite)
+                staged.append(Staged(params, out.updates, state, out.new_state, out.ok))
             else:
-                updates, new_state, raw = variant.measured(key, bucket_params, bucket_grads, state, finite,
-                                                           bucket.leaves)
-                measured.append(((index, b), self._labels(index, bucket.indices, bucket.leaves), raw))
-            self._stage(staged, Staged(bucket_params, updates, state, new_state), new)
+                self._store_states(new)
+            if out.fault is not None:
+                faults.append((out.fault, params))
+            if measured is not None:
+                measured.append(((index, b), self._labels(index, bucket.indices, bucket.leaves), out.raw))
         return staged
 
-    def _stage(self, staged: list[Staged], item: Staged, fresh: Sequence[tuple[tuple, list[dict]]] = ()) -> None:
-        """Hold ``item`` for the step's commit (``atomic=True``, the default), or write it now
-        (``atomic=False``: the transient memory of one bucket instead of the whole step's),
-        with ``fresh`` state dicts stored first (:meth:`_store_states`)."""
-        if self.__dict__.get("atomic", True):
+    def _stage(self, staged: list[Staged], item: Staged) -> None:
+        """Hold ``item`` for the step's commit (``atomic=True``), or write it now (the default:
+        the transient memory of one bucket instead of the whole step's)."""
+        if self.__dict__.get("atomic", False):
             staged.append(item)
             return
-        self._store_states(fresh)
         commit([item])
 
     def _store_states(self, fresh: Sequence[tuple[tuple, list[dict]]]) -> None:
@@ -233,6 +244,52 @@ class StagedStep:
                 "unchanged. Pass nonfinite='skip' to skip such steps, or use torch.amp.GradScaler.")
         self._skip_notice().watch(flags, names, type(self).__name__)
         return finite
+
+    def _refuse_bad_micro_batch(self, work: list[_Work]) -> None:
+        """Under ``"error"``, a micro-batch of an accumulation window (not its last) with a
+        non-finite gradient raises now, before it reaches the accumulators: the window goes on
+        as if the call had not happened (one read of a flag, as every ``"error"`` step)."""
+        if self.nonfinite != "error":
+            return
+        pairs = [(w.index, i, g) for w in work for i, g in enumerate(w.window or ()) if g is not None]
+        if not pairs:
+            return
+        flags = finite_flags([g for _, _, g in pairs])
+        if bool(flags.all()):
+            return
+        self._count_nonfinite(flags.all())
+        bad = [self._name(self.param_groups[gi], self.param_groups[gi]["params"][i])
+               for (gi, i, _), ok in zip(pairs, flags.tolist()) if not ok]
+        raise RuntimeError(
+            f"non-finite gradient (inf or nan) in {', '.join(bad)} in a micro-batch of a gradient accumulation "
+            "window; it was not accumulated, and parameters, optimizer state and the window were left "
+            "unchanged. Pass nonfinite='skip' to skip windows with such micro-batches instead.")
+
+    def _count_faults(self, faults: list[tuple[torch.Tensor, tuple]]) -> None:
+        """Count the buckets that finite gradients gave a non-finite result (on the device) and
+        warn once, naming their parameters (no host sync: :class:`SkipNotice`)."""
+        if not faults:
+            return
+        flags = torch.stack([f for f, _ in faults])
+        n = flags.sum()
+        self._fault_count = n if self.__dict__.get("_fault_count") is None else self._fault_count + n
+
+        def names() -> list[str]:
+            where = {id(p): g for g in self.param_groups for p in g["params"]}
+            return [", ".join(self._name(where[id(p)], p) for p in params) for _, params in faults]
+
+        notice = self.__dict__.get("_faulted")
+        if notice is None:
+            notice = self.__dict__["_faulted"] = SkipNotice(fault=True)
+        notice.watch(~flags, names, type(self).__name__)
+
+    @property
+    def optimizer_faults(self) -> int:
+        """How many times a bucket was kept back because finite gradients gave it a non-finite
+        update or state (an optimizer fault: a miscompiled graph, an overflow; reading it syncs
+        with the device)."""
+        count = self.__dict__.get("_fault_count")
+        return 0 if count is None else int(count)
 
     def _skip_notice(self) -> SkipNotice:
         notice = self.__dict__.get("_skipped")
