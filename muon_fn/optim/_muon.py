@@ -19,7 +19,7 @@ from .._qk_clip import QKClip, check_tracked
 from .. import _quantize
 from .._quantize import check_state_bits as check_state_bits_value
 from .._transforms import MOMENTUM_KINDS
-from . import _views
+from . import _torch_state, _views
 from ._adapter import Optimizer, step_not_traced
 
 ALGORITHMS = ("auto", "muon", "adamw")
@@ -300,11 +300,9 @@ class MuonOptimizer(HybridOptimizer):
         ``torch.optim.Muon`` state_dict loads directly when this optimizer's parameters are
         exactly that optimizer's (its matrices, group by group), through
         :func:`muon_fn.optim.from_torch_state_dict`."""
-        from ._torch_compat import from_torch_state_dict, is_torch_muon_state_dict, upgrade_eps_keys
-
-        if is_torch_muon_state_dict(state_dict):
-            state_dict = from_torch_state_dict(self, state_dict)
-        super().load_state_dict(upgrade_eps_keys(state_dict), allow_missing_state=allow_missing_state)
+        if _torch_state.is_torch_muon_state_dict(state_dict):
+            state_dict = _torch_state.from_torch(self, state_dict)
+        super().load_state_dict(_torch_state.upgrade_eps_keys(state_dict), allow_missing_state=allow_missing_state)
 
     # Checkpoints saved before these keys existed ran plain Muon with plain decay.
     _later_keys = {**HybridOptimizer._later_keys, "state_bits": 32, "layerwise_norm": False, "adamuon_beta2": None,
