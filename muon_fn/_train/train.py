@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from .. import _compile
-from ..bench._timing import synchronize
+from .._device import synchronize
 from ..integrations._common import Reader, measures
 from . import logits, optimizers, report, telemetry
 from .args import DEFAULT_STEPS, UsageError, build_parser, check_corpus, resolve, schedule_error
