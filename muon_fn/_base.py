@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, NamedTuple, Protocol, Union
 
 import torch
@@ -113,10 +114,25 @@ def stateless(fn: Callable[[Updates, Params | None], Updates]) -> GradientTransf
 
 def shown(v: Any) -> Any:
     """What a repr shows for a configuration value: a 1-element tensor's value as a float (read
-    once, at build time), anything else (a meta tensor, which has no value) as it is."""
+    once, at build time; see :func:`shortest_float`), anything else (a meta tensor, which has no
+    value) as it is."""
     if isinstance(v, torch.Tensor) and v.numel() == 1 and v.device.type != "meta":
-        return float(v)
+        return shortest_float(v)
     return v
+
+
+def shortest_float(v: torch.Tensor) -> float:
+    """The value of the 1-element tensor ``v`` as the float with the fewest significant digits
+    that ``v``'s dtype stores as the same value: the hyperparameter as the user wrote it (a
+    float32 0.95 shows as 0.95, not 0.949999988079071). float64 and integer values as they are."""
+    x = float(v)
+    if not v.is_floating_point() or v.dtype == torch.float64 or not math.isfinite(x):
+        return x
+    for digits in range(1, 18):
+        short = float(f"{x:.{digits}g}")
+        if torch.tensor(short, dtype=v.dtype).item() == x:
+            return short
+    return x
 
 
 def named(tx: GradientTransformation, name: str, **config: Any) -> GradientTransformation:

@@ -288,17 +288,17 @@ AdamW: 3 tensors, 128 parameters; cautious weight decay 0.1 on ndim >= 2, none o
   out.weight                               (10, 8)              output head""")
         self.assertExpectedInline(opt.describe(), """\
 group 0: 1 params in 1 buckets, chain(
-  momentum(momentum=0.949999988079071, nesterov=True, kind='ema'),
+  momentum(momentum=0.95, nesterov=True, kind='ema'),
   orthogonalize(method='quintic', steps=5, dtype=None, eps=1e-07, stepsize=1.0, view='flatten'),
   normalize_rows(beta2=0.95, eps=1e-08, view='flatten'),
   scale_by_shape(rule='original', view='flatten'),
   add_decoupled_weight_decay(weight_decay=0.01, cautious=True),
-  scale_by_learning_rate(lr=0.019999999552965164),
+  scale_by_learning_rate(lr=0.02),
 )
 group 1: 3 params in 3 buckets, chain(
   scale_by_adam(betas=(0.9, 0.95), eps=1e-08),
   add_decoupled_weight_decay(weight_decay=0.1, min_ndim=2, cautious=True),
-  scale_by_learning_rate(lr=0.0010000000474974513),
+  scale_by_learning_rate(lr=0.001),
 )""")
 
     def test_bad_values(self):

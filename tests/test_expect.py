@@ -94,6 +94,45 @@ AdamW: 5 tensors, 144 parameters; weight decay 0.1
   out.weight                               (10, 8)              output head""")
 
 
+class TestDescribe(expecttest.TestCase):
+    """describe() shows each hyperparameter as given (a float32 0-d tensor 0.95 as 0.95)."""
+
+    def test_muon_optimizer(self):
+        opt = mf.MuonOptimizer(TestHybridSplit.model().parameters(), lr=0.03, momentum=0.9, weight_decay=0.1)
+        self.assertExpectedInline(opt.describe(), """\
+group 0: 6 params in 4 buckets, partition({
+  'muon': chain(
+    momentum(momentum=0.9, nesterov=True, kind='ema'),
+    orthogonalize(method='quintic', steps=5, dtype=None, eps=1e-07, stepsize=1.0, view='flatten'),
+    scale_by_shape(rule='original', view='flatten'),
+    add_decoupled_weight_decay(weight_decay=0.1),
+    scale_by_learning_rate(lr=0.03),
+  ),
+  'adamw': chain(
+    scale_by_adam(betas=(0.9, 0.999), eps=1e-08),
+    add_decoupled_weight_decay(weight_decay=0.0, min_ndim=2),
+    scale_by_learning_rate(lr=0.0003),
+  ),
+}, labels=matrix_labels)""")
+
+    def test_hybrid(self):
+        opt = mf.create_hybrid_optimizer(TestHybridSplit.model(), muon_lr=0.02, adamw_lr=3e-4)
+        self.assertExpectedInline(opt.describe(), """\
+group 0: 1 params in 1 buckets, chain(
+  momentum(momentum=0.95, nesterov=True, kind='ema'),
+  orthogonalize(method='quintic', steps=5, dtype=None, eps=1e-07, stepsize=1.0, view='flatten'),
+  normalize_rows(beta2=0.95, eps=1e-08, view='flatten'),
+  scale_by_shape(rule='original', view='flatten'),
+  add_decoupled_weight_decay(weight_decay=0.01),
+  scale_by_learning_rate(lr=0.02),
+)
+group 1: 5 params in 3 buckets, chain(
+  scale_by_adam(betas=(0.9, 0.95), eps=1e-08),
+  add_decoupled_weight_decay(weight_decay=0.01, min_ndim=2),
+  scale_by_learning_rate(lr=0.0003),
+)""")
+
+
 class TestStateStructure(expecttest.TestCase):
     params = {"w_in": torch.zeros(8, 4), "w_out": torch.zeros(4, 8), "conv": torch.zeros(4, 2, 3, 3)}
 
