@@ -8,6 +8,9 @@ compiled default.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import expecttest
 import pytest
@@ -61,6 +64,7 @@ def test_benchmark_smoke_with_torch_reference():
     json.dumps(res)
     table = bench.format_table(res)
     assert all(r in table for r in rows) and "tiny: 1 layer(s), 6 matrices" in table
+    assert "state MiB" in table and "peak MiB" in table and " MB" not in table
 
 
 def test_ratios_and_quality_need_their_reference_rows():
@@ -94,6 +98,7 @@ def test_default_row_compiles_on_its_first_step(compiled_default):
     ({"rounds": 1.5}, "rounds"),
     ({"lr": -1.0}, "lr"),
     ({"rows": ["sgd"]}, "Invalid row: 'sgd'"),
+    ({"rows": ["hybrid"]}, r"Invalid row: 'hybrid' \(it runs on the set's GPT model.*muon-fn bench --memory"),
     ({"threads": 0}, "Invalid threads: 0"),
     ({"device": "bogus"}, "Invalid device: 'bogus'"),
     ({"device": "meta"}, "meta tensors hold no data to time"),
@@ -120,7 +125,8 @@ def test_rows_name_their_own_replay_with_the_same_orthogonalization():
             assert spec.own_replay in bench.ROW_SPECS, name
             if spec.method != "torch.optim.Muon":
                 assert bench.ROW_SPECS[spec.own_replay].ortho(cpu) == spec.ortho(cpu), name
-    assert set(bench.ROWS) | set(bench.OPTIONAL_ROWS) == set(bench.ROW_SPECS)
+    assert set(bench.ROWS) | set(bench.OPTIONAL_ROWS) | set(bench.MODEL_ROWS) == set(bench.ROW_SPECS)
+    assert set(bench.MEMORY_ROWS) <= set(bench.ROW_SPECS)
 
 
 def test_default_rows_leave_out_emulated_bf16(monkeypatch):
@@ -168,6 +174,80 @@ def test_peak_step_bytes_counts_what_a_step_allocates_at_its_highest():
     assert bench.peak_step_bytes(step, cpu) == pytest.approx(8e6, abs=1e3)
     assert bench.peak_step_bytes(lambda: x.add_(1), cpu) < 100  # in place: nothing (the profiler: a few bytes)
     assert bench.peak_step_bytes(step, torch.device("meta")) is None  # not measured there
+
+
+_RESIDENT_CHILD = """
+import json, torch
+from muon_fn.bench import _memory
+x = torch.ones(1000, 1000)
+
+def step():
+    a = x * 2  # 4 MB
+    b = a + 1  # 8 MB live at the peak
+    del a
+    return b.sum()
+
+def late():
+    out = torch.empty(1000, 1000)  # 4 MB, first written after the 4 MB temporary is gone
+    t = x * 2
+    total = t.sum()
+    del t
+    return out.fill_(total)
+
+cpu = torch.device("cpu")
+for f in (step, late, lambda: x.add_(1)):
+    f()  # first runs: their code's pages become resident, as in a row's first step
+print(json.dumps([_memory.resident_step_bytes(f, cpu) for f in (step, late, lambda: x.add_(1))]))
+"""
+
+
+def test_resident_step_bytes_counts_the_peak_resident_set_of_a_fresh_process():
+    """In a process started with RESIDENT_ENV a block is resident from its allocation to its free:
+    the step's peak is 8 MB as torch's allocator counts it, a buffer written only after the peak
+    included; nothing for an in-place step. Without that environment (this process) it is not
+    measured."""
+    from muon_fn.bench import _memory
+
+    env = {**os.environ, **_memory.RESIDENT_ENV}
+    proc = subprocess.run([sys.executable, "-c", _RESIDENT_CHILD], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    peak, late, in_place = json.loads(proc.stdout.splitlines()[-1])
+    # the kernel's counters are exact to a few hundred KB (per-CPU batches of pages)
+    assert peak == pytest.approx(8e6, abs=1e6) and late == pytest.approx(8e6, abs=1e6) and in_place < 0.5e6
+    if not _memory.resident_measurable():
+        assert bench.resident_step_bytes(lambda: None, torch.device("cpu")) is None
+    assert bench.resident_step_bytes(lambda: None, torch.device("meta")) is None
+
+
+def test_memory_table_measures_every_row_the_same_way(tmp_path, capsys):
+    """``muon-fn bench --memory``: torch's rows and muon_fn's, each in a fresh process; the
+    hybrid against torch.optim.Muon + AdamW on the same split of the set's GPT model."""
+    path = tmp_path / "m.json"
+    rows = ["torch.optim.Muon", "muon_fn[state_bits=8]", "torch.optim.Muon+AdamW[fused]", "hybrid"]
+    assert bench.main(["--memory", "--model-size", "tiny", "--layers", "1", "--rows", *rows, "--json", str(path)]) == 0
+    res = json.loads(path.read_text())["tiny,memory,threads=1"]
+    got = res["rows"]
+    assert list(got) == rows
+    n = 4 * sum(s[0] * s[1] for _, s in bench.matrix_shapes("tiny", layers=1))  # fp32 bytes of the matrices
+    torch_muon, eight = got["torch.optim.Muon"], got["muon_fn[state_bits=8]"]
+    # torch.optim.Muon keeps one fp32 momentum buffer per matrix: state = momentum = parameter bytes.
+    assert torch_muon["state_bytes"] == torch_muon["momentum_bytes"] == torch_muon["param_bytes"] == n
+    assert torch_muon["ratio_to_reference"] == 1.0 and torch_muon["reference"] == "torch.optim.Muon"
+    # 8-bit codes (a quarter) and one fp32 scale per block of 256 codes.
+    assert eight["param_bytes"] == n and 0.25 < eight["state_over_params"] < 0.26
+    pair, hybrid = got["torch.optim.Muon+AdamW[fused]"], got["hybrid"]
+    assert pair["param_bytes"] == hybrid["param_bytes"] > n  # the GPT's embeddings, head and 1-D parameters too
+    assert pair["momentum_bytes"] == hybrid["momentum_bytes"] == n  # its hidden matrices are the set's
+    assert hybrid["reference"] == "torch.optim.Muon+AdamW[fused]" and pair["ratio_to_reference"] == 1.0
+    for v in got.values():
+        assert v["peak_bytes"] >= 0 and v["total_bytes"] == v["state_bytes"] + v["peak_bytes"]
+        assert v["peak_over_params"] == pytest.approx(v["peak_bytes"] / v["param_bytes"])
+        if v["resident_peak_bytes"] is not None:  # the resident peak and the allocator's agree
+            assert v["peak_bytes"] == v["resident_peak_bytes"]
+            assert abs(v["resident_peak_bytes"] - v["allocated_peak_bytes"]) < 2**20
+    out = capsys.readouterr().out
+    assert "state MiB" in out and "peak MiB" in out and "state+peak MiB" in out and " MB" not in out
+    assert out.count("torch.optim.Muon") >= 2
 
 
 def test_paired_rounds_rotate_the_order_and_run_the_hooks_outside_the_clock():
@@ -251,6 +331,10 @@ def test_elementwise_rows_report_paired_ratios_to_their_torch_peers(tmp_path, ca
     (["--model-size", "tiny", "--layers", "9", "--no-quality"], "Invalid layers: 9 (expected 1..4 for tiny)"),
     (["sso", "--rows", "sso"], "Invalid rows: must include 'muon'"),
     (["fsdp", "--world-sizes", "1"], "argument --world-sizes: expected an integer >= 2, got 1"),
+    (["--memory", "--elementwise"], "--memory, --compile-time and --elementwise each choose what to measure: give one"),
+    (["--memory", "--no-memory"], "--memory measures only memory: give it or --no-memory, not both"),
+    (["--memory", "--model-size", "llama3-1b", "--layers", "1", "--rows", "hybrid"],
+     "Invalid row: 'hybrid' on llama3-1b (a model row runs on the GPT model of a gpt set: ['gpt2-small', 'tiny'])"),
 ])
 def test_main_reports_bad_arguments_as_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import io
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -206,6 +208,12 @@ BENCH = [
     (["--threads", "0"],
      "muon-fn bench: error: argument --threads: Invalid threads: 0 (expected an integer >= 1 or 'default')"),
     (["--layers", "9"], "muon-fn bench: error: Invalid layers: 9 (expected 1..4 for tiny)"),
+    (["--memory", "--compile-time"],
+     "muon-fn bench: error: --memory, --compile-time and --elementwise each choose what to measure: give one"),
+    (["--memory", "--model-size", "tiny", "--layers", "5"],
+     "muon-fn bench: error: Invalid layers: 5 (expected 1..4 for tiny)"),
+    (["--rows", "hybrid"], "muon-fn bench: error: Invalid row: 'hybrid' (it runs on the set's GPT model, not on its "
+     "matrices: the memory table only, muon-fn bench --memory)"),
     (["--json", "/nonexistent/b.json"],
      "muon-fn bench: error: argument --json: '/nonexistent/b.json': no such directory '/nonexistent'"),
     (["sso", "--layers", "0"], "muon-fn bench sso: error: Invalid layers: 0 (expected 1..12 for gpt2-small)"),
@@ -240,6 +248,16 @@ def test_unknown_command_prints_usage():
     code, out, err = run(["frobnicate"])
     assert (code, out) == (2, "")
     assert err.startswith("muon-fn: unknown command 'frobnicate'\n\nusage: muon-fn <command> [options]")
+
+
+def test_python_dash_m_muon_fn_runs_the_command():
+    """``python -m muon_fn`` is ``muon-fn`` (as users try it); a bad command exits with status 2."""
+    ok = subprocess.run([sys.executable, "-m", "muon_fn", "--help"], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.startswith("usage: muon-fn <command> [options]")
+    assert all(f"\n  {command} " in ok.stdout for command in ("train", "bench", "plan"))
+    bad = subprocess.run([sys.executable, "-m", "muon_fn", "frobnicate"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "muon-fn: unknown command 'frobnicate'" in bad.stderr
 
 
 def _option_help(text: str) -> dict[str, str]:

@@ -331,7 +331,7 @@ def test_gpu_lane_script_keeps_to_its_budget(tmp_path):
     assert done.returncode == 1, done.stdout + done.stderr
     summary = (tmp_path / "summary.txt").read_text().splitlines()
     assert summary[0].startswith("gpu-lane: CPU") and "| torch " in summary[0]
-    steps = ["lane", "lane-execution", "bench-gpt2", "bench-llama3-8b", "bench-llama3-1b",
+    steps = ["lane", "lane-execution", "bench-gpt2", "memory-gpt2", "bench-llama3-8b", "bench-llama3-1b",
              "bench-deepseek-moe", "compile-time", "train", "fsdp", "lane-compile-cache", "gram-compare"]
     assert [line.split(":")[0] for line in summary[1:]] == steps
     assert all("skipped" in line for line in summary[1:])

@@ -27,16 +27,6 @@ MAX_LINES = 600
 # Modules over MAX_LINES, each with the most lines it may have: shrink this list, never grow it.
 LONG_MODULES: dict[str, int] = {}
 
-# Import cycles elsewhere in muon_fn known today (each one elementary cycle, written from its
-# smallest module name). Not fixed here (not this package's modules); none may be added, and one
-# that is gone should leave this list (the test warns).
-KNOWN_CYCLES: set[tuple[str, ...]] = {
-    # _muon.py imports _torch_compat inside MuonOptimizer.load_state_dict; _torch_compat imports
-    # MuonOptimizer at module level (to convert torch.optim.Muon's state dicts).
-    ("muon_fn.optim._muon", "muon_fn.optim._torch_compat"),
-}
-
-
 def module_name(path: pathlib.Path) -> str:
     parts = path.relative_to(ROOT.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -154,13 +144,42 @@ def test_newton_schulz_math_imports_no_execution(graph):
         assert not graph[f"{ns}.{math}"] & execution, f"{ns}.{math} imports {graph[f'{ns}.{math}'] & execution}"
 
 
-def test_no_new_import_cycles_in_muon_fn(graph):
+def test_no_import_cycles_in_muon_fn(graph):
     cycles = elementary_cycles(graph)
-    new = cycles - KNOWN_CYCLES
-    assert not new, f"new import cycles in muon_fn:\n{_show(new)}"
-    gone = KNOWN_CYCLES - cycles
-    if gone:
-        warnings.warn(f"known import cycles that are gone (remove them from KNOWN_CYCLES):\n{_show(gone)}")
+    assert not cycles, f"import cycles in muon_fn:\n{_show(cycles)}"
+
+
+def part_of(module: str) -> str:
+    """The top-level part of muon_fn that ``module`` belongs to: ``muon_fn.bench._timing`` ->
+    ``muon_fn.bench``; a top-level module is its own part (``muon_fn._base``), as is ``muon_fn``."""
+    return ".".join(module.split(".")[:2])
+
+
+def part_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """``graph`` with each subpackage's modules merged into one node (edges inside a part dropped)."""
+    parts: dict[str, set[str]] = {}
+    for name, targets in graph.items():
+        mine = part_of(name)
+        parts.setdefault(mine, set()).update(part_of(t) for t in targets if part_of(t) != mine)
+    return parts
+
+
+def test_the_part_graph_merges_subpackages():
+    toy = {"muon_fn.a.x": {"muon_fn.b.y", "muon_fn.a.z"}, "muon_fn.a.z": set(), "muon_fn.b.y": {"muon_fn._c"},
+           "muon_fn._c": set(), "muon_fn": {"muon_fn.a.x"}}
+    assert part_graph(toy) == {"muon_fn.a": {"muon_fn.b"}, "muon_fn.b": {"muon_fn._c"}, "muon_fn._c": set(),
+                               "muon_fn": {"muon_fn.a"}}
+
+
+def test_no_import_cycles_between_subpackages(graph):
+    """Imports point down between muon_fn's parts too: a subpackage never imports a module of one
+    that imports it (e.g. bench's compile-time model comes from _train, so _train takes nothing
+    from bench; what both need lives below both)."""
+    cycles = elementary_cycles(part_graph(graph))
+    edges = {c: [(a, b) for a, targets in graph.items() for b in targets
+                 if (part_of(a), part_of(b)) in set(zip(c, c[1:] + c[:1]))] for c in cycles}
+    assert not cycles, "import cycles between muon_fn's subpackages:\n" + "\n".join(
+        f"{' -> '.join(c + (c[0],))}: {sorted(e)}" for c, e in sorted(edges.items()))
 
 
 def test_modules_are_at_most_600_lines():

@@ -5,6 +5,9 @@
   each row's first (compiling) step, persistent state and peak step memory; orthogonality
   quality on real gradients. ``--elementwise``: TritonMuon and TritonMuonW against torch's fused
   Adam, AdamW and SGD.
+- Memory (:func:`benchmark_memory`, ``muon-fn bench --memory``): each row's state and the peak of
+  one step, every row in a fresh process (CPU: the resident set; CUDA: allocated bytes), against
+  torch.optim.Muon, and the hybrid against torch.optim.Muon + AdamW on the same split.
 - SSO (:func:`benchmark_sso`, ``muon-fn bench sso``): SpectralSphereOptimizer against Muon.
 - FSDP (:func:`benchmark_fsdp`, ``muon-fn bench fsdp``): owner-computes against replicate on
   gloo ranks.
@@ -18,22 +21,25 @@ rounds and :func:`paired_ratio`, device synchronization, thread counts, state an
 
 from ._cli import main
 from ._fsdp import benchmark_fsdp, format_fsdp_result
-from ._memory import peak_step_bytes, state_bytes
+from ._memory import peak_step_bytes, resident_step_bytes, state_bytes
+from ._memory_table import benchmark_memory, format_memory_table
 from ._muon import benchmark_muon_optimizers, compile_check, format_table
 from ._bound import matmul_rate, step_gemm_flops
 from ._problem import (DEFAULT_SIZES, MATRIX_NAMES, MODEL_SIZES, SETS, MatrixSet, matrix_shapes, meta_params,
                        real_gradients, set_size)
 from ._quality import TORCH_ORTHO, Ortho, orthogonality, orthogonalizer
 from ._replay import replay
-from ._rows import ELEMENTWISE_ROWS, OPTIONAL_ROWS, ROW_SPECS, ROWS, default_rows
+from ._rows import ELEMENTWISE_ROWS, MEMORY_ROWS, MODEL_ROWS, OPTIONAL_ROWS, ROW_SPECS, ROWS, default_rows, memory_rows
 from ._sso import SSO_DEFAULT_ROWS, SSO_ROWS, benchmark_sso, format_sso_table
-from ._timing import check_device, default_threads, paired_ratio, paired_rounds, parse_threads, synchronize
+from .._device import synchronize
+from ._timing import check_device, default_threads, paired_ratio, paired_rounds, parse_threads
 
 __all__ = [
     "main", "benchmark_muon_optimizers", "compile_check", "format_table", "benchmark_sso", "format_sso_table",
     "benchmark_fsdp", "format_fsdp_result", "real_gradients", "matrix_shapes", "MODEL_SIZES", "MATRIX_NAMES",
     "paired_ratio", "paired_rounds", "check_device", "synchronize", "default_threads", "parse_threads",
-    "state_bytes", "peak_step_bytes", "orthogonality", "orthogonalizer", "Ortho", "TORCH_ORTHO", "replay", "ROWS",
+    "state_bytes", "peak_step_bytes", "resident_step_bytes", "benchmark_memory", "format_memory_table",
+    "MEMORY_ROWS", "MODEL_ROWS", "memory_rows", "orthogonality", "orthogonalizer", "Ortho", "TORCH_ORTHO", "replay", "ROWS",
     "OPTIONAL_ROWS", "ELEMENTWISE_ROWS", "ROW_SPECS", "default_rows", "SSO_ROWS", "SSO_DEFAULT_ROWS",
     "SETS", "MatrixSet", "DEFAULT_SIZES", "meta_params", "set_size", "step_gemm_flops", "matmul_rate",
 ]

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import torch
 
 from .. import _newton_schulz, _views
-from ._timing import synchronize
+from .._device import synchronize
 
 
 def step_gemm_flops(shapes: Sequence[Sequence[int]], schedule: Sequence[Sequence[float]]) -> int:

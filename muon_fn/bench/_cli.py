@@ -4,6 +4,7 @@
     muon-fn bench --model-size gpt2-small --threads 1,default --json bench.json
     muon-fn bench --elementwise --quick            # TritonMuon/TritonMuonW against torch's Adam, AdamW, SGD
     muon-fn bench --compile-time                   # cold and warm first steps, both execution policies
+    muon-fn bench --memory --model-size gpt2-small # state and step peak of every row, each in a fresh process
     muon-fn bench --device cuda --model-size gpt2-small llama3-1b llama3-8b deepseek-moe  # LLM-size sets
     muon-fn bench sso --layers 2 --rounds 4        # SSO against Muon (alias: muon-fn bench-sso)
     muon-fn bench fsdp --world-sizes 2 4           # FSDP owner-computes against replicate (gloo)
@@ -24,9 +25,10 @@ from .. import _newton_schulz
 from .._argtypes import device_arg, float_arg, int_arg
 from ._compile_time import GPT_SETS, benchmark_compile_time, format_compile_table
 from ._fsdp import benchmark_fsdp, benchmark_overlap, format_fsdp_result, format_overlap_result
+from ._memory_table import benchmark_memory, check_memory_args, format_memory_table
 from ._muon import benchmark_muon_optimizers, check_muon_args, compile_check, format_table
 from ._problem import CPU_MAX_PARAMS, DEFAULT_SIZES, SETS
-from ._rows import ELEMENTWISE_ROWS, OPTIONAL_ROWS, ROW_SPECS, ROWS, default_rows
+from ._rows import ELEMENTWISE_ROWS, MEMORY_ROWS, MODEL_ROWS, OPTIONAL_ROWS, ROW_SPECS, ROWS, default_rows, memory_rows
 from ._sso import SSO_DEFAULT_ROWS, SSO_ROWS, benchmark_sso, check_sso_args, format_sso_table
 from ._timing import Threads, check_device, parse_threads
 
@@ -88,7 +90,8 @@ def _muon_parser(prog: str) -> argparse.ArgumentParser:
     ap.add_argument("--lr", type=float_arg(0, strict=True), default=0.02,
                     help="learning rate of every optimizer row (default 0.02)")
     ap.add_argument("--rows", nargs="+", choices=list(ROW_SPECS), default=None, metavar="ROW",
-                    help="rows to time (default: " + ", ".join(ROWS) + "; also: " + ", ".join(OPTIONAL_ROWS) + ")")
+                    help="rows to time (default: " + ", ".join(ROWS) + "; also: " + ", ".join(OPTIONAL_ROWS)
+                         + "; with --memory also the model rows " + ", ".join(MODEL_ROWS) + ")")
     ap.add_argument("--elementwise", action="store_true",
                     help="time the elementwise family instead: " + ", ".join(ELEMENTWISE_ROWS)
                          + " (no orthogonalization, so no quality measures)")
@@ -107,6 +110,11 @@ def _muon_parser(prog: str) -> argparse.ArgumentParser:
                     help="instead: time the first step of a fresh process, cold (new cache directory) and warm "
                          "(a second process, same directory), for MuonOptimizer and the hybrid on the GPT sets "
                          f"({', '.join(GPT_SETS)}), under both execution policies on the CPU")
+    ap.add_argument("--memory", action="store_true",
+                    help="instead: the memory table, each row in a fresh process: its state and the transient peak "
+                         "of one step (CPU: resident set; CUDA: torch.cuda.max_memory_allocated) in MiB and as "
+                         "multiples of the parameters' bytes, against torch.optim.Muon (default rows: "
+                         + ", ".join(MEMORY_ROWS) + "; the model rows on the gpt sets only)")
     ap.add_argument("--no-quality", action="store_true", help="skip the orthogonality quality measurements")
     ap.add_argument("--no-memory", action="store_true", help="skip the peak step memory measurement")
     return ap
@@ -121,8 +129,14 @@ def _muon_main(argv: list[str], prog: str) -> int:
         ap.error(str(e))
     sizes = ["tiny"] if args.quick else list(dict.fromkeys(
         size for arg in args.model_size for size in (DEFAULT_SIZES if arg == "all" else (arg,))))
+    if sum((args.memory, args.compile_time, args.elementwise)) > 1:
+        ap.error("--memory, --compile-time and --elementwise each choose what to measure: give one")
+    if args.memory and args.no_memory:
+        ap.error("--memory measures only memory: give it or --no-memory, not both")
     if args.compile_time:
         return _compile_time_main(ap, args, sizes, device)
+    if args.memory:
+        return _memory_main(ap, args, sizes, device)
     if args.elementwise:
         if args.rows is not None:
             ap.error("--elementwise chooses the rows: give it or --rows, not both")
@@ -180,6 +194,27 @@ def _compile_time_main(ap: argparse.ArgumentParser, args: argparse.Namespace, si
         rows = benchmark_compile_time(sizes, device=device, threads=threads, log=_stderr_line)
         print(format_compile_table(rows), flush=True)
         results[f"compile_time,threads={threads}"] = rows
+    _write_json(args.json, results)
+    return 0
+
+
+def _memory_main(ap: argparse.ArgumentParser, args: argparse.Namespace, sizes: list[str], device: Any) -> int:
+    runs = []
+    for size in sizes:
+        kwargs = dict(rows=args.rows or memory_rows(size, device), layers=args.layers, lr=args.lr, device=device,
+                      force=args.force)
+        try:  # every run's arguments before the first run
+            check_memory_args(size, **kwargs)
+        except ValueError as e:
+            ap.error(str(e))
+        runs.append((size, kwargs))
+    results = {}
+    for size, kwargs in runs:
+        for threads in args.threads:
+            res = benchmark_memory(size, **kwargs, threads=threads,
+                                   progress=lambda line, size=size: _stderr_line(f"{size}: {line}"))
+            print(format_memory_table(res), flush=True)
+            results[f"{size},memory,threads={threads}"] = res
     _write_json(args.json, results)
     return 0
 

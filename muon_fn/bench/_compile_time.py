@@ -31,8 +31,9 @@ from typing import Any, Sequence
 import torch
 
 from .. import _execution
-from ._problem import SETS
-from ._timing import Threads, check_device, check_threads, synchronize, using_threads
+from .._device import synchronize
+from ._problem import SETS, gpt_model
+from ._timing import Threads, check_device, check_threads, threads_env, using_threads
 
 OPTIMIZERS = ("muon", "hybrid")  # MuonOptimizer(model.parameters()), create_hybrid_optimizer(model)
 POLICIES = tuple(_execution.POLICIES)
@@ -45,13 +46,8 @@ GPT_SETS = tuple(name for name, spec in SETS.items() if spec.kind == "gpt")
 def model_for(model_size: str, device: torch.device) -> torch.nn.Module:
     """A byte-level GPT with the set's layers, width and heads (one of :data:`GPT_SETS`): its
     hidden matrices are the bench set's, plus token and position embeddings, LayerNorms and a head."""
-    from .._train.model import GPT, GPTConfig
-
     check_args(model_size, OPTIMIZERS[0], POLICIES[0], 1)
-    spec = SETS[model_size]
-    torch.manual_seed(0)
-    cfg = GPTConfig(n_layer=spec.layers, n_head=spec.heads, n_embd=spec.width, block_size=_SEQ)
-    return GPT(cfg).to(device)
+    return gpt_model(model_size, device=device, gradients=False)
 
 
 def first_step(model_size: str, optimizer: str, policy: str, device: torch.device | str = "cpu") -> dict[str, Any]:
@@ -89,13 +85,8 @@ def _timed_step(opt: torch.optim.Optimizer, device: torch.device) -> float:
 def _in_process(model_size: str, optimizer: str, policy: str, device: torch.device, threads: Threads,
                 cache: str) -> dict[str, Any]:
     """:func:`first_step` in a new interpreter with ``cache`` as its inductor cache directory."""
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, MUON_FN_COMPILE="1")
+    env = threads_env(threads, dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, MUON_FN_COMPILE="1"))
     env.pop("TORCH_COMPILE_DISABLE", None)
-    if threads == "default":
-        env.pop("OMP_NUM_THREADS", None)
-        env.pop("MKL_NUM_THREADS", None)
-    else:
-        env["OMP_NUM_THREADS"] = str(threads)
     args = [model_size, optimizer, policy, str(device), str(threads)]
     proc = subprocess.run([sys.executable, "-m", __name__, *args], env=env, capture_output=True, text=True)
     if proc.returncode != 0:

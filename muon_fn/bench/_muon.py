@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .. import _compile, _newton_schulz
+from .._device import synchronize
 from ._bound import bound_seconds, matmul_rate, representative_shape, step_gemm_flops
 from ._memory import PEAK_METHODS, peak_step_bytes, state_bytes
 from ._problem import check_cpu_size, check_size, real_gradients, set_size
@@ -23,7 +24,7 @@ from . import _quality
 from ._quality import TORCH
 from ._replay import shared_inputs
 from ._rows import REFERENCE, ROW_SPECS, ROWS, Built, check_rows
-from ._timing import Threads, check_device, check_threads, paired_ratio, paired_rounds, synchronize, using_threads
+from ._timing import Threads, check_device, check_threads, paired_ratio, paired_rounds, using_threads
 
 
 def benchmark_muon_optimizers(
@@ -286,7 +287,7 @@ def format_table(result: dict[str, Any]) -> str:
              f"{cfg['threads']} thread(s), torch {cfg['torch']}, default compute dtype {cfg['compute_dtype']} "
              f"(CPU bf16 GEMMs: {cfg['cpu_bf16_gemm']})" + (f"; matmul {rates}" if rates else ""),
              f"{'row':{width}s} {'1st step':>9s} {'ms/step min':>11s} {'median':>9s} {'max':>9s} {'bound ms':>9s} "
-             f"{'/bound':>6s} {'/torch':>7s} {'/own':>6s} {'/peer':>6s} {'state MB':>9s} {'peak MB':>8s}  "
+             f"{'/bound':>6s} {'/torch':>7s} {'/own':>6s} {'/peer':>6s} {'state MiB':>9s} {'peak MiB':>8s}  "
              "quality: worst RMS ratio per matrix (σ range)"]
     q, gq = result.get("quality", {}), result.get("gaussian_quality", {})
     for r, v in result["rows"].items():

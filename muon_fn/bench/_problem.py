@@ -179,6 +179,31 @@ def real_gradients(model_size: str, *, layers: int | None = None, seed: int = 0,
             [n for n, _ in shapes[:keep]])
 
 
+def gpt_model(model_size: str, *, layers: int | None = None, seed: int = 0, device: torch.device | str | None = None,
+              gradients: bool = True) -> torch.nn.Module:
+    """A byte-level GPT (:class:`muon_fn._train.model.GPT`) of a "gpt" set's first ``layers``
+    layers, width and heads: the set's hidden matrices, plus token and position embeddings,
+    LayerNorms, biases and a head: what :func:`muon_fn.create_hybrid_optimizer` splits. Its
+    parameters are seeded; with ``gradients``, ``.grad`` is set by one forward/backward on a
+    batch of the same source bytes as :func:`real_gradients`, on the CPU, then moved to ``device``."""
+    from .._train.model import GPT, GPTConfig
+
+    used = check_size(model_size, layers)
+    spec = SETS[model_size]
+    if spec.kind != "gpt":
+        gpt = sorted(name for name, s in SETS.items() if s.kind == "gpt")
+        raise ValueError(f"Invalid model_size: {model_size!r} (a GPT model is built of the gpt sets: {gpt})")
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(n_layer=used, n_head=spec.heads, n_embd=spec.width, block_size=_SEQ))
+    if gradients:
+        data, g = _corpus(), torch.Generator().manual_seed(seed)
+        ix = torch.randint(0, len(data) - _SEQ - 1, (_BATCH,), generator=g)
+        x = torch.stack([data[i:i + _SEQ] for i in ix])
+        y = torch.stack([data[i + 1:i + _SEQ + 1] for i in ix])
+        model(x, y)[1].backward()
+    return model.to(device)
+
+
 def _attention(spec: MatrixSet, a: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor,
                wo: torch.Tensor) -> torch.Tensor:
     """Causal attention with ``spec.heads`` query heads sharing ``spec.kv_heads`` key/value heads."""

@@ -1,6 +1,8 @@
 """The rows of the Muon step benchmark: what each runs, which orthogonalization it uses (for the
 quality measures), which replay has the same GEMMs (for the ratio to its own replay) and, for the
-elementwise rows, which torch optimizers they are compared with (``peers``)."""
+elementwise rows, which torch optimizers they are compared with (``peers``). The model rows
+(:data:`MODEL_ROWS`: the hybrid and torch's Muon + AdamW on the same split) run on the set's GPT
+model rather than on its matrices, in the memory table only."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import torch
 
 from .. import _compile, _newton_schulz
 from .._newton_schulz import DEFAULT_METHOD
-from ..optim import BUCKET_SIZE, MuonOptimizer, TritonMuon, TritonMuonW
+from ..optim import BUCKET_SIZE, MuonOptimizer, TritonMuon, TritonMuonW, create_hybrid_optimizer, split_parameters
+from ._problem import SETS
 from ._quality import TORCH, TORCH_ORTHO, Ortho
 from ._replay import replay
 
@@ -20,13 +23,14 @@ Built = tuple[Any, Callable[[], None]]  # (the optimizer, or None for a replay; 
 class Row(NamedTuple):
     """A timed row."""
 
-    build: Callable[[list[torch.Tensor], float], Built]  # (params with .grad set, lr)
+    build: Callable[[Any, float], Built]  # (params with .grad set, lr); a model row: (the model, lr)
     method: Optional[str]  # orthogonalization method (TORCH: torch's own), None for AdamW
     steps: Optional[int]  # None: the method's default count
     dtype: Optional[torch.dtype]  # iteration dtype; None: the device's compute dtype
     own_replay: Optional[str]  # the replay row running the same GEMMs
     compile: Optional[bool]  # a muon_fn row's compile option (None: not a muon_fn row)
     peers: tuple[str, ...] = ()  # rows this one is compared with (ratio_to_peers), the first in the table
+    model: bool = False  # built on the set's GPT model (gradients set), not on its matrices
 
     def ortho(self, device: torch.device) -> Ortho | None:
         """The orthogonalization this row runs on ``device``, for the quality measures."""
@@ -101,6 +105,38 @@ def _torch_sgd(params: list[torch.Tensor], lr: float) -> Built:
     return opt, opt.step
 
 
+def _hybrid(model: torch.nn.Module, lr: float) -> Built:
+    opt = create_hybrid_optimizer(model, muon_lr=lr)
+    return opt, opt.step
+
+
+class _MuonAdamW(NamedTuple):
+    """torch.optim.Muon and torch.optim.AdamW over one split, as one row (their states together)."""
+
+    muon: torch.optim.Optimizer
+    adamw: torch.optim.Optimizer
+
+    @property
+    def state(self) -> dict[torch.Tensor, dict[str, Any]]:
+        return {**self.muon.state, **self.adamw.state}
+
+    def step(self) -> None:
+        self.muon.step()
+        self.adamw.step()
+
+
+def _torch_muon_adamw(model: torch.nn.Module, lr: float) -> Built:
+    """torch's pair on the split :func:`_hybrid` makes, at its defaults (weight decay 0.01 on the
+    matrices, embeddings and head; none on 0-/1-D parameters; AdamW lr/20, betas (0.9, 0.95))."""
+    muon, adamw = ([p for _, p, _ in half] for half in split_parameters(model))
+    groups = [{"params": [p for p in adamw if p.ndim >= 2]}, {"params": [p for p in adamw if p.ndim < 2],
+                                                               "weight_decay": 0.0}]
+    pair = _MuonAdamW(torch.optim.Muon(muon, lr=lr, weight_decay=0.01, adjust_lr_fn="original"),
+                      torch.optim.AdamW([g for g in groups if g["params"]], lr=lr * 0.05, betas=(0.9, 0.95),
+                                        weight_decay=0.01, fused=True))
+    return pair, pair.step
+
+
 def _replay(method: str, steps: int | None, bucket_size: int | None = BUCKET_SIZE,
             dtype: torch.dtype | None = None) -> Callable[[list[torch.Tensor], float], Built]:
     def build(params: list[torch.Tensor], lr: float) -> Built:
@@ -139,6 +175,7 @@ ROW_SPECS: dict[str, Row] = {
     "muon_fn[normuon,metrics]": Row(_muon_fn(beta2=0.95, metrics=True), DEFAULT_METHOD, None, None,
                                     _DEFAULT_REPLAY, True),
     "muon_fn[atomic=False]": Row(_muon_fn(atomic=False), DEFAULT_METHOD, None, None, _DEFAULT_REPLAY, True),
+    "muon_fn[atomic=True]": Row(_muon_fn(atomic=True), DEFAULT_METHOD, None, None, _DEFAULT_REPLAY, True),
     # Gram Newton–Schulz in its device default dtype (fp16 on GPUs, fp32 on the CPU).
     "muon_fn[gram]": Row(_muon_fn(method="gram"), "gram", None, None, None, True),
     # The default step captured as CUDA graphs (on the CPU: inductor's reduce-overhead mode, no graphs).
@@ -158,6 +195,9 @@ ROW_SPECS: dict[str, Row] = {
     # the step's cost against the fp32 state's; docs/performance.md, "Low-bit state").
     **{f"muon_fn[state_bits={bits}]": Row(_muon_fn(state_bits=bits), DEFAULT_METHOD, None, None, _DEFAULT_REPLAY,
                                           True, ("muon_fn",)) for bits in (16, 8, 4)},
+    **{f"muon_fn[state_bits=8,atomic={a}]": Row(_muon_fn(state_bits=8, atomic=a), DEFAULT_METHOD, None, None,
+                                                _DEFAULT_REPLAY, True, (f"muon_fn[atomic={a}]",))
+       for a in (True, False)},
     "TritonMuonW[state_bits=8]": Row(_triton(TritonMuonW, state_bits=8), None, None, None, None, True,
                                      ("TritonMuonW", "torch.optim.AdamW[fused,wd=0.01]")),
     # The elementwise family (it does not orthogonalize) against torch's fused Adam, AdamW and SGD.
@@ -174,30 +214,56 @@ ROW_SPECS: dict[str, Row] = {
     "torch.optim.Adam[fused]": Row(_torch_adam, None, None, None, None, None),
     "torch.optim.AdamW[fused,wd=0.01]": Row(_torch_adamw_decay, None, None, None, None, None),
     "torch.optim.SGD[fused]": Row(_torch_sgd, None, None, None, None, None),
+    # The model rows: create_hybrid_optimizer(model) (NorMuon on the hidden matrices, AdamW on the
+    # embeddings, head and 0-/1-D parameters) and torch.optim.Muon + fused AdamW on the same split.
+    "hybrid": Row(_hybrid, DEFAULT_METHOD, None, None, None, True, model=True),
+    "torch.optim.Muon+AdamW[fused]": Row(_torch_muon_adamw, TORCH, 5, _BF16, None, None, model=True),
 }
 ROWS = ("muon_fn", "muon_fn[eager]", "muon_fn[like_torch]", "torch.optim.Muon", "torch.optim.AdamW[fused]",
         "replay[quintic5]", "replay[polar_express5]", "replay[torch_quintic5]")
-OPTIONAL_ROWS = tuple(r for r in ROW_SPECS if r not in ROWS)
+MODEL_ROWS = tuple(r for r, spec in ROW_SPECS.items() if spec.model)
+OPTIONAL_ROWS = tuple(r for r in ROW_SPECS if r not in ROWS and r not in MODEL_ROWS)
 # `muon-fn bench --elementwise`: the elementwise family and its torch peers.
 ELEMENTWISE_ROWS = ("TritonMuon", "TritonMuonW", "TritonMuonW[eager]", "TritonMuonW[nonfinite=None]",
                     "torch.optim.Adam[fused]", "torch.optim.AdamW[fused,wd=0.01]", "torch.optim.SGD[fused]")
 REFERENCE = "torch.optim.Muon"
+MODEL_REFERENCE = "torch.optim.Muon+AdamW[fused]"  # the model rows' reference
+# `muon-fn bench --memory`: state and step peak against torch's, each pair on the same parameters;
+# the default step and both of its forms (staged whole, atomic=True; written bucket by bucket).
+MEMORY_ROWS = ("torch.optim.Muon", "muon_fn", "muon_fn[atomic=True]", "muon_fn[atomic=False]",
+               "muon_fn[state_bits=8]", "muon_fn[state_bits=8,atomic=True]", "muon_fn[state_bits=8,atomic=False]",
+               "TritonMuonW", "torch.optim.AdamW[fused]", "torch.optim.Muon+AdamW[fused]", "hybrid")
 # Rows iterating in bf16 whatever the device: emulated (slow) on CPUs without bf16 instructions.
 BF16_ROWS = tuple(r for r, spec in ROW_SPECS.items() if spec.dtype == _BF16)
 
 
-def check_rows(rows: Sequence[str]) -> list[str]:
-    """``rows`` as a list, or ``ValueError`` naming an unknown one."""
+def check_rows(rows: Sequence[str], *, models: bool = False) -> list[str]:
+    """``rows`` as a list, or ``ValueError`` naming an unknown one (or a model row, unless
+    ``models``: the timed benchmark runs every row on the same matrices)."""
     for r in rows:
         if r not in ROW_SPECS:
             raise ValueError(f"Invalid row: {r!r} (expected one of {list(ROW_SPECS)})")
+        if ROW_SPECS[r].model and not models:
+            raise ValueError(f"Invalid row: {r!r} (it runs on the set's GPT model, not on its matrices: the memory "
+                             "table only, muon-fn bench --memory)")
     return list(rows)
 
 
-def default_rows(model_size: str, device: torch.device) -> list[str]:
-    """:data:`ROWS`, less the bf16 rows where bf16 GEMMs are emulated (a CPU without bf16
+def _left_out(row: str, model_size: str, device: torch.device) -> bool:
+    """Whether ``row`` iterates in bf16 where bf16 GEMMs are emulated (a CPU without bf16
     instructions), except torch.optim.Muon on the tiny set: there it takes about 10 s a tiny
     step, over 15 minutes a gpt2-small step."""
-    if device.type != "cpu" or _newton_schulz.CPU_HAS_BF16_GEMM:
-        return list(ROWS)
-    return [r for r in ROWS if r not in BF16_ROWS or (r == REFERENCE and model_size == "tiny")]
+    emulated = device.type == "cpu" and not _newton_schulz.CPU_HAS_BF16_GEMM
+    return emulated and row in BF16_ROWS and not (row == REFERENCE and model_size == "tiny")
+
+
+def default_rows(model_size: str, device: torch.device) -> list[str]:
+    """:data:`ROWS`, less the rows :func:`_left_out` of this set and device."""
+    return [r for r in ROWS if not _left_out(r, model_size, device)]
+
+
+def memory_rows(model_size: str, device: torch.device) -> list[str]:
+    """:data:`MEMORY_ROWS`, less the model rows on a set that is no GPT and the rows
+    :func:`_left_out` of this set and device."""
+    return [r for r in MEMORY_ROWS if (SETS[model_size].kind == "gpt" or not ROW_SPECS[r].model)
+            and not _left_out(r, model_size, device)]

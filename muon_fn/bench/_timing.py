@@ -14,6 +14,8 @@ from typing import Any, Callable, Iterator, Sequence, Union
 
 import torch
 
+from .._device import synchronize
+
 Threads = Union[int, str]  # a count, or "default": the count torch picks when nothing sets one
 
 
@@ -28,12 +30,6 @@ def check_device(device: torch.device | str | None) -> torch.device:
     if dev.type == "meta":
         raise ValueError(f"Invalid device: {device!r} (meta tensors hold no data to time)")
     return dev
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the work queued on ``device`` (a no-op on the CPU), so a clock read covers it."""
-    if device.type != "cpu":
-        torch.accelerator.synchronize(device)
 
 
 def paired_ratio(times: Sequence[float], reference: Sequence[float]) -> dict[str, Any]:
@@ -99,6 +95,18 @@ def parse_threads(text: str) -> list[Threads]:
     """``"1,default"`` -> ``[1, "default"]``: comma-separated counts or ``default``."""
     return [check_threads(item if item == "default" else int(item) if item.isdigit() else item)
             for item in (part.strip() for part in text.split(","))]
+
+
+def threads_env(threads: Threads, env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a child process that runs at ``threads`` (``os.environ`` or ``env``,
+    with ``OMP_NUM_THREADS`` set, or unset for ``"default"`` so torch picks its own count)."""
+    env = dict(os.environ if env is None else env)
+    if check_threads(threads) == "default":
+        env.pop("OMP_NUM_THREADS", None)
+        env.pop("MKL_NUM_THREADS", None)
+    else:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
 
 
 @contextlib.contextmanager
