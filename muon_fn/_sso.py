@@ -54,7 +54,7 @@ from typing import Any, NamedTuple
 import torch
 
 from . import _checks, _lambda, _newton_schulz, _tree, _views, spectral
-from ._sso_step import STEP_OUTPUTS, sphere, update_scale
+from ._sso_step import STEP_OUTPUTS, Sphere, sphere, update_scale
 from ._base import MATRIX, GradientTransformation, ScalarOrSchedule, Updates, named, with_info
 from ._metrics import collector_of
 from ._combine import chain
@@ -154,6 +154,7 @@ class _Transform(NamedTuple):
     warm_lambda: bool
     view: _views.View
     key: str  # the per-chunk math's options (JSON, see muon_fn._sso_step.sphere)
+    sphere: Sphere  # sphere(key), resolved at construction: traced code never parses the key
 
 
 # Longer than 80 lines only for its Args docstring (the public reference of every option);
@@ -222,10 +223,10 @@ def spectral_sphere(
     key = json.dumps(dict(options, radius_scale=float(radius_scale), retract_alpha=float(retract_alpha),
                           tol=float(tol), bracket_step=float(bracket_step),
                           msign_dtype=str(msign_dtype).removeprefix("torch.")), sort_keys=True)
-    sphere(key)  # fits the msign's spectral function now, outside any compiled region
+    resolved = sphere(key)  # fits the msign's spectral function now, outside any compiled region
     lr_schedule = callable(lr) and not isinstance(lr, torch.Tensor)
     cfg = _Transform(lr=lr, lr_schedule=lr_schedule, power_block=power_block, warm_lambda=warm_lambda, view=view,
-                     key=key)
+                     key=key, sphere=resolved)
 
     def init(params):
         return _init(cfg, params)
@@ -256,7 +257,7 @@ def _record(collector: Any, cfg: "_Transform", updates, params, state: "Spectral
                         ("iterations", "sso_iterations"), ("fallback", "sso_fallback")):
         values = _tree.tree_leaves(getattr(new_state, field))
         collector.each(name, updates, lambda u, i, values=values: values[i])
-    sp, counts = sphere(cfg.key), _tree.tree_leaves(state.count)
+    sp, counts = cfg.sphere, _tree.tree_leaves(state.count)
     p_leaves = _tree.tree_leaves(params)
 
     def scales(u, i):
