@@ -661,6 +661,52 @@ def test_add_param_group(device, fp32_torch_muon):
         opt.add_param_group({"params": [nn.Parameter(torch.randn(3, 3, device=device))], "lr": -1.0})
 
 
+def _optimizer_of(kind: str):
+    """A small model and a ``kind`` optimizer over it (eager)."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4))
+    if kind == "hybrid":
+        return model, mf.create_hybrid_optimizer(model, compile=False)
+    cls = {"muon": mf.MuonOptimizer, "sso": mf.SpectralSphereOptimizer, "tritonw": mf.TritonMuonW}[kind]
+    return model, cls(model.named_parameters(), lr=0.02, compile=False)
+
+
+def _copied(opt, how: str, kind: str):
+    if how == "deepcopy":
+        return copy.deepcopy(opt)
+    if how == "pickle":
+        import pickle
+        return pickle.loads(pickle.dumps(opt))
+    _, fresh = _optimizer_of(kind)
+    fresh.load_state_dict(opt.state_dict())
+    return fresh
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "load_state_dict"])
+@pytest.mark.parametrize("kind", ["muon", "hybrid", "sso", "tritonw"])
+def test_add_param_group_after_copy_or_load(kind, how):
+    """torch's ``__setstate__`` (run by deepcopy, pickle and load_state_dict) adds
+    ``differentiable`` to the defaults; a group added afterwards must not inherit it as a
+    refused key, and it steps exactly as the same group added to the original optimizer."""
+    torch.manual_seed(0)
+    model, opt = _optimizer_of(kind)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    other = _copied(opt, how, kind)
+    w = torch.randn(8, 6)
+    new, ref = nn.Parameter(w.clone()), nn.Parameter(w.clone())
+    other.add_param_group({"params": [("extra.weight", new)], "lr": 0.03})
+    opt.add_param_group({"params": [("extra.weight", ref)], "lr": 0.03})
+    assert other.param_groups[-1].keys() == opt.param_groups[-1].keys()
+    for step in range(2):
+        new.grad = torch.randn(8, 6, generator=torch.Generator().manual_seed(step))
+        ref.grad = new.grad.clone()
+        other.step()
+        opt.step()
+    assert not torch.equal(new.detach(), w)
+    torch.testing.assert_close(new.detach(), ref.detach(), atol=1e-6, rtol=0)
+
+
 def test_use_muon_groups():
     """``use_muon`` (as in KellerJordan's MuonWithAuxAdam) picks the group's algorithm: False is
     AdamW at the group's adamw_lr and adamw_weight_decay, also for a 2-D weight; True is Muon."""
@@ -1303,14 +1349,32 @@ def test_nonfinite_skip_compiled(device):
     assert opt.nonfinite_steps == 1
 
 
-def test_nonfinite_error_under_accumulation_names_the_parameter():
-    lin = nn.Linear(4, 3)
-    opt = mf.MuonOptimizer(lin.named_parameters(), gradient_accumulation_steps=2, nonfinite="error")
-    lin.weight.grad, lin.bias.grad = torch.full((3, 4), float("inf")), torch.ones(3)
-    opt.step()
-    lin.weight.grad, lin.bias.grad = torch.ones(3, 4), torch.ones(3)
-    with pytest.raises(RuntimeError, match="in 'weight';"):
-        opt.step()
+def test_nonfinite_error_under_accumulation_refuses_the_micro_batch():
+    """Under "error" a micro-batch with a non-finite gradient raises at once, naming the
+    parameter, and is never accumulated: the window goes on as if the call had not happened, and
+    the optimizer is not stuck (it used to accumulate the NaN and raise at every later step)."""
+    def run(batches):
+        torch.manual_seed(0)
+        lin = nn.Linear(4, 3)
+        opt = mf.MuonOptimizer(lin.named_parameters(), gradient_accumulation_steps=3, nonfinite="error",
+                               compile=False)
+        for w, b in batches:
+            lin.weight.grad, lin.bias.grad = w, b
+            try:
+                opt.step()
+            except RuntimeError as e:  # a middle micro-batch, then the window's last
+                assert "in 'weight'" in str(e), e
+                step = opt.param_groups[0]["micro_step"]
+                assert step in (1, 2) and ("not accumulated" in str(e)) == (step == 1), (step, e)
+                assert torch.equal(opt.state[lin.weight]["grad_accumulator"], torch.full((3, 4), 0.5 * step))
+        return [p.detach().clone() for p in lin.parameters()], opt
+
+    good = [(torch.full((3, 4), 0.5), torch.ones(3))] * 3
+    bad = (torch.full((3, 4), float("inf")), torch.ones(3))
+    with_bad, opt = run([good[0], bad, good[1], bad, good[2]])
+    without, _ = run(good)
+    assert all(torch.equal(a, b) for a, b in zip(with_bad, without))
+    assert opt.nonfinite_steps == 2 and opt.param_groups[0]["micro_step"] == 0
 
 
 def test_auto_group_scheduler_no_recompile_and_adamw_follows():
