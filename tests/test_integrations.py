@@ -31,7 +31,8 @@ GROUP_TOTALS = ("muon/grad_norm", "muon/update_norm", "muon/weight_norm", "muon/
 
 
 class Net(nn.Module):
-    """Two hidden matrices (Muon) between a first and a last layer and biases (AdamW)."""
+    """Four matrices (Muon: the hybrid has no embedding or tied head to route to AdamW here)
+    and their biases (AdamW)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -51,6 +52,31 @@ def _check_figures(figures: dict, prefix: str = "optim/") -> None:
     for name in GROUP_TOTALS:
         value = figures[prefix + name]
         assert value == value and float(value) > 0, (name, value)
+
+
+def _norm(tensors) -> float:
+    """The L2 norm of ``tensors`` together, in float64."""
+    return sum(t.detach().double().square().sum().item() for t in tensors) ** 0.5
+
+
+def _muon_names(optimizer) -> set[str]:
+    """The parameters of the hybrid's ``"muon"`` group."""
+    return {n for g in optimizer.param_groups if g["algorithm"] == "muon" for n in g["param_names"]}
+
+
+def _initial_muon_weight_norm(optimizer, prefix: str = "") -> float:
+    """``muon/weight_norm`` of the first step: the Muon matrices of a fresh :class:`Net` (named
+    ``prefix + name`` in the optimizer)."""
+    return _norm(p for n, p in Net().named_parameters() if prefix + n in _muon_names(optimizer))
+
+
+def _check_against_optimizer(logged: dict, optimizer, prefix: str = "optim/") -> None:
+    """What a callback logged for the last measured step is what ``optimizer.metrics()`` gives."""
+    figures = optimizer.metrics()
+    names = [k[len(prefix):] for k in logged if k.startswith(prefix)]
+    assert names and set(names) <= set(figures)
+    for name in names:
+        assert float(logged[prefix + name]) == pytest.approx(figures[name], rel=1e-6), name
 
 
 def test_lightning_callback_logs_every_measured_step(tmp_path):
@@ -86,7 +112,10 @@ def test_lightning_callback_logs_every_measured_step(tmp_path):
     assert [float(r["optim/step"]) for r in measured] == [1.0, 3.0]  # metrics=2: steps 1 and 3
     for r in measured:
         _check_figures(r)
-        assert float(r["optim/h1.weight/update_rms"]) > 0
+    optimizer = trainer.optimizers[0]
+    assert float(measured[0]["optim/muon/weight_norm"]) == pytest.approx(_initial_muon_weight_norm(optimizer),
+                                                                         rel=1e-6)
+    _check_against_optimizer({k: v for k, v in measured[1].items() if v}, optimizer)
     # logged at the step of that batch's self.log values (Lightning counts from 0)
     losses = {r["step"] for r in rows if r.get("train_loss")}
     assert [r["step"] for r in measured] == ["0", "2"] and {"0", "2"} <= losses
@@ -134,6 +163,9 @@ def test_hf_callback_adds_figures_to_the_logs(tmp_path):
     for h in (history[0], history[2]):
         _check_figures(h)
         assert not any(k.endswith("_rms") for k in h), sorted(h)  # names= kept the group totals
+    assert history[0]["optim/muon/weight_norm"] == pytest.approx(_initial_muon_weight_norm(optimizer, "net."),
+                                                                   rel=1e-6)
+    _check_against_optimizer(history[2], optimizer)
     # report_to integrations run before the callback: it says how to reach them
     with pytest.warns(UserWarning, match=r"report_to integrations \['wandb'\].*report_to='none'"):
         callback.on_train_begin(SimpleNamespace(report_to=["wandb"]), SimpleNamespace(is_world_process_zero=True),
@@ -170,14 +202,23 @@ def test_reader_reads_each_measured_step_once():
     assert "metrics=True" in _common.no_measuring_hint("cb", [mf.create_hybrid_optimizer(model, compile=False)])
     assert "no muon_fn optimizer" in _common.no_measuring_hint("cb", [torch.optim.SGD(model.parameters(), lr=0.1)])
     x, y = _data(4)
-    seen = []
+    seen, changes = [], []
     for _ in range(4):
         (model(x) - y).pow(2).mean().backward()
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
         opt.step()
         opt.zero_grad()
         seen.append(reader.read([opt]))
+        changes.append({n: p.detach() - before[n] for n, p in model.named_parameters()})
     assert [f.get("optim/step") for f in seen] == [1.0, None, 3.0, None]
     assert sorted(seen[0]) == ["optim/adamw/update_norm", "optim/muon/update_norm", "optim/step"]
+    muon = _muon_names(opt)
+    assert muon and muon < {n for n, _ in model.named_parameters()}
+    for figures, change in ((seen[0], changes[0]), (seen[2], changes[2])):  # the weight change, in float64
+        assert figures["optim/muon/update_norm"] == pytest.approx(
+            _norm(d for n, d in change.items() if n in muon), rel=1e-5)
+        assert figures["optim/adamw/update_norm"] == pytest.approx(
+            _norm(d for n, d in change.items() if n not in muon), rel=1e-5)
     with pytest.raises(ValueError, match="Invalid names"):
         _common.Reader("optim/", [])
 
@@ -197,8 +238,15 @@ def test_train_metrics_series_and_plot(tmp_path, capsys):
     assert series["step"] == [1, 3]
     assert all(len(values) == 2 for values in series.values())
     for i in range(2):
-        _check_figures({name: values[i] for name, values in series.items()}, prefix="")
-        assert series["blocks.0.attn.q.weight/update_rms"][i] > 0
+        step = {name: values[i] for name, values in series.items()}
+        _check_figures(step, prefix="")
+        matrices = [k.split("/")[0] for k in step if k.endswith("/ortho_residual")]  # Muon's
+        assert "blocks.0.attn.q.weight" in matrices
+        for figure in ("ortho_residual", "update_rms", "grad_rms"):
+            worst = max(step[f"{m}/{figure}"] for m in matrices)
+            assert step[f"muon/{figure}_max"] == worst and worst > 0
+            named = [k for k, v in step.items() if k.startswith(f"muon/{figure}_max@") and v is not None and v == v]
+            assert named == [f"muon/{figure}_max@{max(matrices, key=lambda m: step[f'{m}/{figure}'])}"]
     assert "metrics" not in runs["adamw"]["history"]
     text = (out / "metrics.json").read_text()
     assert '"step": [1,3]' in text  # each series on one line

@@ -29,11 +29,23 @@ def sample(seed: int, rows: int, n: int, spread: float, kind: str) -> torch.Tens
     return x.abs() if kind == Q.UNSIGNED else x
 
 
+BLOCK = 256  # the documented block length (docs/api.md, "state_bits"): ⌈n/256⌉ equal blocks a row
+
+
+def block_spans(n: int) -> list[tuple[int, int]]:
+    """The documented blocks of a row of ``n`` elements, written out independently of the
+    module: ``⌈n/256⌉`` blocks of ``⌈n/blocks⌉`` elements, the last one shorter."""
+    count = max(1, -(-n // BLOCK))
+    size = -(-n // count)
+    return [(a, min(a + size, n)) for a in range(0, n, size)] or [(0, 0)]
+
+
 def block_max(x: torch.Tensor) -> torch.Tensor:
-    """Each element's block maximum |x| (blocks of Q.block_size within each row)."""
-    rows, n = x.shape
-    xb = Q._blocked(x.abs())
-    return Q._unblocked(xb.amax(dim=-1, keepdim=True).expand_as(xb), n)
+    """Each element's block maximum |x| (the documented blocks within each row)."""
+    out = torch.empty_like(x)
+    for a, b in block_spans(x.shape[1]):
+        out[:, a:b] = x[:, a:b].abs().amax(dim=1, keepdim=True) if b > a else 0.0
+    return out
 
 
 def roundtrip_q(x: torch.Tensor, kind: str, bits: int) -> torch.Tensor:
@@ -67,6 +79,26 @@ def test_error_bounds(seed, rows, n, spread, fmt):
     below = ~inside & (x != 0)
     assert bool((y[below] > 0).all()) and bool((y[below] <= floor[below] * tol).all())
     assert torch.equal(y.abs().amax(dim=1) if rows else y, x.abs().amax(dim=1) if rows else x)  # M is exact
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n", [1, 255, 256, 257, 300, 512, 700])
+def test_scales_are_the_documented_blocks_maxima(n, fmt):
+    """One scale per documented block, its absolute maximum; and a block of small values next
+    to a block of large ones keeps its own precision (a longer block would share the large one's
+    scale and break the bound)."""
+    kind, bits = fmt
+    x = sample(n, 3, n, 6.0, kind)
+    x[:, : n // 2] *= 1e-3
+    _, scales = Q.encode(x, Q.Storage(bits, kind))
+    spans = block_spans(n)
+    assert scales.shape == (3, len(spans))
+    want = torch.stack([x[:, a:b].abs().amax(dim=1) for a, b in spans], dim=1)
+    torch.testing.assert_close(scales, want, rtol=0, atol=0)
+    y = roundtrip_q(x, kind, bits)
+    if kind == Q.LINEAR:
+        q = 127 if bits == 8 else 7
+        assert bool(((y - x).abs() <= block_max(x) / (2 * q) * (1 + 1e-6) + 1e-37).all())
 
 
 @given(seed=st.integers(0, 2**16), rows=st.integers(1, 9), n=st.integers(1, 600), fmt=st.sampled_from(FORMATS),
