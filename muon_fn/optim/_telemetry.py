@@ -6,16 +6,23 @@ and kept on the device between steps, in buffers of the optimizer's (not in its 
 telemetry is not state). ``metrics()`` reads them all back at once, when called, and names them:
 
 - per unit: ``"<param>/<figure>"`` (``"<param>[j]/<figure>"`` for unit j of an expert stack or a
-  head view): ``grad_rms``, ``momentum_rms``, ``update_rms``, ``weight_rms``, ``effective_lr``
-  (``lr·s(out, in)``), ``decay`` (``lr·wd``), ``ortho_residual``, ``row_scale_range`` (NorMuon),
-  ``sso_*`` (SSO's σ, λ, |h|, evaluations, fallback);
-- per group (``"<group>/..."``, the group's ``algorithm`` or ``group<i>``): ``grad_norm``,
-  ``momentum_norm``, ``update_norm``, ``weight_norm`` (L2 over the group), ``skipped`` (1.0 if
-  the measured step was skipped as non-finite: its other figures describe the zeroed step), and
+  head view; ``<param>`` is the parameter's name, or ``#i``, its position among the optimizer's
+  parameters, for one passed without a name): ``grad_rms``, ``momentum_rms``, ``update_rms``,
+  ``weight_rms``, ``effective_lr`` (``lr·s(out, in)``), ``decay`` (``lr·wd``), ``ortho_residual``,
+  ``row_scale_range`` (NorMuon), ``sso_*`` (SSO's σ, λ, |h|, evaluations, fallback);
+- per group (``"<group>/..."``, the group's ``algorithm`` where no other group has it, else
+  ``group<i>``: an ``"auto"`` group or two groups of one algorithm): ``grad_norm``,
+  ``momentum_norm``, ``update_norm``, ``weight_norm`` (L2 over the group; under gradient
+  accumulation the gradient figures are the window's mean gradient's), ``skipped`` (only with
+  a non-finite check, ``nonfinite`` not None: 1.0 if the measured step was skipped as
+  non-finite, its other figures then describe the zeroed step), and
   for the figures where a worst matrix matters, ``<figure>_max`` and the same value under
   ``<figure>_max@<param>``, naming it;
 - QK-Clip, with ``qk_clip=``: ``qk_clip/max_logit`` and ``qk_clip/clipped_heads`` of its last step;
-- ``step``: the measured step's number (1 for the optimizer's first applied step).
+- ``step``: the measured step's number (1 for this optimizer object's first applied step; not
+  in the state_dict, so it counts from 1 again in an optimizer that loads one);
+- ``optimizer_faults``: how many times so far a bucket was kept back because finite gradients
+  gave it a non-finite update or state (:attr:`~muon_fn.Optimizer.optimizer_faults`).
 """
 
 from __future__ import annotations
@@ -81,10 +88,12 @@ class Telemetry:
             del store[key]
 
     def _labels(self, index: int, positions: tuple[int, ...], leaves: tuple) -> tuple:
-        """``(group label, param name, Leaf)`` of the parameters at ``positions`` of group ``index``."""
+        """``(group label, param name, Leaf)`` of the parameters at ``positions`` of group ``index``;
+        an unnamed parameter is ``#<its position in the optimizer>`` (torch's state_dict id)."""
         names = self._param_names(self.param_groups[index])
         label = _group_labels(self.param_groups)[index]
-        return tuple((label, names[i] or f"#{i}", leaf) for i, leaf in zip(positions, leaves))
+        first = sum(len(g["params"]) for g in self.param_groups[:index])
+        return tuple((label, names[i] or f"#{first + i}", leaf) for i, leaf in zip(positions, leaves))
 
     @property
     def metrics_every(self) -> int:
@@ -105,7 +114,9 @@ class Telemetry:
         tensors = [v for *_, raw in entries for v in raw.values()]
         finite = self.__dict__.get("_figures_finite")
         clip = self._qk_tensors()
-        host = _read([*tensors, *([finite] if finite is not None else []), *clip])
+        faults = self.__dict__.get("_fault_count")
+        host = _read([*tensors, *([finite] if finite is not None else []), *clip,
+                      *([faults] if faults is not None else [])])
         out: dict[str, float] = {}
         groups: dict[str, list] = {}
         for label, name, leaf, raw in entries:
@@ -119,6 +130,7 @@ class Telemetry:
         out.update(self._qk_figures(clip, host))
         if entries:
             out["step"] = float(self.__dict__.get("_figures_step", 0))
+            out["optimizer_faults"] = float(next(host)) if faults is not None else 0.0
         return out
 
     def _figure_entries(self):
