@@ -129,14 +129,16 @@ class PerSignature:
     no state has changed when it is retried eagerly.
 
     ``verify``: the first run of each signature is checked against ``fn`` run eagerly on copies
-    of its inputs (:mod:`muon_fn._verify`); a graph that fails is recompiled with safe options
-    (inductor on the CPU: :data:`SAFE_CPU_OPTIONS`) and checked again, else that signature runs
-    eagerly, with one warning. Every later call of a checked signature costs nothing more.
+    of its inputs (:mod:`muon_fn._verify`; ``compared`` selects what of the result is compared,
+    default all); a graph that fails is recompiled with safe options (inductor on the CPU:
+    :data:`SAFE_CPU_OPTIONS`) and checked again, else that signature runs eagerly, with one
+    warning. Every later call of a checked signature costs nothing more.
     """
 
     def __init__(self, fn: Callable[..., Any], options: dict[str, Any] | None,
-                 what: str = "the optimizer step", verify: bool = False) -> None:
-        self.fn, self.options, self.what, self.verify = fn, options, what, verify
+                 what: str = "the optimizer step", verify: bool = False,
+                 compared: Callable[[Any], Any] | None = None) -> None:
+        self.fn, self.options, self.what, self.verify, self.compared = fn, options, what, verify, compared
         self.compiled: dict[Hashable, Callable[..., Any]] = {}
         self.checked: set[Hashable] = set()  # signatures whose graph passed its check
         self.safe: set[Hashable] = set()  # signatures compiled with safe options
@@ -169,7 +171,7 @@ class PerSignature:
 
     def _first_run(self, key: Hashable, f: Callable[..., Any], args: tuple) -> Any:
         """Run a signature's graph for the first time, checked (class doc)."""
-        result, verdict = _verify.first_run(f, self.fn, args)
+        result, verdict = _verify.first_run(f, self.fn, args, self.compared)
         if verdict.ok:
             if verdict.conclusive:  # a skipped step compares nothing: check the next one
                 self.checked.add(key)

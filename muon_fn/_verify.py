@@ -49,15 +49,19 @@ class Verdict(NamedTuple):
     detail: str  # which tensor deviated, and how
 
 
-def first_run(compiled: Callable[..., Any], eager: Callable[..., Any], args: tuple) -> tuple[Any, Verdict]:
+def first_run(compiled: Callable[..., Any], eager: Callable[..., Any], args: tuple,
+              compared: Callable[[Any], Any] | None = None) -> tuple[Any, Verdict]:
     """Run ``compiled(*args)`` on the real inputs and ``eager`` on a copy of them; return the
-    compiled result and how it compares. If it fails, the real inputs are restored to their
-    values before the call (the result must then be discarded)."""
+    compiled result and how it compares: every input written in place, and of the result what
+    ``compared(result)`` selects (default: all of it; telemetry, whose solver figures may stop
+    anywhere within their tolerance, is left out by the callers). If it fails, the real inputs
+    are restored to their values before the call (the result must then be discarded)."""
     backup = _copy(args)
     mirror = _copy(args)
     result = compiled(*args)
     expected = eager(*mirror)
-    verdict = worse(compare(result, expected), compare(args, mirror, backup))
+    select = compared or (lambda r: r)
+    verdict = worse(compare(select(result), select(expected)), compare(args, mirror, backup))
     if not verdict.ok:
         _restore(args, backup)
     return result, verdict
@@ -95,7 +99,7 @@ def _deviation(c: torch.Tensor, e: torch.Tensor, b: torch.Tensor | None) -> tupl
         return float("inf"), f"shape {tuple(c.shape)} instead of {tuple(e.shape)}", True
     e64, c64 = e.detach().double(), c.detach().double()
     base = torch.zeros_like(e64) if b is None else b.detach().double()
-    moved = bool((e64 != base).any())
+    moved = bool(((e64 != base) & ~(e64.isnan() & base.isnan())).any())  # NaN in, NaN out: unchanged
     finite = torch.isfinite(e64)
     if not torch.equal(torch.isfinite(c64), finite):
         return float("inf"), "not finite where eager's result is (or the other way round)", moved

@@ -172,9 +172,17 @@ def steps(phases: Phases, options: dict[str, Any] | None, verify: bool = False) 
                                                            grads=grads)
         return (*guarded(state, updates, new_state, finite), raw)
 
-    return Steps(*(_compile.PerSignature(f, options, "the FSDP optimizer's step", verify=verify)
-                   for f in (pre_step, mid_step, post_step, whole_step, pre_update, pre_measured, mid_measured,
-                             post_measured, whole_measured)))
+    plain = (pre_step, mid_step, post_step, whole_step, pre_update)
+    measured = (pre_measured, mid_measured, post_measured, whole_measured)
+    return Steps(*(_compile.PerSignature(f, options, "the FSDP optimizer's step", verify=verify,
+                                         compared=None if f in plain else without_figures)
+                   for f in plain + measured))
+
+
+def without_figures(result: tuple) -> tuple:
+    """A measured phase's result without its telemetry, its last element (see
+    :func:`muon_fn.optim._apply.without_figures`)."""
+    return result[:-1]
 
 
 def poisoned(out: tuple, finite: torch.Tensor | None) -> tuple:

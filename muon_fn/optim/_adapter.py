@@ -28,7 +28,7 @@ from .. import _checks, _compile, _execution, _metrics
 from .._base import GradientTransformation, info
 from .._muon import group_by
 from . import _layout, _state
-from ._apply import bucket_step
+from ._apply import bucket_step, without_figures
 from ._step import StagedStep, StepReport, signature, step_not_traced  # noqa: F401 (re-exported)
 from ._telemetry import Telemetry, check_metrics
 
@@ -334,7 +334,8 @@ class Optimizer(StagedStep, Telemetry, torch.optim.Optimizer):
             tx = self._factory({**hyper, **opts})
             what = f"{type(self).__name__}'s step"
             steps = {(write, measure): _compile.PerSignature(bucket_step(tx, write=write, measure=measure),
-                                                              self._compile_options, what, verify=self.verify)
+                                                              self._compile_options, what, verify=self.verify,
+                                                              compared=without_figures)
                      for write in (False, True) for measure in (False, True)}
             rt.variants.append(_Variant(opts, tx, steps))
             members = [i for i, w in enumerate(rt.variant_of) if w == v]

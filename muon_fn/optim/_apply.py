@@ -51,6 +51,13 @@ class BucketResult(NamedTuple):
     raw: tuple | None  # the bucket's raw telemetry (:mod:`muon_fn._metrics`), if measured
 
 
+def without_figures(result: BucketResult) -> BucketResult:
+    """What a compiled bucket step's check compares (:mod:`muon_fn._verify`): all but the
+    telemetry, whose solver figures (SSO's λ, |h|, evaluations) may legitimately stop anywhere
+    within their tolerance."""
+    return result._replace(raw=None)
+
+
 def masked(tree: Any, finite: torch.Tensor | None) -> Any:
     """``tree`` with every tensor replaced by zeros where ``finite`` (a 0-d bool tensor) is False."""
     if finite is None:
