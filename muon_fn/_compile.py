@@ -113,9 +113,10 @@ def _fall_back(error: Exception) -> None:
             "and silence this warning.", RuntimeWarning, stacklevel=4)
 
 
-# What a graph that failed its check (muon_fn._verify) is compiled with next, on the CPU: AVX2-width
-# vectors, which avoids the known miscompile (GCC 12's SLP vectorizer on inductor's 512-bit bf16
-# tile transpose, under -mtune=generic); if that also fails, the signature runs eagerly.
+# What a graph that failed its check (muon_fn._verify) is compiled with next, on the CPU: 256-bit
+# vectors, which avoid the known miscompile (GCC 11-12 at -O3 under -mtune=generic delete stores of
+# inductor's 512-bit bf16 tile transpose in its RTL dead-store pass: docs/reports/
+# inductor-cpu-bf16-transpose.md); if that also fails, the signature runs eagerly.
 SAFE_CPU_OPTIONS = {"cpp.simdlen": 256}
 
 

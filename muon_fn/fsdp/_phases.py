@@ -170,7 +170,7 @@ def steps(phases: Phases, options: dict[str, Any] | None, verify: bool = False) 
     def whole_measured(params, grads, state, finite, leaves):
         updates, new_state, raw = _metrics.measured_update(whole, masked(grads, finite), state, params, leaves,
                                                            grads=grads)
-        return (*guarded(state, updates, new_state, finite), raw)
+        return (*guarded(state, updates, new_state, finite, elementwise=info(whole).scope == ELEMENTWISE), raw)
 
     plain = (pre_step, mid_step, post_step, whole_step, pre_update)
     measured = (pre_measured, mid_measured, post_measured, whole_measured)

@@ -2,13 +2,16 @@
 (:func:`bucket_step`), and the writes (:func:`commit`).
 
 A step has two flags, both decided on the device. ``finite`` (the non-finite policy's, one check
-over every gradient of the step, computed before any bucket runs): where it is False the
-gradients a transform sees are zeros (no solver or iteration ever sees an inf or nan) and
-nothing is written, in every bucket. The **guard** (:func:`guarded`, per bucket, inside the
-graph that writes it): an update or a new state that is not finite although the gradients were
-(a miscompiled graph, an overflow) is an optimizer fault; that bucket's parameters and state keep
-their values and the fault is counted. So no parameter is ever made non-finite by the optimizer,
-and a bad batch changes nothing, without staging.
+over every gradient of the step, computed before any bucket runs): where it is False nothing is
+written, in any bucket, and a transform of whole matrices sees zeros instead of the gradients (no
+solver or iteration ever sees an inf or nan). The **guard** (:func:`guarded`, inside the graph
+that writes): an update or a new state that is not finite although the gradients were (a
+miscompiled graph, an overflow) is an optimizer fault; the bucket's parameters and state keep
+their values and the fault is counted. For a transform of whole matrices the bucket is kept
+whole (its update exists in full anyway); for an elementwise one, whose every element depends
+on that element alone, each faulty element is, decided in the one pass that writes (a bucket-wide
+flag would need the whole update before the first write). So no parameter is ever made
+non-finite by the optimizer, and a bad batch changes nothing, without staging.
 
 Two ways to write (``atomic=``):
 
@@ -28,7 +31,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .. import _metrics, _tree
-from .._base import GradientTransformation
+from .._base import ELEMENTWISE, GradientTransformation, info
 
 
 class Staged(NamedTuple):
@@ -38,7 +41,8 @@ class Staged(NamedTuple):
     updates: tuple  # one per parameter; None: no update
     state: Any  # the state buffers: old ← new (a None buffer is skipped)
     new_state: Any
-    ok: torch.Tensor | None = None  # 0-d bool: False keeps every parameter bit for bit (None: no flag)
+    # bool, 0-d or one mask per parameter: where False the parameter keeps every bit (None: no flag)
+    ok: torch.Tensor | tuple | None = None
 
 
 class BucketResult(NamedTuple):
@@ -46,7 +50,7 @@ class BucketResult(NamedTuple):
 
     updates: tuple | None  # None where the step wrote them itself
     new_state: Any  # None where the step wrote it itself
-    ok: torch.Tensor | None  # 0-d bool: the bucket is written (None: no non-finite policy)
+    ok: torch.Tensor | tuple | None  # bool, 0-d or per parameter: what is written (None: no policy)
     fault: torch.Tensor | None  # 0-d bool: finite gradients gave a non-finite update or state
     raw: tuple | None  # the bucket's raw telemetry (:mod:`muon_fn._metrics`), if measured
 
@@ -89,16 +93,47 @@ def sound(updates: Any, state: Any, new_state: Any) -> torch.Tensor:
     return finite_flags(tensors).all()
 
 
-def guarded(state: Any, updates: Any, new_state: Any, finite: torch.Tensor | None) -> tuple:
+def guarded(state: Any, updates: Any, new_state: Any, finite: torch.Tensor | None, *,
+            elementwise: bool = False) -> tuple:
     """``(updates, new state, ok, fault)`` of a bucket under the step's flag ``finite`` and the
     guard: written only if the gradients were finite and so is everything the bucket would write
-    (zero updates and the old state otherwise); ``fault`` says the bucket was kept back for its
-    own result. ``finite`` None (``nonfinite=None``): no check at all."""
+    (the new state is the old one, and :func:`commit` adds no update, where ``ok`` is False);
+    ``fault`` says the bucket was kept back for its own result. ``finite`` None
+    (``nonfinite=None``): no check at all.
+
+    ``elementwise`` (a transform of :data:`~muon_fn.ELEMENTWISE` scope, whose every element is
+    computed from the same element alone): the guard is per element instead (:func:`_per_element`),
+    decided in the same pass that writes, so nothing of the bucket's size is held to be checked."""
     if finite is None:
         return updates, new_state, None, None
+    if elementwise:
+        return _per_element(state, updates, new_state, finite)
     values_ok = sound(updates, state, new_state)
     ok = finite & values_ok
-    return masked(updates, ok), kept(state, new_state, ok), ok, finite & ~values_ok
+    return updates, kept(state, new_state, ok), ok, finite & ~values_ok
+
+
+def _per_element(state: Any, updates: Any, new_state: Any, finite: torch.Tensor) -> tuple:
+    """The guard of an elementwise bucket: an element position where any update or changed state
+    tensor of that shape is not finite (their sum is not: a false alarm needs values near the
+    float's largest) keeps its old value in every parameter and state tensor of the bucket
+    (tensors of other shapes, e.g. quantization scales, by their own elements);
+    ``ok`` is one mask per parameter. A compiled step computes masks, writes and the fault flag
+    in one loop over the elements (a bucket-wide flag would need every update before the first
+    write: a temporary of the bucket's size, or a second pass)."""
+    pairs = [(old, new) for old, new in zip(_tree.tree_leaves(state), _tree.tree_leaves(new_state))
+             if old is not None and new is not None and new is not old and new.is_floating_point()]
+    outputs = [u for u in _tree.tree_leaves(updates) if u is not None] + [new for _, new in pairs]
+    sums: dict[torch.Size, torch.Tensor] = {}
+    for t in outputs:  # one sum per element position: not finite iff a term is (or it overflows)
+        sums[t.shape] = t.float() if t.shape not in sums else sums[t.shape] + t
+    masks = {shape: total.isfinite() for shape, total in sums.items()}
+    ok = {shape: finite & m for shape, m in masks.items()}
+    keep = {id(new): torch.where(ok[new.shape], new, old) for old, new in pairs}
+    new_state = _tree.tree_map(lambda n: keep.get(id(n), n) if n is not None else None, new_state)
+    flags = tuple(None if u is None else ok[u.shape] for u in updates)
+    whole = torch.stack([m.all() for m in masks.values()]).all() if masks else torch.ones_like(finite)
+    return updates, new_state, flags, finite & ~whole
 
 
 def compute_bucket(tx: GradientTransformation, params: tuple, grads: tuple, state: Any,
@@ -106,22 +141,23 @@ def compute_bucket(tx: GradientTransformation, params: tuple, grads: tuple, stat
     """``tx.update`` on one bucket under the flag ``finite`` and the guard (:func:`guarded`):
     ``(updates, new state, ok, fault)``. The gradients are zeroed first where the step is
     skipped, so the transform never sees a non-finite value of a skipped step. Nothing is written."""
-    updates, new_state = tx.update(masked(grads, finite), state, params)
-    return guarded(state, updates, new_state, finite)
+    elementwise = info(tx).scope == ELEMENTWISE
+    updates, new_state = tx.update(grads if elementwise else masked(grads, finite), state, params)
+    return guarded(state, updates, new_state, finite, elementwise=elementwise)
 
 
 def commit(staged: Sequence[Staged]) -> None:
     """Write every staged bucket: each new state into its buffer, then each update into its
-    parameter, in place (a bucket whose ``ok`` is False keeps every bit of its parameters)."""
+    parameter, in place (where a bucket's ``ok`` is False its parameters keep every bit)."""
     olds, news, params, updates, flagged = [], [], [], [], []
     for s in staged:
         for old, new in zip(_tree.tree_leaves(s.state), _tree.tree_leaves(s.new_state)):
             if old is not None and new is not None and new is not old:
                 olds.append(old)
                 news.append(new)
-        for p, u in zip(s.params, s.updates):
+        for k, (p, u) in enumerate(zip(s.params, s.updates)):
             if u is not None and s.ok is not None:
-                flagged.append((p, u, s.ok))
+                flagged.append((p, u, s.ok[k] if isinstance(s.ok, tuple) else s.ok))
             elif u is not None:
                 params.append(p)
                 updates.append(u)
@@ -141,13 +177,16 @@ def bucket_step(tx: GradientTransformation, *, write: bool, measure: bool) -> Ca
     its inf or nan there), and with ``write`` its :func:`commit` inside the same function (one
     graph that writes the new state and the parameters in place)."""
 
+    elementwise = info(tx).scope == ELEMENTWISE
+
     def step(params, grads, state, finite, leaves):
-        inputs = masked(grads, finite)
+        # an elementwise transform's every output is masked per element: its inputs need not be
+        inputs = grads if elementwise else masked(grads, finite)
         if measure:
             updates, new_state, raw = _metrics.measured_update(tx, inputs, state, params, leaves, grads=grads)
         else:
             (updates, new_state), raw = tx.update(inputs, state, params), None
-        updates, new_state, ok, fault = guarded(state, updates, new_state, finite)
+        updates, new_state, ok, fault = guarded(state, updates, new_state, finite, elementwise=elementwise)
         if not write:
             return BucketResult(updates, new_state, ok, fault, raw)
         commit([Staged(params, updates, state, new_state, ok)])
