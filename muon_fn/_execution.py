@@ -57,15 +57,18 @@ class ExecutionPolicy(NamedTuple):
     stack_inputs: bool  # normalize the batch as one stacked tensor (one reduction), not per matrix
     gram_dtype: torch.dtype  # Gram Newton–Schulz's default iteration dtype
     bucket_size: int | None  # adapters' default same-shape parameters per compiled call (None: all)
+    bucket_bytes: int | None  # ... and at most this many bytes of them (at least one; None: no bound)
     static_addresses: bool  # compiled steps mark parameters and state as static (CUDA graphs)
 
 
 CPU = ExecutionPolicy("cpu", opaque=True, loop_min_dim=384, split_symmetric=True, symmetric_min_dim=None,
                       scratch=True,
-                      stack_inputs=False, gram_dtype=torch.float32, bucket_size=4, static_addresses=False)
+                      stack_inputs=False, gram_dtype=torch.float32, bucket_size=4, bucket_bytes=8 << 20,
+                      static_addresses=False)
 BATCHED = ExecutionPolicy("batched", opaque=False, loop_min_dim=None, split_symmetric=False,
                           symmetric_min_dim=2048, scratch=False,
-                          stack_inputs=True, gram_dtype=torch.float16, bucket_size=16, static_addresses=True)
+                          stack_inputs=True, gram_dtype=torch.float16, bucket_size=16, bucket_bytes=None,
+                          static_addresses=True)
 POLICIES = {p.name: p for p in (CPU, BATCHED)}
 
 # Set by :func:`forced` (a plain global: torch.compile guards on it rather than tracing a lookup).
@@ -109,9 +112,13 @@ def mark_static(tensors) -> None:
 
 
 def bucket_limit(params: list[torch.Tensor], bucket_size: int | None) -> int:
-    """Same-shape parameters per compiled call: ``bucket_size`` if given, else the policy's of the
-    parameters' device (all of them when it has none)."""
+    """Same-shape parameters ``params`` per compiled call: ``bucket_size`` if given, else the
+    policy's of their device (all of them when it has none), and no more than fit its
+    ``bucket_bytes`` (at least one): a bucket's transient memory is proportional to its bytes."""
     if bucket_size is not None:
         return bucket_size
-    limit = policy(params[0].device if params else None).bucket_size
-    return max(1, len(params)) if limit is None else limit
+    rule = policy(params[0].device if params else None)
+    limit = max(1, len(params)) if rule.bucket_size is None else rule.bucket_size
+    if rule.bucket_bytes is None or not params:
+        return limit
+    return max(1, min(limit, rule.bucket_bytes // max(1, params[0].numel() * params[0].element_size())))

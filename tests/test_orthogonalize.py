@@ -651,8 +651,8 @@ def _split_symmetric_products(min_block: int):
 @given(m=st.integers(1, 70), k=st.integers(1, 70), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
        beta=st.floats(-4.0, 4.0), alpha=st.floats(-4.0, 4.0), seed=st.integers(0, 2**16))
 def test_symmetric_products_computed_blockwise(m, k, dtype, beta, alpha, seed):
-    """XXᵀ and βA + αA² from the blocks on and above the diagonal (split down to 4-row blocks
-    here, several levels deep) equal one GEMM's result to rounding."""
+    """XXᵀ (XᵀX of a tall X) and βA + αA² from the blocks on and above the diagonal (split down
+    to 4-row blocks here, several levels deep) equal one GEMM's result to rounding."""
     from muon_fn import _newton_schulz as O
 
     gen = torch.Generator().manual_seed(seed)
@@ -666,7 +666,8 @@ def test_symmetric_products_computed_blockwise(m, k, dtype, beta, alpha, seed):
     # Rounding bound: a few units of the dtype's eps times the magnitudes that are summed.
     unit = 8 * torch.finfo(dtype).eps
     xmax, amax = float(x.float().abs().max()), float(a.float().abs().max())
-    torch.testing.assert_close(gram, x @ x.mT, rtol=0, atol=unit * k * xmax**2 + 1e-30)
+    expected = x.mT @ x if m > k else x @ x.mT  # the min(m, k)-square Gram matrix
+    torch.testing.assert_close(gram, expected, rtol=0, atol=unit * max(m, k) * xmax**2 + 1e-30)
     torch.testing.assert_close(square, ref, rtol=0, atol=unit * (abs(beta) * amax + abs(alpha) * m * amax**2) + 1e-30)
 
 

@@ -279,13 +279,16 @@ def test_schedule_rejects_unknown_options():
 
 
 def test_orthogonalize_batch_equals_per_matrix(device):
-    # One wide shape in both orientations: each result (wide orientation) is its matrix's own.
+    # One batch per shape, tall and wide: each result, in its matrix's orientation, is its own.
     g = torch.Generator().manual_seed(7)
-    xs = [torch.randn(s, generator=g, dtype=torch.float64).to(device) for s in [(20, 60), (60, 20), (20, 60)]]
-    for method in ("polar_express", "aol", "gram"):
-        sched, scale = O.coefficient_schedule(method, None), O.norm_scale(method)
-        outs = O.orthogonalize_batch(xs, sched, dtype=torch.float64, eps=1e-7, norm_scale=scale)
-        assert outs.shape == (3, 20, 60)
-        for x, o in zip(xs, outs):
-            ref = O.orthogonalize_matrices(x, sched, dtype=torch.float64, eps=1e-7, norm_scale=scale)
-            torch.testing.assert_close(o, ref.mT if x.size(0) > x.size(1) else ref, atol=1e-12, rtol=0)
+    for shape in ((20, 60), (60, 20)):
+        xs = [torch.randn(shape, generator=g, dtype=torch.float64).to(device) for _ in range(3)]
+        for method in ("polar_express", "aol", "gram"):
+            sched, scale = O.coefficient_schedule(method, None), O.norm_scale(method)
+            outs = O.orthogonalize_batch(xs, sched, dtype=torch.float64, eps=1e-7, norm_scale=scale)
+            assert outs.shape == (3, *shape) and outs.is_contiguous()
+            for x, o in zip(xs, outs):
+                ref = O.orthogonalize_matrices(x, sched, dtype=torch.float64, eps=1e-7, norm_scale=scale)
+                torch.testing.assert_close(o, ref, atol=1e-12, rtol=0)
+    with pytest.raises(ValueError, match="one shape"):
+        O.orthogonalize_batch([xs[0], xs[0].mT.contiguous()], sched, dtype=torch.float64, eps=1e-7)

@@ -39,10 +39,9 @@ class BatchedProducts(Products):
 
     def orthogonalize_batch(self, xs: Sequence[torch.Tensor], schedule: Sequence[Coefficients], dtype: torch.dtype,
                             eps: float, norm_scale: float) -> torch.Tensor:
-        """msign of each matrix of ``xs`` (one wide shape, either orientation) as one ``(B, m, n)``
-        tensor: stacked in the wide orientation, normalized by one reduction, iterated with one
-        batched GEMM per product."""
-        y = torch.stack([x.mT if x.size(-2) > x.size(-1) else x for x in xs])
+        """msign of each matrix of ``xs`` (one shape) as one ``(B, *shape)`` tensor: stacked,
+        normalized by one reduction, iterated with one batched GEMM per product."""
+        y = torch.stack(list(xs))
         y = (y * inverse_norm(y, norm_scale, eps, dims=(-2, -1))).to(dtype)
         return run_schedule(y, schedule, eps, self)
 

@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 import torch
 
 from .. import _execution
-from .iteration import inverse_norm, run_schedule, wide_shape
+from .iteration import inverse_norm, ring_input, run_schedule, wide_shape
 from .products import Buffers, Products, matmul, addmm, untracked
 from .schedules import Coefficients
 
@@ -165,7 +165,7 @@ class CPUProducts(Products):
 
     def each_matrix(self, run: Callable[..., torch.Tensor], y: torch.Tensor, gram: torch.Tensor | None,
                     out: torch.Tensor | None) -> torch.Tensor:
-        if y.ndim == 3 and self.loops(y.size(-2)):
+        if y.ndim == 3 and self.loops(min(y.shape[-2:])):
             out = torch.empty_like(y) if out is None else out
             for i in range(y.size(0)):
                 run(y[i], None if gram is None else gram[i], out[i])
@@ -178,42 +178,58 @@ class CPUProducts(Products):
         and cast straight into its slot of the batch, then the batch iterated: batched GEMMs below
         :data:`LOOP_MIN_DIM` rows, one matrix at a time from there or when the slots are not
         aligned (eager). Every step is computed per matrix on equally aligned memory, so a
-        matrix's result does not depend on which others share its batch. The last product of a
-        tall batch is written transposed, so the result is contiguous in the inputs' orientation
-        (:func:`result_buffer`)."""
+        matrix's result does not depend on which others share its batch. A tall batch iterates
+        in its own layout (:mod:`.iteration`), so nothing is transposed in or out."""
         m, n = wide_shape(xs[0].shape)
-        device = xs[0].device
-        out = result_buffer(xs, dtype)
-        aligned = aligned_slots(m, n, dtype, device)
-        loop = (self.loops(m) or not aligned) and not torch.compiler.is_compiling()
-        shape = (m, n) if loop else (len(xs), m, n)
-        y = self.scratch("input", shape, out)
-        y = torch.empty(shape, dtype=dtype, device=device) if y is None else y
-        for i, x in enumerate(xs):
-            slot = y if loop else y[i]
-            inv = inverse_norm(x, norm_scale, eps)
-            torch.mul(x.mT if x.size(-2) > x.size(-1) else x, inv, out=slot)
-            if loop and aligned:
-                run_schedule(slot, schedule, eps, self, out=out[i])
-            elif loop:  # the last product goes to aligned scratch, then into the slot
-                out[i].copy_(run_schedule(slot, schedule, eps, self))
-        if not loop:
+        out = torch.empty((len(xs),) + tuple(xs[0].shape), dtype=dtype, device=xs[0].device)
+        aligned = aligned_slots(m, n, dtype, xs[0].device)
+        if not ((self.loops(m) or not aligned) and not torch.compiler.is_compiling()):
+            y = self.input_slot(schedule, out)
+            for x, slot in zip(xs, y.unbind(0)):
+                normalize_into(x, slot, norm_scale, eps)
             run_schedule(y, schedule, eps, self, out=out)
+            return out
+        for x, target in zip(xs, out.unbind(0)):
+            y = self.input_slot(schedule, target if aligned else None, out)
+            normalize_into(x, y, norm_scale, eps)
+            if aligned:
+                run_schedule(y, schedule, eps, self, out=target)
+            else:  # the last product goes to aligned scratch, then into the slot
+                target.copy_(run_schedule(y, schedule, eps, self))
         return out
 
+    def input_slot(self, schedule: Sequence[Coefficients], out: torch.Tensor | None,
+                   like: torch.Tensor | None = None) -> torch.Tensor:
+        """Where a matrix (or batch) is normalized before its iteration into ``out``: of the two
+        buffers X alternates between, the one its first iteration reads, not writes
+        (:func:`.iteration.ring_input`); a Gram-form schedule, or no ``out`` (unaligned slots:
+        the result comes from scratch), a scratch tensor of the shape of ``like``'s matrices."""
+        if out is not None and getattr(schedule, "form", "standard") != "gram":
+            slot = ring_input(len(schedule), out, self, out)
+            return torch.empty(out.shape, dtype=out.dtype, device=out.device) if slot is None else slot
+        like = out if out is not None else like
+        slot = self.scratch("input", tuple(like.shape[-2:]) if out is None else tuple(like.shape), like)
+        return torch.empty(like.shape if out is not None else like.shape[-2:], dtype=like.dtype,
+                           device=like.device) if slot is None else slot
 
-def result_buffer(xs: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """Where :meth:`CPUProducts.orthogonalize_batch` writes: a ``(B, m, n)`` wide view whose memory
-    is contiguous in the inputs' orientation (for tall inputs, the transpose of a contiguous
-    ``(B, n, m)`` tensor; BLAS writes a transposed result at no cost).
 
-    Compiled code then never reads the iteration's bf16 result transposed: inductor's CPU tile
-    transpose of bf16 (``transpose_mxn<BFloat16, 32, 32>``) is miscompiled by GCC 12 at ``-O3``
-    under ``-mtune=generic`` with AVX-512 (docs/faq.md, "NaN on some Intel CPUs"), and a
-    contiguous read is also the cheaper one for every fused consumer."""
-    shape = (len(xs),) + tuple(xs[0].shape)
-    buffer = torch.empty(shape, dtype=dtype, device=xs[0].device)
-    return buffer.mT if shape[-2] > shape[-1] else buffer
+# A low-precision matrix's norm is summed in fp32 over row blocks of at most this many elements:
+# torch.linalg.vector_norm(x, dtype=torch.float32) makes an fp32 copy of all of x first (9 MiB for
+# a bf16 768×3072 matrix, the largest transient of a compiled gpt2-small step).
+NORM_CHUNK = 1 << 16
+
+
+def normalize_into(x: torch.Tensor, slot: torch.Tensor, norm_scale: float, eps: float) -> None:
+    """``slot ← x / max(norm_scale·‖x‖_F, eps)``, in ``slot``'s dtype
+    (:func:`.iteration.inverse_norm`, the norm in fp32 without a copy of ``x``)."""
+    if x.element_size() >= 4 or x.numel() <= NORM_CHUNK:
+        inv = inverse_norm(x, norm_scale, eps)
+    else:
+        rows = max(1, NORM_CHUNK // x.size(-1))
+        blocks = torch.stack([torch.linalg.vector_norm(x[r:r + rows], dtype=torch.float32)
+                              for r in range(0, x.size(0), rows)])
+        inv = 1.0 / (torch.linalg.vector_norm(blocks) * norm_scale).clamp_min(eps)
+    torch.mul(x, inv, out=slot)
 
 
 def aligned_slots(m: int, n: int, dtype: torch.dtype, device: torch.device) -> bool:

@@ -143,15 +143,16 @@ def default_compute_dtype(device: torch.device | str | None = None,
 
 def orthogonalize_batch(xs: Sequence[torch.Tensor], schedule: Sequence[Coefficients], *, dtype: torch.dtype,
                         eps: float, norm_scale: float = 1.0, buffers: Buffers | None = None) -> torch.Tensor:
-    """msign of each matrix of ``xs`` (2-D, one wide shape ``(m, n)`` in either orientation) as
-    one ``(B, *xs[0].shape)`` tensor in ``dtype``, in the inputs' orientation, run by the products
-    of the matrices' device (:func:`for_device`; ``buffers``: scratch kept across calls where that
-    execution reuses scratch). The result is always fresh; on the CPU it is contiguous (a tall
-    batch is iterated wide and its last product written transposed), elsewhere it may be the
-    transposed view of the wide result."""
+    """msign of each matrix of ``xs`` (2-D, one shape) as one contiguous ``(B, *xs[0].shape)``
+    tensor in ``dtype``, run by the products of the matrices' device (:func:`for_device`;
+    ``buffers``: scratch kept across calls where that execution reuses scratch). A tall batch
+    iterates in its own layout, on ``XᵀX`` (:mod:`.iteration`): nothing is transposed in or out.
+    The result is always fresh."""
     check_dtype(schedule, dtype)
-    wide = for_device(xs[0].device, buffers).orthogonalize_batch(xs, schedule, dtype, eps, norm_scale)
-    return wide.mT if xs[0].size(-2) > xs[0].size(-1) else wide
+    shapes = {tuple(x.shape) for x in xs}
+    if len(shapes) != 1:
+        raise ValueError(f"orthogonalize_batch takes matrices of one shape, got {sorted(shapes)}")
+    return for_device(xs[0].device, buffers).orthogonalize_batch(xs, schedule, dtype, eps, norm_scale)
 
 
 @torch.library.custom_op("muon_fn::orthogonalize_batch", mutates_args=())

@@ -1,11 +1,13 @@
 """The Newton–Schulz iteration as formulas: odd polynomials approximating ``msign(X) = UVᵀ``.
 
-Every method normalizes ``X`` by its Frobenius norm (so σ_max ≤ 1), works on the wide
-orientation (``m ≤ n``; tall inputs are transposed) and applies one odd polynomial per row of its
-:class:`~.schedules.Schedule`, ``X ← c₀X + (Σ_{i≥1} cᵢAⁱ)X`` with ``A = XXᵀ`` (:func:`step`,
-:func:`poly`, :func:`iterate`). ``precondition="aol"`` rescales the rows first (:func:`aol_scale`,
-reusing the first Gram matrix); ``form="gram"`` runs the same polynomials through ``R = XXᵀ``
-only (:func:`iterate_gram`). Every matrix product goes through a :class:`~.products.Products`
+Every method normalizes ``X`` by its Frobenius norm (so σ_max ≤ 1) and applies one odd
+polynomial per row of its :class:`~.schedules.Schedule`: ``X ← (c₀I + Σ_{i≥1} cᵢAⁱ)X`` with
+``A = XXᵀ`` for a wide ``X`` (``m ≤ n``), and its transpose ``X ← X(c₀I + Σ_{i≥1} cᵢAⁱ)`` with
+``A = XᵀX`` for a tall one, so both iterate on the small ``min(m, n)``-square Gram matrix in their
+own layout (no transposed copy in or out; :func:`step`, :func:`poly`, :func:`iterate`).
+``precondition="aol"`` rescales the rows (a tall matrix's columns) first (:func:`aol_scale`,
+reusing the first Gram matrix); ``form="gram"`` runs the same polynomials through the Gram
+matrix only (:func:`iterate_gram`). Every matrix product goes through a :class:`~.products.Products`
 (``ops``), which the caller passes: these functions say *what* is computed, the products say *how*
 on a device. Choosing a device's products is the execution side's (:mod:`.execution`:
 ``for_device``, and the entry points that run these functions through it: ``newton_schulz``, and
@@ -32,24 +34,42 @@ def inverse_norm(x: torch.Tensor, norm_scale: float, eps: float, dims: tuple[int
 
 
 def wide_shape(shape: Sequence[int]) -> tuple[int, int]:
-    """``(min(m, n), max(m, n))`` of a matrix shape: the orientation the iteration runs in."""
+    """``(min(m, n), max(m, n))`` of a matrix shape: the Gram matrix is ``min × min``."""
     m, n = int(shape[-2]), int(shape[-1])
     return (m, n) if m <= n else (n, m)
 
 
+def is_tall(x: torch.Tensor) -> bool:
+    """Whether ``x`` has more rows than columns: it iterates from the right, on ``XᵀX``."""
+    return x.size(-2) > x.size(-1)
+
+
 def aol_scale(x: torch.Tensor, gram: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """AOL rescale: ``x ← diag(s) x`` and ``gram ← diag(s) gram diag(s)``, ``s_i = (Σ_j|gram_ij|)^-½``;
-    in place (both are the caller's scratch) unless autograd or torch.func needs the inputs."""
+    """AOL rescale: ``x ← diag(s) x`` (a tall ``x``: ``x diag(s)``) and ``gram ← diag(s) gram
+    diag(s)``, ``s_i = (Σ_j|gram_ij|)^-½``; in place (both are the caller's scratch) unless
+    autograd or torch.func needs the inputs."""
     s = gram.abs().sum(-1, dtype=torch.promote_types(x.dtype, torch.float32)).add_(eps).rsqrt_().to(x.dtype)
     row, col = s.unsqueeze(-1), s.unsqueeze(-2)
+    side = col if is_tall(x) else row
     if untracked(x) and untracked(gram):
-        return x.mul_(row), gram.mul_(row).mul_(col)
-    return x * row, gram * row * col
+        return x.mul_(side), gram.mul_(row).mul_(col)
+    return x * side, gram * row * col
 
 
 def gram_matrix(x: torch.Tensor, ops: Products) -> torch.Tensor:
-    """``XXᵀ`` of a (batch of) wide matrices (into ``ops``' ``"gram"`` scratch, if it keeps one)."""
-    return ops.product(x, x.mT, ops.scratch("gram", x.shape[:-1] + x.shape[-2:-1], x), symmetric=True)
+    """The Gram matrix of a (batch of) matrices: ``XXᵀ`` of a wide one, ``XᵀX`` of a tall one
+    (into ``ops``' ``"gram"`` scratch, if it keeps one)."""
+    k = min(x.shape[-2:])
+    a, b = (x.mT, x) if is_tall(x) else (x, x.mT)
+    return ops.product(a, b, ops.scratch("gram", x.shape[:-2] + (k, k), x), symmetric=True)
+
+
+def times(x: torch.Tensor, p: torch.Tensor, out: torch.Tensor | None = None, *, beta: float | None = None,
+          alpha: float = 1.0) -> torch.Tensor:
+    """``p X`` (a tall ``X``: ``X p``), ``p`` an m×m polynomial of its Gram matrix; with ``beta``,
+    ``beta·X + alpha·(p X)`` in one fused call (into ``out`` if given)."""
+    a, b = (x, p) if is_tall(x) else (p, x)
+    return matmul(a, b, out) if beta is None else addmm(x, a, b, beta=beta, alpha=alpha, out=out)
 
 
 def poly(gram: torch.Tensor, row: Coefficients, ops: Products, symmetric: bool = True,
@@ -96,11 +116,11 @@ def step(x: torch.Tensor, gram: torch.Tensor, row: Coefficients, ops: Products, 
     instead of ``pᵢᵢ`` (``schedules._FOLD_FROM`` says when that is no coarser)."""
     p = poly(gram, row, ops, symmetric, overwrite)
     if p is None:  # cubic: skip the A² product
-        return addmm(x, gram, x, beta=row[0], alpha=row[1], out=out)
+        return times(x, gram, out, beta=row[0], alpha=row[1])
     if not fold:
-        return addmm(x, p, x, beta=row[0], alpha=1.0, out=out)
+        return times(x, p, out, beta=row[0])
     p.diagonal(dim1=-2, dim2=-1).add_(row[0])
-    return matmul(p, x, out)
+    return times(x, p, out)
 
 
 def iterate(x: torch.Tensor, schedule: Sequence[Coefficients], gram: torch.Tensor | None, ops: Products,
@@ -111,20 +131,37 @@ def iterate(x: torch.Tensor, schedule: Sequence[Coefficients], gram: torch.Tenso
 
     ``gram``: ``XXᵀ`` of the input if already computed (used by the first iteration; it need not
     be exactly symmetric, e.g. after the AOL rescale, so its square is one GEMM; ``None``: computed).
-    ``ops``: the products; where they keep scratch, every intermediate product is written into it
-    (X alternates between two). ``out``: where the last iteration
-    writes (it must not alias ``x``); without it the result may be scratch, overwritten by the
-    next call with the same shapes. Bitwise the same values either way.
+    ``ops``: the products; where they keep scratch, every intermediate product is written into it.
+    ``out``: where the last iteration writes; if it is contiguous, X alternates between ``out``
+    and one scratch tensor (:func:`ring_input` says where to put ``x`` so that neither is read
+    while written), else between two scratch tensors (``"x0"``, ``"x1"``: a transposed ``out`` is
+    written once). Without ``out`` the result may be scratch, overwritten by the next call with
+    the same shapes. Bitwise the same values either way.
     """
     fold_from = getattr(schedule, "fold_from", None)
     last = len(schedule) - 1
     for k, row in enumerate(schedule):
         a = gram_matrix(x, ops) if gram is None else gram
-        target = out if k == last and out is not None else ops.scratch(f"x{k % 2}", x.shape, x)
+        if out is not None and out.is_contiguous():
+            target = out if (last - k) % 2 == 0 else ops.scratch("x", x.shape, x)
+        else:
+            target = out if k == last and out is not None else ops.scratch(f"x{k % 2}", x.shape, x)
         x = step(x, a, row, ops, target, symmetric=gram is None, overwrite=gram is None,
                  fold=fold_from is not None and k >= fold_from)
         gram = None
     return x
+
+
+def ring_input(steps: int, out: torch.Tensor, ops: Products, like: torch.Tensor) -> torch.Tensor | None:
+    """Where to put the input of :func:`iterate` with ``out`` so that no buffer of X's size is
+    held beyond the two it alternates between: of those, the one its first iteration reads, not
+    writes (``out`` itself for an even number of ``steps``; for a transposed ``out``, the
+    ``"x1"`` scratch); None where ``ops`` keep no scratch."""
+    if not out.is_contiguous():
+        return ops.scratch("x1", tuple(out.shape), like)
+    if steps % 2 == 0:
+        return out
+    return ops.scratch("x", tuple(out.shape), like)
 
 
 def iterate_gram(x: torch.Tensor, schedule: Sequence[Coefficients], gram: torch.Tensor | None,
@@ -139,28 +176,28 @@ def iterate_gram(x: torch.Tensor, schedule: Sequence[Coefficients], gram: torch.
     """
     if x.size(-2) == x.size(-1):  # square: nothing to save
         return iterate(x, schedule, gram, ops)
-    r = x @ x.mT if gram is None else gram
-    eye = torch.eye(x.size(-2), dtype=x.dtype, device=x.device)
+    r = gram_matrix(x, ops) if gram is None else gram
+    eye = torch.eye(min(x.shape[-2:]), dtype=x.dtype, device=x.device)
     q = None
     n = len(schedule)
     for k, row in enumerate(schedule):
         if k in restarts and q is not None:
-            x, q = q @ x, None
-            r = x @ x.mT
+            x, q = times(x, q), None
+            r = gram_matrix(x, ops)
         t = poly(r, row, ops)
         t = (r * row[1] if t is None else t) + row[0] * eye
         q = t if q is None else q @ t
         if k + 1 < n and (k + 1) not in restarts:
             r = t @ (r @ t)
-    return x if q is None else q @ x
+    return x if q is None else times(x, q)
 
 
 def run_schedule(y: torch.Tensor, schedule: Sequence[Coefficients], eps: float, ops: Products,
                  gram: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Iterate a normalized ``y`` (wide, compute dtype) with ``schedule``: the AOL rescale first if
+    """Iterate a normalized ``y`` (compute dtype, either orientation) with ``schedule``: the AOL rescale first if
     the schedule asks for it (its Gram matrix feeds the first iteration), in the schedule's form.
     ``y`` may be rescaled in place (it is the caller's normalized copy). ``out``: see
-    :func:`iterate` (the Gram form keeps no scratch). ``gram``: ``yyᵀ`` if known. ``ops`` runs a
+    :func:`iterate` (the Gram form keeps no scratch). ``gram``: its Gram matrix if known. ``ops`` runs a
     batch whole or one matrix at a time (:meth:`~.products.Products.each_matrix`)."""
     def run(y: torch.Tensor, gram: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
         if getattr(schedule, "precondition", "frobenius") == "aol":
@@ -198,14 +235,9 @@ def orthogonalize_matrices(
     if x.ndim > 3:
         x = x.reshape(-1, *shape[-2:])
         gram = None if gram is None else gram.reshape(-1, *gram.shape[-2:])
-    tall = x.size(-2) > x.size(-1)
     inv = inverse_norm(x, norm_scale, eps, dims=(-2, -1))
     y = (x * inv).to(dtype)
-    if tall:
-        y = y.mT
     if gram is not None:
         gram = (gram * inv.square()).to(dtype)
     y = run_schedule(y, schedule, eps, ops, gram=gram)
-    if tall:
-        y = y.mT
     return y.to(out_dtype).reshape(shape)

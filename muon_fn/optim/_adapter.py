@@ -19,6 +19,7 @@ Every algorithm (Muon, the hybrid, NorMuon, SSO, AdamW) is a transform run throu
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple, Union
 
@@ -42,22 +43,29 @@ _ADAPTER_KEYS = frozenset({"params", "param_names", "gradient_accumulation_steps
 # tensor-valued key is one too); other keys are static and rebuild the transform on change.
 # weight_decay is static: it rarely changes, and a static 0 removes the decay term entirely.
 SCALAR_KEYS = frozenset({"lr", "momentum"})
-# On the CPU, at most this many same-shape parameters share one compiled call. Inductor's compile
-# time grows by about a second per parameter in a graph (2-core CPU), while equal buckets reuse one
-# graph: gpt2-small's 72 matrices compile as 3 graphs of at most 4. On GPUs up to 16 same-shape
-# parameters share one call (one batched GEMM per product; the execution policy's default,
-# muon_fn._execution). Larger buckets batch more matrices per orthogonalization call (see
-# MuonOptimizer(bucket_size=...)).
+# On the CPU, at most this many same-shape parameters, and at most 8 MiB of them, share one
+# compiled call. Inductor's compile time grows by about a second per parameter in a graph (2-core
+# CPU), while equal buckets reuse one graph: gpt2-small's 72 matrices compile as 3 graphs; and a
+# step's transient memory is one bucket's (its stacked low-precision copy and the iteration's
+# result). On GPUs up to 16 same-shape parameters share one call (one batched GEMM per product;
+# the execution policy's default, muon_fn._execution). Larger buckets batch more matrices per
+# orthogonalization call (see MuonOptimizer(bucket_size=...)).
 BUCKET_SIZE = _execution.CPU.bucket_size
 
 
-def buckets(params: list[torch.Tensor], size: int | None) -> list[tuple[int, ...]]:
-    """Positions of ``params`` in buckets of at most ``size`` parameters of one shape, dtype and
-    device (``None``: the whole group is one bucket)."""
+def buckets(params: list[torch.Tensor], size: int | None | Callable[[list[torch.Tensor]], int]
+            ) -> list[tuple[int, ...]]:
+    """Positions of ``params`` in buckets of parameters of one shape, dtype and device, at most
+    ``size`` of them (a function: of the parameters of each shape; ``None``: the whole group is
+    one bucket)."""
     if size is None:
         return [tuple(range(len(params)))]
     keys = [(tuple(p.shape), p.dtype, p.device) for p in params]
-    return [tuple(b) for b in group_by(keys, size)]
+    out = []
+    for same in group_by(keys):
+        cap = size([params[i] for i in same]) if callable(size) else size
+        out += [tuple(same[k:k + cap]) for k in range(0, len(same), cap)]
+    return out
 
 
 class _Variant(NamedTuple):
@@ -108,9 +116,10 @@ class Optimizer(StagedStep, Telemetry, torch.optim.Optimizer):
         bucket signature; eager with one warning where compiling is impossible), ``False``
         (eager), or a dict of ``torch.compile`` options (e.g. ``{"backend": "eager"}``).
       bucket_size: same-shape parameters updated by one call; ``None`` (default): the device's
-        execution policy's, 4 on the CPU (:data:`BUCKET_SIZE`), 16 on GPUs; only
-        for transforms that are *leafwise* (:class:`muon_fn.TransformInfo`; every built-in one
-        is), others update each group as a whole.
+        execution policy's, on the CPU at most 4 (:data:`BUCKET_SIZE`) and 8 MiB of them (a
+        step's transient memory is about one bucket's), 16 on GPUs; only for transforms that are
+        *leafwise* (:class:`muon_fn.TransformInfo`; every built-in one is), others update each
+        group as a whole.
       atomic: ``False`` (default): each bucket's graph writes its parameters and state in place
         (the transient memory of one bucket's intermediates). A step is still all or nothing
         for everything training meets: missing, sparse or mis-shaped gradients, the accumulation
@@ -340,7 +349,8 @@ class Optimizer(StagedStep, Telemetry, torch.optim.Optimizer):
             rt.variants.append(_Variant(opts, tx, steps))
             members = [i for i, w in enumerate(rt.variant_of) if w == v]
             mine = [params[i] for i in members]
-            for b in buckets(mine, _execution.bucket_limit(mine, self._bucket_size) if info(tx).leafwise else None):
+            limit = functools.partial(_execution.bucket_limit, bucket_size=self._bucket_size)
+            for b in buckets(mine, limit if info(tx).leafwise else None):
                 indices = tuple(members[k] for k in b)
                 meta = self._meta([params[i] for i in indices])
                 leaves = tuple(_metrics.leaf_of(params[i], opts.get("matrix_view", "flatten")) for i in indices)
