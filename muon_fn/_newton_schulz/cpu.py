@@ -14,6 +14,7 @@ What the iteration computes is :mod:`.iteration`'s; this module decides how a CP
 from __future__ import annotations
 
 import functools
+import math
 import platform
 import threading
 from typing import Callable, Sequence
@@ -60,7 +61,10 @@ AMX_SPLIT_MIN_RATIO = 2
 # Batches of matrices with min(m, n) >= this run one matrix at a time (2-D GEMMs) in eager mode,
 # whatever the batch size, so a matrix's result never depends on its batch mates: on the 2-core
 # Zen 4 CPU, bf16 baddbmm is 9-14 % slower than a loop of addmm from 512² up (16×768²: 603 vs
-# 525 ms) and 5-16 % faster below 384 (16×256²: 19.1 vs 22.8 ms).
+# 525 ms) and 5-16 % faster below 384 (16×256²: 19.1 vs 22.8 ms). Where the dtype's GEMMs run on
+# AMX tiles the batched GEMMs are the faster ones at every size measured (1-thread Xeon with AMX,
+# bf16, ms, batched vs loop, 4 matrices: A·X 384×1536 1.72 vs 1.85, 768² 3.02 vs 3.34, 768×3072
+# 13.19 vs 13.55; XXᵀ 768² 2.68 vs 2.70), so there batches are never looped.
 LOOP_MIN_DIM = _execution.CPU.loop_min_dim
 
 # CPU BLAS kernels choose their code path by the operands' address: measured with MKL (AVX-512),
@@ -108,16 +112,21 @@ class CPUProducts(Products):
         self.policy, self.buffers = policy, buffers
 
     def scratch(self, role: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor | None:
-        """A reusable ``empty`` tensor for ``role`` (None without buffers). Reusing them avoids a
-        fresh allocation per product, whose first touch page-faults (measured: the tiny bench set
-        ran ~10 % faster for every row once freed memory stayed mapped)."""
+        """A reusable ``empty`` tensor for ``role`` (None without buffers): the front of one flat
+        buffer per role and dtype, grown to the largest shape asked for, so the scratch kept
+        between calls is the largest matrix's, not one set per shape. Reusing it avoids a fresh
+        allocation per product, whose first touch page-faults (measured: the tiny bench set ran
+        ~10 % faster for every row once freed memory stayed mapped). One call's roles are
+        distinct buffers; a tensor returned here is valid until the next call asks for its role."""
         if self.buffers is None:
             return None
-        key = (role, tuple(shape), like.dtype, like.device)
-        t = self.buffers.get(key)
-        if t is None:
-            t = self.buffers[key] = torch.empty(shape, dtype=like.dtype, device=like.device)
-        return t
+        key = (role, like.dtype, like.device)
+        numel = math.prod(shape)
+        flat = self.buffers.get(key)
+        if flat is None or flat.numel() < numel:
+            self.buffers.pop(key, None)  # freed before the larger one is made
+            flat = self.buffers[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+        return flat[:numel].view(shape)
 
     def without_scratch(self) -> "CPUProducts":
         return self if self.buffers is None else CPUProducts(self.policy)
@@ -158,14 +167,16 @@ class CPUProducts(Products):
             return False
         return all(untracked(t) for t in tensors if t is not None)
 
-    def loops(self, m: int) -> bool:
-        """Whether an eager batch of wide matrices with ``m`` rows runs one matrix at a time."""
+    def loops(self, m: int, dtype: torch.dtype) -> bool:
+        """Whether an eager batch of ``dtype`` matrices whose smaller dimension is ``m`` runs one
+        matrix at a time (never where ``dtype``'s GEMMs run on AMX: see :data:`LOOP_MIN_DIM`)."""
         limit = self.policy.loop_min_dim
-        return limit is not None and m >= limit and not torch.compiler.is_compiling()
+        return (limit is not None and m >= limit and dtype not in _amx_dtypes()
+                and not torch.compiler.is_compiling())
 
     def each_matrix(self, run: Callable[..., torch.Tensor], y: torch.Tensor, gram: torch.Tensor | None,
                     out: torch.Tensor | None) -> torch.Tensor:
-        if y.ndim == 3 and self.loops(min(y.shape[-2:])):
+        if y.ndim == 3 and self.loops(min(y.shape[-2:]), y.dtype):
             out = torch.empty_like(y) if out is None else out
             for i in range(y.size(0)):
                 run(y[i], None if gram is None else gram[i], out[i])
@@ -183,7 +194,7 @@ class CPUProducts(Products):
         m, n = wide_shape(xs[0].shape)
         out = torch.empty((len(xs),) + tuple(xs[0].shape), dtype=dtype, device=xs[0].device)
         aligned = aligned_slots(m, n, dtype, xs[0].device)
-        if not ((self.loops(m) or not aligned) and not torch.compiler.is_compiling()):
+        if not ((self.loops(m, dtype) or not aligned) and not torch.compiler.is_compiling()):
             y = self.input_slot(schedule, out)
             for x, slot in zip(xs, y.unbind(0)):
                 normalize_into(x, slot, norm_scale, eps)
@@ -216,7 +227,7 @@ class CPUProducts(Products):
 # A low-precision matrix's norm is summed in fp32 over row blocks of at most this many elements:
 # torch.linalg.vector_norm(x, dtype=torch.float32) makes an fp32 copy of all of x first (9 MiB for
 # a bf16 768×3072 matrix, the largest transient of a compiled gpt2-small step).
-NORM_CHUNK = 1 << 16
+NORM_CHUNK = 1 << 19
 
 
 def normalize_into(x: torch.Tensor, slot: torch.Tensor, norm_scale: float, eps: float) -> None:

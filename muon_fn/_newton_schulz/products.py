@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-Buffers = dict  # scratch tensors kept by the caller across calls, keyed by (role, shape, dtype, device)
+Buffers = dict  # scratch kept by the caller across calls: one flat tensor per (role, dtype, device)
 
 # torch.func (vmap, grad) wraps tensors; out= has no batching rule, so wrapped inputs keep one GEMM.
 _is_functorch_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor",

@@ -20,11 +20,12 @@ def replay(params: Sequence[torch.Tensor], method: str, steps: int | None, *, bu
 
     Batching follows the op: parameters of one shape in buckets of at most ``bucket_size``
     (``None``: one matrix per call, as torch.optim.Muon runs), each bucket's matrices (an expert
-    stack ``(E, out, in)`` brings E) one batched call below
-    :data:`~muon_fn._newton_schulz.LOOP_MIN_DIM` rows and one matrix at a time from there.
+    stack ``(E, out, in)`` brings E) one batched call, or one matrix at a time where the CPU's
+    products loop (:meth:`~muon_fn._newton_schulz.cpu.CPUProducts.loops`).
 
     The inputs are prepared once, outside the returned function, as the real path prepares them
-    (wide orientation, Frobenius-normalized, then AOL-rescaled for an AOL schedule), so the GEMMs
+    (in their own orientation, Frobenius-normalized, then AOL-rescaled for an AOL schedule: a tall
+    matrix iterates on ``XᵀX``, from the right, as the op runs it), so the GEMMs
     run on the values they would see: unnormalized weights make every schedule overflow to
     inf/NaN within a few steps. Products are the device's (:func:`muon_fn._newton_schulz.for_device`):
     on the CPU they go into reused scratch, as the op's do.
@@ -41,14 +42,15 @@ def replay(params: Sequence[torch.Tensor], method: str, steps: int | None, *, bu
         wides = [[_prepared(m, scale, aol).to(dtype) for m in (p.unbind(0) if p.ndim == 3 else (p,))] for p in params]
         if _SHARED is not None:
             _SHARED[key] = wides
+    ops = _newton_schulz.for_device(params[0].device, buffers={})
     calls: list[torch.Tensor] = []
     for members in group_by([tuple(p.shape) for p in params], bucket_size or 1):
         bucket = [w for i in members for w in wides[i]]
-        if bucket_size is None or bucket[0].size(0) >= _newton_schulz.LOOP_MIN_DIM:
+        loops = getattr(ops, "loops", lambda m, dtype: False)
+        if bucket_size is None or loops(min(bucket[0].shape), bucket[0].dtype):
             calls += bucket
         else:
             calls.append(torch.stack(bucket))
-    ops = _newton_schulz.for_device(params[0].device, buffers={})
 
     def run() -> None:
         for x in calls:
@@ -75,8 +77,10 @@ def shared_inputs() -> Iterator[None]:
 
 def _prepared(p: torch.Tensor, norm_scale: float, aol: bool, eps: float = 1e-7) -> torch.Tensor:
     w = p.detach().float()
-    w = w.mT if w.size(0) > w.size(1) else w
     w = w / (norm_scale * torch.linalg.vector_norm(w)).clamp_min(eps)
-    if aol:  # AOL: rows scaled by (Σⱼ |WWᵀ|ᵢⱼ)^(-1/2), bounding σ by 1
-        w = w * ((w @ w.mT).abs().sum(-1, keepdim=True) + eps).rsqrt()
+    if aol:  # AOL: rows (a tall matrix's columns) scaled by (Σⱼ |Gram|ᵢⱼ)^(-1/2), bounding σ by 1
+        tall = w.size(0) > w.size(1)
+        gram = w.mT @ w if tall else w @ w.mT
+        s = (gram.abs().sum(-1) + eps).rsqrt()
+        w = w * (s.unsqueeze(0) if tall else s.unsqueeze(-1))
     return w
