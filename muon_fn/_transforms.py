@@ -7,6 +7,8 @@ state unchanged, as torch.optim skips parameters without ``.grad``.
 
 from __future__ import annotations
 
+import math
+
 from typing import Any, NamedTuple
 
 import torch
@@ -547,12 +549,16 @@ def _record_row_scales(collector, updates: Updates, nu: Updates, view: View, eps
 # depend on the layout its update arrives in (orthogonalize returns a tall matrix transposed; an
 # expert of a stack is a contiguous slice): a reduction's rounding follows the memory order.
 def _rows_of_matrix(u: torch.Tensor, v: torch.Tensor, beta2: float, eps: float):
+    """``U``'s rows normalized and rescaled to ``‖U‖_F``, both norms from its row sums of squares
+    (``‖Û‖² = Σ_i ‖U_i‖² / d_i²``), so the update is one pass over ``U`` after one reduction: no
+    normalized copy of ``U`` has to be kept for a norm of its own."""
     dims = tuple(range(1, u.ndim))
-    u32 = u.float().contiguous()
-    v = v.lerp(u32.square().mean(dim=dims, keepdim=True), 1 - beta2)
-    normed = u32 / (v.sqrt() + eps)
-    scale = torch.linalg.vector_norm(u32) / torch.linalg.vector_norm(normed).clamp_min(1e-8)
-    return (normed * scale).to(u.dtype), v
+    u32 = u.float()
+    rows = u32.square().sum(dim=dims, keepdim=True)
+    v = v.lerp(rows / math.prod(u.shape[1:]), 1 - beta2)
+    d = v.sqrt() + eps
+    scale = rows.sum().sqrt() / (rows / d.square()).sum().sqrt().clamp_min(1e-8)
+    return (u32 * (scale / d)).to(u.dtype), v
 
 
 def _rows_of_experts(u: torch.Tensor, v: torch.Tensor, beta2: float, eps: float):
