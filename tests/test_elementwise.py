@@ -326,7 +326,9 @@ def test_compiled_default_matches_the_plain_loop(device, cls, compiled_default):
         opt.step()
     (variant,) = opt._runtimes[0].variants
     in_place = variant.steps[(True, False)]  # the default: written in the graph, no telemetry
-    assert in_place.options == {"fullgraph": True, "dynamic": False} and len(in_place.compiled) == len(shapes)  # inductor
+    scope = mf._base.info(variant.tx).scope  # layerwise_norm makes it a matrix transform
+    expected = mf._compile.for_scope({"fullgraph": True, "dynamic": False}, scope, params[0].device)  # inductor
+    assert in_place.options == expected and len(in_place.compiled) == len(shapes)
     expected, _, _ = reference_run(make_params(shapes=shapes, device=device), grads, lr=0.01, b1=f32(0.9),
                                    b2=f32(0.999), wd=0.1, nesterov=True, layerwise=True,
                                    decoupled=cls is mf.TritonMuonW)

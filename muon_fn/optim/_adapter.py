@@ -342,8 +342,9 @@ class Optimizer(StagedStep, Telemetry, torch.optim.Optimizer):
         for v, opts in enumerate(options):
             tx = self._factory({**hyper, **opts})
             what = f"{type(self).__name__}'s step"
+            compile_options = _compile.for_scope(self._compile_options, info(tx).scope, params[0].device)
             steps = {(write, measure): _compile.PerSignature(bucket_step(tx, write=write, measure=measure),
-                                                              self._compile_options, what, verify=self.verify,
+                                                              compile_options, what, verify=self.verify,
                                                               compared=without_figures)
                      for write in (False, True) for measure in (False, True)}
             rt.variants.append(_Variant(opts, tx, steps))

@@ -50,7 +50,8 @@ class BucketResult(NamedTuple):
 
     updates: tuple | None  # None where the step wrote them itself
     new_state: Any  # None where the step wrote it itself
-    ok: torch.Tensor | tuple | None  # bool, 0-d or per parameter: what is written (None: no policy)
+    ok: torch.Tensor | tuple | None  # bool, 0-d or per parameter: what is written (None: no policy,
+    # or written already)
     fault: torch.Tensor | None  # 0-d bool: finite gradients gave a non-finite update or state
     raw: tuple | None  # the bucket's raw telemetry (:mod:`muon_fn._metrics`), if measured
 
@@ -115,24 +116,26 @@ def guarded(state: Any, updates: Any, new_state: Any, finite: torch.Tensor | Non
 
 def _per_element(state: Any, updates: Any, new_state: Any, finite: torch.Tensor) -> tuple:
     """The guard of an elementwise bucket: an element position where any update or changed state
-    tensor of that shape is not finite (their sum is not: a false alarm needs values near the
-    float's largest) keeps its old value in every parameter and state tensor of the bucket
-    (tensors of other shapes, e.g. quantization scales, by their own elements);
-    ``ok`` is one mask per parameter. A compiled step computes masks, writes and the fault flag
-    in one loop over the elements (a bucket-wide flag would need every update before the first
-    write: a temporary of the bucket's size, or a second pass)."""
+    tensor of that shape is not finite keeps its old value in every parameter and state tensor
+    of the bucket (tensors of other shapes, e.g. quantization scales, by their own elements);
+    ``ok`` is one mask per parameter. Per position the test is ``s − s == 0`` for the sum ``s``
+    of its terms (and a NaN where the step is skipped): 0 exactly when every term is finite (a
+    false alarm needs values near the float's largest), a few vector operations in the one loop
+    over the elements that also writes them (a bucket-wide flag would need every update before
+    the first write: a temporary of the bucket's size, or a second pass)."""
     pairs = [(old, new) for old, new in zip(_tree.tree_leaves(state), _tree.tree_leaves(new_state))
              if old is not None and new is not None and new is not old and new.is_floating_point()]
     outputs = [u for u in _tree.tree_leaves(updates) if u is not None] + [new for _, new in pairs]
+    skipped = torch.where(finite, 0.0, float("nan"))
     sums: dict[torch.Size, torch.Tensor] = {}
-    for t in outputs:  # one sum per element position: not finite iff a term is (or it overflows)
-        sums[t.shape] = t.float() if t.shape not in sums else sums[t.shape] + t
-    masks = {shape: total.isfinite() for shape, total in sums.items()}
-    ok = {shape: finite & m for shape, m in masks.items()}
+    for t in outputs:
+        sums[t.shape] = t.float() + skipped if t.shape not in sums else sums[t.shape] + t
+    zeros = {shape: total - total for shape, total in sums.items()}  # 0, or NaN where not finite
+    ok = {shape: z == 0 for shape, z in zeros.items()}
     keep = {id(new): torch.where(ok[new.shape], new, old) for old, new in pairs}
     new_state = _tree.tree_map(lambda n: keep.get(id(n), n) if n is not None else None, new_state)
     flags = tuple(None if u is None else ok[u.shape] for u in updates)
-    whole = torch.stack([m.all() for m in masks.values()]).all() if masks else torch.ones_like(finite)
+    whole = torch.stack([z.sum() for z in zeros.values()]).sum().isfinite() if zeros else torch.ones_like(finite)
     return updates, new_state, flags, finite & ~whole
 
 
@@ -190,7 +193,7 @@ def bucket_step(tx: GradientTransformation, *, write: bool, measure: bool) -> Ca
         if not write:
             return BucketResult(updates, new_state, ok, fault, raw)
         commit([Staged(params, updates, state, new_state, ok)])
-        return BucketResult(None, None, ok, fault, raw)
+        return BucketResult(None, None, None, fault, raw)  # written: no mask leaves the graph
 
     return step
 
