@@ -6,6 +6,8 @@ model rather than on its matrices, in the memory table only."""
 
 from __future__ import annotations
 
+import functools
+
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
@@ -76,8 +78,10 @@ def _torch_muon(params: list[torch.Tensor], lr: float) -> Built:
     return opt, opt.step
 
 
-def _torch_adamw(params: list[torch.Tensor], lr: float) -> Built:
-    opt = torch.optim.AdamW(params, lr=lr * 0.05, weight_decay=0.0, fused=True)
+def _torch_adamw(params: list[torch.Tensor], lr: float, **impl: Any) -> Built:
+    """torch.optim.AdamW at the elementwise rows' lr, fused, or (``impl={}``) torch's default
+    implementation for the device (a loop over parameters on the CPU, foreach on CUDA)."""
+    opt = torch.optim.AdamW(params, lr=lr * 0.05, weight_decay=0.0, **impl)
     return opt, opt.step
 
 
@@ -155,7 +159,8 @@ ROW_SPECS: dict[str, Row] = {
     # torch.optim.Muon's math (quintic ×5 in bf16, EMA momentum, its shape rule) through muon_fn.
     "muon_fn[like_torch]": Row(_muon_fn(**_LIKE_TORCH), "quintic", 5, _BF16, "replay[torch_quintic5]", True),
     "torch.optim.Muon": Row(_torch_muon, TORCH, 5, _BF16, "replay[torch_quintic5]", None),
-    "torch.optim.AdamW[fused]": Row(_torch_adamw, None, None, None, None, None),
+    "torch.optim.AdamW[fused]": Row(functools.partial(_torch_adamw, fused=True), None, None, None, None, None),
+    "torch.optim.AdamW": Row(_torch_adamw, None, None, None, None, None),
     "replay[quintic5]": Row(_replay("quintic", 5), "quintic", 5, None, "replay[quintic5]", None),
     "replay[aol9]": Row(_replay("aol9", None), "aol9", None, None, "replay[aol9]", None),
     "replay[polar_express5]": Row(_replay("polar_express", 5), "polar_express", 5, None,
@@ -232,7 +237,8 @@ MODEL_REFERENCE = "torch.optim.Muon+AdamW[fused]"  # the model rows' reference
 # the default step and both of its forms (staged whole, atomic=True; written bucket by bucket).
 MEMORY_ROWS = ("torch.optim.Muon", "muon_fn", "muon_fn[atomic=True]", "muon_fn[atomic=False]",
                "muon_fn[state_bits=8]", "muon_fn[state_bits=8,atomic=True]", "muon_fn[state_bits=8,atomic=False]",
-               "TritonMuonW", "torch.optim.AdamW[fused]", "torch.optim.Muon+AdamW[fused]", "hybrid")
+               "TritonMuonW", "torch.optim.AdamW", "torch.optim.AdamW[fused]", "torch.optim.Muon+AdamW[fused]",
+               "hybrid")
 # Rows iterating in bf16 whatever the device: emulated (slow) on CPUs without bf16 instructions.
 BF16_ROWS = tuple(r for r, spec in ROW_SPECS.items() if spec.dtype == _BF16)
 
