@@ -113,18 +113,21 @@ class CPUProducts(Products):
 
     def scratch(self, role: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor | None:
         """A reusable ``empty`` tensor for ``role`` (None without buffers): the front of one flat
-        buffer per role and dtype, grown to the largest shape asked for, so the scratch kept
-        between calls is the largest matrix's, not one set per shape. Reusing it avoids a fresh
-        allocation per product, whose first touch page-faults (measured: the tiny bench set ran
-        ~10 % faster for every row once freed memory stayed mapped). One call's roles are
-        distinct buffers; a tensor returned here is valid until the next call asks for its role."""
+        buffer per role and dtype, so the scratch kept between calls is one matrix's (or batch's),
+        not one set per shape; it is made anew when too small, or more than twice too large (a
+        step runs its buckets shape by shape, so that happens a few times a step). Reusing it
+        avoids a fresh allocation per product, whose first touch page-faults (measured: the tiny
+        bench set ran ~10 % faster for every row once freed memory stayed mapped). One call's
+        roles are distinct buffers; a tensor returned here is valid until the next call asks for
+        its role."""
         if self.buffers is None:
             return None
         key = (role, like.dtype, like.device)
         numel = math.prod(shape)
         flat = self.buffers.get(key)
-        if flat is None or flat.numel() < numel:
-            self.buffers.pop(key, None)  # freed before the larger one is made
+        if flat is None or not numel <= flat.numel() <= 2 * numel:
+            flat = self.buffers.pop(key, None)
+            del flat  # the old buffer is freed before the new one is made
             flat = self.buffers[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
         return flat[:numel].view(shape)
 
@@ -227,7 +230,7 @@ class CPUProducts(Products):
 # A low-precision matrix's norm is summed in fp32 over row blocks of at most this many elements:
 # torch.linalg.vector_norm(x, dtype=torch.float32) makes an fp32 copy of all of x first (9 MiB for
 # a bf16 768×3072 matrix, the largest transient of a compiled gpt2-small step).
-NORM_CHUNK = 1 << 19
+NORM_CHUNK = 1 << 17
 
 
 def normalize_into(x: torch.Tensor, slot: torch.Tensor, norm_scale: float, eps: float) -> None:
