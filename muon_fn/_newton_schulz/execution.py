@@ -87,7 +87,7 @@ def newton_schulz(
     """Approximate ``msign(x)`` for a matrix or a batch of matrices ``(..., m, n)``.
 
     Args:
-      x: input of shape ``(..., m, n)``; tall matrices are transposed internally.
+      x: input of shape ``(..., m, n)``; a tall matrix iterates in its own layout, on ``XᵀX``.
       method: ``"polar_express"``, ``"quintic"`` (Keller), ``"you"``, ``"cubic"``, ``"aol"``
         (AOL-preconditioned, 4 steps by default), ``"aol9"`` or ``"gram"`` (Polar Express as
         Gram NS; fp32/fp16 only).

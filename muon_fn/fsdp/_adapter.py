@@ -26,13 +26,13 @@ import contextlib
 import hashlib
 import itertools
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from .. import _checks, _quantize, _tree, _views
+from .. import _checks, _execution, _quantize, _tree, _views
 from .._muon import group_by
 from ..optim import _state
 from ..optim._adapter import BUCKET_SIZE
@@ -170,11 +170,15 @@ class FSDPAdapter(AdapterStep):
         super()._build(group, rt, static_key)
         rt.routes, rt.build = None, next(self._builds)  # built on first use, after the dry run
 
-    def _owner_bucket_size(self) -> int:
-        """Same-shape matrices one owner computes together: the CPU's :data:`BUCKET_SIZE` on every
-        device unless given (the planner balances owners in such buckets; an unbounded GPU
-        bucket would give every same-shape matrix to one owner)."""
-        return BUCKET_SIZE if self._bucket_size is None else self._bucket_size
+    def _owner_bucket_size(self) -> Callable[[list[torch.Tensor]], int]:
+        """Same-shape matrices one owner computes together, a function of the matrices of one
+        shape: the single-device optimizer's buckets on the CPU (at most :data:`BUCKET_SIZE` and
+        the execution policy's byte bound), at most :data:`BUCKET_SIZE` on every other device
+        unless given (the planner balances owners in such buckets; an unbounded GPU bucket would
+        give every same-shape matrix to one owner)."""
+        if self._bucket_size is not None:
+            return lambda params: self._bucket_size
+        return lambda params: min(BUCKET_SIZE, _execution.bucket_limit(params, None))
 
     def _routes(self, index: int) -> list[Route]:
         rt = self._runtimes[index]

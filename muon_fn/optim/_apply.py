@@ -84,14 +84,14 @@ def kept(state: Any, new_state: Any, finite: torch.Tensor | None) -> Any:
     return _tree.tree_map(keep, state, new_state)
 
 
-def sound(updates: Any, state: Any, new_state: Any) -> torch.Tensor:
+def sound(updates: Any, state: Any, new_state: Any) -> torch.Tensor | None:
     """Whether every update and every changed state tensor is finite (a 0-d bool on the device;
-    one sum per tensor, fused by the compiler with the work that produces it). Integer state
-    (quantized codes) is finite by construction."""
+    one sum per tensor, fused by the compiler with the work that produces it; None: there is
+    nothing to check). Integer state (quantized codes) is finite by construction."""
     changed = [new for old, new in zip(_tree.tree_leaves(state), _tree.tree_leaves(new_state))
                if new is not None and new is not old and new.is_floating_point()]
     tensors = [u for u in _tree.tree_leaves(updates) if u is not None] + changed
-    return finite_flags(tensors).all()
+    return finite_flags(tensors).all() if tensors else None
 
 
 def guarded(state: Any, updates: Any, new_state: Any, finite: torch.Tensor | None, *,
@@ -110,6 +110,8 @@ def guarded(state: Any, updates: Any, new_state: Any, finite: torch.Tensor | Non
     if elementwise:
         return _per_element(state, updates, new_state, finite)
     values_ok = sound(updates, state, new_state)
+    if values_ok is None:
+        return updates, kept(state, new_state, finite), finite, torch.zeros_like(finite)
     ok = finite & values_ok
     return updates, kept(state, new_state, ok), ok, finite & ~values_ok
 
