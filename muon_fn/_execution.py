@@ -57,7 +57,8 @@ class ExecutionPolicy(NamedTuple):
     stack_inputs: bool  # normalize the batch as one stacked tensor (one reduction), not per matrix
     gram_dtype: torch.dtype  # Gram Newton–Schulz's default iteration dtype
     bucket_size: int | None  # adapters' default same-shape parameters per compiled call (None: all)
-    bucket_bytes: int | None  # ... and at most this many bytes of them (at least one; None: no bound)
+    bucket_bytes: int | None  # ... and at most this many bytes of them, nor more than the largest
+    # parameter's (at least one; None: no bound)
     static_addresses: bool  # compiled steps mark parameters and state as static (CUDA graphs)
 
 
@@ -111,14 +112,27 @@ def mark_static(tensors) -> None:
             torch._dynamo.mark_static_address(t, guard=False)
 
 
-def bucket_limit(params: list[torch.Tensor], bucket_size: int | None) -> int:
+# Buckets of small matrices may hold this many bytes even where no parameter is as large: a call
+# per matrix of a few KiB costs more in Python than the memory saves.
+MIN_BUCKET_BYTES = 1 << 20
+
+
+def bucket_limit(params: list[torch.Tensor], bucket_size: int | None,
+                 among: list[torch.Tensor] | None = None) -> int:
     """Same-shape parameters ``params`` per compiled call: ``bucket_size`` if given, else the
-    policy's of their device (all of them when it has none), and no more than fit its
-    ``bucket_bytes`` (at least one): a bucket's transient memory is proportional to its bytes."""
+    policy's of their device (all of them when it has none), and, where the policy bounds a
+    bucket's bytes, no more than fit its ``bucket_bytes`` nor the bytes of the largest parameter
+    ``among`` the others bucketed with them, nor less than :data:`MIN_BUCKET_BYTES` (at least
+    one). A bucket's transient memory is proportional to its bytes: so bounded, a step's is at
+    most about one large matrix's, as a loop over the parameters one at a time
+    (torch.optim.Muon) holds, while small matrices still share calls."""
     if bucket_size is not None:
         return bucket_size
     rule = policy(params[0].device if params else None)
     limit = max(1, len(params)) if rule.bucket_size is None else rule.bucket_size
     if rule.bucket_bytes is None or not params:
         return limit
-    return max(1, min(limit, rule.bucket_bytes // max(1, params[0].numel() * params[0].element_size())))
+    size = lambda p: p.numel() * p.element_size()  # noqa: E731
+    largest = max(size(p) for p in among) if among else rule.bucket_bytes
+    budget = min(rule.bucket_bytes, max(largest, MIN_BUCKET_BYTES))
+    return max(1, min(limit, budget // max(1, size(params[0]))))

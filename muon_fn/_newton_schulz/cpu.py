@@ -139,8 +139,15 @@ class CPUProducts(Products):
                 symmetric: bool = False) -> torch.Tensor:
         """``a @ b`` or ``beta·bias + alpha·(a @ b)`` (into ``out``); a product the caller knows is
         exactly symmetric is computed blockwise where :meth:`split_symmetric` allows, a batch one
-        matrix at a time (bf16 bmm on strided halves is slower than one GEMM)."""
+        matrix at a time (bf16 bmm on strided halves is slower than one GEMM). A batch with a
+        transposed operand (a tall batch's Gram ``XᵀX``) runs one matrix at a time too: BLAS
+        reads a transposed 2-D operand in place, where bmm first copies it (and a temporary of
+        the result's size)."""
         m = a.shape[-2]
+        if a.ndim == 3 and out is not None and (transposed(a) or transposed(b)) and untracked(a) and untracked(b):
+            for i in range(a.size(0)):
+                self.product(a[i], b[i], out[i], None if bias is None else bias[i], beta, alpha, symmetric=symmetric)
+            return out
         if not (symmetric and self.split_symmetric(m, a.shape[-1], a, b, bias)):
             return super().product(a, b, out, bias, beta, alpha)
         if out is None:
@@ -230,7 +237,7 @@ class CPUProducts(Products):
 # A low-precision matrix's norm is summed in fp32 over row blocks of at most this many elements:
 # torch.linalg.vector_norm(x, dtype=torch.float32) makes an fp32 copy of all of x first (9 MiB for
 # a bf16 768×3072 matrix, the largest transient of a compiled gpt2-small step).
-NORM_CHUNK = 1 << 17
+NORM_CHUNK = 1 << 15
 
 
 def normalize_into(x: torch.Tensor, slot: torch.Tensor, norm_scale: float, eps: float) -> None:
@@ -244,6 +251,11 @@ def normalize_into(x: torch.Tensor, slot: torch.Tensor, norm_scale: float, eps: 
                               for r in range(0, x.size(0), rows)])
         inv = 1.0 / (torch.linalg.vector_norm(blocks) * norm_scale).clamp_min(eps)
     torch.mul(x, inv, out=slot)
+
+
+def transposed(t: torch.Tensor) -> bool:
+    """Whether the matrices of ``t`` are laid out column by column (a ``.mT`` view)."""
+    return t.stride(-2) == 1 and t.stride(-1) != 1
 
 
 def aligned_slots(m: int, n: int, dtype: torch.dtype, device: torch.device) -> bool:

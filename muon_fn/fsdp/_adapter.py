@@ -170,15 +170,15 @@ class FSDPAdapter(AdapterStep):
         super()._build(group, rt, static_key)
         rt.routes, rt.build = None, next(self._builds)  # built on first use, after the dry run
 
-    def _owner_bucket_size(self) -> Callable[[list[torch.Tensor]], int]:
+    def _owner_bucket_size(self) -> Callable[..., int]:
         """Same-shape matrices one owner computes together, a function of the matrices of one
         shape: the single-device optimizer's buckets on the CPU (at most :data:`BUCKET_SIZE` and
         the execution policy's byte bound), at most :data:`BUCKET_SIZE` on every other device
         unless given (the planner balances owners in such buckets; an unbounded GPU bucket would
         give every same-shape matrix to one owner)."""
         if self._bucket_size is not None:
-            return lambda params: self._bucket_size
-        return lambda params: min(BUCKET_SIZE, _execution.bucket_limit(params, None))
+            return lambda same, among: self._bucket_size
+        return lambda same, among: min(BUCKET_SIZE, _execution.bucket_limit(same, None, among))
 
     def _routes(self, index: int) -> list[Route]:
         rt = self._runtimes[index]

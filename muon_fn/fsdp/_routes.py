@@ -37,7 +37,7 @@ class Route:
     """One transform over some of a group's parameters."""
 
     def __init__(self, label: str, tx: GradientTransformation, indices: tuple[int, ...],
-                 params: list[torch.Tensor], meta: Meta, bucket_size: int | Callable[[list[torch.Tensor]], int],
+                 params: list[torch.Tensor], meta: Meta, bucket_size: int | Callable[..., int],
                  compile_options: dict[str, Any] | None, options: dict[str, Any] | None = None,
                  traced: GradientTransformation | None = None, verify: bool = False) -> None:
         self.label, self.indices = label, indices
@@ -87,7 +87,7 @@ def _bucket(phases: _phases.Phases, idx: tuple[int, ...], meta: tuple[torch.Tens
 
 def group_routes(group: dict[str, Any], hyper: dict[str, Any], options: list[dict[str, Any]],
                  factory: Callable[[dict], GradientTransformation], matrix_algorithm: str, meta: Meta,
-                 bucket_size: int | Callable[[list[torch.Tensor]], int],
+                 bucket_size: int | Callable[..., int],
                  compile_options: dict[str, Any] | None, verify: bool = False) -> list[Route]:
     """The routes of ``group``, each transform built by the optimizer's ``factory`` from the
     group's hyperparameters ``hyper``: for an ``algorithm="auto"`` group (a hybrid optimizer's)

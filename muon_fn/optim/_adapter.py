@@ -19,7 +19,6 @@ Every algorithm (Muon, the hybrid, NorMuon, SSO, AdamW) is a transform run throu
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple, Union
 
@@ -53,17 +52,16 @@ SCALAR_KEYS = frozenset({"lr", "momentum"})
 BUCKET_SIZE = _execution.CPU.bucket_size
 
 
-def buckets(params: list[torch.Tensor], size: int | None | Callable[[list[torch.Tensor]], int]
-            ) -> list[tuple[int, ...]]:
+def buckets(params: list[torch.Tensor], size: int | None | Callable[..., int]) -> list[tuple[int, ...]]:
     """Positions of ``params`` in buckets of parameters of one shape, dtype and device, at most
-    ``size`` of them (a function: of the parameters of each shape; ``None``: the whole group is
-    one bucket)."""
+    ``size`` of them (a function ``size(same_shape, params)``; ``None``: the whole group is one
+    bucket)."""
     if size is None:
         return [tuple(range(len(params)))]
     keys = [(tuple(p.shape), p.dtype, p.device) for p in params]
     out = []
     for same in group_by(keys):
-        cap = size([params[i] for i in same]) if callable(size) else size
+        cap = size([params[i] for i in same], params) if callable(size) else size
         out += [tuple(same[k:k + cap]) for k in range(0, len(same), cap)]
     return out
 
@@ -350,7 +348,9 @@ class Optimizer(StagedStep, Telemetry, torch.optim.Optimizer):
             rt.variants.append(_Variant(opts, tx, steps))
             members = [i for i, w in enumerate(rt.variant_of) if w == v]
             mine = [params[i] for i in members]
-            limit = functools.partial(_execution.bucket_limit, bucket_size=self._bucket_size)
+            def limit(same: list[torch.Tensor], among: list[torch.Tensor]) -> int:
+                return _execution.bucket_limit(same, self._bucket_size, among)
+
             for b in buckets(mine, limit if info(tx).leafwise else None):
                 indices = tuple(members[k] for k in b)
                 meta = self._meta([params[i] for i in indices])
