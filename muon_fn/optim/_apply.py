@@ -134,8 +134,12 @@ def _per_element(state: Any, updates: Any, new_state: Any, finite: torch.Tensor)
         sums[t.shape] = t.float() + skipped if t.shape not in sums else sums[t.shape] + t
     zeros = {shape: total - total for shape, total in sums.items()}  # 0, or NaN where not finite
     ok = {shape: z == 0 for shape, z in zeros.items()}
-    keep = {id(new): torch.where(ok[new.shape], new, old) for old, new in pairs}
-    new_state = _tree.tree_map(lambda n: keep.get(id(n), n) if n is not None else None, new_state)
+    def keep(old, new):  # leaf by leaf (not by id(): torch 2.10's Dynamo cannot trace id() of a tensor)
+        if old is None or new is None or new is old or not new.is_floating_point():
+            return new
+        return torch.where(ok[new.shape], new, old)
+
+    new_state = _tree.tree_map(keep, state, new_state)
     flags = tuple(None if u is None else ok[u.shape] for u in updates)
     whole = torch.stack([z.sum() for z in zeros.values()]).sum().isfinite() if zeros else torch.ones_like(finite)
     return updates, new_state, flags, finite & ~whole
