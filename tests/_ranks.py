@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,27 +25,49 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(script: str, w: int, args: list[str], logs: Path, timeout_s: float) -> str:
-    """Run ``script W RANK *args`` for each of the W ranks and wait at most ``timeout_s`` for
-    all of them; a job past it is killed. Returns the ranks' output, rank 0 first."""
+class Ranks(NamedTuple):
+    """A started job (:func:`start_ranks`)."""
+
+    procs: list
+    files: list
+    logs: Path
+    deadline: float
+    timeout_s: float
+
+
+def start_ranks(script: str, w: int, args: list[str], logs: Path, timeout_s: float) -> Ranks:
+    """Start ``script W RANK *args`` for each of the W ranks; :func:`finish_ranks` waits for them
+    until ``timeout_s`` after now."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     files = [open(logs / f"rank{r}.log", "w") for r in range(w)]
     procs = [subprocess.Popen([sys.executable, script, str(w), str(r), *args], env=env, stdout=f,
                               stderr=subprocess.STDOUT, start_new_session=True) for r, f in enumerate(files)]
-    deadline, timed_out = time.monotonic() + timeout_s, False
-    for proc in procs:
+    return Ranks(procs, files, logs, time.monotonic() + timeout_s, timeout_s)
+
+
+def finish_ranks(ranks: Ranks) -> str:
+    """Wait for a started job until its deadline, kill what is left (each rank in its own process
+    group, so nothing it spawned survives) and return the ranks' output, rank 0 first."""
+    timed_out = False
+    for proc in ranks.procs:
         try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            proc.wait(timeout=max(0.0, ranks.deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             timed_out = True
-    for proc, f in zip(procs, files):
+    for proc, f in zip(ranks.procs, ranks.files):
         if proc.poll() is None:
             os.killpg(proc.pid, 9)  # the rank's own process group
             proc.wait()
         f.close()
-    text = "".join((logs / f"rank{r}.log").read_text() for r in range(w))
-    return (f"TIMEOUT after {timeout_s}s\n" if timed_out else "") + text
+    text = "".join((ranks.logs / f"rank{r}.log").read_text() for r in range(len(ranks.procs)))
+    return (f"TIMEOUT after {ranks.timeout_s}s\n" if timed_out else "") + text
+
+
+def run_ranks(script: str, w: int, args: list[str], logs: Path, timeout_s: float) -> str:
+    """Run ``script W RANK *args`` for each of the W ranks and wait at most ``timeout_s`` for
+    all of them; a job past it is killed. Returns the ranks' output, rank 0 first."""
+    return finish_ranks(start_ranks(script, w, args, logs, timeout_s))
 
 
 def run_checks(checks: dict, rank: int, w: int, out: str) -> None:
@@ -85,12 +107,25 @@ def job_results(script: str, w: int, logs: Path, timeout_s: float, args: Sequenc
     """Run the job ``script`` at world size ``w`` (its ranks write under ``logs``; ``args`` follow
     the results file on each rank's command line): the merged results of its checks
     (:func:`merge_ranks`; ``{}`` if it wrote none) and the tail of its output."""
+    return start_job(script, w, logs, timeout_s, args)()
+
+
+def start_job(script: str, w: int, logs: Path, timeout_s: float,
+              args: Sequence[str] = ()) -> Callable[..., tuple[dict, str]]:
+    """:func:`job_results` started now, running in the background while the caller goes on: the
+    returned function waits for it (at most until ``timeout_s`` after the start) and gives its
+    results; ``results(stop=True)`` kills what is still running at once."""
     import json
 
     out = str(logs / "results.json")
-    log = run_ranks(script, w, [out, *args], logs, timeout_s)
-    ranks = json.loads(Path(out).read_text()) if os.path.exists(out) else None
-    return (merge_ranks(ranks) if ranks else {}), log[-4000:]
+    ranks = start_ranks(script, w, [out, *args], logs, timeout_s)
+
+    def results(stop: bool = False) -> tuple[dict, str]:
+        log = finish_ranks(ranks._replace(deadline=time.monotonic()) if stop else ranks)
+        merged = json.loads(Path(out).read_text()) if os.path.exists(out) else None
+        return (merge_ranks(merged) if merged else {}), log[-4000:]
+
+    return results
 
 
 def job_runner(script: str, prefix: str, tmp_path_factory, timeout_s: float, *, args: Sequence[str] = (),

@@ -72,17 +72,24 @@ def _run_round(round_: str, cache: Path, out: Path, device: torch.device) -> dic
     return results
 
 
-_ROUNDS: dict[str, dict] = {}  # per device: both processes run once per test session
+_ROUNDS: dict[str, dict | str] = {}  # per device: both processes run once per test session
 
 
 @pytest.fixture
 def rounds(device, tmp_path_factory) -> dict[str, dict]:
-    """Both rounds on ``device``: ``{round: {case: {value: {"distance": {output: d}, "cache": ...}}}}``."""
+    """Both rounds on ``device``: ``{round: {case: {value: {"distance": {output: d}, "cache": ...}}}}``.
+    A failed round fails every test at once, without running again (each run takes minutes)."""
     if str(device) not in _ROUNDS:
         base = tmp_path_factory.mktemp("compile_cache")
         cache = base / "inductor-cache"
-        _ROUNDS[str(device)] = {r: _run_round(r, cache, base, device) for r in child.ROUNDS}
-    return _ROUNDS[str(device)]
+        try:
+            _ROUNDS[str(device)] = {r: _run_round(r, cache, base, device) for r in child.ROUNDS}
+        except (AssertionError, subprocess.TimeoutExpired) as error:
+            _ROUNDS[str(device)] = f"a compile-cache round failed on {device}: {error}"
+    result = _ROUNDS[str(device)]
+    if isinstance(result, str):
+        pytest.fail(result, pytrace=False)
+    return result
 
 
 def _worst(rounds: dict, case: str) -> dict[str, float]:
