@@ -562,11 +562,14 @@ def _rows_of_matrix(u: torch.Tensor, v: torch.Tensor, beta2: float, eps: float):
 
 
 def _rows_of_experts(u: torch.Tensor, v: torch.Tensor, beta2: float, eps: float):
-    u32 = _views.matrices(u.float().contiguous(), "experts")  # (E, out, in)
-    v = v.lerp(u32.square().mean(dim=-1, keepdim=True).reshape(v.shape), 1 - beta2)
-    normed = u32 / (v.reshape(*u32.shape[:-1], 1).sqrt() + eps)
-    norm = lambda x: torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)  # noqa: E731
-    return (normed * (norm(u32) / norm(normed).clamp_min(1e-8))).reshape(u.shape).to(u.dtype), v
+    """:func:`_rows_of_matrix` for each matrix of an expert stack, the same formulas batched."""
+    u32 = _views.matrices(u.float(), "experts")  # (E, out, in)
+    rows = u32.square().sum(dim=-1, keepdim=True)  # (E, out, 1)
+    v = v.lerp((rows / u32.shape[-1]).reshape(v.shape), 1 - beta2)
+    d = v.reshape(rows.shape).sqrt() + eps
+    scale = rows.sum(dim=(-2, -1), keepdim=True).sqrt() / (rows / d.square()).sum(
+        dim=(-2, -1), keepdim=True).sqrt().clamp_min(1e-8)
+    return (u32 * (scale / d)).reshape(u.shape).to(u.dtype), v
 
 
 def _rows_of_units(u: torch.Tensor, v: torch.Tensor, view: _views.Heads, experts: bool, beta2: float,
