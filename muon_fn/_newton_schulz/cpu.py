@@ -103,6 +103,10 @@ def _symmetric_blocks(m: int, min_block: int) -> tuple[tuple[slice, slice, bool]
     return tuple(leaves + corners)
 
 
+# The scratch roles of m × m products (the others are m × n).
+GRAM_ROLES = frozenset({"gram", "poly", "square", "inner"})
+
+
 class CPUProducts(Products):
     """The iteration's products on the CPU: scratch kept in ``buffers`` (when given), symmetric
     products split into blocks (:func:`split_symmetric`), batches of large matrices one matrix at
@@ -130,6 +134,17 @@ class CPUProducts(Products):
             del flat  # the old buffer is freed before the new one is made
             flat = self.buffers[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
         return flat[:numel].view(shape)
+
+    def release_oversized(self, matrices: int, m: int, n: int) -> None:
+        """Before a call's first allocation, free the kept scratch more than twice as large as a
+        call iterating ``matrices`` ``m × n`` matrices at once can use (their ``m × m`` Gram
+        roles, their ``m × n`` ones): the call's peak then does not hold an earlier shape's."""
+        if self.buffers is None:
+            return
+        for key in list(self.buffers):
+            need = matrices * m * (m if key[0] in GRAM_ROLES else n)
+            if self.buffers[key].numel() > 2 * need:
+                del self.buffers[key]
 
     def without_scratch(self) -> "CPUProducts":
         return self if self.buffers is None else CPUProducts(self.policy)
@@ -202,9 +217,11 @@ class CPUProducts(Products):
         matrix's result does not depend on which others share its batch. A tall batch iterates
         in its own layout (:mod:`.iteration`), so nothing is transposed in or out."""
         m, n = wide_shape(xs[0].shape)
-        out = torch.empty((len(xs),) + tuple(xs[0].shape), dtype=dtype, device=xs[0].device)
         aligned = aligned_slots(m, n, dtype, xs[0].device)
-        if not ((self.loops(m, dtype) or not aligned) and not torch.compiler.is_compiling()):
+        batched = not ((self.loops(m, dtype) or not aligned) and not torch.compiler.is_compiling())
+        self.release_oversized(len(xs) if batched else 1, m, n)
+        out = torch.empty((len(xs),) + tuple(xs[0].shape), dtype=dtype, device=xs[0].device)
+        if batched:
             y = self.input_slot(schedule, out)
             for x, slot in zip(xs, y.unbind(0)):
                 normalize_into(x, slot, norm_scale, eps)
@@ -234,21 +251,21 @@ class CPUProducts(Products):
                            device=like.device) if slot is None else slot
 
 
-# A low-precision matrix's norm is summed in fp32 over this many row blocks, each converted to fp32
-# on its own: torch.linalg.vector_norm(x, dtype=torch.float32) makes an fp32 copy of all of x first
-# (9 MiB for a bf16 768×3072 matrix, once the largest transient of a compiled gpt2-small step), so
-# the copy is an eighth of that, while the iteration holds three bf16 copies at once. Fewer, larger
-# blocks cost less: 32K-element blocks took 2.8 % of a 4-layer gpt2-small step in their calls.
-NORM_BLOCKS = 8
+# A low-precision matrix's norm is summed in fp32 over row blocks of at most this many elements,
+# each converted to fp32 on its own: torch.linalg.vector_norm(x, dtype=torch.float32) makes an fp32
+# copy of all of x first (9 MiB for a bf16 768×3072 matrix, once the largest transient of a
+# compiled gpt2-small step). 32K-element blocks cost 2.8 % of a 4-layer gpt2-small step in calls,
+# 8 blocks per matrix 2.3 % but 1.1 MiB at the step's peak.
+NORM_BLOCK = 1 << 16
 
 
 def normalize_into(x: torch.Tensor, slot: torch.Tensor, norm_scale: float, eps: float) -> None:
     """``slot ← x / max(norm_scale·‖x‖_F, eps)``, in ``slot``'s dtype
     (:func:`.iteration.inverse_norm`, the norm in fp32 without a copy of ``x``)."""
-    if x.element_size() >= 4 or x.size(0) < NORM_BLOCKS:
+    if x.element_size() >= 4 or x.numel() <= NORM_BLOCK:
         inv = inverse_norm(x, norm_scale, eps)
     else:
-        rows = -(-x.size(0) // NORM_BLOCKS)
+        rows = max(1, NORM_BLOCK // x.size(-1))
         blocks = torch.stack([torch.linalg.vector_norm(x[r:r + rows], dtype=torch.float32)
                               for r in range(0, x.size(0), rows)])
         inv = 1.0 / (torch.linalg.vector_norm(blocks) * norm_scale).clamp_min(eps)
