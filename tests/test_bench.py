@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from muon_fn import MuonOptimizer, bench
 from muon_fn import _newton_schulz as O
-from muon_fn.bench import _muon, _rows, _timing
+from muon_fn.bench import _muon, _replay, _rows, _timing
 
 ONE_LAYER = dict(model_size="tiny", layers=1, rounds=1, quality_layers=1, gaussian=False)
 
@@ -156,9 +156,23 @@ def test_replay_runs_exactly_the_gemms_of_the_step(method, steps):
         p.grad = torch.randn(p.shape, generator=g)
     opt = MuonOptimizer(params, lr=0.02, method=method, ns_steps=steps, compile=False)
     opt.step()
-    replay = bench.replay(params, method, steps, bucket_size=_rows.BUCKET_SIZE)
+    replay = bench.replay(params, method, steps, bucket_size=_replay.AUTO)
     assert _gemm_flops(replay) == _gemm_flops(opt.step) > 0
 
+
+
+def test_replay_buckets_are_the_optimizers_buckets():
+    # The CPU's byte bound (8 MiB, no more than the largest parameter): 768² fp32 matrices three
+    # to a bucket beside 3072×768 ones, which are buckets of one; small ones four to a bucket.
+    shapes = [(768, 768)] * 7 + [(3072, 768)] * 2 + [(64, 96)] * 5
+    params = [torch.zeros(s).requires_grad_() for s in shapes]
+    opt = MuonOptimizer(params, lr=0.02, compile=False)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    step_buckets = [list(b.indices) for b in opt._runtimes[0].buckets]
+    assert _replay._buckets(params, _replay.AUTO) == step_buckets
+    assert [len(b) for b in step_buckets] == [3, 3, 1, 1, 1, 4, 1]
 
 # ----------------------------------------------------------------------------- shared pieces
 def test_peak_step_bytes_counts_what_a_step_allocates_at_its_highest():
@@ -503,7 +517,7 @@ def test_replay_of_expert_stacks_runs_the_gemms_of_the_step():
         p.grad = torch.randn(p.shape, generator=g)
     opt = MuonOptimizer(params, lr=0.02, matrix_view="experts", compile=False)
     opt.step()
-    replay = bench.replay(params, "quintic", 5, bucket_size=_rows.BUCKET_SIZE)
+    replay = bench.replay(params, "quintic", 5, bucket_size=_replay.AUTO)
     assert _gemm_flops(replay) == _gemm_flops(opt.step) > 0
 
 

@@ -8,18 +8,22 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from .. import _newton_schulz
+from .. import _execution, _newton_schulz
 from .._muon import group_by
 
+AUTO = "auto"  # bucket_size: the optimizers' buckets (the device policy's count and byte bound)
 
-def replay(params: Sequence[torch.Tensor], method: str, steps: int | None, *, bucket_size: int | None,
+
+def replay(params: Sequence[torch.Tensor], method: str, steps: int | None, *, bucket_size: int | None | str,
            dtype: torch.dtype | None = None) -> Callable[[], None]:
     """A function running the GEMMs of ``method``'s schedule on ``params``' shapes, in ``dtype``
     (default: the device's compute dtype, as the optimizer picks it), through
     :func:`muon_fn._newton_schulz.iterate`, the iteration the op runs.
 
     Batching follows the op: parameters of one shape in buckets of at most ``bucket_size``
-    (``None``: one matrix per call, as torch.optim.Muon runs), each bucket's matrices (an expert
+    (:data:`AUTO`: the buckets the optimizers make, :func:`muon_fn._execution.bucket_limit`, so
+    the replay runs exactly the step's GEMMs; ``None``: one matrix per call, as
+    torch.optim.Muon runs), each bucket's matrices (an expert
     stack ``(E, out, in)`` brings E) one batched call, or one matrix at a time where the CPU's
     products loop (:meth:`~muon_fn._newton_schulz.cpu.CPUProducts.loops`).
 
@@ -44,7 +48,7 @@ def replay(params: Sequence[torch.Tensor], method: str, steps: int | None, *, bu
             _SHARED[key] = wides
     ops = _newton_schulz.for_device(params[0].device, buffers={})
     calls: list[torch.Tensor] = []
-    for members in group_by([tuple(p.shape) for p in params], bucket_size or 1):
+    for members in _buckets(params, bucket_size):
         bucket = [w for i in members for w in wides[i]]
         loops = getattr(ops, "loops", lambda m, dtype: False)
         if bucket_size is None or loops(min(bucket[0].shape), bucket[0].dtype):
@@ -57,6 +61,17 @@ def replay(params: Sequence[torch.Tensor], method: str, steps: int | None, *, bu
             gram = _newton_schulz.gram_matrix(x, ops) if aol else None  # AOL's Gram feeds step 1
             _newton_schulz.iterate(x, schedule, gram, ops)
     return run
+
+
+def _buckets(params: Sequence[torch.Tensor], bucket_size: int | None | str) -> list[list[int]]:
+    """Positions of ``params`` in the replay's buckets (:func:`replay`'s ``bucket_size``)."""
+    if bucket_size != AUTO:
+        return group_by([tuple(p.shape) for p in params], bucket_size or 1)
+    out = []
+    for same in group_by([(tuple(p.shape), p.dtype) for p in params]):
+        cap = _execution.bucket_limit([params[i] for i in same], None, list(params))
+        out += [same[k:k + cap] for k in range(0, len(same), cap)]
+    return out
 
 
 _SHARED: dict | None = None  # prepared inputs by (parameters, norm scale, AOL, dtype), in shared_inputs()

@@ -14,10 +14,10 @@ import torch
 
 from .. import _compile, _newton_schulz
 from .._newton_schulz import DEFAULT_METHOD
-from ..optim import BUCKET_SIZE, MuonOptimizer, TritonMuon, TritonMuonW, create_hybrid_optimizer, split_parameters
+from ..optim import MuonOptimizer, TritonMuon, TritonMuonW, create_hybrid_optimizer, split_parameters
 from ._problem import SETS
 from ._quality import TORCH, TORCH_ORTHO, Ortho
-from ._replay import replay
+from ._replay import AUTO, replay
 
 Built = tuple[Any, Callable[[], None]]  # (the optimizer, or None for a replay; one step)
 
@@ -141,7 +141,7 @@ def _torch_muon_adamw(model: torch.nn.Module, lr: float) -> Built:
     return pair, pair.step
 
 
-def _replay(method: str, steps: int | None, bucket_size: int | None = BUCKET_SIZE,
+def _replay(method: str, steps: int | None, bucket_size: int | None | str = AUTO,
             dtype: torch.dtype | None = None) -> Callable[[list[torch.Tensor], float], Built]:
     def build(params: list[torch.Tensor], lr: float) -> Built:
         return None, replay(params, method, steps, bucket_size=bucket_size, dtype=dtype)
