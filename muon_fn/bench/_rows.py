@@ -181,6 +181,8 @@ ROW_SPECS: dict[str, Row] = {
                                     _DEFAULT_REPLAY, True),
     "muon_fn[atomic=False]": Row(_muon_fn(atomic=False), DEFAULT_METHOD, None, None, _DEFAULT_REPLAY, True),
     "muon_fn[atomic=True]": Row(_muon_fn(atomic=True), DEFAULT_METHOD, None, None, _DEFAULT_REPLAY, True),
+    # Buckets of four same-shape matrices whatever their bytes (the CPU's byte bound lifted).
+    "muon_fn[bucket_size=4]": Row(_muon_fn(bucket_size=4), DEFAULT_METHOD, None, None, None, True),
     # Gram Newton–Schulz in its device default dtype (fp16 on GPUs, fp32 on the CPU).
     "muon_fn[gram]": Row(_muon_fn(method="gram"), "gram", None, None, None, True),
     # The default step captured as CUDA graphs (on the CPU: inductor's reduce-overhead mode, no graphs).
