@@ -218,6 +218,8 @@ ROW_SPECS: dict[str, Row] = {
                                        ("torch.optim.AdamW[fused,wd=0.01]", "TritonMuonW")),
     "TritonMuonW[atomic=False]": Row(_triton(TritonMuonW, atomic=False), None, None, None, None, True,
                                      ("torch.optim.AdamW[fused,wd=0.01]", "TritonMuonW")),
+    "TritonMuonW[atomic=True]": Row(_triton(TritonMuonW, atomic=True), None, None, None, None, True,
+                                    ("torch.optim.AdamW[fused,wd=0.01]", "TritonMuonW")),
     "torch.optim.Adam[fused]": Row(_torch_adam, None, None, None, None, None),
     "torch.optim.AdamW[fused,wd=0.01]": Row(_torch_adamw_decay, None, None, None, None, None),
     "torch.optim.SGD[fused]": Row(_torch_sgd, None, None, None, None, None),
