@@ -9,7 +9,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from .. import _execution, _newton_schulz
-from .._muon import group_by
+from ..optim._adapter import buckets
 
 AUTO = "auto"  # bucket_size: the optimizers' buckets (the device policy's count and byte bound)
 
@@ -47,10 +47,10 @@ def replay(params: Sequence[torch.Tensor], method: str, steps: int | None, *, bu
         if _SHARED is not None:
             _SHARED[key] = wides
     ops = _newton_schulz.for_device(params[0].device, buffers={})
+    loops = getattr(ops, "loops", lambda m, dtype: False)
     calls: list[torch.Tensor] = []
     for members in _buckets(params, bucket_size):
         bucket = [w for i in members for w in wides[i]]
-        loops = getattr(ops, "loops", lambda m, dtype: False)
         if bucket_size is None or loops(min(bucket[0].shape), bucket[0].dtype):
             calls += bucket
         else:
@@ -63,15 +63,13 @@ def replay(params: Sequence[torch.Tensor], method: str, steps: int | None, *, bu
     return run
 
 
-def _buckets(params: Sequence[torch.Tensor], bucket_size: int | None | str) -> list[list[int]]:
-    """Positions of ``params`` in the replay's buckets (:func:`replay`'s ``bucket_size``)."""
+def _buckets(params: Sequence[torch.Tensor], bucket_size: int | None | str) -> list[tuple[int, ...]]:
+    """Positions of ``params`` in the replay's buckets (:func:`replay`'s ``bucket_size``): with
+    :data:`AUTO`, the optimizers' own rule (:func:`muon_fn.optim._adapter.buckets` cut by
+    :func:`muon_fn._execution.bucket_limit`)."""
     if bucket_size != AUTO:
-        return group_by([tuple(p.shape) for p in params], bucket_size or 1)
-    out = []
-    for same in group_by([(tuple(p.shape), p.dtype) for p in params]):
-        cap = _execution.bucket_limit([params[i] for i in same], None, list(params))
-        out += [same[k:k + cap] for k in range(0, len(same), cap)]
-    return out
+        return buckets(list(params), bucket_size or 1)
+    return buckets(list(params), lambda same, among: _execution.bucket_limit(same, None, among))
 
 
 _SHARED: dict | None = None  # prepared inputs by (parameters, norm scale, AOL, dtype), in shared_inputs()
