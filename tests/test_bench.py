@@ -160,7 +160,6 @@ def test_replay_runs_exactly_the_gemms_of_the_step(method, steps):
     assert _gemm_flops(replay) == _gemm_flops(opt.step) > 0
 
 
-
 def test_replay_buckets_are_the_optimizers_buckets():
     # The CPU's byte bound (8 MiB, no more than the largest parameter): 768² fp32 matrices three
     # to a bucket beside 3072×768 ones, which are buckets of one; small ones four to a bucket.
@@ -173,6 +172,7 @@ def test_replay_buckets_are_the_optimizers_buckets():
     step_buckets = [list(b.indices) for b in opt._runtimes[0].buckets]
     assert [list(b) for b in _replay._buckets(params, _replay.AUTO)] == step_buckets
     assert [len(b) for b in step_buckets] == [3, 3, 1, 1, 1, 4, 1]
+
 
 # ----------------------------------------------------------------------------- shared pieces
 def test_peak_step_bytes_counts_what_a_step_allocates_at_its_highest():
