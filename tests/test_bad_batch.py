@@ -11,9 +11,13 @@
   With ``atomic=True`` an error in the middle of a step (here: raised from inside the second
   bucket's computation, or inside SSO's operator in a compiled graph) also leaves everything as it
   was: the step is staged, then committed.
-- An optimizer fault (finite gradients, a non-finite update or state: here an overflow) keeps
-  that bucket's parameters and state bit for bit, warns once that the fault is the optimizer's,
-  and is counted; the other buckets of the step are applied.
+- An optimizer fault (finite gradients, a non-finite update or state: here an overflow, or an
+  inf update beside a finite state) keeps that bucket's parameters and state bit for bit, warns
+  once that the fault is the optimizer's, and is counted; the other buckets of the step are
+  applied. Low-bit state (codes beside per-block scales) is kept whole, codes with scales.
+- The same for AdaMuon, NorMuon, cautious weight decay and 8- and 4-bit state.
+- Gradient accumulation: under ``"error"`` a bad micro-batch is refused wherever it falls in the
+  window; under ``"skip"`` it is accumulated and the window's step is skipped whole.
 
 The FSDP optimizers run the same checks in one spawned job at W = 2 (gloo), the NaN on one rank.
 """
@@ -22,17 +26,19 @@ from __future__ import annotations
 
 import copy
 import warnings
+from typing import NamedTuple
 
 import pytest
 import torch
 from torch import nn
 
 import muon_fn as mf
-from muon_fn import _compile, _sso_step
+from muon_fn import _base, _compile, _sso_step
 
 from _ranks import assert_check, job_results, rank_main
 
 COMPILED = {"compile": {"backend": "inductor"}}  # the real default's compiler (conftest turns compile=True off)
+GRAPHS = {"compile": {"backend": "eager"}}  # the Dynamo graphs, run by the eager backend (fast)
 EAGER = {"compile": False}
 
 
@@ -42,6 +48,9 @@ def model() -> nn.Module:
 
 
 def build(name: str, net: nn.Module, **kw) -> torch.optim.Optimizer:
+    if name in VARIANTS:
+        base, options = VARIANTS[name]
+        return build(base, net, **options, **kw)
     if name == "muon":
         return mf.MuonOptimizer(net.named_parameters(), ns_dtype=torch.float32, **kw)
     if name == "hybrid":
@@ -54,6 +63,17 @@ def build(name: str, net: nn.Module, **kw) -> torch.optim.Optimizer:
 
 
 CLASSES = ("muon", "hybrid", "sso", "triton_muon_w")
+# Options whose state a skipped step must leave too: AdaMuon's and NorMuon's second moments, the
+# cautious decay's sign test, and low-bit state (integer codes beside per-block scales).
+VARIANTS = {
+    "adamuon": ("muon", {"adamuon_beta2": 0.95}),
+    "normuon": ("muon", {"beta2": 0.95}),
+    "cautious": ("muon", {"cautious_weight_decay": True, "weight_decay": 0.1, "adamw_weight_decay": 0.1}),
+    "muon_8bit": ("muon", {"state_bits": 8}),
+    "muon_4bit": ("muon", {"state_bits": 4}),
+    "triton_muon_w_8bit": ("triton_muon_w", {"state_bits": 8}),
+    "triton_muon_w_4bit": ("triton_muon_w", {"state_bits": 4}),
+}
 BAD = {"matrix": "2.weight", "vector": "4.bias"}
 
 
@@ -113,6 +133,13 @@ def skipped_step_leaves_everything(name: str, where: str, value: float, options:
 @pytest.mark.parametrize("name", CLASSES)
 def test_skip_eager(name, where, value):
     skipped_step_leaves_everything(name, where, value, EAGER)
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_skip_eager_variants(name):
+    """Every state tensor of these options too (AdaMuon's second moment, codes and scales)."""
+    for where, value in (("matrix", float("nan")), ("vector", float("inf"))):
+        skipped_step_leaves_everything(name, where, value, EAGER)
 
 
 def error_raises_before_anything(name: str, options: dict) -> None:
@@ -253,6 +280,84 @@ def test_fault_eager(name):
         fault_keeps_the_bucket(name, EAGER, policy, atomic)
 
 
+class Trace(NamedTuple):
+    mu: tuple  # like params: the sum of the gradients
+
+
+def inf_update(scope: str) -> mf.GradientTransformation:
+    """A transform of ``scope`` whose state stays finite while a matrix's update is inf (what a
+    miscompiled update writes); a vector's update is finite."""
+    def init(params):
+        return Trace(tuple(None if p is None else torch.zeros_like(p) for p in params))
+
+    def update(updates, state, params=None, **extra):
+        del params, extra
+        mu = tuple(None if g is None else m + g for m, g in zip(state.mu, updates))
+        return tuple(None if m is None else m + float("inf") if m.ndim == 2 else -0.1 * m for m in mu), Trace(mu)
+
+    return _base.with_info(mf.GradientTransformation(init, update), leafwise=True, scope=scope)
+
+
+@pytest.mark.parametrize("atomic", [False, True], ids=["in_place", "atomic"])
+@pytest.mark.parametrize("options", [EAGER, GRAPHS], ids=["eager", "graphs"])
+@pytest.mark.parametrize("scope", [_base.MATRIX, _base.ELEMENTWISE])
+def test_fault_of_the_update_alone(scope, options, atomic):
+    """The guard checks the update, not only the new state: an inf update beside a finite state
+    (a miscompile; AdamW's overflow above makes its state inf too) keeps that bucket's parameter
+    and state bit for bit and counts one fault; the other bucket is applied."""
+    w, b = nn.Parameter(torch.randn(4, 3)), nn.Parameter(torch.randn(3))
+    opt = mf.Optimizer([("w", w), ("b", b)], inf_update(scope), atomic=atomic, **options)
+    w.grad, b.grad = torch.ones(4, 3), torch.ones(3)
+    kept = w.detach().clone()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+    assert torch.equal(w, kept) and torch.equal(opt.state[w]["trace.mu"], torch.zeros(4, 3))
+    assert torch.equal(opt.state[b]["trace.mu"], torch.ones(3)) and bool(b.isfinite().all())
+    notes = [str(x.message) for x in caught if "optimizer fault" in str(x.message)]
+    assert len(notes) == 1 and "'w'" in notes[0] and "'b'" not in notes[0], notes
+    assert opt.optimizer_faults == 1 and opt.nonfinite_steps == 0
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_fault_keeps_low_bit_state_whole(bits):
+    """An elementwise transform whose state is stored as codes beside per-block scales
+    (TritonMuonW's moments at 8 or 4 bits) is guarded per bucket, not per element: a code is
+    read against its block's scale. A matrix gradient whose square overflows keeps that matrix,
+    its codes, scales and count bit for bit; the other parameters are applied."""
+    net = model()
+    opt = build("triton_muon_w", net, state_bits=bits, **EAGER)
+    set_grads(net, 0)
+    opt.step()
+    before = snapshot(net, opt)
+    set_grads(net, 1, BAD["matrix"], OVERFLOW)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt.step()
+    after = snapshot(net, opt)
+    pid = [n for n, _ in net.named_parameters()].index(BAD["matrix"])
+    assert any(k.endswith("_codes") for k in after["state"][pid])
+    assert same(after["state"][pid], before["state"][pid])
+    assert all(torch.equal(p, before["params"][n]) == (n == BAD["matrix"]) for n, p in after["params"].items())
+    assert opt.optimizer_faults == 1 and opt.nonfinite_steps == 0
+
+
+def test_skip_keeps_a_schedules_count():
+    """An elementwise chain with a learning-rate schedule (AdamW): the schedule's integer count,
+    beside the floating state the per-element guard masks, is kept by a skipped step too."""
+    w = nn.Parameter(torch.ones(4, 3))
+    opt = mf.Optimizer([w], mf.adamw(lr=lambda count: 0.01 / (1 + count)), compile=False)
+    w.grad = torch.ones(4, 3)
+    opt.step()
+    before = {"p": w.detach().clone(), "state": copy.deepcopy(dict(opt.state[w]))}
+    w.grad = torch.full((4, 3), float("nan"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt.step()
+    assert same({"p": w.detach(), "state": dict(opt.state[w])}, before) and opt.nonfinite_steps == 1
+    assert int(opt.state[w]["lr_schedule_count"]) == 1
+
+
 @pytest.mark.parametrize("options", [EAGER, COMPILED], ids=["eager", "compiled"])
 def test_sso_operator_error_inside_a_compiled_graph_changes_nothing(options, monkeypatch):
     """SSO's per-chunk operator raises on its second chunk (inside the graph when compiled);
@@ -329,6 +434,56 @@ def test_skip_warns_once_on_every_device(device):
     notes = [str(w.message) for w in caught if "skipped a step" in str(w.message)]
     assert len(notes) == 1 and "'2.weight'" in notes[0], notes
     assert opt.nonfinite_steps == 2
+
+
+# -------------------------------------------------------------------------- gradient accumulation
+K = 3  # micro-batches per window
+POSITIONS = {"first": 0, "middle": 1, "last": 2}  # of the bad micro-batch in its window
+
+
+@pytest.mark.parametrize("at", POSITIONS)
+def test_skip_drops_the_window_of_a_bad_micro_batch(at):
+    """Under "skip" a non-finite micro-batch is accumulated, not refused (nothing raises, nothing
+    is read back): the window's step is skipped whole at its last micro-batch (parameters and
+    state as they were, one skip counted), and the next window starts afresh."""
+    net, fresh_net = model(), model()
+    opt, fresh = (build("muon", n, gradient_accumulation_steps=K, **EAGER) for n in (net, fresh_net))
+    before = snapshot(net, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(K):
+            set_grads(net, i, BAD["matrix"] if i == POSITIONS[at] else None)
+            opt.step()
+    assert same(snapshot(net, opt), before)
+    assert opt.nonfinite_steps == 1 and opt.param_groups[0]["micro_step"] == 0
+    for i in range(K, 2 * K):  # the next window: as a fresh optimizer's first
+        for n, o in ((net, opt), (fresh_net, fresh)):
+            set_grads(n, i)
+            o.step()
+    assert same(snapshot(net, opt), snapshot(fresh_net, fresh))
+    assert not same(snapshot(net, opt)["params"], before["params"])
+
+
+@pytest.mark.parametrize("at", POSITIONS)
+def test_error_refuses_a_bad_micro_batch_anywhere_in_the_window(at):
+    """Under "error" a non-finite micro-batch raises before anything changes wherever it falls
+    (the window's first, before any accumulator exists; its last, before the step): parameters,
+    state, accumulators and the window's position stay, and the window ends as without it."""
+    runs = []
+    for with_bad in (True, False):
+        net = model()
+        opt = build("muon", net, gradient_accumulation_steps=K, nonfinite="error", **EAGER)
+        for i in range(K):
+            if with_bad and i == POSITIONS[at]:
+                set_grads(net, 99, BAD["matrix"], float("inf"))
+                before = snapshot(net, opt)
+                with pytest.raises(RuntimeError, match=r"non-finite gradient \(inf or nan\) in '2.weight'"):
+                    opt.step()
+                assert same(snapshot(net, opt), before) and opt.param_groups[0]["micro_step"] == i
+            set_grads(net, i)
+            opt.step()
+        runs.append((snapshot(net, opt), opt.nonfinite_steps))
+    assert same(runs[0][0], runs[1][0]) and (runs[0][1], runs[1][1]) == (1, 0)
 
 
 # ------------------------------------------------------------------------------------------- FSDP

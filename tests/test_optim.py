@@ -707,6 +707,24 @@ def test_add_param_group_after_copy_or_load(kind, how):
     torch.testing.assert_close(new.detach(), ref.detach(), atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_copy_refuses_a_misspelled_matrix_view_as_the_original(how):
+    """A copy keeps the checks across groups (it is built, as the original): add_param_group with
+    a matrix_view mapping that names no parameter of the group is refused with the same message,
+    and the group is not added."""
+    _, opt = _optimizer_of("muon")
+    messages = []
+    for o in (opt, _copied(opt, how, "muon")):
+        extra = nn.Parameter(torch.randn(8, 6))
+        group = {"params": [("extra.weight", extra)], "matrix_view": {"extra.wieght": "flatten"}}
+        with pytest.raises(ValueError) as refused:
+            o.add_param_group(group)
+        messages.append(str(refused.value))
+        assert len(o.param_groups) == 1
+    assert messages[0] == messages[1] == (
+        "Invalid matrix_view: key 'extra.wieght' matches no parameter of its groups; they are: 'extra.weight'")
+
+
 def test_use_muon_groups():
     """``use_muon`` (as in KellerJordan's MuonWithAuxAdam) picks the group's algorithm: False is
     AdamW at the group's adamw_lr and adamw_weight_decay, also for a 2-D weight; True is Muon."""

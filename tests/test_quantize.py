@@ -146,6 +146,64 @@ def test_zero_blocks_and_extremes():
             assert float(y[1].abs().max()) == float(xx[1].abs().max())
 
 
+# Golden codes: what a checkpoint holds for fixed inputs, pinned so that no version decodes another's
+# codes differently. Worked out by hand from the module's formulas: linear ``round(x·q/M)``
+# (half to even; rows with M/q a power of two decode exactly); small floats ``1 + (R + log2 r)·2^m +
+# mantissa`` minus the width's offset (8 bits: 128), the 4-bit ones two a byte, low nibble first.
+UNSIGNED_ROWS = [[1.0, 0.5, 0.3, 0.0, 2.0**-31, 1e-12, 0.75, 0.1], [8.0, 3.0, 0.0, 1.0, 0.001, 6.0, 2.0**-11, 0.5]]
+GOLDEN = {  # (kind, bits): (input, codes, scales, decoded)
+    (Q.LINEAR, 8): ([[127.0, -63.5, 0.0, 1.0, -0.4, 64.5, -127.0, 0.6],
+                     [0.9921875, -0.5, 0.25, 0.0, 0.00390625, -0.9921875, 0.1, 0.0]],
+                    [[127, -64, 0, 1, 0, 64, -127, 1], [127, -64, 32, 0, 0, -127, 13, 0]],
+                    [[127.0], [0.9921875]],
+                    [[127.0, -64.0, 0.0, 1.0, 0.0, 64.0, -127.0, 1.0],
+                     [0.9921875, -0.5, 0.25, 0.0, 0.0, -0.9921875, 0.1015625, 0.0]]),
+    (Q.LINEAR, 4): ([[7.0, -3.5, 2.5, -7.0, 1.49], [0.875, -0.4375, 0.0625, 0.1, -0.2]],
+                    [[199, 146, 1], [199, 16, 14]],  # (7, -4), (2, -7), (1, pad); (7, -4), (0, 1), (-2, pad)
+                    [[7.0], [0.875]],
+                    [[7.0, -4.0, 2.0, -7.0, 1.0], [0.875, -0.5, 0.0, 0.125, -0.25]]),
+    (Q.UNSIGNED, 16): (UNSIGNED_ROWS,
+                       [[31745, 30721, 29902, 0, 1, 1, 31233, 28263],
+                        [31745, 30209, 0, 28673, 18458, 31233, 17409, 27649]],
+                       [[1.0], [8.0]],
+                       [[1.0, 0.5, 0.300048828125, 0.0, 2.0**-31, 2.0**-31, 0.75, 0.0999755859375],
+                        [8.0, 3.0, 0.0, 1.0, 0.0010004043579101562, 6.0, 2.0**-11, 0.5]]),
+    (Q.UNSIGNED, 8): (UNSIGNED_ROWS,
+                      [[121, 113, 107, -128, -127, -127, 117, 94], [121, 109, -128, 97, 17, 117, 9, 89]],
+                      [[1.0], [8.0]],
+                      [[1.0, 0.5, 0.3125, 0.0, 2.0**-31, 2.0**-31, 0.75, 0.1015625],
+                       [8.0, 3.0, 0.0, 1.0, 2.0**-10, 6.0, 2.0**-11, 0.5]]),
+    (Q.UNSIGNED, 4): ([[1.0, 0.5, 0.3, 0.0, 2.0**-14], [8.0, 6.0, 1e-9, 0.75, 3.0]],
+                      [[239, 13, 1], [255, 193, 14]],  # (15, 14), (13, 0), (1, pad); (15, 15), (1, 12), (14, pad)
+                      [[1.0], [8.0]],
+                      [[1.0, 0.5, 0.25, 0.0, 2.0**-14], [8.0, 8.0, 2.0**-11, 1.0, 4.0]]),
+}
+
+
+@pytest.mark.parametrize("fmt", list(GOLDEN), ids=lambda f: f"{f[0]}{f[1]}")
+def test_golden_codes(fmt):
+    """Fixed inputs give exactly these codes (dtype included), scales and decoded values."""
+    kind, bits = fmt
+    x, codes, scales, decoded = GOLDEN[fmt]
+    storage = Q.Storage(bits, kind)
+    got_codes, got_scales = Q.encode(torch.tensor(x), storage)
+    assert got_codes.dtype == Q.CODE_DTYPES[bits]
+    assert (got_codes.tolist(), got_scales.tolist()) == (codes, scales)
+    stored = torch.tensor(codes, dtype=Q.CODE_DTYPES[bits])
+    assert Q.decode(stored, torch.tensor(scales), (2, len(x[0])), storage).tolist() == decoded
+
+
+def test_golden_bf16_momentum():
+    """16-bit linear state (a momentum) is stored as bf16, round to nearest even: its bits pinned."""
+    storage = Q.Storage(16, Q.LINEAR)
+    x = torch.tensor([[1.0, -0.3, 3.0e-3, 0.0, 65504.0]])
+    plain, codes, scales = storage.store(x, storage.init(x))
+    assert codes is None and scales is None and plain.dtype == torch.bfloat16
+    assert plain.view(torch.int16).tolist() == [[16256, -16742, 15173, 0, 18304]]
+    assert storage.load((plain, None, None), x.shape, torch.float32).tolist() == \
+        [[1.0, -0.30078125, 0.0030059814453125, 0.0, 65536.0]]
+
+
 def test_storage_layout_and_bytes():
     """What each width stores for a matrix and for a 1-D tensor, and nbytes equals it."""
     p = torch.empty(10, 3, 100)  # rows of 300: blocks(300) of 150 at BLOCK 256

@@ -1,11 +1,12 @@
 """A compiled graph is checked where it runs (``verify=True``, the default; muon_fn._verify).
 
 Tested by injection, on any CPU: a compiler backend that writes NaN (or garbage) into what the
-graph writes in place, as the GCC 12 miscompile did. The check must warn once, naming the graph
-and the compiler, leave the parameters as eager leaves them, and run that signature eagerly
+graph writes in place, as the GCC 12 miscompile did, or into what it returns (``atomic=True``).
+The check must warn once, naming the graph and the compiler, leave the parameters as eager leaves
+them, and run that signature eagerly
 (or, for inductor, recompiled with safe options) from then on. One test runs a real miscompile
 where the toolchain has it: inductor's bf16 tile transpose under ``-march=x86-64-v4`` on an
-AVX-512 host with GCC 12 (``../shared/notes/inductor-cpu-miscompile.md``).
+AVX-512 host with GCC 12 (``docs/reports/inductor-cpu-bf16-transpose.md``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,21 @@ def corrupting(value: float = float("nan")):
                 if b is not None and not torch.equal(a, b):
                     a.fill_(value)
             return out
+        return run
+    return backend
+
+
+def corrupting_returns(value: float = float("nan")):
+    """A torch.compile backend: the graph runs, then every floating tensor it returns is replaced
+    by ``value`` (a miscompiled kernel whose output is returned, not written in place: what a
+    graph of ``atomic=True`` hands to the step's commit)."""
+    def backend(gm, example_inputs):
+        del example_inputs
+
+        def run(*args):
+            out = gm(*args)
+            return type(out)(torch.full_like(o, value) if isinstance(o, torch.Tensor) and o.is_floating_point()
+                             else o for o in out)
         return run
     return backend
 
@@ -74,6 +90,18 @@ def test_a_wrong_graph_is_caught_and_training_goes_on_at_eager(cls, value):
     # one warning per graph signature that failed, none at later steps
     steps = [s for v in opt._runtimes[0].variants for s in v.steps.values()]
     assert len(wrong) == sum(len(s.eager) for s in steps) >= 1
+
+
+@pytest.mark.parametrize("cls", [mf.MuonOptimizer, mf.TritonMuonW], ids=lambda c: c.__name__)
+def test_a_wrong_returned_value_is_caught(cls):
+    """``atomic=True``: the graphs write nothing; they return the updates and new state that one
+    commit writes after the last bucket. What a graph returns is checked as what it writes: a
+    finite wrong value (the subtle case) is caught, and training goes on at eager's result."""
+    eager, _, _ = train(cls, compile=False)
+    got, _, notes = train(cls, compile={"backend": corrupting_returns(1e3)}, atomic=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, eager)), "not eager's result"
+    wrong = [n for n in notes if "gave a wrong result on this machine" in n]
+    assert wrong and all(f"{cls.__name__}'s step" in n and "runs eagerly" in n for n in wrong), notes
 
 
 def test_verify_false_trusts_the_graph():

@@ -10,7 +10,8 @@ miscompiled graph, an overflow) is an optimizer fault; the bucket's parameters a
 their values and the fault is counted. For a transform of whole matrices the bucket is kept
 whole (its update exists in full anyway); for an elementwise one, whose every element depends
 on that element alone, each faulty element is, decided in the one pass that writes (a bucket-wide
-flag would need the whole update before the first write). So no parameter is ever made
+flag would need the whole update before the first write), unless its state is stored quantized
+(a code means nothing without its block's scale: kept whole). So no parameter is ever made
 non-finite by the optimizer, and a bad batch changes nothing, without staging.
 
 Two ways to write (``atomic=``):
@@ -104,10 +105,13 @@ def guarded(state: Any, updates: Any, new_state: Any, finite: torch.Tensor | Non
 
     ``elementwise`` (a transform of :data:`~muon_fn.ELEMENTWISE` scope, whose every element is
     computed from the same element alone): the guard is per element instead (:func:`_per_element`),
-    decided in the same pass that writes, so nothing of the bucket's size is held to be checked."""
+    decided in the same pass that writes, so nothing of the bucket's size is held to be checked.
+    Not where the bucket's state is stored quantized (integer codes beside per-block scales,
+    :mod:`muon_fn._quantize`): a code is read against its block's scale, so codes and scales are
+    kept or written together, and the bucket is guarded whole, as one of whole matrices."""
     if finite is None:
         return updates, new_state, None, None
-    if elementwise:
+    if elementwise and not _holds_codes(state, new_state):
         return _per_element(state, updates, new_state, finite)
     values_ok = sound(updates, state, new_state)
     if values_ok is None:
@@ -116,11 +120,19 @@ def guarded(state: Any, updates: Any, new_state: Any, finite: torch.Tensor | Non
     return updates, kept(state, new_state, ok), ok, finite & ~values_ok
 
 
+def _holds_codes(state: Any, new_state: Any) -> bool:
+    """Whether a changed state tensor of ``new_state`` holds integer codes (quantized state; a
+    0-d integer is a counter)."""
+    return any(new is not None and new is not old and not new.is_floating_point() and new.ndim > 0
+               for old, new in zip(_tree.tree_leaves(state), _tree.tree_leaves(new_state)))
+
+
 def _per_element(state: Any, updates: Any, new_state: Any, finite: torch.Tensor) -> tuple:
     """The guard of an elementwise bucket: an element position where any update or changed state
     tensor of that shape is not finite keeps its old value in every parameter and state tensor
-    of the bucket (tensors of other shapes, e.g. quantization scales, by their own elements);
-    ``ok`` is one mask per parameter. Per position the test is ``s − s == 0`` for the sum ``s``
+    of the bucket (tensors of other shapes by their own elements; an integer counter is kept
+    where the step is skipped; integer codes never come here: :func:`guarded`); ``ok`` is one
+    mask per parameter. Per position the test is ``s − s == 0`` for the sum ``s``
     of its terms (and a NaN where the step is skipped): 0 exactly when every term is finite (a
     false alarm needs values near the float's largest), a few vector operations in the one loop
     over the elements that also writes them (a bucket-wide flag would need every update before
@@ -135,9 +147,9 @@ def _per_element(state: Any, updates: Any, new_state: Any, finite: torch.Tensor)
     zeros = {shape: total - total for shape, total in sums.items()}  # 0, or NaN where not finite
     ok = {shape: z == 0 for shape, z in zeros.items()}
     def keep(old, new):  # leaf by leaf (not by id(): torch 2.10's Dynamo cannot trace id() of a tensor)
-        if old is None or new is None or new is old or not new.is_floating_point():
+        if old is None or new is None or new is old:
             return new
-        return torch.where(ok[new.shape], new, old)
+        return torch.where(ok[new.shape] if new.is_floating_point() else finite, new, old)
 
     new_state = _tree.tree_map(keep, state, new_state)
     flags = tuple(None if u is None else ok[u.shape] for u in updates)
