@@ -18,6 +18,7 @@ from ._sso import SpectralSphereState, spectral_sphere, sso
 from .optim import (MuonOptimizer, Optimizer, SolverReport, SpectralSphereOptimizer, TritonMuon, TritonMuonW,
                     create_hybrid_optimizer, split_parameters)
 from . import spectral
+from .optim import _placement
 from ._views import Heads, heads
 from ._transforms import (
     MomentumState,
@@ -125,6 +126,17 @@ _LAZY = {
     "FSDPMuonOptimizer": ("muon_fn.fsdp", "FSDPMuonOptimizer"),
     "FSDPSpectralSphereOptimizer": ("muon_fn.fsdp", "FSDPSpectralSphereOptimizer"),
 }
+
+
+def _distribute(optimizer, previous=None) -> None:
+    """An optimizer holding DTensor parameters runs the FSDP adapter's step (imported on first use:
+    muon_fn.fsdp loads torch.distributed)."""
+    import importlib
+
+    importlib.import_module("muon_fn.fsdp._adopt").adopt(optimizer, previous)
+
+
+_placement.register(_distribute)
 
 
 def __getattr__(name: str):

@@ -152,15 +152,41 @@ def adamw_half(group: dict[str, Any]) -> None:
 FOREIGN_KEYWORDS = {
     "ns_eps": "use eps: it is the Newton-Schulz epsilon, as in torch.optim.Muon "
               "(NorMuon's epsilon is normuon_eps)",
-    "maximize": "muon_fn optimizers minimize; to maximize f, minimize -f",
-    "foreach": "muon_fn runs its own batched step, compiled by default (see compile=)",
-    "fused": "muon_fn runs its own batched step, compiled by default (see compile=)",
-    "capturable": "capturing the step in a CUDA graph is not supported (see compile=)",
-    "differentiable": "the step runs under torch.no_grad(); differentiating through it is not supported",
     "betas": "use momentum for the matrices and adamw_betas for the AdamW half",
     "split": "removed: row blocks are a head view, given per parameter: "
              "matrix_view={name: muon_fn.heads(rows=...)} (cols= for column blocks)",
 }
+
+
+# torch.optim's implementation keys, which trainers pass to every optimizer (torchtitan puts
+# ``fused`` and ``foreach`` in every param group): accepted, as keywords and as group keys, where
+# their meaning holds, refused where it does not. muon_fn's step is its own batched one, compiled
+# by default, whatever ``foreach`` and ``fused`` say: both are accepted (True, False or None).
+IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable", "maximize")
+_ONLY_FALSE = {
+    "capturable": "the step compiles its own graphs and cannot be captured in a user's CUDA graph; "
+                  "compile={'mode': 'reduce-overhead'} runs it as CUDA graphs",
+    "differentiable": "the step runs under torch.no_grad(); differentiating through it is not supported",
+    "maximize": "muon_fn optimizers minimize; to maximize f, minimize -f",
+}
+
+
+def implementation_key(key: str, value: Any, where: str = "") -> None:
+    """``ValueError`` for an :data:`IMPLEMENTATION_KEYS` value whose meaning muon_fn cannot give."""
+    allowed = (None, True, False) if key in ("foreach", "fused") else (False, None)
+    if isinstance(value, bool) or value is None:
+        if value in allowed:
+            return
+        raise ValueError(f"{key}={value!r}{where} is not supported: {_ONLY_FALSE[key]}")
+    raise ValueError(f"Invalid {key} value{where}: {value!r} (expected True, False or None)")
+
+
+def implementation_keywords(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Remove the :data:`IMPLEMENTATION_KEYS` from a constructor's ``kwargs``, checked; returns them."""
+    found = {k: kwargs.pop(k) for k in IMPLEMENTATION_KEYS if k in kwargs}
+    for key, value in found.items():
+        implementation_key(key, value)
+    return found
 
 
 def unexpected_keywords(owner: str, kwargs: dict[str, Any]) -> None:
@@ -169,6 +195,13 @@ def unexpected_keywords(owner: str, kwargs: dict[str, Any]) -> None:
     for key in kwargs:
         hint = FOREIGN_KEYWORDS.get(key)
         raise TypeError(f"{owner}() got an unexpected keyword argument {key!r}" + (f": {hint}" if hint else ""))
+
+
+def implementation_group_keys(group: dict[str, Any]) -> None:
+    """Refuse a param group's :data:`IMPLEMENTATION_KEYS` value that muon_fn cannot honour."""
+    for key in IMPLEMENTATION_KEYS:
+        if key in group:
+            implementation_key(key, group[key], " in a param group")
 
 
 def foreign_group_keys(group: dict[str, Any]) -> None:

@@ -368,7 +368,7 @@ class TestValidation(expecttest.TestCase):
         self.assertExpectedInline(self.msg(lambda: mf.TritonMuon(p, nesterov=1), TypeError), """Invalid nesterov: 1 (expected True or False)""")
         self.assertExpectedInline(self.msg(lambda: mf.TritonMuonW(p, layerwise_norm="yes"), TypeError), """Invalid layerwise_norm: 'yes' (expected True or False)""")
         self.assertExpectedInline(self.msg(lambda: mf.TritonMuon(p, betas=(0.9, 0.99)), TypeError), """TritonMuon() got an unexpected keyword argument 'betas': use momentum (beta1) and velocity (beta2)""")
-        self.assertExpectedInline(self.msg(lambda: mf.TritonMuonW(p, foreach=True), TypeError), """TritonMuonW() got an unexpected keyword argument 'foreach': muon_fn runs its own batched step, compiled by default (see compile=)""")
+        self.assertExpectedInline(self.msg(lambda: mf.TritonMuonW(p, maximize=True)), """maximize=True is not supported: muon_fn optimizers minimize; to maximize f, minimize -f""")
 
     def test_loaded_hyperparameters_are_checked(self):
         p = [torch.nn.Parameter(torch.zeros(2, 2))]

@@ -314,7 +314,8 @@ def test_use_muon_false_is_adamw_at_the_adamw_settings():
     ({"wire_dtype": torch.int8}, r"Invalid wire_dtype: torch.int8"),
     ({"num_buckets": 0}, r"Invalid num_buckets: 0"),
     ({"gradient_accumulation_steps": 2}, r"gradient_accumulation_steps=2 needs a model wrapped with "
-                                         r"torch.distributed.fsdp.fully_shard \(FSDP2\), but Net"),
+                                         r"torch.distributed.fsdp.fully_shard \(FSDP2\), whose gradient sync "
+                                         r"it pauses, but Net contains no FSDPModule"),
     ({"nonfinite": "warn"}, r"Invalid nonfinite: 'warn'"),
 ])
 def test_errors_name_argument_and_value(kwargs, match):
@@ -326,8 +327,8 @@ def test_errors_model_groups_and_options():
     model = Net()
     with pytest.raises(TypeError, match="model must be a torch.nn.Module, got list"):
         FSDPMuonOptimizer(list(model.parameters()))
-    with pytest.raises(TypeError, match="unexpected keyword argument 'foreach'"):
-        FSDPMuonOptimizer(model, foreach=False)
+    with pytest.raises(ValueError, match="differentiable=True is not supported"):
+        FSDPMuonOptimizer(model, differentiable=True)
     with pytest.raises(ValueError, match=r"parameter 'fc1.bias': orthogonalize only supports matrices"):
         FSDPMuonOptimizer(model, [{"params": [model.fc1.bias], "use_muon": True}])
     opt = FSDPMuonOptimizer(model)

@@ -248,14 +248,15 @@ class TestRefusedKeywords(expecttest.TestCase):
         self.assertExpectedInline(self.message(TypeError, lambda: mf.MuonOptimizer(lin.parameters(), ns_eps=1e-7)), """MuonOptimizer() got an unexpected keyword argument 'ns_eps': use eps: it is the Newton-Schulz epsilon, as in torch.optim.Muon (NorMuon's epsilon is normuon_eps)""")
 
     def test_torch_flags(self):
+        """torch's implementation keywords: refused only where their meaning does not hold."""
         lin = nn.Linear(4, 3)
-        msgs = [self.message(TypeError, lambda: mf.MuonOptimizer(lin.parameters(), **{k: True}))
-                for k in ("foreach", "fused", "capturable", "differentiable")]
+        msgs = [self.message(ValueError, lambda: mf.MuonOptimizer(lin.parameters(), **{k: v}))
+                for k, v in (("capturable", True), ("differentiable", True), ("maximize", True), ("fused", "yes"))]
         self.assertExpectedInline("\n".join(msgs), """\
-MuonOptimizer() got an unexpected keyword argument 'foreach': muon_fn runs its own batched step, compiled by default (see compile=)
-MuonOptimizer() got an unexpected keyword argument 'fused': muon_fn runs its own batched step, compiled by default (see compile=)
-MuonOptimizer() got an unexpected keyword argument 'capturable': capturing the step in a CUDA graph is not supported (see compile=)
-MuonOptimizer() got an unexpected keyword argument 'differentiable': the step runs under torch.no_grad(); differentiating through it is not supported""")
+capturable=True is not supported: the step compiles its own graphs and cannot be captured in a user's CUDA graph; compile={'mode': 'reduce-overhead'} runs it as CUDA graphs
+differentiable=True is not supported: the step runs under torch.no_grad(); differentiating through it is not supported
+maximize=True is not supported: muon_fn optimizers minimize; to maximize f, minimize -f
+Invalid fused value: 'yes' (expected True, False or None)""")
 
     def test_ns_eps_in_a_param_group(self):
         lin = nn.Linear(4, 3)

@@ -34,9 +34,8 @@ import torch.nn as nn
 
 from .. import _checks, _execution, _quantize, _tree, _views
 from .._muon import group_by
-from ..optim import _state
+from ..optim import _placement, _state
 from ..optim._adapter import BUCKET_SIZE
-from ..optim._views import module_views
 from . import _exchange, _overlap, _params, _plan, _rows
 from ._routes import Bucket, Route, group_routes
 from ._step import AdapterStep, Matrix
@@ -55,11 +54,19 @@ class FSDPAdapter(AdapterStep):
     ``comm_wait_s``, ``compute_s``, ``step_s``, ``applied``.
     """
 
+    _distributes_itself = True  # muon_fn.optim.Optimizer leaves the layout to _distribute
+
     def _setup(self, model: nn.Module, strategy: str, wire_dtype: torch.dtype | None,
                num_buckets: int, overlap: bool = False) -> None:
-        """Check and keep the adapter's own options (before the optimizer adds its groups)."""
+        """Check the model and keep the adapter's own options, before the optimizer adds its
+        groups (the optimizer keeps the model: pass it on as ``model=``)."""
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        self._options(strategy, wire_dtype, num_buckets, overlap)
+
+    def _options(self, strategy: str, wire_dtype: torch.dtype | None, num_buckets: int, overlap: bool) -> None:
+        """Check and keep the adapter's own options (an optimizer handed over after construction,
+        :mod:`._adopt`, takes the defaults)."""
         _checks.one_of("strategy", strategy, STRATEGIES)
         _checks.one_of("wire_dtype", wire_dtype, WIRE_DTYPES)
         _checks.positive_int("num_buckets", num_buckets)
@@ -68,25 +75,23 @@ class FSDPAdapter(AdapterStep):
             raise ValueError(f"overlap=True needs strategy='owner' (the exchange it starts during "
                              f"backward), got strategy={strategy!r}")
         self._overlap_wanted, self._overlap = overlap, None
-        self._model, self.strategy, self.wire_dtype = model, strategy, wire_dtype
+        self.strategy, self.wire_dtype = strategy, wire_dtype
         self._num_buckets = num_buckets
-        self._names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-        self._model_views = module_views(model)
         self._distributed = False
         self._builds = itertools.count()
 
     def _distribute(self, process_group: Any, k: int) -> None:
         """Where every parameter lives, its state, and the plan (once all groups are in)."""
-        self._process_group = process_group
+        self._process_group, self._fqns = process_group, None
         named = [(self._fqn(p), p) for g in self.param_groups for p in g["params"]]
         self.topology = _params.resolve_topology(named, process_group)
         self._layouts = _params.layouts(named, self.topology)
-        self._fsdp_modules = _fsdp_modules(self._model)
+        self._fsdp_modules = [] if self._model is None else _fsdp_modules(self._model)
         if k > 1 and not self._fsdp_modules:
             raise ValueError(
-                f"gradient_accumulation_steps={k} needs a model wrapped with "
-                f"torch.distributed.fsdp.fully_shard (FSDP2), but {type(self._model).__name__} "
-                "contains no FSDPModule")
+                f"gradient_accumulation_steps={k} needs a model wrapped with torch.distributed.fsdp.fully_shard "
+                f"(FSDP2), whose gradient sync it pauses, but {_model_name(self._model)}; pass model= (the "
+                "fully_shard-ed model), or let the trainer accumulate with gradient_accumulation_steps=1")
         self._accumulation_steps, self._micro_step = k, 0
         self._device = _params.local(named[0][1]).device if named else torch.device("cpu")
         self._plan_key: Any = None
@@ -103,7 +108,7 @@ class FSDPAdapter(AdapterStep):
     # DTensor parameters' group, else the default one).
     # A copy runs without overlap (the hooks and their process group are made collectively):
     # set ``overlap = True`` on the copies of every rank.
-    _FSDP_CONFIG = ("_model", "strategy", "wire_dtype", "_num_buckets", "_accumulation_steps", "_micro_step")
+    _FSDP_CONFIG = ("strategy", "wire_dtype", "_num_buckets", "_accumulation_steps", "_micro_step")
 
     def __getstate__(self) -> dict[str, Any]:
         if getattr(self, "_process_group", None) is not None:
@@ -115,9 +120,7 @@ class FSDPAdapter(AdapterStep):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)  # torch's load_state_dict calls it too: nothing to rebuild then
-        if "_layouts" not in self.__dict__ and "_model" in self.__dict__:
-            self._names = {id(p): n for n, p in self._model.named_parameters(remove_duplicate=False)}
-            self._model_views = module_views(self._model)
+        if "_layouts" not in self.__dict__ and "strategy" in self.__dict__:
             self._distributed, self._builds = False, itertools.count()
             self._overlap_wanted, self._overlap = False, None
             micro = self._micro_step
@@ -127,18 +130,14 @@ class FSDPAdapter(AdapterStep):
 
     # ------------------------------------------------------------------ groups and state
     def _fqn(self, p: torch.Tensor) -> str:
-        return self._names.get(id(p), f"<parameter of shape {tuple(p.shape)} not in model>")
-
-    def _name(self, group: dict[str, Any], p: torch.Tensor) -> str:
-        return repr(self._fqn(p))
-
-    def _param_names(self, group: dict[str, Any]) -> list[str | None]:
-        return [self._names.get(id(p)) for p in group["params"]]
-
-    def _known_view(self, p: torch.Tensor) -> str | None:
-        """The model is known: a conv weight is flattened, any other parameter of ndim ≥ 3 is a
-        stack of matrices (:func:`muon_fn.optim._views.module_views`)."""
-        return self._model_views.get(id(p))
+        """``p``'s name in messages and in the plan every rank compares: its name (the group's
+        ``param_names`` or the model's), else its position."""
+        names = self.__dict__.get("_fqns")
+        if names is None or id(p) not in names:
+            names = self._fqns = {id(q): f"#{i} of group {gi}" if n is None else n
+                                  for gi, g in enumerate(self.param_groups)
+                                  for i, (q, n) in enumerate(zip(g["params"], self._param_names(g)))}
+        return names.get(id(p), f"<parameter of shape {tuple(p.shape)} not in the optimizer>")
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """The optimizer's ``add_param_group`` before the plan is made (refused after)."""
@@ -149,6 +148,11 @@ class FSDPAdapter(AdapterStep):
 
     def _initial_state(self, index: int) -> None:
         """Nothing here: the plan creates every group's state at construction (``_distribute``)."""
+
+    def _relayout(self, previous: list[list[torch.Tensor | None]]) -> None:
+        """After parameters were swapped into ``param_groups``: planned again (collective), their
+        state carried over (:mod:`._adopt`)."""
+        _placement.distribute(self, previous)
 
     def _matrix_algorithm(self) -> str:
         """The algorithm of a hybrid's matrices (``algorithms[1]``: "muon", "sso")."""
@@ -456,8 +460,7 @@ class FSDPAdapter(AdapterStep):
         """Inside, every FSDP2 module holds its full (unsharded) parameters; resharded on exit."""
         if not self._fsdp_modules:
             raise ValueError(
-                f"unshard_params() needs a model wrapped with fully_shard (FSDP2), but "
-                f"{type(self._model).__name__} contains no FSDPModule"
+                f"unshard_params() needs a model wrapped with fully_shard (FSDP2), but {_model_name(self._model)}"
             )
         for m in self._fsdp_modules:
             m.unshard()
@@ -489,6 +492,11 @@ class FSDPAdapter(AdapterStep):
                         where += f" view={view}"
                     lines.append(f"  {route.label:<5} {self._fqn(p)} {tuple(p.shape)}{where}")
         return "\n".join(lines)
+
+
+def _model_name(model: nn.Module | None) -> str:
+    return ("the optimizer was given no model" if model is None
+            else f"{type(model).__name__} contains no FSDPModule")
 
 
 def _fsdp_modules(model: nn.Module) -> list[nn.Module]:

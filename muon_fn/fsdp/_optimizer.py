@@ -1,6 +1,6 @@
 """``FSDPMuonOptimizer``: :class:`muon_fn.MuonOptimizer` on FSDP2 (``fully_shard``) models, run by
 the FSDP adapter (:mod:`._adapter`). Configuration only: MuonOptimizer's groups, checks and
-factory, the adapter's options, and what ``last_step_stats`` counts as FLOPs."""
+factory, the adapter's options, and what ``last_step_stats`` counts as FLOPs (:class:`MuonFlops`)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,22 @@ from . import _plan
 from ._adapter import FSDPAdapter
 
 
-class FSDPMuonOptimizer(FSDPAdapter, MuonOptimizer):
+class MuonFlops:
+    """What ``last_step_stats`` counts as one Muon matrix's FLOPs (a base of the FSDP adapter's
+    Muon optimizers, this module's and those handed over after construction, :mod:`._adopt`)."""
+
+    def _matrix_flops(self, group: dict[str, Any], shape: tuple[int, ...]) -> int:
+        """Newton–Schulz FLOPs of one matrix under the group's orthogonalization settings."""
+        method = group["method"]
+        steps = group["ns_steps"] or default_steps(method, None if callable(method) else group["ns_coefficients"])
+        if callable(method):
+            return _plan.ns_flops(shape, steps)
+        schedule, _ = resolve_method(method, steps, coefficients=group["ns_coefficients"],
+                                     stepsize=group["ns_stepsize"])
+        return _plan.ns_flops(shape, schedule)
+
+
+class FSDPMuonOptimizer(MuonFlops, FSDPAdapter, MuonOptimizer):
     """:class:`muon_fn.MuonOptimizer` for FSDP2-sharded (or DDP-replicated) models.
 
     Results equal single-device :class:`muon_fn.MuonOptimizer` with the same settings bit for bit
@@ -101,15 +116,5 @@ class FSDPMuonOptimizer(FSDPAdapter, MuonOptimizer):
             params = [p for p in model.parameters() if p.requires_grad]
         super().__init__(params, lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov,
                          ns_steps=ns_steps, ns_stepsize=ns_stepsize, beta2=beta2, eps=eps,
-                         gradient_accumulation_steps=gradient_accumulation_steps, **muon_options)
+                         gradient_accumulation_steps=gradient_accumulation_steps, model=model, **muon_options)
         self._distribute(process_group, gradient_accumulation_steps)
-
-    def _matrix_flops(self, group: dict[str, Any], shape: tuple[int, ...]) -> int:
-        """Newton–Schulz FLOPs of one matrix under the group's orthogonalization settings."""
-        method = group["method"]
-        steps = group["ns_steps"] or default_steps(method, None if callable(method) else group["ns_coefficients"])
-        if callable(method):
-            return _plan.ns_flops(shape, steps)
-        schedule, _ = resolve_method(method, steps, coefficients=group["ns_coefficients"],
-                                     stepsize=group["ns_stepsize"])
-        return _plan.ns_flops(shape, schedule)

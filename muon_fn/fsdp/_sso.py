@@ -65,5 +65,5 @@ class FSDPSpectralSphereOptimizer(FSDPAdapter, SpectralSphereOptimizer):
         if params is None:  # frozen parameters never get gradients: leave them out of the plan
             params = [p for p in model.parameters() if p.requires_grad]
         super().__init__(params, lr, momentum, nesterov,
-                         gradient_accumulation_steps=gradient_accumulation_steps, **sso_options)
+                         gradient_accumulation_steps=gradient_accumulation_steps, model=model, **sso_options)
         self._distribute(process_group, gradient_accumulation_steps)

@@ -13,7 +13,10 @@ The step is generic (:mod:`._step`): for each *bucket* of a group (see :func:`bu
 graph per bucket signature by default, or eagerly with the same ops — and writes the result
 in place (``state.copy_(new_state)``, ``p.add_(updates)``; :mod:`._apply`): inside each bucket's
 graph by default, or all at once after the last bucket (``atomic=True``). Everything that can
-refuse a step is decided before the first write, so a bad batch changes nothing either way.
+refuse a step (missing, sparse or mis-shaped gradients, the accumulation window, non-finite
+gradients) is decided before the first write, so a bad batch changes nothing either way. An
+exception raised while the buckets run (an out-of-memory, a compiler error) is not decided in
+advance: by default it leaves the buckets before it written; with ``atomic=True`` nothing.
 Every algorithm (Muon, the hybrid, NorMuon, SSO, AdamW) is a transform run through this one apply.
 """
 
@@ -23,12 +26,14 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple, Union
 
 import torch
+from torch import nn
 
 from .. import _checks, _compile, _execution, _metrics
 from .._base import GradientTransformation, info
 from .._muon import group_by
-from . import _layout, _state
+from . import _layout, _placement, _state
 from ._apply import bucket_step, without_figures
+from ._placement import Placed
 from ._step import StagedStep, StepReport, signature, step_not_traced  # noqa: F401 (re-exported)
 from ._telemetry import Telemetry, check_metrics
 
@@ -37,7 +42,7 @@ Factory = Callable[[dict[str, Any]], GradientTransformation]
 NONFINITE_POLICIES = ("skip", "error", None)
 # Group keys the adapter itself uses; they never reach the factory.
 _ADAPTER_KEYS = frozenset({"params", "param_names", "gradient_accumulation_steps", "micro_step",
-                           "initial_lr", "base_lr", _layout.KEY, _layout.STATELESS})
+                           "initial_lr", "base_lr", _layout.KEY, _layout.STATELESS, *_checks.IMPLEMENTATION_KEYS})
 # Hyperparameters passed to the factory as 0-d tensors refreshed before every step (any
 # tensor-valued key is one too); other keys are static and rebuild the transform on change.
 # weight_decay is static: it rarely changes, and a static 0 removes the decay term entirely.
@@ -94,7 +99,7 @@ class _GroupRuntime:
         self.buckets: list[_Bucket] = []
 
 
-class Optimizer(StagedStep, Telemetry, torch.optim.Optimizer):
+class Optimizer(Placed, StagedStep, Telemetry, torch.optim.Optimizer):
     """A ``torch.optim.Optimizer`` running a functional transform per parameter group.
 
     Args:
@@ -129,18 +134,37 @@ class Optimizer(StagedStep, Telemetry, torch.optim.Optimizer):
         results either way.
       verify: ``True`` (default): the first time a compiled graph runs in this optimizer, its
         result is checked against the same bucket run eagerly on copies of its inputs; a graph
-        whose result is not finite where eager's is, or differs beyond the iteration dtype's
-        bound, warns once (naming the graph and the host's compiler) and that signature runs
-        with safe compiler options or eagerly (:mod:`muon_fn._verify`). ``False``: no check.
+        whose result is not finite where eager's is, or differs from eager's, per tensor, by
+        more than 0.05 of the change eager made to it plus 4 ulps of the tensor's own dtype
+        (Frobenius norms; :func:`muon_fn._verify.tolerance`), warns once (naming the graph and
+        the host's compiler) and that signature runs with safe compiler options or eagerly
+        (:mod:`muon_fn._verify`). ``False``: no check.
       metrics: telemetry. ``False`` (default): none, the same graphs as without the option;
         ``True``: every step's figures, computed inside the step's graphs; ``k``: every k-th
         step's (the others run the unmeasured graphs). :meth:`metrics` reads them.
 
-    Other keywords raise ``TypeError``; for torch's ``maximize``, ``foreach``, ``fused``,
-    ``capturable`` and ``differentiable`` the message says what to use instead.
+      model: the module the parameters belong to (optional): names them in messages and
+        checkpoints where ``params`` does not, gives parameters of ndim ≥ 3 their module's matrix
+        view (conv weights flattened, any other a stack of matrices), and, on DTensor parameters,
+        lets ``gradient_accumulation_steps > 1`` pause FSDP2's gradient sync.
+
+    Parameters may be plain tensors or DTensors (FSDP2, HSDP, tensor- and expert-parallel
+    meshes), given at construction or swapped into ``param_groups`` later: an optimizer holding
+    DTensors runs the owner-computes step of :mod:`muon_fn.fsdp` (each matrix orthogonalized
+    whole by one rank, equal bit for bit to the single-device step), as
+    :class:`muon_fn.fsdp.FSDPMuonOptimizer` does; construction and the first step after a swap
+    are then collective. State made before a swap follows its parameter.
+
+    torch's implementation keywords and group keys are accepted where their meaning holds:
+    ``foreach`` and ``fused`` (any value: this step is batched and compiled whatever they say),
+    ``capturable``, ``differentiable`` and ``maximize`` as ``False``; ``True`` for the last three
+    raises ``ValueError`` saying why. Other unknown keywords raise ``TypeError``.
     """
 
     _extra_scalar_keys: tuple[str, ...] = ()
+    # True for classes that run the distributed step themselves (muon_fn.fsdp's), whose
+    # constructor lays the parameters out; others hand an optimizer holding DTensors to it.
+    _distributes_itself = False
 
     def __init__(
         self,
@@ -155,9 +179,12 @@ class Optimizer(StagedStep, Telemetry, torch.optim.Optimizer):
         metrics: bool | int = False,
         atomic: bool = False,
         verify: bool = True,
+        model: nn.Module | None = None,
         **kwargs: Any,
     ) -> None:
+        implementation = _checks.implementation_keywords(kwargs)
         _checks.unexpected_keywords(type(self).__name__, kwargs)
+        self._know_model(model)
         _checks.boolean("atomic", atomic)
         _checks.boolean("verify", verify)
         self.atomic, self.verify = atomic, verify
@@ -184,8 +211,11 @@ class Optimizer(StagedStep, Telemetry, torch.optim.Optimizer):
         self.last_step: StepReport | None = None
         defaults = dict(defaults or {})
         defaults.setdefault("gradient_accumulation_steps", gradient_accumulation_steps)
+        defaults.update(implementation)  # kept in every group, as torch's optimizers keep them
         super().__init__(params, defaults)
         self._check_groups()
+        if not self._distributes_itself and _placement.holds_dtensors(self.param_groups):
+            _placement.distribute(self)  # the owner-computes step of muon_fn.fsdp
 
     # ----------------------------------------------------------------------- copies
     # torch's Optimizer pickles only defaults, state and param_groups; the configuration below
@@ -193,7 +223,7 @@ class Optimizer(StagedStep, Telemetry, torch.optim.Optimizer):
     # Compiled steps, scalar tensors and transforms are caches, rebuilt on the copy's first use.
     _CONFIG = ("nonfinite", "_factory", "_compile_options", "_bucket_size", "_scalar_keys",
                "_nonfinite_count", "last_step", "split", "_built", "_metrics_every", "_applied_steps", "atomic", "verify",
-               "_fault_count")
+               "_fault_count", "_model")
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -211,6 +241,9 @@ class Optimizer(StagedStep, Telemetry, torch.optim.Optimizer):
             self.defaults.pop("differentiable", None)
         if len(self.__dict__.get("_runtimes", ())) != len(self.param_groups):
             self._runtimes = [_GroupRuntime() for _ in self.param_groups]
+        if "_placement" not in self.__dict__:  # a copy: parameter identities are its own
+            self._know_model(self.__dict__.get("_model"))
+            self._placement = _placement.Placement(self.param_groups)
 
     # ----------------------------------------------------------------------- groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -235,6 +268,7 @@ class Optimizer(StagedStep, Telemetry, torch.optim.Optimizer):
         """Hook for subclasses: checks across the param groups, once they are all there (at the
         end of construction, then at every ``add_param_group``)."""
         self.__dict__["_built"] = True
+        self._placement = _placement.Placement(self.param_groups)
 
     def _hyperparameters(self) -> set[str]:
         """The hyperparameters a param group of this optimizer may set."""
@@ -242,28 +276,37 @@ class Optimizer(StagedStep, Telemetry, torch.optim.Optimizer):
 
     def _accept_group(self, group: dict[str, Any]) -> None:
         group.setdefault("micro_step", 0)
-        for p in group["params"]:
-            if torch.is_complex(p):
-                raise ValueError(f"muon_fn does not support complex parameters, got {self._name(group, p)}")
-            if not p.is_floating_point():
-                raise ValueError(f"muon_fn optimizes floating-point parameters only, got {self._name(group, p)} "
-                                 f"with dtype {p.dtype}")
+        self._check_param_types(group)
         self._validate_group(group)
         self._runtimes.append(_GroupRuntime())
         self._dry_run(len(self.param_groups) - 1)
         if group["gradient_accumulation_steps"] > 1:
             self._initial_state(len(self.param_groups) - 1)
 
+    def _rebuild_group(self, index: int) -> None:
+        """Group ``index``'s transforms and buckets made anew (its parameters were swapped)."""
+        self._runtimes[index] = _GroupRuntime()
+        self._dry_run(index)
+
+    def _check_param_types(self, group: dict[str, Any]) -> None:
+        for p in group["params"]:
+            if torch.is_complex(p):
+                raise ValueError(f"muon_fn does not support complex parameters, got {self._name(group, p)}")
+            if not p.is_floating_point():
+                raise ValueError(f"muon_fn optimizes floating-point parameters only, got {self._name(group, p)} "
+                                 f"with dtype {p.dtype}")
+
     def _initial_state(self, index: int) -> None:
         """Create the transforms' state of group ``index`` now, not at its first update. Done for
         groups with gradient accumulation: torch.distributed.checkpoint initializes an optimizer
         that has no state by a step with zero gradients at lr = 0, which would count as the
         window's first micro-batch (and leave only an accumulator as the state to load into).
-        Parameters still on the meta device (materialized later) get theirs at the first update."""
+        Parameters still on the meta device (materialized later) get theirs at the first update;
+        DTensor parameters get theirs from the distributed step, which lays them out."""
         group, rt = self.param_groups[index], self._runtime(index)
         for bucket in rt.buckets:
             params = tuple(group["params"][i] for i in bucket.indices)
-            if not any(p.is_meta for p in params):
+            if not any(p.is_meta or _placement.is_dtensor(p) for p in params):
                 _, fresh = self._bucket_state(rt.variants[bucket.variant].tx, bucket, params)
                 for p, st in zip(params, fresh or ()):
                     self.state[p].update(st)
@@ -272,6 +315,7 @@ class Optimizer(StagedStep, Telemetry, torch.optim.Optimizer):
         """Check a group's hyperparameters (subclasses add theirs): the per-step scalars ``lr`` and
         ``momentum`` in torch's wording, and every tensor value 1-element (it becomes a 0-d
         tensor for the transform)."""
+        _checks.implementation_group_keys(group)
         if "lr" in group:
             _checks.learning_rate(group["lr"])
         if "momentum" in group:
@@ -291,13 +335,15 @@ class Optimizer(StagedStep, Telemetry, torch.optim.Optimizer):
         return [{} for _ in group["params"]]
 
     def _param_names(self, group: dict[str, Any]) -> list[str | None]:
-        """The names of the group's parameters (its ``param_names``; None where unknown)."""
-        return list(group.get("param_names") or [None] * len(group["params"]))
+        """The names of the group's parameters: its ``param_names``, else the model's names (see
+        ``model=``); None where unknown."""
+        names = group.get("param_names")
+        return list(names) if names else [self.__dict__.get("_names", {}).get(id(p)) for p in group["params"]]
 
     def _name(self, group: dict[str, Any], p: torch.Tensor) -> str:
-        names = group.get("param_names")
         idx = next(i for i, q in enumerate(group["params"]) if q is p)
-        return repr(names[idx]) if names else f"#{idx} of shape {tuple(p.shape)}"
+        name = self._param_names(group)[idx]
+        return repr(name) if name is not None else f"#{idx} of shape {tuple(p.shape)}"
 
     # ----------------------------------------------------------------------- transforms
     def _hyper(self, group: dict[str, Any]) -> tuple[dict[str, Any], Any]:
@@ -368,7 +414,9 @@ class Optimizer(StagedStep, Telemetry, torch.optim.Optimizer):
 
     @staticmethod
     def _meta(params: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        return tuple(torch.empty_like(p, device="meta") for p in params)
+        """Meta tensors like ``params``: a DTensor's of its global shape."""
+        return tuple(torch.empty(tuple(p.shape), dtype=p.dtype, device="meta") if _placement.is_dtensor(p)
+                     else torch.empty_like(p, device="meta") for p in params)
 
     def _dry_run(self, index: int) -> None:
         """Trace one update of the whole group on meta tensors (each variant's transform on its
@@ -408,6 +456,7 @@ class Optimizer(StagedStep, Telemetry, torch.optim.Optimizer):
         (see :meth:`load_state_dict`), and dtype hyperparameters by name (``"torch.float32"``), as
         ``torch.distributed.checkpoint``'s full state dicts require, and under
         ``"params_without_state"`` the positions of the parameters that have no state yet."""
+        self._follow_params()
         state_dict = super().state_dict()
         state_dict["param_groups"] = [
             {**_layout.dtypes_by_name(saved), _layout.KEY: [tuple(p) for p in self._layout(group)],
@@ -432,6 +481,7 @@ class Optimizer(StagedStep, Telemetry, torch.optim.Optimizer):
         live state), dtype names read back as dtypes. A parameter whose state the state_dict
         lacks is refused, naming it, unless it had none when saved or ``allow_missing_state=True``
         (its state then starts afresh). A rejected state_dict leaves the optimizer as it was."""
+        self._follow_params()
         self._check_saved_groups(state_dict)
         for index, (group, saved_group) in enumerate(zip(self.param_groups, state_dict["param_groups"])):
             _layout.check_group(index, saved_group, self._layout(group))

@@ -21,6 +21,7 @@ either form (:func:`dtypes_from_names`), so checkpoints that stored the dtype it
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -37,13 +38,21 @@ _DTYPES = {str(d): d for d in vars(torch).values() if isinstance(d, torch.dtype)
 
 
 def dtypes_by_name(group: dict[str, Any]) -> dict[str, Any]:
-    """``group`` with every ``torch.dtype`` value replaced by its name (``"torch.float32"``)."""
-    return {k: str(v) if isinstance(v, torch.dtype) else v for k, v in group.items()}
+    """``group`` with every ``torch.dtype`` value replaced by its name (``"torch.float32"``) and
+    every container copied: ``torch.distributed.checkpoint`` loads into the state dict it got
+    from ``state_dict()`` in place, down to a ``matrix_view`` mapping's entries, which must not
+    be the optimizer's own."""
+    return {k: str(v) if isinstance(v, torch.dtype) else _copied(v) for k, v in group.items()}
 
 
 def dtypes_from_names(group: dict[str, Any]) -> dict[str, Any]:
-    """``group`` with every dtype name (``"torch.float32"``) replaced by the ``torch.dtype``."""
-    return {k: _DTYPES.get(v, v) if isinstance(v, str) else v for k, v in group.items()}
+    """``group`` with every dtype name (``"torch.float32"``) replaced by the ``torch.dtype`` and
+    every container copied (the optimizer's groups share nothing with a loaded state dict)."""
+    return {k: _DTYPES.get(v, v) if isinstance(v, str) else _copied(v) for k, v in group.items()}
+
+
+def _copied(value: Any) -> Any:
+    return copy.deepcopy(value) if isinstance(value, (dict, list)) else value
 
 
 class ParamLayout(NamedTuple):
@@ -68,6 +77,41 @@ def describe(p: ParamLayout, *, view: bool = False) -> str:
 
 def _differ(saved: ParamLayout, ours: ParamLayout, names: bool) -> bool:
     return (names and saved.name != ours.name) or (saved.shape, saved.view) != (ours.shape, ours.view)
+
+
+# Name segments of wrappers (torch.compile, activation checkpointing, FSDP1), which
+# torch.distributed.checkpoint leaves out of the names it keys state by.
+_WRAPPERS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
+
+
+def canonical(name: str) -> str:
+    """``name`` without wrapper segments: ``layers.0._checkpoint_wrapped_module.w`` -> ``layers.0.w``."""
+    return ".".join(part for part in name.split(".") if part not in _WRAPPERS)
+
+
+def root_shift(loaded: Sequence[str], recorded: Sequence[str]) -> dict[str, str] | None:
+    """Each of ``loaded`` (names relative to the module a checkpoint is loaded through) to one of
+    ``recorded`` (relative to the optimizer's own module), one to one: the same names up to
+    wrapper segments, or all with one module root swapped for another (loaded through the
+    optimizer's parent, ``model.0.weight`` for ``0.weight``, or a child); None if none fits."""
+    known = {canonical(n): n for n in recorded}
+    plain = [canonical(n) for n in loaded]
+    candidates = [("", "")] + sorted((_roots(plain[0], n) for n in known if plain),
+                                     key=lambda shift: len(shift[0]) + len(shift[1]))
+    for strip, add in candidates:
+        mapped = [add + n[len(strip):] if n.startswith(strip) else None for n in plain]
+        if all(m in known for m in mapped) and len(set(mapped)) == len(mapped):
+            return {n: known[m] for n, m in zip(loaded, mapped)}
+    return None
+
+
+def _roots(a: str, b: str) -> tuple[str, str]:
+    """The prefixes before the longest run of whole trailing segments ``a`` and ``b`` share."""
+    x, y = a.split("."), b.split(".")
+    k = 0
+    while k < min(len(x), len(y)) and x[-1 - k] == y[-1 - k]:
+        k += 1
+    return ".".join(x[:len(x) - k] + [""]) if k < len(x) else "", ".".join(y[:len(y) - k] + [""]) if k < len(y) else ""
 
 
 def _difference(index: int, position: int, saved: ParamLayout, ours: ParamLayout) -> str:
@@ -99,18 +143,27 @@ def check_group(index: int, saved_group: dict[str, Any], ours: Sequence[ParamLay
             return  # keyed by name, saved without names: the order is unknown, sizes are checked
         saved = _by_name(index, saved, saved_params)  # state keyed by name: order is free
     named = all(p.name is not None for p in saved) and all(p.name is not None for p in ours)
+    if named and root_shift([p.name for p in saved], [p.name for p in ours]) == {
+            s.name: o.name for s, o in zip(saved, ours)}:
+        saved = [s._replace(name=o.name) for s, o in zip(saved, ours)]  # the same names through another root
     for position, (s, o) in enumerate(zip(saved, ours)):
         if _differ(s, o, named):
             raise ValueError(_difference(index, position, s, o))
 
 
 def _by_name(index: int, saved: list[ParamLayout], order: list[str]) -> list[ParamLayout]:
-    """The saved entries in the order of ``order`` (the names the loader put in ``params``)."""
+    """The saved entries in the order of ``order`` (the names the loader put in ``params``, which
+    torch.distributed.checkpoint makes relative to the module it is given: the recorded names
+    are matched through another root, :func:`root_shift`)."""
     by_name = {p.name: p for p in saved}
-    missing = [n for n in order if n not in by_name]
-    if missing:
-        raise ValueError(f"{_MISMATCH} {index}: the state dict records no parameter named {missing[0]!r}")
-    return [by_name[n] for n in order]
+    rename = root_shift(order, list(by_name))
+    if rename is None:
+        missing = [n for n in order if canonical(n) not in {canonical(m) for m in by_name}]
+        shown = ", ".join(repr(n) for n in list(by_name)[:4]) + (", ..." if len(by_name) > 4 else "")
+        raise ValueError(f"{_MISMATCH} {index}: the state dict records no parameter named "
+                         f"{(missing or order)[0]!r}, nor the same names under another module root (it records "
+                         f"{shown})")
+    return [by_name[rename[n]] for n in order]
 
 
 def _check_names(index: int, names: Any, ours: Sequence[ParamLayout]) -> None:

@@ -84,8 +84,10 @@ class HybridOptimizer(Optimizer):
         return _views.resolve(group["matrix_view"], group["params"], self._param_names(group), self._known_view)
 
     def _known_view(self, p: torch.Tensor) -> str | None:
-        """The view ``p``'s module gives it, when the optimizer knows the model (None here)."""
-        return None
+        """The view ``p``'s module gives it when the optimizer knows the model (``model=``): a
+        conv weight is flattened, any other parameter of ndim ≥ 3 is a stack of matrices
+        (:func:`muon_fn.optim._views.module_views`); None otherwise."""
+        return self.__dict__.get("_model_views", {}).get(id(p))
 
     def _param_options(self, group: dict[str, Any]) -> list[dict[str, Any]]:
         return [{"matrix_view": view} for view in self._matrix_views(group)[0]]

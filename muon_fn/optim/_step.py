@@ -69,6 +69,7 @@ class StagedStep:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._follow_params()  # parameters swapped in since the last step: laid out again first
         self._step()
         self._post_step()
         return loss

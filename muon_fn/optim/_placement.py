@@ -1,0 +1,145 @@
+"""Where an optimizer's parameters live: plain tensors, or DTensors that the distributed step runs.
+
+Every optimizer class takes either kind of parameter, at construction or swapped into
+``param_groups`` afterwards (a trainer that shards the model after building the optimizer). An
+optimizer holding a DTensor runs the owner-computes step of :mod:`muon_fn.fsdp`: each matrix is
+orthogonalized whole by one rank (DTensor has no sharding rule for a Newton–Schulz iteration, and
+running it through DTensor's ops would make every rank take part in every matrix).
+
+This module only tells the two apart and hands the optimizer over: :func:`distribute` calls the
+function that the package registers (:func:`register`; ``muon_fn/__init__.py`` registers
+:func:`muon_fn.fsdp._adopt.adopt`, imported on first use), so the ``torch.optim`` adapter never
+imports the FSDP adapter that is built on it.
+
+A swap is noticed at the next step by :class:`Placement`: the identity of every parameter,
+compared by reference, costs well under a microsecond per parameter.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import _views
+from ._step import step_not_traced
+
+_DISTRIBUTE: list[Callable[..., None]] = []
+
+
+def register(distribute: Callable[..., None]) -> None:
+    """Set the function that runs an optimizer holding DTensors on the distributed step:
+    ``distribute(optimizer, previous)`` (``previous``: the parameters it held before, per group,
+    for a swap after construction; None at construction)."""
+    _DISTRIBUTE[:] = [distribute]
+
+
+def distribute(optimizer: Any, previous: list[list[torch.Tensor | None]] | None = None) -> None:
+    """Hand ``optimizer`` to the registered distributed step (see :func:`register`)."""
+    if not _DISTRIBUTE:  # only when muon_fn/__init__.py did not run: an import of a submodule alone
+        raise RuntimeError(f"{type(optimizer).__name__} holds DTensor parameters but the distributed step is not "
+                           "registered: import muon_fn (its __init__ registers muon_fn.fsdp)")
+    _DISTRIBUTE[0](optimizer, previous)
+
+
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (without importing torch.distributed:
+    where that module is not loaded, nothing can be one)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def holds_dtensors(groups: Iterable[dict[str, Any]]) -> bool:
+    """Whether any parameter of the param groups ``groups`` is a DTensor."""
+    return any(is_dtensor(p) for g in groups for p in g["params"])
+
+
+class Placed:
+    """The part of :class:`muon_fn.Optimizer` that follows where its parameters are: the model
+    they belong to (``model=``), and a swap noticed at the next step."""
+
+    def _know_model(self, model: nn.Module | None) -> None:
+        """Keep ``model`` (see ``model=``): its parameters' names and their modules' views."""
+        if model is not None and not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
+        self._model = model
+        named = () if model is None else model.named_parameters(remove_duplicate=False)
+        self._names = {id(p): n for n, p in named}
+        self._model_views = {} if model is None else _views.module_views(model)
+
+    @step_not_traced
+    def _follow_params(self) -> None:
+        """Lay the step out again if parameters were swapped into ``param_groups`` since the last
+        step (a trainer sharding the model after the optimizer was built): called first by
+        ``step()``, ``state_dict()`` and ``load_state_dict()``; one reference comparison per
+        parameter when nothing changed."""
+        placement = self.__dict__.get("_placement")
+        if placement is not None and placement.changed(self.param_groups):
+            self._relayout(placement.previous())
+            self._placement = Placement(self.param_groups)
+
+    def _relayout(self, previous: list[list[torch.Tensor | None]]) -> None:
+        """After a swap: DTensors go to the distributed step (the state carried over there); plain
+        tensors keep the state of the parameter they replace, which must have their shape."""
+        if holds_dtensors(self.param_groups):
+            distribute(self, previous)
+            return
+        for group in self.param_groups:  # a bad swap is refused before anything changes
+            self._check_param_types(group)
+        for old, new in plain_moves(self, previous):
+            self.state[new] = {k: v.to(new.device) if isinstance(v, torch.Tensor) else v
+                               for k, v in self.state.pop(old).items()}
+        for index in range(len(self.param_groups)):
+            self._rebuild_group(index)
+
+
+class Placement:
+    """The parameters an optimizer was built (or last laid out) for, by reference, to notice a
+    trainer swapping others into ``param_groups`` (accelerate's FSDP2 ``prepare``)."""
+
+    def __init__(self, groups: list[dict[str, Any]]) -> None:
+        self.groups = [[weakref.ref(p) for p in g["params"]] for g in groups]
+
+    def changed(self, groups: list[dict[str, Any]]) -> bool:
+        """Whether ``groups`` hold other parameters than those recorded (or in another order)."""
+        if len(groups) != len(self.groups):
+            return True
+        for group, refs in zip(groups, self.groups):
+            params = group["params"]
+            if len(params) != len(refs) or any(r() is not p for r, p in zip(refs, params)):
+                return True
+        return False
+
+    def previous(self) -> list[list[torch.Tensor | None]]:
+        """The recorded parameters, per group and position (None where one no longer exists: it
+        held no optimizer state, which would keep it alive)."""
+        return [[r() for r in refs] for refs in self.groups]
+
+
+def plain_moves(optimizer: Any, previous: list[list[torch.Tensor | None]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The ``(old, new)`` parameters whose state moves to the parameter that replaced it at the
+    same position of ``param_groups`` (plain tensors on both sides); ``ValueError`` naming the first
+    replacement that cannot take its state (another shape, or a group of another length)."""
+    moves = []
+    for index, (group, old) in enumerate(zip(optimizer.param_groups, previous)):
+        params = group["params"]
+        held = [p for p in old if p is not None and optimizer.state.get(p)]
+        if len(params) != len(old) and held:
+            raise ValueError(f"param group {index} now holds {len(params)} parameters, but it held {len(old)} "
+                             "with optimizer state: the state cannot follow them by position; swap in one "
+                             "parameter for each, in the same order")
+        for position, (was, new) in enumerate(zip(old, params)):
+            if was is None or was is new or not optimizer.state.get(was):
+                continue
+            if tuple(was.shape) != tuple(new.shape):
+                raise ValueError(
+                    f"parameter {optimizer._name(group, new)} of group {index} replaced one of shape "
+                    f"{tuple(was.shape)} that has optimizer state, "
+                    f"by one of shape {tuple(new.shape)}: the state cannot follow it. Swap in parameters of the "
+                    "same shape, or build the optimizer after the model is laid out")
+            moves.append((was, new))
+    return moves

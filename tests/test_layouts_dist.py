@@ -1,0 +1,326 @@
+"""Every optimizer class on DTensor parameters, as trainers hand them over, on CPU/gloo: one spawned
+job per world size (2, then 3) runs every check.
+
+- **At construction**: ``MuonOptimizer(model.parameters())``, the hybrid, SSO and the elementwise
+  optimizers on a ``fully_shard``-ed model (Lightning's ``ModelParallelStrategy``, transformers'
+  DTensor loading, torchtitan) and on a tensor-parallel one: bit for bit the single-device
+  optimizer of the same class.
+- **Swapped in afterwards**: accelerate's FSDP2 ``prepare`` builds the optimizer on the plain
+  model, swaps each parameter for a placeholder, shards the model and switches the optimizer to
+  the DTensors (its own ``fsdp2_switch_optimizer_parameters``): before any step and after steps
+  whose state must follow, bit for bit.
+- **Checkpoints through any module root**: ``torch.distributed.checkpoint``'s
+  ``get/set_optimizer_state_dict`` given the optimizer's module, its parent (Lightning's module
+  root) or a child, saved at W = 2 and loaded at W = 3 (resharded); a checkpoint of another
+  model is refused before anything changes.
+
+The harness (toy model with uneven and empty shards, synthetic gradients, references on rank 0)
+is tests/test_fsdp.py's.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+from _ranks import assert_check, job_runner, rank_main
+from test_fsdp import JOB_TIMEOUT_S, Toy, assert_same, full, make, on_rank0, shard, synthetic_grad
+
+pytestmark = pytest.mark.distributed
+
+WORLD_SIZES = (2, 3)  # in this order: the W=2 job saves the checkpoint the W=3 job loads
+STEPS = 3
+
+
+def set_grads(model: nn.Module, step: int) -> None:
+    """The same global gradients on every rank; a DTensor parameter gets its part (any placements)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for i, p in enumerate(model.parameters()):
+        g = synthetic_grad(tuple(p.shape), step, i)
+        p.grad = distribute_tensor(g, p.device_mesh, p.placements, src_data_rank=None) if isinstance(p, DTensor) else g
+
+
+def train(pairs, steps: int, first: int = 0) -> None:
+    for t in range(first, first + steps):
+        for model, opt in pairs:
+            set_grads(model, t)
+            opt.step()
+
+
+class Lm(nn.Module):
+    """An embedding, hidden matrices and a head over the embedding's vocabulary: the hybrid
+    routes the embedding and the head to AdamW."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(11, 6)
+        self.l1 = nn.Linear(6, 10)
+        self.l2 = nn.Linear(10, 6, bias=False)
+        self.head = nn.Linear(6, 11, bias=False)
+
+
+class Parent(nn.Module):
+    """A trainer's module around the model (Lightning's ``LightningModule.model``)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+
+def builders():
+    import muon_fn as mf
+
+    return {
+        "muon": lambda m: mf.MuonOptimizer(m.parameters(), weight_decay=0.01, compile=False),
+        "muon_named_normuon": lambda m: mf.MuonOptimizer(m.named_parameters(), beta2=0.95, compile=False),
+        "hybrid": lambda m: mf.create_hybrid_optimizer(m, compile=False),
+        "sso": lambda m: mf.SpectralSphereOptimizer(m.parameters(), compile=False),
+        "triton_muon": lambda m: mf.TritonMuon(m.parameters(), compile=False),
+        "triton_muonw": lambda m: mf.TritonMuonW(m.parameters(), compile=False),
+        "muon_compiled": lambda m: mf.MuonOptimizer(m.parameters()),  # the default: inductor
+    }
+
+
+def single(name, cls=Toy, steps=STEPS):
+    """The single-device optimizer ``name`` after ``steps`` steps: parameters and state (rank 0's, sent to all)."""
+    def run():
+        model = make(cls)
+        opt = builders()[name](model)
+        train([(model, opt)], steps)
+        return model, opt
+
+    return on_rank0(run)
+
+
+def check_construction(name, cls=Toy):
+    """Built on DTensors: the class, not another; the distributed step; bit for bit."""
+    def run():
+        model = shard(make(cls))
+        opt = builders()[name](model)
+        train([(model, opt)], STEPS)
+        assert type(opt).__name__ == type(builders()[name](make(cls))).__name__
+        assert_same(model, opt, single(name, cls), what=f"{name}: ")
+        return {"class": type(opt).__name__, "matrices": opt.last_step_stats.get("matrices_computed")}
+
+    return run
+
+
+def tensor_parallel(model: nn.Module) -> nn.Module:
+    """``l1`` column-wise and ``l2`` row-wise over every rank (a 1-D tensor-parallel mesh)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    import torch.distributed as dist
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    return parallelize_module(model, mesh, {"l1": ColwiseParallel(), "l2": RowwiseParallel()})
+
+
+def check_tensor_parallel():
+    def run():
+        model = tensor_parallel(make(Lm))
+        opt = builders()["muon"](model)
+        train([(model, opt)], STEPS)
+        assert_same(model, opt, single("muon", Lm), what="tp: ")
+        return {"placements": [str(getattr(p, "placements", "plain")) for p in model.parameters()]}
+
+    return run
+
+
+def accelerate_swap(model: nn.Module, opt) -> nn.Module:
+    """What accelerate's FSDP2 ``prepare`` does to an optimizer built on the plain model (its
+    ``Accelerator._prepare_fsdp2``, with ``fully_shard`` for its ``fsdp2_prepare_model``, which
+    needs a GPU): placeholders, shard, then its own ``fsdp2_switch_optimizer_parameters``."""
+    from accelerate.utils.fsdp_utils import fsdp2_canonicalize_names, fsdp2_switch_optimizer_parameters
+
+    old = fsdp2_canonicalize_names(dict(model.named_parameters()))
+    for group in opt.param_groups:
+        for i, p in enumerate(group["params"]):
+            group["params"][i] = torch.empty(1, dtype=p.dtype, device=p.device)
+            group["params"][i].data_ptr = p.data_ptr()
+    shard(model)
+    new = fsdp2_canonicalize_names(dict(model.named_parameters()))
+    fsdp2_switch_optimizer_parameters(opt, {p.data_ptr(): new[n] for n, p in old.items()})
+    return model
+
+
+def check_swap(name, before=0, cls=Toy):
+    """Built on the plain model, ``before`` steps, swapped by accelerate, then the rest: bit for
+    bit the single-device run (state made before the swap follows its parameter)."""
+    def run():
+        model = make(cls)
+        opt = builders()[name](model)
+        train([(model, opt)], before)
+        accelerate_swap(model, opt)
+        train([(model, opt)], STEPS - before, first=before)
+        assert_same(model, opt, single(name, cls), what=f"{name} swapped after {before} steps: ")
+        return {"class": type(opt).__name__}
+
+    return run
+
+
+def check_swap_refused():
+    """A swap the state cannot follow (another shape) is refused by the next step, naming the
+    parameter, before anything changes."""
+    import muon_fn as mf
+
+    def run():
+        model = shard(make())
+        opt = mf.MuonOptimizer(model.parameters(), compile=False)
+        train([(model, opt)], 1)
+        other = shard(nn.Linear(7, 4))
+        kept = [full(p).clone() for p in model.parameters()]
+        opt.param_groups[0]["params"][0] = other.weight
+        try:
+            opt.step()
+        except ValueError as e:
+            message = str(e)
+        else:
+            raise AssertionError("the swap was not refused")
+        assert "parameter #0 of shape (4, 7) of group 0 replaced one of shape (10, 6)" in message, message
+        assert all(torch.equal(full(p), q) for p, q in zip(model.parameters(), kept))
+        return {"message": message[:80]}
+
+    return run
+
+
+class Moe(Lm):
+    """Lm with a stack of experts (3, 4, 6): a matrix view the checkpoint records."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.Parameter(torch.randn(3, 4, 6) / 3)
+
+
+def dcp_builders():
+    """Optimizers whose names differ from the root DCP is given: (build(parent), DCP's root)."""
+    import muon_fn as mf
+    from muon_fn.fsdp import FSDPMuonOptimizer
+
+    return {
+        # names relative to the child (the hybrid's model), DCP through the parent (Lightning)
+        "hybrid_via_parent": (lambda parent: mf.create_hybrid_optimizer(parent.model, compile=False),
+                              lambda parent: parent),
+        # names relative to the parent, DCP through the child
+        "fsdp_via_child": (lambda parent: FSDPMuonOptimizer(parent, compile=False), lambda parent: parent.model),
+        # no names at all, DCP through the parent
+        "muon_via_parent": (lambda parent: mf.MuonOptimizer(parent.model.parameters(), matrix_view="experts",
+                                                            compile=False), lambda parent: parent),
+    }
+
+
+def dcp_single(name):
+    """The single-device reference of ``dcp_builders()[name]``, three steps."""
+    import muon_fn as mf
+
+    def run():
+        model = make(Moe)
+        opt = {"hybrid_via_parent": lambda: mf.create_hybrid_optimizer(model, compile=False),
+               "fsdp_via_child": lambda: mf.MuonOptimizer(model.parameters(), weight_decay=0.01, matrix_view="experts",
+                                                          compile=False),
+               "muon_via_parent": lambda: mf.MuonOptimizer(model.parameters(), matrix_view="experts",
+                                                           compile=False)}[name]()
+        train([(model, opt)], STEPS)
+        return model, opt
+
+    return on_rank0(run)
+
+
+def check_dcp_root(tmp: Path, w: int, name: str):
+    """W=2 takes two steps and saves model and optimizer through DCP's root; W=3 (resharded)
+    loads them through the same root into a fresh model and optimizer, takes the third step and
+    equals the single-device run bit for bit."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    def run():
+        build, root_of = dcp_builders()[name]
+        parent = Parent(shard(make(Moe, seed=1 if w == 3 else 0)))  # W=3 starts elsewhere: the load must set it
+        opt, root = build(parent), root_of(parent)
+        where = str(tmp / f"dcp_{name}")
+        if w == 2:
+            train([(parent.model, opt)], 2)
+            dcp.save({"model": get_model_state_dict(root), "optim": get_optimizer_state_dict(root, opt)},
+                     checkpoint_id=where)
+            return {"saved": sorted(get_optimizer_state_dict(root, opt)["state"])[:3]}
+        state = {"model": get_model_state_dict(root), "optim": get_optimizer_state_dict(root, opt)}
+        dcp.load(state, checkpoint_id=where)
+        set_model_state_dict(root, state["model"])
+        set_optimizer_state_dict(root, opt, state["optim"])
+        train([(parent.model, opt)], 1, first=2)
+        assert_same(parent.model, opt, dcp_single(name), what=f"{name} W={w}: ")
+        return {"loaded": True}
+
+    return run
+
+
+def check_other_view_refused(tmp: Path):
+    """A checkpoint whose state fits another layout (the expert stack read as one flattened
+    matrix; plain Muon, whose state has the same shapes under both views) is refused through the
+    parent too, naming the parameter under the optimizer's own name; the parameters are left as
+    they were (DCP has loaded the state in place by then)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    import muon_fn as mf
+
+    def run():
+        parent = Parent(shard(make(Moe)))
+        opt = mf.create_hybrid_optimizer(parent.model, matrix_view={"experts": "flatten"}, beta2=None, compile=False)
+        kept = [full(p).clone() for p in parent.parameters()]
+        state = {"optim": get_optimizer_state_dict(parent, opt)}
+        dcp.load(state, checkpoint_id=str(tmp / "dcp_hybrid_via_parent"))
+        try:
+            set_optimizer_state_dict(parent, opt, state["optim"])
+        except ValueError as e:
+            message = str(e)
+        else:
+            raise AssertionError("a checkpoint of another layout was loaded")
+        assert "'experts' of shape (3, 4, 6) with view 'experts' in the state dict" in message, message
+        assert all(torch.equal(full(p), q) for p, q in zip(parent.parameters(), kept))
+        return {"message": message}
+
+    return run
+
+
+def checks_for(w: int, tmp: str) -> dict:
+    tmp = Path(tmp)
+    out = {f"construct_{name}": check_construction(name) for name in builders() if name != "hybrid"}
+    out["construct_hybrid"] = check_construction("hybrid", Lm)
+    out["tensor_parallel"] = check_tensor_parallel()
+    out["swap_fresh"] = check_swap("muon", 0)
+    out["swap_with_state"] = check_swap("muon_named_normuon", 2)
+    out["swap_hybrid_with_state"] = check_swap("hybrid", 1, Lm)
+    out["swap_refused"] = check_swap_refused()
+    for name in dcp_builders():
+        out[f"dcp_{name}"] = check_dcp_root(tmp, w, name)
+    if w == 3:
+        out["dcp_other_view_refused"] = check_other_view_refused(tmp)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    shared = tmp_path_factory.mktemp("layouts_dcp")
+    return job_runner(__file__, "layouts", tmp_path_factory, JOB_TIMEOUT_S, args=[str(shared)], order=WORLD_SIZES)
+
+
+CHECKS = list(checks_for(3, "."))
+
+
+@pytest.mark.parametrize("w", WORLD_SIZES)
+@pytest.mark.parametrize("name", CHECKS)
+def test_layouts(results, w, name):
+    if name not in checks_for(w, "."):
+        pytest.skip(f"{name} runs at W=3 only")
+    assert_check(results(w), w, name)
+
+
+if __name__ == "__main__":
+    rank_main(lambda w: checks_for(w, sys.argv[4]))
