@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -293,10 +294,22 @@ def _require_extra(extra: str, *modules: str) -> None:
         pytest.skip(reason)
 
 
-def test_example_hf_transformers(capsys):
+def test_example_hf_transformers_resumes_bit_for_bit(tmp_path, capsys):
+    """The Trainer builds the hybrid through HybridFactory (embeddings and the tied head to
+    AdamW); 4 steps saving at 2, then a resume from step 2: the same parameters, bit for bit (a
+    float64 sum printed with every digit)."""
     _require_extra("hf", "transformers", "accelerate")  # Trainer needs accelerate
-    assert load_example("hf_transformers").main(["--steps", "2"]) == 0
-    assert "final training loss" in capsys.readouterr().out
+    example, out = load_example("hf_transformers"), tmp_path / "ck"
+    assert example.main(["--steps", "4", "--out", str(out), "--save-steps", "2"]) == 0
+    straight = capsys.readouterr().out
+    assert "final training loss" in straight
+    wte = next(line for line in straight.splitlines() if "transformer.wte.weight" in line)
+    assert "embedding" in wte, wte  # in the AdamW half
+    shutil.rmtree(out / "checkpoint-4")
+    assert example.main(["--steps", "4", "--out", str(out), "--resume"]) == 0
+    resumed = capsys.readouterr().out
+    fingerprint = [line for line in straight.splitlines() if line.startswith("parameters: sum")]
+    assert fingerprint and fingerprint == [line for line in resumed.splitlines() if line.startswith("parameters: sum")]
 
 
 def test_example_lightning(capsys):

@@ -132,18 +132,25 @@ def check_tensor_parallel():
     return run
 
 
-def accelerate_swap(model: nn.Module, opt) -> nn.Module:
+def accelerate_swap(model: nn.Module, opt, blocks=None) -> nn.Module:
     """What accelerate's FSDP2 ``prepare`` does to an optimizer built on the plain model (its
     ``Accelerator._prepare_fsdp2``, with ``fully_shard`` for its ``fsdp2_prepare_model``, which
-    needs a GPU): placeholders, shard, then its own ``fsdp2_switch_optimizer_parameters``."""
+    needs a GPU): placeholders, shard (``blocks(model)``, then the root; default: every child),
+    then its own ``fsdp2_switch_optimizer_parameters``."""
     from accelerate.utils.fsdp_utils import fsdp2_canonicalize_names, fsdp2_switch_optimizer_parameters
+    from torch.distributed.fsdp import fully_shard
 
     old = fsdp2_canonicalize_names(dict(model.named_parameters()))
     for group in opt.param_groups:
         for i, p in enumerate(group["params"]):
             group["params"][i] = torch.empty(1, dtype=p.dtype, device=p.device)
             group["params"][i].data_ptr = p.data_ptr()
-    shard(model)
+    if blocks is None:
+        shard(model)
+    else:
+        for block in blocks(model):
+            fully_shard(block)
+        fully_shard(model)
     new = fsdp2_canonicalize_names(dict(model.named_parameters()))
     fsdp2_switch_optimizer_parameters(opt, {p.data_ptr(): new[n] for n, p in old.items()})
     return model
@@ -160,6 +167,40 @@ def check_swap(name, before=0, cls=Toy):
         train([(model, opt)], STEPS - before, first=before)
         assert_same(model, opt, single(name, cls), what=f"{name} swapped after {before} steps: ")
         return {"class": type(opt).__name__}
+
+    return run
+
+
+def gpt2():
+    """A tiny GPT-2 of transformers (Conv1D matrices stored (in, out), the head tied to the embedding)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2))
+
+
+def check_hf_trainer_fsdp2():
+    """The Hugging Face Trainer under FSDP2, as far as it runs on the CPU: the optimizer built by
+    the Trainer's factory call (``HybridFactory()(model, **kwargs)``) on the plain model, then
+    accelerate's swap, sharding each GPT2Block (accelerate's default wrap) and the root: bit for bit
+    the single-device run."""
+    from muon_fn.integrations.hf import HybridFactory
+
+    kwargs = {"muon_lr": 3e-3, "adamw_lr": 3e-3, "adjust_lr_fn": "match_rms_adamw", "compile": False}
+
+    def reference():
+        model = gpt2()
+        opt = HybridFactory()(model, **kwargs)
+        train([(model, opt)], STEPS)
+        return model, opt
+
+    def run():
+        model = gpt2()
+        opt = HybridFactory()(model, **kwargs)
+        accelerate_swap(model, opt, blocks=lambda m: list(m.transformer.h))
+        train([(model, opt)], STEPS)
+        assert_same(model, opt, on_rank0(reference), what="GPT-2 hybrid: ")
+        return {"split": [n for g in opt.param_groups for n in g["param_names"]][:4]}
 
     return run
 
@@ -298,6 +339,8 @@ def checks_for(w: int, tmp: str) -> dict:
     out["swap_with_state"] = check_swap("muon_named_normuon", 2)
     out["swap_hybrid_with_state"] = check_swap("hybrid", 1, Lm)
     out["swap_refused"] = check_swap_refused()
+    if w == 2:
+        out["hf_trainer_fsdp2"] = check_hf_trainer_fsdp2()
     for name in dcp_builders():
         out[f"dcp_{name}"] = check_dcp_root(tmp, w, name)
     if w == 3:
@@ -311,14 +354,14 @@ def results(tmp_path_factory):
     return job_runner(__file__, "layouts", tmp_path_factory, JOB_TIMEOUT_S, args=[str(shared)], order=WORLD_SIZES)
 
 
-CHECKS = list(checks_for(3, "."))
+CHECKS = list(dict.fromkeys([*checks_for(2, "."), *checks_for(3, ".")]))
 
 
 @pytest.mark.parametrize("w", WORLD_SIZES)
 @pytest.mark.parametrize("name", CHECKS)
 def test_layouts(results, w, name):
     if name not in checks_for(w, "."):
-        pytest.skip(f"{name} runs at W=3 only")
+        pytest.skip(f"{name} runs at one world size only")
     assert_check(results(w), w, name)
 
 

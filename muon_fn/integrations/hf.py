@@ -1,5 +1,20 @@
-"""``MuonMetricsCallback`` for the Hugging Face ``Trainer``: adds ``optimizer.metrics()`` of a
-muon_fn optimizer to the Trainer's logs, once per measured step.
+"""The Hugging Face ``Trainer``: :class:`HybridFactory`, muon_fn's hybrid as the Trainer's optimizer,
+and ``MuonMetricsCallback``, which adds ``optimizer.metrics()`` of a muon_fn optimizer to the
+Trainer's logs, once per measured step.
+
+    from muon_fn.integrations.hf import HybridFactory
+
+    trainer = Trainer(..., optimizer_cls_and_kwargs=(HybridFactory, {"muon_lr": 0.02, "adamw_lr": 3e-4}))
+
+The Trainer calls what ``optimizer_cls_and_kwargs`` names with no argument unless it is a
+``torch.optim.Optimizer`` class, then calls the result with the model and the keywords:
+:class:`HybridFactory` builds :func:`muon_fn.create_hybrid_optimizer` there, which routes the
+embeddings, the output head and 0-/1-D parameters to AdamW. (``MuonOptimizer`` given as the class
+receives the Trainer's decay and no-decay groups, in which the embeddings are matrices: Muon.)
+Under FSDP2 (accelerate shards the model after the optimizer is built and swaps the DTensors into
+its param groups) the optimizer runs the owner-computes step from its first step on.
+
+Metrics:
 
     from muon_fn.integrations.hf import MuonMetricsCallback
 
@@ -29,7 +44,23 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     _Callback, _MISSING = object, e
 
-__all__ = ["MuonMetricsCallback"]
+__all__ = ["HybridFactory", "MuonMetricsCallback"]
+
+
+class HybridFactory:
+    """``Trainer(optimizer_cls_and_kwargs=(HybridFactory, kwargs))``: the Trainer calls
+    ``HybridFactory()(model, **kwargs)``, which is :func:`muon_fn.create_hybrid_optimizer`
+    ``(model, **kwargs)`` (every keyword of it: ``muon_lr``, ``adamw_lr``, ``adamw_weight_decay``,
+    ``adjust_lr_fn``, ``metrics``, ...). The Trainer's ``learning_rate`` and ``weight_decay``
+    arguments do not reach it: give the rates here; its scheduler scales each group's."""
+
+    def __call__(self, model: Any, **kwargs: Any) -> Any:
+        from ..optim import create_hybrid_optimizer
+
+        return create_hybrid_optimizer(model, **kwargs)
+
+    def __repr__(self) -> str:
+        return "HybridFactory()"
 
 
 class MuonMetricsCallback(_Callback):
