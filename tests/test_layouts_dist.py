@@ -9,6 +9,9 @@ job per world size (2, then 3) runs every check.
   model, swaps each parameter for a placeholder, shards the model and switches the optimizer to
   the DTensors (its own ``fsdp2_switch_optimizer_parameters``): before any step and after steps
   whose state must follow, bit for bit.
+- **Trainers' own flows**: the Hugging Face Trainer's factory call and accelerate's swap on a
+  GPT-2; transformers' ``from_pretrained(tp_plan="auto")``, whose gradients come back with other
+  placements than their weights.
 - **Checkpoints through any module root**: ``torch.distributed.checkpoint``'s
   ``get/set_optimizer_state_dict`` given the optimizer's module, its parent (Lightning's module
   root) or a child, saved at W = 2 and loaded at W = 3 (resharded); a checkpoint of another
@@ -205,6 +208,46 @@ def check_hf_trainer_fsdp2():
     return run
 
 
+def check_transformers_tp_plan(tmp: Path):
+    """transformers' own DTensor loading: ``from_pretrained(tp_plan="auto", device_mesh=...)`` (a
+    tiny Llama saved here), ``MuonOptimizer(model.parameters())``. The gradients a real backward
+    gives carry their own placements (the vocabulary-parallel embedding's is ``Replicate()`` for a
+    ``Shard(0)`` weight): the steps use gradients with exactly those placements and equal the
+    single-device run bit for bit."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def run():
+        path = tmp / "llama"
+        if dist.get_rank() == 0 and not path.exists():
+            torch.manual_seed(0)
+            LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2)).save_pretrained(path)
+        dist.barrier()
+        model = LlamaForCausalLM.from_pretrained(path, tp_plan="auto",
+                                                 device_mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+        ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+        model(input_ids=ids, labels=ids).loss.backward()
+        placed = [(p.grad.device_mesh, p.grad.placements) if hasattr(p.grad, "placements") else None
+                  for p in model.parameters()]
+        opt = builders()["muon"](model)
+        ref = LlamaForCausalLM.from_pretrained(path)
+        plain = builders()["muon"](ref)
+        for t in range(STEPS):
+            for i, (p, q, where) in enumerate(zip(model.parameters(), ref.parameters(), placed)):
+                g = synthetic_grad(tuple(q.shape), t, i)
+                p.grad, q.grad = g if where is None else distribute_tensor(g, *where, src_data_rank=None), g.clone()
+            opt.step()
+            plain.step()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(full(p.detach()), q.detach()), name
+        return {"grad placements": sorted({str(w[1]) for w in placed if w is not None})}
+
+    return run
+
+
 def check_swap_refused():
     """A swap the state cannot follow (another shape) is refused by the next step, naming the
     parameter, before anything changes."""
@@ -341,6 +384,7 @@ def checks_for(w: int, tmp: str) -> dict:
     out["swap_refused"] = check_swap_refused()
     if w == 2:
         out["hf_trainer_fsdp2"] = check_hf_trainer_fsdp2()
+        out["transformers_tp_plan"] = check_transformers_tp_plan(tmp)
     for name in dcp_builders():
         out[f"dcp_{name}"] = check_dcp_root(tmp, w, name)
     if w == 3:

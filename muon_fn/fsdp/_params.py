@@ -233,6 +233,17 @@ def _redistribute(t: torch.Tensor, p: DTensor, src: Any, dst: Any) -> torch.Tens
     return d.redistribute(p.device_mesh, dst).to_local()
 
 
+def placed_like(g: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Gradient ``g`` laid out like its parameter ``p``: a DTensor gradient with other placements
+    (transformers' vocabulary-parallel embedding returns a ``Replicate()`` gradient for a
+    ``Shard(0)`` weight; a pending ``Partial()`` sum) is redistributed to ``p``'s (collective where
+    it reduces; every rank reads its gradients in the same order)."""
+    if isinstance(g, DTensor) and isinstance(p, DTensor) and (
+            g.placements != p.placements or g.device_mesh != p.device_mesh):
+        return g.redistribute(p.device_mesh, p.placements)
+    return g
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """The rank-local tensor of a DTensor (shares storage), or ``t`` itself."""
     return t.to_local() if isinstance(t, DTensor) else t

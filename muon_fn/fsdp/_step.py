@@ -86,7 +86,7 @@ class AdapterStep(FSDPTelemetry):
         if g is not None and g.is_sparse:
             raise RuntimeError("muon_fn does not support sparse gradients "
                                f"(parameter {self._name(group, p)})")
-        g = None if g is None else _params.local(g.detach())
+        g = None if g is None else _params.local(_params.placed_like(g.detach(), p))
         return g / k if g is not None and k > 1 else g
 
     def _finite(self, grads: list[tuple]) -> torch.Tensor | None:
