@@ -313,9 +313,12 @@ def test_example_hf_transformers_resumes_bit_for_bit(tmp_path, capsys):
 
 
 def test_example_lightning(capsys):
+    """One process, both optimizers (DDP and FSDP2: tests/test_lightning.py)."""
     _require_extra("lightning", "lightning")
-    assert load_example("lightning").main(["--steps", "2"]) == 0
-    assert "trained 2 steps" in capsys.readouterr().out
+    example = load_example("lightning")
+    assert example.main(["--steps", "2"]) == 0
+    assert example.main(["--steps", "2", "--optimizer", "muon", "--batch-size", "2"]) == 0
+    assert capsys.readouterr().out.count("trained 2 steps") == 2
 
 
 @pytest.mark.distributed

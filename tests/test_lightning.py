@@ -1,0 +1,167 @@
+"""The Lightning recipe (examples/lightning.py) on one process, under DDP and under FSDP2
+(Lightning's ``ModelParallelStrategy``: ``fully_shard`` in ``configure_model``, the optimizer built
+on the DTensor parameters), on the CPU with gloo, launched as users launch it (``python
+examples/lightning.py --devices 2``: Lightning starts rank 1 itself).
+
+Every run trains 4 steps, 2 epochs of 2, one window per device and micro-batch. The example's
+sampler gives rank r of W every W-th window of one shuffled order, so 2 devices see, step by step,
+the windows that one process sees with ``--accumulate 2`` (micro-batch r on rank r). The ranks'
+gradients are averaged (each halved, then summed) as the single process halves each micro-batch's
+loss and sums the gradients: the same operations, so the final parameters are equal bit for bit.
+Except clipping under FSDP2: ``clip_grad_norm_`` sums the norms of shards there, a few ulps off
+the single-process norm, so FSDP2 runs clip nowhere (``--grad-clip 0``: bit for bit) or, once,
+are held to a tolerance. DDP clips the all-reduced gradients, as one process does: bit for bit.
+
+A launch costs about 10 s of process start on 2 cores (Lightning starts rank 1 after rank 0 has
+imported everything), so one launch runs many fits: this file, run as a script, calls the
+example's ``main`` once per argument list. Two launches in all (every straight run, then every
+resumed run) and one single-process job, in fresh processes like the launches (no state left by
+other tests), beside the first launch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+
+from test_examples import ROOT, _require_extra, load_example
+
+STEPS = ["--steps", "4", "--epochs", "2", "--batch-size", "1"]
+OPTIMIZERS = ("muon", "hybrid")
+STRATEGIES = {"fsdp2": "0", "ddp": "1"}  # strategy: the --grad-clip of its runs (see above)
+JOB_TIMEOUT_S = 360  # a job of up to 5 fits; a hang (a collective mismatch) fails instead
+# FSDP2 with clipping against one process with clipping, max |Δp| after 4 steps: the clip
+# coefficient differs in its last bits (a norm summed over shards), and 4 steps carry that to
+# the 7.6e-7 measured (hybrid; parameters of magnitude up to 1).
+CLIPPED_ATOL = 1e-5
+
+
+def _start(tmp: Path, name: str, argvs: list[list[str]]) -> Callable[..., str]:
+    """Start this file as a script in a new process (session): it calls the example's ``main``
+    with each argument list in turn. The returned function waits for it, at most JOB_TIMEOUT_S
+    after the start (then the whole session, Lightning's rank processes included, is killed;
+    ``stop=True``: at once), and returns its output; a failure fails the test with its tail."""
+    spec, log = tmp / f"{name}.json", tmp / f"{name}.log"
+    spec.write_text(json.dumps(argvs))
+    env = dict(os.environ, OMP_NUM_THREADS="1", MUON_FN_COMPILE="0",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, __file__, str(spec)], cwd=tmp, env=env, stdout=f,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+
+    def finish(stop: bool = False) -> str:
+        try:
+            rc = proc.wait(timeout=0 if stop else max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = "stopped" if stop else f"killed after {JOB_TIMEOUT_S} s"
+        out = log.read_text()
+        assert rc == 0, f"{name}: exit {rc}\n{out[-4000:]}"
+        return out
+
+    return finish
+
+
+def _params(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, weights_only=True)
+
+
+def _assert_equal(a: dict, b: dict, what: str) -> None:
+    assert a.keys() == b.keys(), what
+    diff = {k: (a[k] - b[k]).abs().max().item() for k in a if not torch.equal(a[k], b[k])}
+    assert not diff, f"{what}: not bit for bit; max |Δ| per parameter: {diff}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """Every run, each writing its final parameters to ``<name>.pt``:
+    - ``one-<optimizer>-clip<0|1>``: one process, 2 micro-batches per step; a job of its own,
+      started first, so that it runs while the first launch leaves a core idle (rank 1 importing);
+    - ``<strategy>-<optimizer>``: 2 devices, straight, a checkpoint after each epoch (steps 2, 4);
+      and ``fsdp2-hybrid-clip1``, FSDP2 with clipping, in the same launch;
+    - ``<strategy>-<optimizer>-resumed``: a second launch (new processes) resuming each from its
+      step-2 checkpoint (the one a run stopped at step 2 takes: the schedule reads --steps).
+    """
+    _require_extra("lightning", "lightning")
+    tmp = tmp_path_factory.mktemp("lightning")
+    one = [[*STEPS, "--accumulate", "2", "--optimizer", opt, "--grad-clip", clip,
+            "--save-params", str(tmp / f"one-{opt}-clip{clip}.pt")] for opt in OPTIMIZERS for clip in "01"]
+    straight, resumed = [], []
+    for strategy, clip in STRATEGIES.items():
+        for opt in OPTIMIZERS:
+            run = f"{strategy}-{opt}"
+            common = [*STEPS, "--strategy", strategy, "--devices", "2", "--grad-clip", clip, "--optimizer", opt]
+            straight.append([*common, "--ckpt-dir", str(tmp / run), "--save-params", str(tmp / f"{run}.pt")])
+            resumed.append([*common, "--resume", str(tmp / run / "epoch=0-step=2.ckpt"),
+                            "--save-params", str(tmp / f"{run}-resumed.pt")])
+    straight.append([*STEPS, "--strategy", "fsdp2", "--devices", "2", "--optimizer", "hybrid",
+                     "--save-params", str(tmp / "fsdp2-hybrid-clip1.pt")])
+    one_job = _start(tmp, "one", one)
+    try:
+        out = _start(tmp, "straight", straight)()
+    except BaseException:
+        one_job(stop=True)
+        raise
+    assert "FSDPGPT" in out  # fully_shard applied in configure_model
+    out += one_job() + _start(tmp, "resumed", resumed)()
+    assert out.count("trained 4 steps") == len(one) + len(straight) + len(resumed), out[-3000:]
+    assert out.count("Restored all states from the checkpoint") == len(resumed), out[-3000:]
+    return tmp
+
+
+@pytest.mark.distributed
+def test_lightning_resumed_run_equals_the_straight_run(runs):
+    """For DDP and FSDP2, each optimizer: a run resumed in new processes from Lightning's step-2
+    checkpoint (DCP shards under FSDP2, one file under DDP) ends on the straight run's parameters."""
+    for strategy in STRATEGIES:
+        for opt in OPTIMIZERS:
+            ckpts = runs / f"{strategy}-{opt}"
+            assert sorted(p.name for p in ckpts.iterdir()) == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt"]
+            assert (ckpts / "epoch=0-step=2.ckpt").is_dir() == (strategy == "fsdp2")
+            _assert_equal(_params(runs / f"{strategy}-{opt}-resumed.pt"), _params(runs / f"{strategy}-{opt}.pt"),
+                          f"{strategy} {opt}: resumed vs straight")
+
+
+@pytest.mark.distributed
+def test_lightning_fsdp2_equals_one_process(runs):
+    """ModelParallelStrategy (FSDP2), --optimizer muon (MuonOptimizer(self.parameters())) and
+    hybrid, no clipping: equal to one process accumulating the ranks' micro-batches, bit for bit;
+    with clipping within CLIPPED_ATOL, and clipping changes the result."""
+    for opt in OPTIMIZERS:
+        _assert_equal(_params(runs / f"fsdp2-{opt}.pt"), _params(runs / f"one-{opt}-clip0.pt"),
+                      f"fsdp2 {opt} vs one process")
+    clipped, one = _params(runs / "fsdp2-hybrid-clip1.pt"), _params(runs / "one-hybrid-clip1.pt")
+    worst = max((clipped[k] - one[k]).abs().max().item() for k in one)
+    assert worst <= CLIPPED_ATOL, worst
+    assert not torch.equal(clipped["lm_head.weight"], _params(runs / "fsdp2-hybrid.pt")["lm_head.weight"])
+
+
+@pytest.mark.distributed
+def test_lightning_ddp_equals_one_process(runs):
+    """DDP with the example's default clipping (of the all-reduced gradients, as on one process):
+    equal to one process, bit for bit, for both optimizers, which differ."""
+    for opt in OPTIMIZERS:
+        _assert_equal(_params(runs / f"ddp-{opt}.pt"), _params(runs / f"one-{opt}-clip1.pt"),
+                      f"ddp {opt} vs one process")
+    muon, hybrid = (_params(runs / f"ddp-{opt}.pt") for opt in OPTIMIZERS)
+    assert not torch.equal(muon["lm_head.weight"], hybrid["lm_head.weight"])
+
+
+if __name__ == "__main__":  # a job of _start: every rank calls the example's main per argument list
+    example = load_example("lightning")
+    for argv in json.loads(Path(sys.argv[1]).read_text()):
+        t0 = time.perf_counter()
+        assert example.main(argv) == 0
+        rank = os.environ.get("LOCAL_RANK", "0")
+        print(f"[{rank}] {' '.join(argv)}: {time.perf_counter() - t0:.1f} s", flush=True)
