@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from ..optim import _placement
 from ..optim._adapter import Optimizer, _GroupRuntime
 from ..optim._muon import MuonOptimizer
 from ._adapter import FSDPAdapter
@@ -89,21 +90,7 @@ def _take_state(optimizer: Optimizer, previous: list[list[torch.Tensor | None]])
     """``(new parameter, state of the one it replaced)`` for every replaced parameter with state,
     the state as whole tensors (a DTensor's gathered: collective, in the same order on every
     rank); removed from the optimizer. A replacement of another shape is refused first."""
-    pairs = []
-    for index, (group, old) in enumerate(zip(optimizer.param_groups, previous)):
-        for position, (was, new) in enumerate(zip(old, group["params"])):
-            if was is None or was is new or not optimizer.state.get(was):
-                continue
-            if tuple(was.shape) != tuple(new.shape):
-                raise ValueError(
-                    f"parameter {optimizer._name(group, new)} of group {index} replaced one of shape "
-                    f"{tuple(was.shape)} that has optimizer state, by one of shape {tuple(new.shape)}: the state "
-                    "cannot follow it. Swap in parameters of the same shape, or build the optimizer after the "
-                    "model is laid out")
-            pairs.append((was, new))
-    if any(len(old) != len(g["params"]) for g, old in zip(optimizer.param_groups, previous)) and pairs:
-        raise ValueError(f"{type(optimizer).__name__}: a param group changed its length after the optimizer had "
-                         "state, which cannot follow its parameters by position; swap in one parameter for each")
+    pairs = _placement.state_moves(optimizer, previous)
     return [(new, {key: _whole(value) for key, value in sorted(optimizer.state.pop(was).items())})
             for was, new in pairs]
 

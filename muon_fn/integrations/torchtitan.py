@@ -1,4 +1,4 @@
-"""torchtitan: muon_fn's optimizers in torchtitan's ``OptimizersContainer``.
+r"""torchtitan: muon_fn's optimizers in torchtitan's ``OptimizersContainer``.
 
 torchtitan builds its optimizers from a config: each ``ParamGroupConfig`` matches parameter names
 with a regex and names an optimizer; the container resolves the name in a fixed table of

@@ -90,7 +90,7 @@ class Placed:
             return
         for group in self.param_groups:  # a bad swap is refused before anything changes
             self._check_param_types(group)
-        for old, new in plain_moves(self, previous):
+        for old, new in state_moves(self, previous):
             self.state[new] = {k: v.to(new.device) if isinstance(v, torch.Tensor) else v
                                for k, v in self.state.pop(old).items()}
         for index in range(len(self.param_groups)):
@@ -120,10 +120,10 @@ class Placement:
         return [[r() for r in refs] for refs in self.groups]
 
 
-def plain_moves(optimizer: Any, previous: list[list[torch.Tensor | None]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def state_moves(optimizer: Any, previous: list[list[torch.Tensor | None]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The ``(old, new)`` parameters whose state moves to the parameter that replaced it at the
-    same position of ``param_groups`` (plain tensors on both sides); ``ValueError`` naming the first
-    replacement that cannot take its state (another shape, or a group of another length)."""
+    same position of ``param_groups``; ``ValueError`` naming the first replacement that cannot take
+    its state (another shape, or a group of another length), before anything changes."""
     moves = []
     for index, (group, old) in enumerate(zip(optimizer.param_groups, previous)):
         params = group["params"]
