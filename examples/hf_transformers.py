@@ -19,6 +19,11 @@ dims) with an AdamW-sized learning rate, as Moonlight does.
     python examples/hf_transformers.py                                  # 30 steps
     python examples/hf_transformers.py --steps 4 --out ck --save-steps 2
     python examples/hf_transformers.py --steps 4 --out ck --resume      # from ck's last checkpoint
+
+``--fsdp2`` trains under FSDP2 (accelerate shards each GPT2Block after the Trainer built the
+optimizer, then swaps the DTensors into it; checkpoints go through torch.distributed.checkpoint).
+accelerate runs FSDP on GPUs only: ``torchrun --nproc_per_node=N examples/hf_transformers.py
+--fsdp2 ...``.
 """
 
 import argparse
@@ -58,8 +63,17 @@ class LMDataset(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids}
 
 
+def full(p: torch.Tensor) -> torch.Tensor:
+    """A parameter whole (an FSDP2 shard gathered from every rank)."""
+    return p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+
+
 OPTIMIZER = {"muon_lr": 3e-3, "adamw_lr": 3e-3, "adamw_weight_decay": 0.0,
              "adjust_lr_fn": "match_rms_adamw"}  # Conv1D stores (in, out); this rule is symmetric
+
+
+FSDP2 = {"fsdp": "full_shard", "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"],
+                                               "state_dict_type": "SHARDED_STATE_DICT"}}
 
 
 def main(argv=None) -> int:
@@ -68,6 +82,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="where the Trainer writes its checkpoints (default: a temporary directory)")
     ap.add_argument("--save-steps", type=int, default=0, help="save a checkpoint every N steps (0: none)")
     ap.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
+    ap.add_argument("--fsdp2", action="store_true", help="FSDP2 on the GPUs (under torchrun)")
     args = ap.parse_args(argv)
     if args.resume and not args.out:
         ap.error("--resume needs --out")
@@ -82,8 +97,9 @@ def main(argv=None) -> int:
         targs = TrainingArguments(
             output_dir=args.out or scratch, max_steps=args.steps, per_device_train_batch_size=8,
             lr_scheduler_type="cosine", warmup_steps=max(1, args.steps // 10),
-            logging_steps=max(1, args.steps // 10), report_to="none", use_cpu=True, dataloader_num_workers=0,
+            logging_steps=max(1, args.steps // 10), report_to="none", use_cpu=not args.fsdp2, dataloader_num_workers=0,
             disable_tqdm=True, save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
+            **(FSDP2 if args.fsdp2 else {}),
         )
         trainer = Trainer(model=model, args=targs, train_dataset=train,
                           optimizer_cls_and_kwargs=(HybridFactory, OPTIMIZER))
@@ -91,7 +107,8 @@ def main(argv=None) -> int:
     print(trainer.optimizer.optimizer.split)  # wte/wpe (tied to lm_head), LayerNorms -> AdamW; Conv1D -> Muon
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     print(f"first logged loss {losses[0]:.4f}, last {losses[-1]:.4f}; final training loss {result.training_loss:.4f}")
-    print(f"parameters: sum {sum(p.double().sum().item() for p in model.parameters())!r}")
+    total = sum(full(p).double().sum().item() for p in trainer.model.parameters())
+    print(f"parameters: sum {total!r}")
     return 0
 
 

@@ -55,6 +55,15 @@ def train(pairs, steps: int, first: int = 0) -> None:
             opt.step()
 
 
+def refusal(call, what: str) -> str:
+    """The message of the ``ValueError`` that ``call()`` raises."""
+    try:
+        call()
+    except ValueError as e:
+        return str(e)
+    raise AssertionError(f"{what} was not refused")
+
+
 class Lm(nn.Module):
     """An embedding, hidden matrices and a head over the embedding's vocabulary: the hybrid
     routes the embedding and the head to AdamW."""
@@ -260,12 +269,7 @@ def check_swap_refused():
         other = shard(nn.Linear(7, 4))
         kept = [full(p).clone() for p in model.parameters()]
         opt.param_groups[0]["params"][0] = other.weight
-        try:
-            opt.step()
-        except ValueError as e:
-            message = str(e)
-        else:
-            raise AssertionError("the swap was not refused")
+        message = refusal(opt.step, "the swap")
         assert "parameter #0 of shape (4, 7) of group 0 replaced one of shape (10, 6)" in message, message
         assert all(torch.equal(full(p), q) for p, q in zip(model.parameters(), kept))
         return {"message": message[:80]}
@@ -360,12 +364,7 @@ def check_other_view_refused(tmp: Path):
         kept = [full(p).clone() for p in parent.parameters()]
         state = {"optim": get_optimizer_state_dict(parent, opt)}
         dcp.load(state, checkpoint_id=str(tmp / "dcp_hybrid_via_parent"))
-        try:
-            set_optimizer_state_dict(parent, opt, state["optim"])
-        except ValueError as e:
-            message = str(e)
-        else:
-            raise AssertionError("a checkpoint of another layout was loaded")
+        message = refusal(lambda: set_optimizer_state_dict(parent, opt, state["optim"]), "a checkpoint of another layout")
         assert "'experts' of shape (3, 4, 6) with view 'experts' in the state dict" in message, message
         assert all(torch.equal(full(p), q) for p, q in zip(parent.parameters(), kept))
         return {"message": message}
