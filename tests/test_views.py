@@ -321,7 +321,7 @@ class TestGuessWarning(expecttest.TestCase):
         self.assertEqual(len(caught), 1)
         self.assertEqual(caught[0].filename, __file__)  # points at the line that built it
         self.assertExpectedInline(str(caught[0].message), """\
-MuonOptimizer: no matrix_view is given for 'w_up' (4, 12, 8), 'w_down' (4, 8, 12), 'conv.weight' (8, 8, 3): each is read as one matrix (shape[0], prod(shape[1:])), 'w_up' as 4x96, which is right for a conv weight. For a stack of matrices such as MoE experts (E, out, in) pass matrix_view='experts' ('w_up': 4 matrices 12x8, each orthogonalized and scaled by its own shape) or a mapping {name or glob pattern: view}; pass matrix_view='flatten' to keep this without the warning. muon_fn.create_hybrid_optimizer(model) chooses by module.""")
+MuonOptimizer: no matrix_view is given for 'w_up' (4, 12, 8), 'w_down' (4, 8, 12), 'conv.weight' (8, 8, 3): each is read as one matrix (shape[0], prod(shape[1:])), 'w_up' as 4x96, which is right for a conv weight. For a stack of matrices such as MoE experts (E, out, in) pass matrix_view='experts' ('w_up': 4 matrices 12x8, each orthogonalized and scaled by its own shape) or a mapping {name or glob pattern: view}; pass matrix_view='flatten' to keep this without the warning. Given the model (model=model, or muon_fn.create_hybrid_optimizer(model)) the optimizer chooses by module.""")
         self.assertIn("matrix_view='flatten' for", opt.describe().splitlines()[1] + "matrix_view='flatten' for")
 
     def test_a_named_view_silences_it(self):

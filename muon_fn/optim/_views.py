@@ -152,7 +152,7 @@ def guess_warning(owner: str, guessed: list[tuple[str, tuple[int, ...]]]) -> str
         f"stack of matrices such as MoE experts (E, out, in) pass matrix_view='experts' ({name}: {e} "
         f"matrices {mo}x{mi}, each orthogonalized and scaled by its own shape) or a mapping "
         "{name or glob pattern: view}; pass matrix_view='flatten' to keep this without the warning. "
-        "muon_fn.create_hybrid_optimizer(model) chooses by module.")
+        "Given the model (model=model, or muon_fn.create_hybrid_optimizer(model)) the optimizer chooses by module.")
 
 
 def warn(message: str) -> None:
