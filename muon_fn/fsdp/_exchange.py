@@ -13,14 +13,17 @@ the all-gather baseline (every rank computes every matrix). :func:`all_ranks_fin
 :func:`share_from_owners`, :func:`check_same`, :func:`any_rank_flag` and :func:`all_ranks_max`
 (QK-Clip's logits) are the small collectives around a step. :class:`Posted` is :func:`exchange`
 posted bucket by bucket (the FSDP optimizers' ``overlap=True``), on a :func:`dedicated_group`.
+The CPU tensors of every collective are released by this thread, never by the backend's worker
+thread (:class:`_Kept`), so that no process aborts at exit.
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
+import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -41,6 +44,52 @@ class ExchangeStats:
     compute_s: float = 0.0  # time inside ``compute``
 
 
+# Why a collective's tensors are kept (torch >= 2.10, gloo). A tensor's Python object owns one
+# reference to the C++ tensor, and every C++ holder owns one more. The thread that drops the count
+# from 2 to 1 (or to 0, once the Python object is gone) takes the GIL. Gloo's worker thread
+# (``pt_gloo_runloop``) holds a collective's tensors until just after it completes the work, and
+# ``wait()`` can return first. If the worker drops the last reference but one, it takes the GIL.
+# If the interpreter is finalizing by then, Python ends the thread (``pthread_exit``). The unwind
+# reaches a noexcept destructor, and std::terminate aborts the process ("terminate called without
+# an active exception", exit code -6). That happens after the user's ``destroy_process_group()``,
+# when the exit follows a step's last collective within milliseconds. So this thread keeps one
+# more reference to each tensor (a view of it), from before the collective is posted until the
+# backend has let go. The worker then never drops the last reference but one; this thread does.
+KEEP_TIMEOUT_S = 10.0  # a backend that holds the tensors longer: warn, and keep no more
+_keeping = hasattr(torch.Tensor, "_use_count")
+
+
+class _Kept:
+    """The CPU tensors about to be handed to one collective, each with an extra reference held
+    here (a view of it) until :meth:`release`. They must not be views themselves (a view of a
+    view references the first one's base, not it)."""
+
+    def __init__(self, *tensors: torch.Tensor) -> None:
+        assert not any(t._is_view() for t in tensors), "_Kept: a collective's tensor is a view"
+        self.tensors = [t for t in tensors if _keeping and t.device.type == "cpu"]
+        self.views = [t.view(t.shape) for t in self.tensors]
+        self.counts = [t._use_count() for t in self.tensors]  # with the view, before the collective
+
+    def release(self) -> None:
+        """After the collective completed and its work handle was dropped: wait until the backend
+        holds none of the tensors, then drop the views (on this thread). Sleeping releases the
+        GIL and the CPU to the worker thread that still holds them."""
+        global _keeping
+        # A count of 1 is a view without a reference to its base (inference mode): nothing kept.
+        held = [(t, c) for t, c in zip(self.tensors, self.counts) if c > 1]
+        deadline, pause = time.monotonic() + KEEP_TIMEOUT_S, 0.0
+        while any(t._use_count() > c for t, c in held):
+            if time.monotonic() > deadline:
+                _keeping = False
+                warnings.warn(f"muon_fn: the backend still held a collective's tensors {KEEP_TIMEOUT_S:.0f} s after "
+                              "it completed; no longer waiting for that (the process may abort at exit)",
+                              RuntimeWarning, stacklevel=3)
+                break
+            time.sleep(pause)
+            pause = min(2 * pause + 1e-5, 1e-3)
+        self.tensors, self.views = [], []
+
+
 class _Wire:
     """One exchange's settings and figures: every ``all_to_all_single`` goes through :meth:`post`."""
 
@@ -56,14 +105,15 @@ class _Wire:
         send = (torch.cat(parts).to(self.wire) if parts
                 else torch.empty(0, dtype=self.wire, device=self.device))
         recv = torch.empty(sum(recv_splits), dtype=self.wire, device=self.device)
+        kept = _Kept(recv, send)
         work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.group, async_op=True)
         self.stats.bytes_sent += self.item * (sum(send_splits) - send_splits[self.rank])
         self.stats.bytes_received += self.item * (sum(recv_splits) - recv_splits[self.rank])
-        return work, recv, send
+        return work, recv, send, kept
 
-    def wait(self, work) -> None:
+    def wait(self, flight: _InFlight) -> None:
         t0 = time.perf_counter()
-        work.wait()
+        flight.complete()
         self.stats.comm_wait_s += time.perf_counter() - t0
 
     def timed(self, compute: Compute, idx: list[int], mats: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -74,11 +124,19 @@ class _Wire:
         return results
 
 
-class _InFlight(NamedTuple):
+@dataclass
+class _InFlight:
     bucket: BucketPlan
-    work: Any  # the collective's handle
+    work: Any  # the collective's handle (None once complete)
     recv: torch.Tensor
     send: torch.Tensor  # kept alive until the collective completes
+    kept: _Kept
+
+    def complete(self) -> None:
+        """Wait for the collective; drop its handle and release its tensors (:class:`_Kept`)."""
+        self.work.wait()
+        self.work = None
+        self.kept.release()
 
 
 def exchange(
@@ -183,7 +241,7 @@ class Posted:
         waited = 0.0
         for g in self.gathers:
             t0 = time.perf_counter()
-            g.work.wait()
+            g.complete()
             waited += time.perf_counter() - t0
         self.gathers, self.rows = [], [None] * len(self.plan.matrices)
         return waited
@@ -222,8 +280,7 @@ def _post_gather(plan: Plan, b: BucketPlan, rows: list[torch.Tensor], wire: _Wir
     """Send every matrix's contributed rows to its owner: the send buffer is ordered by owner,
     then by the bucket's matrix order."""
     parts = [rows[j].reshape(-1) for d in range(plan.world_size) for j in _owned(plan, b, d)]
-    work, recv, send = wire.post(parts, b.gather_send(wire.rank), b.gather_recv(wire.rank))
-    return _InFlight(b, work, recv, send)
+    return _InFlight(b, *wire.post(parts, b.gather_send(wire.rank), b.gather_recv(wire.rank)))
 
 
 def _assemble(plan: Plan, owned: list[int], recv: torch.Tensor, wire: _Wire) -> list[torch.Tensor]:
@@ -244,7 +301,7 @@ def _compute_and_return(plan: Plan, g: _InFlight, compute: Compute, back_cols: l
                         wire: _Wire) -> _InFlight:
     """Wait for a bucket's gather, compute the owned matrices and post their rows back (ordered by
     destination rank, then by the owned matrices)."""
-    wire.wait(g.work)
+    wire.wait(g)
     owned = _owned(plan, g.bucket, wire.rank)
     results = wire.timed(compute, owned, _assemble(plan, owned, g.recv, wire))
     for j, r in zip(owned, results):
@@ -256,13 +313,12 @@ def _compute_and_return(plan: Plan, g: _InFlight, compute: Compute, back_cols: l
     w, b = plan.world_size, g.bucket
     send_splits = [_returned(plan, b.matrices, wire.rank, d, back_cols) for d in range(w)]
     recv_splits = [_returned(plan, b.matrices, s, wire.rank, back_cols) for s in range(w)]
-    work, recv, send = wire.post(parts, send_splits, recv_splits)
-    return _InFlight(b, work, recv, send)
+    return _InFlight(b, *wire.post(parts, send_splits, recv_splits))
 
 
 def _collect(plan: Plan, r: _InFlight, back_cols: list[int], wire: _Wire, out: list) -> None:
     """This rank's rows of a bucket's results (ordered by owner, then bucket order)."""
-    wire.wait(r.work)
+    wire.wait(r)
     offset = 0
     for s in range(plan.world_size):
         for j in _owned(plan, r.bucket, s):
@@ -336,10 +392,10 @@ def exchange_replicated(
     wire = _Wire(rank, held[0], wire_dtype, group)
     pending = [_post_all_gather(plan, b, held, wire) for b in plan.buckets]
     out: list[torch.Tensor | None] = [None] * len(plan.matrices)
-    for b, members, work, gathered in pending:
-        if work is not None:
-            wire.wait(work)
-        full = _unpad(plan, members, gathered, wire) if members else {}
+    for b, members, flight in pending:
+        if flight is not None:
+            wire.wait(flight)
+        full = _unpad(plan, members, flight.recv, wire) if flight is not None else {}
         idx = list(b.matrices)
         results = wire.timed(compute, idx, [full.get(j, held[j]) for j in idx])
         for j, r in zip(idx, results):
@@ -363,14 +419,15 @@ def _post_all_gather(plan: Plan, b: BucketPlan, held: Sequence[torch.Tensor], wi
         pad = _padded_rows(plan, j) - x.shape[0]
         parts.append((torch.cat([x, x.new_zeros(pad, x.shape[1])]) if pad else x).reshape(-1))
     if not parts:
-        return b, members, None, None
+        return b, members, None
     send = torch.cat(parts).to(wire.wire)
     gathered = torch.empty(plan.world_size * send.numel(), dtype=wire.wire, device=wire.device)
+    kept = _Kept(gathered, send)
     work = _all_gather(gathered, send, group=wire.group, async_op=True)
     copies = wire.item * send.numel() * (plan.world_size - 1)  # as a ring/all-to-all: (W-1) copies
     wire.stats.bytes_sent += copies
     wire.stats.bytes_received += copies
-    return b, members, work, gathered
+    return b, members, _InFlight(b, work, gathered, send, kept)
 
 
 def _unpad(plan: Plan, members: list[int], gathered: torch.Tensor, wire: _Wire) -> dict[int, torch.Tensor]:
@@ -405,8 +462,10 @@ def all_ranks_finite(finite: torch.Tensor, group: dist.ProcessGroup | None, worl
     nothing read back to the host (none for W = 1)."""
     if world_size == 1:
         return finite
-    flag = finite.to(torch.int32).reshape(1)
+    flag = finite.reshape(1).to(torch.int32, copy=True)  # not a view: _Kept keeps it
+    kept = _Kept(flag)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    kept.release()
     return flag.reshape(()).bool()
 
 
@@ -416,7 +475,9 @@ def all_ranks_max(tensors: list[torch.Tensor]) -> None:
     if not tensors or not dist.is_initialized() or dist.get_world_size() == 1:
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])
+    kept = _Kept(flat)
     dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+    kept.release()
     for t, v in zip(tensors, flat.split([t.numel() for t in tensors])):
         t.copy_(v.view_as(t))
 
@@ -451,7 +512,9 @@ def dedicated_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
 def any_rank_flag(flag: bool, group: dist.ProcessGroup | None, device: torch.device) -> bool:
     """``flag`` OR-ed over the ranks of ``group`` (one tiny all-reduce, read back to the host)."""
     t = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    kept = _Kept(t)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    kept.release()
     return bool(t.item())
 
 
@@ -465,7 +528,9 @@ def share_from_owners(values: list[torch.Tensor | None], like: list[torch.Tensor
     if not parts:
         return []
     flat = torch.cat(parts)
+    kept = _Kept(flat)
     dist.all_reduce(flat, group=group)
+    kept.release()
     out, offset = [], 0
     for t in like:
         out.append(flat[offset:offset + t.numel()].view(t.shape).to(t.dtype))
