@@ -332,7 +332,8 @@ def test_gpu_lane_script_keeps_to_its_budget(tmp_path):
     summary = (tmp_path / "summary.txt").read_text().splitlines()
     assert summary[0].startswith("gpu-lane: CPU") and "| torch " in summary[0]
     steps = ["lane", "lane-execution", "bench-gpt2", "memory-gpt2", "bench-llama3-8b", "bench-llama3-1b",
-             "bench-deepseek-moe", "compile-time", "train", "fsdp", "lane-compile-cache", "gram-compare"]
+             "bench-deepseek-moe", "compile-time", "train", "fsdp", "trainers",
+             "lane-compile-cache", "gram-compare"]
     assert [line.split(":")[0] for line in summary[1:]] == steps
     assert all("skipped" in line for line in summary[1:])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["logs.tar.gz", "summary.txt"]
