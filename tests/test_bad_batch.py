@@ -6,7 +6,7 @@
   value (SSO's ``eigh`` raised on it before).
 - ``"error"``: raises, naming the parameter; nothing changes.
 - ``None``: no check; the step is applied whole (the NaN reaches that parameter, as in
-  torch.optim) and never raises midway (SSO included: under FSDP every rank must finish).
+  torch.optim) and a NaN in it raises nothing midway (SSO included: under FSDP every rank must finish).
 - The default writes each bucket in place: every check above is decided before the first write.
   With ``atomic=True`` an error in the middle of a step (here: raised from inside the second
   bucket's computation, or inside SSO's operator in a compiled graph) also leaves everything as it
@@ -161,7 +161,7 @@ def none_applies_the_whole_step(name: str, options: dict) -> None:
     opt.step()
     before = snapshot(net, opt)
     set_grads(net, 1, BAD["matrix"])
-    opt.step()  # never raises midway
+    opt.step()  # a NaN in the batch raises nothing midway
     after = snapshot(net, opt)["params"]
     for n, p in after.items():
         changed = not torch.equal(p, before["params"][n])

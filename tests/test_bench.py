@@ -345,6 +345,7 @@ def test_elementwise_rows_report_paired_ratios_to_their_torch_peers(tmp_path, ca
     (["--model-size", "tiny", "--layers", "9", "--no-quality"], "Invalid layers: 9 (expected 1..4 for tiny)"),
     (["sso", "--rows", "sso"], "Invalid rows: must include 'muon'"),
     (["fsdp", "--world-sizes", "1"], "argument --world-sizes: expected an integer >= 2, got 1"),
+    (["fsdp", "--torch-dtype", "fp16"], "argument --torch-dtype: invalid choice: 'fp16'"),  # (choose from ...)
     (["--memory", "--elementwise"], "--memory, --compile-time and --elementwise each choose what to measure: give one"),
     (["--memory", "--no-memory"], "--memory measures only memory: give it or --no-memory, not both"),
     (["--memory", "--model-size", "llama3-1b", "--layers", "1", "--rows", "hybrid"],
@@ -382,6 +383,63 @@ def test_sso_bench_rejects_bad_arguments():
 
 def test_fsdp_benchmark_is_importable_without_running_ranks():
     assert callable(bench.benchmark_fsdp) and callable(bench.format_fsdp_result)
+
+
+def test_fsdp_command_has_torch_muon_on_the_same_dtensors(tmp_path, capsys):
+    """One W=2 job on one tiny layer (64-wide): every row with its step times, ratio to
+    torch.optim.Muon's step and per-rank memory; torch.optim.Muon on the FSDP2 DTensors and
+    MuonOptimizer(model.parameters()) on their own copy, both in fp32, end equal within 1e-5
+    (tests/test_torch_compat.py's fp32 tolerance) after the warm-up, timed and profiled steps."""
+    path = tmp_path / "fsdp.json"
+    assert bench.main(["fsdp", "--world-sizes", "2", "--layers", "1", "--dim", "64", "--repeats", "1",
+                       "--buckets", "2", "--torch-dtype", "fp32", "--json", str(path)]) == 0
+    (res,) = json.loads(path.read_text())
+    rows = res["variants"]
+    assert list(rows) == ["owner/fp32", "owner/bf16", "replicate/fp32", "torch.optim.Muon", "MuonOptimizer[like_torch]"]
+    for name, row in rows.items():
+        assert len(row["step_s"]) == 1 and row["median_step_s"] > 0, name
+        assert len(row["ratio_to_torch"]["per_round"]) == 1, name
+        assert len(row["cpu_s"]) == 1 and row["median_cpu_s"] > 0 and len(row["cpu_ratio_to_torch"]["per_round"]) == 1
+        assert len(row["state_bytes_per_rank"]) == 2 and len(row["peak_bytes_per_rank"]) == 2, name
+        assert all(b > 0 for b in row["peak_bytes_per_rank"]), name
+    assert rows["torch.optim.Muon"]["ratio_to_torch"]["per_round"] == [1.0]
+    # Momentum only (fp32 local shards): 64² · 4 + 2 · 256 · 64 = 48 Ki elements, half per rank.
+    assert rows["torch.optim.Muon"]["state_bytes_per_rank"] == [4 * 48 * 1024 // 2] * 2
+    assert rows["MuonOptimizer[like_torch]"]["state_bytes_per_rank"] == [4 * 48 * 1024 // 2] * 2
+    assert "bytes_sent_per_rank" in rows["MuonOptimizer[like_torch]"]  # the owner-computes step ran
+    assert "bytes_sent_per_rank" not in rows["torch.optim.Muon"]
+    assert rows["torch.optim.Muon"]["collectives_per_step"]  # DTensor's ops: every rank in every matrix
+    pair = res["pair"]
+    assert (pair["torch_dtype"], pair["steps"], pair["tolerance"]) == ("fp32", 3, 1e-5)
+    assert pair["within_tolerance"] and pair["max_abs_diff"] <= 1e-5, pair
+    assert pair["travelled"] > 1e-2, pair  # it moved (lr 0.02): a wrong formula would show
+    out = capsys.readouterr().out
+    assert "MuonOptimizer[like_torch]  step" in out and "/torch " in out and "max |Δparam|" in out
+
+
+def test_fsdp_table_without_the_torch_rows():
+    """``--no-torch``: muon_fn's rows only, no ratio column and no pair line."""
+    row = {"median_step_s": 1.0, "step_s": [1.0], "median_cpu_s": 0.9, "cpu_s": [0.9],
+           "state_bytes_per_rank": [2**20] * 2, "peak_bytes_per_rank": [2**21, 3 * 2**20], "bytes_sent_per_rank": [1e6, 1e6], "ns_flops_max_over_mean": 1.0,
+           "comm_wait_s_per_rank": [0.1, 0.2], "compute_s_per_rank": [0.8, 0.9]}
+    res = {"world_size": 2, "S_bytes": 4e6, "config": {}, "formula_bytes_fp32": 1e6, "formula_bytes_bf16": 5e5,
+           "owner_over_replicate": 0.5, "paired_ratios": [0.5],
+           "variants": {"owner/fp32": row, "replicate/fp32": {**row, "median_step_s": 2.0, "step_s": [2.0]}}}
+    text = bench.format_fsdp_result(res)
+    assert "/torch" not in text and "max |Δparam|" not in text
+    assert "state/rank 1.0 MiB  step peak/rank 2.0–3.0 MiB" in text
+
+
+def test_fsdp_torch_dtype_resolves_by_cpu(monkeypatch):
+    from muon_fn.bench import _fsdp
+
+    assert _fsdp.resolve_torch_dtype("bf16") == "bf16" and _fsdp.resolve_torch_dtype("fp32") == "fp32"
+    monkeypatch.setattr(O, "CPU_HAS_BF16_GEMM", False)
+    assert _fsdp.resolve_torch_dtype("auto") == "fp32"  # emulated bf16 would time nothing real
+    monkeypatch.setattr(O, "CPU_HAS_BF16_GEMM", True)
+    assert _fsdp.resolve_torch_dtype("auto") == "bf16"
+    with pytest.raises(ValueError, match="Invalid torch_dtype: 'fp16'"):
+        _fsdp.resolve_torch_dtype("fp16")
 
 
 class TestSSOBenchTable(expecttest.TestCase):

@@ -10,7 +10,7 @@
   torch.optim.Muon, and the hybrid against torch.optim.Muon + AdamW on the same split.
 - SSO (:func:`benchmark_sso`, ``muon-fn bench sso``): SpectralSphereOptimizer against Muon.
 - FSDP (:func:`benchmark_fsdp`, ``muon-fn bench fsdp``): owner-computes against replicate on
-  gloo ranks.
+  gloo ranks, and torch.optim.Muon against MuonOptimizer on the same FSDP2 DTensors.
 
 The sets (:data:`SETS`: tiny, gpt2-small, and the LLM-size llama3-1b, llama3-8b, deepseek-moe
 for GPUs) and the GEMM bound of a step (:func:`step_gemm_flops` over :func:`matmul_rate`).

@@ -7,7 +7,7 @@
     muon-fn bench --memory --model-size gpt2-small # state and step peak of every row, each in a fresh process
     muon-fn bench --device cuda --model-size gpt2-small llama3-1b llama3-8b deepseek-moe  # LLM-size sets
     muon-fn bench sso --layers 2 --rounds 4        # SSO against Muon (alias: muon-fn bench-sso)
-    muon-fn bench fsdp --world-sizes 2 4           # FSDP owner-computes against replicate (gloo)
+    muon-fn bench fsdp --world-sizes 2 4           # FSDP owner-computes, replicate, torch.optim.Muon (gloo)
     muon-fn bench fsdp --overlap --world-sizes 4   # FSDP overlap=False against overlap=True (gloo)
 
 Each prints a table (progress lines to stderr) and writes the full result to ``--json``.
@@ -24,7 +24,7 @@ from typing import Any, Sequence
 from .. import _newton_schulz
 from .._argtypes import device_arg, float_arg, int_arg
 from ._compile_time import GPT_SETS, benchmark_compile_time, format_compile_table
-from ._fsdp import benchmark_fsdp, benchmark_overlap, format_fsdp_result, format_overlap_result
+from ._fsdp import TORCH_DTYPES, benchmark_fsdp, benchmark_overlap, format_fsdp_result, format_overlap_result
 from ._memory_table import benchmark_memory, check_memory_args, format_memory_table
 from ._muon import benchmark_muon_optimizers, check_muon_args, compile_check, format_table
 from ._problem import CPU_MAX_PARAMS, DEFAULT_SIZES, SETS
@@ -259,14 +259,22 @@ def _sso_main(argv: list[str], prog: str) -> int:
 
 
 def _fsdp_parser(prog: str) -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=prog, description="FSDP owner-computes against replicate (CPU, gloo).")
+    ap = argparse.ArgumentParser(prog=prog, description="FSDP owner-computes against replicate, and torch.optim.Muon "
+                                 "and MuonOptimizer on the same DTensors (CPU, gloo).")
     ap.add_argument("--world-sizes", type=int_arg(2), nargs="+", default=[2, 4], metavar="W",
                     help="process counts, one run each (default 2 4)")
     ap.add_argument("--repeats", type=int_arg(1), default=3, metavar="N", help="paired repeats (default 3)")
     ap.add_argument("--ns-steps", type=int_arg(1), default=5, metavar="N", help="Newton–Schulz steps (default 5)")
     ap.add_argument("--layers", type=int_arg(1), default=12, metavar="N", help="layers of 4 D×D, 4D×D and D×4D matrices (default 12)")
     ap.add_argument("--dim", type=int_arg(1), default=768, metavar="D", help="model width (default 768: gpt2-small)")
-    ap.add_argument("--buckets", type=int_arg(1), default=4, metavar="N", help="num_buckets (default 4)")
+    ap.add_argument("--buckets", type=int_arg(1), default=4, metavar="N",
+                    help="num_buckets of the FSDPMuonOptimizer rows (default 4; MuonOptimizer on DTensors: 4)")
+    ap.add_argument("--torch-dtype", choices=TORCH_DTYPES, default="auto",
+                    help="iteration dtype of the torch.optim.Muon row and of MuonOptimizer[like_torch] "
+                         "(auto, the default: bf16 where the CPU has bf16 GEMMs, else fp32: torch's "
+                         "iteration with its bf16 cast replaced)")
+    ap.add_argument("--no-torch", action="store_true",
+                    help="leave out the torch.optim.Muon and MuonOptimizer[like_torch] rows")
     ap.add_argument("--overlap", action="store_true",
                     help="instead: overlap=False against overlap=True through real forward/backward "
                          "passes (defaults then: --layers 4 --dim 512 --repeats 5)")
@@ -292,7 +300,8 @@ def _fsdp_main(argv: list[str], prog: str) -> int:
         return 0
     for w in args.world_sizes:
         r = benchmark_fsdp(w, repeats=args.repeats, ns_steps=args.ns_steps, layers=args.layers,
-                           dim=args.dim, buckets=args.buckets)
+                           dim=args.dim, buckets=args.buckets, with_torch=not args.no_torch,
+                           torch_dtype=args.torch_dtype)
         print(format_fsdp_result(r), flush=True)
         results.append(r)
     _write_json(args.json, results)

@@ -1,12 +1,45 @@
-"""The FSDP benchmark: owner-computes vs replicate on the gpt2-small matrix set (CPU, gloo).
+"""The FSDP benchmark: owner-computes vs replicate, and torch.optim.Muon on the same DTensors,
+on the gpt2-small matrix set (CPU, gloo).
 
 For each world size W, :func:`benchmark_fsdp` spawns W processes, shards 12 × [4 × 768²,
 3072×768, 768×3072] with ``fully_shard`` (one block per layer) and times
 ``FSDPMuonOptimizer.step()`` with ``strategy="owner"`` (fp32 and bf16 on the wire) and
-``"replicate"``, paired: each repeat runs the three back to back on the same gradients. A step's
-time is the slowest rank's. The result has the median step times and their ratio, bytes sent per
-rank against 2(W−1)/W²·S, and the per-rank Newton–Schulz FLOPs max/mean. ``muon_fn.fsdp`` is
-imported only in the spawned ranks.
+``"replicate"``, paired: each repeat runs every row back to back on the same gradients (the order
+rotated by one row per repeat). A step's time is the slowest rank's. The result has the median
+step times and their ratio, bytes sent per rank against 2(W−1)/W²·S, and the per-rank
+Newton–Schulz FLOPs max/mean. ``muon_fn.fsdp`` is imported only in the spawned ranks.
+
+Unless ``with_torch=False`` two more rows run on two more copies of the model (same initial weights,
+same gradients), with torch.optim.Muon's settings (:data:`TORCH_SETTINGS`: its defaults but
+``lr=0.02``):
+
+- ``torch.optim.Muon``: ``torch.optim.Muon`` built on the model's matrices after ``fully_shard``
+  (DTensors), as a trainer hands them to it: its Newton–Schulz runs through DTensor's ops, every
+  rank taking part in every matrix (all-gathers and all-reduces inside each product);
+- ``MuonOptimizer[like_torch]``: ``muon_fn.MuonOptimizer(model.parameters(), **TORCH_SETTINGS,
+  ns_dtype=..., momentum_kind="ema")`` on the same kind of DTensors, which runs the owner-computes
+  step by itself: the same algorithm as the torch row.
+
+Both iterate in ``torch_dtype``: ``"bf16"`` (torch.optim.Muon as shipped, ``ns_dtype=torch.bfloat16``)
+or ``"fp32"`` (torch's own iteration with its bf16 cast replaced by fp32,
+:func:`muon_fn._train.optimizers.torch_zeropower`, and ``ns_dtype=torch.float32``); ``"auto"``:
+bf16 where the CPU has bf16 GEMMs, else fp32 (on an AVX2-only CPU bf16 is emulated and a bf16
+timing says nothing). Every row gets its per-repeat ratio to the torch row's step
+(``ratio_to_torch``). Each step is also timed in CPU seconds (``cpu_s``: the process's user and
+system time over all its threads, gloo's included, the slowest rank's; ``cpu_ratio_to_torch``):
+on a shared machine the wall time swings with the other processes' load, and a step that waits
+on many collectives loses more to it (each waits for every rank to be scheduled), while CPU time
+leaves out the waiting (the time a rank spends blocked on a slower one, too). After the timed
+steps and one step per row under torch's profiler (below) the pair's parameters are compared
+(``pair``: the largest difference over all ranks, and the tolerance: 1e-5 in fp32, as
+tests/test_torch_compat.py; 4e-3 in bf16, where two faithful implementations round apart).
+
+Memory per rank and row (every row): ``state_bytes``, this rank's bytes of ``optimizer.state``
+(local shards of DTensor state), and ``peak_bytes``, the step's transient: the peak of torch's CPU
+allocator during one more step above what it held before (torch.profiler allocator events,
+:func:`muon_fn.bench._memory.peak_step_bytes`; BLAS buffers, Python objects and memory an optimizer
+keeps outside ``state`` between steps are not counted). The torch row's profiled step also counts
+its collectives (``collectives_per_step``, DTensor's ``CommDebugMode``).
 
 :func:`benchmark_overlap` (``--overlap``) trains the same matrices through real forward and
 backward passes (a residual MLP-style block per layer, ``tokens`` rows per rank) and compares
@@ -18,6 +51,7 @@ waits on the exchange), medians over the repeats.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -25,12 +59,20 @@ import statistics
 import tempfile
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, Iterator
 
 from ._timing import paired_ratio
 
 GPT2_LAYER = [(768, 768)] * 4 + [(3072, 768), (768, 3072)]
 VARIANTS = (("owner", None), ("owner", "bf16"), ("replicate", None))
+TORCH_ROW = "torch.optim.Muon"
+LIKE_TORCH_ROW = "MuonOptimizer[like_torch]"
+# torch.optim.Muon's settings spelled out: its defaults, except lr (the pair's; Keller's scale).
+TORCH_SETTINGS = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, ns_coefficients=(3.4445, -4.775, 2.0315),
+                      eps=1e-7, ns_steps=5, adjust_lr_fn=None)
+TORCH_DTYPES = ("auto", "bf16", "fp32")
+# The pair's largest parameter difference allowed (tests/test_torch_compat.py's CPU tolerances).
+PAIR_TOLERANCE = {"fp32": 1e-5, "bf16": 4e-3}
 
 
 def _model(layers: int, dim: int):
@@ -165,51 +207,185 @@ def format_overlap_result(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _worker(rank: int, w: int, port: int, cfg: dict[str, Any], out: str) -> None:
+def _sharded(cfg: dict[str, Any]):
+    """:func:`_model` (seed 0) with ``fully_shard`` on each block and the root."""
     import torch
-    import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import DTensor
 
-    from muon_fn.fsdp import FSDPMuonOptimizer
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=w, timeout=timedelta(seconds=600))
     torch.manual_seed(0)
     model = _model(cfg["layers"], cfg["dim"])
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
-    for p in model.parameters():
-        local = torch.randn(p.to_local().shape)
-        p.grad = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
+    return model
+
+
+@contextlib.contextmanager
+def _torch_iteration(dtype: str) -> Iterator[None]:
+    """torch.optim.Muon iterates in ``dtype`` inside the block: ``"bf16"`` as shipped; ``"fp32"``
+    its own function with the bf16 cast replaced (:func:`muon_fn._train.optimizers.torch_zeropower`)."""
+    if dtype == "bf16":
+        yield
+        return
+    import torch
+    import torch.optim._muon as torch_muon
+
+    from .._train.optimizers import torch_zeropower
+
+    shipped = torch_muon._zeropower_via_newtonschulz
+    torch_muon._zeropower_via_newtonschulz = torch_zeropower(torch.float32)
+    try:
+        yield
+    finally:
+        torch_muon._zeropower_via_newtonschulz = shipped
+
+
+def _local_state_bytes(opt: Any) -> int:
+    """This rank's bytes of ``opt.state``: a DTensor's local shard."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for st in opt.state.values():
+        for v in st.values():
+            if isinstance(v, DTensor):
+                v = v.to_local()
+            if isinstance(v, torch.Tensor):
+                total += v.numel() * v.element_size()
+    return total
+
+
+def _with_grads(model: Any, grads: list) -> Any:
+    """``model`` with ``grads`` (local shards, cloned) as its parameters' DTensor gradients."""
+    from torch.distributed.tensor import DTensor
+
+    for p, local in zip(model.parameters(), grads):
+        p.grad = DTensor.from_local(local.clone(), p.device_mesh, p.placements, run_check=False,
                                     shape=p.shape, stride=p.stride())
+    return model
+
+
+def _muon_fn_rows(model: Any, cfg: dict[str, Any]) -> dict[str, tuple]:
+    """``FSDPMuonOptimizer`` per :data:`VARIANTS`, on ``model``: row -> (optimizer, step)."""
+    import torch
+
+    from muon_fn.fsdp import FSDPMuonOptimizer
+
     wire = {None: None, "bf16": torch.bfloat16}
-    opts = {
-        (s, wd): FSDPMuonOptimizer(model, lr=1e-4, strategy=s, wire_dtype=wire[wd],
-                                   method="polar_express", ns_steps=cfg["ns_steps"],  # as documented
-                                   num_buckets=cfg["buckets"])
-        for s, wd in VARIANTS
-    }
-    times: dict[str, list[float]] = {f"{s}/{wd or 'fp32'}": [] for s, wd in VARIANTS}
+    rows = {}
+    for s, wd in VARIANTS:
+        opt = FSDPMuonOptimizer(model, lr=1e-4, strategy=s, wire_dtype=wire[wd],
+                                method="polar_express", ns_steps=cfg["ns_steps"],  # as documented
+                                num_buckets=cfg["buckets"])
+        rows[f"{s}/{wd or 'fp32'}"] = (opt, opt.step)
+    return rows
+
+
+def _torch_rows(cfg: dict[str, Any], grads: list) -> tuple[dict[str, tuple], list]:
+    """torch.optim.Muon and ``MuonOptimizer[like_torch]``, each on its own sharded copy of the
+    model with the same gradients: row -> (optimizer, step); and the two models."""
+    import torch
+
+    import muon_fn
+
+    settings = {**TORCH_SETTINGS, "ns_steps": cfg["ns_steps"]}
+    models = [_with_grads(_sharded(cfg), grads) for _ in (TORCH_ROW, LIKE_TORCH_ROW)]
+    topt = torch.optim.Muon(list(models[0].parameters()), **settings)
+
+    def torch_step(_opt=topt, _dtype=cfg["torch_dtype"]):
+        with _torch_iteration(_dtype):
+            _opt.step()
+
+    ns_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg["torch_dtype"]]
+    mopt = muon_fn.MuonOptimizer(models[1].parameters(), **settings, ns_dtype=ns_dtype, momentum_kind="ema")
+    return {TORCH_ROW: (topt, torch_step), LIKE_TORCH_ROW: (mopt, mopt.step)}, models
+
+
+def _timed(steps: dict[str, tuple], repeats: int) -> tuple[dict, dict, dict]:
+    """Every row's step, ``repeats`` paired rounds after one warm-up, the order rotated by one row
+    per round; each time the slowest rank's. Returns wall times, CPU times, last step stats."""
+    import torch
+    import torch.distributed as dist
+
+    names = list(steps)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
     stats: dict[str, dict] = {}
-    for rep in range(cfg["repeats"] + 1):  # the first round warms up
-        for (s, wd), opt in opts.items():
+    for rep in range(repeats + 1):  # the first round warms up
+        k = max(rep - 1, 0) % len(names)
+        for name in names[k:] + names[:k]:
+            opt, step = steps[name]
             dist.barrier()
-            t0 = time.perf_counter()
-            opt.step()
-            dt = torch.tensor([time.perf_counter() - t0])
+            t0, c0 = time.perf_counter(), time.process_time()
+            step()
+            dt = torch.tensor([time.perf_counter() - t0, time.process_time() - c0])
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
             if rep:
-                times[f"{s}/{wd or 'fp32'}"].append(dt.item())
-            stats[f"{s}/{wd or 'fp32'}"] = dict(opt.last_step_stats)
+                times[name].append(dt[0].item())
+                cpu[name].append(dt[1].item())
+            stats[name] = dict(getattr(opt, "last_step_stats", {}))
+    return times, cpu, stats
+
+
+def _memory(steps: dict[str, tuple], stats: dict[str, dict]) -> None:
+    """One more step per row under torch's profiler (every rank at once: it is collective): its
+    peak and the state's bytes into ``stats``; the torch row's collectives too."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from ._memory import peak_step_bytes
+
+    for name, (opt, step) in steps.items():
+        dist.barrier()
+        comm = CommDebugMode() if name == TORCH_ROW else contextlib.nullcontext()
+        with comm:
+            peak = peak_step_bytes(step, torch.device("cpu"))
+        stats[name] = {**stats[name], "peak_bytes": peak, "state_bytes": _local_state_bytes(opt)}
+        if name == TORCH_ROW:
+            stats[name]["collectives_per_step"] = {str(op).rsplit(".", 1)[-1]: n
+                                                   for op, n in comm.get_comm_counts().items()}
+
+
+def _pair(models: list, start: list, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The torch pair's largest parameter difference and travel over all ranks, and its tolerance."""
+    import torch
+    import torch.distributed as dist
+
+    ps = [(p.to_local(), q.to_local()) for p, q in zip(models[0].parameters(), models[1].parameters())]
+    diff = torch.tensor([max((a - b).abs().max().item() for a, b in ps if a.numel()),
+                         max((a - s0).abs().max().item() for (a, _), s0 in zip(ps, start) if a.numel())],
+                        dtype=torch.float64)
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    tolerance = PAIR_TOLERANCE[cfg["torch_dtype"]]
+    return {"max_abs_diff": diff[0].item(), "travelled": diff[1].item(), "steps": cfg["repeats"] + 2,
+            "torch_dtype": cfg["torch_dtype"], "tolerance": tolerance, "within_tolerance": diff[0].item() <= tolerance}
+
+
+def _worker(rank: int, w: int, port: int, cfg: dict[str, Any], out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=w, timeout=timedelta(seconds=600))
+    torch.manual_seed(0)
+    model = _sharded(cfg)
+    grads = [torch.randn(p.to_local().shape) for p in model.parameters()]
+    steps = _muon_fn_rows(_with_grads(model, grads), cfg)
+    if cfg["torch"]:
+        torch_steps, models = _torch_rows(cfg, grads)
+        steps.update(torch_steps)
+        start = [p.to_local().clone() for p in models[0].parameters()]
+    times, cpu, stats = _timed(steps, cfg["repeats"])
+    _memory(steps, stats)
+    pair = _pair(models, start, cfg) if cfg["torch"] else {}
     gathered = [None] * w
     dist.all_gather_object(gathered, stats)
     if rank == 0:
         s_bytes = 4 * sum(p.numel() for p in model.parameters())
         with open(out, "w") as f:
-            json.dump({"times": times, "stats": gathered, "S_bytes": s_bytes}, f)
+            json.dump({"times": times, "cpu": cpu, "stats": gathered, "S_bytes": s_bytes, "pair": pair}, f)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -220,13 +396,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def resolve_torch_dtype(torch_dtype: str) -> str:
+    """``"bf16"`` or ``"fp32"`` for ``torch_dtype`` (``"auto"``: bf16 where this CPU has bf16
+    GEMMs, else fp32); ``ValueError`` for anything else."""
+    if torch_dtype not in TORCH_DTYPES:
+        raise ValueError(f"Invalid torch_dtype: {torch_dtype!r} (expected one of {list(TORCH_DTYPES)})")
+    if torch_dtype != "auto":
+        return torch_dtype
+    from .._newton_schulz import CPU_HAS_BF16_GEMM
+
+    return "bf16" if CPU_HAS_BF16_GEMM else "fp32"
+
+
 def benchmark_fsdp(world_size: int, *, repeats: int = 3, ns_steps: int = 5, layers: int = 12,
-                  dim: int = 768, buckets: int = 4) -> dict[str, Any]:
-    """Spawn ``world_size`` gloo ranks and measure; returns times, per-rank stats and the formula."""
+                   dim: int = 768, buckets: int = 4, with_torch: bool = True,
+                   torch_dtype: str = "auto") -> dict[str, Any]:
+    """Spawn ``world_size`` gloo ranks and measure; returns times, per-rank stats and the formula
+    (with ``with_torch``: the torch.optim.Muon pair too, iterating in ``torch_dtype``)."""
     import torch.multiprocessing as mp
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    cfg = dict(repeats=repeats, ns_steps=ns_steps, layers=layers, dim=dim, buckets=buckets)
+    cfg = dict(repeats=repeats, ns_steps=ns_steps, layers=layers, dim=dim, buckets=buckets, torch=with_torch,
+               torch_dtype=resolve_torch_dtype(torch_dtype))
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "bench.json")
         mp.spawn(_worker, args=(world_size, _free_port(), cfg, out), nprocs=world_size, join=True)
@@ -236,42 +427,79 @@ def benchmark_fsdp(world_size: int, *, repeats: int = 3, ns_steps: int = 5, laye
     result: dict[str, Any] = {"world_size": w, "S_bytes": s, "config": cfg, "variants": {}}
     for name, ts in raw["times"].items():
         per_rank = [st[name] for st in raw["stats"]]
-        flops = [st["ns_flops"] for st in per_rank]
-        result["variants"][name] = {
+        row: dict[str, Any] = {
             "median_step_s": statistics.median(ts),
             "step_s": ts,
-            "bytes_sent_per_rank": [st["bytes_sent"] for st in per_rank],
-            "ns_flops_per_rank": flops,
-            "ns_flops_max_over_mean": max(flops) / (sum(flops) / len(flops)),
-            "comm_wait_s_per_rank": [round(st["comm_wait_s"], 3) for st in per_rank],
-            "compute_s_per_rank": [round(st["compute_s"], 3) for st in per_rank],
+            "median_cpu_s": statistics.median(raw["cpu"][name]),
+            "cpu_s": raw["cpu"][name],
+            "state_bytes_per_rank": [st["state_bytes"] for st in per_rank],
+            "peak_bytes_per_rank": [st["peak_bytes"] for st in per_rank],
         }
+        if "ns_flops" in per_rank[0]:  # muon_fn's rows (the distributed step's figures)
+            flops = [st["ns_flops"] for st in per_rank]
+            row.update({
+                "bytes_sent_per_rank": [st["bytes_sent"] for st in per_rank],
+                "ns_flops_per_rank": flops,
+                "ns_flops_max_over_mean": max(flops) / max(sum(flops) / len(flops), 1),
+                "comm_wait_s_per_rank": [round(st["comm_wait_s"], 3) for st in per_rank],
+                "compute_s_per_rank": [round(st["compute_s"], 3) for st in per_rank],
+            })
+        if "collectives_per_step" in per_rank[0]:
+            row["collectives_per_step"] = per_rank[0]["collectives_per_step"]
+        if TORCH_ROW in raw["times"]:
+            row["ratio_to_torch"] = paired_ratio(ts, raw["times"][TORCH_ROW])
+            row["cpu_ratio_to_torch"] = paired_ratio(raw["cpu"][name], raw["cpu"][TORCH_ROW])
+        result["variants"][name] = row
     result["formula_bytes_fp32"] = 2 * (w - 1) / w**2 * s
     result["formula_bytes_bf16"] = result["formula_bytes_fp32"] / 2
     v = result["variants"]
     result["owner_over_replicate"] = v["owner/fp32"]["median_step_s"] / v["replicate/fp32"]["median_step_s"]
     # Paired: owner and replicate of the same repeat ran back to back under the same load.
     result["paired_ratios"] = paired_ratio(v["owner/fp32"]["step_s"], v["replicate/fp32"]["step_s"])["per_round"]
+    if raw["pair"]:
+        result["pair"] = raw["pair"]
     return result
+
+
+def _span(xs: list[float], fmt: str) -> str:
+    lo, hi = min(xs), max(xs)
+    return format(lo, fmt) if lo == hi else f"{lo:{fmt}}–{hi:{fmt}}"
 
 
 def format_fsdp_result(r: dict[str, Any]) -> str:
     """The human-readable summary of a :func:`benchmark_fsdp` result."""
     w, v = r["world_size"], r["variants"]
-    mb = 1e6
+    mb, mib = 1e6, 2**20
     lines = [f"W={w}  S={r['S_bytes'] / mb:.1f} MB (fp32 matrices)  config={r['config']}"]
+    torch_ran = TORCH_ROW in v
     for name, x in v.items():
-        b = x["bytes_sent_per_rank"]
-        lines.append(
-            f"  {name:15s} step {x['median_step_s']:7.2f} s (runs {', '.join(f'{t:.2f}' for t in x['step_s'])})"
-            f"  sent/rank {min(b) / mb:7.1f}–{max(b) / mb:7.1f} MB"
-            f"  NS FLOPs/rank max/mean {x['ns_flops_max_over_mean']:.3f}"
-            f"  comm wait {min(x['comm_wait_s_per_rank']):.2f}–{max(x['comm_wait_s_per_rank']):.2f} s"
-            f"  compute {min(x['compute_s_per_rank']):.2f}–{max(x['compute_s_per_rank']):.2f} s"
-        )
+        line = f"  {name:26s} step {x['median_step_s']:7.3f} s (runs {', '.join(f'{t:.3f}' for t in x['step_s'])})"
+        if torch_ran:
+            q = x["ratio_to_torch"]
+            line += f"  /torch {q['median']:.3f} (per repeat {', '.join(f'{t:.3f}' for t in q['per_round'])})"
+        line += f"  CPU {x['median_cpu_s']:.3f} s"
+        if torch_ran:
+            line += f" (/torch {x['cpu_ratio_to_torch']['median']:.3f})"
+        line += (f"  state/rank {_span([b / mib for b in x['state_bytes_per_rank']], '.1f')} MiB"
+                 f"  step peak/rank {_span([b / mib for b in x['peak_bytes_per_rank']], '.1f')} MiB")
+        if "bytes_sent_per_rank" in x:
+            b = x["bytes_sent_per_rank"]
+            line += (f"  sent/rank {min(b) / mb:.1f}–{max(b) / mb:.1f} MB"
+                     f"  NS FLOPs/rank max/mean {x['ns_flops_max_over_mean']:.3f}"
+                     f"  comm wait {min(x['comm_wait_s_per_rank']):.2f}–{max(x['comm_wait_s_per_rank']):.2f} s"
+                     f"  compute {min(x['compute_s_per_rank']):.2f}–{max(x['compute_s_per_rank']):.2f} s")
+        if "collectives_per_step" in x:
+            line += "  collectives/step " + ", ".join(f"{k} {n}" for k, n in x["collectives_per_step"].items())
+        lines.append(line)
     lines.append(
         f"  formula 2(W-1)/W^2*S = {r['formula_bytes_fp32'] / mb:.1f} MB fp32, "
         f"{r['formula_bytes_bf16'] / mb:.1f} MB bf16;  owner/replicate = {r['owner_over_replicate']:.3f}"
         f" (medians; per repeat {', '.join(f'{x:.3f}' for x in r['paired_ratios'])})"
     )
+    if "pair" in r:
+        p = r["pair"]
+        lines.append(
+            f"  {LIKE_TORCH_ROW} vs {TORCH_ROW} ({p['torch_dtype']} iteration, {p['steps']} steps): "
+            f"max |Δparam| {p['max_abs_diff']:.2e} (tolerance {p['tolerance']:.0e}: "
+            f"{'ok' if p['within_tolerance'] else 'EXCEEDED'}; parameters moved up to {p['travelled']:.2e})")
     return "\n".join(lines)
