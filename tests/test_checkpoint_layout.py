@@ -162,6 +162,24 @@ loaded state dict contains a parameter group that doesn't match optimizer's grou
 loaded state dict contains a parameter group that doesn't match optimizer's group 0: parameter 0 is 'experts' of shape (3, 4, 5) with view 'flatten' in the state dict but 'experts' of shape (3, 4, 5) with view 'experts' in this optimizer; the state_dict comes from a different model layout""")
         assert_unchanged(opt, snap)
 
+    def test_a_loader_that_wrote_in_place_is_named(self):
+        """A loader that writes the checkpoint into the tensors ``state_dict()`` returned (DCP does,
+        with the optimizer's own state tensors) has changed the state before the check: the refusal
+        says so, and that the optimizer must be built again; a loaded copy's refusal does not."""
+        torch.manual_seed(0)
+        model = Moe()
+        saved = roundtrip(trained(model, matrix_view={"experts": "flatten"}).state_dict())
+        opt = trained(copy.deepcopy(model), steps=1, matrix_view={"experts": "experts"})
+        assert _layout.OVERWRITTEN not in message(lambda: opt.load_state_dict(saved))
+        live = opt.state_dict()  # the optimizer's own tensors, as DCP's get_optimizer_state_dict gives them
+        for entry, loaded in zip(live["state"].values(), saved["state"].values()):
+            for key, t in entry.items():
+                if isinstance(t, torch.Tensor):
+                    t.copy_(loaded[key])  # what dcp.load does
+        live["param_groups"] = saved["param_groups"]
+        self.assertExpectedInline(message(lambda: opt.load_state_dict(live)), """\
+loaded state dict contains a parameter group that doesn't match optimizer's group 0: parameter 0 is 'experts' of shape (3, 4, 5) with view 'flatten' in the state dict but 'experts' of shape (3, 4, 5) with view 'experts' in this optimizer; the state_dict comes from a different model layout. The loader had already written this state_dict's state into the optimizer's own state tensors (torch.distributed.checkpoint loads in place into what get_optimizer_state_dict returned), so the optimizer's state is the refused checkpoint's now: build the optimizer again before stepping (the parameters are unchanged)""")
+
     def test_group_of_another_size_in_torchs_words(self):
         sd = roundtrip(trained(TwoLayers()).state_dict())
         opt = build(nn.Linear(6, 6))

@@ -482,12 +482,17 @@ class Optimizer(Placed, StagedStep, Telemetry, torch.optim.Optimizer):
         lacks is refused, naming it, unless it had none when saved or ``allow_missing_state=True``
         (its state then starts afresh). A rejected state_dict leaves the optimizer as it was."""
         self._follow_params()
-        self._check_saved_groups(state_dict)
-        for index, (group, saved_group) in enumerate(zip(self.param_groups, state_dict["param_groups"])):
-            _layout.check_group(index, saved_group, self._layout(group))
-            if not allow_missing_state:
-                _layout.check_state_present(index, saved_group, state_dict["state"],
-                                            lambda i, g=group: self._name(g, g["params"][i]))
+        try:
+            self._check_saved_groups(state_dict)
+            for index, (group, saved_group) in enumerate(zip(self.param_groups, state_dict["param_groups"])):
+                _layout.check_group(index, saved_group, self._layout(group))
+                if not allow_missing_state:
+                    _layout.check_state_present(index, saved_group, state_dict["state"],
+                                                lambda i, g=group: self._name(g, g["params"][i]))
+        except ValueError as err:
+            if _layout.loaded_in_place(self.state, state_dict.get("state", {})):
+                raise ValueError(f"{err}. {_layout.OVERWRITTEN}") from err
+            raise
         state_dict = {**state_dict, "param_groups": [_layout.dtypes_from_names(
             {k: v for k, v in g.items() if k not in (_layout.KEY, _layout.STATELESS)})
             for g in state_dict["param_groups"]]}

@@ -202,3 +202,25 @@ def check_state_present(index: int, saved_group: dict[str, Any], saved_state: di
             f"loaded state dict has no state for parameter {name(position)} of group {index}, {why}: it would "
             "restart from zero momentum. Load the complete state_dict, or pass allow_missing_state=True to "
             "start the state of such parameters afresh")
+
+
+OVERWRITTEN = ("The loader had already written this state_dict's state into the optimizer's own state tensors "
+               "(torch.distributed.checkpoint loads in place into what get_optimizer_state_dict returned), so "
+               "the optimizer's state is the refused checkpoint's now: build the optimizer again before "
+               "stepping (the parameters are unchanged)")
+
+
+def loaded_in_place(live: dict[Any, dict[str, Any]], loaded: dict[Any, dict[str, Any]]) -> bool:
+    """Whether a state_dict's state tensors (``loaded``) share storage with the optimizer's own
+    (``live``): a loader wrote the checkpoint into what ``state_dict()`` returned before the
+    optimizer could check it."""
+    ours = {_storage(t) for entry in live.values() for t in entry.values() if isinstance(t, torch.Tensor)}
+    ours.discard(0)
+    return any(_storage(t) in ours for entry in loaded.values() if isinstance(entry, dict)
+               for t in entry.values() if isinstance(t, torch.Tensor))
+
+
+def _storage(t: torch.Tensor) -> int:
+    """The address of ``t``'s storage (of its local shard, for a DTensor); 0 where it has none."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.untyped_storage().data_ptr()
