@@ -120,7 +120,7 @@ def torch_zeropower(dtype: torch.dtype):
 
 
 @contextmanager
-def _torch_iteration(dtype: torch.dtype | None):
+def torch_iteration(dtype: torch.dtype | None):
     """torch.optim.Muon iterates in ``dtype`` inside the block (``None``: as shipped, bf16)."""
     if dtype is None:
         yield
@@ -146,7 +146,7 @@ class TorchMuonHybrid:
         self.ns_dtype = ns_dtype
 
     def step(self) -> None:
-        with _torch_iteration(self.ns_dtype):
+        with torch_iteration(self.ns_dtype):
             for opt in self.optimizers:
                 opt.step()
 

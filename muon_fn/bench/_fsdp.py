@@ -59,7 +59,7 @@ import statistics
 import tempfile
 import time
 from datetime import timedelta
-from typing import Any, Iterator
+from typing import Any
 
 from ._timing import paired_ratio
 
@@ -220,41 +220,6 @@ def _sharded(cfg: dict[str, Any]):
     return model
 
 
-@contextlib.contextmanager
-def _torch_iteration(dtype: str) -> Iterator[None]:
-    """torch.optim.Muon iterates in ``dtype`` inside the block: ``"bf16"`` as shipped; ``"fp32"``
-    its own function with the bf16 cast replaced (:func:`muon_fn._train.optimizers.torch_zeropower`)."""
-    if dtype == "bf16":
-        yield
-        return
-    import torch
-    import torch.optim._muon as torch_muon
-
-    from .._train.optimizers import torch_zeropower
-
-    shipped = torch_muon._zeropower_via_newtonschulz
-    torch_muon._zeropower_via_newtonschulz = torch_zeropower(torch.float32)
-    try:
-        yield
-    finally:
-        torch_muon._zeropower_via_newtonschulz = shipped
-
-
-def _local_state_bytes(opt: Any) -> int:
-    """This rank's bytes of ``opt.state``: a DTensor's local shard."""
-    import torch
-    from torch.distributed.tensor import DTensor
-
-    total = 0
-    for st in opt.state.values():
-        for v in st.values():
-            if isinstance(v, DTensor):
-                v = v.to_local()
-            if isinstance(v, torch.Tensor):
-                total += v.numel() * v.element_size()
-    return total
-
-
 def _with_grads(model: Any, grads: list) -> Any:
     """``model`` with ``grads`` (local shards, cloned) as its parameters' DTensor gradients."""
     from torch.distributed.tensor import DTensor
@@ -288,15 +253,18 @@ def _torch_rows(cfg: dict[str, Any], grads: list) -> tuple[dict[str, tuple], lis
 
     import muon_fn
 
+    from .._train.optimizers import torch_iteration
+
     settings = {**TORCH_SETTINGS, "ns_steps": cfg["ns_steps"]}
     models = [_with_grads(_sharded(cfg), grads) for _ in (TORCH_ROW, LIKE_TORCH_ROW)]
     topt = torch.optim.Muon(list(models[0].parameters()), **settings)
 
-    def torch_step(_opt=topt, _dtype=cfg["torch_dtype"]):
-        with _torch_iteration(_dtype):
+    ns_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg["torch_dtype"]]
+
+    def torch_step(_opt=topt, _dtype=None if ns_dtype == torch.bfloat16 else ns_dtype):  # None: as shipped
+        with torch_iteration(_dtype):
             _opt.step()
 
-    ns_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg["torch_dtype"]]
     mopt = muon_fn.MuonOptimizer(models[1].parameters(), **settings, ns_dtype=ns_dtype, momentum_kind="ema")
     return {TORCH_ROW: (topt, torch_step), LIKE_TORCH_ROW: (mopt, mopt.step)}, models
 
@@ -334,14 +302,14 @@ def _memory(steps: dict[str, tuple], stats: dict[str, dict]) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from ._memory import peak_step_bytes
+    from ._memory import peak_step_bytes, state_bytes
 
     for name, (opt, step) in steps.items():
         dist.barrier()
         comm = CommDebugMode() if name == TORCH_ROW else contextlib.nullcontext()
         with comm:
             peak = peak_step_bytes(step, torch.device("cpu"))
-        stats[name] = {**stats[name], "peak_bytes": peak, "state_bytes": _local_state_bytes(opt)}
+        stats[name] = {**stats[name], "peak_bytes": peak, "state_bytes": state_bytes(opt)}
         if name == TORCH_ROW:
             stats[name]["collectives_per_step"] = {str(op).rsplit(".", 1)[-1]: n
                                                    for op, n in comm.get_comm_counts().items()}

@@ -67,11 +67,13 @@ _CLEAR_REFS = "/proc/self/clear_refs"
 
 
 def state_bytes(opt: Any, key: str | None = None) -> int:
-    """Bytes of the tensors in ``opt.state`` (persistent optimizer state); only ``key`` if given."""
+    """Bytes of the tensors in ``opt.state`` (persistent optimizer state) that this process holds
+    (of a DTensor, its local shard); only ``key`` if given."""
     if opt is None:
         return 0
-    return sum(v.numel() * v.element_size() for s in opt.state.values() for k, v in s.items()
-               if isinstance(v, torch.Tensor) and (key is None or k == key))
+    local = [v.to_local() if hasattr(v, "to_local") else v for s in opt.state.values() for k, v in s.items()
+             if isinstance(v, torch.Tensor) and (key is None or k == key)]
+    return sum(v.numel() * v.element_size() for v in local)
 
 
 def peak_step_bytes(step: Callable[[], Any], device: torch.device) -> int | None:
