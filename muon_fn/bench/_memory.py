@@ -56,6 +56,7 @@ import torch
 
 from .. import _newton_schulz
 from .._device import synchronize
+from ..optim._placement import is_dtensor
 
 PEAK_METHODS = {"cuda": "torch.cuda.max_memory_allocated", "cpu": "torch.profiler CPU allocator events"}
 RESIDENT_METHOD = ("peak resident set (VmHWM after clear_refs) less VmRSS; glibc: mmap threshold 64 KiB, "
@@ -71,7 +72,7 @@ def state_bytes(opt: Any, key: str | None = None) -> int:
     (of a DTensor, its local shard); only ``key`` if given."""
     if opt is None:
         return 0
-    local = [v.to_local() if hasattr(v, "to_local") else v for s in opt.state.values() for k, v in s.items()
+    local = [v.to_local() if is_dtensor(v) else v for s in opt.state.values() for k, v in s.items()
              if isinstance(v, torch.Tensor) and (key is None or k == key)]
     return sum(v.numel() * v.element_size() for v in local)
 

@@ -27,6 +27,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from . import _placement
+
 KEY = "param_layout"
 # The positions in a saved group of the parameters that had no state when it was saved (they had
 # not received a gradient yet): the load tells them from state that went missing.
@@ -222,5 +224,5 @@ def loaded_in_place(live: dict[Any, dict[str, Any]], loaded: dict[Any, dict[str,
 
 def _storage(t: torch.Tensor) -> int:
     """The address of ``t``'s storage (of its local shard, for a DTensor); 0 where it has none."""
-    local = t.to_local() if hasattr(t, "to_local") else t
+    local = t.to_local() if _placement.is_dtensor(t) else t
     return local.untyped_storage().data_ptr()
