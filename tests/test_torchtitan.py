@@ -6,7 +6,9 @@ model and container, stepped again: bit for bit a single-device ``MuonOptimizer`
 groups.
 
 The same on one rank of the test device (``test_container_on_one_rank``; in the GPU lane, step
-``trainers``: CUDA and nccl, compiled). torchtitan's own trainer is not run: its configs need the
+``trainers``: CUDA and nccl, compiled). The role routing (embeddings and the output head to AdamW, by
+module) on torchtitan's llama3 debug model from its registry, in one process
+(``test_llama3_*``). torchtitan's own trainer is not run: its configs need the
 repository's tokenizer and dataset assets, which the package does not ship. Skips without
 torchtitan (fails under ``MUON_FN_REQUIRE_EXTRAS=1``, .ci/run, which installs it).
 """
@@ -200,6 +202,122 @@ def test_container_on_one_rank(one_rank, device, tmp_path):  # noqa: F811
     assert type(again.optimizers[0]).__name__ == "MuonOptimizer"
     for (n, p), q in zip(fresh.named_parameters(), ref.parameters()):
         assert torch.equal(p.full_tensor(), q), n
+
+
+KERNELS = "torchtitan.distributed.minimal_async_ep.kernels"
+
+
+def llama3_debugmodel(device: str | torch.device = "cpu") -> nn.Module:
+    """torchtitan's llama3 ``debugmodel`` from its model registry (6 layers, dim 256, a
+    vocabulary of 2048; the embedding ``tok_embeddings``, the head ``lm_head``), on ``device``.
+    Its package imports the MoE dispatcher's Triton kernels at module level; without triton (a
+    CPU-only torch) a stand-in whose kernels raise is imported in their place: the dense llama3
+    never calls them."""
+    import types
+
+    needs_torchtitan()
+    if importlib.util.find_spec("triton") is None and KERNELS not in sys.modules:
+        def missing(name: str):
+            if name.startswith("__"):
+                raise AttributeError(name)
+
+            def kernel(*args, **kwargs):
+                raise RuntimeError(f"{KERNELS}.{name} needs triton")
+            return kernel
+
+        stub = types.ModuleType(KERNELS)
+        stub.__getattr__ = missing
+        sys.modules[KERNELS] = stub
+    from torchtitan.models.llama3 import model_registry
+
+    with torch.device(device):
+        return model_registry("debugmodel").model.build()
+
+
+CATCH_ALL = {"lr": 0.02, "weight_decay": 0.01, "adamw_lr": 3e-4, "adamw_weight_decay": 0.1}
+
+
+def titan_config(*groups: tuple[str, dict], verbose: bool = False):
+    from torchtitan.components.optimizer import ParamGroupConfig
+
+    from muon_fn.integrations.torchtitan import MuonOptimizersContainer
+
+    return MuonOptimizersContainer.Config(
+        param_groups=[ParamGroupConfig(pattern=p, optimizer_name="MuonOptimizer", optimizer_kwargs=kw)
+                      for p, kw in groups],
+        optimizer_factory_kwargs_by_name={"MuonOptimizer": {"compile": False}}, verbose=verbose)
+
+
+def test_llama3_roles(capsys):
+    """torchtitan's llama3 debug model (its names and module types) under the recipe's one
+    catch-all group: the embedding and the head ``lm_head`` get AdamW at the group's ``adamw_lr``
+    and ``adamw_weight_decay`` (one step moves each of their entries by AdamW's first step, lr),
+    every hidden matrix Muon, the norms AdamW; the split is create_hybrid_optimizer's, printed
+    as it prints its own."""
+    import muon_fn as mf
+
+    model = llama3_debugmodel()
+    names = {n: p for n, p in model.named_parameters()}
+    matrices = [n for n, p in names.items() if p.ndim == 2 and n.startswith("layers.")]
+    norms = [n for n, p in names.items() if p.ndim == 1]
+    assert len(matrices) == 30 and len(norms) == 13 and names["lm_head.weight"].shape == (2048, 256)
+    box = titan_config((r".*", CATCH_ALL), verbose=True).build(model_parts=[model])
+    printed = capsys.readouterr().out
+    (opt,) = box.optimizers
+    auto, twin = opt.param_groups
+    assert auto["algorithm"] == "auto"
+    assert auto["param_names"] == [n for n in names if n not in ("tok_embeddings.weight", "lm_head.weight")]
+    assert twin["algorithm"] == "adamw" and twin["param_names"] == ["tok_embeddings.weight", "lm_head.weight"]
+    assert (twin["lr"], twin["weight_decay"], twin["base_lr"]) == (3e-4, 0.1, 3e-4)
+    assert (auto["lr"], auto["weight_decay"]) == (0.02, 0.01)
+    (split,) = box.splits
+    rows = {n: r for n, _, r in split.adamw}
+    assert sorted(n for n, _, _ in split.muon) == sorted(matrices)
+    assert rows == {"tok_embeddings.weight": "embedding", "lm_head.weight": "output head", **{n: "1-D" for n in norms}}
+    hybrid = mf.create_hybrid_optimizer(model, compile=False).split
+    assert sorted(split.muon) == sorted(hybrid.muon) and sorted(split.adamw) == sorted(hybrid.adamw)
+    assert printed == f"{split}\n" and "lm_head.weight" in printed and str(split).startswith("Muon: 30 tensors")
+    head = names["lm_head.weight"]
+    before = head.detach().clone()
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()))
+    box.step()
+    step = before * (1 - 3e-4 * 0.1) - head.detach()  # AdamW's first step: lr·g / (|g| + eps)
+    torch.testing.assert_close(step, 3e-4 * head.grad / (head.grad.abs() + 1e-8), rtol=1e-4, atol=1e-8)
+
+
+def test_llama3_patterns_pin(capsys):
+    """A group with an algorithm, listed first, pins what its pattern matches against the rule:
+    ``lm_head`` to Muon; the earlier recipe's ``^(tok_embeddings|output)\\.`` AdamW group keeps
+    the embedding, and the catch-all's head still gets AdamW. The split names the pinning group."""
+    model = llama3_debugmodel()
+    pinned = titan_config((r"^lm_head\.", {"algorithm": "muon", "lr": 0.02}), (r".*", CATCH_ALL)).build(
+        model_parts=[model])
+    groups = pinned.optimizers[0].param_groups
+    assert [(g["algorithm"], g["param_names"][:1]) for g in groups] == [
+        ("muon", ["lm_head.weight"]), ("auto", ["layers.0.attention.qkv_linear.wqkv.weight"]),
+        ("adamw", ["tok_embeddings.weight"])]
+    assert {n: r for n, _, r in pinned.splits[0].muon}["lm_head.weight"] == "algorithm='muon' group [^lm_head\\.]"
+    earlier = titan_config((r"^(tok_embeddings|output)\.", {"algorithm": "adamw", "lr": 3e-4, "weight_decay": 0.1}),
+                           (r".*", CATCH_ALL)).build(model_parts=[model])
+    assert [(g["algorithm"], g["param_names"]) for g in earlier.optimizers[0].param_groups if g["algorithm"] == "adamw"] \
+        == [("adamw", ["tok_embeddings.weight"]), ("adamw", ["lm_head.weight"])]
+    assert capsys.readouterr().out == ""  # verbose=False prints nothing
+
+
+def test_llama3_roles_sharded(one_rank, device):  # noqa: F811
+    """The same split on the fully_shard-ed llama3 (DTensor parameters, FSDP's module classes),
+    on one rank of the test device."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = llama3_debugmodel(device)
+    plain = titan_config((r".*", CATCH_ALL)).build(model_parts=[model]).splits[0]
+    for block in model.layers.values():
+        fully_shard(block, mesh=one_rank)
+    fully_shard(model, mesh=one_rank)
+    box = titan_config((r".*", CATCH_ALL)).build(model_parts=[model])
+    assert box.optimizers[0].param_groups[1]["param_names"] == ["tok_embeddings.weight", "lm_head.weight"]
+    assert box.splits[0].muon == plain.muon and box.splits[0].adamw == plain.adamw
 
 
 if __name__ == "__main__":
