@@ -41,6 +41,8 @@ from ._routes import Bucket, Route, group_routes
 from ._step import AdapterStep, Matrix
 
 STRATEGIES = ("owner", "replicate")
+"""What ``strategy=`` accepts: ``"owner"`` (each matrix computed once, on its owner rank) or
+``"replicate"`` (every rank all-gathers and computes every matrix; the baseline)."""
 WIRE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 
 

@@ -42,6 +42,7 @@ TINY: Spec = {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "head_dim": 
 
 SPECS: dict[str, Spec] = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B,
                           "deepseek-v3": DEEPSEEK_V3, "tiny": TINY}
+"""The shipped specs by name (``muon-fn plan --model NAME``, :func:`muon_fn.fsdp.plan_model`)."""
 
 
 def get_spec(spec: str | Spec) -> Spec:

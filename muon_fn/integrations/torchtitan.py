@@ -67,6 +67,8 @@ FACTORIES: dict[str, Callable[..., Any]] = {
     "TritonMuon": TritonMuon,
     "TritonMuonW": TritonMuonW,
 }
+"""The optimizer names a ``ParamGroupConfig`` may give, besides torchtitan's own, and the class
+each builds."""
 
 
 def _routes(name: str) -> bool:

@@ -40,6 +40,8 @@ from ._telemetry import Telemetry, check_metrics
 Factory = Callable[[dict[str, Any]], GradientTransformation]
 
 NONFINITE_POLICIES = ("skip", "error", None)
+"""What ``nonfinite=`` accepts: ``"skip"`` (a step with an inf/nan gradient changes no parameter
+or state), ``"error"`` (also raises, naming the parameters), ``None`` (no check)."""
 # Group keys the adapter itself uses; they never reach the factory.
 _ADAPTER_KEYS = frozenset({"params", "param_names", "gradient_accumulation_steps", "micro_step",
                            "initial_lr", "base_lr", _layout.KEY, _layout.STATELESS, *_checks.IMPLEMENTATION_KEYS})
@@ -55,6 +57,8 @@ SCALAR_KEYS = frozenset({"lr", "momentum"})
 # the execution policy's default, muon_fn._execution). Larger buckets batch more matrices per
 # orthogonalization call (see MuonOptimizer(bucket_size=...)).
 BUCKET_SIZE = _execution.CPU.bucket_size
+"""The CPU's default ``bucket_size``: at most this many same-shape parameters (and at most 8 MiB
+of them) share one compiled call; on GPUs the default is 16."""
 
 
 def buckets(params: list[torch.Tensor], size: int | None | Callable[..., int]) -> list[tuple[int, ...]]:
