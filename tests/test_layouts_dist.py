@@ -217,6 +217,92 @@ def check_hf_trainer_fsdp2():
     return run
 
 
+def accelerator():
+    """accelerate's ``Accelerator`` in this rank (on the CPU: its FSDP2 plugin and ``prepare``
+    need a GPU, as the Hugging Face Trainer's ``use_cpu=True`` drops FSDP), which
+    ``AcceleratedOptimizer`` and the checkpoint functions read."""
+    import os
+
+    import torch.distributed as dist
+    from accelerate import Accelerator
+
+    os.environ.setdefault("RANK", str(dist.get_rank()))
+    os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))
+    os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
+    return Accelerator(cpu=True)
+
+
+def check_accelerate_checkpoint(tmp: Path):
+    """The Hugging Face Trainer's FSDP2 flow with accelerate's own pieces: ``AcceleratedOptimizer``
+    (which loads the optimizer's own state_dict before ``prepare`` swaps the parameters), the
+    swap, two steps, ``save_fsdp_optimizer`` (DCP shards, what the Trainer's checkpoint calls);
+    then a fresh model and optimizer through the same flow, ``load_fsdp_optimizer`` and the third
+    step: bit for bit the single-device run. No state entry is left keyed by a former parameter
+    (torch's ``state_dict()`` would fail on it, and it would keep the unsharded model alive)."""
+    from accelerate.optimizer import AcceleratedOptimizer
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import load_fsdp_optimizer, save_fsdp_optimizer
+    from torch.distributed.tensor import DTensor
+
+    def run():
+        acc = accelerator()
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
+        out = {}
+        for name, cls in (("hybrid", Lm), ("muon_named_normuon", Toy)):
+            def prepared(seed=0):
+                model = make(cls, seed=seed)
+                opt = AcceleratedOptimizer(builders()[name](model))
+                assert not opt.state, f"{name}: {len(opt.state)} state entries after AcceleratedOptimizer"
+                accelerate_swap(model, opt)
+                return model, opt
+
+            where = str(tmp / f"accelerate_{name}")
+            model, opt = prepared()
+            train([(model, opt)], 2)
+            assert all(isinstance(p, DTensor) and st for p, st in opt.state.items()), name
+            save_fsdp_optimizer(plugin, acc, opt, model, where)
+            resumed, ropt = prepared(seed=1)  # another start: the parameters and the state come from the run
+            with torch.no_grad():
+                for p, q in zip(resumed.parameters(), model.parameters()):
+                    p.to_local().copy_(q.to_local())
+            load_fsdp_optimizer(plugin, acc, ropt, resumed, where)
+            train([(resumed, ropt)], STEPS - 2, first=2)
+            assert_same(resumed, ropt, single(name, cls), what=f"{name} resumed through accelerate: ")
+            out[name] = sorted(ropt.state_dict()["param_groups"][0])[:3]
+        return out
+
+    return run
+
+
+def check_hybrid_accumulation():
+    """``create_hybrid_optimizer(model, gradient_accumulation_steps=2)`` on a fully_shard-ed model
+    builds (it hands the model on, whose gradient sync the step pauses) and accumulates as one
+    process does, bit for bit: the gradients as FSDP2 leaves them (``None`` on a window's first
+    micro-batch, the window's sum on its last) against the single-device hybrid's micro-batches."""
+    import muon_fn as mf
+    from torch.distributed.tensor import distribute_tensor
+
+    def reference():
+        model = make(Lm)
+        opt = mf.create_hybrid_optimizer(model, gradient_accumulation_steps=2, compile=False)
+        train([(model, opt)], 4)
+        return model, opt
+
+    def run():
+        model = shard(make(Lm))
+        opt = mf.create_hybrid_optimizer(model, gradient_accumulation_steps=2, compile=False)
+        for t in range(4):
+            for i, p in enumerate(model.parameters()):
+                g = None if t % 2 == 0 else synthetic_grad(tuple(p.shape), t - 1, i) + synthetic_grad(tuple(p.shape), t, i)
+                p.grad = None if g is None else distribute_tensor(g, p.device_mesh, p.placements, src_data_rank=None)
+            opt.step()
+            assert opt.last_step.applied == (t % 2 == 1), t
+        assert_same(model, opt, on_rank0(reference), what="hybrid accumulating: ")
+        return {"class": type(opt).__name__}
+
+    return run
+
+
 def check_transformers_tp_plan(tmp: Path):
     """transformers' own DTensor loading: ``from_pretrained(tp_plan="auto", device_mesh=...)`` (a
     tiny Llama saved here), ``MuonOptimizer(model.parameters())``. The gradients a real backward
@@ -385,6 +471,8 @@ def checks_for(w: int, tmp: str) -> dict:
     if w == 2:
         out["hf_trainer_fsdp2"] = check_hf_trainer_fsdp2()
         out["transformers_tp_plan"] = check_transformers_tp_plan(tmp)
+        out["accelerate_checkpoint"] = check_accelerate_checkpoint(tmp)
+        out["hybrid_accumulation"] = check_hybrid_accumulation()
     for name in dcp_builders():
         out[f"dcp_{name}"] = check_dcp_root(tmp, w, name)
     if w == 3:

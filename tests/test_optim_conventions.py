@@ -14,6 +14,7 @@ bit-for-bit reproducible results on a fixed small problem. Eager (tests/conftest
 from __future__ import annotations
 
 import copy
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -114,6 +115,10 @@ COMMON_ERRORS = [
     ErrorInput("names on some params", {}, ValueError, "all optimizer params should be with/without names",
                params=lambda: [("w", _P()), _P()]),
     ErrorInput("Tensor lr of 2 elements", {"lr": torch.tensor([0.1, 0.1])}, ValueError, "Tensor lr must be 1-element"),
+    ErrorInput("1-D tensor lr", {"lr": torch.tensor([0.1])}, ValueError, r"Invalid lr: a tensor of shape \(1,\)"),
+    ErrorInput("a module as params", {}, TypeError, r"params argument given to the optimizer should be an iterable of "
+               r"Tensors or dicts, but got torch\.nn\.modules\.linear\.Linear \(a module\): pass model\.parameters\(\)",
+               params=lambda: nn.Linear(3, 3)),
     ErrorInput("negative lr", {"lr": -0.1}, ValueError, "Invalid learning rate: -0.1"),
     ErrorInput("momentum 1", {"momentum": 1.0}, ValueError, "Invalid momentum value: 1.0"),
     ErrorInput("complex parameter", {}, ValueError, "does not support complex parameters",
@@ -443,6 +448,51 @@ def test_state_dict_round_trip_is_deterministic(info):
     assert_same(model, clone)
     assert_tree_equal(sd, kept)
     assert_tree_equal(opt.state_dict(), opt_c.state_dict())
+
+
+@every_class
+@pytest.mark.parametrize("steps", [0, 2])
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_loading_its_own_state_dict_leaves_the_state_as_it_was(info, steps, accumulate):
+    """``opt.load_state_dict(opt.state_dict())`` (what accelerate's ``AcceleratedOptimizer`` does
+    before FSDP2's ``prepare`` swaps the parameters) leaves ``opt.state`` exactly as it was: the
+    same parameters as keys (no empty entry for a parameter without state, whose stale key would
+    fail torch's ``state_dict()`` after the swap), the same keys and values; fresh and after
+    steps, with and without gradient accumulation (whose state is made at construction; the FSDP
+    classes accumulate on a fully_shard-ed model only)."""
+    if accumulate > 1 and info.name.startswith("FSDP"):
+        pytest.skip("accumulation needs a fully_shard-ed model")
+    model = make_net()
+    opt = info.make(model, gradient_accumulation_steps=accumulate)
+    train(model, opt, steps)
+    before = {p: copy.deepcopy(dict(st)) for p, st in opt.state.items()}
+    opt.load_state_dict(opt.state_dict())
+    assert list(opt.state) == list(before)
+    for p, st in opt.state.items():
+        assert_tree_equal(dict(st), before[p])
+    assert all(opt.state.values()), "an empty state entry"
+
+
+@every_class
+def test_a_model_that_no_longer_holds_the_parameters_warns_once(info):
+    """Given ``model=``, a step warns once when the model's parameter of that name is another
+    tensor now (``fully_shard`` applied after the optimizer was built, without a swap into
+    ``param_groups``): the steps update tensors the model no longer uses. None before."""
+    model = make_net()
+    opt = info.make(model) if info.takes_model else info.build(model.parameters(), model=model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(model, opt, 1)
+    assert not [w for w in caught if "no longer holds" in str(w.message)]
+    model.fc1.weight = nn.Parameter(model.fc1.weight.detach().clone())  # as fully_shard replaces them
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(model, opt, 2)
+    told = [str(w.message) for w in caught if "no longer holds" in str(w.message)]
+    assert len(told) == 1, told
+    assert f"{type(opt).__name__}: the model given as model= no longer holds this optimizer's parameter " \
+           "'fc1.weight'" in told[0], told[0]
+    assert caught[[str(w.message) for w in caught].index(told[0])].filename == __file__
 
 
 @every_class

@@ -440,6 +440,36 @@ def test_old_checkpoint_with_ns_eps_loads(device):
     assert "ns_eps" not in opt2.param_groups[0]
 
 
+def test_a_checkpoint_lacking_keys_muon_fn_adds_keeps_this_optimizers_values():
+    """A saved Muon group that has torch.optim.Muon's keys but lacks keys muon_fn adds (``base_lr``,
+    which scales the AdamW half with the schedule, ``ns_stepsize``) takes them from the loading
+    optimizer's group, with one warning naming them and their values; the saved keys load as
+    saved. One lacking a key of torch's (``momentum``) is still refused."""
+    import warnings
+
+    model = make_net()
+    opt = mf.MuonOptimizer(model.parameters(), lr=0.01, weight_decay=0.1)
+    train(model, [opt], 1)
+    sd = opt.state_dict()
+    for g in sd["param_groups"]:
+        del g["base_lr"], g["ns_stepsize"]
+    other = mf.MuonOptimizer(model.parameters(), lr=0.03, ns_stepsize=0.9)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        other.load_state_dict(sd)
+    told = [str(w.message) for w in caught if "lack keys" in str(w.message)]
+    assert told == ["MuonOptimizer.load_state_dict: the state_dict's param groups lack keys that muon_fn adds "
+                    "to torch.optim.Muon's; they keep this optimizer's values: group 0: base_lr=0.03; group 0: "
+                    "ns_stepsize=0.9"], told
+    assert caught[[str(w.message) for w in caught].index(told[0])].filename == __file__
+    group = other.param_groups[0]
+    assert (group["base_lr"], group["ns_stepsize"], group["lr"], group["weight_decay"]) == (0.03, 0.9, 0.01, 0.1)
+    sd = opt.state_dict()
+    del sd["param_groups"][0]["momentum"]
+    with pytest.raises(ValueError, match=r"lacks this optimizer's hyperparameters \['momentum'\]"):
+        mf.MuonOptimizer(model.parameters()).load_state_dict(sd)
+
+
 # --------------------------------------------------------------------------- conversion errors
 def _state_of(opt):
     return ([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],

@@ -215,6 +215,9 @@ class FSDPAdapter(AdapterStep):
                           for slot, rows, leaf in zip(bucket.layout.slots, bucket.rows, fresh)]
                 _state.scatter(bucket.layout, _tree.tree_unflatten(bucket.layout.spec, leaves), states,
                                overwrite=False)
+                for p, st in zip(ps, states):
+                    if not st:  # a parameter without state gets no entry (as torch's optimizers)
+                        self.state.pop(p, None)
 
     def _check_blocks(self, ps: list[torch.Tensor], bucket: Bucket, bits: Any) -> None:
         """Quantized state (``state_bits`` 16, 8, 4) keeps its blocks within rows: a parameter
@@ -283,7 +286,7 @@ class FSDPAdapter(AdapterStep):
 
     def _local_state(self, bucket: Bucket, params: list[torch.Tensor]) -> Any:
         """The bucket's state as this rank's tensors (views of the stored ones)."""
-        stored = _state.gather(bucket.layout, [self.state[params[i]] for i in bucket.indices])
+        stored = _state.gather(bucket.layout, [self.state.get(params[i], {}) for i in bucket.indices])
         return _tree.tree_map(lambda t: None if t is None else _params.local(t), stored)
 
     # ------------------------------------------------------------------ the plan

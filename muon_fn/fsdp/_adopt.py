@@ -103,7 +103,7 @@ def _carry(optimizer: Optimizer, carried: list[tuple[torch.Tensor, dict]]) -> No
     """Write each carried state into the state the plan made for its parameter (every key the new
     layout has; a DTensor gets this rank's part, as ``distribute_tensor`` lays it out)."""
     for p, old in carried:
-        state = optimizer.state[p]
+        state = optimizer.state.get(p, {})
         for key, value in old.items():
             new = state.get(key)
             if not isinstance(new, torch.Tensor) or not isinstance(value, torch.Tensor):

@@ -313,7 +313,8 @@ class Optimizer(Placed, StagedStep, Telemetry, torch.optim.Optimizer):
             if not any(p.is_meta or _placement.is_dtensor(p) for p in params):
                 _, fresh = self._bucket_state(rt.variants[bucket.variant].tx, bucket, params)
                 for p, st in zip(params, fresh or ()):
-                    self.state[p].update(st)
+                    if st:  # a parameter without state gets no entry (as torch's optimizers)
+                        self.state[p].update(st)
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         """Check a group's hyperparameters (subclasses add theirs): the per-step scalars ``lr`` and
@@ -526,7 +527,8 @@ class Optimizer(Placed, StagedStep, Telemetry, torch.optim.Optimizer):
         """A group loaded inside an accumulation window holds the window's accumulated gradients
         (a window's first micro-batch with a gradient creates them)."""
         group = self.param_groups[index]
-        if group.get("micro_step", 0) and not any("grad_accumulator" in self.state[p] for p in group["params"]):
+        if group.get("micro_step", 0) and not any("grad_accumulator" in self.state.get(p, {})
+                                                  for p in group["params"]):
             raise ValueError(
                 f"loaded param group {index} is inside a gradient accumulation window (micro_step "
                 f"{group['micro_step']} of {group['gradient_accumulation_steps']}) but the state_dict holds no "
@@ -539,7 +541,9 @@ class Optimizer(Placed, StagedStep, Telemetry, torch.optim.Optimizer):
         rt = self._runtime(index)
         for bucket in rt.buckets:
             params = [group["params"][i] for i in bucket.indices]
-            states = [self.state[p] for p in params]
+            # read, never create: an entry made here would be an empty one that outlives a swap
+            # (torch's state_dict() then fails on its stale key) and keeps the old parameter alive
+            states = [self.state.get(p, {}) for p in params]
             names = [self._name(group, p) for p in params]
             _state.drop_legacy_keys(bucket.layout, states)
             _state.cast_to_layout(bucket.layout, states)

@@ -291,3 +291,4 @@ def create_hybrid_optimizer(
     if verbose:
         print(optimizer.split)
     return optimizer
+    muon_kwargs.setdefault("model", model)  # on DTensors, accumulation pauses its gradient sync

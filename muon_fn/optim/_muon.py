@@ -4,6 +4,7 @@ ndim ≥ 2, AdamW for the rest)."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any, Callable
 
@@ -21,6 +22,7 @@ from .._quantize import check_state_bits as check_state_bits_value
 from .._transforms import MOMENTUM_KINDS
 from . import _torch_state, _views
 from ._adapter import Optimizer, step_not_traced
+from ._placement import caller_level
 
 ALGORITHMS = ("auto", "muon", "adamw")
 
@@ -103,6 +105,7 @@ class HybridOptimizer(Optimizer):
                       for g, ours in zip(groups, self.param_groups)]
             state_dict = {**state_dict, "param_groups": groups}
         state_dict = keep_storage(_with_later_keys(state_dict, self._later_keys), self.param_groups)
+        state_dict = _with_current_keys(state_dict, self.param_groups, type(self).__name__)
         super().load_state_dict(state_dict, allow_missing_state=allow_missing_state)
 
     def _build(self, group: dict[str, Any], rt: Any, static_key: Any) -> None:
@@ -349,6 +352,36 @@ def _with_later_keys(state_dict: Any, later: dict[str, Any]) -> Any:
 
 
 def validate_muon_group(group: dict[str, Any]) -> None:
+# Group keys that are not hyperparameters a checkpoint must carry: their absence means what torch
+# makes of it (no LR scheduler had set initial_lr; a checkpoint at an accumulation window's
+# boundary; no recorded layout), so none is taken from the loading optimizer.
+_NOT_FILLED = frozenset({"params", "param_names", "initial_lr", "micro_step", "param_layout", "params_without_state"})
+
+
+def _with_current_keys(state_dict: Any, groups: list[dict[str, Any]], owner: str) -> Any:
+    """``state_dict`` with every group key that muon_fn adds to torch.optim.Muon's and that a
+    saved Muon group (one with all of torch.optim.Muon's keys) lacks taken from the loading
+    optimizer's group at its position, with one warning naming them. Other groups, and groups
+    lacking one of torch's keys, pass as they are (the load checks them)."""
+    saved = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+    if not isinstance(saved, list) or len(saved) != len(groups):
+        return state_dict
+    filled, out = [], []
+    for i, (theirs, ours) in enumerate(zip(saved, groups)):
+        if not isinstance(theirs, dict) or not set(_torch_state.TORCH_MUON_KEYS) <= theirs.keys():
+            out.append(theirs)
+            continue
+        missing = [k for k in ours if k not in theirs and k not in _NOT_FILLED]
+        filled += [f"group {i}: {k}={ours[k]!r}" for k in missing]
+        out.append({**theirs, **{k: ours[k] for k in missing}})
+    if not filled:
+        return state_dict
+    warnings.warn(f"{owner}.load_state_dict: the state_dict's param groups lack keys that muon_fn adds to "
+                  f"torch.optim.Muon's; they keep this optimizer's values: {'; '.join(filled)}",
+                  UserWarning, stacklevel=caller_level())
+    return {**state_dict, "param_groups": out}
+
+
     """The Muon-specific hyperparameters of a group (also the FSDP adapter's)."""
     steps = group["ns_steps"]
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):

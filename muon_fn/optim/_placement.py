@@ -17,7 +17,9 @@ compared by reference, costs well under a microsecond per parameter.
 
 from __future__ import annotations
 
+import os
 import sys
+import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -82,9 +84,43 @@ class Placed:
             self._relayout(placement.previous())
             self._placement = Placement(self.param_groups)
 
+    @step_not_traced
+    def _check_model_holds_params(self) -> None:
+        """Warn once when the model given as ``model=`` no longer holds the parameters this
+        optimizer updates (``fully_shard`` applied after the optimizer was built, without
+        swapping the new parameters into ``param_groups``): the steps then change tensors that
+        the model no longer uses. One look-up per param group and step, only with a model."""
+        model = self.__dict__.get("_model")
+        if model is None or self.__dict__.get("_model_warned"):
+            return
+        names = self.__dict__.get("_names", {})
+        for group in self.param_groups:
+            p = group["params"][0] if group["params"] else None
+            name = None if p is None else names.get(id(p))
+            if name is None:  # swapped in since: not a parameter the model was seen with
+                continue
+            try:
+                held = model.get_parameter(name)
+            except AttributeError:
+                held = None
+            if held is not p:
+                self._model_warned = True
+                warnings.warn(
+                    f"{type(self).__name__}: the model given as model= no longer holds this optimizer's "
+                    f"parameter {name!r} (it was replaced, e.g. by fully_shard applied after the optimizer was "
+                    "built): the steps update the former tensors, which the model does not use. Build the "
+                    "optimizer after sharding the model, or swap the new parameters into param_groups",
+                    UserWarning, stacklevel=caller_level())
+                return
+
     def _relayout(self, previous: list[list[torch.Tensor | None]]) -> None:
         """After a swap: DTensors go to the distributed step (the state carried over there); plain
-        tensors keep the state of the parameter they replace, which must have their shape."""
+        tensors keep the state of the parameter they replace, which must have their shape. An
+        empty state entry of a parameter no longer held is dropped (its stale key would fail
+        torch's ``state_dict()``, and it would keep the former parameter alive)."""
+        held = {id(p) for g in self.param_groups for p in g["params"]}
+        for p in [p for p, st in self.state.items() if not st and id(p) not in held]:
+            del self.state[p]
         if holds_dtensors(self.param_groups):
             distribute(self, previous)
             return
@@ -95,6 +131,15 @@ class Placed:
                                for k, v in self.state.pop(old).items()}
         for index in range(len(self.param_groups)):
             self._rebuild_group(index)
+
+
+def caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside muon_fn and torch (the user's ``step()`` call)."""
+    inside = (os.path.dirname(os.path.dirname(__file__)), os.path.dirname(torch.__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 class Placement:

@@ -70,6 +70,7 @@ class StagedStep:
             with torch.enable_grad():
                 loss = closure()
         self._follow_params()  # parameters swapped in since the last step: laid out again first
+        self._check_model_holds_params()
         self._step()
         self._post_step()
         return loss
@@ -211,7 +212,8 @@ class StagedStep:
         """Put fresh state dicts ``(params, dicts)`` (:meth:`_bucket_state`) into ``self.state``."""
         for params, dicts in fresh:
             for p, st in zip(params, dicts):
-                self.state[p].update(st)
+                if st:  # a parameter without state gets no entry (as torch's optimizers)
+                    self.state[p].update(st)
 
     def _bucket_state(self, tx: GradientTransformation, bucket: Any, params: tuple) -> tuple[Any, list[dict] | None]:
         """The bucket's state pytree; where some of it does not exist yet (a first step, a
