@@ -5,6 +5,9 @@ readers (``:func:`name``` roles, ``text::`` literal blocks); mkdocstrings render
   reference documents it, its name in code otherwise); ``~`` keeps only the last component.
 - a paragraph ending in ``::`` ends in ``:`` (the indented block after it is a code block in
   Markdown too).
+- a module attribute bound to a function built at import time (``matrix_labels =
+  leafwise_labels(...)``, its ``__doc__`` set after) gets that function's docstring, which
+  static analysis cannot see;
 - an ``Args:`` entry naming several parameters (``lr, momentum: see ...``) becomes one entry per
   parameter, each with the shared description, as the Google style that mkdocstrings parses
   expects.
@@ -12,6 +15,8 @@ readers (``:func:`name``` roles, ``text::`` literal blocks); mkdocstrings render
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import re
 
 import griffe
@@ -68,10 +73,23 @@ def _identifier(obj: griffe.Object, target: str) -> str:
     return f"muon_fn.{target}"
 
 
+def _runtime_docstring(obj: griffe.Object) -> str | None:
+    if not obj.is_attribute or obj.parent is None or not obj.parent.is_module:
+        return None
+    try:
+        value = getattr(importlib.import_module(obj.parent.path), obj.name)
+    except (ImportError, AttributeError):
+        return None
+    return inspect.getdoc(value) if inspect.isfunction(value) else None
+
+
 class RstRoles(griffe.Extension):
     def on_instance(self, *, obj: griffe.Object, **kwargs: object) -> None:
         if obj.docstring is None:
-            return
+            doc = _runtime_docstring(obj)
+            if doc is None:
+                return
+            obj.docstring = griffe.Docstring(doc, parent=obj)
 
         def role(m: re.Match[str]) -> str:
             tilde, target = m.groups()
