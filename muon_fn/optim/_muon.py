@@ -351,7 +351,6 @@ def _with_later_keys(state_dict: Any, later: dict[str, Any]) -> Any:
     return {**state_dict, "param_groups": [{**later, **g} if isinstance(g, dict) else g for g in groups]}
 
 
-def validate_muon_group(group: dict[str, Any]) -> None:
 # Group keys that are not hyperparameters a checkpoint must carry: their absence means what torch
 # makes of it (no LR scheduler had set initial_lr; a checkpoint at an accumulation window's
 # boundary; no recorded layout), so none is taken from the loading optimizer.
@@ -382,6 +381,7 @@ def _with_current_keys(state_dict: Any, groups: list[dict[str, Any]], owner: str
     return {**state_dict, "param_groups": out}
 
 
+def validate_muon_group(group: dict[str, Any]) -> None:
     """The Muon-specific hyperparameters of a group (also the FSDP adapter's)."""
     steps = group["ns_steps"]
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
