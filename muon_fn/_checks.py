@@ -69,10 +69,18 @@ def one_of(name: str, value: Any, valid: Iterable[Any]) -> None:
 
 
 def scalar_or_schedule(name: str, value: Any) -> None:
-    """A float, a 1-element tensor, or a callable schedule; floats and tensors must be >= 0."""
+    """A float, a 0-d tensor, or a callable schedule (a learning rate); floats and tensors must be >= 0."""
     if callable(value) and not isinstance(value, torch.Tensor):
         return
     non_negative(name, value)
+    zero_dim(name, value)
+
+
+def zero_dim(name: str, value: Any) -> None:
+    """A tensor ``value`` (a learning rate) is 0-d, as documented: not ``torch.tensor([0.02])``."""
+    if isinstance(value, torch.Tensor) and value.ndim != 0:
+        raise ValueError(f"Invalid {name}: a tensor of shape {tuple(value.shape)} (expected a float or a 0-d "
+                         f"tensor, e.g. torch.tensor(0.02), not torch.tensor([0.02]))")
 
 
 
@@ -89,16 +97,20 @@ def dtype(name: str, value: Any, valid: Iterable[torch.dtype]) -> None:
 # ----------------------------------------------------------------------------- optimizer groups
 # The adapters' hyperparameter checks, in torch.optim's wording, shared by every optimizer class
 # (constructor, add_param_group and load_state_dict alike).
-def learning_rate(lr: Any) -> None:
+def learning_rate(lr: Any, name: str = "lr") -> None:
+    """The optimizers' learning rate (``name``: the argument, e.g. the hybrid's ``muon_lr``), in
+    torch's wording: a float or a 0-d tensor, >= 0 and finite."""
+    what = "learning rate" if name == "lr" else name
     if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-        raise ValueError("Tensor lr must be 1-element")
+        raise ValueError(f"Tensor {name} must be 1-element")
+    zero_dim(name, lr)
     if isinstance(lr, bool) or not isinstance(lr, (int, float, torch.Tensor)):
-        raise TypeError(f"Invalid learning rate: {lr!r} (expected a float or a 0-d tensor)")
-    v = _as_float("lr", lr)
+        raise TypeError(f"Invalid {what}: {lr!r} (expected a float or a 0-d tensor)")
+    v = _as_float(name, lr)
     if v is None:
         return
     if not 0.0 <= v or math.isinf(v):
-        raise ValueError(f"Invalid learning rate: {lr}")
+        raise ValueError(f"Invalid {what}: {lr}")
 
 
 def momentum_value(momentum: Any, name: str = "momentum", hint: str = "") -> None:
@@ -141,6 +153,7 @@ def adamw_half(group: dict[str, Any]) -> None:
     ``adamw_weight_decay``, ``adamw_decay_1d``) and its ``weight_decay``."""
     for key in ("weight_decay", "adamw_weight_decay", "adamw_lr"):
         decay_value(key, group[key])
+    zero_dim("adamw_lr", group["adamw_lr"])
     eps_value("adamw_eps", group["adamw_eps"])
     betas_value("adamw_betas", group["adamw_betas"])
     boolean("adamw_decay_1d", group["adamw_decay_1d"])
@@ -213,6 +226,17 @@ def foreign_group_keys(group: dict[str, Any]) -> None:
 
 
 # ----------------------------------------------------------------------------- parameter groups
+def not_a_module(params: Any, takes_model: bool) -> None:
+    """``TypeError`` for a model given where its parameters belong (``MuonOptimizer(model)``),
+    in torch's wording plus what to pass; ``takes_model``: the optimizer also takes ``model=``."""
+    if isinstance(params, torch.nn.Module):
+        hint = (", and model=model to name them in messages and checkpoints and give conv and expert weights "
+                "their module's matrix view") if takes_model else ""
+        raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, but got "
+                        f"{torch.typename(params)} (a module): pass model.parameters() (or model.named_parameters())"
+                        + hint)
+
+
 def _param_label(names: list[Any] | None, i: int, p: torch.Tensor) -> str:
     return repr(names[i]) if names and names[i] is not None else f"#{i} of shape {tuple(p.shape)}"
 

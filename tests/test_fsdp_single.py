@@ -490,6 +490,35 @@ def test_fsdp2_one_rank_equals_muon_optimizer(device, one_rank):
     assert_same(model, opt, ref, ref_opt, parity(device, precision(extra)))
 
 
+def test_fsdp2_one_rank_hybrid_keeps_frozen_parameters(device, one_rank):
+    """The hybrid on a sharded model keeps a frozen matrix (one bucket with a trained one of its
+    shape): left as it was while it gets no gradient, trained once unfrozen, the whole run equal
+    to the single-device hybrid on the copy (bit for bit on the CPU, PARITY on CUDA)."""
+    from test_fsdp import Toy
+
+    torch.manual_seed(0)
+    ref = Toy().to(device)
+    ref.l6.requires_grad_(False)
+    model = shard(copy.deepcopy(ref), mesh=one_rank)
+    kw = {"compile": False, "ns_dtype": torch.float32, "muon_weight_decay": 0.1, "adamw_weight_decay": 0.1,
+          "adamw_decay_1d": True}
+    opt, ref_opt = mf.create_hybrid_optimizer(model, **kw), mf.create_hybrid_optimizer(ref, **kw)
+    assert opt.split.frozen == {"l6.weight"}
+    frozen = full(model.l6.weight).detach().clone()
+    for t in range(2):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            set_grads(m, t)
+            m.l6.weight.grad = None
+            o.step()
+    assert torch.equal(full(model.l6.weight), frozen)
+    model.l6.requires_grad_(True)
+    ref.l6.requires_grad_(True)
+    steps([(model, opt), (ref, ref_opt)], 2, start=2)
+    assert not torch.equal(full(model.l6.weight), frozen)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_match(p, q, parity(device, "fp32"), name)
+
+
 @pytest.mark.parametrize("kind", ["muon", "sso"])
 def test_fsdp2_one_rank_state_dict_round_trip(device, one_rank, kind):
     """The sharded model's and optimizer's state, gathered to full CPU tensors and through

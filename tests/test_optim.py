@@ -1185,11 +1185,64 @@ def test_hybrid_overrides_by_name_and_predicate():
     assert where["blocks.0.fc.weight"] == "muon"
 
 
-def test_hybrid_frozen_parameters_are_left_out():
+class _Frozen(nn.Module):
+    """Two hidden matrices of one shape (one bucket), so a frozen one shares a bucket with a trained one."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.a, self.b, self.head = nn.Embedding(16, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 16)
+
+    def forward(self, x):
+        return self.head(self.b(self.a(self.emb(x)).relu()))
+
+
+def test_hybrid_keeps_frozen_parameters_and_trains_them_once_unfrozen():
+    """As torch.optim: a frozen parameter stays in the optimizer (in the half its shape and module
+    give it, marked in the split); while it has no gradient a step leaves it as it was, decay
+    included, and its state, if it has any, at its fresh value; unfrozen, its first update is bit
+    for bit that of an optimizer built on the unfrozen model (fresh state)."""
+    torch.manual_seed(0)
+    model = _Frozen()
+    model.b.requires_grad_(False)
+    kw = {"compile": False, "muon_weight_decay": 0.1, "adamw_weight_decay": 0.1, "adamw_decay_1d": True}
+    opt = mf.create_hybrid_optimizer(model, **kw)
+    assert _where(opt) == {"a.weight": "muon", "b.weight": "muon", "emb.weight": "adamw", "a.bias": "adamw",
+                           "b.bias": "adamw", "head.weight": "adamw", "head.bias": "adamw"}
+    assert opt.split.frozen == {"b.weight", "b.bias"}
+    shown = {line.split()[0]: line for line in str(opt.split).splitlines() if line.startswith("  ")}
+    assert shown["b.weight"].endswith("hidden matrix, frozen") and shown["b.bias"].endswith("1-D, frozen")
+    assert not shown["a.weight"].endswith("frozen")
+    x = torch.randint(0, 16, (4, 5))
+    frozen = {n: p.detach().clone() for n, p in model.b.named_parameters()}
+    for _ in range(3):
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+    assert all(torch.equal(p, frozen[n]) for n, p in model.b.named_parameters())  # no update, no decay
+    for p in model.b.parameters():  # (state made for its bucket, never advanced)
+        assert all(not v.any() for v in opt.state.get(p, {}).values())
+    model.b.requires_grad_(True)
+    ref = copy.deepcopy(model)
+    ref_opt = mf.create_hybrid_optimizer(ref, **kw)
+    for m, o in ((model, opt), (ref, ref_opt)):
+        o.zero_grad()
+        m(x).pow(2).mean().backward()
+        o.step()
+    for (n, p), q in zip(model.b.named_parameters(), ref.b.parameters()):
+        assert not torch.equal(p, frozen[n]) and torch.equal(p, q), n
+        assert set(opt.state[p]) == set(ref_opt.state[q])
+        assert all(torch.equal(v, ref_opt.state[q][k]) for k, v in opt.state[p].items())
+
+
+def test_hybrid_frozen_parameters_without_a_bucket_mate_get_no_state():
+    """A frozen parameter alone in its bucket gets no state, as in torch.optim."""
     model = make_gpt()
     model.wpe.weight.requires_grad_(False)
-    opt = mf.create_hybrid_optimizer(model)
-    assert "wpe.weight" not in _where(opt)
+    opt = mf.create_hybrid_optimizer(model, compile=False)
+    assert _where(opt)["wpe.weight"] == "adamw"
+    before = model.wpe.weight.detach().clone()
+    _train(model, opt, 2)
+    assert torch.equal(model.wpe.weight, before) and model.wpe.weight not in opt.state
 
 
 def test_muon_optimizer_on_any_model_routes_by_ndim():

@@ -45,6 +45,32 @@ class TestHyperparameters(expecttest.TestCase):
             self.message(ValueError, lambda: mf.MuonOptimizer(lin.parameters(), lr=torch.tensor(-0.5))),
             """Invalid learning rate: -0.5""")
 
+    def test_one_element_1d_tensor_lr(self):
+        """Found by a new user: ``lr=torch.tensor([0.02])`` was accepted (torch takes any 1-element
+        tensor); muon_fn's lr is a float or a 0-d tensor, wherever it is given."""
+        lin = _linear()
+        lr = torch.tensor([0.02])
+        self.assertExpectedInline(self.message(ValueError, lambda: mf.MuonOptimizer(lin.parameters(), lr=lr)), """Invalid lr: a tensor of shape (1,) (expected a float or a 0-d tensor, e.g. torch.tensor(0.02), not torch.tensor([0.02]))""")
+        opt = mf.MuonOptimizer([lin.weight], compile=False)
+        self.assertExpectedInline(
+            self.message(ValueError, lambda: opt.add_param_group({"params": [lin.bias], "lr": lr})), """Invalid lr: a tensor of shape (1,) (expected a float or a 0-d tensor, e.g. torch.tensor(0.02), not torch.tensor([0.02]))""")
+        assert len(opt.param_groups) == 1
+        self.assertExpectedInline(
+            self.message(ValueError, lambda: mf.MuonOptimizer(lin.parameters(), adamw_lr=lr)), """Invalid adamw_lr: a tensor of shape (1,) (expected a float or a 0-d tensor, e.g. torch.tensor(0.02), not torch.tensor([0.02]))""")
+        self.assertExpectedInline(self.message(ValueError, lambda: mf.create_hybrid_optimizer(lin, muon_lr=lr)), """Invalid muon_lr: a tensor of shape (1,) (expected a float or a 0-d tensor, e.g. torch.tensor(0.02), not torch.tensor([0.02]))""")
+        self.assertExpectedInline(self.message(ValueError, lambda: mf.create_hybrid_optimizer(lin, adamw_lr=lr)), """Invalid adamw_lr: a tensor of shape (1,) (expected a float or a 0-d tensor, e.g. torch.tensor(0.02), not torch.tensor([0.02]))""")
+        self.assertExpectedInline(self.message(ValueError, lambda: mf.TritonMuon(lin.parameters(), lr=lr)), """Invalid lr: a tensor of shape (1,) (expected a float or a 0-d tensor, e.g. torch.tensor(0.02), not torch.tensor([0.02]))""")
+        self.assertExpectedInline(self.message(ValueError, lambda: mf.scale_by_learning_rate(lr)), """Invalid lr: a tensor of shape (1,) (expected a float or a 0-d tensor, e.g. torch.tensor(0.02), not torch.tensor([0.02]))""")
+        sd = opt.state_dict()
+        sd["param_groups"][0]["lr"] = lr
+        self.assertExpectedInline(self.message(ValueError, lambda: opt.load_state_dict(sd)), """Invalid lr: a tensor of shape (1,) (expected a float or a 0-d tensor, e.g. torch.tensor(0.02), not torch.tensor([0.02]))""")
+        assert opt.param_groups[0]["lr"] == 0.02
+
+    def test_hybrid_lr_named(self):
+        lin = _linear()
+        self.assertExpectedInline(self.message(ValueError, lambda: mf.create_hybrid_optimizer(lin, adamw_lr=-1.0)), """Invalid adamw_lr: -1.0""")
+        self.assertExpectedInline(self.message(ValueError, lambda: mf.create_hybrid_optimizer(lin, muon_lr=torch.tensor([0.1, 0.2]))), """Tensor muon_lr must be 1-element""")
+
     def test_nan_lr(self):
         lin = _linear()
         self.assertExpectedInline(
@@ -179,11 +205,17 @@ class TestParameters(expecttest.TestCase):
             """optimizer got an empty parameter list""")
 
     def test_empty_parameter_list_hybrid(self):
-        lin = _linear()
-        lin.requires_grad_(False)
+        """A model without parameters (a frozen one keeps its parameters, as in torch.optim)."""
         self.assertExpectedInline(
-            self.message(ValueError, lambda: mf.create_hybrid_optimizer(lin)),
+            self.message(ValueError, lambda: mf.create_hybrid_optimizer(nn.Sequential(nn.ReLU()))),
             """optimizer got an empty parameter list""")
+
+    def test_a_module_as_params(self):
+        """Found by a new user (was torch's "'Linear' object is not iterable")."""
+        lin = _linear()
+        self.assertExpectedInline(self.message(TypeError, lambda: mf.MuonOptimizer(lin)), """params argument given to the optimizer should be an iterable of Tensors or dicts, but got torch.nn.modules.linear.Linear (a module): pass model.parameters() (or model.named_parameters()), and model=model to name them in messages and checkpoints and give conv and expert weights their module's matrix view""")
+        seq = nn.Sequential(lin)  # iterable: torch said "optimizer can only optimize Tensors, but one of the params is ..."
+        self.assertExpectedInline(self.message(TypeError, lambda: mf.TritonMuonW(seq)), """params argument given to the optimizer should be an iterable of Tensors or dicts, but got torch.nn.modules.container.Sequential (a module): pass model.parameters() (or model.named_parameters()), and model=model to name them in messages and checkpoints and give conv and expert weights their module's matrix view""")
 
     def test_parameter_in_two_groups(self):
         lin = _linear()
@@ -317,7 +349,7 @@ class TestForeignStateDict(expecttest.TestCase):
         lin = _linear()
         sd = _adamw_state_dict(lin.parameters())
         opt = mf.MuonOptimizer(lin.named_parameters())
-        self.assertExpectedInline(self.message(ValueError, lambda: opt.load_state_dict(sd)), """loaded param group 0 lacks this optimizer's hyperparameters ['adamw_betas', 'adamw_eps', 'adamw_lr', 'adamw_weight_decay', 'adjust_lr_fn', 'algorithm', 'beta2', 'method', 'momentum', 'momentum_dtype', 'momentum_kind', 'nesterov', 'normuon_eps', 'ns_coefficients', 'ns_dtype', 'ns_steps', 'ns_stepsize']: the state_dict comes from a different optimizer layout""")
+        self.assertExpectedInline(self.message(ValueError, lambda: opt.load_state_dict(sd)), """loaded param group 0 lacks this optimizer's hyperparameters ['adamw_betas', 'adamw_eps', 'adamw_lr', 'adamw_weight_decay', 'adjust_lr_fn', 'algorithm', 'beta2', 'method', 'momentum', 'momentum_dtype', 'momentum_kind', 'nesterov', 'normuon_eps', 'ns_coefficients', 'ns_dtype', 'ns_steps', 'ns_stepsize']: the state_dict comes from a different optimizer layout; it is a torch.optim.AdamW state_dict (its state holds exp_avg and exp_avg_sq), not a muon_fn optimizer's: start this optimizer afresh and load the model's weights only (one optimizer's moments are not another's state), or convert torch.optim.Muon and torch.optim.AdamW state_dicts with muon_fn.optim.from_torch_state_dict(optimizer, muon_state_dict, adamw_state_dict)""")
 
     def test_torch_muon_state_dict_into_optimizer_with_adamw_parameters(self):
         """A torch.optim.Muon state_dict loads directly only when the parameters are its matrices;
@@ -335,6 +367,27 @@ class TestForeignStateDict(expecttest.TestCase):
         self.assertExpectedInline(
             self.message(ValueError, lambda: mf.MuonOptimizer(lin.parameters(), lr=torch.tensor([0.1, 0.2]))),
             """Tensor lr must be 1-element""")
+
+    def test_adamw_state_dict_into_hybrid(self):
+        """Found by a new user: a torch.optim.AdamW checkpoint over model.parameters() (one
+        group; the hybrid has two) got torch's bare group-count error."""
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8), nn.Linear(8, 10))
+        sd = _adamw_state_dict(model.parameters())
+        opt = mf.create_hybrid_optimizer(model, compile=False)
+        before = {k: v.clone() for k, v in opt.state_dict()["state"].items()}, opt.param_groups[0]["lr"]
+        self.assertExpectedInline(self.message(ValueError, lambda: opt.load_state_dict(sd)), """loaded state dict has a different number of parameter groups; it is a torch.optim.AdamW state_dict (its state holds exp_avg and exp_avg_sq), not a muon_fn optimizer's: start this optimizer afresh and load the model's weights only (one optimizer's moments are not another's state), or convert torch.optim.Muon and torch.optim.AdamW state_dicts with muon_fn.optim.from_torch_state_dict(optimizer, muon_state_dict, adamw_state_dict)""")
+        assert not before[0] and not opt.state and opt.param_groups[0]["lr"] == before[1]
+
+    def test_sgd_state_dict_into_triton_muon(self):
+        """Another class: no converter to name."""
+        lin = _linear()
+        topt = torch.optim.SGD(lin.parameters(), lr=0.1, momentum=0.9)
+        for p in lin.parameters():
+            p.grad = torch.ones_like(p)
+        topt.step()
+        opt = mf.TritonMuon([{"params": [lin.weight]}, {"params": [lin.bias]}], compile=False)
+        self.assertExpectedInline(self.message(ValueError, lambda: opt.load_state_dict(topt.state_dict())), """loaded state dict has a different number of parameter groups; it is a torch.optim.SGD state_dict (its state holds momentum_buffer, its groups dampening), not a muon_fn optimizer's: start this optimizer afresh and load the model's weights only (one optimizer's moments are not another's state)""")
 
     def test_one_d_error_names_the_parameter(self):
         lin = _linear()

@@ -36,6 +36,7 @@ from ._apply import bucket_step, without_figures
 from ._placement import Placed
 from ._step import StagedStep, StepReport, signature, step_not_traced  # noqa: F401 (re-exported)
 from ._telemetry import Telemetry, check_metrics
+from ._torch_state import foreign_hint
 
 Factory = Callable[[dict[str, Any]], GradientTransformation]
 
@@ -186,6 +187,7 @@ class Optimizer(Placed, StagedStep, Telemetry, torch.optim.Optimizer):
         model: nn.Module | None = None,
         **kwargs: Any,
     ) -> None:
+        _checks.not_a_module(params, takes_model=not self._distributes_itself)
         implementation = _checks.implementation_keywords(kwargs)
         _checks.unexpected_keywords(type(self).__name__, kwargs)
         self._know_model(model)
@@ -554,13 +556,14 @@ class Optimizer(Placed, StagedStep, Telemetry, torch.optim.Optimizer):
         if not isinstance(saved_groups, list) or "state" not in state_dict:
             raise ValueError("state_dict must have 'state' and 'param_groups' entries")
         if len(saved_groups) != len(self.param_groups):
-            raise ValueError("loaded state dict has a different number of parameter groups")
+            raise ValueError("loaded state dict has a different number of parameter groups"
+                             + foreign_hint(state_dict, self))
         for i, (ours, theirs) in enumerate(zip(self.param_groups, saved_groups)):
             missing = sorted(set(ours) - set(theirs) - {"params", "param_names"} - _ADAPTER_KEYS)
             if missing:
                 raise ValueError(
                     f"loaded param group {i} lacks this optimizer's hyperparameters {missing}: the "
-                    "state_dict comes from a different optimizer layout"
+                    "state_dict comes from a different optimizer layout" + foreign_hint(state_dict, self)
                 )
 
     def describe(self) -> str:

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import _checks
 from .._views import Heads, count, matrix_shape, unit_shapes
 from ._adapter import Optimizer
 from ._muon import MuonOptimizer
@@ -37,7 +38,7 @@ def split_parameters(
     adamw_predicate: Callable[[str, nn.Parameter], bool] | None = None,
     muon_names: Sequence[str] = (),
 ) -> tuple[list[tuple[str, nn.Parameter, str]], list[tuple[str, nn.Parameter, str]]]:
-    """Sort ``model``'s trainable parameters into (muon, adamw) lists of ``(name, param, reason)``.
+    """Sort ``model``'s parameters into (muon, adamw) lists of ``(name, param, reason)``.
 
     AdamW gets: ``nn.Embedding`` weights, the output head (a Linear tied to an embedding, else the
     last Linear whose ``out_features`` equals an embedding's vocabulary size), parameters named in
@@ -45,7 +46,9 @@ def split_parameters(
     other ≥ 2-D parameters (hidden Linear and conv weights, expert stacks) and any ≥ 2-D parameter
     named in ``muon_names`` (which overrides the head rule). Tied parameters appear once. A Muon
     parameter of ndim ≥ 3 is a conv weight (flattened) if a conv module owns it, else a stack
-    of matrices (``matrix_view="experts"``, see :func:`create_hybrid_optimizer`).
+    of matrices (``matrix_view="experts"``, see :func:`create_hybrid_optimizer`). Frozen
+    parameters (``requires_grad=False``) are sorted like the others, as torch.optim keeps them:
+    a step skips them while they have no gradient, and they train once unfrozen.
     """
     embedding_params = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     heads = _head_names(model, embedding_params)
@@ -66,8 +69,6 @@ def split_parameters(
     by_module = module_views(model)
     muon_params, adamw_params = [], []
     for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
         if name in to_muon:
             muon_params.append((name, p, "muon_names"))
             continue
@@ -111,13 +112,18 @@ class HybridSplit:
     ``algorithm`` names the matrix half's recipe (``"Muon"``, ``"NorMuon"``, ``"AdaMuon"``,
     ``"AdaMuon (no sign)"``): read
     from ``optimizer``'s Muon group when given, so it follows a loaded checkpoint's rule (and a
-    copy's), else the name passed. ``cautious`` says that both halves' decay is cautious."""
+    copy's), else the name passed. ``cautious`` says that both halves' decay is cautious.
+    ``frozen``: the names of the parameters that were frozen (``requires_grad=False``) when it
+    was made, marked ``frozen`` in the print (a step skips them until they get gradients)."""
+
+    frozen: frozenset[str] = frozenset()  # (a copy pickled before it existed has none)
 
     def __init__(self, muon_params, adamw_params, *, muon_weight_decay: float | None = None,
                  adamw_weight_decay: float | None = None, adamw_decay_1d: bool = False,
                  algorithm: str = "Muon", cautious: bool = False, optimizer: Optimizer | None = None) -> None:
         self.muon = [(n, tuple(p.shape), r) for n, p, r in muon_params]
         self.adamw = [(n, tuple(p.shape), r) for n, p, r in adamw_params]
+        self.frozen = frozenset(n for n, p, _ in (*muon_params, *adamw_params) if not p.requires_grad)
         self.muon_weight_decay, self.adamw_weight_decay = muon_weight_decay, adamw_weight_decay
         self.adamw_decay_1d = adamw_decay_1d
         self._algorithm, self.cautious, self.optimizer = algorithm, cautious, optimizer
@@ -135,7 +141,8 @@ class HybridSplit:
             return sum(int(torch.Size(s).numel()) for _, s, _ in rows)
 
         def rows(entries, note=lambda s: ""):
-            return [f"  {n:<40} {str(s):<20} {r}{note(s)}" for n, s, r in entries]
+            return [f"  {n:<40} {str(s):<20} {r}{note(s)}{', frozen' if n in self.frozen else ''}"
+                    for n, s, r in entries]
 
         muon_wd, adamw_wd = self.muon_weight_decay, self.adamw_weight_decay
         decay = "cautious weight decay" if self.cautious else "weight decay"
@@ -261,6 +268,8 @@ def create_hybrid_optimizer(
     ``matrix_view`` holds the result, one entry per parameter of ndim ≥ 3 or with a head view.
     """
     refuse_torch_style("create_hybrid_optimizer", model, muon_kwargs)
+    _checks.learning_rate(muon_lr, "muon_lr")
+    _checks.learning_rate(adamw_lr, "adamw_lr")
     user_view = muon_kwargs.pop("matrix_view", None)
     check_spec(user_view)
     muon_params, adamw_params = split_parameters(

@@ -281,6 +281,7 @@ class MuonOptimizer(HybridOptimizer):
         self.qk_clip = qk_clip
 
     _CONFIG = HybridOptimizer._CONFIG + ("qk_clip",)
+    _converts_torch_state = True  # a refused torch checkpoint's message names from_torch_state_dict
 
     @step_not_traced
     def _post_step(self) -> None:

@@ -60,6 +60,43 @@ def is_torch_muon_state_dict(state_dict: Any) -> bool:
         isinstance(g, dict) and set(TORCH_MUON_KEYS) <= set(g) and "algorithm" not in g for g in groups)
 
 
+# Group keys that every muon_fn optimizer's state_dict holds (and no torch optimizer's).
+_OWN_GROUP_KEYS = ("gradient_accumulation_steps", "micro_step", "param_layout", "algorithm")
+
+
+def foreign_optimizer(state_dict: dict[str, Any]) -> str | None:
+    """What optimizer wrote ``state_dict`` if not muon_fn (no param group holds muon_fn's group
+    keys), told by its state's and groups' keys, for a refused load's message; None if muon_fn."""
+    groups = [g for g in state_dict["param_groups"] if isinstance(g, dict)]
+    if any(k in g for g in groups for k in _OWN_GROUP_KEYS):
+        return None
+    entries = [e for e in state_dict["state"].values() if isinstance(e, dict) and e]
+    moments = all({"exp_avg", "exp_avg_sq"} <= set(e) for e in entries)
+    if entries and moments or not entries and groups and all("betas" in g for g in groups):
+        coupled = any(g.get("decoupled_weight_decay") is False for g in groups)
+        return f"a torch.optim.{'Adam' if coupled else 'AdamW'} state_dict (its state holds exp_avg and exp_avg_sq)"
+    if groups and all(set(TORCH_MUON_KEYS) <= set(g) for g in groups):
+        return "a torch.optim.Muon state_dict"
+    if entries and all(set(e) == {"momentum_buffer"} for e in entries) and all("dampening" in g for g in groups):
+        return "a torch.optim.SGD state_dict (its state holds momentum_buffer, its groups dampening)"
+    keys = sorted({k for g in groups for k in g if k not in ("params", "param_names")})
+    return f"another optimizer's state_dict (its param groups hold {keys}, none of muon_fn's keys)"
+
+
+def foreign_hint(state_dict: dict[str, Any], optimizer: Any) -> str:
+    """For a refused load into ``optimizer``: what wrote ``state_dict`` if another optimizer did,
+    and what to do instead ("" for a muon_fn state_dict)."""
+    what = foreign_optimizer(state_dict)
+    if what is None:
+        return ""
+    hint = (f"; it is {what}, not a muon_fn optimizer's: start this optimizer afresh and load the model's "
+            "weights only (one optimizer's moments are not another's state)")
+    if getattr(optimizer, "_converts_torch_state", False):  # a MuonOptimizer
+        hint += (", or convert torch.optim.Muon and torch.optim.AdamW state_dicts with "
+                 "muon_fn.optim.from_torch_state_dict(optimizer, muon_state_dict, adamw_state_dict)")
+    return hint
+
+
 def upgrade_eps_keys(state_dict: Any) -> Any:
     """Older muon_fn checkpoints stored NorMuon's epsilon as ``eps`` and the Newton–Schulz one as
     ``ns_eps``: rename them to ``normuon_eps`` and ``eps`` (anything else passes through)."""
