@@ -292,6 +292,7 @@ def create_hybrid_optimizer(
         muon_kwargs["cautious_weight_decay"] = True
     if issubclass(optimizer_cls, MuonOptimizer) and muon_kwargs.get("adamuon_beta2") is None:
         muon_kwargs.setdefault("beta2", NORMUON_BETA2)  # NorMuon unless beta2=None or AdaMuon
+    muon_kwargs.setdefault("model", model)  # on DTensors, accumulation pauses its gradient sync
     optimizer = optimizer_cls(groups, lr=muon_lr, momentum=momentum, adamw_betas=adamw_betas,
                               adamw_eps=adamw_eps, adamw_decay_1d=adamw_decay_1d, **muon_kwargs)
     optimizer.split = HybridSplit(muon_params, adamw_params, muon_weight_decay=muon_weight_decay,
@@ -300,4 +301,3 @@ def create_hybrid_optimizer(
     if verbose:
         print(optimizer.split)
     return optimizer
-    muon_kwargs.setdefault("model", model)  # on DTensors, accumulation pauses its gradient sync
