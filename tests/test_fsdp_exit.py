@@ -1,24 +1,30 @@
-"""Every rank of an FSDPMuonOptimizer job exits with code 0 after the teardown a user writes.
+"""Every rank of a W = 2 FSDP2 job with a muon_fn optimizer exits with code 0, whatever its end.
 
 This is a regression test for an abort at interpreter exit: "terminate called without an active
-exception", SIGABRT, exit code -6, after ``dist.destroy_process_group()``. Gloo's worker thread
-holds a collective's tensors until just after the work completes, and ``wait()`` may return
-before that. When the worker drops the reference that takes a tensor's count to 1 (its Python
-object's own), or to 0, torch >= 2.10 makes the worker take the GIL. If the interpreter is
-finalizing by then, Python ends the thread with ``pthread_exit``, and the unwind aborts the
-process. ``muon_fn.fsdp._exchange._Kept`` now keeps one more reference to each tensor until the
-backend has let go of it, so the last reference is always dropped on the main thread.
+exception", SIGABRT, exit code -6. Gloo's worker thread holds a collective's tensors until just
+after the work completes, and ``wait()`` may return before that. When the worker drops the
+reference that takes a tensor's count to 1 (its Python object's own), or to 0, torch >= 2.10 makes
+the worker take the GIL. If the interpreter is finalizing by then, Python ends the thread with
+``pthread_exit``, and the unwind aborts the process. Two fixes in ``muon_fn.fsdp._exchange``:
+``_Kept`` keeps one more reference to each tensor of the optimizer's own collectives until the
+backend has let go of it, so their last reference is dropped on the main thread; and
+``settle_at_exit`` (an atexit handler) waits for gloo's workers to let go of any other
+collective's tensors before the interpreter finalizes. The job that still aborted with ``_Kept``
+alone ends with ``torch.distributed.checkpoint.save``, whose last collective is a
+``broadcast_object_list`` (gdb on the core: ``~AsyncBroadcastWork``, ``decref_pyobject``,
+``take_gil``, ``pthread_exit``, ``std::terminate``).
 
 How it runs: a launcher process (this file, run as a script) imports torch once, then forks the
-two ranks of each run. Each rank is a whole interpreter: it builds a tiny fully_shard model and
-``FSDPMuonOptimizer``, takes two steps, calls ``destroy_process_group()`` and exits normally,
-with the model and the optimizer still held by a global. The launcher collects the exit codes.
+two ranks of each run. Each rank is a whole interpreter that runs a user's script: it builds a
+tiny fully_shard model and an optimizer, takes two steps, maybe saves a checkpoint with DCP,
+maybe calls ``destroy_process_group()``, and exits normally with the model and the optimizer
+still held by a global. The runs cycle through the ends of such a script (:data:`JOBS`), half of
+them the one that aborted. The launcher collects the exit codes.
 
-To make the race likely, each rank stresses the last step (see ``_stress``). Its main thread
-and gloo's worker threads share one CPU, and the workers run at SCHED_IDLE, so they let go of
-the step's tensors late. During exit, a global's destructor sleeps for a moment, so a worker that
-still owes a release runs then. Measured on 2 busy cores: without the fix, 9 and 8 runs of 20
-aborted; with it, 0 of 160. Without the stress, the abort is rare.
+To make the race likely, each rank stresses its last collectives (see ``_stress``). Its main
+thread and gloo's worker threads share one CPU, and the workers run at SCHED_IDLE, so they let go
+of the tensors late. During exit, a global's destructor sleeps for a moment, so a worker that
+still owes a release runs then. Without the stress, the abort is rare.
 """
 
 from __future__ import annotations
@@ -36,12 +42,16 @@ import pytest
 
 pytestmark = pytest.mark.distributed
 
-RUNS = 20  # each a W = 2 job; overlap alternates False / True
+RUNS = 40  # each a W = 2 job, the i-th of kind JOBS[i % len(JOBS)]
 W = 2
+# (optimizer, checkpoint with DCP after the steps, destroy_process_group() before the exit): a
+# user's MuonOptimizer(model.parameters()) on the DTensors, which torchrun scripts often end
+# without destroy_process_group(), and FSDPMuonOptimizer with overlap=True (its dedicated group).
+JOBS = (("muon", True, False), ("muon", False, False), ("muon", True, True), ("fsdp-overlap", False, True))
 CONCURRENT = 2  # runs at a time
 STEPS = 2
 RUN_TIMEOUT_S = 60.0  # CONCURRENT runs (all their ranks), killed past it
-JOB_TIMEOUT_S = 300.0  # the whole launcher
+JOB_TIMEOUT_S = 600.0  # the whole launcher
 ROOT = Path(__file__).resolve().parents[1]
 _GLOBALS: list = []  # a rank's model and optimizer, kept until its interpreter exits
 
@@ -79,17 +89,21 @@ class _Pause:
         time.sleep(0.05)
 
 
-def _rank(rank: int, store: str, overlap: bool, slot: int) -> None:
-    """One rank of a run, from init to the user's teardown."""
+def _rank(rank: int, store: str, job: tuple[str, bool, bool], checkpoint: str, slot: int) -> None:
+    """One rank of a run, from init to the end of a user's script."""
     from datetime import timedelta
 
     import torch
     import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
     import torch.nn as nn
+    from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.fsdp import fully_shard
 
+    from muon_fn import MuonOptimizer
     from muon_fn.fsdp import FSDPMuonOptimizer
 
+    optimizer, save, destroy = job
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=W,
                             timeout=timedelta(seconds=30))
@@ -98,17 +112,24 @@ def _rank(rank: int, store: str, overlap: bool, slot: int) -> None:
     for layer in (model[0], model[2]):
         fully_shard(layer)
     fully_shard(model)
-    opt = FSDPMuonOptimizer(model, lr=0.02, compile=False, overlap=overlap)
+    if optimizer == "muon":
+        opt = MuonOptimizer(model.parameters(), lr=0.02, compile=False)
+    else:
+        opt = FSDPMuonOptimizer(model, lr=0.02, compile=False, overlap=True)
     for step in range(STEPS):
         model(torch.randn(4, 8)).square().mean().backward()
-        if step == STEPS - 1:  # the last step's collectives: the ones before the exit
+        if step == STEPS - 1:  # the last step's collectives (and the checkpoint's): the ones before the exit
             # First a pause, during which gloo lets go of the backward's own collectives
-            # (FSDP2's reduce-scatter): those are torch's, not the optimizer's.
+            # (FSDP2's reduce-scatter), which come long before the exit in a real job.
             time.sleep(0.05)
             _stress(slot)
         opt.step()
         opt.zero_grad()
-    dist.destroy_process_group()
+    if save:
+        model_state, optim_state = get_state_dict(model, opt)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=checkpoint)
+    if destroy:
+        dist.destroy_process_group()
     # and the interpreter exits, as a user's script does: the model and the optimizer (with the
     # process groups they hold) are its globals, which die during interpreter finalization
     _GLOBALS.extend([model, opt, _Pause()])
@@ -119,9 +140,11 @@ def _launch(runs: int, workdir: Path) -> dict:
     """Fork the ranks of ``runs`` runs, CONCURRENT runs at a time. Returns each run's exit codes
     (a negative code is a signal, ``None`` a rank killed past the deadline), or
     ``{"child": True}`` in a forked rank, which then ends the script."""
-    import torch  # noqa: F401  (imported once, before forking)
+    # imported once, before forking
+    import torch.distributed.checkpoint
+    import torch.distributed.checkpoint.state_dict  # noqa: F401
 
-    import muon_fn.fsdp  # noqa: F401
+    import muon_fn.fsdp._adopt  # noqa: F401
 
     gc.freeze()  # the ranks' final collections skip what they inherit: exit in 0.5 s, not 2 s
     codes: list[list[int | None]] = [[None] * W for _ in range(runs)]
@@ -133,7 +156,8 @@ def _launch(runs: int, workdir: Path) -> dict:
                 sys.stderr.flush()
                 pid = os.fork()
                 if pid == 0:  # a rank: run, then leave main() and end the script as a user's does
-                    _rank(rank, str(workdir / f"store{i}"), overlap=bool(i % 2), slot=i - first)
+                    _rank(rank, str(workdir / f"store{i}"), JOBS[i % len(JOBS)], str(workdir / f"checkpoint{i}"),
+                          slot=i - first)
                     return {"child": True}
                 pids[pid] = (i, rank)
         deadline = time.monotonic() + RUN_TIMEOUT_S
@@ -151,8 +175,8 @@ def _launch(runs: int, workdir: Path) -> dict:
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="forks the ranks")
-def test_every_rank_exits_cleanly_after_destroy_process_group(tmp_path):
-    """RUNS runs × W ranks: every rank exits with code 0."""
+def test_every_rank_exits_cleanly(tmp_path):
+    """RUNS runs × W ranks, of every kind of JOBS: every rank exits with code 0."""
     out = tmp_path / "codes.json"
     log = tmp_path / "launcher.log"
     env = dict(os.environ, OMP_NUM_THREADS="1",
@@ -169,8 +193,8 @@ def test_every_rank_exits_cleanly_after_destroy_process_group(tmp_path):
     assert out.exists(), f"the launcher wrote no exit codes (rc {proc.returncode}); output:\n{text[-4000:]}"
     codes = json.loads(out.read_text())["codes"]
     assert len(codes) == RUNS
-    bad = [(i, c) for i, c in enumerate(codes) if c != [0] * W]
-    assert not bad, (f"{len(bad)} of {RUNS} runs had a rank exit non-zero (run, codes per rank; -6 = "
+    bad = [(i, JOBS[i % len(JOBS)], c) for i, c in enumerate(codes) if c != [0] * W]
+    assert not bad, (f"{len(bad)} of {RUNS} runs had a rank exit non-zero (run, job, codes per rank; -6 = "
                      f"SIGABRT, None = killed past {RUN_TIMEOUT_S}s): {bad}\noutput:\n{text[-4000:]}")
 
 
