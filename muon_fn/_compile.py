@@ -19,7 +19,7 @@ import sys
 import types
 import warnings
 from collections.abc import Hashable, Mapping
-from typing import Any, Callable, Union
+from typing import Any, Callable, Union, cast
 
 import torch
 
@@ -41,7 +41,7 @@ def compile_update(tx: GradientTransformation, **torch_compile_kwargs: Any) -> G
     compiled = torch.compile(tx.update, **options(torch_compile_kwargs))
     name = getattr(tx.update, "_muon_fn_repr", None)
     if name is not None:
-        compiled._muon_fn_repr = f"compile_update({name})"
+        cast(Any, compiled)._muon_fn_repr = f"compile_update({name})"  # torch.compile returns a function
     return with_info(GradientTransformation(tx.init, compiled), **info(tx)._asdict())
 
 
@@ -91,11 +91,27 @@ def options(torch_compile_kwargs: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def not_traced(reason: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """``torch.compiler.disable`` with ``reason`` (shown by ``fullgraph=True`` errors) where
-    this torch accepts one: the adapters' step code runs its own compiled graphs."""
-    if "reason" in inspect.signature(torch.compiler.disable).parameters:
-        return torch.compiler.disable(reason=reason)
-    return torch.compiler.disable
+    """``torch.compiler.disable`` with ``reason`` (shown by ``fullgraph=True`` errors): the
+    adapters' step code runs its own compiled graphs.
+
+    Decorating imports no ``torch._dynamo`` (``torch.compiler.disable`` would, at import of
+    muon_fn: about 2 s): torch's own lazy form, ``torch._disable_dynamo``, applies the disable on
+    the first call, and Dynamo skips its wrapper (torch's ``torch._compile`` module is on Dynamo's
+    skip list). The wrapper carries the marks ``torch.compiler.disable`` sets, so an outer
+    ``fullgraph=True`` compile fails with ``reason``, as it does on the disabled function itself."""
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        lazy = getattr(torch, "_disable_dynamo", None)
+        if lazy is None:  # a torch without the lazy form: disable now
+            if "reason" in inspect.signature(torch.compiler.disable).parameters:
+                return torch.compiler.disable(fn, reason=reason)
+            return torch.compiler.disable(fn)
+        wrapped = lazy(fn)
+        wrapped._torchdynamo_disable = True
+        wrapped._torchdynamo_disable_msg = reason
+        return wrapped
+
+    return decorate
 
 
 _UNUSABLE: Exception | None = None  # the first compiler failure of this process, if any
@@ -213,12 +229,13 @@ class PerSignature:
 
     def _safe_options(self, device: torch.device) -> dict[str, Any] | None:
         """The options of a recompile after a failed check (None: none known; run eagerly)."""
-        if device.type != "cpu" or self.options.get("backend", "inductor") != "inductor":
+        compiled = cast("dict[str, Any]", self.options)  # only a compiled first run is checked
+        if device.type != "cpu" or compiled.get("backend", "inductor") != "inductor":
             return None
-        extra = dict(self.options.get("options") or {})
-        if self.options.get("mode") is not None:  # torch.compile takes mode or options, not both
+        extra = dict(compiled.get("options") or {})
+        if compiled.get("mode") is not None:  # torch.compile takes mode or options, not both
             return None
-        return {**self.options, "options": {**extra, **SAFE_CPU_OPTIONS}}
+        return {**compiled, "options": {**extra, **SAFE_CPU_OPTIONS}}
 
 
 def _device_of(args: tuple) -> torch.device:

@@ -250,7 +250,7 @@ def stored_triples(plain: Any, codes: Any = None, scales: Any = None) -> Any:
 
 def split_triples(like: Any, triples: Any) -> tuple[Any, Any, Any]:
     """The ``(plain, codes, scales)`` trees of a tree of stored triples with ``like``'s structure."""
-    return tuple(_tree.tree_map(lambda _, t: t[i], like, triples) for i in range(3))  # type: ignore[return-value]
+    return tuple(_tree.tree_map(lambda _, t: t[i], like, triples) for i in range(3))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,8 +272,9 @@ def _like(ref: torch.Tensor, local: torch.Tensor, shape: tuple[int, ...]) -> tor
     ``shape`` when ``ref`` is one (rows of a row-sharded state), else ``local`` itself."""
     if not hasattr(ref, "to_local"):
         return local
-    return type(ref).from_local(local, ref.device_mesh, ref.placements, run_check=False, shape=torch.Size(shape),
-                                stride=torch.empty(shape, device="meta").stride())
+    dtensor: Any = ref  # a DTensor (duck-typed: this module imports no torch.distributed)
+    return type(dtensor).from_local(local, dtensor.device_mesh, dtensor.placements, run_check=False,
+                                    shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
 
 
 def _value(entry: dict[str, Any], key: str, kind: str, n: int | None) -> tuple[torch.Tensor, torch.Tensor] | None:

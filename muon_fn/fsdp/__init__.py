@@ -10,13 +10,29 @@ predicts the plan's per-rank cost for real model shapes (:mod:`muon_fn.fsdp.spec
 size without a process group (``muon-fn plan``).
 """
 
-from ._adapter import STRATEGIES
-from ._optimizer import FSDPMuonOptimizer
+from typing import Any
+
 from ._plan import Plan, chunk_rows, make_plan
 from ._plan_cli import format_plan
 from ._predict import Mesh, PlanReport, parse_mesh, plan_model
-from ._sso import FSDPSpectralSphereOptimizer
 from .specs import SPECS
+
+# The optimizers and their strategies are imported on first use: their modules load
+# torch.distributed.tensor (about a second, sympy included), which the planner (``muon-fn plan``)
+# does not need.
+_LAZY = {
+    "FSDPMuonOptimizer": "muon_fn.fsdp._optimizer",
+    "FSDPSpectralSphereOptimizer": "muon_fn.fsdp._sso",
+    "STRATEGIES": "muon_fn.fsdp._adapter",
+}
 
 __all__ = ["FSDPMuonOptimizer", "FSDPSpectralSphereOptimizer", "STRATEGIES", "Plan", "chunk_rows", "make_plan",
            "plan_model", "PlanReport", "Mesh", "parse_mesh", "format_plan", "SPECS"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'muon_fn.fsdp' has no attribute {name!r}")
