@@ -2,7 +2,7 @@
 
 A pure functional core (``init``/``update`` transforms over pytrees, composed with ``chain`` and
 ``partition``, compiled with ``compile_update``) and thin adapters for ``torch.optim`` loops and
-FSDP2. See ``docs/api.md``.
+FSDP2. See ``docs/api.md`` and ``docs/reference/``.
 """
 
 from ._alias import adamuon, adamuon_nosign, adamw, hybrid, matrix_labels, muon, normuon, triton_muon

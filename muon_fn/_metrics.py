@@ -34,7 +34,7 @@ row-scale range ``max/min``, and the rest as recorded.
 identity's. Estimated on ``k = min(8, m)`` evenly spaced rows ``S`` of ``OOᵀ − I``
 (``O[S]·Oᵀ``, ``2kmn`` FLOPs, exact when ``m ≤ 8``), in float32 from ``O`` as the iteration
 returned it (in its compute dtype). A 5-step Muon iteration lands singular values in a band
-around 1 rather than at 1, so a healthy value is not 0 (measured, docs/api.md "Telemetry": on
+around 1 rather than at 1, so a healthy value is not 0 (measured, :func:`with_metrics`: on
 Gaussian matrices the default quintic gives 0.32–0.39 on squares from 64² to 768² and 0.26–0.30
 on 4:1 ones, Polar Express 0.17–0.22 on those squares and 0.17–0.18 on 4:1 ones; on the tiny GPT of
 ``muon-fn train --quick`` each matrix's is 0.39–0.87 at the first step and 0.33–0.62 after step
@@ -237,7 +237,21 @@ def with_metrics(tx: Any, *, view: Any = "flatten") -> Any:
     called with ``measure=False`` runs ``tx`` alone and keeps the last figures (two compiled
     graphs at most: ``measure`` is static). :func:`read_metrics` turns the state into a flat
     ``{name: float}`` dict. ``view`` (as :func:`muon_fn.orthogonalize`'s) says what a unit is for
-    the figures of elementwise quantities (RMS of the gradient, the momentum, the update)."""
+    the figures of elementwise quantities (RMS of the gradient, the momentum, the update).
+
+    The figures, per unit (a matrix, an expert of a stack, a block of a head view), are the
+    same for the optimizers' ``metrics=`` (:class:`muon_fn.Optimizer`, "Telemetry", names them):
+
+    | figure | what it is |
+    |---|---|
+    | ``grad_rms``, ``momentum_rms``, ``update_rms``, ``weight_rms`` | RMS of the unit's gradient (as it came), momentum buffer (Adam's first moment for AdamW parameters), final update ``Δp``, and weight before the step |
+    | ``effective_lr`` | ``lr·s(out, in)``: the learning rate after the shape scale (SSO: ``lr·s`` of its ``scale_mode``) |
+    | ``decay`` | ``lr·wd``, the relative shrink of the weight this step (cautious decay: times the fraction of entries it reached) |
+    | ``ortho_residual`` | ``‖OOᵀ − I‖_F/√m`` of the orthogonalized update ``O`` (``m × n``, ``m ≤ n``), estimated on ``k = min(8, m)`` evenly spaced rows (exact for ``m ≤ 8``), in float32 from ``O`` in its iteration dtype. A 5-step iteration lands singular values in a band around 1, so a healthy value is not 0: on Gaussian matrices the default quintic gives 0.32–0.39 on squares (64² to 768²) and 0.26–0.30 on 4:1 ones, Polar Express 0.17–0.22 and 0.17–0.18; on the tiny GPT of ``muon-fn train --quick`` each matrix's is 0.39–0.87 at step 1 and 0.33–0.62 after step 100. Near 1, most singular values are far from 1 (a near rank-deficient gradient, an iteration in too low a precision) |
+    | ``row_scale_range`` | NorMuon: the largest over the smallest row divisor ``√v + eps`` of the unit |
+    | ``sso_sigma``, ``sso_lambda``, ``sso_residual``, ``sso_iterations``, ``sso_fallback`` | SSO: σ(W) before the retraction, λ*, the tangency error abs(h(λ*)), msign evaluations, whether λ fell back to 0 |
+
+    The cost is a few fused reductions per matrix and ``2·8·m·n`` FLOPs for the residual."""
     from ._base import GradientTransformation, info, named, with_info
 
     def init(params):

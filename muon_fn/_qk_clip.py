@@ -162,6 +162,15 @@ class QKClip:
     and ``track_max_logits = True``; its ``forward`` fills the buffer with
     :func:`record_max_logits`. :meth:`step` (the optimizer calls it after each update) clips and
     resets the buffers; ``last_max_logits`` keeps the ``S`` it used, one tensor per layer.
+
+    Every head whose largest pre-softmax logit ``S_h`` of that step's forward exceeded τ gets its
+    rows in ``W_q`` and ``W_k`` multiplied by ``√(τ / S_h)``; the other heads keep their rows bit
+    for bit (decided on the device with ``torch.where``, no host read). Pass it as ``qk_clip=`` to
+    :class:`MuonOptimizer`, :func:`create_hybrid_optimizer` or :class:`FSDPMuonOptimizer` (its
+    weights must be parameters of that optimizer; under FSDP2 build it after ``fully_shard``), or
+    call ``clip.step()`` after any optimizer's step. A step that changed no parameter (an
+    accumulation micro-step, a skipped step) does not clip. ``max_logit()`` is the max of
+    ``last_max_logits`` (0-d tensor), ``parameters()`` the weights; ``tau`` must be finite and > 0.
     """
 
     def __init__(self, layers: Layers, tau: float) -> None:

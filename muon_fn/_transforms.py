@@ -49,7 +49,10 @@ class MomentumState(NamedTuple):
 
 class QuantizedMomentumState(NamedTuple):
     """State of :func:`momentum` with ``state_bits`` 8 or 4: each matrix's buffer as codes and
-    per-block scales (:mod:`muon_fn._quantize`); a leaf of ndim < 2 keeps its buffer in ``mu``."""
+    per-block scales (:mod:`muon_fn._quantize`); a leaf of ndim < 2 keeps its buffer in ``mu``.
+    ``codes``: int8 ``(rows, n)``, or ``(rows, ⌈n/2⌉)`` uint8 with two 4-bit codes a byte;
+    ``scales``: fp32 ``(rows, blocks)``, each block's absolute maximum. Keys in torch's state
+    dicts: ``momentum_buffer_codes``, ``momentum_buffer_scales`` (``momentum_buffer`` for ``mu``)."""
 
     mu: Updates  # fp32 where a leaf is not quantized (ndim < 2), else None
     codes: Updates  # per matrix (rows, n) int8, or (rows, ⌈n/2⌉) uint8 at 4 bits; else None
@@ -322,7 +325,9 @@ class ScaleByAdamState(NamedTuple):
 class QuantizedAdamState(NamedTuple):
     """State of :func:`scale_by_adam` with ``state_bits`` 16, 8 or 4: each moment of a matrix as
     codes and per-block scales (:mod:`muon_fn._quantize`; the first moment at 16 bits: bf16 in
-    ``mu``); leaves of ndim < 2 keep fp32 moments in ``mu`` and ``nu``."""
+    ``mu``); leaves of ndim < 2 keep fp32 moments in ``mu`` and ``nu``. Keys in torch's state
+    dicts: ``exp_avg_codes``, ``exp_avg_scales``, ``exp_avg_sq_codes``, ``exp_avg_sq_scales``
+    (``exp_avg``, ``exp_avg_sq`` for ``mu``, ``nu``; ``step`` for ``count``)."""
 
     count: Updates  # per leaf: shape=(), float32
     mu: Updates  # first moment where not quantized (ndim < 2: fp32; 16 bits: bf16), else None

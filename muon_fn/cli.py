@@ -8,6 +8,43 @@
 ``muon-fn <command> --help`` lists a command's options. A mistake in the options exits with
 status 2 and one ``muon-fn <command>: error: ...`` line naming the option, the value and what is
 allowed (argparse's error path; the commands share the argument types of :mod:`muon_fn._argtypes`).
+
+Synopses (every option: ``--help``):
+
+    muon-fn train [--quick] [--optimizer muon|torch-muon|adamw|normuon|sso | --compare A,B]
+                  [--model tiny|small|gpt2|moe-tiny] [--data PATH] [--steps N | --epochs E]
+                  [--qk-clip TAU] [--log-max-logit] [--metrics[=K]] [--fsdp] [--resume] ...
+    muon-fn bench [muon] [--elementwise] [--memory] [--model-size SET ...] [--threads 1,default]
+                  [--device cuda] [--force] ...
+    muon-fn bench sso [--layers N] [--rounds N] [--warmup N] [--rows muon,muon_same,sso,...]
+                  [--sigma] [--eager] [--threads N,...] [--json PATH]
+    muon-fn bench fsdp [--world-sizes W [W ...]] [--repeats N] [--ns-steps N] [--layers N]
+                  [--dim D] [--buckets N] [--torch-dtype auto|bf16|fp32] [--no-torch]
+                  [--overlap] [--tokens N] [--json PATH]
+    muon-fn plan --model SPEC [SPEC ...] [--mesh dp=W [replicate=R,dp=W ...]] [--gemm-tflops 400]
+                  [--link-gbps 50] [--ns-steps 5] [--bucket-size 4] [--num-buckets 4]
+                  [--wire fp32|bf16] [--state-bits 32|16|8|4]
+
+``muon-fn train`` is ``examples/train_gpt.py``. ``--qk-clip TAU`` clips every row
+(``qk_clip=TAU`` or ``qk_clip=none`` in one row's spec overrides it) and logs each step's largest
+attention logit; ``--log-max-logit`` logs it without clipping. ``--metrics[=K]`` passes
+``metrics=K`` to the muon_fn rows (alone: every step; the torch-muon and adamw rows have no
+telemetry), keeps ``optimizer.metrics()`` of each measured step in ``metrics.json``
+(``history["metrics"]``) and plots the group totals. Every run reports the optimizer's share of
+a training step (median ``optimizer.step`` time over the median step, clocks read after a device
+synchronize): ``optimizer_step_s``, ``step_s``, ``optimizer_share`` and ``history["step_time"]``.
+
+``muon-fn bench`` is :func:`muon_fn.bench.main` (also ``python -m muon_fn.bench``); the first
+argument names the benchmark, ``muon`` by default. ``--model-size`` takes sets of
+``muon_fn.bench.SETS`` (``tiny``, ``gpt2-small``, both: ``all``, the default; the LLM-size
+``llama3-1b``, ``llama3-8b``, ``deepseek-moe``, refused on the CPU above 100 M parameters unless
+``--force``). ``--elementwise`` times TritonMuon and TritonMuonW against torch's fused Adam, AdamW
+and SGD; the rows ``muon_fn[state_bits=16|8|4]`` and ``TritonMuonW[state_bits=8]`` time low-bit
+state against their fp32 peers. ``--memory`` measures each row's persistent state and one
+step's peak, each row in a fresh process. ``bench fsdp --overlap`` runs ``overlap=False``
+against ``overlap=True`` through real forward and backward passes. ``muon-fn plan`` prints
+:func:`muon_fn.fsdp.format_plan` of :func:`muon_fn.fsdp.plan_model` for every model and mesh.
+``python -m muon_fn`` and ``python -m muon_fn.cli`` run the same command.
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ SHAPE_RULES = {
 
 
 def documented_residual(o: torch.Tensor) -> float:
-    """The residual as docs/api.md defines it, in float64: ``O`` in its wide orientation
+    """The residual as muon_fn.with_metrics' docstring defines it, in float64: ``O`` in its wide orientation
     (``m ≤ n``), the rows ``S = {⌊i·m/k⌋ : i < k}``, ``k = min(8, m)``, of ``OOᵀ − I``, and
     ``√(‖(OOᵀ − I)[S]‖²_F / k)`` (an estimate of ``‖OOᵀ − I‖_F / √m``, exact for ``m ≤ 8``)."""
     o = o.double()

@@ -264,7 +264,7 @@ def test_state_is_torch_format():
     assert sd["param_groups"][0]["params"] == [0, 1, 2, 3]
     for st in sd["state"].values():
         for v in st.values():
-            assert type(v) is torch.Tensor  # plain tensors in torch's format, no NamedTuples (docs/api.md, Optimizer)
+            assert type(v) is torch.Tensor  # plain tensors in torch's format, no NamedTuples (muon_fn.Optimizer's docstring, "State")
 
 
 # --------------------------------------------------------------------------- parity: torch.optim.Muon

@@ -29,7 +29,7 @@ def sample(seed: int, rows: int, n: int, spread: float, kind: str) -> torch.Tens
     return x.abs() if kind == Q.UNSIGNED else x
 
 
-BLOCK = 256  # the documented block length (docs/api.md, "state_bits"): ⌈n/256⌉ equal blocks a row
+BLOCK = 256  # the documented block length (docs/api.md, "Low-bit state"): ⌈n/256⌉ equal blocks a row
 
 
 def block_spans(n: int) -> list[tuple[int, int]]:

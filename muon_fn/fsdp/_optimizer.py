@@ -88,6 +88,23 @@ class FSDPMuonOptimizer(MuonFlops, FSDPAdapter, MuonOptimizer):
     After each step ``last_step_stats`` holds this rank's figures: ``bytes_sent``,
     ``bytes_received``, ``ns_flops``, ``matrices_computed``, ``comm_wait_s``, ``compute_s``,
     ``step_s``, ``applied``.
+
+    A stack sharded on its expert dim is planned per expert: every rank computes the whole
+    experts it holds and none of its elements travel (``describe()`` marks it ``local``; Muon,
+    whose matrix parts are ``per_matrix``; NorMuon's and SSO's stacks keep an owner). Head views
+    work as in MuonOptimizer (the owner computes every block). ``metrics=`` gives every rank the
+    same figures (two small all-reduces per measured step; ``metrics()`` itself needs no
+    collective, so rank 0 may call it alone); a measured step runs without ``overlap``. The
+    non-finite guard runs in each phase on what that phase writes, and an owner whose bucket
+    gives a non-finite result returns it all NaN, so that every rank keeps its rows of those
+    matrices back alike. ``bucket_size`` sets the owner units (same-shape matrices one owner
+    computes together); ``None``: on the CPU the single-device buckets, at most 4 and within the
+    CPU policy's byte bound (at most 8 MiB and no more bytes than the group's largest matrix, but
+    at least 1 MiB or one matrix: in fp32 gpt2-small's 768² matrices go three to an owner, its
+    768×3072 ones one each); elsewhere at most 4, no byte bound. ``unshard_params()`` is a context
+    manager with full parameters inside. Both FSDP optimizers support ``copy.deepcopy`` and
+    pickle (the copy carries the model and rebuilds the plan); one built with an explicit
+    ``process_group`` cannot be copied (``TypeError``).
     """
 
     def __init__(

@@ -151,7 +151,16 @@ def owner_units(matrices: Sequence[Matrix], bucket_size: int | None) -> list[lis
 
 @dataclass(frozen=True)
 class PlanReport:
-    """A plan and its per-rank figures (index r: rank r of a ``dp`` shard group)."""
+    """A plan and its per-rank figures (index r: rank r of a ``dp`` shard group).
+
+    ``flops`` (Newton–Schulz GEMM FLOPs), ``sent`` and ``received`` (bytes per step, self
+    excluded), ``peak`` (extra bytes held at once, an estimate), and the properties
+    ``flops_max_mean``, ``bound_max_mean`` (the least max/mean any assignment of these units can
+    reach), ``efficiency`` (mean/max), ``idle_ranks``, ``sent_mean``, ``bytes_formula``
+    (2(W−1)/W²·S), ``step_s`` (predicted), ``ideal_step_s`` and ``rank_step_s(rank)``. With
+    ``plan_model(..., state_bits=b)``, ``state``: the optimizer state each rank of a shard group
+    holds at that width (Muon momentum; for a spec, also AdamW's moments and step), a
+    ``state/rank max`` column in :func:`format_plan`."""
 
     model: str
     mesh: Mesh

@@ -42,7 +42,11 @@ TINY: Spec = {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "head_dim": 
 
 SPECS: dict[str, Spec] = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B,
                           "deepseek-v3": DEEPSEEK_V3, "tiny": TINY}
-"""The shipped specs by name (``muon-fn plan --model NAME``, :func:`muon_fn.fsdp.plan_model`)."""
+"""The shipped specs by name (``muon-fn plan --model NAME``, :func:`muon_fn.fsdp.plan_model`):
+``"llama3-8b"``, ``"llama3-70b"``, ``"deepseek-v3"`` (a DeepSeek-V3-like MoE: expert stacks
+``(256, out, in)`` under the ``"experts"`` view) and ``"tiny"``, each a dict of sizes;
+``specs.model_params(spec)`` lists every parameter as ``(name, shape, view)``, ``view=None`` for
+the AdamW ones (embeddings, head, norms)."""
 
 
 def get_spec(spec: str | Spec) -> Spec:

@@ -42,6 +42,14 @@ class MuonMetricsCallback(_Callback):
     all of them; ``"*/*_norm"``: the group totals), matched against the names ``metrics()``
     gives; ``"step"`` (the optimizer step the figures describe) is always logged.
     Raises ``ImportError`` naming the extra when Lightning is not installed.
+
+    After each training batch it checks on the host whether an optimizer (built with
+    ``metrics=True`` or ``k``) measured a new step and, if so, reads the figures (one device
+    read) and calls ``logger.log_metrics(figures, step=...)`` on every logger of the Trainer, on
+    global rank 0, at the step of that batch's ``self.log`` values. Every measured step is logged,
+    whatever ``log_every_n_steps``: ``metrics=k`` sets the period. Warns when no optimizer
+    measures; raises ``ValueError`` at the start of training without a logger. Use:
+    ``Trainer(callbacks=[MuonMetricsCallback()], logger=CSVLogger("logs"))``.
     """
 
     def __init__(self, *, prefix: str = "optim/", names: str | Sequence[str] | None = None) -> None:

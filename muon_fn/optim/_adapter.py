@@ -164,6 +164,71 @@ class Optimizer(Placed, StagedStep, Telemetry, torch.optim.Optimizer):
     ``foreach`` and ``fused`` (any value: this step is batched and compiled whatever they say),
     ``capturable``, ``differentiable`` and ``maximize`` as ``False``; ``True`` for the last three
     raises ``ValueError`` saying why. Other unknown keywords raise ``TypeError``.
+
+    **Compiling.** The first compile of a process prints one line (the ``"muon_fn"`` logger, on
+    stderr where logging is not configured; ``logging.getLogger("muon_fn").setLevel(logging.WARNING)``
+    silences it). Where compiling is impossible (no working C++ compiler, a Python that Dynamo
+    does not support) the step runs eagerly after one ``RuntimeWarning``; ``MUON_FN_COMPILE=0``
+    in the environment turns the default off. ``torch.compile(opt.step)`` runs (the step is
+    already compiled); with ``fullgraph=True`` it raises, naming ``compile=``. When ``verify``
+    finds a graph that fails, its inputs are restored; on the CPU under inductor it is then
+    recompiled with ``cpp.simdlen=256`` (added to any ``options`` in ``compile=``) and checked
+    again, and runs eagerly if that fails too (no second warning). With ``mode=`` in
+    ``compile=``, a backend other than inductor, or a device other than the CPU, the failing
+    signature runs eagerly at once. Only that signature falls back; the check costs one eager
+    run and two copies of a bucket's inputs, once per signature.
+
+    **Non-finite gradients and faults.** Under ``"skip"`` the transform sees the skipped step's
+    gradients as zeros (no iteration or solver meets the inf or nan) and the first skip warns,
+    naming the parameters (on a GPU at the next step, once the flag's copy has arrived: no
+    sync); under ``"error"`` the steps that raised count in ``nonfinite_steps`` too. With
+    ``gradient_accumulation_steps``, a micro-batch with a non-finite gradient that is not the
+    window's last raises at once under ``"error"`` and is not accumulated, while ``"skip"``
+    skips the whole window at its last micro-batch. Under ``"skip"`` and ``"error"`` the step
+    also guards what it writes: finite gradients that give a non-finite update or state (a
+    miscompiled graph, an overflow) are an optimizer fault and nothing non-finite is written.
+    For a transform of whole matrices (Muon, NorMuon, AdaMuon, SSO, an ``"auto"`` group's AdamW
+    part) the bucket's parameters and state keep every bit; for an elementwise one (TritonMuon
+    without ``layerwise_norm``, an ``"adamw"`` group) each faulty element keeps its value (with
+    ``state_bits`` 8 or 4 the bucket is kept whole). The first fault warns, naming the
+    parameters; each is counted on the device in :attr:`optimizer_faults` and
+    ``metrics()["optimizer_faults"]``. ``None`` checks nothing: a NaN or inf is applied with the
+    rest, as torch.optim does.
+
+    **State** is stored in torch's format, exactly the transform's state
+    (``state[p]["momentum_buffer"]`` for Muon, as torch.optim.Muon; ``"step"``, ``"exp_avg"``,
+    ``"exp_avg_sq"`` for AdamW; plain tensors, no NamedTuples). With
+    ``gradient_accumulation_steps`` > 1 the state exists from construction, so
+    ``torch.distributed.checkpoint``'s state-initializing step never counts as a micro-batch; the
+    gradients accumulated inside a window are state (``"grad_accumulator"``), and a state_dict
+    saved inside a window without them is refused on load, naming the window. A parameter
+    swapped for one of another shape is refused, naming it, before anything changes.
+
+    **Telemetry.** ``metrics=True`` or ``k`` computes the figures of :func:`muon_fn.with_metrics`
+    inside the step's graphs and keeps them on the device; :meth:`metrics` reads them back in one
+    transfer as a flat ``{name: float}`` dict. They change no bit of the step and are not part of
+    ``state_dict()``; ``measured_step`` (None before the first) and ``metrics_every`` are
+    host-side numbers, so asking whether there are new figures costs nothing. Names:
+
+    - per unit: ``"<param>/<figure>"`` (``"<param>[j]/<figure>"`` for unit j of an expert stack
+      or head view), ``<param>`` the parameter's name (from ``named_parameters()`` or
+      ``param_names``), else ``#i``, its position among the optimizer's parameters (its id in
+      ``state_dict()``): ``grad_rms``, ``momentum_rms``, ``update_rms``, ``weight_rms``,
+      ``effective_lr``, ``decay``, ``ortho_residual``, ``row_scale_range``, ``sso_*``;
+    - per group (its ``algorithm`` where no other group has it, else ``group<i>``: an ``"auto"``
+      group, or two groups of one algorithm): ``grad_norm``, ``momentum_norm``, ``update_norm``,
+      ``weight_norm``, ``skipped`` (only with ``nonfinite`` not None; 1.0: the step was skipped,
+      its figures are the zeroed step's, its ``grad_rms`` shows the inf or nan), and for
+      ``grad_rms``, ``update_rms``, ``ortho_residual``, ``row_scale_range`` and ``sso_residual``
+      the largest value under ``<figure>_max`` and again under ``<figure>_max@<param>``, naming
+      the unit;
+    - ``qk_clip/max_logit`` and ``qk_clip/clipped_heads`` with ``qk_clip=``;
+    - ``step``: the measured step's number, counted by this optimizer object (an optimizer that
+      loads a state_dict counts from 1 again);
+    - ``optimizer_faults``: the optimizer faults so far (as the property).
+
+    With ``gradient_accumulation_steps=k`` a step is a window of k calls: its gradient figures
+    are those of the window's mean gradient, the one the step applies.
     """
 
     _extra_scalar_keys: tuple[str, ...] = ()
@@ -487,7 +552,40 @@ class Optimizer(Placed, StagedStep, Telemetry, torch.optim.Optimizer):
         tensors are copied (never shared with the state_dict, which may be another optimizer's
         live state), dtype names read back as dtypes. A parameter whose state the state_dict
         lacks is refused, naming it, unless it had none when saved or ``allow_missing_state=True``
-        (its state then starts afresh). A rejected state_dict leaves the optimizer as it was."""
+        (its state then starts afresh). A rejected state_dict leaves the optimizer as it was.
+
+        The checks, in order, all before anything changes: the number of groups; the group
+        hyperparameters (a state_dict another optimizer wrote is named by its keys, e.g. "it is a
+        torch.optim.AdamW state_dict", with what to do: start afresh, or convert with
+        :func:`muon_fn.optim.from_torch_state_dict`); the size of every group, in torch's words;
+        the recorded layout against this optimizer's, parameter by parameter (a ``ValueError``
+        naming the first difference); every parameter's state present; the keys and shapes of the
+        state and the hyperparameters' values. The layout comparison depends on what both sides
+        know: with names on both sides names count, so renamed or reordered parameters are
+        refused even where every shape matches (state is matched by position, and a reordered
+        model would take another layer's momentum); without names, shapes and views are compared
+        by position; a state_dict whose group ``params`` are names (what
+        ``torch.distributed.checkpoint``'s ``set_optimizer_state_dict`` loads) is compared name by
+        name. Checkpoints without the record (torch.optim's, older muon_fn's) load when their
+        sizes match. To load by position into a model renamed on purpose, delete
+        ``"param_layout"`` and ``"param_names"`` from the saved groups first.
+
+        Names are recorded relative to the module the optimizer was given;
+        ``get/set_optimizer_state_dict`` may be called with that module, a parent (Lightning's
+        ``LightningModule``, accelerate's wrapper) or a child: loaded names match when all of them
+        are the recorded ones with one module prefix added or removed, one to one (wrapper
+        segments such as ``_checkpoint_wrapped_module`` and ``_orig_mod`` ignored). DCP writes the
+        loaded state into the tensors ``get_optimizer_state_dict`` returned before the optimizer
+        sees it, so after such a refusal the state is not as it was, and the error says so:
+        build the optimizer again.
+
+        ``state_bits`` belongs to the loading optimizer: a state_dict saved at another width is
+        converted (an fp32 buffer quantized, codes dequantized exactly as the step would, codes
+        of another width decoded and encoded again; each FSDP rank converts its own rows). DCP
+        loads the keys of the optimizer it loads into, so to change the width of a DCP
+        checkpoint, load it at its own width, then ``load_state_dict(opt.state_dict())`` into an
+        optimizer of the new width. Setting a group's ``state_bits`` between steps converts its
+        state the same way."""
         self._follow_params()
         try:
             self._check_saved_groups(state_dict)

@@ -266,6 +266,24 @@ def create_hybrid_optimizer(
     ``param -> view``; see :class:`MuonOptimizer`) overrides that for the parameters it names,
     and gives head views (:func:`muon_fn.heads`) to the parameters it names. The Muon group's
     ``matrix_view`` holds the result, one entry per parameter of ndim ≥ 3 or with a head view.
+    A ``matrix_view`` key that names no Muon parameter of the model is refused, naming it.
+
+    It takes the model, not its parameters: ``create_hybrid_optimizer(model.parameters())``
+    raises a ``TypeError`` pointing to :class:`MuonOptimizer`, and ``lr=``/``weight_decay=`` one
+    pointing to the per-half keywords. Frozen parameters (``requires_grad=False``) are kept, as
+    torch.optim keeps them, in the half their shape and module give them (marked ``frozen`` in
+    ``optimizer.split``): a step skips a parameter without a gradient, and it trains once
+    unfrozen, its first update that of fresh state. ``optimizer.split``'s first line names the
+    matrix half's recipe (``Muon``, ``NorMuon``, ``AdaMuon``), for example::
+
+        NorMuon: 1 tensors, 32 parameters; weight decay 0.01
+          hidden.weight                            (8, 4)               hidden matrix
+        AdamW: 5 tensors, 144 parameters; weight decay 0.1 on ndim >= 2, none on 0-/1-D (adamw_decay_1d=True decays every tensor)
+          emb.weight                               (10, 4)              embedding
+          hidden.bias                              (8,)                 1-D, no weight decay
+          out.weight                               (10, 8)              output head
+
+    Example: ``examples/mixed_adamw.py``.
     """
     refuse_torch_style("create_hybrid_optimizer", model, muon_kwargs)
     _checks.learning_rate(muon_lr, "muon_lr")

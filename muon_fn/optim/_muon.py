@@ -140,9 +140,24 @@ class MuonOptimizer(HybridOptimizer):
     ``momentum``, ``nesterov``, ``ns_coefficients``, ``eps``, ``ns_steps``, ``adjust_lr_fn``), so a
     call spelling out torch's settings — ``ns_coefficients=(3.4445, -4.775, 2.0315), eps=1e-7,
     ns_steps=5, adjust_lr_fn=None, ns_dtype=torch.bfloat16`` — runs torch.optim.Muon's algorithm;
-    the defaults differ (see docs/api.md for the table). A torch.optim.Muon ``state_dict`` loads
+    the defaults differ: ``lr`` (0.02 here, 1e-3 there), ``weight_decay`` (0.0, 0.1) and, on CPUs
+    without bf16 GEMMs, the iteration dtype (fp32 here, always bf16 there), so spell out the ones
+    you rely on (tested against torch in fp32 to 1e-5, in bf16 to 4e-3 after 5 steps: torch
+    casts to bf16 before taking the norm, muon_fn after). ``momentum`` must be < 1 and
+    ``nesterov`` a bool. Positional arguments after ``lr`` raise ``TypeError``, so
+    ``MuonOptimizer(p, 1e-3, 0.1)`` cannot set momentum where torch sets weight decay. A torch.optim.Muon ``state_dict`` loads
     directly when this optimizer's parameters are exactly its matrices; otherwise convert it with
     :func:`muon_fn.optim.from_torch_state_dict` (and back with :func:`to_torch_state_dict`).
+    Loading one restores torch's hyperparameters and algorithm (``method=None`` with its
+    ``ns_coefficients``, EMA momentum, no NorMuon); keys torch does not save (``ns_dtype``,
+    ``momentum_dtype``, ``compile``, …) keep this optimizer's values. Older muon_fn checkpoints
+    load with the rule they ran with: without ``adamuon_beta2``/``cautious_weight_decay``, with
+    them off; without ``adamw_decay_1d``, with it ``True``; holding ``ns_eps``, with ``eps`` ←
+    ``ns_eps`` and ``normuon_eps`` ← their ``eps``.
+
+    Inside the compiled step the orthogonalization of each batch of equal-shape matrices is one
+    operator (``torch.ops.muon_fn.orthogonalize_batch``) running the tuned iteration; inductor
+    fuses the momentum, scaling, decay and the in-place update around it.
 
     The step is :func:`muon_fn.muon` (and :func:`muon_fn.adamw`) run through the generic
     :class:`muon_fn.Optimizer` apply: compiled by default, nothing read back from the device.
@@ -192,7 +207,8 @@ class MuonOptimizer(HybridOptimizer):
         small float relative to each block's maximum; :mod:`muon_fn._quantize`). The step dequantizes, updates in fp32
         and requantizes inside its compiled graph; no full-precision copy is kept. 0-/1-D
         parameters, NorMuon's row statistics and AdaMuon's second moment stay fp32. A
-        checkpoint of another width loads (converted); see docs/api.md.
+        checkpoint of another width loads (converted; :meth:`muon_fn.Optimizer.load_state_dict`).
+    ``momentum_dtype`` and ``state_bits`` ≠ 32 both set the momentum's storage: pass one.
       layerwise_norm: divide each Muon parameter's gradient by its own norm before the momentum
         (:func:`muon_fn.normalize_layerwise`; default off). The AdamW half sees the raw
         gradients: Adam's update already ignores the gradient's scale (up to ``adamw_eps``).

@@ -21,7 +21,10 @@ _STAT_KEYS = ("sso_sigma", "sso_lambda", "sso_residual", "sso_iterations", "sso_
 
 
 class SolverReport(NamedTuple):
-    """Per-matrix SSO statistics of the last step (tensors of shape ``(N,)``, N = SSO matrices)."""
+    """Per-matrix SSO statistics of the last step (tensors of shape ``(N,)``, N = SSO matrices):
+    ``names``, ``sigma`` (σ(W) before the retraction), ``lam`` (λ*), ``residual`` (|h(λ*)|),
+    ``iterations`` (msign calls), ``fallback`` (no bracket: λ = 0 this step), ``fallbacks`` (so
+    far); :meth:`summary` gives scalars for logging."""
 
     names: list[str]  # parameter names (or "#i of shape (...)"); "name[j]" for unit j (expert, head block)
     sigma: torch.Tensor  # σ(W) before the retraction

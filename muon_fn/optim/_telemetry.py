@@ -107,9 +107,9 @@ class Telemetry:
         return self.__dict__.get("_figures_step")
 
     def metrics(self) -> dict[str, float]:
-        """The figures of the last measured step as a flat ``{name: float}`` dict (see
-        :mod:`muon_fn.optim._telemetry` for the names), read from the device now, in one
-        transfer; ``{}`` before the first measured step or with ``metrics=False``."""
+        """The figures of the last measured step as a flat ``{name: float}`` dict, read from the
+        device now, in one transfer; ``{}`` before the first measured step or with
+        ``metrics=False``. The names: :class:`muon_fn.Optimizer`, "Telemetry"."""
         entries = list(self._figure_entries())
         tensors = [v for *_, raw in entries for v in raw.values()]
         finite = self.__dict__.get("_figures_finite")
