@@ -17,6 +17,35 @@ for GPUs) and the GEMM bound of a step (:func:`step_gemm_flops` over :func:`matm
 
 Shared pieces: the parameter sets and their real gradients (:func:`real_gradients`), paired
 rounds and :func:`paired_ratio`, device synchronization, thread counts, state and peak bytes.
+
+**Parameter sets.** ``tiny``: 4 layers at d = 256 (24 matrices, 3.1 M parameters);
+``gpt2-small``: 12 layers at d = 768 (72 matrices, 84.9 M); each layer q, k, v, o (d×d), fc
+(4d×d), proj (d×4d). The gradients are real: one forward/backward pass of a byte-level
+transformer built from these matrices on Python's standard library sources (the Llama sets with
+RMSNorm, grouped-query attention and SwiGLU; ``deepseek-moe`` with a routed top-6 MoE), of stable
+rank 1–4, unlike Gaussian noise.
+
+**Rows.** ``muon_fn`` is ``MuonOptimizer(params, lr)`` with the defaults; ``muon_fn[like_torch]``
+runs torch's math (quintic ×5 in bf16, EMA momentum, ``adjust_lr_fn="original"``) through
+muon_fn; ``torch.optim.Muon`` (``weight_decay=0``, ``adjust_lr_fn="original"``) is the reference
+of ``/torch``; ``replay[...]`` runs exactly the GEMMs of a schedule, batched as the step batches,
+on inputs prepared outside the clock (``torch_quintic5``: one matrix at a time in bf16, as
+torch). ``muon-fn bench --help`` lists every row. On a CPU without bf16 instructions the default
+rows leave out the bf16 ones (emulated there), except torch.optim.Muon on the tiny set.
+
+**Columns.** The first step (``1st step``; ``c``: it compiled), ms per step over the paired rounds
+(min, median, max), ``bound ms`` (the row's GEMM FLOPs, ``muon_fn._newton_schulz.gemm_flops``, at
+the rate of one representative GEMM timed in the same run; muon_fn's blocked symmetric products
+can come in under it on the CPU) and ``/bound``, ``/torch`` and ``/own`` (medians of the per-round
+ratios to torch.optim.Muon and to the row's own replay), ``state MiB``, and ``peak MiB`` (what one
+more step allocates above what existed before it: on CUDA ``torch.cuda.max_memory_allocated``, on
+the CPU torch's allocator events in ``torch.profiler``, without BLAS packing buffers).
+
+**Quality.** On the gradients of layer 0 and the last layer and on Gaussian 768×3072 and
+3072×768 matrices, the worst ratio per matrix kind of the RMS deviation of singular values from 1
+to torch's 5-step quintic (``ratio_to_torch``) and to the quintic in the row's dtype
+(``ratio_to_quintic_same_dtype``); ``signed_ratio_to_torch`` uses u_iᵀ O v_i, so it also catches
+a flipped direction.
 """
 
 from ._cli import main
