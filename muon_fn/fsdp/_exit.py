@@ -26,7 +26,7 @@ _GLOO_WORKER = "pt_gloo_runloop"  # the name ProcessGroupGloo gives its worker t
 def _gloo_workers() -> dict[str, tuple[str, str, str]]:
     """Per gloo worker thread of this process, its scheduler state and context-switch counts
     (Linux ``/proc``; empty elsewhere)."""
-    workers = {}
+    workers: dict[str, tuple[str, str, str]] = {}
     try:
         tids = os.listdir("/proc/self/task")
     except OSError:

@@ -169,7 +169,8 @@ class HybridSplit:
 def _recipe(optimizer: Optimizer) -> str:
     """The name of the rule the Muon group runs: ``"AdaMuon"``, ``"AdaMuon (no sign)"``
     (``adamuon_sign=False``), ``"NorMuon"`` or ``"Muon"``."""
-    group = next((g for g in optimizer.param_groups if g.get("algorithm") in ("muon", "auto")), {})
+    group: dict[str, Any] = next(
+        (g for g in optimizer.param_groups if g.get("algorithm") in ("muon", "auto")), {})
     if group.get("adamuon_beta2") is not None:
         return "AdaMuon" if group.get("adamuon_sign", True) else "AdaMuon (no sign)"
     return "NorMuon" if group.get("beta2") is not None else "Muon"
