@@ -49,12 +49,60 @@ def _lane_devices() -> list[str]:
 DEVICES = _lane_devices()
 
 
+# Two tiers. The fast tier (the README's ``pytest -q``: unit, property, eager and a representative
+# set of compiled tests) is the default. The full tier adds what costs seconds to minutes a test:
+# the spawned process groups (``distributed``), the example trainings, the compile-cache
+# subprocesses and the per-configuration compiled sweeps (``slow``). ``--tier full`` (or
+# MUON_FN_TIER=full) runs both; ``--tier slow`` only what the fast tier leaves out (CI runs the two
+# halves one after the other). Without ``--tier``, a run that names test files or node ids
+# (``pytest tests/test_fsdp.py``) runs them whole.
+TIERS = ("fast", "full", "slow")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--tier", choices=TIERS, default=None,
+                     help="fast (the default): the quick tier; full: everything; slow: the full tier "
+                          "less the fast one. Default: MUON_FN_TIER, else full when test files or "
+                          "node ids are named, else fast")
+
+
+def _tier(config) -> str:
+    chosen = config.getoption("--tier") or os.environ.get("MUON_FN_TIER")
+    if chosen:
+        if chosen not in TIERS:
+            raise pytest.UsageError(f"MUON_FN_TIER={chosen!r}: expected one of {', '.join(TIERS)}")
+        return chosen
+    named = any("::" in arg or arg.split("::")[0].endswith(".py") for arg in config.args)
+    return "full" if named else "fast"
+
+
+def _full_tier_only(item) -> bool:
+    return item.get_closest_marker("slow") is not None or item.get_closest_marker("distributed") is not None
+
+
+def _select_tier(config, items) -> None:
+    tier = _tier(config)
+    if tier == "full":
+        return
+    keep, drop = [], []
+    for item in items:
+        (drop if _full_tier_only(item) == (tier == "fast") else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+def pytest_report_header(config):
+    return f"muon_fn test tier: {_tier(config)} (--tier fast|full|slow)"
+
+
 def pytest_collection_modifyitems(config, items):
     """Every test that takes the ``device`` fixture is in the lane: ``pytest -m lane`` selects
-    them (.ci/gpu-lane runs them with MUON_FN_DEVICES=cuda)."""
+    them (.ci/gpu-lane runs them with MUON_FN_DEVICES=cuda). Then the tier's tests are kept."""
     for item in items:
         if "device" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.lane)
+    _select_tier(config, items)
 
 
 @pytest.fixture(params=DEVICES)

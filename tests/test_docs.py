@@ -115,15 +115,19 @@ def test_readme_commands_match_ci():
     readme = README.read_text()
     ci = (ROOT / ".ci" / "run").read_text()
     assert 'pip install -e ".[dev]"' in readme
-    # CI installs the dev set-up plus the extras the HF and Lightning example tests need.
-    assert 'pip install -e ".[dev,hf,lightning]"' in ci and "MUON_FN_REQUIRE_EXTRAS=1" in ci
+    # CI installs the dev set-up plus the docs extra and the extras the HF and Lightning example tests need.
+    assert 'pip install -e ".[dev,docs,hf,lightning]"' in ci and "MUON_FN_REQUIRE_EXTRAS=1" in ci
     assert "muon-fn train --quick" in readme
-    assert "OMP_NUM_THREADS=1 python -m pytest -q" in readme
-    # .ci/run: `export OMP_NUM_THREADS=1`, then the README's command exactly, `"$PY" -m pytest -q`
-    # (then, after it, the oldest-torch tests in a venv of their own).
+    assert "OMP_NUM_THREADS=1 python -m pytest -q  " in readme  # the fast tier, as the README's test command
+    assert "OMP_NUM_THREADS=1 python -m pytest -q --tier full" in readme
+    # .ci/run: lint, types and the docs build, `export OMP_NUM_THREADS=1`, then the README's command
+    # exactly, `"$PY" -m pytest -q`, then the rest of the full tier (then the oldest-torch tests).
     commands = [ln.strip() for ln in ci.splitlines() if ln.strip() and not ln.strip().startswith("#")]
-    assert "export OMP_NUM_THREADS=1" in commands and '"$PY" -m pytest -q' in commands, commands
-    assert commands.index("export OMP_NUM_THREADS=1") < commands.index('"$PY" -m pytest -q')
+    order = ['"$PY" -m ruff check .', '"$PY" -m ruff format --check .', '"$PY" -m mypy',
+             "export OMP_NUM_THREADS=1", '"$PY" -m pytest -q', '"$PY" -m pytest -q --tier slow']
+    assert all(c in commands for c in order), commands
+    assert [commands.index(c) for c in order] == sorted(commands.index(c) for c in order), commands
+    assert any(c.endswith("mkdocs build --strict --quiet --site-dir \"$(mktemp -d)\"") for c in commands), commands
 
 
 def test_readme_ten_line_example_runs(capsys):
