@@ -21,11 +21,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=1, help="gpt2-small layers, 1..12")
     ap.add_argument("--rounds", type=int, default=4, help="timed paired rounds")
     ap.add_argument("--warmup", type=int, default=1, help="rounds timed apart first")
-    ap.add_argument("--rows", default="muon,muon_same,sso",
-                    help=f"comma-separated subset of {', '.join(bench.SSO_ROWS)}")
+    ap.add_argument(
+        "--rows",
+        default="muon,muon_same,sso",
+        help=f"comma-separated subset of {', '.join(bench.SSO_ROWS)}",
+    )
     ap.add_argument("--json", default=None, help="write the result here")
     args = ap.parse_args(argv)
-    result = bench.benchmark_sso(args.layers, args.rounds, args.warmup, args.rows.split(","), sigma=True)
+    result = bench.benchmark_sso(
+        args.layers, args.rounds, args.warmup, args.rows.split(","), sigma=True
+    )
     print(bench.format_sso_table(result))
     if args.json:
         with open(args.json, "w") as f:

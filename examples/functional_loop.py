@@ -33,7 +33,9 @@ from muon_fn._train.model import GPT, config_for
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--backend", default="inductor", help="torch.compile backend (eager: no codegen)")
+    ap.add_argument(
+        "--backend", default="inductor", help="torch.compile backend (eager: no codegen)"
+    )
     args = ap.parse_args(argv)
 
     torch.manual_seed(0)
@@ -80,7 +82,9 @@ def main(argv=None) -> int:
         params = mf.apply_updates(params, updates)
         print(f"step {step + 1:3d}  loss {loss.item():.4f}  ({time.perf_counter() - t0:.1f} s)")
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    print(f"compiled graphs: {graphs} (one per update; the moving learning rates caused no recompile)")
+    print(
+        f"compiled graphs: {graphs} (one per update; the moving learning rates caused no recompile)"
+    )
     return 0
 
 

@@ -68,45 +68,84 @@ def full(p: torch.Tensor) -> torch.Tensor:
     return p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
 
 
-OPTIMIZER = {"muon_lr": 3e-3, "adamw_lr": 3e-3, "adamw_weight_decay": 0.0,
-             "adjust_lr_fn": "match_rms_adamw"}  # Conv1D stores (in, out); this rule is symmetric
+OPTIMIZER = {
+    "muon_lr": 3e-3,
+    "adamw_lr": 3e-3,
+    "adamw_weight_decay": 0.0,
+    "adjust_lr_fn": "match_rms_adamw",
+}  # Conv1D stores (in, out); this rule is symmetric
 
 
-FSDP2 = {"fsdp": "full_shard", "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"],
-                                               "state_dict_type": "SHARDED_STATE_DICT"}}
+FSDP2 = {
+    "fsdp": "full_shard",
+    "fsdp_config": {
+        "version": 2,
+        "transformer_layer_cls_to_wrap": ["GPT2Block"],
+        "state_dict_type": "SHARDED_STATE_DICT",
+    },
+}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--out", help="where the Trainer writes its checkpoints (default: a temporary directory)")
-    ap.add_argument("--save-steps", type=int, default=0, help="save a checkpoint every N steps (0: none)")
-    ap.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
+    ap.add_argument(
+        "--out", help="where the Trainer writes its checkpoints (default: a temporary directory)"
+    )
+    ap.add_argument(
+        "--save-steps", type=int, default=0, help="save a checkpoint every N steps (0: none)"
+    )
+    ap.add_argument(
+        "--resume", action="store_true", help="continue from the last checkpoint in --out"
+    )
     ap.add_argument("--fsdp2", action="store_true", help="FSDP2 on the GPUs (under torchrun)")
     args = ap.parse_args(argv)
     if args.resume and not args.out:
         ap.error("--resume needs --out")
 
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=256, n_positions=128, n_embd=64, n_layer=2, n_head=2,
-                        bos_token_id=0, eos_token_id=0)
+    config = GPT2Config(
+        vocab_size=256,
+        n_positions=128,
+        n_embd=64,
+        n_layer=2,
+        n_head=2,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     model = GPT2LMHeadModel(config)  # random init from the config: no download
     corpus = load_corpus(max_bytes=1_000_000)
     train = LMDataset(WindowDataset(corpus.train, seq_len=config.n_positions - 1, n=8 * args.steps))
     with tempfile.TemporaryDirectory() as scratch:
         targs = TrainingArguments(
-            output_dir=args.out or scratch, max_steps=args.steps, per_device_train_batch_size=8,
-            lr_scheduler_type="cosine", warmup_steps=max(1, args.steps // 10),
-            logging_steps=max(1, args.steps // 10), report_to="none", use_cpu=not args.fsdp2, dataloader_num_workers=0,
-            disable_tqdm=True, save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
+            output_dir=args.out or scratch,
+            max_steps=args.steps,
+            per_device_train_batch_size=8,
+            lr_scheduler_type="cosine",
+            warmup_steps=max(1, args.steps // 10),
+            logging_steps=max(1, args.steps // 10),
+            report_to="none",
+            use_cpu=not args.fsdp2,
+            dataloader_num_workers=0,
+            disable_tqdm=True,
+            save_strategy="steps" if args.save_steps else "no",
+            save_steps=args.save_steps or 500,
             **(FSDP2 if args.fsdp2 else {}),
         )
-        trainer = Trainer(model=model, args=targs, train_dataset=train,
-                          optimizer_cls_and_kwargs=(HybridFactory, OPTIMIZER))
+        trainer = Trainer(
+            model=model,
+            args=targs,
+            train_dataset=train,
+            optimizer_cls_and_kwargs=(HybridFactory, OPTIMIZER),
+        )
         result = trainer.train(resume_from_checkpoint=True if args.resume else None)
-    print(trainer.optimizer.optimizer.split)  # wte/wpe (tied to lm_head), LayerNorms -> AdamW; Conv1D -> Muon
+    print(
+        trainer.optimizer.optimizer.split
+    )  # wte/wpe (tied to lm_head), LayerNorms -> AdamW; Conv1D -> Muon
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    print(f"first logged loss {losses[0]:.4f}, last {losses[-1]:.4f}; final training loss {result.training_loss:.4f}")
+    print(
+        f"first logged loss {losses[0]:.4f}, last {losses[-1]:.4f}; final training loss {result.training_loss:.4f}"
+    )
     total = sum(full(p).double().sum().item() for p in trainer.model.parameters())
     print(f"parameters: sum {total!r}")
     return 0

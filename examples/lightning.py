@@ -72,7 +72,9 @@ class LitGPT(pl.LightningModule):
         # the sampler Lightning puts in on W devices, used on one device too: rank r of W gets
         # every W-th window of one shuffled order, so W devices see the windows that one device
         # sees with --accumulate W, micro-batch r of each step on rank r
-        sampler = DistributedSampler(self.data, self.trainer.world_size, self.trainer.global_rank, seed=0)
+        sampler = DistributedSampler(
+            self.data, self.trainer.world_size, self.trainer.global_rank, seed=0
+        )
         return torch.utils.data.DataLoader(self.data, batch_size=self.batch_size, sampler=sampler)
 
     def training_step(self, batch, batch_idx):
@@ -85,23 +87,32 @@ class LitGPT(pl.LightningModule):
         if self.optimizer_name == "muon":  # torch.optim.Muon's call with the class changed
             optimizer = mf.MuonOptimizer(self.parameters(), lr=0.02)
         else:
-            optimizer = mf.create_hybrid_optimizer(self.model, muon_lr=0.02, adamw_lr=3e-3,
-                                                   adamw_weight_decay=0.0)
+            optimizer = mf.create_hybrid_optimizer(
+                self.model, muon_lr=0.02, adamw_lr=3e-3, adamw_weight_decay=0.0
+            )
         warmup = max(1, self.total_steps // 10)
 
         def schedule(step: int) -> float:
             if step < warmup:
                 return (step + 1) / warmup
-            return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, self.total_steps - warmup))))
+            return 0.5 * (
+                1
+                + math.cos(math.pi * min(1.0, (step - warmup) / max(1, self.total_steps - warmup)))
+            )
 
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
+        }
 
 
 def full_parameters(model: torch.nn.Module) -> dict:
     """The whole parameters on every rank (a collective under FSDP2: every rank calls it)."""
-    return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
-            for name, p in model.named_parameters()}
+    return {
+        name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
+        for name, p in model.named_parameters()
+    }
 
 
 def main(argv=None) -> int:
@@ -124,25 +135,53 @@ def main(argv=None) -> int:
     # one epoch is steps/epochs optimizer steps, on any number of devices
     epoch_steps = math.ceil(args.steps / args.epochs)
     windows = epoch_steps * args.batch_size * args.accumulate * args.devices
-    lit = LitGPT(WindowDataset(corpus.train, seq_len=64, n=windows), args.batch_size, args.steps, args.optimizer)
+    lit = LitGPT(
+        WindowDataset(corpus.train, seq_len=64, n=windows),
+        args.batch_size,
+        args.steps,
+        args.optimizer,
+    )
     if args.strategy == "fsdp2":  # its default mesh on one machine is all tensor-parallel: say FSDP
-        strategy = pl.strategies.ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
+        strategy = pl.strategies.ModelParallelStrategy(
+            data_parallel_size=args.devices, tensor_parallel_size=1
+        )
     else:
         strategy = args.strategy
     # saved after each epoch's last step: a resumed run starts the next epoch (a checkpoint saved
     # by every_n_epochs, at on_train_epoch_end, resumes with a stray batch of the old epoch)
-    callbacks = [pl.callbacks.ModelCheckpoint(args.ckpt_dir, "{epoch}-{step}", every_n_train_steps=epoch_steps,
-                                              save_top_k=-1)] if args.ckpt_dir else []
-    trainer = pl.Trainer(max_steps=args.steps, accelerator="cpu", devices=args.devices, strategy=strategy,
-                         accumulate_grad_batches=args.accumulate, gradient_clip_val=args.grad_clip or None,
-                         use_distributed_sampler=False,  # train_dataloader brings its sampler
-                         callbacks=callbacks, enable_checkpointing=bool(args.ckpt_dir), logger=False,
-                         enable_progress_bar=False, log_every_n_steps=1)
+    callbacks = (
+        [
+            pl.callbacks.ModelCheckpoint(
+                args.ckpt_dir, "{epoch}-{step}", every_n_train_steps=epoch_steps, save_top_k=-1
+            )
+        ]
+        if args.ckpt_dir
+        else []
+    )
+    trainer = pl.Trainer(
+        max_steps=args.steps,
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=strategy,
+        accumulate_grad_batches=args.accumulate,
+        gradient_clip_val=args.grad_clip or None,
+        use_distributed_sampler=False,  # train_dataloader brings its sampler
+        callbacks=callbacks,
+        enable_checkpointing=bool(args.ckpt_dir),
+        logger=False,
+        enable_progress_bar=False,
+        log_every_n_steps=1,
+    )
     trainer.fit(lit, ckpt_path=args.resume)
     params = full_parameters(lit.model)
     if trainer.is_global_zero:
-        loss, total = float(trainer.callback_metrics["train_loss"]), sum(p.double().sum() for p in params.values())
-        print(f"trained {trainer.global_step} steps; last train_loss {loss:.4f}; parameter sum {float(total):.17g}")
+        loss, total = (
+            float(trainer.callback_metrics["train_loss"]),
+            sum(p.double().sum() for p in params.values()),
+        )
+        print(
+            f"trained {trainer.global_step} steps; last train_loss {loss:.4f}; parameter sum {float(total):.17g}"
+        )
         if args.save_params:
             torch.save(params, args.save_params)
     return 0

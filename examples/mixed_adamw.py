@@ -36,10 +36,13 @@ def main(argv=None) -> int:
 
     # Muon lr 0.02 (Keller's scale: update RMS ≈ AdamW's at lr ~1e-3..3e-3);
     # AdamW for embeddings, head, norms. `verbose=True` prints the split.
-    opt = mf.create_hybrid_optimizer(model, muon_lr=0.02, adamw_lr=3e-3, adamw_weight_decay=0.0,
-                                     verbose=True)
+    opt = mf.create_hybrid_optimizer(
+        model, muon_lr=0.02, adamw_lr=3e-3, adamw_weight_decay=0.0, verbose=True
+    )
     # Overrides: adamw_names=["blocks.0.attn.q.weight"] or adamw_predicate=lambda name, p: ...
-    print("\nparam groups:", [(g["algorithm"], len(g["params"]), g["lr"]) for g in opt.param_groups])
+    print(
+        "\nparam groups:", [(g["algorithm"], len(g["params"]), g["lr"]) for g in opt.param_groups]
+    )
     # Any torch scheduler works; it scales each group's lr (floats reach the update as 0-d
     # tensors, so a compiled update never recompiles).
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps)
@@ -53,8 +56,10 @@ def main(argv=None) -> int:
         opt.step()  # never modifies .grad: clip or log gradients before or after freely
         sched.step()
         opt.zero_grad(set_to_none=True)
-        print(f"step {step + 1:3d}  loss {loss.item():.4f}  muon lr {opt.param_groups[0]['lr']:.5f}"
-              f"  adamw lr {opt.param_groups[1]['lr']:.6f}")
+        print(
+            f"step {step + 1:3d}  loss {loss.item():.4f}  muon lr {opt.param_groups[0]['lr']:.5f}"
+            f"  adamw lr {opt.param_groups[1]['lr']:.6f}"
+        )
 
     # One state_dict for both halves, torch's format: state[p]["momentum_buffer"] for Muon,
     # "exp_avg"/"exp_avg_sq" for AdamW, "step" for both.
@@ -68,8 +73,10 @@ def main(argv=None) -> int:
     opt2.load_state_dict(ckpt["optimizer"])
     q = model.blocks[0].attn.q.weight
     keys = sorted(opt.state[q])
-    print(f"\ncheckpoint round trip OK; state keys of a Muon matrix: {keys}; "
-          f"of the tied embedding/head: {sorted(opt.state[model.tok_emb.weight])}")
+    print(
+        f"\ncheckpoint round trip OK; state keys of a Muon matrix: {keys}; "
+        f"of the tied embedding/head: {sorted(opt.state[model.tok_emb.weight])}"
+    )
     return 0
 
 

@@ -20,10 +20,15 @@ except ImportError:  # a source checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import muon_fn as mf
 
-from muon_fn._newton_schulz import METHODS, default_steps  # every built-in method and its designed step count
+from muon_fn._newton_schulz import (
+    METHODS,
+    default_steps,
+)  # every built-in method and its designed step count
 
 
-def measure(G: torch.Tensor, method: str, steps: int, dtype: torch.dtype) -> tuple[float, float, float]:
+def measure(
+    G: torch.Tensor, method: str, steps: int, dtype: torch.dtype
+) -> tuple[float, float, float]:
     O = mf.newton_schulz(G, method, steps, dtype=dtype).double()
     s = torch.linalg.svdvals(O)
     return s.min().item(), s.max().item(), (s - 1).pow(2).mean().sqrt().item()
@@ -31,11 +36,18 @@ def measure(G: torch.Tensor, method: str, steps: int, dtype: torch.dtype) -> tup
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", action="append", help="MxN (repeatable); default 256x1024 and 1024x256")
+    ap.add_argument(
+        "--shape", action="append", help="MxN (repeatable); default 256x1024 and 1024x256"
+    )
     ap.add_argument("--steps", type=int, nargs="+", default=[5, 8])
     args = ap.parse_args(argv)
-    shapes = [tuple(int(v) for v in s.lower().split("x")) for s in (args.shape or ["256x1024", "1024x256"])]
-    print(f"{'shape':<10} {'method':<14} {'steps':>5} {'dtype':<9} {'σ_min':>7} {'σ_max':>7} {'RMS(σ−1)':>9}")
+    shapes = [
+        tuple(int(v) for v in s.lower().split("x"))
+        for s in (args.shape or ["256x1024", "1024x256"])
+    ]
+    print(
+        f"{'shape':<10} {'method':<14} {'steps':>5} {'dtype':<9} {'σ_min':>7} {'σ_max':>7} {'RMS(σ−1)':>9}"
+    )
     for shape in shapes:
         G = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
         for method in METHODS:
@@ -45,7 +57,9 @@ def main(argv=None) -> int:
                         continue  # Gram Newton–Schulz rejects bf16 (it loses orthogonality there)
                     lo, hi, rms = measure(G, method, steps, dtype)
                     name = str(dtype).replace("torch.", "")
-                    print(f"{'x'.join(map(str, shape)):<10} {method:<14} {steps:>5} {name:<9} {lo:7.4f} {hi:7.4f} {rms:9.4f}")
+                    print(
+                        f"{'x'.join(map(str, shape)):<10} {method:<14} {steps:>5} {name:<9} {lo:7.4f} {hi:7.4f} {rms:9.4f}"
+                    )
     return 0
 
 

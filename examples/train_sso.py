@@ -32,7 +32,9 @@ def main(argv=None) -> int:
 
     torch.manual_seed(0)
     model = GPT(config_for("tiny", n_layer=2))
-    opt = mf.SpectralSphereOptimizer.from_model(model, lr=0.02, adamw_lr=3e-3, adamw_weight_decay=0.0)
+    opt = mf.SpectralSphereOptimizer.from_model(
+        model, lr=0.02, adamw_lr=3e-3, adamw_weight_decay=0.0
+    )
     print(f"SSO on {len(opt.split.muon)} matrices, AdamW on {len(opt.split.adamw)} tensors")
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps)
 
@@ -46,9 +48,11 @@ def main(argv=None) -> int:
         sched.step()
         opt.zero_grad(set_to_none=True)
         stats = opt.last_step_stats().summary()  # msign calls of the λ solver, |h(λ)|, fallbacks
-        print(f"step {step + 1:3d}  loss {loss.item():.4f}  solver iterations mean "
-              f"{stats['iterations_mean']:.1f} max {stats['iterations_max']:.0f}  "
-              f"max |h(λ)| {stats['residual_max']:.1e}  fallbacks {stats['fallbacks_total']}")
+        print(
+            f"step {step + 1:3d}  loss {loss.item():.4f}  solver iterations mean "
+            f"{stats['iterations_mean']:.1f} max {stats['iterations_max']:.0f}  "
+            f"max |h(λ)| {stats['residual_max']:.1e}  fallbacks {stats['fallbacks_total']}"
+        )
 
     # The radius: σ(W) before this step's retraction, against R = radius_scale·√(out/in).
     report = opt.last_step_stats()

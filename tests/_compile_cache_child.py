@@ -63,17 +63,44 @@ TRANSFORMS: dict[str, tuple[tuple, Callable[[Any], mf.GradientTransformation], f
     "scale_by_adam(betas[1])": (BETA2, lambda x: mf.scale_by_adam((0.9, x), 1e-3), 1.0),
     "scale_by_adam(eps)": (EPS, lambda x: mf.scale_by_adam((0.9, 0.999), x), 1e-2),
     "add_decoupled_weight_decay(weight_decay)": (
-        DECAY, lambda x: mf.chain(mf.add_decoupled_weight_decay(x), mf.scale_by_learning_rate(0.1)), 1.0),
+        DECAY,
+        lambda x: mf.chain(mf.add_decoupled_weight_decay(x), mf.scale_by_learning_rate(0.1)),
+        1.0,
+    ),
     "scale_by_learning_rate(lr)": (LR, lambda x: mf.scale_by_learning_rate(x), 1.0),
-    "normalize_layerwise(eps)": (tuple(10 * e for e in EPS), lambda x: mf.normalize_layerwise(x, add_eps=True), 1e-2),
-    "orthogonalize(coefficients)": (COEFFICIENTS, lambda x: mf.orthogonalize(coefficients=x, **ORTH), 1.0),
+    "normalize_layerwise(eps)": (
+        tuple(10 * e for e in EPS),
+        lambda x: mf.normalize_layerwise(x, add_eps=True),
+        1e-2,
+    ),
+    "orthogonalize(coefficients)": (
+        COEFFICIENTS,
+        lambda x: mf.orthogonalize(coefficients=x, **ORTH),
+        1.0,
+    ),
     "orthogonalize(stepsize)": (STEPSIZE, lambda x: mf.orthogonalize(stepsize=x, **ORTH), 1.0),
     "orthogonalize(eps)": (EPS, lambda x: mf.orthogonalize(eps=x, **ORTH), 1e-3),
-    "normalize_rows(beta2)": (BETA2, lambda x: mf.chain(mf.orthogonalize(**ORTH), mf.normalize_rows(x)), 1.0),
-    "normalize_rows(eps)": (EPS, lambda x: mf.chain(mf.orthogonalize(**ORTH), mf.normalize_rows(0.95, x * 10)), 1.0),
+    "normalize_rows(beta2)": (
+        BETA2,
+        lambda x: mf.chain(mf.orthogonalize(**ORTH), mf.normalize_rows(x)),
+        1.0,
+    ),
+    "normalize_rows(eps)": (
+        EPS,
+        lambda x: mf.chain(mf.orthogonalize(**ORTH), mf.normalize_rows(0.95, x * 10)),
+        1.0,
+    ),
     "spectral_sphere(lr)": (LR, lambda x: mf.spectral_sphere(x, **SPHERE), 1.0),
-    "spectral_sphere(radius_scale)": (RADIUS, lambda x: mf.spectral_sphere(0.1, radius_scale=x, **SPHERE), 1.0),
-    "spectral_sphere(retract_alpha)": (ALPHA, lambda x: mf.spectral_sphere(0.1, retract_alpha=x, **SPHERE), 1.0),
+    "spectral_sphere(radius_scale)": (
+        RADIUS,
+        lambda x: mf.spectral_sphere(0.1, radius_scale=x, **SPHERE),
+        1.0,
+    ),
+    "spectral_sphere(retract_alpha)": (
+        ALPHA,
+        lambda x: mf.spectral_sphere(0.1, retract_alpha=x, **SPHERE),
+        1.0,
+    ),
     "spectral_sphere(tol)": (TOL, lambda x: mf.spectral_sphere(0.1, tol=x, **SPHERE), 1.0),
 }
 
@@ -82,7 +109,9 @@ DEVICE = torch.device("cpu")  # set by main
 
 
 def _matrix(seed: int, scale: float = 1.0) -> torch.Tensor:
-    return (torch.randn(6, 4, dtype=F64, generator=torch.Generator().manual_seed(seed)) * scale).to(DEVICE)
+    return (torch.randn(6, 4, dtype=F64, generator=torch.Generator().manual_seed(seed)) * scale).to(
+        DEVICE
+    )
 
 
 def _raw_compile(tx: mf.GradientTransformation) -> mf.GradientTransformation:
@@ -118,13 +147,19 @@ class _LM(nn.Module):
 
 def _adamw(v: int, key: str = "adamw_betas") -> dict[str, Any]:
     """The AdamW half's settings with one float (``key``) at value ``v``."""
-    settings = dict(adamw_betas=(0.9, BETA2[0]), adamw_eps=EPS[0], adamw_weight_decay=DECAY[0], adamw_decay_1d=True)
+    settings = dict(
+        adamw_betas=(0.9, BETA2[0]),
+        adamw_eps=EPS[0],
+        adamw_weight_decay=DECAY[0],
+        adamw_decay_1d=True,
+    )
     settings[key] = (0.9, BETA2[v]) if key == "adamw_betas" else EPS[v]
     return settings
 
 
 def _fsdp(name: str) -> type:
     from muon_fn import fsdp
+
     return getattr(fsdp, name)
 
 
@@ -132,19 +167,33 @@ def _fsdp(name: str) -> type:
 # built with (model, value, compile=...).
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "MuonOptimizer(ns_stepsize, adamw_betas)": lambda model, v, **kw: mf.MuonOptimizer(
-        model.parameters(), ns_stepsize=STEPSIZE[v], ns_dtype=F64, **_adamw(v), **kw),
+        model.parameters(), ns_stepsize=STEPSIZE[v], ns_dtype=F64, **_adamw(v), **kw
+    ),
     "MuonOptimizer(beta2, adamw_eps)": lambda model, v, **kw: mf.MuonOptimizer(
-        model.parameters(), beta2=BETA2[v], ns_dtype=F64, **_adamw(v, "adamw_eps"), **kw),
-    "create_hybrid_optimizer(muon_weight_decay, adamw_betas)": lambda model, v, **kw: mf.create_hybrid_optimizer(
-        model, muon_weight_decay=DECAY[v], adamw_betas=(0.9, BETA2[v]), ns_dtype=F64, **kw),
-    "SpectralSphereOptimizer(radius_scale, adamw_betas)": lambda model, v, **kw: mf.SpectralSphereOptimizer(
-        model.parameters(), radius_scale=RADIUS[v], msign_dtype=F64, **_adamw(v), **kw),
-    "TritonMuon(velocity)": lambda model, v, **kw: mf.TritonMuon(model.parameters(), velocity=BETA2[v], **kw),
-    "TritonMuonW(weight_decay)": lambda model, v, **kw: mf.TritonMuonW(model.parameters(), weight_decay=DECAY[v], **kw),
-    "FSDPMuonOptimizer(ns_stepsize, adamw_betas)": lambda model, v, **kw: _fsdp("FSDPMuonOptimizer")(
-        model, ns_stepsize=STEPSIZE[v], ns_dtype=F64, **_adamw(v), **kw),
+        model.parameters(), beta2=BETA2[v], ns_dtype=F64, **_adamw(v, "adamw_eps"), **kw
+    ),
+    "create_hybrid_optimizer(muon_weight_decay, adamw_betas)": lambda model, v, **kw: (
+        mf.create_hybrid_optimizer(
+            model, muon_weight_decay=DECAY[v], adamw_betas=(0.9, BETA2[v]), ns_dtype=F64, **kw
+        )
+    ),
+    "SpectralSphereOptimizer(radius_scale, adamw_betas)": lambda model, v, **kw: (
+        mf.SpectralSphereOptimizer(
+            model.parameters(), radius_scale=RADIUS[v], msign_dtype=F64, **_adamw(v), **kw
+        )
+    ),
+    "TritonMuon(velocity)": lambda model, v, **kw: mf.TritonMuon(
+        model.parameters(), velocity=BETA2[v], **kw
+    ),
+    "TritonMuonW(weight_decay)": lambda model, v, **kw: mf.TritonMuonW(
+        model.parameters(), weight_decay=DECAY[v], **kw
+    ),
+    "FSDPMuonOptimizer(ns_stepsize, adamw_betas)": lambda model, v, **kw: _fsdp(
+        "FSDPMuonOptimizer"
+    )(model, ns_stepsize=STEPSIZE[v], ns_dtype=F64, **_adamw(v), **kw),
     "FSDPSpectralSphereOptimizer(radius_scale, adamw_betas)": lambda model, v, **kw: _fsdp(
-        "FSDPSpectralSphereOptimizer")(model, radius_scale=RADIUS[v], msign_dtype=F64, **_adamw(v), **kw),
+        "FSDPSpectralSphereOptimizer"
+    )(model, radius_scale=RADIUS[v], msign_dtype=F64, **_adamw(v), **kw),
 }
 
 
@@ -163,8 +212,10 @@ def optimizer(name: str, v: int) -> dict[str, float]:
             q.grad = p.grad.clone()
         opt.step()
         eager.step()
-        out[f"step {step}"] = max(_distance(p.detach() - b, q.detach() - b)
-                                  for p, q, b in zip(model.parameters(), twin.parameters(), before))
+        out[f"step {step}"] = max(
+            _distance(p.detach() - b, q.detach() - b)
+            for p, q, b in zip(model.parameters(), twin.parameters(), before)
+        )
     return out
 
 
@@ -182,8 +233,10 @@ def _counted(run: Callable[[str, int], dict[str, float]], case: str, v: int) -> 
 
     before = dict(counters["aot_autograd"])
     distance = run(case, v)
-    cache = {k: counters["aot_autograd"][f"autograd_cache_{k}"] - before.get(f"autograd_cache_{k}", 0)
-             for k in ("hit", "miss")}
+    cache = {
+        k: counters["aot_autograd"][f"autograd_cache_{k}"] - before.get(f"autograd_cache_{k}", 0)
+        for k in ("hit", "miss")
+    }
     return {"distance": distance, "cache": cache}
 
 

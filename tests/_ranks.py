@@ -38,11 +38,24 @@ class Ranks(NamedTuple):
 def start_ranks(script: str, w: int, args: list[str], logs: Path, timeout_s: float) -> Ranks:
     """Start ``script W RANK *args`` for each of the W ranks; :func:`finish_ranks` waits for them
     until ``timeout_s`` after now."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    )
     files = [open(logs / f"rank{r}.log", "w") for r in range(w)]
-    procs = [subprocess.Popen([sys.executable, script, str(w), str(r), *args], env=env, stdout=f,
-                              stderr=subprocess.STDOUT, start_new_session=True) for r, f in enumerate(files)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, script, str(w), str(r), *args],
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        for r, f in enumerate(files)
+    ]
     return Ranks(procs, files, logs, time.monotonic() + timeout_s, timeout_s)
 
 
@@ -90,8 +103,11 @@ def run_checks(checks: dict, rank: int, w: int, out: str) -> None:
             results[name] = {"ok": True, "value": fn()}
         except Exception:  # noqa: BLE001 - reported to pytest
             results[name] = {"ok": False, "error": traceback.format_exc(limit=8)}
-        print(f"[W={w} rank {rank}] {name}: {'ok' if results[name]['ok'] else 'FAIL'} "
-              f"({time.perf_counter() - t0:.1f}s)", flush=True)
+        print(
+            f"[W={w} rank {rank}] {name}: {'ok' if results[name]['ok'] else 'FAIL'} "
+            f"({time.perf_counter() - t0:.1f}s)",
+            flush=True,
+        )
         if not results[name]["ok"]:
             print(results[name]["error"], flush=True)
         dist.barrier()
@@ -103,15 +119,18 @@ def run_checks(checks: dict, rank: int, w: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def job_results(script: str, w: int, logs: Path, timeout_s: float, args: Sequence[str] = ()) -> tuple[dict, str]:
+def job_results(
+    script: str, w: int, logs: Path, timeout_s: float, args: Sequence[str] = ()
+) -> tuple[dict, str]:
     """Run the job ``script`` at world size ``w`` (its ranks write under ``logs``; ``args`` follow
     the results file on each rank's command line): the merged results of its checks
     (:func:`merge_ranks`; ``{}`` if it wrote none) and the tail of its output."""
     return start_job(script, w, logs, timeout_s, args)()
 
 
-def start_job(script: str, w: int, logs: Path, timeout_s: float,
-              args: Sequence[str] = ()) -> Callable[..., tuple[dict, str]]:
+def start_job(
+    script: str, w: int, logs: Path, timeout_s: float, args: Sequence[str] = ()
+) -> Callable[..., tuple[dict, str]]:
     """:func:`job_results` started now, running in the background while the caller goes on: the
     returned function waits for it (at most until ``timeout_s`` after the start) and gives its
     results; ``results(stop=True)`` kills what is still running at once."""
@@ -128,17 +147,26 @@ def start_job(script: str, w: int, logs: Path, timeout_s: float,
     return results
 
 
-def job_runner(script: str, prefix: str, tmp_path_factory, timeout_s: float, *, args: Sequence[str] = (),
-               order: Sequence[int] = ()) -> Callable[[int], tuple[dict, str]]:
+def job_runner(
+    script: str,
+    prefix: str,
+    tmp_path_factory,
+    timeout_s: float,
+    *,
+    args: Sequence[str] = (),
+    order: Sequence[int] = (),
+) -> Callable[[int], tuple[dict, str]]:
     """A module fixture's value: ``get(w)`` gives :func:`job_results` at world size ``w``, run on
     first use, after the world sizes before ``w`` in ``order`` (a job that saves what a later one
     loads)."""
     done: dict[int, tuple[dict, str]] = {}
 
     def get(w: int) -> tuple[dict, str]:
-        for v in (*order[:order.index(w)], w) if w in order else (w,):
+        for v in (*order[: order.index(w)], w) if w in order else (w,):
             if v not in done:
-                done[v] = job_results(script, v, tmp_path_factory.mktemp(f"{prefix}_w{v}"), timeout_s, args)
+                done[v] = job_results(
+                    script, v, tmp_path_factory.mktemp(f"{prefix}_w{v}"), timeout_s, args
+                )
         return done[w]
 
     return get
@@ -169,5 +197,9 @@ def merge_ranks(ranks: list[dict]) -> dict:
     for name in ranks[0]:
         per_rank = [r[name] for r in ranks]
         bad = [f"rank {k}: {x['error']}" for k, x in enumerate(per_rank) if not x["ok"]]
-        out[name] = {"ok": not bad, "error": "\n".join(bad), "values": [x.get("value") for x in per_rank]}
+        out[name] = {
+            "ok": not bad,
+            "error": "\n".join(bad),
+            "values": [x.get("value") for x in per_rank],
+        }
     return out

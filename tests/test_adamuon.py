@@ -74,27 +74,46 @@ def run(tx, params, grads_per_step):
 shape = st.sampled_from([(4, 6), (7, 3), (5, 5), (3, 2, 2, 2)])  # wide, tall, square, conv (3x8)
 
 
-@given(shape, st.integers(0, 2 ** 16), st.sampled_from([None, 0.9, 0.95, 0.999]), st.booleans())
+@given(shape, st.integers(0, 2**16), st.sampled_from([None, 0.9, 0.95, 0.999]), st.booleans())
 def test_recipe_is_the_papers_update(w_shape, seed, beta2, sign):
     gen = torch.Generator().manual_seed(seed)
     w0 = torch.randn(w_shape, generator=gen, dtype=torch.float64)
     grads = [torch.randn(w_shape, generator=gen, dtype=torch.float64) for _ in range(4)]
-    tx = mf.adamuon(0.01, 0.9, beta2, weight_decay=0.1, sign=sign, method="quintic", ns_dtype=torch.float64)
+    tx = mf.adamuon(
+        0.01, 0.9, beta2, weight_decay=0.1, sign=sign, method="quintic", ns_dtype=torch.float64
+    )
     (w,), _ = run(tx, (w0,), [(g,) for g in grads])
-    want = adamuon_reference(w0, grads, lr=0.01, mu=0.9, beta2=0.9 if beta2 is None else beta2, eps=1e-8,
-                             wd=0.1, sign=sign)
+    want = adamuon_reference(
+        w0,
+        grads,
+        lr=0.01,
+        mu=0.9,
+        beta2=0.9 if beta2 is None else beta2,
+        eps=1e-8,
+        wd=0.1,
+        sign=sign,
+    )
     torch.testing.assert_close(w, want, rtol=1e-10, atol=1e-12)
 
 
 def test_defaults_are_the_authors():
     """One β for both moments (the momentum's), the sign, no bias correction, lr 6e-4, decay 0.1."""
-    assert repr(mf.adamuon()) == repr(mf.muon(6e-4, 0.95, adjust_lr_fn="match_rms_adamw", weight_decay=0.1,
-                                              adamuon_beta2=0.95, adamuon_sign=True))
+    assert repr(mf.adamuon()) == repr(
+        mf.muon(
+            6e-4,
+            0.95,
+            adjust_lr_fn="match_rms_adamw",
+            weight_decay=0.1,
+            adamuon_beta2=0.95,
+            adamuon_sign=True,
+        )
+    )
     assert "scale_by_second_moment(beta2=0.9," in repr(mf.adamuon(momentum=0.9))
     assert "scale_by_second_moment(beta2=0.999," in repr(mf.adamuon(momentum=0.9, beta2=0.999))
     assert repr(mf.adamuon_nosign()) == repr(mf.adamuon(sign=False))
     assert repr(mf.adamuon_nosign(0.01, 0.9, 0.99, weight_decay=0.0)) == repr(
-        mf.adamuon(0.01, 0.9, 0.99, weight_decay=0.0, sign=False))
+        mf.adamuon(0.01, 0.9, 0.99, weight_decay=0.0, sign=False)
+    )
 
 
 def test_second_moment_follows_a_scheduled_momentum():
@@ -110,7 +129,9 @@ def test_second_moment_follows_a_scheduled_momentum():
         mu.fill_(value)
         updates, state = tx.update((g,), state, params)
         params = mf.apply_updates(params, updates)
-    want = adamuon_reference(w0, grads, lr=0.01, mu=[0.9, 0.8, 0.6], beta2=[0.9, 0.8, 0.6], eps=1e-8, wd=0.1)
+    want = adamuon_reference(
+        w0, grads, lr=0.01, mu=[0.9, 0.8, 0.6], beta2=[0.9, 0.8, 0.6], eps=1e-8, wd=0.1
+    )
     torch.testing.assert_close(params[0], want, rtol=1e-10, atol=1e-12)
 
 
@@ -136,23 +157,32 @@ def test_nosign_is_the_first_versions_formula():
     w2 = w1 * (1 - lr * wd) - lr * 0.2 * math.sqrt(24) * u2 / torch.linalg.norm(u2)
     torch.testing.assert_close(w, w2, rtol=1e-10, atol=1e-12)
     # the sign changes the direction: the signed recipe's first step is not this one
-    (w_sign,), _ = run(mf.adamuon(lr, mu, weight_decay=wd, method="quintic", ns_dtype=torch.float64),
-                       (w0,), [(g1,)])
+    (w_sign,), _ = run(
+        mf.adamuon(lr, mu, weight_decay=wd, method="quintic", ns_dtype=torch.float64),
+        (w0,),
+        [(g1,)],
+    )
     assert not torch.allclose(w_sign, w1)
 
 
 def test_update_rms_is_exactly_0_2_lr():
     gen = torch.Generator().manual_seed(0)
-    params = (torch.randn(6, 10, generator=gen, dtype=torch.float64),
-              torch.randn(12, 4, generator=gen, dtype=torch.float64))
+    params = (
+        torch.randn(6, 10, generator=gen, dtype=torch.float64),
+        torch.randn(12, 4, generator=gen, dtype=torch.float64),
+    )
     tx = mf.adamuon(1e-3, weight_decay=0.0, ns_dtype=torch.float64)
     state = tx.init(params)
     for _ in range(3):
         grads = tuple(torch.randn(p.shape, generator=gen, dtype=torch.float64) for p in params)
         updates, state = tx.update(grads, state, params)
         for u in updates:
-            torch.testing.assert_close(u.square().mean().sqrt(), torch.tensor(0.2e-3, dtype=torch.float64),
-                                       rtol=1e-12, atol=0)
+            torch.testing.assert_close(
+                u.square().mean().sqrt(),
+                torch.tensor(0.2e-3, dtype=torch.float64),
+                rtol=1e-12,
+                atol=0,
+            )
 
 
 def test_recipe_is_muon_with_adamuon_beta2():
@@ -163,8 +193,12 @@ def test_recipe_is_muon_with_adamuon_beta2():
 
 
 # ----------------------------------------------------------------------------- the transforms
-@given(st.lists(st.floats(-1e3, 1e3), min_size=1, max_size=12), st.integers(1, 4),
-       st.floats(0.0, 0.999), st.floats(1e-10, 1e-2))
+@given(
+    st.lists(st.floats(-1e3, 1e3), min_size=1, max_size=12),
+    st.integers(1, 4),
+    st.floats(0.0, 0.999),
+    st.floats(1e-10, 1e-2),
+)
 def test_second_moment_is_the_formula(values, steps, beta2, eps):
     o = torch.tensor(values, dtype=torch.float64)
     tx = mf.scale_by_second_moment(beta2, eps)
@@ -179,7 +213,10 @@ def test_second_moment_is_the_formula(values, steps, beta2, eps):
 
 
 def test_second_moment_state_dtype_and_missing_updates(device):
-    params = (torch.zeros(3, 4, dtype=torch.bfloat16, device=device), torch.zeros(2, 2, device=device))
+    params = (
+        torch.zeros(3, 4, dtype=torch.bfloat16, device=device),
+        torch.zeros(2, 2, device=device),
+    )
     tx = mf.scale_by_second_moment()
     state = tx.init(params)
     assert [v.dtype for v in state.nu] == [torch.float32, torch.float32]
@@ -200,12 +237,17 @@ def align_reference(u: torch.Tensor) -> torch.Tensor:
     return u * math.sqrt(min(m, n)) / torch.linalg.norm(u)
 
 
-@given(st.integers(1, 7), st.integers(1, 7), st.integers(0, 2 ** 16), st.floats(1e-6, 1e6))
+@given(st.integers(1, 7), st.integers(1, 7), st.integers(0, 2**16), st.floats(1e-6, 1e6))
 def test_align_rms_gives_the_rms_of_an_orthogonal_matrix(m, n, seed, scale):
-    u = torch.randn(m, n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * scale
+    u = (
+        torch.randn(m, n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        * scale
+    )
     (out,), _ = mf.align_rms().update((u,), ())
     torch.testing.assert_close(out, align_reference(u), rtol=1e-13, atol=0)
-    torch.testing.assert_close(out.square().mean().sqrt(), torch.tensor(1 / math.sqrt(max(m, n)), dtype=torch.float64))
+    torch.testing.assert_close(
+        out.square().mean().sqrt(), torch.tensor(1 / math.sqrt(max(m, n)), dtype=torch.float64)
+    )
 
 
 def test_align_rms_per_matrix_of_the_view(device):
@@ -217,7 +259,9 @@ def test_align_rms_per_matrix_of_the_view(device):
         torch.testing.assert_close(out[e], align_reference(stack[e]))
     fused = torch.randn(9, 4, generator=gen, dtype=torch.float64).to(device)
     (out,), _ = mf.align_rms(view=mf.heads(rows=(3, 6))).update((fused,), ())
-    torch.testing.assert_close(out, torch.cat([align_reference(fused[:3]), align_reference(fused[3:])]))
+    torch.testing.assert_close(
+        out, torch.cat([align_reference(fused[:3]), align_reference(fused[3:])])
+    )
     conv = torch.randn(4, 2, 3, 3, generator=gen, dtype=torch.float64).to(device)
     (out,), _ = mf.align_rms().update((conv,), ())
     torch.testing.assert_close(out, align_reference(conv.reshape(4, 18)).reshape(conv.shape))
@@ -270,7 +314,9 @@ def assert_same(model, opt, ref, ref_opt, **tol):
         torch.testing.assert_close(p, q, msg=name, **(tol or {"rtol": 0, "atol": 0}))
         assert sorted(opt.state[p]) == sorted(ref_opt.state[q]), name
         for key, value in ref_opt.state[q].items():
-            torch.testing.assert_close(opt.state[p][key], value, msg=f"{name} {key}", **(tol or {"rtol": 0, "atol": 0}))
+            torch.testing.assert_close(
+                opt.state[p][key], value, msg=f"{name} {key}", **(tol or {"rtol": 0, "atol": 0})
+            )
 
 
 KW = dict(lr=0.02, adamuon_beta2=0.95, weight_decay=0.01, matrix_view="flatten")
@@ -286,7 +332,9 @@ def test_optimizer_state_is_fp32_and_named(device):
     assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))  # .grad untouched
     state = opt.state[model.fc1.weight]
     assert sorted(state) == ["momentum_buffer", "update_exp_avg_sq"]
-    assert state["update_exp_avg_sq"].dtype == torch.float32 and state["update_exp_avg_sq"].shape == (10, 6)
+    assert state["update_exp_avg_sq"].dtype == torch.float32 and state[
+        "update_exp_avg_sq"
+    ].shape == (10, 6)
     assert sorted(opt.state[model.fc1.bias]) == ["exp_avg", "exp_avg_sq", "step"]
 
 
@@ -295,8 +343,16 @@ def test_optimizer_runs_the_recipe():
     torch.manual_seed(0)
     w = nn.Parameter(torch.randn(6, 10, dtype=torch.float64))
     w_ref = w.detach().clone()
-    opt = mf.MuonOptimizer([w], lr=0.01, adamuon_beta2=0.9, weight_decay=0.1, adjust_lr_fn="match_rms_adamw",
-                           momentum_kind="sgd", method="quintic", ns_dtype=torch.float64)
+    opt = mf.MuonOptimizer(
+        [w],
+        lr=0.01,
+        adamuon_beta2=0.9,
+        weight_decay=0.1,
+        adjust_lr_fn="match_rms_adamw",
+        momentum_kind="sgd",
+        method="quintic",
+        ns_dtype=torch.float64,
+    )
     gen = torch.Generator().manual_seed(1)
     grads = [torch.randn(6, 10, generator=gen, dtype=torch.float64) for _ in range(3)]
     for g in grads:
@@ -311,8 +367,12 @@ def _pair(compile_option, **extra):
     model = Net()
     other = copy.deepcopy(model)
     kw = dict(KW, cautious_weight_decay=True, **extra)
-    return (model, mf.MuonOptimizer(model.parameters(), compile=False, **kw),
-            other, mf.MuonOptimizer(other.parameters(), compile=compile_option, **kw))
+    return (
+        model,
+        mf.MuonOptimizer(model.parameters(), compile=False, **kw),
+        other,
+        mf.MuonOptimizer(other.parameters(), compile=compile_option, **kw),
+    )
 
 
 def test_compiled_equals_eager():
@@ -329,11 +389,18 @@ def test_inductor_equals_eager():
     assert_same(model, eager, other, compiled, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("extra", [
-    {},
-    {"adjust_lr_fn": "match_rms_adamw", "cautious_weight_decay": True, "adamuon_sign": False},
-    {"matrix_view": {"fc1.weight": mf.heads(rows=2), "conv.weight": "flatten"}, "ns_dtype": torch.bfloat16},
-], ids=["default", "rms_cautious_nosign", "heads_bf16"])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"adjust_lr_fn": "match_rms_adamw", "cautious_weight_decay": True, "adamuon_sign": False},
+        {
+            "matrix_view": {"fc1.weight": mf.heads(rows=2), "conv.weight": "flatten"},
+            "ns_dtype": torch.bfloat16,
+        },
+    ],
+    ids=["default", "rms_cautious_nosign", "heads_bf16"],
+)
 def test_fsdp_single_process_is_bit_exact_with_muon_optimizer(extra):
     """AdaMuon runs in the FSDP adapter: its second moment travels with the rows to the owner
     (a row state, like NorMuon's), the RMS alignment runs on the whole matrix there."""
@@ -347,7 +414,9 @@ def test_fsdp_single_process_is_bit_exact_with_muon_optimizer(extra):
     train(ref, ref_opt, 4)
     assert_same(model, opt, ref, ref_opt)
     # fc2.weight (8x10): its update_exp_avg_sq travels next to its update
-    assert [(m.rows, m.cols) for m in opt.plan.matrices if tuple(m.shape) == (8, 10)] == [(8, 10 + 10)]
+    assert [(m.rows, m.cols) for m in opt.plan.matrices if tuple(m.shape) == (8, 10)] == [
+        (8, 10 + 10)
+    ]
 
 
 def test_old_checkpoint_keeps_plain_muon():
@@ -400,8 +469,15 @@ def test_create_hybrid_optimizer_takes_moonlights_rms_matched_scale():
     torch.manual_seed(0)
     model = Net().double()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt = mf.create_hybrid_optimizer(model, muon_lr=1e-3, muon_weight_decay=0.0, adjust_lr_fn="match_rms_adamw",
-                                     method="cubic", ns_steps=60, ns_dtype=torch.float64)
+    opt = mf.create_hybrid_optimizer(
+        model,
+        muon_lr=1e-3,
+        muon_weight_decay=0.0,
+        adjust_lr_fn="match_rms_adamw",
+        method="cubic",
+        ns_steps=60,
+        ns_dtype=torch.float64,
+    )
     assert "scale_by_shape(rule='match_rms_adamw'" in opt.describe().split("group 1")[0]
     train(model, opt, 1)
     names = opt.param_groups[0]["param_names"]
@@ -409,7 +485,9 @@ def test_create_hybrid_optimizer_takes_moonlights_rms_matched_scale():
     params = dict(model.named_parameters())
     for name in names:
         rms = (params[name].detach() - before[name]).square().mean().sqrt()
-        torch.testing.assert_close(rms, torch.tensor(0.2e-3, dtype=torch.float64), rtol=1e-6, atol=0, msg=name)
+        torch.testing.assert_close(
+            rms, torch.tensor(0.2e-3, dtype=torch.float64), rtol=1e-6, atol=0, msg=name
+        )
 
 
 def test_create_hybrid_optimizer_runs_adamuon_and_says_so():
@@ -429,14 +507,22 @@ def test_nosign_variant_by_name_in_the_hybrid_and_in_train_specs():
     from muon_fn._train import optimizers
 
     torch.manual_seed(0)
-    opt = mf.create_hybrid_optimizer(Net(), adamuon_beta2=0.95, adamuon_sign=False, adjust_lr_fn="match_rms_adamw")
+    opt = mf.create_hybrid_optimizer(
+        Net(), adamuon_beta2=0.95, adamuon_sign=False, adjust_lr_fn="match_rms_adamw"
+    )
     assert str(opt.split).startswith("AdaMuon (no sign): 3 tensors")
-    assert "scale_by_sign" not in opt.describe() and "scale_by_second_moment(beta2=0.95" in opt.describe()
+    assert (
+        "scale_by_sign" not in opt.describe()
+        and "scale_by_second_moment(beta2=0.95" in opt.describe()
+    )
     name, options = optimizers.parse_spec(
-        "muon[weight_decay=0.01,adamuon_beta2=0.95,adamuon_sign=false,adjust_lr_fn=match_rms_adamw,lr=0.01]")
+        "muon[weight_decay=0.01,adamuon_beta2=0.95,adamuon_sign=false,adjust_lr_fn=match_rms_adamw,lr=0.01]"
+    )
     options.pop("lr")
     built, desc = optimizers.build_single(name, options, Net(), 0.01, 3e-3, 0.0, False)
-    assert desc.endswith("AdaMuon (no sign); weight_decay=0.01, adamw_weight_decay=0.0 on ndim >= 2"), desc
+    assert desc.endswith(
+        "AdaMuon (no sign); weight_decay=0.01, adamw_weight_decay=0.0 on ndim >= 2"
+    ), desc
     group = built.param_groups[0]
     assert (group["adamuon_beta2"], group["adamuon_sign"], group["beta2"]) == (0.95, False, None)
     # --fsdp: the same spec builds FSDPMuonOptimizer with AdaMuon and without NorMuon's default
@@ -448,7 +534,9 @@ def test_nosign_variant_by_name_in_the_hybrid_and_in_train_specs():
 
 class TestAdaMuonExpect(expecttest.TestCase):
     def test_recipe_repr(self):
-        self.assertExpectedInline(repr(mf.adamuon()), """\
+        self.assertExpectedInline(
+            repr(mf.adamuon()),
+            """\
 chain(
   momentum(momentum=0.95, nesterov=True, kind='sgd'),
   scale_by_sign(),
@@ -458,14 +546,21 @@ chain(
   scale_by_shape(rule='match_rms_adamw', view='flatten'),
   add_decoupled_weight_decay(weight_decay=0.1),
   scale_by_learning_rate(lr=0.0006),
-)""")
+)""",
+        )
 
     def test_state_structure(self):
         params = {"w": torch.zeros(8, 4, dtype=torch.bfloat16), "conv": torch.zeros(4, 2, 3, 3)}
         state = mf.adamuon().init(params)
-        shown = optree.tree_map(lambda t: f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}", state,
-                                namespace="muon_fn")
-        self.assertExpectedInline(str(shown), """(MomentumState(mu={'w': '(8, 4) bfloat16', 'conv': '(4, 2, 3, 3) float32'}), EmptyState(), EmptyState(), ScaleBySecondMomentState(nu={'w': '(8, 4) float32', 'conv': '(4, 2, 3, 3) float32'}), EmptyState(), EmptyState(), EmptyState(), EmptyState())""")
+        shown = optree.tree_map(
+            lambda t: f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}",
+            state,
+            namespace="muon_fn",
+        )
+        self.assertExpectedInline(
+            str(shown),
+            """(MomentumState(mu={'w': '(8, 4) bfloat16', 'conv': '(4, 2, 3, 3) float32'}), EmptyState(), EmptyState(), ScaleBySecondMomentState(nu={'w': '(8, 4) float32', 'conv': '(4, 2, 3, 3) float32'}), EmptyState(), EmptyState(), EmptyState(), EmptyState())""",
+        )
 
     def test_split(self):
         torch.manual_seed(0)
@@ -474,7 +569,10 @@ chain(
         model.add_module("hidden", nn.Linear(4, 8))
         model.add_module("out", nn.Linear(8, 10, bias=False))
         opt = mf.create_hybrid_optimizer(model, adamuon_beta2=0.95)
-        self.assertExpectedInline(str(opt.split).splitlines()[0], """AdaMuon: 1 tensors, 32 parameters; weight decay 0.01""")
+        self.assertExpectedInline(
+            str(opt.split).splitlines()[0],
+            """AdaMuon: 1 tensors, 32 parameters; weight decay 0.01""",
+        )
 
     def test_bad_values(self):
         def msg(fn, *args, **kwargs):
@@ -483,21 +581,70 @@ chain(
             return str(cm.exception)
 
         p = [torch.zeros(2, 2, requires_grad=True)]
-        self.assertExpectedInline(msg(mf.scale_by_second_moment, 1.0), """Invalid beta2: 1.0 (expected 0 <= beta2 < 1)""")
-        self.assertExpectedInline(msg(mf.scale_by_second_moment, 0.9, 0.0), """Invalid eps: 0.0 (expected a finite value > 0)""")
-        self.assertExpectedInline(msg(mf.scale_by_second_moment, 0.9, float("nan")), """Invalid eps: nan (expected a finite value > 0)""")
-        self.assertExpectedInline(msg(mf.align_rms, -1e-8), """Invalid eps: -1e-08 (expected a finite value > 0)""")
-        self.assertExpectedInline(msg(mf.align_rms().update, [torch.zeros(3)], ()), """align_rms only supports matrices (ndim >= 2) whereas we found a leaf with size: (3,). Route 0-/1-D parameters (biases, norms) to another transform with muon_fn.partition, e.g. muon_fn.hybrid(...), or use muon_fn.MuonOptimizer / muon_fn.create_hybrid_optimizer, which do this for you.""")
-        self.assertExpectedInline(msg(mf.adamuon, beta2=-0.1), """Invalid beta2: -0.1 (expected 0 <= beta2 < 1)""")
-        self.assertExpectedInline(msg(mf.adamuon, sign=1), """Invalid sign: 1 (expected True or False)""")
-        self.assertExpectedInline(msg(mf.adamuon, momentum=1.0), """Invalid momentum: 1.0 (expected 0 <= momentum < 1)""")
-        self.assertExpectedInline(msg(mf.adamuon_nosign, sign=True), """adamuon_nosign() takes no sign= (it is adamuon(sign=False)); use adamuon(sign=...)""")
-        self.assertExpectedInline(msg(mf.adamuon, adamuon_eps=0.0), """Invalid adamuon_eps: 0.0 (expected a finite value > 0)""")
-        self.assertExpectedInline(msg(mf.muon, adamuon_beta2=1.0), """Invalid adamuon_beta2: 1.0 (expected 0 <= adamuon_beta2 < 1)""")
-        self.assertExpectedInline(msg(mf.muon, beta2=0.95, adamuon_beta2=0.95), """beta2=0.95 (NorMuon) and adamuon_beta2=0.95 (AdaMuon) both normalize the orthogonalized update; pass one of them (the other None)""")
-        self.assertExpectedInline(msg(mf.normuon, adamuon_beta2=0.9), """beta2=0.95 (NorMuon) and adamuon_beta2=0.9 (AdaMuon) both normalize the orthogonalized update; pass one of them (the other None)""")
-        self.assertExpectedInline(msg(mf.MuonOptimizer, p, adamuon_beta2=1.0), """Invalid adamuon_beta2 value: 1.0 (expected 0 <= adamuon_beta2 < 1, or None for Muon)""")
-        self.assertExpectedInline(msg(mf.MuonOptimizer, p, adamuon_eps=0.0), """Invalid adamuon_eps value: 0.0 (expected > 0)""")
-        self.assertExpectedInline(msg(mf.MuonOptimizer, p, adamuon_sign="no"), """Invalid adamuon_sign: 'no' (expected True or False)""")
-        self.assertExpectedInline(msg(mf.MuonOptimizer, p, beta2=0.95, adamuon_beta2=0.9), """beta2=0.95 (NorMuon) and adamuon_beta2=0.9 (AdaMuon) both normalize the orthogonalized update; pass one of them (the other None)""")
-        self.assertExpectedInline(msg(FSDPMuonOptimizer, nn.Linear(2, 2), beta2=0.95, adamuon_beta2=0.9), """beta2=0.95 (NorMuon) and adamuon_beta2=0.9 (AdaMuon) both normalize the orthogonalized update; pass one of them (the other None)""")
+        self.assertExpectedInline(
+            msg(mf.scale_by_second_moment, 1.0), """Invalid beta2: 1.0 (expected 0 <= beta2 < 1)"""
+        )
+        self.assertExpectedInline(
+            msg(mf.scale_by_second_moment, 0.9, 0.0),
+            """Invalid eps: 0.0 (expected a finite value > 0)""",
+        )
+        self.assertExpectedInline(
+            msg(mf.scale_by_second_moment, 0.9, float("nan")),
+            """Invalid eps: nan (expected a finite value > 0)""",
+        )
+        self.assertExpectedInline(
+            msg(mf.align_rms, -1e-8), """Invalid eps: -1e-08 (expected a finite value > 0)"""
+        )
+        self.assertExpectedInline(
+            msg(mf.align_rms().update, [torch.zeros(3)], ()),
+            """align_rms only supports matrices (ndim >= 2) whereas we found a leaf with size: (3,). Route 0-/1-D parameters (biases, norms) to another transform with muon_fn.partition, e.g. muon_fn.hybrid(...), or use muon_fn.MuonOptimizer / muon_fn.create_hybrid_optimizer, which do this for you.""",
+        )
+        self.assertExpectedInline(
+            msg(mf.adamuon, beta2=-0.1), """Invalid beta2: -0.1 (expected 0 <= beta2 < 1)"""
+        )
+        self.assertExpectedInline(
+            msg(mf.adamuon, sign=1), """Invalid sign: 1 (expected True or False)"""
+        )
+        self.assertExpectedInline(
+            msg(mf.adamuon, momentum=1.0), """Invalid momentum: 1.0 (expected 0 <= momentum < 1)"""
+        )
+        self.assertExpectedInline(
+            msg(mf.adamuon_nosign, sign=True),
+            """adamuon_nosign() takes no sign= (it is adamuon(sign=False)); use adamuon(sign=...)""",
+        )
+        self.assertExpectedInline(
+            msg(mf.adamuon, adamuon_eps=0.0),
+            """Invalid adamuon_eps: 0.0 (expected a finite value > 0)""",
+        )
+        self.assertExpectedInline(
+            msg(mf.muon, adamuon_beta2=1.0),
+            """Invalid adamuon_beta2: 1.0 (expected 0 <= adamuon_beta2 < 1)""",
+        )
+        self.assertExpectedInline(
+            msg(mf.muon, beta2=0.95, adamuon_beta2=0.95),
+            """beta2=0.95 (NorMuon) and adamuon_beta2=0.95 (AdaMuon) both normalize the orthogonalized update; pass one of them (the other None)""",
+        )
+        self.assertExpectedInline(
+            msg(mf.normuon, adamuon_beta2=0.9),
+            """beta2=0.95 (NorMuon) and adamuon_beta2=0.9 (AdaMuon) both normalize the orthogonalized update; pass one of them (the other None)""",
+        )
+        self.assertExpectedInline(
+            msg(mf.MuonOptimizer, p, adamuon_beta2=1.0),
+            """Invalid adamuon_beta2 value: 1.0 (expected 0 <= adamuon_beta2 < 1, or None for Muon)""",
+        )
+        self.assertExpectedInline(
+            msg(mf.MuonOptimizer, p, adamuon_eps=0.0),
+            """Invalid adamuon_eps value: 0.0 (expected > 0)""",
+        )
+        self.assertExpectedInline(
+            msg(mf.MuonOptimizer, p, adamuon_sign="no"),
+            """Invalid adamuon_sign: 'no' (expected True or False)""",
+        )
+        self.assertExpectedInline(
+            msg(mf.MuonOptimizer, p, beta2=0.95, adamuon_beta2=0.9),
+            """beta2=0.95 (NorMuon) and adamuon_beta2=0.9 (AdaMuon) both normalize the orthogonalized update; pass one of them (the other None)""",
+        )
+        self.assertExpectedInline(
+            msg(FSDPMuonOptimizer, nn.Linear(2, 2), beta2=0.95, adamuon_beta2=0.9),
+            """beta2=0.95 (NorMuon) and adamuon_beta2=0.9 (AdaMuon) both normalize the orthogonalized update; pass one of them (the other None)""",
+        )

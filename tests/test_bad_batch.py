@@ -37,14 +37,18 @@ from muon_fn import _base, _compile, _sso_step
 
 from _ranks import assert_check, job_results, rank_main
 
-COMPILED = {"compile": {"backend": "inductor"}}  # the real default's compiler (conftest turns compile=True off)
+COMPILED = {
+    "compile": {"backend": "inductor"}
+}  # the real default's compiler (conftest turns compile=True off)
 GRAPHS = {"compile": {"backend": "eager"}}  # the Dynamo graphs, run by the eager backend (fast)
 EAGER = {"compile": False}
 
 
 def model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 6))
+    return nn.Sequential(
+        nn.Linear(8, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 6)
+    )
 
 
 def build(name: str, net: nn.Module, **kw) -> torch.optim.Optimizer:
@@ -68,7 +72,10 @@ CLASSES = ("muon", "hybrid", "sso", "triton_muon_w")
 VARIANTS = {
     "adamuon": ("muon", {"adamuon_beta2": 0.95}),
     "normuon": ("muon", {"beta2": 0.95}),
-    "cautious": ("muon", {"cautious_weight_decay": True, "weight_decay": 0.1, "adamw_weight_decay": 0.1}),
+    "cautious": (
+        "muon",
+        {"cautious_weight_decay": True, "weight_decay": 0.1, "adamw_weight_decay": 0.1},
+    ),
     "muon_8bit": ("muon", {"state_bits": 8}),
     "muon_4bit": ("muon", {"state_bits": 4}),
     "triton_muon_w_8bit": ("triton_muon_w", {"state_bits": 8}),
@@ -77,7 +84,9 @@ VARIANTS = {
 BAD = {"matrix": "2.weight", "vector": "4.bias"}
 
 
-def set_grads(net: nn.Module, seed: int, bad: str | None = None, value: float = float("nan")) -> None:
+def set_grads(
+    net: nn.Module, seed: int, bad: str | None = None, value: float = float("nan")
+) -> None:
     gen = torch.Generator().manual_seed(seed)
     for name, p in net.named_parameters():
         p.grad = torch.randn(p.shape, generator=gen)
@@ -86,19 +95,29 @@ def set_grads(net: nn.Module, seed: int, bad: str | None = None, value: float = 
 
 
 def snapshot(net: nn.Module, opt: torch.optim.Optimizer) -> dict:
-    return {"params": {n: p.detach().clone() for n, p in net.named_parameters()},
-            "state": copy.deepcopy({k: {s: v for s, v in st.items()} for k, st in opt.state_dict()["state"].items()})}
+    return {
+        "params": {n: p.detach().clone() for n, p in net.named_parameters()},
+        "state": copy.deepcopy(
+            {k: {s: v for s, v in st.items()} for k, st in opt.state_dict()["state"].items()}
+        ),
+    }
 
 
 def same(a: dict, b: dict) -> bool:
     """Bit for bit (NaN equal to NaN)."""
+
     def eq(x, y):
         if isinstance(x, torch.Tensor):
-            return x.shape == y.shape and x.dtype == y.dtype and torch.equal(x.nan_to_num(), y.nan_to_num()) and \
-                torch.equal(x.isnan(), y.isnan())
+            return (
+                x.shape == y.shape
+                and x.dtype == y.dtype
+                and torch.equal(x.nan_to_num(), y.nan_to_num())
+                and torch.equal(x.isnan(), y.isnan())
+            )
         if isinstance(x, dict):
             return x.keys() == y.keys() and all(eq(x[k], y[k]) for k in x)
         return x == y
+
     return eq(a, b)
 
 
@@ -115,7 +134,9 @@ def skipped_step_leaves_everything(name: str, where: str, value: float, options:
         opt.step()
     assert same(snapshot(net, opt), before)
     assert opt.nonfinite_steps == 1 and not bool(opt.last_step.finite)
-    assert all(torch.equal(p.grad.nan_to_num(), grads[n].nan_to_num()) for n, p in net.named_parameters())
+    assert all(
+        torch.equal(p.grad.nan_to_num(), grads[n].nan_to_num()) for n, p in net.named_parameters()
+    )
     notes = [str(w.message) for w in caught if "skipped a step" in str(w.message)]
     assert len(notes) == 1 and f"'{BAD[where]}'" in notes[0], notes
     with warnings.catch_warnings(record=True) as again:  # once per optimizer
@@ -232,10 +253,15 @@ def test_compiled(name, monkeypatch):
 OVERFLOW = 2e38  # finite, but its square overflows fp32: AdamW's second moment becomes inf
 
 
-ELEMENTWISE = ("hybrid", "triton_muon_w")  # the bias's transform is elementwise: guarded per element
+ELEMENTWISE = (
+    "hybrid",
+    "triton_muon_w",
+)  # the bias's transform is elementwise: guarded per element
 
 
-def fault_keeps_the_bucket(name: str, options: dict, policy: str = "skip", atomic: bool = False) -> None:
+def fault_keeps_the_bucket(
+    name: str, options: dict, policy: str = "skip", atomic: bool = False
+) -> None:
     """Finite gradients, one of which overflows inside the update (a bias: the AdamW part of every
     class, TritonMuonW's moments): what the guard covers keeps every bit — the whole bucket, or
     for an elementwise transform the faulty element — the rest of the step is applied, one warning
@@ -252,19 +278,27 @@ def fault_keeps_the_bucket(name: str, options: dict, policy: str = "skip", atomi
         opt.step()
     after = snapshot(net, opt)
     pid = [n for n, _ in net.named_parameters()].index(bad)
-    kept = (lambda t: t.reshape(-1)[at:at + 1]) if name in ELEMENTWISE else (lambda t: t)
+    kept = (lambda t: t.reshape(-1)[at : at + 1]) if name in ELEMENTWISE else (lambda t: t)
     assert same({"p": kept(after["params"][bad])}, {"p": kept(before["params"][bad])})
-    assert same({k: kept(v) if v.ndim else v for k, v in after["state"][pid].items() if v.ndim},
-                {k: kept(v) if v.ndim else v for k, v in before["state"][pid].items() if v.ndim})
+    assert same(
+        {k: kept(v) if v.ndim else v for k, v in after["state"][pid].items() if v.ndim},
+        {k: kept(v) if v.ndim else v for k, v in before["state"][pid].items() if v.ndim},
+    )
     if name in ELEMENTWISE:  # the other elements of the bias are updated
         rest = torch.ones(after["params"][bad].numel(), dtype=torch.bool)
         rest[at] = False
-        assert not torch.equal(after["params"][bad].reshape(-1)[rest], before["params"][bad].reshape(-1)[rest])
+        assert not torch.equal(
+            after["params"][bad].reshape(-1)[rest], before["params"][bad].reshape(-1)[rest]
+        )
     others = [n for n in after["params"] if n != bad]
     assert all(not torch.equal(after["params"][n], before["params"][n]) for n in others), others
     assert all(bool(p.isfinite().all()) for p in net.parameters())
-    assert all(bool(v.isfinite().all()) for st in after["state"].values() for v in st.values()
-               if isinstance(v, torch.Tensor) and v.is_floating_point())
+    assert all(
+        bool(v.isfinite().all())
+        for st in after["state"].values()
+        for v in st.values()
+        if isinstance(v, torch.Tensor) and v.is_floating_point()
+    )
     notes = [str(w.message) for w in caught if "optimizer fault" in str(w.message)]
     assert len(notes) == 1 and f"'{bad}'" in notes[0], notes
     assert opt.optimizer_faults == 1 and opt.nonfinite_steps == 0 and bool(opt.last_step.finite)
@@ -287,13 +321,16 @@ class Trace(NamedTuple):
 def inf_update(scope: str) -> mf.GradientTransformation:
     """A transform of ``scope`` whose state stays finite while a matrix's update is inf (what a
     miscompiled update writes); a vector's update is finite."""
+
     def init(params):
         return Trace(tuple(None if p is None else torch.zeros_like(p) for p in params))
 
     def update(updates, state, params=None, **extra):
         del params, extra
         mu = tuple(None if g is None else m + g for m, g in zip(state.mu, updates))
-        return tuple(None if m is None else m + float("inf") if m.ndim == 2 else -0.1 * m for m in mu), Trace(mu)
+        return tuple(
+            None if m is None else m + float("inf") if m.ndim == 2 else -0.1 * m for m in mu
+        ), Trace(mu)
 
     return _base.with_info(mf.GradientTransformation(init, update), leafwise=True, scope=scope)
 
@@ -338,7 +375,10 @@ def test_fault_keeps_low_bit_state_whole(bits):
     pid = [n for n, _ in net.named_parameters()].index(BAD["matrix"])
     assert any(k.endswith("_codes") for k in after["state"][pid])
     assert same(after["state"][pid], before["state"][pid])
-    assert all(torch.equal(p, before["params"][n]) == (n == BAD["matrix"]) for n, p in after["params"].items())
+    assert all(
+        torch.equal(p, before["params"][n]) == (n == BAD["matrix"])
+        for n, p in after["params"].items()
+    )
     assert opt.optimizer_faults == 1 and opt.nonfinite_steps == 0
 
 
@@ -390,8 +430,11 @@ def test_sso_skip_never_reaches_the_solver(monkeypatch):
     opt = mf.SpectralSphereOptimizer([w], compile=False)
     seen = []
     real = _sso_step._finite_step
-    monkeypatch.setattr(_sso_step, "_finite_step", lambda sp, W, M, *rest: seen.append(bool(M.isfinite().all()))
-                        or real(sp, W, M, *rest))
+    monkeypatch.setattr(
+        _sso_step,
+        "_finite_step",
+        lambda sp, W, M, *rest: seen.append(bool(M.isfinite().all())) or real(sp, W, M, *rest),
+    )
     w.grad = torch.full_like(w, float("nan"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -413,7 +456,11 @@ def test_in_place_writes_bucket_by_bucket(monkeypatch):
         results.append([p.detach().clone() for p in net.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*results))
     net, opt, before = step_failing_midway("muon", EAGER, monkeypatch)
-    changed = [n for n, p in snapshot(net, opt)["params"].items() if not torch.equal(p, before["params"][n])]
+    changed = [
+        n
+        for n, p in snapshot(net, opt)["params"].items()
+        if not torch.equal(p, before["params"][n])
+    ]
     assert len(changed) == 1, changed  # the first bucket (one parameter), written before the error
 
 
@@ -447,7 +494,9 @@ def test_skip_drops_the_window_of_a_bad_micro_batch(at):
     is read back): the window's step is skipped whole at its last micro-batch (parameters and
     state as they were, one skip counted), and the next window starts afresh."""
     net, fresh_net = model(), model()
-    opt, fresh = (build("muon", n, gradient_accumulation_steps=K, **EAGER) for n in (net, fresh_net))
+    opt, fresh = (
+        build("muon", n, gradient_accumulation_steps=K, **EAGER) for n in (net, fresh_net)
+    )
     before = snapshot(net, opt)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -477,7 +526,9 @@ def test_error_refuses_a_bad_micro_batch_anywhere_in_the_window(at):
             if with_bad and i == POSITIONS[at]:
                 set_grads(net, 99, BAD["matrix"], float("inf"))
                 before = snapshot(net, opt)
-                with pytest.raises(RuntimeError, match=r"non-finite gradient \(inf or nan\) in '2.weight'"):
+                with pytest.raises(
+                    RuntimeError, match=r"non-finite gradient \(inf or nan\) in '2.weight'"
+                ):
                     opt.step()
                 assert same(snapshot(net, opt), before) and opt.param_groups[0]["micro_step"] == i
             set_grads(net, i)
@@ -494,6 +545,7 @@ def _fsdp_check(cls_name: str, compile_option):
     """On every rank: skip (a NaN on rank 1 only in a matrix, then an inf in a bias), error,
     None (no rank raises, no hang), and an error raised on every rank after the exchange, before
     the commit: nothing changes."""
+
     def run():
         import torch.distributed as dist
 
@@ -507,9 +559,14 @@ def _fsdp_check(cls_name: str, compile_option):
             return {n: p.to_local().clone() for n, p in net.named_parameters()}
 
         def states(opt, net):
-            return {n: {k: (v.to_local() if hasattr(v, "to_local") else v).clone()
-                        for k, v in opt.state[p].items() if isinstance(v, torch.Tensor)}
-                    for n, p in net.named_parameters()}
+            return {
+                n: {
+                    k: (v.to_local() if hasattr(v, "to_local") else v).clone()
+                    for k, v in opt.state[p].items()
+                    if isinstance(v, torch.Tensor)
+                }
+                for n, p in net.named_parameters()
+            }
 
         def fsdp_grads(net, seed, bad=None, value=float("nan")):
             gen = torch.Generator().manual_seed(seed)
@@ -518,7 +575,13 @@ def _fsdp_check(cls_name: str, compile_option):
                 if n == bad and rank == 1 and g.numel():
                     g.view(-1)[0] = value
                 p.grad = torch.distributed.tensor.DTensor.from_local(
-                    g, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+                    g,
+                    p.device_mesh,
+                    p.placements,
+                    run_check=False,
+                    shape=p.shape,
+                    stride=p.stride(),
+                )
 
         out = {}
         for policy in ("skip", "error", None):
@@ -550,7 +613,9 @@ def _fsdp_check(cls_name: str, compile_option):
                 assert same({"a": now[0], "b": now[1]}, {"a": before[0], "b": before[1]})
             else:
                 assert not raised, raised
-                assert all(not torch.equal(now[0][n], before[0][n]) for n in now[0] if now[0][n].numel())
+                assert all(
+                    not torch.equal(now[0][n], before[0][n]) for n in now[0] if now[0][n].numel()
+                )
         # atomic=True: an error on every rank after the exchange, before the commit
         net = shard(model())
         opt = cls(net, compile=compile_option, atomic=True)
@@ -571,16 +636,20 @@ def _fsdp_check(cls_name: str, compile_option):
             out["injected"] = True
         finally:
             type(opt)._elementwise = real
-        assert out.get("injected") and same({"a": local(net), "b": states(opt, net)},
-                                            {"a": before[0], "b": before[1]})
+        assert out.get("injected") and same(
+            {"a": local(net), "b": states(opt, net)}, {"a": before[0], "b": before[1]}
+        )
         return out
 
     return run
 
 
 def checks() -> dict:
-    return {f"{name}_{mode}": _fsdp_check(name, option) for name in ("muon", "sso")
-            for mode, option in (("eager", False), ("compiled", COMPILED["compile"]))}
+    return {
+        f"{name}_{mode}": _fsdp_check(name, option)
+        for name in ("muon", "sso")
+        for mode, option in (("eager", False), ("compiled", COMPILED["compile"]))
+    }
 
 
 @pytest.fixture(scope="module")

@@ -85,8 +85,6 @@ def assert_unchanged(opt: torch.optim.Optimizer, snap) -> None:
             assert torch.equal(v, state[id(p)][k]), k
 
 
-
-
 def message(fn) -> str:
     with pytest.raises(ValueError) as info:
         fn()
@@ -98,17 +96,24 @@ class TestRecord(expecttest.TestCase):
         torch.manual_seed(0)
         model = Moe()
         sd = build(model).state_dict()
-        self.assertExpectedInline(repr(sd["param_groups"][0]["param_layout"]), """\
-[('experts', (3, 4, 5), 'flatten'), ('conv.weight', (4, 2, 3), 'flatten'), ('conv.bias', (4,), 'flatten')]""")
+        self.assertExpectedInline(
+            repr(sd["param_groups"][0]["param_layout"]),
+            """\
+[('experts', (3, 4, 5), 'flatten'), ('conv.weight', (4, 2, 3), 'flatten'), ('conv.bias', (4,), 'flatten')]""",
+        )
         opt = mf.create_hybrid_optimizer(model, compile=False)
-        self.assertExpectedInline(repr([g["param_layout"] for g in opt.state_dict()["param_groups"]]), """\
-[[('experts', (3, 4, 5), 'experts'), ('conv.weight', (4, 2, 3), 'flatten')], [('conv.bias', (4,), 'flatten')]]""")
+        self.assertExpectedInline(
+            repr([g["param_layout"] for g in opt.state_dict()["param_groups"]]),
+            """\
+[[('experts', (3, 4, 5), 'experts'), ('conv.weight', (4, 2, 3), 'flatten')], [('conv.bias', (4,), 'flatten')]]""",
+        )
 
     def test_unnamed_parameters_and_a_plain_transform(self):
         lin = nn.Linear(3, 2)
         opt = mf.Optimizer([lin.weight], mf.muon(0.02), compile=False)
-        self.assertExpectedInline(repr(opt.state_dict()["param_groups"][0]["param_layout"]),
-                                  """[(None, (2, 3), None)]""")
+        self.assertExpectedInline(
+            repr(opt.state_dict()["param_groups"][0]["param_layout"]), """[(None, (2, 3), None)]"""
+        )
 
     def test_the_record_never_becomes_a_hyperparameter(self):
         model = TwoLayers()
@@ -117,7 +122,9 @@ class TestRecord(expecttest.TestCase):
         other = build(TwoLayers())
         other.load_state_dict(sd)
         assert all(_layout.KEY not in g for g in other.param_groups)
-        assert other.state_dict()["param_groups"][0][_layout.KEY] == sd["param_groups"][0][_layout.KEY]
+        assert (
+            other.state_dict()["param_groups"][0][_layout.KEY] == sd["param_groups"][0][_layout.KEY]
+        )
 
 
 class TestRefused(expecttest.TestCase):
@@ -129,8 +136,11 @@ class TestRefused(expecttest.TestCase):
         model = TwoLayers(swap=True)
         opt = trained(model, steps=1)
         snap = snapshot(opt)
-        self.assertExpectedInline(message(lambda: opt.load_state_dict(sd)), """\
-loaded state dict contains a parameter group that doesn't match optimizer's group 0: parameter 0 is 'a.weight' of shape (6, 6) in the state dict but 'b.weight' of shape (6, 6) in this optimizer; the state_dict comes from a different model layout""")
+        self.assertExpectedInline(
+            message(lambda: opt.load_state_dict(sd)),
+            """\
+loaded state dict contains a parameter group that doesn't match optimizer's group 0: parameter 0 is 'a.weight' of shape (6, 6) in the state dict but 'b.weight' of shape (6, 6) in this optimizer; the state_dict comes from a different model layout""",
+        )
         assert_unchanged(opt, snap)
         step(model, opt, 5)  # still usable
 
@@ -138,8 +148,11 @@ loaded state dict contains a parameter group that doesn't match optimizer's grou
         sd = roundtrip(trained(TwoLayers()).state_dict())
         opt = trained(TwoLayers(rename=True), steps=1)
         snap = snapshot(opt)
-        self.assertExpectedInline(message(lambda: opt.load_state_dict(sd)), """\
-loaded state dict contains a parameter group that doesn't match optimizer's group 0: parameter 1 is 'b.weight' of shape (6, 6) in the state dict but 'c.weight' of shape (6, 6) in this optimizer; the state_dict comes from a different model layout""")
+        self.assertExpectedInline(
+            message(lambda: opt.load_state_dict(sd)),
+            """\
+loaded state dict contains a parameter group that doesn't match optimizer's group 0: parameter 1 is 'b.weight' of shape (6, 6) in the state dict but 'c.weight' of shape (6, 6) in this optimizer; the state_dict comes from a different model layout""",
+        )
         assert_unchanged(opt, snap)
 
     def test_reshaped_parameter(self):
@@ -147,8 +160,11 @@ loaded state dict contains a parameter group that doesn't match optimizer's grou
         sd = roundtrip(trained(src).state_dict())
         opt = trained(dst, steps=1)
         snap = snapshot(opt)
-        self.assertExpectedInline(message(lambda: opt.load_state_dict(sd)), """\
-loaded state dict contains a parameter group that doesn't match optimizer's group 0: parameter 0 is 'weight' of shape (3, 4) in the state dict but 'weight' of shape (4, 3) in this optimizer; the state_dict comes from a different model layout""")
+        self.assertExpectedInline(
+            message(lambda: opt.load_state_dict(sd)),
+            """\
+loaded state dict contains a parameter group that doesn't match optimizer's group 0: parameter 0 is 'weight' of shape (3, 4) in the state dict but 'weight' of shape (4, 3) in this optimizer; the state_dict comes from a different model layout""",
+        )
         assert_unchanged(opt, snap)
 
     def test_other_matrix_view(self):
@@ -158,8 +174,11 @@ loaded state dict contains a parameter group that doesn't match optimizer's grou
         sd = roundtrip(trained(model, matrix_view={"experts": "flatten"}).state_dict())
         opt = trained(copy.deepcopy(model), steps=1, matrix_view={"experts": "experts"})
         snap = snapshot(opt)
-        self.assertExpectedInline(message(lambda: opt.load_state_dict(sd)), """\
-loaded state dict contains a parameter group that doesn't match optimizer's group 0: parameter 0 is 'experts' of shape (3, 4, 5) with view 'flatten' in the state dict but 'experts' of shape (3, 4, 5) with view 'experts' in this optimizer; the state_dict comes from a different model layout""")
+        self.assertExpectedInline(
+            message(lambda: opt.load_state_dict(sd)),
+            """\
+loaded state dict contains a parameter group that doesn't match optimizer's group 0: parameter 0 is 'experts' of shape (3, 4, 5) with view 'flatten' in the state dict but 'experts' of shape (3, 4, 5) with view 'experts' in this optimizer; the state_dict comes from a different model layout""",
+        )
         assert_unchanged(opt, snap)
 
     def test_a_loader_that_wrote_in_place_is_named(self):
@@ -171,28 +190,39 @@ loaded state dict contains a parameter group that doesn't match optimizer's grou
         saved = roundtrip(trained(model, matrix_view={"experts": "flatten"}).state_dict())
         opt = trained(copy.deepcopy(model), steps=1, matrix_view={"experts": "experts"})
         assert _layout.OVERWRITTEN not in message(lambda: opt.load_state_dict(saved))
-        live = opt.state_dict()  # the optimizer's own tensors, as DCP's get_optimizer_state_dict gives them
+        live = (
+            opt.state_dict()
+        )  # the optimizer's own tensors, as DCP's get_optimizer_state_dict gives them
         for entry, loaded in zip(live["state"].values(), saved["state"].values()):
             for key, t in entry.items():
                 if isinstance(t, torch.Tensor):
                     t.copy_(loaded[key])  # what dcp.load does
         live["param_groups"] = saved["param_groups"]
-        self.assertExpectedInline(message(lambda: opt.load_state_dict(live)), """\
-loaded state dict contains a parameter group that doesn't match optimizer's group 0: parameter 0 is 'experts' of shape (3, 4, 5) with view 'flatten' in the state dict but 'experts' of shape (3, 4, 5) with view 'experts' in this optimizer; the state_dict comes from a different model layout. The loader had already written this state_dict's state into the optimizer's own state tensors (torch.distributed.checkpoint loads in place into what get_optimizer_state_dict returned), so the optimizer's state is the refused checkpoint's now: build the optimizer again before stepping (the parameters are unchanged)""")
+        self.assertExpectedInline(
+            message(lambda: opt.load_state_dict(live)),
+            """\
+loaded state dict contains a parameter group that doesn't match optimizer's group 0: parameter 0 is 'experts' of shape (3, 4, 5) with view 'flatten' in the state dict but 'experts' of shape (3, 4, 5) with view 'experts' in this optimizer; the state_dict comes from a different model layout. The loader had already written this state_dict's state into the optimizer's own state tensors (torch.distributed.checkpoint loads in place into what get_optimizer_state_dict returned), so the optimizer's state is the refused checkpoint's now: build the optimizer again before stepping (the parameters are unchanged)""",
+        )
 
     def test_group_of_another_size_in_torchs_words(self):
         sd = roundtrip(trained(TwoLayers()).state_dict())
         opt = build(nn.Linear(6, 6))
-        self.assertExpectedInline(message(lambda: opt.load_state_dict(sd)), """\
-loaded state dict contains a parameter group that doesn't match the size of optimizer's group: group 0 has 4 parameters in the state dict and 2 in this optimizer""")
+        self.assertExpectedInline(
+            message(lambda: opt.load_state_dict(sd)),
+            """\
+loaded state dict contains a parameter group that doesn't match the size of optimizer's group: group 0 has 4 parameters in the state dict and 2 in this optimizer""",
+        )
 
     def test_unnamed_parameters_are_compared_by_shape(self):
         src, dst = nn.Linear(4, 3), nn.Linear(3, 4)
         opt = mf.MuonOptimizer(src.parameters(), compile=False)
         step(src, opt, 0)
         other = mf.MuonOptimizer(dst.parameters(), compile=False)
-        self.assertExpectedInline(message(lambda: other.load_state_dict(roundtrip(opt.state_dict()))), """\
-loaded state dict contains a parameter group that doesn't match optimizer's group 0: parameter 0 is one of shape (3, 4) in the state dict but one of shape (4, 3) in this optimizer; the state_dict comes from a different model layout""")
+        self.assertExpectedInline(
+            message(lambda: other.load_state_dict(roundtrip(opt.state_dict()))),
+            """\
+loaded state dict contains a parameter group that doesn't match optimizer's group 0: parameter 0 is one of shape (3, 4) in the state dict but one of shape (4, 3) in this optimizer; the state_dict comes from a different model layout""",
+        )
 
 
 class TestWithoutRecord(expecttest.TestCase):
@@ -209,8 +239,11 @@ class TestWithoutRecord(expecttest.TestCase):
         sd = self.old(roundtrip(trained(TwoLayers()).state_dict()))
         opt = trained(TwoLayers(swap=True), steps=1)
         snap = snapshot(opt)
-        self.assertExpectedInline(message(lambda: opt.load_state_dict(sd)), """\
-loaded state dict contains a parameter group that doesn't match optimizer's group 0: parameter 0 is 'a.weight' in the state dict's param_names but 'b.weight' in this optimizer; the state_dict comes from a different model layout""")
+        self.assertExpectedInline(
+            message(lambda: opt.load_state_dict(sd)),
+            """\
+loaded state dict contains a parameter group that doesn't match optimizer's group 0: parameter 0 is 'a.weight' in the state dict's param_names but 'b.weight' in this optimizer; the state_dict comes from a different model layout""",
+        )
         assert_unchanged(opt, snap)
 
     def test_without_names_only_sizes_are_checked(self):
@@ -220,8 +253,11 @@ loaded state dict contains a parameter group that doesn't match optimizer's grou
             del g["param_names"]
         opt = trained(dst, steps=1)
         snap = snapshot(opt)
-        self.assertExpectedInline(message(lambda: opt.load_state_dict(sd)), """\
-loaded state 'momentum_buffer' for parameter 'weight' has shape (3, 4), expected (4, 3): the state_dict comes from a different optimizer layout""")
+        self.assertExpectedInline(
+            message(lambda: opt.load_state_dict(sd)),
+            """\
+loaded state 'momentum_buffer' for parameter 'weight' has shape (3, 4), expected (4, 3): the state_dict comes from a different optimizer layout""",
+        )
         assert_unchanged(opt, snap)
 
 
@@ -234,8 +270,12 @@ def test_old_checkpoint_loads_when_sizes_match_and_continues_bit_for_bit(device)
     clone = copy.deepcopy(model)
     other = build(clone)
     other.load_state_dict(TestWithoutRecord.old(read_on_cpu(opt.state_dict())))
-    assert all(v.device == p.device for p, st in other.state.items() for v in st.values()
-               if isinstance(v, torch.Tensor))
+    assert all(
+        v.device == p.device
+        for p, st in other.state.items()
+        for v in st.values()
+        if isinstance(v, torch.Tensor)
+    )
     step(model, opt, 7)
     step(clone, other, 7)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), clone.parameters()))
@@ -245,7 +285,9 @@ def test_record_survives_json(device):
     """Tuples come back as lists through JSON; the record still matches."""
     model = TwoLayers().to(device)
     sd = trained(model).state_dict()
-    groups = json.loads(json.dumps([{k: v for k, v in g.items() if k == _layout.KEY} for g in sd["param_groups"]]))
+    groups = json.loads(
+        json.dumps([{k: v for k, v in g.items() if k == _layout.KEY} for g in sd["param_groups"]])
+    )
     for g, j in zip(sd["param_groups"], groups):
         g[_layout.KEY] = j[_layout.KEY]
     build(copy.deepcopy(model)).load_state_dict(sd)
@@ -255,7 +297,10 @@ def test_dcp_state_dict_matches_by_name(device):
     """``get_optimizer_state_dict`` keys state by name, so a reordered model loads correctly
     through ``set_optimizer_state_dict``, as copies of the saved tensors (torch's own load would
     share them with the live optimizer they came from); a changed view is still refused, naming it."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
 
     torch.manual_seed(0)
     model = TwoLayers().to(device)
@@ -274,9 +319,13 @@ def test_dcp_state_dict_matches_by_name(device):
     moe = Moe().to(device)
     flat = trained(moe, matrix_view={"experts": "flatten"})
     moe2 = copy.deepcopy(moe)
-    stacks = trained(moe2, steps=1, matrix_view={"experts": "experts"})  # torch would init the state
+    stacks = trained(
+        moe2, steps=1, matrix_view={"experts": "experts"}
+    )  # torch would init the state
     snap = snapshot(stacks)
-    with pytest.raises(ValueError, match="'experts' of shape \\(3, 4, 5\\) with view 'flatten' in the state dict"):
+    with pytest.raises(
+        ValueError, match="'experts' of shape \\(3, 4, 5\\) with view 'flatten' in the state dict"
+    ):
         set_optimizer_state_dict(moe2, stacks, get_optimizer_state_dict(moe, flat))
     assert_unchanged(stacks, snap)
 
@@ -284,7 +333,10 @@ def test_dcp_state_dict_matches_by_name(device):
 def test_dcp_state_dict_of_unnamed_parameters_loads(device):
     """Saved without names, keyed by name by torch.distributed.checkpoint: the record cannot be
     aligned, so the state's sizes are what is checked."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3)).to(device)
@@ -298,18 +350,25 @@ def test_dcp_state_dict_of_unnamed_parameters_loads(device):
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), clone.parameters()))
 
 
-@pytest.mark.parametrize("cls, kw", [
-    (mf.MuonOptimizer, dict(ns_dtype=torch.float32, momentum_dtype=torch.float32)),
-    (mf.SpectralSphereOptimizer, dict(msign_dtype=torch.float32)),  # a dtype by default
-], ids=["muon", "sso"])
+@pytest.mark.parametrize(
+    "cls, kw",
+    [
+        (mf.MuonOptimizer, dict(ns_dtype=torch.float32, momentum_dtype=torch.float32)),
+        (mf.SpectralSphereOptimizer, dict(msign_dtype=torch.float32)),  # a dtype by default
+    ],
+    ids=["muon", "sso"],
+)
 @pytest.mark.parametrize("form", ["full_state_dict", "dtypes_themselves"])
 def test_dtype_hyperparameters_are_saved_by_name(device, cls, kw, form):
     """Dtype hyperparameters are saved as their names, so the full state dict of
     torch.distributed.checkpoint (tensors, numbers, strings and containers only; offloaded to the
     CPU) and JSON take the param groups; the load restores the dtypes and continues as the
     uninterrupted run, bit for bit. A checkpoint that stored the dtypes themselves loads as well."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
-                                                         set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
 
     torch.manual_seed(0)
     model = TwoLayers().to(device)
@@ -318,7 +377,9 @@ def test_dtype_hyperparameters_are_saved_by_name(device, cls, kw, form):
     clone = copy.deepcopy(model)
     other = cls(clone.named_parameters(), compile=False)
     if form == "full_state_dict":
-        osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        osd = get_optimizer_state_dict(
+            model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
         assert {k: osd["param_groups"][0][k] for k in kw} == {k: str(v) for k, v in kw.items()}
         osd["param_groups"] = json.loads(json.dumps(osd["param_groups"]))
         set_optimizer_state_dict(clone, other, osd, options=StateDictOptions(full_state_dict=True))

@@ -79,8 +79,10 @@ def _no_cuda(monkeypatch, build: bool, visible: int = 0) -> None:
     monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: None)
 
 
-NO_CUDA = (f"argument --device: 'cuda': this torch build ({TORCH}) has no CUDA; use --device cpu, "
-           "or install a CUDA build of torch")
+NO_CUDA = (
+    f"argument --device: 'cuda': this torch build ({TORCH}) has no CUDA; use --device cpu, "
+    "or install a CUDA build of torch"
+)
 
 TRAIN = [
     # numbers, checked by their argparse types
@@ -93,7 +95,10 @@ TRAIN = [
     (["--lr", "0"], "argument --lr: expected a finite number > 0, got 0"),
     (["--lr", "nan"], "argument --lr: expected a finite number > 0, got nan"),
     (["--adamw-lr=-1e-3"], "argument --adamw-lr: expected a finite number > 0, got -1e-3"),
-    (["--weight-decay", "-0.1"], "argument --weight-decay: expected a finite number >= 0, got -0.1"),
+    (
+        ["--weight-decay", "-0.1"],
+        "argument --weight-decay: expected a finite number >= 0, got -0.1",
+    ),
     (["--weight-decay", "inf"], "argument --weight-decay: expected a finite number >= 0, got inf"),
     (["--warmup", "-1"], "argument --warmup: expected an integer >= 0, got -1"),
     (["--min-lr-ratio", "1.5"], "argument --min-lr-ratio: expected a number from 0 to 1, got 1.5"),
@@ -102,56 +107,116 @@ TRAIN = [
     (["--seeds", "0"], "argument --seeds: expected an integer >= 1, got 0"),
     (["--seed", "-1"], "argument --seed: expected an integer from 0 to 4294967295, got -1"),
     (["--threads", "0"], "argument --threads: expected an integer >= 1, got 0"),
-    (["--checkpoint-interval", "-1"], "argument --checkpoint-interval: expected an integer >= 0, got -1"),
+    (
+        ["--checkpoint-interval", "-1"],
+        "argument --checkpoint-interval: expected an integer >= 0, got -1",
+    ),
     (["--stop-at", "0"], "argument --stop-at: expected an integer >= 1, got 0"),
     (["--max-bytes", "0"], "argument --max-bytes: expected an integer >= 1, got 0"),
     (["--qk-clip", "0"], "argument --qk-clip: expected a finite number > 0, got 0"),
     # numbers checked against each other
-    (["--seq-len", "300"],
-     "argument --seq-len: expected an integer from 1 to 256 (the 'tiny' preset's block size), got 300"),
-    (["--model", "moe-tiny", "--seq-len", "257"],
-     "argument --seq-len: expected an integer from 1 to 256 (the 'moe-tiny' preset's block size), got 257"),
-    (["--steps", "10", "--warmup", "10"],
-     "argument --warmup: expected an integer from 0 to 9 (below --steps 10), got 10"),
-    (["--warmup", "300"],
-     "argument --warmup: expected an integer from 0 to 299 (below the default 300 steps), got 300"),
-    (["--steps", "10", "--stop-at", "11"], "argument --stop-at: expected an integer from 1 to 10 (--steps 10), got 11"),
+    (
+        ["--seq-len", "300"],
+        "argument --seq-len: expected an integer from 1 to 256 (the 'tiny' preset's block size), got 300",
+    ),
+    (
+        ["--model", "moe-tiny", "--seq-len", "257"],
+        "argument --seq-len: expected an integer from 1 to 256 (the 'moe-tiny' preset's block size), got 257",
+    ),
+    (
+        ["--steps", "10", "--warmup", "10"],
+        "argument --warmup: expected an integer from 0 to 9 (below --steps 10), got 10",
+    ),
+    (
+        ["--warmup", "300"],
+        "argument --warmup: expected an integer from 0 to 299 (below the default 300 steps), got 300",
+    ),
+    (
+        ["--steps", "10", "--stop-at", "11"],
+        "argument --stop-at: expected an integer from 1 to 10 (--steps 10), got 11",
+    ),
     (["--steps", "3", "--epochs", "1"], "argument --epochs: not allowed with argument --steps"),
-    (["--optimizer", "muon", "--compare", "muon,adamw"], "argument --compare: not allowed with argument --optimizer"),
+    (
+        ["--optimizer", "muon", "--compare", "muon,adamw"],
+        "argument --compare: not allowed with argument --optimizer",
+    ),
     # the device
     (["--device", "cdua"], "argument --device: invalid device 'cdua' (valid: cpu, cuda, cuda:N)"),
     (["--device", "meta"], "argument --device: invalid device 'meta' (valid: cpu, cuda, cuda:N)"),
     (["--device", "cuda"], NO_CUDA),
     # optimizer specs
-    (["--compare", "muon,sgd"], "argument --compare: unknown optimizer 'sgd'; valid: muon, torch-muon, adamw, "
-     "normuon, sso (optionally with [key=value,...] options)"),
-    (["--compare", "muon,muon"], "argument --compare: give each optimizer spec once, got 'muon,muon'"),
-    (["--optimizer", "adamw[frob=1]"],
-     "argument --optimizer: adamw[frob=1]: AdamW.__init__() got an unexpected keyword argument 'frob'"),
-    (["--compare", "muon,adamw[frob=1]"],  # refused before muon's run trains
-     "argument --compare: adamw[frob=1]: AdamW.__init__() got an unexpected keyword argument 'frob'"),
-    (["--optimizer", "muon[router=mlp]"],
-     "argument --optimizer: muon[router=mlp]: invalid option router='mlp' (valid: muon, adamw)"),
-    (["--fsdp", "--compare", "muon,adamw"],
-     "argument --compare: --fsdp trains the muon_fn optimizers (muon, normuon, sso), not 'adamw'"),
-    (["--fsdp"], "--fsdp needs torchrun, e.g. torchrun --nproc_per_node=2 examples/train_gpt.py --fsdp"),
+    (
+        ["--compare", "muon,sgd"],
+        "argument --compare: unknown optimizer 'sgd'; valid: muon, torch-muon, adamw, "
+        "normuon, sso (optionally with [key=value,...] options)",
+    ),
+    (
+        ["--compare", "muon,muon"],
+        "argument --compare: give each optimizer spec once, got 'muon,muon'",
+    ),
+    (
+        ["--optimizer", "adamw[frob=1]"],
+        "argument --optimizer: adamw[frob=1]: AdamW.__init__() got an unexpected keyword argument 'frob'",
+    ),
+    (
+        ["--compare", "muon,adamw[frob=1]"],  # refused before muon's run trains
+        "argument --compare: adamw[frob=1]: AdamW.__init__() got an unexpected keyword argument 'frob'",
+    ),
+    (
+        ["--optimizer", "muon[router=mlp]"],
+        "argument --optimizer: muon[router=mlp]: invalid option router='mlp' (valid: muon, adamw)",
+    ),
+    (
+        ["--fsdp", "--compare", "muon,adamw"],
+        "argument --compare: --fsdp trains the muon_fn optimizers (muon, normuon, sso), not 'adamw'",
+    ),
+    (
+        ["--fsdp"],
+        "--fsdp needs torchrun, e.g. torchrun --nproc_per_node=2 examples/train_gpt.py --fsdp",
+    ),
     # the data, found after parsing
-    (["--optimizer", "adamw", "--data", "/nonexistent"], "--data '/nonexistent': no such file or directory"),
+    (
+        ["--optimizer", "adamw", "--data", "/nonexistent"],
+        "--data '/nonexistent': no such file or directory",
+    ),
     (["--optimizer", "adamw", "--data", "{tmp}/empty"], "--data '{tmp}/empty': no files to read"),
-    (["--optimizer", "adamw", "--data", "{tmp}/one"],
-     "--data '{tmp}/one': its only file is in the training split (a file's split is a hash of its path: about "
-     "1 in 10 files is validation); a run needs both: add files, or pass one text file"),
-    (["--optimizer", "adamw", "--data", "{tmp}/tiny.txt"],
-     "--data '{tmp}/tiny.txt': 5 bytes, too few to split into training and validation"),
-    (["--optimizer", "adamw", "--data", "{tmp}/ok.txt", "--max-bytes", "3"],
-     "--data '{tmp}/ok.txt': 3 bytes (--max-bytes 3), too few to split into training and validation"),
-    (["--optimizer", "adamw", "--data", "{tmp}/secret.txt"],
-     "--data '{tmp}/secret.txt': cannot read the file (Permission denied)"),
-    (["--optimizer", "adamw", "--data", "{tmp}/short.txt"],
-     "the training split of {tmp}/short.txt has 45 bytes, fewer than --seq-len + 2 = 258: give more data "
-     "(--data, --max-bytes) or a smaller --seq-len"),
-    (["--optimizer", "adamw", "--data", "{tmp}/ok.txt", "--seq-len", "32", "--epochs", "0.01", "--warmup", "5"],
-     "argument --warmup: expected an integer from 0 to 0 (below the 1 step of --epochs 0.01), got 5"),
+    (
+        ["--optimizer", "adamw", "--data", "{tmp}/one"],
+        "--data '{tmp}/one': its only file is in the training split (a file's split is a hash of its path: about "
+        "1 in 10 files is validation); a run needs both: add files, or pass one text file",
+    ),
+    (
+        ["--optimizer", "adamw", "--data", "{tmp}/tiny.txt"],
+        "--data '{tmp}/tiny.txt': 5 bytes, too few to split into training and validation",
+    ),
+    (
+        ["--optimizer", "adamw", "--data", "{tmp}/ok.txt", "--max-bytes", "3"],
+        "--data '{tmp}/ok.txt': 3 bytes (--max-bytes 3), too few to split into training and validation",
+    ),
+    (
+        ["--optimizer", "adamw", "--data", "{tmp}/secret.txt"],
+        "--data '{tmp}/secret.txt': cannot read the file (Permission denied)",
+    ),
+    (
+        ["--optimizer", "adamw", "--data", "{tmp}/short.txt"],
+        "the training split of {tmp}/short.txt has 45 bytes, fewer than --seq-len + 2 = 258: give more data "
+        "(--data, --max-bytes) or a smaller --seq-len",
+    ),
+    (
+        [
+            "--optimizer",
+            "adamw",
+            "--data",
+            "{tmp}/ok.txt",
+            "--seq-len",
+            "32",
+            "--epochs",
+            "0.01",
+            "--warmup",
+            "5",
+        ],
+        "argument --warmup: expected an integer from 0 to 0 (below the 1 step of --epochs 0.01), got 5",
+    ),
 ]
 
 
@@ -162,15 +227,23 @@ def _id(case: tuple[list[str], str]) -> str:
 @pytest.mark.parametrize("argv, message", TRAIN, ids=[_id(c) for c in TRAIN])
 def test_train_usage_error(argv, message, paths):
     argv = [a.format(**paths) for a in argv]
-    assert_usage_error(["train", *argv, "--out", paths["out"]], "muon-fn train: error: " + message.format(**paths))
+    assert_usage_error(
+        ["train", *argv, "--out", paths["out"]], "muon-fn train: error: " + message.format(**paths)
+    )
 
 
 def test_train_model_choices_name_every_preset():
     code, _, err = run(["train", "--model", "tiny2"])
     assert code == 2 and "Traceback" not in err
-    line = err.splitlines()[-1]  # argparse quotes the choices on some Python versions, not on others
-    assert line.startswith("muon-fn train: error: argument --model: invalid choice: 'tiny2' (choose from ")
-    assert [c.strip("'") for c in line.split("choose from ")[1].rstrip(")").split(", ")] == list(PRESETS)
+    line = err.splitlines()[
+        -1
+    ]  # argparse quotes the choices on some Python versions, not on others
+    assert line.startswith(
+        "muon-fn train: error: argument --model: invalid choice: 'tiny2' (choose from "
+    )
+    assert [c.strip("'") for c in line.split("choose from ")[1].rstrip(")").split(", ")] == list(
+        PRESETS
+    )
 
 
 def test_train_resume_from_another_models_checkpoint(paths):
@@ -178,50 +251,110 @@ def test_train_resume_from_another_models_checkpoint(paths):
     ckpt = Path(paths["out"]) / "adamw" / "checkpoint"
     ckpt.mkdir(parents=True)
     torch.save({"model": GPT(config_for("tiny", block_size=128)).state_dict()}, ckpt / "state.pt")
-    argv = ["train", "--optimizer", "adamw", "--data", f"{paths['tmp']}/ok.txt", "--seq-len", "32", "--resume",
-            "--out", paths["out"]]
-    assert_usage_error(argv, (
-        f"muon-fn train: error: --resume: {ckpt / 'state.pt'} holds another model than this run's (another "
-        "--model in the same --out?): size mismatch for pos_emb.weight: copying a param with shape "
-        "torch.Size([128, 128]) from checkpoint, the shape in current model is torch.Size([256, 128])."))
+    argv = [
+        "train",
+        "--optimizer",
+        "adamw",
+        "--data",
+        f"{paths['tmp']}/ok.txt",
+        "--seq-len",
+        "32",
+        "--resume",
+        "--out",
+        paths["out"],
+    ]
+    assert_usage_error(
+        argv,
+        (
+            f"muon-fn train: error: --resume: {ckpt / 'state.pt'} holds another model than this run's (another "
+            "--model in the same --out?): size mismatch for pos_emb.weight: copying a param with shape "
+            "torch.Size([128, 128]) from checkpoint, the shape in current model is torch.Size([256, 128])."
+        ),
+    )
 
 
-@pytest.mark.parametrize("build, visible, device, message", [
-    (True, 0, "cuda", "'cuda': no CUDA GPU is visible (check the driver and CUDA_VISIBLE_DEVICES); use --device cpu"),
-    (True, 1, "cuda:1", "'cuda:1': no such CUDA device (visible: cuda:0)"),
-    (True, 2, "cuda:2", "'cuda:2': no such CUDA device (visible: cuda:0 to cuda:1)"),
-    (False, 0, "cuda:0", f"'cuda:0': this torch build ({TORCH}) has no CUDA; use --device cpu, or install a "
-     "CUDA build of torch"),
-])
+@pytest.mark.parametrize(
+    "build, visible, device, message",
+    [
+        (
+            True,
+            0,
+            "cuda",
+            "'cuda': no CUDA GPU is visible (check the driver and CUDA_VISIBLE_DEVICES); use --device cpu",
+        ),
+        (True, 1, "cuda:1", "'cuda:1': no such CUDA device (visible: cuda:0)"),
+        (True, 2, "cuda:2", "'cuda:2': no such CUDA device (visible: cuda:0 to cuda:1)"),
+        (
+            False,
+            0,
+            "cuda:0",
+            f"'cuda:0': this torch build ({TORCH}) has no CUDA; use --device cpu, or install a "
+            "CUDA build of torch",
+        ),
+    ],
+)
 def test_cuda_device_errors(build, visible, device, message, monkeypatch):
     _no_cuda(monkeypatch, build, visible)
     for command in ("train", "bench"):
-        assert_usage_error([command, "--device", device], f"muon-fn {command}: error: argument --device: {message}")
+        assert_usage_error(
+            [command, "--device", device], f"muon-fn {command}: error: argument --device: {message}"
+        )
 
 
 BENCH = [
     (["--steps", "0"], "muon-fn bench: error: argument --steps: expected an integer >= 1, got 0"),
     (["--rounds", "0"], "muon-fn bench: error: argument --rounds: expected an integer >= 1, got 0"),
-    (["--lr", "-0.02"], "muon-fn bench: error: argument --lr: expected a finite number > 0, got -0.02"),
-    (["--device", "cdua"], "muon-fn bench: error: argument --device: invalid device 'cdua' (valid: cpu, cuda, cuda:N)"),
+    (
+        ["--lr", "-0.02"],
+        "muon-fn bench: error: argument --lr: expected a finite number > 0, got -0.02",
+    ),
+    (
+        ["--device", "cdua"],
+        "muon-fn bench: error: argument --device: invalid device 'cdua' (valid: cpu, cuda, cuda:N)",
+    ),
     (["--device", "cuda"], f"muon-fn bench: error: {NO_CUDA}"),
-    (["--threads", "0"],
-     "muon-fn bench: error: argument --threads: Invalid threads: 0 (expected an integer >= 1 or 'default')"),
+    (
+        ["--threads", "0"],
+        "muon-fn bench: error: argument --threads: Invalid threads: 0 (expected an integer >= 1 or 'default')",
+    ),
     (["--layers", "9"], "muon-fn bench: error: Invalid layers: 9 (expected 1..4 for tiny)"),
-    (["--memory", "--compile-time"],
-     "muon-fn bench: error: --memory, --compile-time and --elementwise each choose what to measure: give one"),
-    (["--memory", "--model-size", "tiny", "--layers", "5"],
-     "muon-fn bench: error: Invalid layers: 5 (expected 1..4 for tiny)"),
-    (["--rows", "hybrid"], "muon-fn bench: error: Invalid row: 'hybrid' (it runs on the set's GPT model, not on its "
-     "matrices: the memory table only, muon-fn bench --memory)"),
-    (["--json", "/nonexistent/b.json"],
-     "muon-fn bench: error: argument --json: '/nonexistent/b.json': no such directory '/nonexistent'"),
-    (["sso", "--layers", "0"], "muon-fn bench sso: error: Invalid layers: 0 (expected 1..12 for gpt2-small)"),
-    (["sso", "--warmup", "-1"], "muon-fn bench sso: error: Invalid warmup: -1 (expected an integer >= 0)"),
-    (["fsdp", "--world-sizes", "2", "1"],
-     "muon-fn bench fsdp: error: argument --world-sizes: expected an integer >= 2, got 1"),
-    (["fsdp", "--tokens", "0"], "muon-fn bench fsdp: error: argument --tokens: expected an integer >= 1, got 0"),
-    (["fsdp", "--dim", "x"], "muon-fn bench fsdp: error: argument --dim: expected an integer >= 1, got 'x'"),
+    (
+        ["--memory", "--compile-time"],
+        "muon-fn bench: error: --memory, --compile-time and --elementwise each choose what to measure: give one",
+    ),
+    (
+        ["--memory", "--model-size", "tiny", "--layers", "5"],
+        "muon-fn bench: error: Invalid layers: 5 (expected 1..4 for tiny)",
+    ),
+    (
+        ["--rows", "hybrid"],
+        "muon-fn bench: error: Invalid row: 'hybrid' (it runs on the set's GPT model, not on its "
+        "matrices: the memory table only, muon-fn bench --memory)",
+    ),
+    (
+        ["--json", "/nonexistent/b.json"],
+        "muon-fn bench: error: argument --json: '/nonexistent/b.json': no such directory '/nonexistent'",
+    ),
+    (
+        ["sso", "--layers", "0"],
+        "muon-fn bench sso: error: Invalid layers: 0 (expected 1..12 for gpt2-small)",
+    ),
+    (
+        ["sso", "--warmup", "-1"],
+        "muon-fn bench sso: error: Invalid warmup: -1 (expected an integer >= 0)",
+    ),
+    (
+        ["fsdp", "--world-sizes", "2", "1"],
+        "muon-fn bench fsdp: error: argument --world-sizes: expected an integer >= 2, got 1",
+    ),
+    (
+        ["fsdp", "--tokens", "0"],
+        "muon-fn bench fsdp: error: argument --tokens: expected an integer >= 1, got 0",
+    ),
+    (
+        ["fsdp", "--dim", "x"],
+        "muon-fn bench fsdp: error: argument --dim: expected an integer >= 1, got 'x'",
+    ),
 ]
 
 PLAN = [
@@ -247,16 +380,22 @@ def test_plan_usage_error(argv, message):
 def test_unknown_command_prints_usage():
     code, out, err = run(["frobnicate"])
     assert (code, out) == (2, "")
-    assert err.startswith("muon-fn: unknown command 'frobnicate'\n\nusage: muon-fn <command> [options]")
+    assert err.startswith(
+        "muon-fn: unknown command 'frobnicate'\n\nusage: muon-fn <command> [options]"
+    )
 
 
 def test_python_dash_m_muon_fn_runs_the_command():
     """``python -m muon_fn`` is ``muon-fn`` (as users try it); a bad command exits with status 2."""
-    ok = subprocess.run([sys.executable, "-m", "muon_fn", "--help"], capture_output=True, text=True, timeout=120)
+    ok = subprocess.run(
+        [sys.executable, "-m", "muon_fn", "--help"], capture_output=True, text=True, timeout=120
+    )
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout.startswith("usage: muon-fn <command> [options]")
     assert all(f"\n  {command} " in ok.stdout for command in ("train", "bench", "plan"))
-    bad = subprocess.run([sys.executable, "-m", "muon_fn", "frobnicate"], capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-m", "muon_fn", "frobnicate"], capture_output=True, text=True, timeout=120
+    )
     assert bad.returncode == 2 and "muon-fn: unknown command 'frobnicate'" in bad.stderr
 
 
@@ -284,9 +423,18 @@ def test_train_help_states_each_default_once(monkeypatch):
     for flag, text in blocks.items():
         if flag != "--optimizer":  # its help also names the AdamW betas' defaults
             assert text.count("default") <= 1, text
-    assert all(preset in blocks["--model"].split("}", 1)[1] for preset in ("tiny", "small", "gpt2", "moe-tiny"))
-    assert "(default: muon 0.02, torch-muon 0.02, normuon 0.02, sso 0.02, adamw 0.003)" in blocks["--lr"]
-    assert blocks["--seed"] == "--seed N              seed of the initial weights and of the batch order (default 0)"
+    assert all(
+        preset in blocks["--model"].split("}", 1)[1]
+        for preset in ("tiny", "small", "gpt2", "moe-tiny")
+    )
+    assert (
+        "(default: muon 0.02, torch-muon 0.02, normuon 0.02, sso 0.02, adamw 0.003)"
+        in blocks["--lr"]
+    )
+    assert (
+        blocks["--seed"]
+        == "--seed N              seed of the initial weights and of the batch order (default 0)"
+    )
 
 
 class _Bar:
@@ -325,19 +473,52 @@ class _Scheduler:
 
 def _loop(compiles: bool, monkeypatch, *extra: str) -> tuple[_Bar, _Optimizer]:
     parser = train.build_parser("muon-fn train")
-    args = train.resolve(parser.parse_args(["--seq-len", "16", "--batch-size", "2", "--eval-windows", "2",
-                                            "--no-checkpoint", *extra]), parser)
+    args = train.resolve(
+        parser.parse_args(
+            [
+                "--seq-len",
+                "16",
+                "--batch-size",
+                "2",
+                "--eval-windows",
+                "2",
+                "--no-checkpoint",
+                *extra,
+            ]
+        ),
+        parser,
+    )
     gen = torch.Generator().manual_seed(0)
-    corpus = data.Corpus("random", torch.randint(0, 256, (2000,), dtype=torch.uint8, generator=gen),
-                         torch.randint(0, 256, (500,), dtype=torch.uint8, generator=gen), 1)
+    corpus = data.Corpus(
+        "random",
+        torch.randint(0, 256, (2000,), dtype=torch.uint8, generator=gen),
+        torch.randint(0, 256, (500,), dtype=torch.uint8, generator=gen),
+        1,
+    )
     bar = _Bar()
     monkeypatch.setattr(train, "_progress", lambda args, *a: None if args.no_progress else bar)
-    opt, history = _Optimizer(bar), {"train": [], "val": [], "tokens_per_s": [], "max_logit": [], "step_time": []}
+    opt, history = (
+        _Optimizer(bar),
+        {"train": [], "val": [], "tokens_per_s": [], "max_logit": [], "step_time": []},
+    )
     model = GPT(config_for("tiny", n_layer=1))
     batcher = data.Batcher(corpus.train, 2, 16, seed=0)
     ctx = train.Dist(False, torch.device("cpu"))
-    train._train_loop("muon", model, opt, _Scheduler(), batcher, history, range(0, 2), 2, args, corpus, ctx,
-                      None, compiles=compiles)
+    train._train_loop(
+        "muon",
+        model,
+        opt,
+        _Scheduler(),
+        batcher,
+        history,
+        range(0, 2),
+        2,
+        args,
+        corpus,
+        ctx,
+        None,
+        compiles=compiles,
+    )
     return bar, opt
 
 

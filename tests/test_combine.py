@@ -28,8 +28,13 @@ def assert_same(a, b):
 
 
 def test_chain_equals_transforms_by_hand():
-    parts = [mf.momentum(0.9, nesterov=True), mf.orthogonalize("quintic", dtype=torch.float32),
-             mf.scale_by_shape("keller"), mf.add_decoupled_weight_decay(0.05), mf.scale_by_learning_rate(0.02)]
+    parts = [
+        mf.momentum(0.9, nesterov=True),
+        mf.orthogonalize("quintic", dtype=torch.float32),
+        mf.scale_by_shape("keller"),
+        mf.add_decoupled_weight_decay(0.05),
+        mf.scale_by_learning_rate(0.02),
+    ]
     tx = mf.chain(*parts)
     params = rand_tree(0, MATRICES)
     state = tx.init(params)
@@ -51,10 +56,13 @@ def test_chain_equals_transforms_by_hand():
 def test_muon_recipe_is_the_documented_chain():
     kw = dict(nesterov=True, kind="ema", method="you", ns_steps=4, ns_dtype=torch.float32)
     recipe = mf.muon(0.03, 0.9, adjust_lr_fn="spectral", weight_decay=0.1, **kw)
-    by_hand = mf.chain(mf.momentum(0.9, nesterov=True, kind="ema"),
-                       mf.orthogonalize("you", 4, dtype=torch.float32),
-                       mf.scale_by_shape("spectral"), mf.add_decoupled_weight_decay(0.1),
-                       mf.scale_by_learning_rate(0.03))
+    by_hand = mf.chain(
+        mf.momentum(0.9, nesterov=True, kind="ema"),
+        mf.orthogonalize("you", 4, dtype=torch.float32),
+        mf.scale_by_shape("spectral"),
+        mf.add_decoupled_weight_decay(0.1),
+        mf.scale_by_learning_rate(0.03),
+    )
     params = rand_tree(0, MATRICES)
     s1, s2 = recipe.init(params), by_hand.init(params)
     for step in range(3):
@@ -118,12 +126,21 @@ def partition_reference(steps=3):
 
 @pytest.mark.parametrize(
     "labels",
-    [LABELS, lambda params: {k: "muon" if v.ndim >= 2 else "adamw" for k, v in params.items()}, mf.matrix_labels],
+    [
+        LABELS,
+        lambda params: {k: "muon" if v.ndim >= 2 else "adamw" for k, v in params.items()},
+        mf.matrix_labels,
+    ],
     ids=["pytree", "lambda", "matrix_labels"],
 )
 def test_partition_routes_labels(labels):
-    tx = mf.partition({"muon": mf.muon(0.02, ns_dtype=torch.float32, weight_decay=0.1),
-                       "adamw": mf.adamw(1e-3, weight_decay=0.01)}, labels)
+    tx = mf.partition(
+        {
+            "muon": mf.muon(0.02, ns_dtype=torch.float32, weight_decay=0.1),
+            "adamw": mf.adamw(1e-3, weight_decay=0.01),
+        },
+        labels,
+    )
     outs, _, state = run(tx, rand_tree(0, MIXED))
     for got, want in zip(outs, partition_reference()):
         assert set(got) == set(want)
@@ -138,16 +155,30 @@ def test_partition_routes_labels(labels):
 @pytest.mark.parametrize("decay_1d", [False, True])
 def test_hybrid_is_partition_of_muon_and_adamw(decay_1d):
     params = rand_tree(0, MIXED)
-    h = mf.hybrid(0.02, adamw_lr=1e-3, adamw_betas=(0.9, 0.999), adamw_weight_decay=0.01,
-                  adamw_decay_1d=decay_1d, ns_dtype=torch.float32, weight_decay=0.1)
-    p = mf.partition({"muon": mf.muon(0.02, ns_dtype=torch.float32, weight_decay=0.1),
-                      "adamw": mf.adamw(1e-3, (0.9, 0.999), 1e-8, 0.01, decay_1d=decay_1d)}, LABELS)
+    h = mf.hybrid(
+        0.02,
+        adamw_lr=1e-3,
+        adamw_betas=(0.9, 0.999),
+        adamw_weight_decay=0.01,
+        adamw_decay_1d=decay_1d,
+        ns_dtype=torch.float32,
+        weight_decay=0.1,
+    )
+    p = mf.partition(
+        {
+            "muon": mf.muon(0.02, ns_dtype=torch.float32, weight_decay=0.1),
+            "adamw": mf.adamw(1e-3, (0.9, 0.999), 1e-8, 0.01, decay_1d=decay_1d),
+        },
+        LABELS,
+    )
     for a, b in zip(run(h, params)[0], run(p, params)[0]):
         assert_same(a, b)
 
 
 def test_partition_with_missing_gradient():
-    tx = mf.partition({"muon": mf.muon(0.02, ns_dtype=torch.float32), "adamw": mf.adamw(1e-3)}, LABELS)
+    tx = mf.partition(
+        {"muon": mf.muon(0.02, ns_dtype=torch.float32), "adamw": mf.adamw(1e-3)}, LABELS
+    )
     outs, _, state = run(tx, rand_tree(0, MIXED), drop="b1")
     assert all(o["b1"] is None for o in outs)
     assert torch.equal(state.inner_states["adamw"][0].mu["b1"], torch.zeros(8))
@@ -155,11 +186,16 @@ def test_partition_with_missing_gradient():
 
 
 def test_partition_nested_and_in_chain():
-    inner = mf.partition({"a": mf.scale_by_learning_rate(1.0), "b": mf.scale_by_learning_rate(2.0)},
-                         {"w1": "a", "w2": "b", "b1": "a", "gain": "b"})
-    outer = mf.chain(mf.stateless(lambda u, p: _tree.tree_map(lambda x: 3 * x, u)),
-                     mf.partition({"x": inner, "y": mf.identity()},
-                                  {"w1": "x", "w2": "x", "b1": "x", "gain": "y"}))
+    inner = mf.partition(
+        {"a": mf.scale_by_learning_rate(1.0), "b": mf.scale_by_learning_rate(2.0)},
+        {"w1": "a", "w2": "b", "b1": "a", "gain": "b"},
+    )
+    outer = mf.chain(
+        mf.stateless(lambda u, p: _tree.tree_map(lambda x: 3 * x, u)),
+        mf.partition(
+            {"x": inner, "y": mf.identity()}, {"w1": "x", "w2": "x", "b1": "x", "gain": "y"}
+        ),
+    )
     g = rand_tree(1, MIXED)
     out, _ = outer.update(g, outer.init(g), g)
     torch.testing.assert_close(out["w1"], -3 * g["w1"])
@@ -207,17 +243,25 @@ def test_design_section_1_snippet(container):
     grads = _tree.tree_map(lambda t: torch.randn(t.shape, generator=g), params)
     start = params
 
-    tx = mf.chain(mf.momentum(0.95, nesterov=True), mf.orthogonalize(steps=5),
-                  mf.scale_by_shape("keller"), mf.add_decoupled_weight_decay(0.01),
-                  mf.scale_by_learning_rate(0.02))
-    state = tx.init(params)                      # params: any pytree of tensors
+    tx = mf.chain(
+        mf.momentum(0.95, nesterov=True),
+        mf.orthogonalize(steps=5),
+        mf.scale_by_shape("keller"),
+        mf.add_decoupled_weight_decay(0.01),
+        mf.scale_by_learning_rate(0.02),
+    )
+    state = tx.init(params)  # params: any pytree of tensors
     updates, state = tx.update(grads, state, params)
     params = mf.apply_updates(params, updates)
 
     assert type(params) is type(start)
     assert _tree.tree_structure(params) == _tree.tree_structure(start)
-    for p0, u, p1, gr in zip(_tree.tree_leaves(start), _tree.tree_leaves(updates),
-                             _tree.tree_leaves(params), _tree.tree_leaves(grads)):
+    for p0, u, p1, gr in zip(
+        _tree.tree_leaves(start),
+        _tree.tree_leaves(updates),
+        _tree.tree_leaves(params),
+        _tree.tree_leaves(grads),
+    ):
         assert p1.shape == p0.shape and p1.dtype == p0.dtype and torch.isfinite(p1).all()
         # first step: momentum buffer = g, Nesterov g + 0.95 g = 1.95 g, msign is scale-free:
         # u = −0.02·(s·msign(g) + 0.01·p), msign the default iteration (Keller's quintic) of g
@@ -225,7 +269,9 @@ def test_design_section_1_snippet(container):
         out, inn = p0.shape[0], p0[0].numel()
         s = max(1.0, out / inn) ** 0.5
         dtype = default_compute_dtype()  # bf16, or fp32 on a CPU without bf16 GEMMs
-        o = mf.newton_schulz((1.95 * gr).reshape(out, inn).to(dtype), "quintic", 5, dtype=dtype).reshape(p0.shape)
+        o = mf.newton_schulz(
+            (1.95 * gr).reshape(out, inn).to(dtype), "quintic", 5, dtype=dtype
+        ).reshape(p0.shape)
         # bf16: the transform rounds g + 0.95·g, the reference 1.95·g; a last-bit difference of the
         # input moves the quintic's result by up to ~1e-2 (its slope near σ = 0 is 3.4445⁵ ≈ 485),
         # 2e-4 of u at lr 0.02. In fp32 (CPUs without bf16 GEMMs) they agree to 1e-6.

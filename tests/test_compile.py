@@ -32,8 +32,10 @@ def tree(seed=0, with_vectors=False):
 
 def grads_like(params, seed):
     g = torch.Generator().manual_seed(seed)
-    return {k: grads_like(v, seed + 1) if isinstance(v, dict) else torch.randn(v.shape, generator=g)
-            for k, v in params.items()}
+    return {
+        k: grads_like(v, seed + 1) if isinstance(v, dict) else torch.randn(v.shape, generator=g)
+        for k, v in params.items()
+    }
 
 
 def recipe(lr, **kw):
@@ -110,10 +112,15 @@ def _entry_points(model):
         p.grad = torch.ones_like(p)
     tx = mf.compile_update(mf.adamw(0.1))
     tx.update(tuple(p.grad for p in params), tx.init(tuple(params)), tuple(params))
-    for make in (lambda: mf.MuonOptimizer(params), lambda: mf.create_hybrid_optimizer(model),
-                 lambda: mf.SpectralSphereOptimizer(params), lambda: mf.TritonMuon(params),
-                 lambda: mf.TritonMuonW(params), lambda: FSDPMuonOptimizer(model),
-                 lambda: FSDPSpectralSphereOptimizer(model)):
+    for make in (
+        lambda: mf.MuonOptimizer(params),
+        lambda: mf.create_hybrid_optimizer(model),
+        lambda: mf.SpectralSphereOptimizer(params),
+        lambda: mf.TritonMuon(params),
+        lambda: mf.TritonMuonW(params),
+        lambda: FSDPMuonOptimizer(model),
+        lambda: FSDPSpectralSphereOptimizer(model),
+    ):
         make().step()
 
 
@@ -121,21 +128,30 @@ def test_every_entry_point_compiles_with_dynamic_false(device, compiled_default,
     """Floats of the update stay constants of the Dynamo graph, so they are in every cache key
     (tests/test_compile_cache.py shows what happens otherwise)."""
     calls = []
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: (calls.append(kw), fn)[1])  # record, don't compile
+    monkeypatch.setattr(
+        torch, "compile", lambda fn, **kw: (calls.append(kw), fn)[1]
+    )  # record, don't compile
     _entry_points(_SmallLM().to(device))
     # (a transform of whole matrices on the CPU also passes inductor an option: _compile.for_scope)
     plain = [{k: v for k, v in kw.items() if k != "options"} for kw in calls]
-    assert len(calls) >= 8 and all(kw == {"fullgraph": True, "dynamic": False} for kw in plain), calls
-    assert all(kw.get("options", _compile.MATRIX_CPU_OPTIONS) == _compile.MATRIX_CPU_OPTIONS for kw in calls)
+    assert len(calls) >= 8 and all(kw == {"fullgraph": True, "dynamic": False} for kw in plain), (
+        calls
+    )
+    assert all(
+        kw.get("options", _compile.MATRIX_CPU_OPTIONS) == _compile.MATRIX_CPU_OPTIONS
+        for kw in calls
+    )
 
 
 @pytest.mark.parametrize("dynamic", [True, None])
 def test_dynamic_compiles_are_refused_with_the_reason(dynamic):
-    message = (f"Invalid dynamic: {dynamic} (muon_fn compiles with dynamic=False. A dynamic compile turns float "
-               "hyperparameters such as betas or eps into symbolic values, and torch's on-disk compile caches "
-               "(2.13 and 2.14 measured) can then serve a graph that burned in another value: a silently wrong "
-               "update; pytorch/pytorch#194976 and #197889. Per-step scalars (lr, momentum, schedules) are 0-d "
-               "tensors, so a static graph never recompiles for them; see docs/faq.md, 'Compilation')")
+    message = (
+        f"Invalid dynamic: {dynamic} (muon_fn compiles with dynamic=False. A dynamic compile turns float "
+        "hyperparameters such as betas or eps into symbolic values, and torch's on-disk compile caches "
+        "(2.13 and 2.14 measured) can then serve a graph that burned in another value: a silently wrong "
+        "update; pytorch/pytorch#194976 and #197889. Per-step scalars (lr, momentum, schedules) are 0-d "
+        "tensors, so a static graph never recompiles for them; see docs/faq.md, 'Compilation')"
+    )
     with pytest.raises(ValueError) as error:
         mf.compile_update(mf.adamw(0.1), dynamic=dynamic)
     assert str(error.value) == message
@@ -191,8 +207,12 @@ def test_schedule_lr_does_not_recompile():
         lambda lr: mf.adamw(lr, weight_decay=0.1),
         lambda lr: mf.normuon(lr, ns_dtype=torch.float32),
         lambda lr: mf.muon(lr, kind="ema", method="quintic", ns_dtype=torch.bfloat16),
-        lambda lr: mf.muon(lr, method="you", view=lambda leaf: mf.heads(rows=2) if leaf.shape[0] == 32 else "flatten",
-                           ns_dtype=torch.float32),
+        lambda lr: mf.muon(
+            lr,
+            method="you",
+            view=lambda leaf: mf.heads(rows=2) if leaf.shape[0] == 32 else "flatten",
+            ns_dtype=torch.float32,
+        ),
     ],
     ids=["adamw", "normuon", "muon-ema-quintic-bf16", "muon-you-heads"],
 )
@@ -225,7 +245,10 @@ def test_inductor_matches_eager(device):
     lr = torch.tensor(0.02, device=device)
     tx = mf.muon(lr, 0.95, weight_decay=0.01, ns_dtype=torch.float32, ns_steps=3)
     g = torch.Generator().manual_seed(0)
-    params = {"w": torch.randn(16, 24, generator=g).to(device), "v": torch.randn(24, 16, generator=g).to(device)}
+    params = {
+        "w": torch.randn(16, 24, generator=g).to(device),
+        "v": torch.randn(24, 16, generator=g).to(device),
+    }
     step = mf.compile_update(tx, backend="inductor").update
     state_c = state_e = tx.init(params)
     for i, value in enumerate([0.02, 0.01]):
@@ -273,7 +296,9 @@ def test_muon_optimizer_compiles_one_graph_per_bucket_signature_no_recompiles():
     _run_scheduled(ref_opt, ref, 9, seed=11)
     for p, q in zip(params, ref):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-6)
-        torch.testing.assert_close(opt.state[p]["momentum_buffer"], ref_opt.state[q]["momentum_buffer"])
+        torch.testing.assert_close(
+            opt.state[p]["momentum_buffer"], ref_opt.state[q]["momentum_buffer"]
+        )
 
 
 def test_muon_optimizer_compiled_adamw_half_and_normuon():
@@ -283,7 +308,9 @@ def test_muon_optimizer_compiled_adamw_half_and_normuon():
     ref = copy.deepcopy(model)
     for kw in ({}, {"beta2": 0.95}):
         m, r = copy.deepcopy(model), copy.deepcopy(ref)
-        opt = mf.MuonOptimizer(m.parameters(), compile={"backend": "eager"}, ns_dtype=torch.float32, **kw)
+        opt = mf.MuonOptimizer(
+            m.parameters(), compile={"backend": "eager"}, ns_dtype=torch.float32, **kw
+        )
         ref_opt = mf.MuonOptimizer(r.parameters(), compile=False, ns_dtype=torch.float32, **kw)
         for t in range(3):
             x = torch.randn(5, 8, generator=torch.Generator().manual_seed(t))
@@ -313,7 +340,9 @@ def test_per_signature_one_graph_per_signature_beyond_the_recompile_limit():
     """PerSignature: a fresh code object per signature, so more distinct bucket signatures than
     Dynamo's recompile limit (8) still compile each once, with fullgraph=True."""
     counter = CompileCounterWithBackend("eager")
-    fn = mf._compile.PerSignature(lambda x: (x @ x.mT) @ x * 0.5, {"backend": counter, "fullgraph": True})
+    fn = mf._compile.PerSignature(
+        lambda x: (x @ x.mT) @ x * 0.5, {"backend": counter, "fullgraph": True}
+    )
     shapes = [(2, n, n + 1) for n in range(1, 13)]
     for _ in range(2):
         for s in shapes:
@@ -335,12 +364,18 @@ def _host_reads(fn) -> int:
 
 def _small_model(bias: bool, device: torch.device | str = "cpu"):
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16, bias=bias), torch.nn.GELU(),
-                               torch.nn.Linear(16, 16, bias=bias), torch.nn.Linear(16, 4, bias=bias)).to(device)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 16, bias=bias),
+        torch.nn.GELU(),
+        torch.nn.Linear(16, 16, bias=bias),
+        torch.nn.Linear(16, 4, bias=bias),
+    ).to(device)
 
 
 def _backward(model, step):
-    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(step)).to(next(model.parameters()).device)
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(step)).to(
+        next(model.parameters()).device
+    )
     model.zero_grad()
     model(x).square().mean().backward()
 
@@ -357,8 +392,9 @@ def test_step_reads_nothing_back(compile, bias):
     hybrid (torch.optim.AdamW itself reads its step count back every step), nonfinite="skip"."""
     model = _small_model(bias)
     opt = mf.MuonOptimizer(model.parameters(), compile=compile, weight_decay=0.01, beta2=None)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=10, cycle_momentum=True,
-                                                base_momentum=0.85, max_momentum=0.95)
+    sched = torch.optim.lr_scheduler.OneCycleLR(
+        opt, max_lr=0.05, total_steps=10, cycle_momentum=True, base_momentum=0.85, max_momentum=0.95
+    )
     _backward(model, 0)
     opt.step()  # the first compiled step compiles (inductor and Dynamo read constants then)
     for step in range(1, 4):
@@ -381,8 +417,9 @@ def test_no_recompiles_over_100_steps_with_lr_and_momentum_schedules(device):
     counter = CompileCounterWithBackend("eager")
     model = _small_model(True, device)
     opt = mf.MuonOptimizer(model.parameters(), compile={"backend": counter}, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=100, cycle_momentum=True,
-                                                base_momentum=0.8, max_momentum=0.95)
+    sched = torch.optim.lr_scheduler.OneCycleLR(
+        opt, max_lr=0.05, total_steps=100, cycle_momentum=True, base_momentum=0.8, max_momentum=0.95
+    )
     _backward(model, 0)
     opt.step()
     sched.step()
@@ -412,15 +449,19 @@ def test_adding_a_param_group_compiles_that_group_once():
     assert counter.frame_count == 1 + len(opt._runtimes[1].buckets) == 3  # 16x16, 4x16
 
 
-@pytest.mark.parametrize("make", [
-    lambda m: mf.MuonOptimizer(m.parameters()),
-    lambda m: mf.MuonOptimizer(m.parameters(), beta2=0.95),
-    lambda m: mf.SpectralSphereOptimizer(m.parameters()),
-    lambda m: mf.Optimizer(m.parameters(), lambda h: mf.hybrid(h["lr"]), {"lr": 0.02}),
-    lambda m: mf.create_hybrid_optimizer(m),
-    lambda m: mf.FSDPMuonOptimizer(m),
-    lambda m: mf.FSDPSpectralSphereOptimizer(m),
-], ids=["muon", "normuon", "sso", "generic", "hybrid", "fsdp-muon", "fsdp-sso"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda m: mf.MuonOptimizer(m.parameters()),
+        lambda m: mf.MuonOptimizer(m.parameters(), beta2=0.95),
+        lambda m: mf.SpectralSphereOptimizer(m.parameters()),
+        lambda m: mf.Optimizer(m.parameters(), lambda h: mf.hybrid(h["lr"]), {"lr": 0.02}),
+        lambda m: mf.create_hybrid_optimizer(m),
+        lambda m: mf.FSDPMuonOptimizer(m),
+        lambda m: mf.FSDPSpectralSphereOptimizer(m),
+    ],
+    ids=["muon", "normuon", "sso", "generic", "hybrid", "fsdp-muon", "fsdp-sso"],
+)
 def test_torch_compile_of_opt_step(make):
     """torch's compiled-optimizer recipe, torch.compile(opt.step), runs and gives the plain step's
     results: the step is already compiled, so the outer compile leaves it to those graphs."""
@@ -453,8 +494,10 @@ def test_compiling_impossible_falls_back_to_eager_with_one_warning(compiled_defa
     opt_b = mf.MuonOptimizer(b.parameters(), compile=False)
     # inductor's own patch: monkeypatch's undo of a config attribute deletes it, which breaks
     # every later cold compile in the process ("config.cpp.cxx does not exist").
-    with inductor_config.patch({"cpp.cxx": ("/nonexistent/g++",)}), \
-            pytest.warns(RuntimeWarning, match="C\\+\\+ compiler.*compile=False") as record:
+    with (
+        inductor_config.patch({"cpp.cxx": ("/nonexistent/g++",)}),
+        pytest.warns(RuntimeWarning, match="C\\+\\+ compiler.*compile=False") as record,
+    ):
         for step in range(2):
             for model, opt in ((a, opt_a), (b, opt_b)):
                 _backward(model, step)
@@ -474,7 +517,9 @@ class _SmallLM(torch.nn.Module):
 
 
 @pytest.mark.inductor
-def test_compiled_hybrid_does_not_reuse_another_betas_graph(device, compiled_default, monkeypatch, tmp_path):
+def test_compiled_hybrid_does_not_reuse_another_betas_graph(
+    device, compiled_default, monkeypatch, tmp_path
+):
     """In one process, with torch's caches on: compiled with Dynamo's default (automatic
     dynamic), the hybrid's AdamW step for adamw_betas=(0.9, 0.999) after one for (0.9, 0.95) was
     served a graph with 0.95 burned into the bias correction √(1 − β₂ᵗ) (Adam's first step
@@ -486,11 +531,18 @@ def test_compiled_hybrid_does_not_reuse_another_betas_graph(device, compiled_def
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = _SmallLM().to(device)
-        opt = mf.create_hybrid_optimizer(model, adamw_lr=1e-2, adamw_weight_decay=0.1, adamw_betas=(0.9, beta2),
-                                         ns_dtype=torch.float32)
+        opt = mf.create_hybrid_optimizer(
+            model,
+            adamw_lr=1e-2,
+            adamw_weight_decay=0.1,
+            adamw_betas=(0.9, beta2),
+            ns_dtype=torch.float32,
+        )
         before = model.norm.bias.detach().clone()
         for p in model.parameters():
             p.grad = torch.ones_like(p)
         opt.step()
         step = (model.norm.bias.detach() - before) / 1e-2
-        torch.testing.assert_close(step, torch.full_like(step, -1.0), atol=1e-4, rtol=0, msg=f"beta2={beta2}")
+        torch.testing.assert_close(
+            step, torch.full_like(step, -1.0), atol=1e-4, rtol=0, msg=f"beta2={beta2}"
+        )

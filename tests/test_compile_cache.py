@@ -31,15 +31,23 @@ sys.path.insert(0, str(Path(__file__).parent))
 import _compile_cache_child as child  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-TOLERANCE = 1e-6  # relative, float64 (measured: ≤ 4e-7, from fp32 step counters and NorMuon's fp32 moment)
+TOLERANCE = (
+    1e-6  # relative, float64 (measured: ≤ 4e-7, from fp32 step counters and NorMuon's fp32 moment)
+)
 LEGACY = "legacy:scale_by_adam(betas[1])"
 # Two processes per round, side by side (a 2-core machine), about even in time. Measured cold on
 # the Xeon AMX: the transforms 36 s in one process, the optimizers 106 s in the other (alone, each
 # optimizer case 9-21 s beside a process's 10 s start); so the elementwise optimizers and the FSDP
 # Muon (about 35 s) go with the transforms.
-_WITH_TRANSFORMS = ("TritonMuon(velocity)", "TritonMuonW(weight_decay)", "FSDPMuonOptimizer(ns_stepsize, adamw_betas)")
-SHARES = (list(child.TRANSFORMS) + [LEGACY] + list(_WITH_TRANSFORMS),
-          [case for case in child.OPTIMIZERS if case not in _WITH_TRANSFORMS])
+_WITH_TRANSFORMS = (
+    "TritonMuon(velocity)",
+    "TritonMuonW(weight_decay)",
+    "FSDPMuonOptimizer(ns_stepsize, adamw_betas)",
+)
+SHARES = (
+    list(child.TRANSFORMS) + [LEGACY] + list(_WITH_TRANSFORMS),
+    [case for case in child.OPTIMIZERS if case not in _WITH_TRANSFORMS],
+)
 TIMEOUT_S = 600
 
 pytestmark = [pytest.mark.inductor]
@@ -54,16 +62,29 @@ def test_importing_the_child_changes_nothing_in_the_suite():
 
 
 def _run_round(round_: str, cache: Path, out: Path, device: torch.device) -> dict:
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache), OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        TORCHINDUCTOR_CACHE_DIR=str(cache),
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    )
     env.pop("TORCH_COMPILE_DISABLE", None)
     procs = []
     for i, cases in enumerate(SHARES):
         path = out / f"{round_}{i}.json"
         log = open(out / f"{round_}{i}.log", "w")
-        procs.append((path, log, subprocess.Popen(
-            [sys.executable, child.__file__, round_, str(path), str(device), *cases], env=env, stdout=log,
-            stderr=subprocess.STDOUT)))
+        procs.append(
+            (
+                path,
+                log,
+                subprocess.Popen(
+                    [sys.executable, child.__file__, round_, str(path), str(device), *cases],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                ),
+            )
+        )
     results = {}
     for path, log, proc in procs:
         try:
@@ -99,8 +120,11 @@ def rounds(device, tmp_path_factory) -> dict[str, dict]:
 
 def _worst(rounds: dict, case: str) -> dict[str, float]:
     """The largest distance of each process and value of ``case``."""
-    return {f"{r} process, value {v}": max(d["distance"].values())
-            for r, res in rounds.items() for v, d in res[case].items()}
+    return {
+        f"{r} process, value {v}": max(d["distance"].values())
+        for r, res in rounds.items()
+        for v, d in res[case].items()
+    }
 
 
 @pytest.mark.parametrize("case", list(child.TRANSFORMS))
@@ -128,5 +152,7 @@ def test_harness_sees_the_stale_graph_of_torchs_default_dynamic(rounds):
     with another β₂ in one of the processes; skipped where torch has fixed that."""
     worst = _worst(rounds, LEGACY)
     if max(worst.values()) <= TOLERANCE:
-        pytest.skip(f"torch {torch.__version__} serves no stale graph here (fixed upstream?): {worst}")
+        pytest.skip(
+            f"torch {torch.__version__} serves no stale graph here (fixed upstream?): {worst}"
+        )
     assert max(worst.values()) > 0.1, worst

@@ -110,9 +110,11 @@ def build(name: str, net: nn.Module, **kw) -> torch.optim.Optimizer:
         return mf.TritonMuonW(net.named_parameters(), **kw)
     if name == "fsdp_normuon":  # the FSDP recipe the known miscompile broke
         from muon_fn.fsdp import FSDPMuonOptimizer
+
         return FSDPMuonOptimizer(net, beta2=0.95, **kw)
     if name == "fsdp_sso":
         from muon_fn.fsdp import FSDPSpectralSphereOptimizer
+
         return FSDPSpectralSphereOptimizer(net, **kw)
     raise AssertionError(name)
 
@@ -137,8 +139,12 @@ def run(name: str, config: str, options: dict, shard=None) -> tuple[dict, dict, 
         opt.step()
     params = {n: local(p).clone() for n, p in net.named_parameters()}
     names = {id(p): n for n, p in net.named_parameters()}
-    state = {f"{names[id(p)]}.{k}": local(v).clone() for p, st in opt.state.items()
-             for k, v in st.items() if isinstance(v, torch.Tensor)}
+    state = {
+        f"{names[id(p)]}.{k}": local(v).clone()
+        for p, st in opt.state.items()
+        for k, v in st.items()
+        if isinstance(v, torch.Tensor)
+    }
     return before, params, state, opt.metrics()
 
 
@@ -162,7 +168,9 @@ def deviations(name: str, config: str, shard=None) -> list[str]:
             if not torch.equal(got.isfinite(), expected.isfinite()):
                 bad.append(f"state {key}: not finite where eager's is (or the other way round)")
             got, expected = got[..., :1], expected[..., :1]
-        bad += unbounded(f"state {key}", got, expected)  # no "before": the change is the state's size
+        bad += unbounded(
+            f"state {key}", got, expected
+        )  # no "before": the change is the state's size
     figures, eager_figures = by_figure(figures), by_figure(eager_figures)
     assert figures.keys() == eager_figures.keys(), sorted(figures.keys() ^ eager_figures.keys())
     for key, value in figures.items():
@@ -176,7 +184,9 @@ def deviations(name: str, config: str, shard=None) -> list[str]:
     return bad
 
 
-def unbounded(what: str, got: torch.Tensor, expected: torch.Tensor, before: torch.Tensor | None = None) -> list[str]:
+def unbounded(
+    what: str, got: torch.Tensor, expected: torch.Tensor, before: torch.Tensor | None = None
+) -> list[str]:
     """``[what and how]`` if ``got`` is outside :func:`muon_fn._verify.compare`'s bound, else ``[]``."""
     verdict = _verify.compare(got, expected, before)
     return [] if verdict.ok else [f"{what}: {verdict.detail} ({verdict.worst:.3g}x the tolerance)"]
@@ -192,7 +202,9 @@ def by_figure(figures: dict[str, float]) -> dict[str, float]:
 @pytest.mark.parametrize("name", CLASSES)
 def test_compiled_equals_eager(name, config):
     bad = deviations(name, config)
-    assert not bad, f"{name} ({config}) compiled with inductor leaves eager's bound:\n" + "\n".join(bad)
+    assert not bad, f"{name} ({config}) compiled with inductor leaves eager's bound:\n" + "\n".join(
+        bad
+    )
 
 
 # ------------------------------------------------------------------------------------------- FSDP
@@ -206,22 +218,28 @@ def _fsdp_check(name: str, config: str):
         from test_fsdp import shard
 
         bad = deviations(name, config, shard)
-        assert not bad, f"{name} ({config}) compiled with inductor leaves eager's bound on this rank:\n" + \
-            "\n".join(bad)
+        assert not bad, (
+            f"{name} ({config}) compiled with inductor leaves eager's bound on this rank:\n"
+            + "\n".join(bad)
+        )
 
     return check
 
 
 def checks() -> dict:
-    return {f"{name}_{config}": _fsdp_check(name, config) for name in FSDP_CLASSES for config in CONFIGS}
+    return {
+        f"{name}_{config}": _fsdp_check(name, config) for name in FSDP_CLASSES for config in CONFIGS
+    }
 
 
 @pytest.fixture(scope="module", autouse=True)
 def fsdp_job(request, tmp_path_factory):
     """The W = 2 job, started now if any of its tests is selected (stopped at the end if its
     results were never read)."""
-    if not any(item.module is request.module and "fsdp_results" in item.fixturenames
-               for item in request.session.items):
+    if not any(
+        item.module is request.module and "fsdp_results" in item.fixturenames
+        for item in request.session.items
+    ):
         yield None
         return
     results = start_job(__file__, 2, tmp_path_factory.mktemp("compiled_eager_fsdp"), JOB_TIMEOUT_S)

@@ -29,7 +29,9 @@ class MetaMixes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        devices = {t.device.type for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        devices = {
+            t.device.type for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
+        }
         if "meta" in devices and len(devices) > 1:
             self.ops.append(str(func))
         return func(*args, **kwargs)
@@ -60,14 +62,33 @@ def _matrices(m):
 
 
 BUILDERS = {
-    "Optimizer": (Net, lambda m: mf.Optimizer(_matrices(m), lambda h: mf.muon(h["lr"]), {"lr": 0.02})),
-    "MuonOptimizer": (Net, lambda m: mf.MuonOptimizer(m.parameters(), weight_decay=0.01, matrix_view="flatten")),
-    "MuonOptimizer-normuon": (Net, lambda m: mf.MuonOptimizer(m.parameters(), beta2=0.95, matrix_view="flatten")),
-    "MuonOptimizer-gram": (Net, lambda m: mf.MuonOptimizer(m.parameters(), method="gram", ns_dtype=torch.float32,
-                                                                 matrix_view="flatten")),
-    "create_hybrid_optimizer": (Net, lambda m: mf.create_hybrid_optimizer(m, muon_weight_decay=0.01)),
+    "Optimizer": (
+        Net,
+        lambda m: mf.Optimizer(_matrices(m), lambda h: mf.muon(h["lr"]), {"lr": 0.02}),
+    ),
+    "MuonOptimizer": (
+        Net,
+        lambda m: mf.MuonOptimizer(m.parameters(), weight_decay=0.01, matrix_view="flatten"),
+    ),
+    "MuonOptimizer-normuon": (
+        Net,
+        lambda m: mf.MuonOptimizer(m.parameters(), beta2=0.95, matrix_view="flatten"),
+    ),
+    "MuonOptimizer-gram": (
+        Net,
+        lambda m: mf.MuonOptimizer(
+            m.parameters(), method="gram", ns_dtype=torch.float32, matrix_view="flatten"
+        ),
+    ),
+    "create_hybrid_optimizer": (
+        Net,
+        lambda m: mf.create_hybrid_optimizer(m, muon_weight_decay=0.01),
+    ),
     "hybrid-qk-clip": (_gpt, lambda m: mf.create_hybrid_optimizer(m, qk_clip=mf.QKClip(m, 10.0))),
-    "SpectralSphereOptimizer": (Net, lambda m: mf.SpectralSphereOptimizer(m.parameters(), matrix_view="flatten")),
+    "SpectralSphereOptimizer": (
+        Net,
+        lambda m: mf.SpectralSphereOptimizer(m.parameters(), matrix_view="flatten"),
+    ),
     "TritonMuon": (Net, lambda m: mf.TritonMuon(m.parameters(), weight_decay=0.01)),
     "TritonMuonW": (Net, lambda m: mf.TritonMuonW(m.parameters(), weight_decay=0.01)),
     "FSDPMuonOptimizer": (Net, lambda m: mf.FSDPMuonOptimizer(m)),
@@ -82,7 +103,9 @@ def test_construction_and_step_mix_no_meta_tensor_with_a_real_one(name):
     mixes = MetaMixes()
     with mixes:
         opt = build(model)
-    assert mixes.ops == [], f"{name} construction mixed meta and real tensors in {sorted(set(mixes.ops))}"
+    assert mixes.ops == [], (
+        f"{name} construction mixed meta and real tensors in {sorted(set(mixes.ops))}"
+    )
     x = torch.randint(0, 32, (2, 8))
     model(x).float().square().mean().backward()
     with mixes:

@@ -79,8 +79,15 @@ def torch_reference(model: Net, lr=0.02, wd=0.01, adamw_lr=3e-3):
 
 
 # ---------------------------------------------------------------------------- the math
-@pytest.mark.parametrize("method,band", [("quintic", (0.6, 1.25)), ("polar_express", (0.75, 1.25)),
-                                         ("aol9", (0.75, 1.25)), ("gram", (0.75, 1.25))])
+@pytest.mark.parametrize(
+    "method,band",
+    [
+        ("quintic", (0.6, 1.25)),
+        ("polar_express", (0.75, 1.25)),
+        ("aol9", (0.75, 1.25)),
+        ("gram", (0.75, 1.25)),
+    ],
+)
 def test_newton_schulz_lands_in_its_band(device, method, band):
     """The device's default iteration dtype (bf16; Gram NS: fp16 on GPUs, fp32 on the CPU) lands
     every singular value of a full-rank Gaussian in the method's band, tall, wide and batched."""
@@ -102,8 +109,15 @@ def test_functional_muon_matches_torch_muon(device, fp32_torch_muon):
     w = torch.randn(40, 24, generator=torch.Generator().manual_seed(1)).to(device)
     ref = nn.Parameter(w.clone())
     torch_opt = torch.optim.Muon([ref], lr=0.02, weight_decay=0.01, momentum=0.95, nesterov=True)
-    tx = mf.muon(0.02, momentum=0.95, nesterov=True, weight_decay=0.01, method="quintic", ns_dtype=torch.float32,
-                 kind="ema")
+    tx = mf.muon(
+        0.02,
+        momentum=0.95,
+        nesterov=True,
+        weight_decay=0.01,
+        method="quintic",
+        ns_dtype=torch.float32,
+        kind="ema",
+    )
     params = (w.clone(),)
     state = tx.init(params)
     for step in range(3):
@@ -122,9 +136,16 @@ def test_muon_optimizer_matches_torch_muon_and_adamw(device, fp32_torch_muon):
     a, b = net(device), net(device)
     hidden = [a.fc1.weight, a.fc2.weight]
     rest = [p for p in a.parameters() if all(p is not q for q in hidden)]
-    opt = mf.MuonOptimizer([{"params": hidden}, {"params": rest, "use_muon": False}], lr=0.02,
-                           weight_decay=0.01, ns_dtype=torch.float32, adamw_lr=3e-3, adamw_betas=(0.9, 0.95),
-                           adamw_weight_decay=0.0, compile=False)
+    opt = mf.MuonOptimizer(
+        [{"params": hidden}, {"params": rest, "use_muon": False}],
+        lr=0.02,
+        weight_decay=0.01,
+        ns_dtype=torch.float32,
+        adamw_lr=3e-3,
+        adamw_betas=(0.9, 0.95),
+        adamw_weight_decay=0.0,
+        compile=False,
+    )
     refs = torch_reference(b)
     for step in range(3):
         set_grads(a, step)
@@ -166,7 +187,9 @@ def test_optimizer_classes_equal_their_cpu_steps(device, name):
         run(model, opt)
         assert all(torch.isfinite(p).all() for p in model.parameters())
         results.append(model)
-    kw = tol(device) if name != "sso" else dict(rtol=0, atol=1e-4 if device.type == "cuda" else 1e-6)
+    kw = (
+        tol(device) if name != "sso" else dict(rtol=0, atol=1e-4 if device.type == "cuda" else 1e-6)
+    )
     assert_params_close(*results, **kw)  # SSO on CUDA: its bisection on λ amplifies rounding
 
 
@@ -176,10 +199,13 @@ def test_qk_clip_bounds_the_steps_own_logits(device):
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=1, n_head=4, n_embd=32, block_size=16)).to(device)
     with torch.no_grad():
-        model.blocks[0].attn.q.weight.mul_(torch.tensor([100.0, 1.0, 100.0, 1.0], device=device)
-                                           .repeat_interleave(8)[:, None])
+        model.blocks[0].attn.q.weight.mul_(
+            torch.tensor([100.0, 1.0, 100.0, 1.0], device=device).repeat_interleave(8)[:, None]
+        )
         model.blocks[0].attn.k.weight.mul_(10.0)  # heads 0 and 2 far above τ
-    opt = mf.create_hybrid_optimizer(model, muon_lr=0.0, adamw_lr=0.0, qk_clip=mf.QKClip(model, TAU))
+    opt = mf.create_hybrid_optimizer(
+        model, muon_lr=0.0, adamw_lr=0.0, qk_clip=mf.QKClip(model, TAU)
+    )
     tokens = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(1)).to(device)
     _, loss = model(tokens, tokens)
     loss.backward()
@@ -210,8 +236,12 @@ def test_checkpoint_moves_between_devices(device):
     back.load_state_dict(cpu_model.state_dict())
     back_opt = mf.MuonOptimizer(back.parameters(), ns_dtype=torch.float32, compile=False)
     back_opt.load_state_dict(cpu_opt.state_dict())
-    assert all(t.device.type == device.type for s in back_opt.state.values() for t in s.values()
-               if isinstance(t, torch.Tensor))
+    assert all(
+        t.device.type == device.type
+        for s in back_opt.state.values()
+        for t in s.values()
+        if isinstance(t, torch.Tensor)
+    )
     run(ref, ref_opt, 3)
     run(back, back_opt, 1, start=2)
     assert_params_close(back, ref, **tol(device))
@@ -240,7 +270,7 @@ def test_grad_scaler_with_fp16_autocast(device):
     model, ref = net(device), net(device)
     opt = mf.MuonOptimizer(model.parameters(), ns_dtype=torch.float32, compile=False)
     ref_opt = mf.MuonOptimizer(ref.parameters(), ns_dtype=torch.float32, compile=False)
-    scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 10)
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0**10)
     x = torch.randint(0, 16, (4, 8), generator=torch.Generator().manual_seed(0)).to(device)
     for m, o, scaled in ((model, opt, True), (ref, ref_opt, False)):
         with torch.autocast(device.type, dtype=torch.float16):
@@ -266,7 +296,7 @@ def test_grad_scaler_with_fp16_autocast(device):
     scaler.step(opt)
     scaler.update()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
-    assert scaler.get_scale() < 2.0 ** 10
+    assert scaler.get_scale() < 2.0**10
 
 
 @pytest.mark.parametrize("policy", ["skip", "error"])
@@ -277,7 +307,9 @@ def test_nonfinite_gradients(device, policy):
     opt = mf.MuonOptimizer(model.parameters(), nonfinite=policy, compile=False)
     run(model, opt, 1)
     before = [p.detach().clone() for p in model.parameters()]
-    state = [t.clone() for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    state = [
+        t.clone() for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)
+    ]
     set_grads(model, 5)
     model.fc1.weight.grad[0, 0] = float("nan")
     grads = [p.grad.clone() for p in model.parameters()]
@@ -290,8 +322,14 @@ def test_nonfinite_gradients(device, policy):
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
     after = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     assert all(torch.equal(a, b) for a, b in zip(after, state))
-    assert all(torch.equal(p.grad, g, ) or (p.grad.isnan() == g.isnan()).all()
-               for p, g in zip(model.parameters(), grads))
+    assert all(
+        torch.equal(
+            p.grad,
+            g,
+        )
+        or (p.grad.isnan() == g.isnan()).all()
+        for p, g in zip(model.parameters(), grads)
+    )
 
 
 # ---------------------------------------------------------------------------- GPU only
@@ -305,7 +343,9 @@ def test_cuda_graphs_capture_the_compiled_step(device):
     counters.clear()
     a, b = net(device), net(device)
     opt_a = mf.MuonOptimizer(a.parameters(), ns_dtype=torch.float32, compile=False)
-    opt_b = mf.MuonOptimizer(b.parameters(), ns_dtype=torch.float32, compile={"mode": "reduce-overhead"})
+    opt_b = mf.MuonOptimizer(
+        b.parameters(), ns_dtype=torch.float32, compile={"mode": "reduce-overhead"}
+    )
     for step in range(5):
         for m, o in ((a, opt_a), (b, opt_b)):
             set_grads(m, step)
@@ -324,16 +364,39 @@ def test_gpu_lane_script_keeps_to_its_budget(tmp_path):
     import sys
 
     root = pathlib.Path(__file__).resolve().parents[1]
-    env = dict(os.environ, MUON_FN_LANE_DEVICE="cpu", MUON_FN_LANE_BUDGET_S="1", MUON_FN_LANE_PACK="1",
-               PYTHON=sys.executable)
-    done = subprocess.run(["bash", str(root / ".ci" / "gpu-lane"), str(tmp_path)], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=120)
+    env = dict(
+        os.environ,
+        MUON_FN_LANE_DEVICE="cpu",
+        MUON_FN_LANE_BUDGET_S="1",
+        MUON_FN_LANE_PACK="1",
+        PYTHON=sys.executable,
+    )
+    done = subprocess.run(
+        ["bash", str(root / ".ci" / "gpu-lane"), str(tmp_path)],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 1, done.stdout + done.stderr
     summary = (tmp_path / "summary.txt").read_text().splitlines()
     assert summary[0].startswith("gpu-lane: CPU") and "| torch " in summary[0]
-    steps = ["lane", "lane-execution", "bench-gpt2", "memory-gpt2", "bench-llama3-8b", "bench-llama3-1b",
-             "bench-deepseek-moe", "compile-time", "train", "fsdp", "trainers",
-             "lane-compile-cache", "gram-compare"]
+    steps = [
+        "lane",
+        "lane-execution",
+        "bench-gpt2",
+        "memory-gpt2",
+        "bench-llama3-8b",
+        "bench-llama3-1b",
+        "bench-deepseek-moe",
+        "compile-time",
+        "train",
+        "fsdp",
+        "trainers",
+        "lane-compile-cache",
+        "gram-compare",
+    ]
     assert [line.split(":")[0] for line in summary[1:]] == steps
     assert all("skipped" in line for line in summary[1:])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["logs.tar.gz", "summary.txt"]

@@ -47,16 +47,23 @@ CPU = torch.device("cpu")
 # --------------------------------------------------------------------------------------------
 # normalize_layerwise
 
+
 def tensors(dtype=torch.float32, min_norm=1e-3):
     """Nonzero tensors of 0 to 3 dims with norm at least ``min_norm``, times a scale 1e-3..1e3."""
+
     @st.composite
     def build(draw):
         shape = tuple(draw(st.lists(st.integers(1, 7), min_size=0, max_size=3)))
         seed = draw(st.integers(0, 2**16))
         scale = draw(st.floats(1e-3, 1e3))
         g = torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-        g = g / torch.linalg.vector_norm(g).clamp_min(1e-30) * max(min_norm, float(torch.linalg.vector_norm(g)))
+        g = (
+            g
+            / torch.linalg.vector_norm(g).clamp_min(1e-30)
+            * max(min_norm, float(torch.linalg.vector_norm(g)))
+        )
         return (g * scale).to(dtype)
+
     return build()
 
 
@@ -73,7 +80,9 @@ def test_normalize_layerwise_gives_norm_one(dtype, data):
     g = data.draw(tensors(dtype))
     out = normalize({"g": g})["g"]
     assert out.shape == g.shape and out.dtype == dtype
-    torch.testing.assert_close(torch.linalg.vector_norm(out.double()).item(), 1.0, atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        torch.linalg.vector_norm(out.double()).item(), 1.0, atol=1e-6, rtol=0
+    )
 
 
 @given(data=st.data(), c=st.floats(1e-3, 1e3))
@@ -110,8 +119,20 @@ def test_normalize_layerwise_info():
 # --------------------------------------------------------------------------------------------
 # The reference: the rule of TritonMuon / TritonMuonW as a plain loop, fp32.
 
-def reference_run(params, grads_per_step, *, lr, b1=0.9, b2=0.999, wd=0.0, eps=1e-8, decoupled=False,
-                  nesterov=False, layerwise=False):
+
+def reference_run(
+    params,
+    grads_per_step,
+    *,
+    lr,
+    b1=0.9,
+    b2=0.999,
+    wd=0.0,
+    eps=1e-8,
+    decoupled=False,
+    nesterov=False,
+    layerwise=False,
+):
     """Every step, per tensor: g ← g + wd·θ (L2); g ← g/(‖g‖ + 1e-8) (layerwise: the original
     TritonMuon kernel normalizes the sum); m ← β₁m + (1−β₁)g; v ← β₂v + (1−β₂)g²; θ ← θ − lr·m̃/(√v + ε) − lr·wd·θ (decoupled),
     m̃ = β₁m + (1−β₁)g with Nesterov. ``lr`` may be a list (one per tensor). Returns θ, m, v."""
@@ -146,8 +167,13 @@ def grads_for(steps, seed=1, shapes=SHAPES, device=CPU):
     """Gradients of very different scales per tensor and per step (so the layer-wise norm and
     the L2 term both matter); drawn on the CPU, then moved to ``device``."""
     g = torch.Generator().manual_seed(seed)
-    return [[(torch.randn(s, generator=g) * 10.0 ** (i - t % 3)).to(device) for i, s in enumerate(shapes)]
-            for t in range(steps)]
+    return [
+        [
+            (torch.randn(s, generator=g) * 10.0 ** (i - t % 3)).to(device)
+            for i, s in enumerate(shapes)
+        ]
+        for t in range(steps)
+    ]
 
 
 def assert_close(actual, expected, tol=ATOL):
@@ -157,27 +183,58 @@ def assert_close(actual, expected, tol=ATOL):
 
 # The classes' options (the decay is L2 for TritonMuon, decoupled for TritonMuonW): every
 # combination of nesterov, layerwise_norm and weight decay.
-OPTIONS = {f"nesterov={n},layerwise={lw},wd={wd}": {"nesterov": n, "layerwise": lw, "wd": wd}
-           for n in (False, True) for lw in (False, True) for wd in (0.0, 0.1)}
+OPTIONS = {
+    f"nesterov={n},layerwise={lw},wd={wd}": {"nesterov": n, "layerwise": lw, "wd": wd}
+    for n in (False, True)
+    for lw in (False, True)
+    for wd in (0.0, 0.1)
+}
 OPTIONS["defaults"] = {}
 
 
 # β₂ ≥ 0.9: with a short second-moment memory m/√v has no bound (β₂ = 0: m_t/|g_t|), and an ulp of
 # difference between lerp and the written formula in m grows past 1e-6 in θ.
-@given(b1=st.floats(0.0, 0.99), b2=st.floats(0.9, 0.9999), lr=st.floats(1e-4, 0.1), wd=st.floats(0.0, 0.5),
-       decoupled=st.booleans(), nesterov=st.booleans(), layerwise=st.booleans(), steps=st.integers(1, 5),
-       seed=st.integers(0, 2**16))
-def test_triton_muon_recipe_matches_the_plain_loop(b1, b2, lr, wd, decoupled, nesterov, layerwise, steps, seed):
+@given(
+    b1=st.floats(0.0, 0.99),
+    b2=st.floats(0.9, 0.9999),
+    lr=st.floats(1e-4, 0.1),
+    wd=st.floats(0.0, 0.5),
+    decoupled=st.booleans(),
+    nesterov=st.booleans(),
+    layerwise=st.booleans(),
+    steps=st.integers(1, 5),
+    seed=st.integers(0, 2**16),
+)
+def test_triton_muon_recipe_matches_the_plain_loop(
+    b1, b2, lr, wd, decoupled, nesterov, layerwise, steps, seed
+):
     """The recipe against the plain loop (torch.optim.Adam's lerp for m against the written
     β₁m + (1 − β₁)g: equal up to rounding)."""
     params, grads = make_params(seed), grads_for(steps, seed + 1)
-    tx = mf.triton_muon(lr, b1, b2, weight_decay=wd, decoupled=decoupled, nesterov=nesterov, layerwise_norm=layerwise)
+    tx = mf.triton_muon(
+        lr,
+        b1,
+        b2,
+        weight_decay=wd,
+        decoupled=decoupled,
+        nesterov=nesterov,
+        layerwise_norm=layerwise,
+    )
     state, theta = tx.init(params), params
     for g in grads:
         updates, state = tx.update(g, state, theta)
         theta = mf.apply_updates(theta, updates)
-    expected, m, v = reference_run(params, grads, lr=lr, b1=b1, b2=b2, wd=wd, decoupled=decoupled,
-                                   nesterov=nesterov, layerwise=layerwise)
+    expected, m, v = reference_run(
+        params,
+        grads,
+        lr=lr,
+        b1=b1,
+        b2=b2,
+        wd=wd,
+        decoupled=decoupled,
+        nesterov=nesterov,
+        layerwise=layerwise,
+    )
     assert_close(theta, expected)
     adam = state[-2]  # chain(..., scale_by_adam, [decay], scale_by_learning_rate)
     adam = adam if isinstance(adam, mf.ScaleByAdamState) else state[-3]
@@ -187,6 +244,7 @@ def test_triton_muon_recipe_matches_the_plain_loop(b1, b2, lr, wd, decoupled, ne
 
 # --------------------------------------------------------------------------------------------
 # The classes.
+
 
 def run_class(cls, steps=5, groups=None, device=CPU, **kwargs):
     """``cls`` on :func:`make_params` (optionally in param groups) for ``steps`` steps of
@@ -207,10 +265,18 @@ def f32(x: float) -> float:
 
 
 def reference_kwargs(cls, options):
-    ref = {"decoupled": cls is mf.TritonMuonW, "wd": 0.0 if cls is mf.TritonMuon else 1e-2,
-           "b1": f32(0.9), "b2": f32(0.999), **options}
-    cls_kwargs = {"weight_decay": ref["wd"], "nesterov": ref.get("nesterov", False),
-                  "layerwise_norm": ref.get("layerwise", False)}
+    ref = {
+        "decoupled": cls is mf.TritonMuonW,
+        "wd": 0.0 if cls is mf.TritonMuon else 1e-2,
+        "b1": f32(0.9),
+        "b2": f32(0.999),
+        **options,
+    }
+    cls_kwargs = {
+        "weight_decay": ref["wd"],
+        "nesterov": ref.get("nesterov", False),
+        "layerwise_norm": ref.get("layerwise", False),
+    }
     return ref, cls_kwargs
 
 
@@ -219,7 +285,9 @@ def reference_kwargs(cls, options):
 def test_classes_match_the_plain_loop(device, cls, option):
     ref, kwargs = reference_kwargs(cls, OPTIONS[option])
     params, opt = run_class(cls, lr=0.01, device=device, **kwargs)
-    expected, m, v = reference_run(make_params(device=device), grads_for(5, device=device), lr=0.01, **ref)
+    expected, m, v = reference_run(
+        make_params(device=device), grads_for(5, device=device), lr=0.01, **ref
+    )
     assert_close(params, expected)
     assert_close([opt.state[p]["exp_avg"] for p in params], m)
     assert_close([opt.state[p]["exp_avg_sq"] for p in params], v)
@@ -229,14 +297,26 @@ def test_classes_match_the_plain_loop(device, cls, option):
 @pytest.mark.parametrize("cls", [mf.TritonMuon, mf.TritonMuonW], ids=lambda c: c.__name__)
 def test_param_group_with_its_own_lr_and_hyperparameters(device, cls):
     def groups(ps):
-        return [{"params": ps[:2]}, {"params": ps[2:], "lr": 0.003, "momentum": 0.8, "velocity": 0.99}]
+        return [
+            {"params": ps[:2]},
+            {"params": ps[2:], "lr": 0.003, "momentum": 0.8, "velocity": 0.99},
+        ]
 
     params, _ = run_class(cls, groups=groups, lr=0.01, weight_decay=0.1, device=device)
     decoupled = cls is mf.TritonMuonW
     params0, grads = make_params(device=device), grads_for(5, device=device)
-    first, _, _ = reference_run(params0, grads, lr=0.01, b1=f32(0.9), b2=f32(0.999), wd=0.1, decoupled=decoupled)
-    second, _, _ = reference_run(params0[2:], [g[2:] for g in grads], lr=0.003, b1=f32(0.8),
-                                 b2=f32(0.99), wd=0.1, decoupled=decoupled)
+    first, _, _ = reference_run(
+        params0, grads, lr=0.01, b1=f32(0.9), b2=f32(0.999), wd=0.1, decoupled=decoupled
+    )
+    second, _, _ = reference_run(
+        params0[2:],
+        [g[2:] for g in grads],
+        lr=0.003,
+        b1=f32(0.8),
+        b2=f32(0.99),
+        wd=0.1,
+        decoupled=decoupled,
+    )
     assert_close(params, first[:2] + second)
 
 
@@ -257,25 +337,41 @@ def test_without_bias_correction_early_steps_are_longer_than_adams(device):
 def test_defaults_and_signature_are_the_seeds():
     def seed_part(cls):
         sig = inspect.signature(cls)
-        return [(n, p.default) for n, p in sig.parameters.items()
-                if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+        return [
+            (n, p.default)
+            for n, p in sig.parameters.items()
+            if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+        ]
 
-    assert seed_part(mf.TritonMuon) == [("params", inspect.Parameter.empty), ("lr", 1e-3), ("momentum", 0.9),
-                                        ("velocity", 0.999), ("weight_decay", 0.0), ("nesterov", False),
-                                        ("layerwise_norm", False)]
-    assert seed_part(mf.TritonMuonW) == [(n, 1e-2 if n == "weight_decay" else d) for n, d in seed_part(mf.TritonMuon)]
+    assert seed_part(mf.TritonMuon) == [
+        ("params", inspect.Parameter.empty),
+        ("lr", 1e-3),
+        ("momentum", 0.9),
+        ("velocity", 0.999),
+        ("weight_decay", 0.0),
+        ("nesterov", False),
+        ("layerwise_norm", False),
+    ]
+    assert seed_part(mf.TritonMuonW) == [
+        (n, 1e-2 if n == "weight_decay" else d) for n, d in seed_part(mf.TritonMuon)
+    ]
     p = torch.nn.Parameter(torch.zeros(2, 2))
-    assert mf.TritonMuon([p]).defaults["eps"] == 1e-8 and mf.TritonMuonW([p]).defaults["weight_decay"] == 1e-2
+    assert (
+        mf.TritonMuon([p]).defaults["eps"] == 1e-8
+        and mf.TritonMuonW([p]).defaults["weight_decay"] == 1e-2
+    )
     assert mf.optim.TritonMuon is mf.TritonMuon and mf.optim.TritonMuonW is mf.TritonMuonW
 
 
 def test_seed_positional_call():
     p = torch.nn.Parameter(torch.zeros(2, 2))
     opt = mf.TritonMuonW([p], 0.01, 0.8, 0.99, 0.1, True, True, compile=False)
-    assert {k: opt.defaults[k] for k in ("lr", "momentum", "velocity", "weight_decay", "nesterov",
-                                         "layerwise_norm")} == dict(lr=0.01, momentum=0.8, velocity=0.99,
-                                                                    weight_decay=0.1, nesterov=True,
-                                                                    layerwise_norm=True)
+    assert {
+        k: opt.defaults[k]
+        for k in ("lr", "momentum", "velocity", "weight_decay", "nesterov", "layerwise_norm")
+    } == dict(
+        lr=0.01, momentum=0.8, velocity=0.99, weight_decay=0.1, nesterov=True, layerwise_norm=True
+    )
 
 
 @pytest.mark.parametrize("cls", [mf.TritonMuon, mf.TritonMuonW], ids=lambda c: c.__name__)
@@ -295,10 +391,16 @@ def test_step_does_not_modify_grads(device, cls):
 def test_step_reads_nothing_back_and_schedules_do_not_recompile(device, cls, compile):
     counter = CompileCounterWithBackend("eager")
     params = [p.clone().requires_grad_() for p in make_params(device=device)]
-    opt = cls(params, lr=0.01, layerwise_norm=True, nesterov=True,
-              compile=compile and {"backend": counter})
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=10, cycle_momentum=True,
-                                                base_momentum=0.85, max_momentum=0.95)
+    opt = cls(
+        params,
+        lr=0.01,
+        layerwise_norm=True,
+        nesterov=True,
+        compile=compile and {"backend": counter},
+    )
+    sched = torch.optim.lr_scheduler.OneCycleLR(
+        opt, max_lr=0.05, total_steps=10, cycle_momentum=True, base_momentum=0.85, max_momentum=0.95
+    )
     for step, grads in enumerate(grads_for(6, device=device)):
         for p, g in zip(params, grads):
             p.grad = g
@@ -327,11 +429,21 @@ def test_compiled_default_matches_the_plain_loop(device, cls, compiled_default):
     (variant,) = opt._runtimes[0].variants
     in_place = variant.steps[(True, False)]  # the default: written in the graph, no telemetry
     scope = mf._base.info(variant.tx).scope  # layerwise_norm makes it a matrix transform
-    expected = mf._compile.for_scope({"fullgraph": True, "dynamic": False}, scope, params[0].device)  # inductor
+    expected = mf._compile.for_scope(
+        {"fullgraph": True, "dynamic": False}, scope, params[0].device
+    )  # inductor
     assert in_place.options == expected and len(in_place.compiled) == len(shapes)
-    expected, _, _ = reference_run(make_params(shapes=shapes, device=device), grads, lr=0.01, b1=f32(0.9),
-                                   b2=f32(0.999), wd=0.1, nesterov=True, layerwise=True,
-                                   decoupled=cls is mf.TritonMuonW)
+    expected, _, _ = reference_run(
+        make_params(shapes=shapes, device=device),
+        grads,
+        lr=0.01,
+        b1=f32(0.9),
+        b2=f32(0.999),
+        wd=0.1,
+        nesterov=True,
+        layerwise=True,
+        decoupled=cls is mf.TritonMuonW,
+    )
     assert_close(params, expected)
 
 
@@ -359,59 +471,118 @@ class TestValidation(expecttest.TestCase):
     def test_class_messages_use_torchs_wording(self):
         p = [torch.nn.Parameter(torch.zeros(2, 2))]
         for cls in (mf.TritonMuon, mf.TritonMuonW):
-            self.assertExpectedInline(self.msg(lambda: cls(p, lr=-1.0)), """Invalid learning rate: -1.0""")
-            self.assertExpectedInline(self.msg(lambda: cls(p, momentum=1.0)), """Invalid momentum value: 1.0 (expected 0 <= momentum < 1)""")
-            self.assertExpectedInline(self.msg(lambda: cls(p, velocity=1.0)), """Invalid velocity value: 1.0 (expected 0 <= velocity < 1)""")
-            self.assertExpectedInline(self.msg(lambda: cls(p, velocity=-0.5)), """Invalid velocity value: -0.5 (expected 0 <= velocity < 1)""")
-            self.assertExpectedInline(self.msg(lambda: cls(p, weight_decay=-0.1)), """Invalid weight_decay value: -0.1""")
-            self.assertExpectedInline(self.msg(lambda: cls(p, eps=0.0)), """Invalid eps value: 0.0 (expected > 0)""")
-        self.assertExpectedInline(self.msg(lambda: mf.TritonMuon(p, nesterov=1), TypeError), """Invalid nesterov: 1 (expected True or False)""")
-        self.assertExpectedInline(self.msg(lambda: mf.TritonMuonW(p, layerwise_norm="yes"), TypeError), """Invalid layerwise_norm: 'yes' (expected True or False)""")
-        self.assertExpectedInline(self.msg(lambda: mf.TritonMuon(p, betas=(0.9, 0.99)), TypeError), """TritonMuon() got an unexpected keyword argument 'betas': use momentum (beta1) and velocity (beta2)""")
-        self.assertExpectedInline(self.msg(lambda: mf.TritonMuonW(p, maximize=True)), """maximize=True is not supported: muon_fn optimizers minimize; to maximize f, minimize -f""")
+            self.assertExpectedInline(
+                self.msg(lambda: cls(p, lr=-1.0)), """Invalid learning rate: -1.0"""
+            )
+            self.assertExpectedInline(
+                self.msg(lambda: cls(p, momentum=1.0)),
+                """Invalid momentum value: 1.0 (expected 0 <= momentum < 1)""",
+            )
+            self.assertExpectedInline(
+                self.msg(lambda: cls(p, velocity=1.0)),
+                """Invalid velocity value: 1.0 (expected 0 <= velocity < 1)""",
+            )
+            self.assertExpectedInline(
+                self.msg(lambda: cls(p, velocity=-0.5)),
+                """Invalid velocity value: -0.5 (expected 0 <= velocity < 1)""",
+            )
+            self.assertExpectedInline(
+                self.msg(lambda: cls(p, weight_decay=-0.1)), """Invalid weight_decay value: -0.1"""
+            )
+            self.assertExpectedInline(
+                self.msg(lambda: cls(p, eps=0.0)), """Invalid eps value: 0.0 (expected > 0)"""
+            )
+        self.assertExpectedInline(
+            self.msg(lambda: mf.TritonMuon(p, nesterov=1), TypeError),
+            """Invalid nesterov: 1 (expected True or False)""",
+        )
+        self.assertExpectedInline(
+            self.msg(lambda: mf.TritonMuonW(p, layerwise_norm="yes"), TypeError),
+            """Invalid layerwise_norm: 'yes' (expected True or False)""",
+        )
+        self.assertExpectedInline(
+            self.msg(lambda: mf.TritonMuon(p, betas=(0.9, 0.99)), TypeError),
+            """TritonMuon() got an unexpected keyword argument 'betas': use momentum (beta1) and velocity (beta2)""",
+        )
+        self.assertExpectedInline(
+            self.msg(lambda: mf.TritonMuonW(p, maximize=True)),
+            """maximize=True is not supported: muon_fn optimizers minimize; to maximize f, minimize -f""",
+        )
 
     def test_loaded_hyperparameters_are_checked(self):
         p = [torch.nn.Parameter(torch.zeros(2, 2))]
         sd = mf.TritonMuon(p).state_dict()
         sd["param_groups"][0]["velocity"] = 1.5
-        self.assertExpectedInline(self.msg(lambda: mf.TritonMuon(p).load_state_dict(sd)), """Invalid velocity value: 1.5 (expected 0 <= velocity < 1)""")
+        self.assertExpectedInline(
+            self.msg(lambda: mf.TritonMuon(p).load_state_dict(sd)),
+            """Invalid velocity value: 1.5 (expected 0 <= velocity < 1)""",
+        )
 
     def test_transform_messages(self):
-        self.assertExpectedInline(self.msg(lambda: mf.normalize_layerwise(0.0)), """Invalid eps: 0.0 (expected a finite value > 0)""")
-        self.assertExpectedInline(self.msg(lambda: mf.triton_muon(velocity=1.0)), """Invalid velocity: 1.0 (expected 0 <= velocity < 1)""")
-        self.assertExpectedInline(self.msg(lambda: mf.triton_muon(nesterov=None), TypeError), """Invalid nesterov: None (expected True or False)""")
-        self.assertExpectedInline(self.msg(lambda: mf.scale_by_adam(bias_correction=0), TypeError), """Invalid bias_correction: 0 (expected True or False)""")
+        self.assertExpectedInline(
+            self.msg(lambda: mf.normalize_layerwise(0.0)),
+            """Invalid eps: 0.0 (expected a finite value > 0)""",
+        )
+        self.assertExpectedInline(
+            self.msg(lambda: mf.triton_muon(velocity=1.0)),
+            """Invalid velocity: 1.0 (expected 0 <= velocity < 1)""",
+        )
+        self.assertExpectedInline(
+            self.msg(lambda: mf.triton_muon(nesterov=None), TypeError),
+            """Invalid nesterov: None (expected True or False)""",
+        )
+        self.assertExpectedInline(
+            self.msg(lambda: mf.scale_by_adam(bias_correction=0), TypeError),
+            """Invalid bias_correction: 0 (expected True or False)""",
+        )
 
 
 def test_reprs():
-    assert repr(mf.triton_muon(weight_decay=0.1, decoupled=True, nesterov=True, layerwise_norm=True)) == """\
+    assert (
+        repr(mf.triton_muon(weight_decay=0.1, decoupled=True, nesterov=True, layerwise_norm=True))
+        == """\
 chain(
   normalize_layerwise(eps=1e-08, add_eps=True),
   scale_by_adam(betas=(0.9, 0.999), eps=1e-08, bias_correction=False, nesterov=True),
   add_decoupled_weight_decay(weight_decay=0.1),
   scale_by_learning_rate(lr=0.001),
 )"""
-    assert repr(mf.triton_muon(weight_decay=0.1, layerwise_norm=True)) == """\
+    )
+    assert (
+        repr(mf.triton_muon(weight_decay=0.1, layerwise_norm=True))
+        == """\
 chain(
   add_decoupled_weight_decay(weight_decay=0.1),
   normalize_layerwise(eps=1e-08, add_eps=True),
   scale_by_adam(betas=(0.9, 0.999), eps=1e-08, bias_correction=False, nesterov=False),
   scale_by_learning_rate(lr=0.001),
 )"""
-    assert repr(mf.triton_muon(weight_decay=0.1)) == """\
+    )
+    assert (
+        repr(mf.triton_muon(weight_decay=0.1))
+        == """\
 chain(
   add_decoupled_weight_decay(weight_decay=0.1),
   scale_by_adam(betas=(0.9, 0.999), eps=1e-08, bias_correction=False, nesterov=False),
   scale_by_learning_rate(lr=0.001),
 )"""
+    )
 
 
 # --------------------------------------------------------------------------------------------
 # scale_by_adam's new options with bias correction (optax's Nesterov form).
 
-@given(b1=st.floats(0.0, 0.99), b2=st.floats(0.0, 0.999), steps=st.integers(1, 5), seed=st.integers(0, 2**16))
+
+@given(
+    b1=st.floats(0.0, 0.99),
+    b2=st.floats(0.0, 0.999),
+    steps=st.integers(1, 5),
+    seed=st.integers(0, 2**16),
+)
 def test_scale_by_adam_nesterov_with_bias_correction(b1, b2, steps, seed):
-    g_seq = [[torch.randn(4, 3, generator=torch.Generator().manual_seed(seed + t))] for t in range(steps)]
+    g_seq = [
+        [torch.randn(4, 3, generator=torch.Generator().manual_seed(seed + t))] for t in range(steps)
+    ]
     tx = mf.scale_by_adam((b1, b2), 1e-8, nesterov=True)
     state = tx.init([torch.zeros(4, 3)])
     m, v = torch.zeros(4, 3), torch.zeros(4, 3)
@@ -419,11 +590,14 @@ def test_scale_by_adam_nesterov_with_bias_correction(b1, b2, steps, seed):
         (u,), state = tx.update([g], state)
         m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
         m_hat = b1 * m / (1 - b1 ** (t + 1)) + (1 - b1) * g / (1 - b1**t)
-        torch.testing.assert_close(u, m_hat / ((v / (1 - b2**t)).sqrt() + 1e-8), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            u, m_hat / ((v / (1 - b2**t)).sqrt() + 1e-8), atol=1e-5, rtol=1e-5
+        )
 
 
 # --------------------------------------------------------------------------------------------
 # layerwise_norm in the Muon recipe and MuonOptimizer.
+
 
 def test_muon_layerwise_norm_ignores_each_steps_gradient_scale(device):
     """With layer-wise normalization, gradients scaled by any factor per step and per matrix give
@@ -448,15 +622,19 @@ def test_muon_optimizer_layerwise_norm_is_muon_on_normalized_matrix_grads():
     """MuonOptimizer(layerwise_norm=True) equals MuonOptimizer fed each matrix's gradient divided
     by its norm, bit for bit; the AdamW half (the bias) sees the raw gradient. CPU only: bit for
     bit needs the optimizer's norm to be the CPU's ``vector_norm`` kernel the test divides by."""
+
     def build(layerwise):
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3, bias=False))
-        return model, mf.MuonOptimizer(model.parameters(), layerwise_norm=layerwise, compile=False,
-                                       ns_dtype=torch.float32)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3, bias=False)
+        )
+        return model, mf.MuonOptimizer(
+            model.parameters(), layerwise_norm=layerwise, compile=False, ns_dtype=torch.float32
+        )
 
     (model, opt), (ref, ref_opt) = build(True), build(False)
     for t in range(3):
-        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(t)) * 10.0 ** t
+        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(t)) * 10.0**t
         for m in (model, ref):
             m.zero_grad()
             m(x).square().mean().backward()

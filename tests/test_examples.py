@@ -27,8 +27,23 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 
 # Small enough for seconds per run on 2 CPU cores.
-SMALL = ["--steps", "4", "--eval-interval", "2", "--eval-windows", "8", "--batch-size", "4",
-         "--seq-len", "32", "--max-bytes", "400000", "--no-progress", "--threads", "1"]
+SMALL = [
+    "--steps",
+    "4",
+    "--eval-interval",
+    "2",
+    "--eval-windows",
+    "8",
+    "--batch-size",
+    "4",
+    "--seq-len",
+    "32",
+    "--max-bytes",
+    "400000",
+    "--no-progress",
+    "--threads",
+    "1",
+]
 
 
 def load_example(name: str):
@@ -49,7 +64,10 @@ def _run(metrics: dict, label: str, seed: int = 0) -> dict:
 
 def test_train_compare_writes_table_metrics_and_plot(tmp_path, capsys):
     out = tmp_path / "run"
-    assert cli.main(["train", "--compare", "muon,adamw", *SMALL, "--out", str(out), "--no-checkpoint"]) == 0
+    assert (
+        cli.main(["train", "--compare", "muon,adamw", *SMALL, "--out", str(out), "--no-checkpoint"])
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "val loss mean" in printed and "lowest mean validation loss at equal steps" in printed
     m = _metrics(out)
@@ -75,12 +93,33 @@ def test_train_moe_tiny(tmp_path, capsys):
     (matrix_view=flatten, routers in AdamW) and AdamW train."""
     out = tmp_path / "moe"
     specs = "muon,muon[matrix_view=flatten,router=adamw],adamw"
-    assert cli.main(["train", "--model", "moe-tiny", "--compare", specs, *SMALL, "--steps", "3",
-                     "--out", str(out), "--no-checkpoint", "--no-plot", "--verbose", "--no-compile"]) == 0
+    assert (
+        cli.main(
+            [
+                "train",
+                "--model",
+                "moe-tiny",
+                "--compare",
+                specs,
+                *SMALL,
+                "--steps",
+                "3",
+                "--out",
+                str(out),
+                "--no-checkpoint",
+                "--no-plot",
+                "--verbose",
+                "--no-compile",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "expert stack: 4 matrices 512x128" in printed and "flattened to 4x65536" in printed
     assert "blocks.0.mlp.router.weight               (4, 128)             hidden matrix" in printed
-    assert "blocks.0.mlp.router.weight               (4, 128)             adamw_predicate" in printed
+    assert (
+        "blocks.0.mlp.router.weight               (4, 128)             adamw_predicate" in printed
+    )
     m = _metrics(out)
     assert m["model"]["n_experts"] == 4 and m["model"]["moe_top_k"] == 1
     for run in m["runs"]:
@@ -93,10 +132,26 @@ def test_train_rows_at_identical_settings_step_alike(tmp_path, capsys):
     validation losses agree to fp32 rounding; decaying 0-/1-D parameters (adamw_decay_1d=true)
     is a different one. The descriptions state the settings."""
     same = "lr=0.04,ns_dtype=fp32,weight_decay=0.01,adamw_weight_decay=0.1,adamw_beta2=0.95"
-    specs = f"torch-muon[{same}],muon[{same},beta2=none],muon[{same},beta2=none,adamw_decay_1d=true]"
+    specs = (
+        f"torch-muon[{same}],muon[{same},beta2=none],muon[{same},beta2=none,adamw_decay_1d=true]"
+    )
     out = tmp_path / "run"
-    assert cli.main(["train", "--compare", specs, *SMALL, "--out", str(out), "--no-checkpoint", "--no-plot",
-                     "--no-compile"]) == 0
+    assert (
+        cli.main(
+            [
+                "train",
+                "--compare",
+                specs,
+                *SMALL,
+                "--out",
+                str(out),
+                "--no-checkpoint",
+                "--no-plot",
+                "--no-compile",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     runs = _metrics(out)["runs"]
     torch_row, ours, decay_1d = (r["history"]["val"][-1][1] for r in runs)
@@ -114,20 +169,44 @@ def test_train_compare_torch_muon_over_seeds(tmp_path, capsys):
     initial weights and batches, and seeds differ."""
     out = tmp_path / "run"
     specs = "torch-muon,muon[method=quintic,ns_steps=5,lr=0.03],adamw"
-    assert cli.main(["train", "--compare", specs, "--seeds", "2", *SMALL, "--out", str(out),
-                     "--no-checkpoint", "--no-plot"]) == 0
+    assert (
+        cli.main(
+            [
+                "train",
+                "--compare",
+                specs,
+                "--seeds",
+                "2",
+                *SMALL,
+                "--out",
+                str(out),
+                "--no-checkpoint",
+                "--no-plot",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     m = _metrics(out)
     assert [(r["label"], r["seed"]) for r in m["runs"]] == [
-        (label, seed) for seed in (0, 1) for label in ("torch-muon", "muon[method=quintic,ns_steps=5,lr=0.03]", "adamw")]
+        (label, seed)
+        for seed in (0, 1)
+        for label in ("torch-muon", "muon[method=quintic,ns_steps=5,lr=0.03]", "adamw")
+    ]
     assert "torch.optim.Muon" in _run(m, "torch-muon")["description"]
     assert "method=quintic" in _run(m, "muon[method=quintic,ns_steps=5,lr=0.03]", 1)["description"]
     for label, s in m["summary"].items():
         runs = [r["final_val_loss"] for r in m["runs"] if r["label"] == label]
-        assert s["mean"] == pytest.approx(sum(runs) / 2) and s["min"] == min(runs) and s["max"] == max(runs)
+        assert (
+            s["mean"] == pytest.approx(sum(runs) / 2)
+            and s["min"] == min(runs)
+            and s["max"] == max(runs)
+        )
         assert label in printed
     # same init: every run of one seed starts from the same validation loss; seeds differ
-    starts = {seed: {r["history"]["val"][0][1] for r in m["runs"] if r["seed"] == seed} for seed in (0, 1)}
+    starts = {
+        seed: {r["history"]["val"][0][1] for r in m["runs"] if r["seed"] == seed} for seed in (0, 1)
+    }
     assert len(starts[0]) == len(starts[1]) == 1 and starts[0] != starts[1]
     assert _run(m, "adamw")["steps_to_adamw_final"] == 4.0
     assert m["summary"]["torch-muon"]["steps_to_adamw_final"] <= 4.0
@@ -147,9 +226,14 @@ def test_optimizer_specs():
     from muon_fn._train.optimizers import parse_spec, split_specs
 
     assert split_specs("torch-muon, muon[method=quintic,ns_steps=5],adamw") == [
-        "torch-muon", "muon[method=quintic,ns_steps=5]", "adamw"]
+        "torch-muon",
+        "muon[method=quintic,ns_steps=5]",
+        "adamw",
+    ]
     assert parse_spec("muon[ns_dtype=bf16,nesterov=false,lr=0.04,method=you]") == (
-        "muon", {"ns_dtype": torch.bfloat16, "nesterov": False, "lr": 0.04, "method": "you"})
+        "muon",
+        {"ns_dtype": torch.bfloat16, "nesterov": False, "lr": 0.04, "method": "you"},
+    )
     with pytest.raises(ValueError, match="unknown optimizer 'sgd'"):
         parse_spec("sgd")
     with pytest.raises(ValueError, match="expected key=value"):
@@ -171,7 +255,9 @@ def test_optimizer_specs_set_the_adamw_beta2():
     assert {g["betas"] for g in adamw.param_groups} == {(0.9, 0.95)}
     adamw, _ = build_single("adamw", {"beta2": 0.999}, model, 3e-3, 3e-3, 0.0, compile=False)
     assert {g["betas"] for g in adamw.param_groups} == {(0.9, 0.999)}
-    torch_muon, _ = build_single("torch-muon", {"adamw_beta2": 0.99}, model, 0.02, 3e-3, 0.0, compile=False)
+    torch_muon, _ = build_single(
+        "torch-muon", {"adamw_beta2": 0.99}, model, 0.02, 3e-3, 0.0, compile=False
+    )
     assert torch_muon.optimizers[1].param_groups[0]["betas"] == (0.9, 0.99)
 
 
@@ -191,12 +277,16 @@ def test_train_resume_continues_exactly(tmp_path):
 
 def test_train_rejects_bad_options(tmp_path, capsys):
     """Usage errors: status 2 and a `muon-fn train: error:` line (tests/test_cli_errors.py has them all)."""
-    for argv, message in ((["--compare", "muon,sgd"], "unknown optimizer"),
-                          (["--steps", "3", "--epochs", "1"], "argument --epochs: not allowed with argument --steps"),
-                          (["--fsdp", "--steps", "1"], "needs torchrun"),
-                          (["--seeds", "0"], "argument --seeds: expected an integer >= 1, got 0"),
-                          (["--optimizer", "muon[frob=1]", *SMALL],
-                           r"muon\[frob=1\]: .*unexpected keyword argument 'frob'")):
+    for argv, message in (
+        (["--compare", "muon,sgd"], "unknown optimizer"),
+        (["--steps", "3", "--epochs", "1"], "argument --epochs: not allowed with argument --steps"),
+        (["--fsdp", "--steps", "1"], "needs torchrun"),
+        (["--seeds", "0"], "argument --seeds: expected an integer >= 1, got 0"),
+        (
+            ["--optimizer", "muon[frob=1]", *SMALL],
+            r"muon\[frob=1\]: .*unexpected keyword argument 'frob'",
+        ),
+    ):
         with pytest.raises(SystemExit) as exc:
             cli.main(["train", *argv, "--out", str(tmp_path)])
         assert exc.value.code == 2
@@ -207,8 +297,23 @@ def test_train_data_path_text_file(tmp_path):
     text = tmp_path / "corpus.txt"
     text.write_text("def f(x):\n    return x + 1\n" * 2000)
     out = tmp_path / "run"
-    assert cli.main(["train", "--optimizer", "adamw", *SMALL, "--data", str(text), "--out", str(out),
-                     "--no-plot", "--no-checkpoint"]) == 0
+    assert (
+        cli.main(
+            [
+                "train",
+                "--optimizer",
+                "adamw",
+                *SMALL,
+                "--data",
+                str(text),
+                "--out",
+                str(out),
+                "--no-plot",
+                "--no-checkpoint",
+            ]
+        )
+        == 0
+    )
     assert str(text) in _metrics(out)["corpus"]
 
 
@@ -248,7 +353,10 @@ def test_cli_bench_sso_reports_bad_arguments(capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["bench-sso", "--layers", "0"])
     assert exc.value.code == 2
-    assert "muon-fn bench sso: error: Invalid layers: 0 (expected 1..12 for gpt2-small)" in capsys.readouterr().err
+    assert (
+        "muon-fn bench sso: error: Invalid layers: 0 (expected 1..12 for gpt2-small)"
+        in capsys.readouterr().err
+    )
 
 
 def test_example_mixed_adamw(capsys):
@@ -273,8 +381,23 @@ def test_example_train_sso(capsys):
 def test_example_bench_sso(tmp_path, capsys):
     """The SSO benchmark called from Python: ratios, the solver, the σ estimate (not timed)."""
     out = tmp_path / "sso.json"
-    assert load_example("bench_sso").main(["--layers", "1", "--rounds", "1", "--warmup", "0",
-                                           "--rows", "muon,sso", "--json", str(out)]) == 0
+    assert (
+        load_example("bench_sso").main(
+            [
+                "--layers",
+                "1",
+                "--rounds",
+                "1",
+                "--warmup",
+                "0",
+                "--rows",
+                "muon,sso",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     res = json.loads(out.read_text())
     assert res["matrices"] == 6 and len(res["ratios"]["sso/muon"]["per_round"]) == 1
     solver = res["solver"]["sso"]
@@ -309,7 +432,9 @@ def test_example_hf_transformers_resumes_bit_for_bit(tmp_path, capsys):
     assert example.main(["--steps", "4", "--out", str(out), "--resume"]) == 0
     resumed = capsys.readouterr().out
     fingerprint = [line for line in straight.splitlines() if line.startswith("parameters: sum")]
-    assert fingerprint and fingerprint == [line for line in resumed.splitlines() if line.startswith("parameters: sum")]
+    assert fingerprint and fingerprint == [
+        line for line in resumed.splitlines() if line.startswith("parameters: sum")
+    ]
 
 
 def test_example_lightning(capsys):
@@ -326,9 +451,21 @@ def test_train_gpt_fsdp_torchrun(tmp_path):
     """The documented FSDP command, shortened: torchrun --nproc_per_node=2 examples/train_gpt.py --fsdp."""
     out = tmp_path / "fsdp"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(EXAMPLES / "train_gpt.py"), "--fsdp", *SMALL, "--steps", "2", "--out", str(out),
-           "--no-plot"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(EXAMPLES / "train_gpt.py"),
+        "--fsdp",
+        *SMALL,
+        "--steps",
+        "2",
+        "--out",
+        str(out),
+        "--no-plot",
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = _run(_metrics(out), "muon")
@@ -340,20 +477,43 @@ def test_train_reports_the_optimizers_share_of_a_step(tmp_path, capsys):
     """``optimizer.step`` time over the whole step (device-synchronized; on the CPU as on CUDA),
     per step in the history, as medians in the run record, the log and the table."""
     out = tmp_path / "run"
-    assert cli.main(["train", "--model", "tiny", "--device", "cpu", "--optimizer", "muon", *SMALL, "--out", str(out),
-                     "--no-checkpoint", "--no-plot"]) == 0
+    assert (
+        cli.main(
+            [
+                "train",
+                "--model",
+                "tiny",
+                "--device",
+                "cpu",
+                "--optimizer",
+                "muon",
+                *SMALL,
+                "--out",
+                str(out),
+                "--no-checkpoint",
+                "--no-plot",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     run = _run(_metrics(out), "muon")
     times = run["history"]["step_time"]
     assert [s for s, _, _ in times] == [1, 2, 3, 4] and all(0 < o < t for _, o, t in times)
     assert 0 < run["optimizer_share"] < 1 and 0 < run["optimizer_step_s"] < run["step_s"]
     assert "[muon] optimizer.step: " in printed and "ms training step (" in printed
-    assert "optimizer.step share" in printed and f"{100 * run['optimizer_share']:.1f} % of" in printed
+    assert (
+        "optimizer.step share" in printed and f"{100 * run['optimizer_share']:.1f} % of" in printed
+    )
 
 
 def test_optimizer_share_uses_medians():
     from muon_fn._train.report import optimizer_share
 
-    share = optimizer_share([[1, 9.0, 10.0], [2, 0.1, 0.4], [3, 0.2, 0.5], [4, 0.1, 0.5]])  # step 1 compiles
-    assert share == pytest.approx({"optimizer_step_s": 0.15, "step_s": 0.5, "optimizer_share": 0.3, "steps": 4})
+    share = optimizer_share(
+        [[1, 9.0, 10.0], [2, 0.1, 0.4], [3, 0.2, 0.5], [4, 0.1, 0.5]]
+    )  # step 1 compiles
+    assert share == pytest.approx(
+        {"optimizer_step_s": 0.15, "step_s": 0.5, "optimizer_share": 0.3, "steps": 4}
+    )
     assert optimizer_share([]) is None

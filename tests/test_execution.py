@@ -77,9 +77,13 @@ def test_batched_policy_equals_the_cpu_policy(method):
     scale = _newton_schulz.norm_scale(method)
     for shape in SHAPES:
         xs = [torch.randn(shape, generator=g) for _ in range(3)]
-        cpu = _newton_schulz.msign_batch(xs, schedule, dtype=torch.float32, eps=1e-7, norm_scale=scale)
+        cpu = _newton_schulz.msign_batch(
+            xs, schedule, dtype=torch.float32, eps=1e-7, norm_scale=scale
+        )
         with _execution.forced("batched"):
-            batched = _newton_schulz.msign_batch(xs, schedule, dtype=torch.float32, eps=1e-7, norm_scale=scale)
+            batched = _newton_schulz.msign_batch(
+                xs, schedule, dtype=torch.float32, eps=1e-7, norm_scale=scale
+            )
         torch.testing.assert_close(batched, cpu, rtol=0, atol=2e-5 if method != "gram" else 1e-4)
 
 
@@ -111,7 +115,12 @@ def _step_gemms(policy: str, method: str = "quintic", **kw) -> GemmCount:
 # polynomial and its product with X: 9 + 4 = 13 (the AOL rescale reuses the first XXᵀ). Gram NS on a wide matrix: R₀,
 # per row its polynomial (5), Q·T (4), T·R·T where R is carried (2 × 2 of the 4 updates), the
 # restart's Q·X and XXᵀ (2) and the final Q·X (1): 18; square matrices run the standard form: 15.
-GEMMS_PER_SHAPE = {"quintic": (15, 15), "polar_express": (15, 15), "aol9": (13, 13), "gram": (18, 15)}
+GEMMS_PER_SHAPE = {
+    "quintic": (15, 15),
+    "polar_express": (15, 15),
+    "aol9": (13, 13),
+    "gram": (18, 15),
+}
 
 
 @pytest.mark.parametrize("method", list(GEMMS_PER_SHAPE))
@@ -168,7 +177,9 @@ def test_optimizer_results_agree_across_policies():
         torch.manual_seed(0)
         model = Stack()
         with _execution.forced(policy):
-            opt = mf.MuonOptimizer(model.parameters(), ns_dtype=torch.float32, compile=False, weight_decay=0.01)
+            opt = mf.MuonOptimizer(
+                model.parameters(), ns_dtype=torch.float32, compile=False, weight_decay=0.01
+            )
             for step in range(3):
                 g = torch.Generator().manual_seed(step)
                 for p in model.parameters():
@@ -191,17 +202,25 @@ def test_compiled_batched_steps_mark_parameters_and_state_static(policy, static)
         for p in model.parameters():
             p.grad = torch.randn_like(p)
         opt.step()
-    marked = [getattr(t, "_dynamo_static_input_type", None) for p in model.parameters()
-              for t in opt.state[p].values() if isinstance(t, torch.Tensor)]
+    marked = [
+        getattr(t, "_dynamo_static_input_type", None)
+        for p in model.parameters()
+        for t in opt.state[p].values()
+        if isinstance(t, torch.Tensor)
+    ]
     assert len(marked) == 14 + 16 * 3  # 14 momentum buffers; 16 AdamW params: step, exp_avg(_sq)
     assert marked == ["unguarded" if static else None] * len(marked)
     if static:
         assert all(getattr(p, "_dynamo_static_input_type", None) for p in model.parameters())
-    assert all(getattr(p.grad, "_dynamo_static_input_type", None) is None for p in model.parameters())
+    assert all(
+        getattr(p.grad, "_dynamo_static_input_type", None) is None for p in model.parameters()
+    )
 
 
 @pytest.mark.inductor
-def test_batched_policy_compiles_with_inductor_as_one_graph_per_shape(compiled_default, method="quintic"):
+def test_batched_policy_compiles_with_inductor_as_one_graph_per_shape(
+    compiled_default, method="quintic"
+):
     """The GPU's execution, compiled by inductor (the adapters' default) on CPU tensors: one
     fullgraph graph per distinct bucket signature (2 matrix shapes, one AdamW bucket per 1-D
     shape), the eager batched results to fp32 rounding."""
@@ -212,14 +231,18 @@ def test_batched_policy_compiles_with_inductor_as_one_graph_per_shape(compiled_d
         torch.manual_seed(0)
         model = Stack()
         with _execution.forced("batched"):
-            opt = mf.MuonOptimizer(model.parameters(), method=method, ns_dtype=torch.float32, compile=compile)
+            opt = mf.MuonOptimizer(
+                model.parameters(), method=method, ns_dtype=torch.float32, compile=compile
+            )
             for step in range(2):
                 g = torch.Generator().manual_seed(step)
                 for p in model.parameters():
                     p.grad = torch.randn(p.shape, generator=g)
                 opt.step()
         results.append([p.detach().clone() for p in model.parameters()])
-    assert counter.frame_count == len(opt._runtimes[0].buckets) == 4  # 32x64, 48x48, (32,), (48,): biases, norm
+    assert (
+        counter.frame_count == len(opt._runtimes[0].buckets) == 4
+    )  # 32x64, 48x48, (32,), (48,): biases, norm
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 

@@ -151,9 +151,17 @@ def set_grads(model: nn.Module, step: int) -> None:
         g = synthetic_grad(tuple(p.shape), step, i)
         if isinstance(p, DTensor):
             mesh = p.device_mesh
-            a, b = chunk_rows(g.shape[0], mesh.size(mesh.ndim - 1))[mesh.get_local_rank(mesh.ndim - 1)]
-            p.grad = DTensor.from_local(g[a:b].clone(), mesh, p.placements, run_check=False,
-                                        shape=p.shape, stride=p.stride())
+            a, b = chunk_rows(g.shape[0], mesh.size(mesh.ndim - 1))[
+                mesh.get_local_rank(mesh.ndim - 1)
+            ]
+            p.grad = DTensor.from_local(
+                g[a:b].clone(),
+                mesh,
+                p.placements,
+                run_check=False,
+                shape=p.shape,
+                stride=p.stride(),
+            )
         else:
             p.grad = g
 
@@ -184,8 +192,12 @@ def on_rank0(run) -> list:
     out = [None]
     if dist.get_rank() == 0:
         model, opt = run()
-        out = [[(q.detach().clone(), {k: v.clone() for k, v in opt.state[q].items()})
-                for q in model.parameters()]]
+        out = [
+            [
+                (q.detach().clone(), {k: v.clone() for k, v in opt.state[q].items()})
+                for q in model.parameters()
+            ]
+        ]
     dist.broadcast_object_list(out, src=0)
     return out[0]
 
@@ -196,13 +208,16 @@ def muon_single(cls=Toy, groups=None, **kw):
 
     def build():
         ref = make(cls)
-        return ref, mf.MuonOptimizer((groups or (lambda m: m.parameters()))(ref), **muon_kwargs(**kw))
+        return ref, mf.MuonOptimizer(
+            (groups or (lambda m: m.parameters()))(ref), **muon_kwargs(**kw)
+        )
 
     return build
 
 
 def reference(build, steps: int = STEPS) -> list:
     """``steps`` steps of the single-device ``build()`` (-> model, optimizer), on rank 0."""
+
     def run():
         model, opt = build()
         train([(model, opt)], steps)
@@ -236,7 +251,9 @@ def check_parity(w, cls=Toy, strategy="owner", compile=False, groups=None, **kw)
     def run():
         model = shard(make(cls))
         params = groups(model) if groups else None
-        opt = FSDPMuonOptimizer(model, params, strategy=strategy, compile=compile, **muon_kwargs(**kw))
+        opt = FSDPMuonOptimizer(
+            model, params, strategy=strategy, compile=compile, **muon_kwargs(**kw)
+        )
         train([(model, opt)], STEPS)
         expected = reference(muon_single(cls, groups, compile=compile, **kw))
         assert_same(model, opt, expected, what=f"W={w} {strategy} {kw}: ")
@@ -248,8 +265,10 @@ def check_parity(w, cls=Toy, strategy="owner", compile=False, groups=None, **kw)
 def two_iterations(m):
     """Pair's groups: the first layer with the default iteration and NorMuon, the second with
     the bf16 iteration (one set of compiled graphs covers both)."""
-    return [{"params": [m.l1.weight, m.l1.bias], "beta2": 0.95},
-            {"params": [m.l2.weight], "ns_dtype": torch.bfloat16}]
+    return [
+        {"params": [m.l1.weight, m.l1.bias], "beta2": 0.95},
+        {"params": [m.l2.weight], "ns_dtype": torch.bfloat16},
+    ]
 
 
 def check_expert_stacks(w, **kw):
@@ -267,16 +286,32 @@ def check_expert_stacks(w, **kw):
         from muon_fn.fsdp import chunk_rows
 
         stacks = [mp for mp in opt.plan.matrices if mp.shape[0] == 5 and len(mp.shape) == 3]
-        assert len(stacks) == 2 and all(mp.contrib == chunk_rows(5, w) for mp in stacks)  # whole experts
-        assert [mp.cost for mp in stacks] == [5 * (4 * 6 * 6 * 8 + 2 * 6**3)] * 2  # E matrices 8x6 (6x8)
+        assert len(stacks) == 2 and all(
+            mp.contrib == chunk_rows(5, w) for mp in stacks
+        )  # whole experts
+        assert [mp.cost for mp in stacks] == [
+            5 * (4 * 6 * 6 * 8 + 2 * 6**3)
+        ] * 2  # E matrices 8x6 (6x8)
         assert [mp.local for mp in stacks] == [kw.get("beta2") is None] * 2
         train([(model, opt)], STEPS)
-        expected = reference(muon_single(Experts, lambda m: m.named_parameters(), matrix_view=views, **kw))
+        expected = reference(
+            muon_single(Experts, lambda m: m.named_parameters(), matrix_view=views, **kw)
+        )
         assert_same(model, opt, expected, what=f"W={w} experts {kw}: ")
-        flat = reference(muon_single(Experts, lambda m: m.named_parameters(),
-                                     matrix_view={"w_*": "flatten", "conv.weight": "flatten"}, **kw))
-        differs = [not torch.equal(full(p.detach()), q) for p, (q, _) in zip(model.parameters(), flat)]
-        assert differs == [True, True, False, False, False], differs  # only the stacks read differently
+        flat = reference(
+            muon_single(
+                Experts,
+                lambda m: m.named_parameters(),
+                matrix_view={"w_*": "flatten", "conv.weight": "flatten"},
+                **kw,
+            )
+        )
+        differs = [
+            not torch.equal(full(p.detach()), q) for p, (q, _) in zip(model.parameters(), flat)
+        ]
+        assert differs == [True, True, False, False, False], (
+            differs
+        )  # only the stacks read differently
         return {"owners": [mp.owner for mp in stacks]}
 
     return run
@@ -306,7 +341,9 @@ def check_plain_replicated(w):
         assert {mp.owner for mp in opt.plan.matrices} == set(range(w))
         train([(model, opt)], STEPS)
         assert_same(model, opt, reference(muon_single()))
-        assert opt.last_step_stats["bytes_sent"] > 0 or opt.last_step_stats["matrices_computed"] == 0
+        assert (
+            opt.last_step_stats["bytes_sent"] > 0 or opt.last_step_stats["matrices_computed"] == 0
+        )
 
     return run
 
@@ -324,8 +361,11 @@ def check_hybrid_groups(w):
         model, legacy = shard(make()), shard(make())
         adam = {"algorithm": "adamw", "lr": 1e-3, "weight_decay": 0.1}
         opt = FSDPMuonOptimizer(model, groups(model, **adam), **muon_kwargs())
-        old = FSDPMuonOptimizer(legacy, groups(legacy, use_muon=False, adamw_lr=1e-3, adamw_weight_decay=0.1),
-                                **muon_kwargs())
+        old = FSDPMuonOptimizer(
+            legacy,
+            groups(legacy, use_muon=False, adamw_lr=1e-3, adamw_weight_decay=0.1),
+            **muon_kwargs(),
+        )
         train([(model, opt), (legacy, old)], STEPS)
         expected = reference(muon_single(groups=lambda m: groups(m, **adam)))
         assert_same(model, opt, expected, what="hybrid: ")
@@ -348,16 +388,23 @@ def column_scale(decay: float = 0.5):
 
     def init(params):
         return ColumnScaleState(
-            _tree.tree_map(lambda p: torch.ones(p.shape[1:], dtype=torch.float32, device=p.device), params),
-            _tree.tree_map(lambda p: torch.zeros((), dtype=torch.float32, device=p.device), params))
+            _tree.tree_map(
+                lambda p: torch.ones(p.shape[1:], dtype=torch.float32, device=p.device), params
+            ),
+            _tree.tree_map(lambda p: torch.zeros((), dtype=torch.float32, device=p.device), params),
+        )
 
     def step(u, c, n):
         c = c.lerp(u.square().mean(0), 1 - decay)
         return u / (c.sqrt() + 1), c, n + 1
 
     def update(updates, state, params=None, **extra):
-        res = _tree.tree_map(lambda u, c, n: (None, c, n) if u is None else step(u, c, n),
-                             updates, state.c, state.count)
+        res = _tree.tree_map(
+            lambda u, c, n: (None, c, n) if u is None else step(u, c, n),
+            updates,
+            state.c,
+            state.count,
+        )
         pick = lambda i: _tree.tree_map(lambda _, r: r[i], updates, res)  # noqa: E731
         return pick(0), ColumnScaleState(pick(1), pick(2))
 
@@ -369,9 +416,15 @@ def custom_factory(h):
     owner needs the parameters too)."""
     import muon_fn as mf
 
-    return mf.chain(mf.momentum(h["momentum"]), mf.orthogonalize(), column_scale(),
-                    mf.add_decoupled_weight_decay(0.1), mf.scale_by_shape(), mf.normalize_rows(0.9),
-                    mf.scale_by_learning_rate(h["lr"]))
+    return mf.chain(
+        mf.momentum(h["momentum"]),
+        mf.orthogonalize(),
+        column_scale(),
+        mf.add_decoupled_weight_decay(0.1),
+        mf.scale_by_shape(),
+        mf.normalize_rows(0.9),
+        mf.scale_by_learning_rate(h["lr"]),
+    )
 
 
 def check_generic_mid_state(w):
@@ -384,7 +437,9 @@ def check_generic_mid_state(w):
     class Custom(FSDPAdapter, mf.Optimizer):
         def __init__(self, model):
             self._setup(model, "owner", None, 4)
-            super().__init__(list(model.parameters()), custom_factory, {"lr": 0.02, "momentum": 0.95})
+            super().__init__(
+                list(model.parameters()), custom_factory, {"lr": 0.02, "momentum": 0.95}
+            )
             self._distribute(None, 1)
 
     def single(ref):
@@ -418,8 +473,13 @@ def check_bytes_formula(w):
         out = {}
         for wire, item in ((None, 4), (torch.bfloat16, 2)):
             torch.manual_seed(0)
-            model = shard(nn.Sequential(nn.Linear(12, 24, bias=False), nn.Linear(24, 12, bias=False),
-                                        nn.Linear(12, 12, bias=False)))
+            model = shard(
+                nn.Sequential(
+                    nn.Linear(12, 24, bias=False),
+                    nn.Linear(24, 12, bias=False),
+                    nn.Linear(12, 12, bias=False),
+                )
+            )
             opt = FSDPMuonOptimizer(model, wire_dtype=wire, **muon_kwargs())
             set_grads(model, 0)
             opt.step()
@@ -430,13 +490,18 @@ def check_bytes_formula(w):
             assert mean == 2 * (w - 1) / w**2 * s, (mean, 2 * (w - 1) / w**2 * s)
             out[str(wire)] = mean
             # The pure planner predicts this rank's plan, bytes and FLOPs exactly (muon-fn plan).
-            predicted = plan_model([(n, tuple(p.shape), "flatten") for n, p in model.named_parameters()],
-                                   f"dp={w}", wire_bytes=item)
+            predicted = plan_model(
+                [(n, tuple(p.shape), "flatten") for n, p in model.named_parameters()],
+                f"dp={w}",
+                wire_bytes=item,
+            )
             rank = torch.distributed.get_rank()
             assert opt.plan == predicted.plan
-            assert (opt.last_step_stats["bytes_sent"], opt.last_step_stats["bytes_received"],
-                    opt.last_step_stats["ns_flops"]) == (predicted.sent[rank], predicted.received[rank],
-                                                         predicted.flops[rank])
+            assert (
+                opt.last_step_stats["bytes_sent"],
+                opt.last_step_stats["bytes_received"],
+                opt.last_step_stats["ns_flops"],
+            ) == (predicted.sent[rank], predicted.received[rank], predicted.flops[rank])
             rep = FSDPMuonOptimizer(model, strategy="replicate", wire_dtype=wire, **muon_kwargs())
             set_grads(model, 0)
             rep.step()
@@ -470,8 +535,11 @@ def check_no_grad_rank(w):
                     p.grad = None
             opt.step()
             opt.step()  # twice: nothing left half-done
-        changed = [n for n, p in model.named_parameters()
-                   if p.to_local().numel() and not torch.equal(p.to_local(), before[n])]
+        changed = [
+            n
+            for n, p in model.named_parameters()
+            if p.to_local().numel() and not torch.equal(p.to_local(), before[n])
+        ]
         if rank == 1:
             assert changed == [], changed
         else:
@@ -496,8 +564,11 @@ def check_nonfinite(w):
         snap = {n: p.to_local().clone() for n, p in model.named_parameters()}
         for policy in ("skip", "error"):
             opt = FSDPMuonOptimizer(model, nonfinite=policy, beta2=0.9, **muon_kwargs())
-            moments = {n: opt.state[p]["momentum_buffer"].to_local().clone()
-                       for n, p in model.named_parameters() if p.ndim >= 2}
+            moments = {
+                n: opt.state[p]["momentum_buffer"].to_local().clone()
+                for n, p in model.named_parameters()
+                if p.ndim >= 2
+            }
             set_grads(model, 0)
             if rank == 1:
                 model.l1.weight.grad.to_local()[0, 0] = float("nan")
@@ -512,8 +583,11 @@ def check_nonfinite(w):
             else:
                 assert "non-finite" in raised, raised
                 assert ("'l1.weight'" in raised) == (rank == 1), raised
-            assert all(torch.equal(opt.state[p]["momentum_buffer"].to_local(), moments[n])
-                       for n, p in model.named_parameters() if p.ndim >= 2)
+            assert all(
+                torch.equal(opt.state[p]["momentum_buffer"].to_local(), moments[n])
+                for n, p in model.named_parameters()
+                if p.ndim >= 2
+            )
         assert all(torch.equal(p.to_local(), snap[n]) for n, p in model.named_parameters())
 
     return run
@@ -522,7 +596,10 @@ def check_nonfinite(w):
 def check_dcp_save(w, ckpt_dir):
     """Save model and optimizer after 2 steps (DTensor state, FQN keys)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
 
     from muon_fn.fsdp import FSDPMuonOptimizer
 
@@ -532,8 +609,10 @@ def check_dcp_save(w, ckpt_dir):
         osd = get_optimizer_state_dict(model, opt)  # before any step: state exists, no step taken
         assert "l1.weight" in osd["state"] and "momentum_buffer" in osd["state"]["l1.weight"]
         train([(model, opt)], 2)
-        dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
-                 checkpoint_id=ckpt_dir)
+        dcp.save(
+            {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+            checkpoint_id=ckpt_dir,
+        )
         return {"keys": sorted(get_optimizer_state_dict(model, opt)["state"])}
 
     return run
@@ -556,7 +635,10 @@ def check_dcp_load(w, ckpt_dir):
             raise AssertionError(f"no checkpoint in {ckpt_dir}: the W=4 job did not save one")
         model = shard(make(seed=123))  # different init: everything must come from the file
         opt = FSDPMuonOptimizer(model, beta2=0.9, **muon_kwargs())
-        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+        state = {
+            "model": get_model_state_dict(model),
+            "optim": get_optimizer_state_dict(model, opt),
+        }
         dcp.load(state, checkpoint_id=ckpt_dir)
         set_model_state_dict(model, state["model"])
         set_optimizer_state_dict(model, opt, state["optim"])
@@ -573,9 +655,13 @@ def check_full_state_dict(w):
     0 into a fresh sharded model and optimizer, which continue as 4 uninterrupted single-device
     steps do, bit for bit."""
     import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict, set_model_state_dict,
-                                                         set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     from muon_fn.fsdp import FSDPMuonOptimizer
 
@@ -586,8 +672,10 @@ def check_full_state_dict(w):
         opt = FSDPMuonOptimizer(model, **kw)
         train([(model, opt)], 2)
         gather = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        saved = {"model": get_model_state_dict(model, options=gather),
-                 "optim": get_optimizer_state_dict(model, opt, options=gather)}
+        saved = {
+            "model": get_model_state_dict(model, options=gather),
+            "optim": get_optimizer_state_dict(model, opt, options=gather),
+        }
         if dist.get_rank() == 0:  # the other ranks get empty dicts (cpu_offload)
             assert saved["optim"]["param_groups"][0]["ns_dtype"] == "torch.float32"
         resumed = shard(make(seed=123))
@@ -625,12 +713,20 @@ def check_dcp_refused(w, ckpt_dir):
 
     def run():
         msgs = {}
-        for what, build, needle in (("renamed", renamed, "l8.weight"), ("reshaped", reshaped, "l1.weight")):
+        for what, build, needle in (
+            ("renamed", renamed, "l8.weight"),
+            ("reshaped", reshaped, "l1.weight"),
+        ):
             model = shard(build())
             opt = FSDPMuonOptimizer(model, beta2=0.9, **muon_kwargs())
             train([(model, opt)], 1)
-            before = {n: {k: v.to_local().clone() if hasattr(v, "to_local") else v.clone()
-                          for k, v in opt.state[p].items()} for n, p in model.named_parameters()}
+            before = {
+                n: {
+                    k: v.to_local().clone() if hasattr(v, "to_local") else v.clone()
+                    for k, v in opt.state[p].items()
+                }
+                for n, p in model.named_parameters()
+            }
             try:
                 dcp.load({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=ckpt_dir)
             except CheckpointException as e:  # a BaseException, wrapping every rank's error
@@ -667,15 +763,40 @@ def check_plan_mismatch(w):
         return model
 
     cases = {  # name: (what the last rank builds, keyword arguments, needles of the message)
-        "renamed": (lambda: shard(renamed()), {}, ["parameter 2 of group 0", "'l2.weight' of shape (5, 10)",
-                                                 "'l3.weight' of shape (5, 10)"]),
-        "extra": (lambda: shard(extra()), {}, ["parameter 3 of group 0", "none on rank 0", "'l3.weight'"]),
-        "replicated": (lambda: make(Pair), {}, ["at the options", f"{w} ranks, mesh ({w},)",
-                                                f"{w} ranks, no device mesh on rank"]),
-        "num_buckets": (lambda: shard(make(Pair)), {"num_buckets": 1}, ["num_buckets=4", "num_buckets=1"]),
-        "nonfinite": (lambda: shard(make(Pair)), {"nonfinite": None}, ["nonfinite='skip'", "nonfinite=None"]),
-        "view": (lambda: shard(make(Experts)), {"matrix_view": {"w_up": "flatten"}},
-                 ["parameter 0 of group 0", "view 'experts' on rank 0", "view 'flatten' on rank"]),
+        "renamed": (
+            lambda: shard(renamed()),
+            {},
+            [
+                "parameter 2 of group 0",
+                "'l2.weight' of shape (5, 10)",
+                "'l3.weight' of shape (5, 10)",
+            ],
+        ),
+        "extra": (
+            lambda: shard(extra()),
+            {},
+            ["parameter 3 of group 0", "none on rank 0", "'l3.weight'"],
+        ),
+        "replicated": (
+            lambda: make(Pair),
+            {},
+            ["at the options", f"{w} ranks, mesh ({w},)", f"{w} ranks, no device mesh on rank"],
+        ),
+        "num_buckets": (
+            lambda: shard(make(Pair)),
+            {"num_buckets": 1},
+            ["num_buckets=4", "num_buckets=1"],
+        ),
+        "nonfinite": (
+            lambda: shard(make(Pair)),
+            {"nonfinite": None},
+            ["nonfinite='skip'", "nonfinite=None"],
+        ),
+        "view": (
+            lambda: shard(make(Experts)),
+            {"matrix_view": {"w_up": "flatten"}},
+            ["parameter 0 of group 0", "view 'experts' on rank 0", "view 'flatten' on rank"],
+        ),
     }
 
     def run():
@@ -688,8 +809,9 @@ def check_plan_mismatch(w):
                 msgs[name] = str(e)
             else:
                 raise AssertionError(f"{name}: no error on rank {dist.get_rank()}")
-            assert msgs[name].startswith(f"the ranks disagree on the optimizer's plan: rank {w - 1} differs "
-                                         "from rank 0 at "), msgs[name]
+            assert msgs[name].startswith(
+                f"the ranks disagree on the optimizer's plan: rank {w - 1} differs from rank 0 at "
+            ), msgs[name]
             for needle in needles:
                 assert needle in msgs[name], f"{needle!r} not in: {msgs[name]}"
         return msgs
@@ -817,23 +939,45 @@ def check_errors(w):
         assert FSDPMuonOptimizer(col).topology.general
         if w % 2 == 0:
             mesh_b = init_device_mesh("cpu", (2, w // 2), mesh_dim_names=("a", "b"))["b"]
-            mixed = Holder(up=distribute_tensor(x, mesh, [Shard(0)]),
-                           down=distribute_tensor(x, mesh_b, [Shard(0)]))
-            msgs["groups_pg"] = expect(lambda: FSDPMuonOptimizer(mixed, process_group=mesh_b.get_group()),
-                                       "process_group", "default group")
+            mixed = Holder(
+                up=distribute_tensor(x, mesh, [Shard(0)]),
+                down=distribute_tensor(x, mesh_b, [Shard(0)]),
+            )
+            msgs["groups_pg"] = expect(
+                lambda: FSDPMuonOptimizer(mixed, process_group=mesh_b.get_group()),
+                "process_group",
+                "default group",
+            )
         other = dist.new_group(list(range(w // 2)))
         one = Holder(up=distribute_tensor(torch.randn(8, 8), mesh, [Shard(0)]))
-        msgs["pg"] = expect(lambda: FSDPMuonOptimizer(one, process_group=other), "process_group", "'up'")
+        msgs["pg"] = expect(
+            lambda: FSDPMuonOptimizer(one, process_group=other), "process_group", "'up'"
+        )
         plain = nn.Linear(4, 4)
-        msgs["accum"] = expect(lambda: FSDPMuonOptimizer(plain, gradient_accumulation_steps=2),
-                               "gradient_accumulation_steps=2", "fully_shard", "Linear")
-        msgs["unshard"] = expect(lambda: FSDPMuonOptimizer(plain).unshard_params().__enter__(),
-                                 "unshard_params", "fully_shard", "Linear")
-        msgs["muon_bias"] = expect(lambda: FSDPMuonOptimizer(plain, [{"params": [plain.bias], "use_muon": True}]),
-                                   "'bias'", "ndim >= 2")
-        msgs["strategy"] = expect(lambda: FSDPMuonOptimizer(plain, strategy="gather"), "strategy", "'gather'")
+        msgs["accum"] = expect(
+            lambda: FSDPMuonOptimizer(plain, gradient_accumulation_steps=2),
+            "gradient_accumulation_steps=2",
+            "fully_shard",
+            "Linear",
+        )
+        msgs["unshard"] = expect(
+            lambda: FSDPMuonOptimizer(plain).unshard_params().__enter__(),
+            "unshard_params",
+            "fully_shard",
+            "Linear",
+        )
+        msgs["muon_bias"] = expect(
+            lambda: FSDPMuonOptimizer(plain, [{"params": [plain.bias], "use_muon": True}]),
+            "'bias'",
+            "ndim >= 2",
+        )
+        msgs["strategy"] = expect(
+            lambda: FSDPMuonOptimizer(plain, strategy="gather"), "strategy", "'gather'"
+        )
         msgs["lr"] = expect(lambda: FSDPMuonOptimizer(plain, lr=-1.0), "learning rate", "-1.0")
-        msgs["model"] = expect(lambda: FSDPMuonOptimizer([plain.weight]), "model must be a torch.nn.Module")
+        msgs["model"] = expect(
+            lambda: FSDPMuonOptimizer([plain.weight]), "model must be a torch.nn.Module"
+        )
         return msgs
 
     return run
@@ -849,7 +993,9 @@ def checks_for(w: int, ckpt_dir: str) -> dict:
         "parity_owner_bf16_iteration": check_parity(w, ns_dtype=torch.bfloat16),
         "parity_normuon": check_parity(w, beta2=0.95, nesterov=False),
         "parity_layerwise_norm": check_parity(w, layerwise_norm=True),
-        f"parity_compiled_{compiled['backend']}": check_parity(w, Pair, compile=compiled, groups=two_iterations),
+        f"parity_compiled_{compiled['backend']}": check_parity(
+            w, Pair, compile=compiled, groups=two_iterations
+        ),
         "parity_plain_replicated": check_plain_replicated(w),
         "generic_mid_state": check_generic_mid_state(w),
         "no_grad_rank": check_no_grad_rank(w),
@@ -862,18 +1008,21 @@ def checks_for(w: int, ckpt_dir: str) -> dict:
         "full_state_dict": check_full_state_dict(w),
     }
     if w == 4:
-        checks.update({
-            "parity_replicate": check_parity(w, strategy="replicate"),
-            "parity_sgd_momentum_quintic": check_parity(w, momentum_kind="sgd", method="quintic",
-                                                        adjust_lr_fn="match_rms_adamw"),
-            "parity_hybrid_groups": check_hybrid_groups(w),
-            "wire_bf16": check_wire_bf16(w),
-            "accumulation": check_accumulation(w),
-            "mixed_precision": check_mixed_precision(w),
-            "unshard_params": check_unshard(w),
-            "hsdp": check_hsdp(w),
-            "dcp_save_w4": check_dcp_save(w, ckpt_dir),
-        })
+        checks.update(
+            {
+                "parity_replicate": check_parity(w, strategy="replicate"),
+                "parity_sgd_momentum_quintic": check_parity(
+                    w, momentum_kind="sgd", method="quintic", adjust_lr_fn="match_rms_adamw"
+                ),
+                "parity_hybrid_groups": check_hybrid_groups(w),
+                "wire_bf16": check_wire_bf16(w),
+                "accumulation": check_accumulation(w),
+                "mixed_precision": check_mixed_precision(w),
+                "unshard_params": check_unshard(w),
+                "hsdp": check_hsdp(w),
+                "dcp_save_w4": check_dcp_save(w, ckpt_dir),
+            }
+        )
     else:
         checks[f"dcp_load_w{w}"] = check_dcp_load(w, ckpt_dir)
     if w == 2:
@@ -890,7 +1039,11 @@ def _names(w: int) -> list[str]:
 # ---------------------------------------------------------------------------- the job
 def _worker(rank: int, w: int, out: str, ckpt_dir: str) -> None:
     only = os.environ.get("MUON_FN_FSDP_CHECKS")  # comma-separated subset, for debugging
-    checks = {name: fn for name, fn in checks_for(w, ckpt_dir).items() if not only or name in only.split(",")}
+    checks = {
+        name: fn
+        for name, fn in checks_for(w, ckpt_dir).items()
+        if not only or name in only.split(",")
+    }
     run_checks(checks, rank, w, out)
 
 
@@ -909,7 +1062,9 @@ def ckpt_dir():
 @pytest.fixture(scope="module")
 def results(ckpt_dir, tmp_path_factory):
     """Each world size's results, run on first use, W=4 first (it saves the checkpoint)."""
-    return job_runner(__file__, "fsdp", tmp_path_factory, JOB_TIMEOUT_S, args=[ckpt_dir], order=WORLD_SIZES)
+    return job_runner(
+        __file__, "fsdp", tmp_path_factory, JOB_TIMEOUT_S, args=[ckpt_dir], order=WORLD_SIZES
+    )
 
 
 @pytest.mark.parametrize("w, name", [(w, name) for w in WORLD_SIZES for name in _names(w)])

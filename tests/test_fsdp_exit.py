@@ -47,7 +47,12 @@ W = 2
 # (optimizer, checkpoint with DCP after the steps, destroy_process_group() before the exit): a
 # user's MuonOptimizer(model.parameters()) on the DTensors, which torchrun scripts often end
 # without destroy_process_group(), and FSDPMuonOptimizer with overlap=True (its dedicated group).
-JOBS = (("muon", True, False), ("muon", False, False), ("muon", True, True), ("fsdp-overlap", False, True))
+JOBS = (
+    ("muon", True, False),
+    ("muon", False, False),
+    ("muon", True, True),
+    ("fsdp-overlap", False, True),
+)
 CONCURRENT = 2  # runs at a time
 STEPS = 2
 RUN_TIMEOUT_S = 60.0  # CONCURRENT runs (all their ranks), killed past it
@@ -105,8 +110,13 @@ def _rank(rank: int, store: str, job: tuple[str, bool, bool], checkpoint: str, s
 
     optimizer, save, destroy = job
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=W,
-                            timeout=timedelta(seconds=30))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=W,
+        timeout=timedelta(seconds=30),
+    )
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
     for layer in (model[0], model[2]):
@@ -118,7 +128,9 @@ def _rank(rank: int, store: str, job: tuple[str, bool, bool], checkpoint: str, s
         opt = FSDPMuonOptimizer(model, lr=0.02, compile=False, overlap=True)
     for step in range(STEPS):
         model(torch.randn(4, 8)).square().mean().backward()
-        if step == STEPS - 1:  # the last step's collectives (and the checkpoint's): the ones before the exit
+        if (
+            step == STEPS - 1
+        ):  # the last step's collectives (and the checkpoint's): the ones before the exit
             # First a pause, during which gloo lets go of the backward's own collectives
             # (FSDP2's reduce-scatter), which come long before the exit in a real job.
             time.sleep(0.05)
@@ -156,8 +168,13 @@ def _launch(runs: int, workdir: Path) -> dict:
                 sys.stderr.flush()
                 pid = os.fork()
                 if pid == 0:  # a rank: run, then leave main() and end the script as a user's does
-                    _rank(rank, str(workdir / f"store{i}"), JOBS[i % len(JOBS)], str(workdir / f"checkpoint{i}"),
-                          slot=i - first)
+                    _rank(
+                        rank,
+                        str(workdir / f"store{i}"),
+                        JOBS[i % len(JOBS)],
+                        str(workdir / f"checkpoint{i}"),
+                        slot=i - first,
+                    )
                     return {"child": True}
                 pids[pid] = (i, rank)
         deadline = time.monotonic() + RUN_TIMEOUT_S
@@ -179,23 +196,35 @@ def test_every_rank_exits_cleanly(tmp_path):
     """RUNS runs × W ranks, of every kind of JOBS: every rank exits with code 0."""
     out = tmp_path / "codes.json"
     log = tmp_path / "launcher.log"
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    )
     with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, __file__, str(RUNS), str(tmp_path), str(out)], env=env,
-                                stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, __file__, str(RUNS), str(tmp_path), str(out)],
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             proc.wait(timeout=JOB_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank it forked
             proc.wait()
     text = log.read_text()
-    assert out.exists(), f"the launcher wrote no exit codes (rc {proc.returncode}); output:\n{text[-4000:]}"
+    assert out.exists(), (
+        f"the launcher wrote no exit codes (rc {proc.returncode}); output:\n{text[-4000:]}"
+    )
     codes = json.loads(out.read_text())["codes"]
     assert len(codes) == RUNS
     bad = [(i, JOBS[i % len(JOBS)], c) for i, c in enumerate(codes) if c != [0] * W]
-    assert not bad, (f"{len(bad)} of {RUNS} runs had a rank exit non-zero (run, job, codes per rank; -6 = "
-                     f"SIGABRT, None = killed past {RUN_TIMEOUT_S}s): {bad}\noutput:\n{text[-4000:]}")
+    assert not bad, (
+        f"{len(bad)} of {RUNS} runs had a rank exit non-zero (run, job, codes per rank; -6 = "
+        f"SIGABRT, None = killed past {RUN_TIMEOUT_S}s): {bad}\noutput:\n{text[-4000:]}"
+    )
 
 
 if __name__ == "__main__":  # the launcher: RUNS WORKDIR OUT

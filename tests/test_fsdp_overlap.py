@@ -89,16 +89,22 @@ def same(a, opt_a, b, opt_b, what: str) -> None:
             assert torch.equal(v, w), f"{what}: state {key} of {name} differs"
 
 
-def run_pair(optimizer: str, steps: int = STEPS, between=None, nan_at=None, k: int = 1, **kw) -> list[int]:
+def run_pair(
+    optimizer: str, steps: int = STEPS, between=None, nan_at=None, k: int = 1, **kw
+) -> list[int]:
     """Train the pair; ``between(model, opt, t)`` runs after each backward, before step.
     Returns the buckets the overlapped optimizer posted during each backward."""
-    pairs = [build(optimizer, False, gradient_accumulation_steps=k, **kw),
-             build(optimizer, True, gradient_accumulation_steps=k, **kw)]
+    pairs = [
+        build(optimizer, False, gradient_accumulation_steps=k, **kw),
+        build(optimizer, True, gradient_accumulation_steps=k, **kw),
+    ]
     posted = []
     for t in range(steps):
         for micro in range(k):
             for model, opt in pairs:
-                backward(model, k * t + micro, nan=(nan_at == t and torch.distributed.get_rank() == 1))
+                backward(
+                    model, k * t + micro, nan=(nan_at == t and torch.distributed.get_rank() == 1)
+                )
                 if between is not None:
                     between(model, opt, t)
                 opt.step()
@@ -118,7 +124,9 @@ def check_muon():
 
 def check_sso():
     posted = run_pair("sso", steps=3)
-    assert posted[0] == 0 and all(n > 0 for n in posted[1:]), posted  # the first step makes its state
+    assert posted[0] == 0 and all(n > 0 for n in posted[1:]), (
+        posted
+    )  # the first step makes its state
     return posted
 
 
@@ -132,7 +140,9 @@ def check_compiled():
 
 def check_accumulation():
     posted = run_pair("muon", k=2)
-    assert posted[0::2] == [0] * STEPS and all(n > 0 for n in posted[3::2]), posted  # last micro-batch only
+    assert posted[0::2] == [0] * STEPS and all(n > 0 for n in posted[3::2]), (
+        posted
+    )  # last micro-batch only
     return posted
 
 
@@ -155,6 +165,7 @@ def check_nonfinite():
 def check_no_grad_rank():
     """Rank 1 drops one gradient after backward (detected: that step runs without overlap, as
     agreed by every rank); ``spare`` never has a gradient (its bucket is posted by step)."""
+
     def drop(model, opt, t):
         if t == 1 and torch.distributed.get_rank() == 1:
             model.l2.weight.grad = None
@@ -189,7 +200,10 @@ def check_backward_without_step():
 
 def check_state_and_hooks():
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
 
     model, opt = build("muon", True)
     assert "overlap=True" in opt.describe()
@@ -209,7 +223,9 @@ def check_state_and_hooks():
     for p, q in zip(model.parameters(), model2.parameters()):
         for key, v in opt.state[p].items():
             w = opt2.state[q][key]
-            assert torch.equal(getattr(v, "to_local", lambda: v)(), getattr(w, "to_local", lambda: w)())
+            assert torch.equal(
+                getattr(v, "to_local", lambda: v)(), getattr(w, "to_local", lambda: w)()
+            )
     # Hooks go with the optimizer, or with overlap=False.
     hooked = model.l1.weight
     assert len(hooked._post_accumulate_grad_hooks) == 1
@@ -281,4 +297,8 @@ if __name__ == "__main__":
         sys.stdout.flush()
         os._exit(0)
     logs_dir = Path(tempfile.mkdtemp(prefix="muon_fn_overlap_"))
-    print(run_ranks(__file__, int(sys.argv[1]), [str(logs_dir / "results.json")], logs_dir, JOB_TIMEOUT_S))
+    print(
+        run_ranks(
+            __file__, int(sys.argv[1]), [str(logs_dir / "results.json")], logs_dir, JOB_TIMEOUT_S
+        )
+    )

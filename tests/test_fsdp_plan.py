@@ -75,8 +75,12 @@ def _check_plan_consistency(plan, shapes):
     for b in plan.buckets:
         for r in range(w):
             # What r sends equals what the others expect from r, both directions.
-            assert sum(b.gather_send(r)) == sum(plan.matrices[j].contrib_numel(r) for j in b.matrices)
-            assert sum(b.scatter_recv(r)) == sum(plan.matrices[j].receive_numel(r) for j in b.matrices)
+            assert sum(b.gather_send(r)) == sum(
+                plan.matrices[j].contrib_numel(r) for j in b.matrices
+            )
+            assert sum(b.scatter_recv(r)) == sum(
+                plan.matrices[j].receive_numel(r) for j in b.matrices
+            )
             owned = [j for j in b.matrices if plan.matrices[j].owner == r]
             assert sum(b.gather_recv(r)) == sum(plan.matrices[j].numel for j in owned)
         total_gather = sum(map(sum, b.gather))
@@ -115,7 +119,12 @@ def test_an_expert_stack_travels_as_rows_of_whole_experts_and_costs_its_matrices
     plan = make_plan([(5, 8, 6), (40, 6)], 2, num_buckets=1, views=["experts", "flatten"])
     stack, flat = plan.matrices
     assert (stack.rows, stack.cols, stack.contrib) == (5, 48, ((0, 3), (3, 5)))
-    assert stack.cost == ns_cost((5, 8, 6), "experts") == 5 * ns_cost((8, 6)) == 5 * (4 * 6 * 6 * 8 + 2 * 6**3)
+    assert (
+        stack.cost
+        == ns_cost((5, 8, 6), "experts")
+        == 5 * ns_cost((8, 6))
+        == 5 * (4 * 6 * 6 * 8 + 2 * 6**3)
+    )
     assert ns_cost((5, 8, 6)) == 4 * 5 * 5 * 48 + 2 * 5**3  # flattened: one 5x48 matrix
     assert flat.cost == ns_cost((40, 6)) and stack.owner != flat.owner
     loads = plan.load()
@@ -165,12 +174,15 @@ def test_units_share_an_owner_and_a_bucket_and_keep_their_order(world_size):
         assert len({(plan.matrices[j].owner, plan.matrices[j].bucket) for j in unit}) == 1
         members = plan.buckets[plan.matrices[unit[0]].bucket].matrices
         start = members.index(unit[0])
-        assert list(members[start:start + len(unit)]) == unit
+        assert list(members[start : start + len(unit)]) == unit
     loads = plan.load()
-    assert max(loads) / (sum(loads) / world_size) <= {2: 1.0, 3: 1.0, 4: 192 / 180}[world_size] + 1e-12
+    assert (
+        max(loads) / (sum(loads) / world_size) <= {2: 1.0, 3: 1.0, 4: 192 / 180}[world_size] + 1e-12
+    )
     total = sum(mp.numel for mp in plan.matrices)
     assert sum(plan.sent_elements(r) for r in range(world_size)) / world_size == pytest.approx(
-        2 * (world_size - 1) * total / world_size**2, rel=1e-12)
+        2 * (world_size - 1) * total / world_size**2, rel=1e-12
+    )
 
 
 def test_units_must_cover_every_matrix_once():
@@ -226,7 +238,12 @@ def test_planner_does_not_import_torch_distributed():
     import inspect
 
     tree = ast.parse(inspect.getsource(_plan))
-    names = [a.name for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names]
+    names = [
+        a.name
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.Import, ast.ImportFrom))
+        for a in n.names
+    ]
     modules = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     assert not any("distributed" in (x or "") for x in names + modules)
     assert "torch" not in names
@@ -261,12 +278,15 @@ def test_local_stacks_seed_the_owners_of_the_other_matrices():
 
 def test_plan_describe():
     plan = make_plan([(5, 16, 12), (10, 6)], 4, views=["experts", "flatten"], local=[True, False])
-    assert plan.describe(["experts.w_up", "router.weight"]) == """\
+    assert (
+        plan.describe(["experts.w_up", "router.weight"])
+        == """\
 Plan(world_size=4, matrices=2, buckets=2)
   experts.w_up (5, 16, 12) bucket=1 local rows per rank=[2, 2, 1, 0]
   router.weight (10, 6) bucket=0 owner=3 rows per rank=[3, 3, 3, 1]
   load per rank=[25344, 25344, 12672, 1872]
   elements sent per rank=[18, 18, 18, 54]"""
+    )
 
 
 def test_head_views_set_the_cost_of_their_blocks():

@@ -25,19 +25,25 @@ SPECS = ("llama3-8b", "llama3-70b", "deepseek-v3")
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "distributed.md"
 
 
-@pytest.mark.parametrize("name, total, muon", [
-    ("llama3-8b", 8_030_261_248, 6_979_321_856),  # Llama-3-8B's published count
-    ("llama3-70b", 70_553_706_496, 68_451_041_280),
-    ("deepseek-v3", 671_026_404_352, 669_172_039_680),  # 671B without the MTP module
-])
+@pytest.mark.parametrize(
+    "name, total, muon",
+    [
+        ("llama3-8b", 8_030_261_248, 6_979_321_856),  # Llama-3-8B's published count
+        ("llama3-70b", 70_553_706_496, 68_451_041_280),
+        ("deepseek-v3", 671_026_404_352, 669_172_039_680),  # 671B without the MTP module
+    ],
+)
 def test_spec_parameter_counts_and_the_hybrid_split(name, total, muon):
     params = specs.model_params(name)
     assert sum(math.prod(p.shape) for p in params) == total
     assert sum(math.prod(p.shape) for p in params if p.view) == muon
     adamw = {p.name for p in params if p.view is None}
     assert {"embed.weight", "head.weight", "norm.weight"} <= adamw
-    assert all(len(p.shape) == 1 for p in params if p.view is None and "embed" not in p.name
-               and "head" not in p.name)
+    assert all(
+        len(p.shape) == 1
+        for p in params
+        if p.view is None and "embed" not in p.name and "head" not in p.name
+    )
     stacks = [p for p in params if p.view == "experts"]
     assert all(len(p.shape) == 3 for p in stacks) and (not stacks) == (name != "deepseek-v3")
 
@@ -45,7 +51,9 @@ def test_spec_parameter_counts_and_the_hybrid_split(name, total, muon):
 def _tiny_model() -> tuple[nn.Module, list, list]:
     """A module whose parameters are the tiny spec's, in order (names do not matter to the plan)."""
     model = nn.Module()
-    model.ps = nn.ParameterList(nn.Parameter(torch.zeros(p.shape)) for p in specs.model_params("tiny"))
+    model.ps = nn.ParameterList(
+        nn.Parameter(torch.zeros(p.shape)) for p in specs.model_params("tiny")
+    )
     muon = [q for q, p in zip(model.ps, specs.model_params("tiny")) if p.view]
     adamw = [q for q, p in zip(model.ps, specs.model_params("tiny")) if not p.view]
     return model, muon, adamw
@@ -55,15 +63,21 @@ def _tiny_model() -> tuple[nn.Module, list, list]:
 def test_plan_model_is_the_plan_the_optimizer_makes(bucket_size):
     """Same shapes, views (expert stacks from the model), units and buckets: the same Plan."""
     model, muon, adamw = _tiny_model()
-    opt = FSDPMuonOptimizer(model, [{"params": muon}, {"params": adamw, "algorithm": "adamw"}],
-                            compile=False, bucket_size=bucket_size)
+    opt = FSDPMuonOptimizer(
+        model,
+        [{"params": muon}, {"params": adamw, "algorithm": "adamw"}],
+        compile=False,
+        bucket_size=bucket_size,
+    )
     assert opt.plan == plan_model("tiny", "dp=1", bucket_size=bucket_size).plan
 
 
 def test_figures_by_hand():
     """Two 4x4 matrices on 2 ranks: each rank owns one, sends its half of the other and returns
     the other's half of its own: 16 elements = 2(W−1)/W²·S."""
-    r = plan_model([("a", (4, 4), "flatten"), ("b", (4, 4), "flatten")], "dp=2", bucket_size=1, ns_steps=5)
+    r = plan_model(
+        [("a", (4, 4), "flatten"), ("b", (4, 4), "flatten")], "dp=2", bucket_size=1, ns_steps=5
+    )
     assert sorted(mp.owner for mp in r.plan.matrices) == [0, 1]
     assert r.flops == (5 * (4 * 16 * 4 + 2 * 64),) * 2 == (ns_flops((4, 4), 5),) * 2
     assert r.sent == r.received == (64, 64) and r.muon_bytes == 128 and r.bytes_formula == 64
@@ -71,7 +85,13 @@ def test_figures_by_hand():
     # one bucket's assembled matrix and result 2·16: 4·(16 + 16 + 16 + 16 + 32) bytes; and the bf16
     # iteration's X, XXᵀ, its square, the new X: (2·16 + 2·16)·2.
     assert r.peak == (4 * (16 + 16 + 16 + 16 + 32) + 128,) * 2
-    assert (r.flops_max_mean, r.efficiency, r.idle_ranks, r.matrices, r.units) == (1.0, 1.0, 0, 2, 2)
+    assert (r.flops_max_mean, r.efficiency, r.idle_ranks, r.matrices, r.units) == (
+        1.0,
+        1.0,
+        0,
+        2,
+        2,
+    )
 
 
 @pytest.mark.parametrize("name", SPECS)
@@ -99,11 +119,20 @@ def test_each_spec_at_1024_ranks(name):
         assert r.flops_max_mean == pytest.approx(r.bound_max_mean, rel=1e-12) and r.idle_ranks > 0
 
 
-@pytest.mark.parametrize("name, w, bucket_size", [
-    ("llama3-8b", 8, 4), ("llama3-70b", 8, 4), ("deepseek-v3", 8, 4),
-    ("llama3-8b", 8, 1), ("llama3-70b", 8, 1), ("deepseek-v3", 8, 1),
-    ("llama3-70b", 64, 1), ("deepseek-v3", 64, 1), ("deepseek-v3", 1024, 1),
-])
+@pytest.mark.parametrize(
+    "name, w, bucket_size",
+    [
+        ("llama3-8b", 8, 4),
+        ("llama3-70b", 8, 4),
+        ("deepseek-v3", 8, 4),
+        ("llama3-8b", 8, 1),
+        ("llama3-70b", 8, 1),
+        ("deepseek-v3", 8, 1),
+        ("llama3-70b", 64, 1),
+        ("deepseek-v3", 64, 1),
+        ("deepseek-v3", 1024, 1),
+    ],
+)
 def test_flops_balance_goal(name, w, bucket_size):
     r = plan_model(name, w, bucket_size=bucket_size)
     assert r.flops_max_mean <= 1.05 and r.idle_ranks == 0
@@ -114,7 +143,9 @@ def test_where_whole_matrices_cannot_reach_the_goal_lpt_reaches_the_bound():
     Llama-3-70B at W = 1,024: its largest matrices alone are 3.406× the mean."""
     for name, w, bound in (("llama3-8b", 64, 1.057), ("llama3-70b", 1024, 3.406)):
         r = plan_model(name, w, bucket_size=1)
-        assert round(r.bound_max_mean, 3) == bound and r.flops_max_mean == pytest.approx(r.bound_max_mean)
+        assert round(r.bound_max_mean, 3) == bound and r.flops_max_mean == pytest.approx(
+            r.bound_max_mean
+        )
 
 
 @settings(max_examples=200, deadline=None)
@@ -122,8 +153,10 @@ def test_where_whole_matrices_cannot_reach_the_goal_lpt_reaches_the_bound():
 def test_l2_bound_is_never_above_the_best_assignment(costs, w, base):
     """The L2 bin-packing bound never exceeds the optimal makespan (brute force over every
     assignment), with every rank carrying ``base`` already."""
-    best = min(max(base + sum(c for c, r in zip(costs, owners) if r == k) for k in range(w))
-               for owners in itertools.product(range(w), repeat=len(costs)))
+    best = min(
+        max(base + sum(c for c, r in zip(costs, owners) if r == k) for k in range(w))
+        for owners in itertools.product(range(w), repeat=len(costs))
+    )
     start = max(base + sum(costs) / w, base + max(costs))
     assert _least_capacity(costs, w, start, base) <= best + 1e-9
 
@@ -133,13 +166,20 @@ def test_missed_cells_are_at_their_bound():
     matrices does better: LPT sits at the lower bound."""
     for name, w in (("llama3-8b", 64), ("llama3-70b", 256), ("deepseek-v3", 256)):
         r = plan_model(name, w, bucket_size=1)
-        assert r.flops_max_mean > 1.05 and r.flops_max_mean == pytest.approx(r.bound_max_mean, rel=1e-5)
+        assert r.flops_max_mean > 1.05 and r.flops_max_mean == pytest.approx(
+            r.bound_max_mean, rel=1e-5
+        )
 
 
 def test_hsdp_replicas_plan_like_one_shard_group():
     one, hsdp = plan_model("tiny", "dp=4"), plan_model("tiny", "replicate=2,dp=4")
     assert hsdp.mesh == Mesh(dp=4, replicate=2) and hsdp.mesh.world_size == 8
-    assert (hsdp.plan, hsdp.flops, hsdp.sent, hsdp.peak) == (one.plan, one.flops, one.sent, one.peak)
+    assert (hsdp.plan, hsdp.flops, hsdp.sent, hsdp.peak) == (
+        one.plan,
+        one.flops,
+        one.sent,
+        one.peak,
+    )
 
 
 def test_rows_follow_fsdp2_chunks():
@@ -156,7 +196,9 @@ def test_fewer_experts_than_ranks_are_cut_into_pieces():
     r = plan_model("deepseek-v3", "dp=1024", bucket_size=1)
     piece = r.plan.matrices[r.names.index("layers.3.moe.experts.gate_proj[5]")]
     assert piece.shape == (1, 2048, 7168) and piece.cols == 2048 * 7168
-    assert piece.receive == piece.contrib == tuple((0, 1) if k == 5 else (0, 0) for k in range(1024))
+    assert (
+        piece.receive == piece.contrib == tuple((0, 1) if k == 5 else (0, 0) for k in range(1024))
+    )
     pieces = [mp for name, mp in zip(r.names, r.plan.matrices) if ".experts." in name]
     assert len(pieces) == 58 * 3 * 256
     kept = sum(mp.local for mp in pieces)
@@ -172,11 +214,18 @@ def test_tensor_parallel_plan():
     held in dp·tp row blocks (a row-wise weight after its redistribution to rows, which costs each
     rank (tp−1)/tp of its block both ways); a matrix TP does not cut is held in dp blocks, alike on
     the TP ranks, and travels once; expert stacks stay local."""
-    one, two = plan_model("llama3-8b", "dp=8", bucket_size=1), plan_model("llama3-8b", "dp=4,tp=2", bucket_size=1)
+    one, two = (
+        plan_model("llama3-8b", "dp=8", bucket_size=1),
+        plan_model("llama3-8b", "dp=4,tp=2", bucket_size=1),
+    )
     assert two.world_size == 8 and two.flops == one.flops
     q = two.plan.matrices[two.names.index("layers.0.attn.q_proj.weight")]
     assert q.receive == q.contrib == chunk_rows(4096, 8)
-    rowwise = sum(mp.numel for name, mp in zip(two.names, two.plan.matrices) if name.endswith(("o_proj.weight", "down_proj.weight")))
+    rowwise = sum(
+        mp.numel
+        for name, mp in zip(two.names, two.plan.matrices)
+        if name.endswith(("o_proj.weight", "down_proj.weight"))
+    )
     assert two.sent_mean == pytest.approx(one.sent_mean + 2 * rowwise / 8 / 2 * 4)
     ds = plan_model("deepseek-v3", "dp=2,tp=4", bucket_size=1)
     qa = ds.plan.matrices[ds.names.index("layers.0.attn.q_a_proj.weight")]
@@ -187,30 +236,48 @@ def test_tensor_parallel_plan():
     assert plan_model("tiny", "replicate=2,dp=2,tp=2").world_size == 8
 
 
-@pytest.mark.parametrize("mesh, message", [
-    ("dp=0", "Invalid mesh: 'dp=0' (dp=0, expected >= 1)"),
-    ("ep=8", "Invalid mesh: 'ep=8' (expected comma-separated dims dp=N, replicate=N, tp=N, e.g. 'dp=64')"),
-    ("dp=x", "Invalid mesh: 'dp=x' (expected comma-separated dims"),
-    ("dp=2,dp=4", "Invalid mesh: 'dp=2,dp=4' (expected comma-separated dims"),
-    ("replicate=2", "Invalid mesh: 'replicate=2' (dp=N is required)"),
-    (2.5, "Invalid mesh: 2.5 (expected a string like 'dp=64', an int or a Mesh)"),
-])
+@pytest.mark.parametrize(
+    "mesh, message",
+    [
+        ("dp=0", "Invalid mesh: 'dp=0' (dp=0, expected >= 1)"),
+        (
+            "ep=8",
+            "Invalid mesh: 'ep=8' (expected comma-separated dims dp=N, replicate=N, tp=N, e.g. 'dp=64')",
+        ),
+        ("dp=x", "Invalid mesh: 'dp=x' (expected comma-separated dims"),
+        ("dp=2,dp=4", "Invalid mesh: 'dp=2,dp=4' (expected comma-separated dims"),
+        ("replicate=2", "Invalid mesh: 'replicate=2' (dp=N is required)"),
+        (2.5, "Invalid mesh: 2.5 (expected a string like 'dp=64', an int or a Mesh)"),
+    ],
+)
 def test_bad_meshes_name_the_value(mesh, message):
     with pytest.raises(ValueError) as e:
         parse_mesh(mesh)
     assert str(e.value).startswith(message)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"model": "llama4"}, "Invalid model spec: 'llama4' (valid: 'llama3-8b', 'llama3-70b', 'deepseek-v3', 'tiny')"),
-    ({"bucket_size": 0}, "Invalid bucket_size: 0 (expected an integer >= 1)"),
-    ({"num_buckets": True}, "Invalid num_buckets: True (expected an integer >= 1)"),
-    ({"ns_steps": 2.5}, "Invalid ns_steps: 2.5 (expected an integer >= 1)"),
-    ({"gemm_tflops": -1.0}, "Invalid gemm_tflops: -1.0 (expected a number > 0)"),
-    ({"link_gbps": 0}, "Invalid link_gbps: 0 (expected a number > 0)"),
-    ({"model": [("w", (4,), "flatten")]}, "matrix 0 ('w') has shape (4,): Muon matrices need ndim >= 2"),
-    ({"model": [("w", (4, 4), "rows")]}, "Invalid view of 'w': 'rows' (valid: 'flatten', 'experts'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"model": "llama4"},
+            "Invalid model spec: 'llama4' (valid: 'llama3-8b', 'llama3-70b', 'deepseek-v3', 'tiny')",
+        ),
+        ({"bucket_size": 0}, "Invalid bucket_size: 0 (expected an integer >= 1)"),
+        ({"num_buckets": True}, "Invalid num_buckets: True (expected an integer >= 1)"),
+        ({"ns_steps": 2.5}, "Invalid ns_steps: 2.5 (expected an integer >= 1)"),
+        ({"gemm_tflops": -1.0}, "Invalid gemm_tflops: -1.0 (expected a number > 0)"),
+        ({"link_gbps": 0}, "Invalid link_gbps: 0 (expected a number > 0)"),
+        (
+            {"model": [("w", (4,), "flatten")]},
+            "matrix 0 ('w') has shape (4,): Muon matrices need ndim >= 2",
+        ),
+        (
+            {"model": [("w", (4, 4), "rows")]},
+            "Invalid view of 'w': 'rows' (valid: 'flatten', 'experts'",
+        ),
+    ],
+)
 def test_bad_arguments_name_the_value(kwargs, message):
     kwargs = {"model": "tiny", **kwargs}
     with pytest.raises(ValueError) as e:
@@ -229,9 +296,11 @@ def _cli(*argv: str) -> tuple[int, str, str]:
 
 
 def test_cli_bad_arguments_exit_2_naming_the_value():
-    for argv, message in ((["--mesh", "dp=8,tp=0"], "Invalid mesh: 'dp=8,tp=0' (tp=0, expected >= 1)"),
-                          (["--bucket-size", "0"], "argument --bucket-size: expected an integer >= 1, got 0"),
-                          (["--wire", "fp8"], "argument --wire: invalid choice: 'fp8'")):
+    for argv, message in (
+        (["--mesh", "dp=8,tp=0"], "Invalid mesh: 'dp=8,tp=0' (tp=0, expected >= 1)"),
+        (["--bucket-size", "0"], "argument --bucket-size: expected an integer >= 1, got 0"),
+        (["--wire", "fp8"], "argument --wire: invalid choice: 'fp8'"),
+    ):
         code, out, err = _cli("plan", "--model", "tiny", *argv)
         assert code == 2 and message in err and not out
     code, _, err = _cli("plan", "--model", "gpt5")
@@ -247,11 +316,16 @@ def test_docs_table_is_the_commands_output():
 
 class TestCLI(expecttest.TestCase):
     def test_prints_the_table(self):
-        code, out, err = _cli("plan", "--model", "tiny", "--mesh", "dp=2", "replicate=2,dp=4", "--bucket-size", "1")
+        code, out, err = _cli(
+            "plan", "--model", "tiny", "--mesh", "dp=2", "replicate=2,dp=4", "--bucket-size", "1"
+        )
         self.assertEqual((code, err), (0, ""))
-        self.assertExpectedInline(out, """\
+        self.assertExpectedInline(
+            out,
+            """\
 | model | mesh | matrices | units | buckets | NS FLOPs/rank max | max/mean | lower bound | efficiency | idle ranks | sent/rank mean | 2(W−1)/W²·S | sent max | received max | extra peak max | compute | comm | step |
 |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|
 | tiny | dp=2 | 24 | 15 | 4 | 48.8 MFLOP | 1.007 | 1.000 | 99% | 0/2 | 98.8 kB | 98.8 kB | 98.8 kB | 98.8 kB | 525 kB | 0.122 µs | 1.98 µs | 2.47 µs |
 | tiny | replicate=2,dp=4 | 24 | 15 | 4 | 25.9 MFLOP | 1.067 | 1.067 | 94% | 0/4 | 74.1 kB | 74.1 kB | 78.1 kB | 78.1 kB | 328 kB | 0.0647 µs | 1.56 µs | 1.95 µs |
-""")
+""",
+        )

@@ -44,9 +44,13 @@ from conftest import read_on_cpu
 # Optimizer state: as the parameters.
 PARITY = {
     "cpu": None,
-    "cuda": {"fp32": dict(rtol=0, atol=2e-5), "bf16": dict(rtol=0, atol=2e-3),
-             "bf16_stored": dict(rtol=1.6e-2, atol=4e-3), "sso": dict(rtol=0, atol=1e-4),
-             "sso_lambda": dict(rtol=0, atol=1e-3)},
+    "cuda": {
+        "fp32": dict(rtol=0, atol=2e-5),
+        "bf16": dict(rtol=0, atol=2e-3),
+        "bf16_stored": dict(rtol=1.6e-2, atol=4e-3),
+        "sso": dict(rtol=0, atol=1e-4),
+        "sso_lambda": dict(rtol=0, atol=1e-3),
+    },
 }
 
 
@@ -104,7 +108,9 @@ def assert_match(a: torch.Tensor, b: torch.Tensor, tol: dict | None, what: str =
     sharded tensor as its full tensor."""
     a, b = full(a).detach().cpu(), full(b).detach().cpu()
     if tol is None:
-        assert torch.equal(a, b), f"{what}: max abs error {(a.float() - b.float()).abs().max().item()}"
+        assert torch.equal(a, b), (
+            f"{what}: max abs error {(a.float() - b.float()).abs().max().item()}"
+        )
     else:
         torch.testing.assert_close(a, b, **tol, msg=what)
 
@@ -118,25 +124,34 @@ def assert_same(model, opt, ref, ref_opt, tol=None):
             assert_match(opt.state[p][key], value, tol, f"{name} state {key}")
 
 
-
-
 def pair(extra=None, dtype=torch.float32, device="cpu", **fsdp):
     torch.manual_seed(0)
     ref = Net().to(device, dtype)
     model = copy.deepcopy(ref)
     extra = dict(KW, **(extra or {}))
-    return model, FSDPMuonOptimizer(model, **extra, **fsdp), ref, mf.MuonOptimizer(ref.parameters(), **extra)
+    return (
+        model,
+        FSDPMuonOptimizer(model, **extra, **fsdp),
+        ref,
+        mf.MuonOptimizer(ref.parameters(), **extra),
+    )
 
 
-@pytest.mark.parametrize("extra", [
-    {},
-    {"ns_dtype": torch.bfloat16},
-    {"momentum_kind": "sgd", "method": "quintic", "adjust_lr_fn": "match_rms_adamw"},
-    {"beta2": 0.95, "nesterov": False},
-    {"ns_steps": 3, "ns_stepsize": 0.9, "method": "you"},
-    {"matrix_view": lambda p: mf.heads(rows=2) if p.shape == (10, 10) else "flatten",
-     "momentum_dtype": torch.bfloat16},
-], ids=["default", "bf16_iteration", "sgd_quintic", "normuon", "you", "heads_bf16_momentum"])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"ns_dtype": torch.bfloat16},
+        {"momentum_kind": "sgd", "method": "quintic", "adjust_lr_fn": "match_rms_adamw"},
+        {"beta2": 0.95, "nesterov": False},
+        {"ns_steps": 3, "ns_stepsize": 0.9, "method": "you"},
+        {
+            "matrix_view": lambda p: mf.heads(rows=2) if p.shape == (10, 10) else "flatten",
+            "momentum_dtype": torch.bfloat16,
+        },
+    ],
+    ids=["default", "bf16_iteration", "sgd_quintic", "normuon", "you", "heads_bf16_momentum"],
+)
 def test_bit_exact_vs_default_muon_optimizer(device, extra):
     model, opt, ref, ref_opt = pair(extra, device=device)
     train(model, opt, 4)
@@ -210,7 +225,9 @@ def test_changing_a_static_hyperparameter_rebuilds_transforms_state_and_plan(dev
 def test_state_is_prepopulated_and_state_dict_round_trips(device, monkeypatch):
     """State exists before the first step; a checkpoint written on the device and read on the CPU
     (map_location) resumes on the device bit for bit."""
-    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)  # the same conv gradients twice
+    monkeypatch.setattr(
+        torch.backends.cudnn, "deterministic", True
+    )  # the same conv gradients twice
     torch.manual_seed(0)
     model = Net().to(device)
     opt = FSDPMuonOptimizer(model, **KW)
@@ -224,8 +241,12 @@ def test_state_is_prepopulated_and_state_dict_round_trips(device, monkeypatch):
     resumed.load_state_dict(saved_model)
     ropt = FSDPMuonOptimizer(resumed, **KW)
     ropt.load_state_dict(saved_opt)
-    assert all(v.device == p.device for p, st in ropt.state.items() for v in st.values()
-               if isinstance(v, torch.Tensor))
+    assert all(
+        v.device == p.device
+        for p, st in ropt.state.items()
+        for v in st.values()
+        if isinstance(v, torch.Tensor)
+    )
     train(resumed, ropt, 3, start=3)
     for p, q in zip(resumed.parameters(), model.parameters()):
         assert torch.equal(p, q)
@@ -247,7 +268,9 @@ def test_step_never_modifies_grad_and_reports_stats(device):
     # The default: Keller's quintic, 5 iterations of 4 s^2 l + 2 s^3 FLOPs (s = min, l = max of
     # (out, in)).
     shapes = [(4, 18), (10, 16), (10, 10), (3, 10)]
-    assert stats["ns_flops"] == sum(5 * (4 * min(s) ** 2 * max(s) + 2 * min(s) ** 3) for s in shapes)
+    assert stats["ns_flops"] == sum(
+        5 * (4 * min(s) ** 2 * max(s) + 2 * min(s) ** 3) for s in shapes
+    )
 
 
 def test_missing_grads_leave_params_and_state_alone(device):
@@ -297,27 +320,36 @@ def test_groups_and_describe():
 def test_use_muon_false_is_adamw_at_the_adamw_settings():
     torch.manual_seed(0)
     model = Net()
-    opt = FSDPMuonOptimizer(model, [{"params": [model.head.weight], "use_muon": False, "adamw_lr": 1e-3}],
-                            adamw_weight_decay=0.1)
+    opt = FSDPMuonOptimizer(
+        model,
+        [{"params": [model.head.weight], "use_muon": False, "adamw_lr": 1e-3}],
+        adamw_weight_decay=0.1,
+    )
     (group,) = opt.param_groups
     assert (group["algorithm"], group["lr"], group["weight_decay"]) == ("adamw", 1e-3, 0.1)
     assert "use_muon" not in group
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"strategy": "gather"}, r"Invalid strategy: 'gather' \(valid: 'owner', 'replicate'\)"),
-    ({"lr": -1.0}, r"Invalid learning rate: -1.0"),
-    ({"momentum": 1.0}, r"Invalid momentum value: 1.0"),
-    ({"ns_steps": 0}, r"Invalid ns_steps value: 0"),
-    ({"method": "newton"}, r"Invalid method: 'newton'"),
-    ({"adjust_lr_fn": "big"}, r"Invalid adjust_lr_fn: 'big'"),
-    ({"wire_dtype": torch.int8}, r"Invalid wire_dtype: torch.int8"),
-    ({"num_buckets": 0}, r"Invalid num_buckets: 0"),
-    ({"gradient_accumulation_steps": 2}, r"gradient_accumulation_steps=2 needs a model wrapped with "
-                                         r"torch.distributed.fsdp.fully_shard \(FSDP2\), whose gradient sync "
-                                         r"it pauses, but Net contains no FSDPModule"),
-    ({"nonfinite": "warn"}, r"Invalid nonfinite: 'warn'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"strategy": "gather"}, r"Invalid strategy: 'gather' \(valid: 'owner', 'replicate'\)"),
+        ({"lr": -1.0}, r"Invalid learning rate: -1.0"),
+        ({"momentum": 1.0}, r"Invalid momentum value: 1.0"),
+        ({"ns_steps": 0}, r"Invalid ns_steps value: 0"),
+        ({"method": "newton"}, r"Invalid method: 'newton'"),
+        ({"adjust_lr_fn": "big"}, r"Invalid adjust_lr_fn: 'big'"),
+        ({"wire_dtype": torch.int8}, r"Invalid wire_dtype: torch.int8"),
+        ({"num_buckets": 0}, r"Invalid num_buckets: 0"),
+        (
+            {"gradient_accumulation_steps": 2},
+            r"gradient_accumulation_steps=2 needs a model wrapped with "
+            r"torch.distributed.fsdp.fully_shard \(FSDP2\), whose gradient sync "
+            r"it pauses, but Net contains no FSDPModule",
+        ),
+        ({"nonfinite": "warn"}, r"Invalid nonfinite: 'warn'"),
+    ],
+)
 def test_errors_name_argument_and_value(kwargs, match):
     with pytest.raises(ValueError, match=match):
         FSDPMuonOptimizer(Net(), **kwargs)
@@ -329,10 +361,14 @@ def test_errors_model_groups_and_options():
         FSDPMuonOptimizer(list(model.parameters()))
     with pytest.raises(ValueError, match="differentiable=True is not supported"):
         FSDPMuonOptimizer(model, differentiable=True)
-    with pytest.raises(ValueError, match=r"parameter 'fc1.bias': orthogonalize only supports matrices"):
+    with pytest.raises(
+        ValueError, match=r"parameter 'fc1.bias': orthogonalize only supports matrices"
+    ):
         FSDPMuonOptimizer(model, [{"params": [model.fc1.bias], "use_muon": True}])
     opt = FSDPMuonOptimizer(model)
-    with pytest.raises(ValueError, match=r"unshard_params\(\) needs a model wrapped with fully_shard"):
+    with pytest.raises(
+        ValueError, match=r"unshard_params\(\) needs a model wrapped with fully_shard"
+    ):
         with opt.unshard_params():
             pass
     with pytest.raises(RuntimeError, match="cannot add parameter groups after construction"):
@@ -404,8 +440,12 @@ def test_expert_stacks_are_read_by_module(device, extra):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         opt = FSDPMuonOptimizer(model, **KW, **extra)
-    ref_opt = mf.MuonOptimizer(ref.named_parameters(), matrix_view={"w_up": "experts", "conv.weight": "flatten"},
-                               **KW, **extra)
+    ref_opt = mf.MuonOptimizer(
+        ref.named_parameters(),
+        matrix_view={"w_up": "experts", "conv.weight": "flatten"},
+        **KW,
+        **extra,
+    )
     assert "w_up (4, 8, 6) owner=0 bucket=0 view=experts" in opt.describe()
     assert "conv.weight (3, 2, 3) owner=0 bucket=0 view=flatten" in opt.describe()
     for t in range(3):
@@ -435,8 +475,13 @@ def one_rank(device, tmp_path):
         index = torch.cuda.current_device() if device.index is None else device.index
         torch.cuda.set_device(index)
         kw = {"backend": "nccl", "device_id": torch.device("cuda", index)}
-    dist.init_process_group(init_method=(tmp_path / "store").as_uri(), world_size=1, rank=0,
-                            timeout=timedelta(seconds=60), **kw)
+    dist.init_process_group(
+        init_method=(tmp_path / "store").as_uri(),
+        world_size=1,
+        rank=0,
+        timeout=timedelta(seconds=60),
+        **kw,
+    )
     try:
         yield init_device_mesh(device.type, (1,))
     finally:
@@ -451,9 +496,13 @@ def set_grads(model, step):
     g = torch.Generator().manual_seed(step)
     for p in model.parameters():
         grad = torch.randn(tuple(p.shape), generator=g).to(p.device)
-        p.grad = (DTensor.from_local(grad, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                     stride=p.stride())
-                  if isinstance(p, DTensor) else grad)
+        p.grad = (
+            DTensor.from_local(
+                grad, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+            )
+            if isinstance(p, DTensor)
+            else grad
+        )
 
 
 def sharded_twins(mesh, device, cls=Net):
@@ -500,8 +549,13 @@ def test_fsdp2_one_rank_hybrid_keeps_frozen_parameters(device, one_rank):
     ref = Toy().to(device)
     ref.l6.requires_grad_(False)
     model = shard(copy.deepcopy(ref), mesh=one_rank)
-    kw = {"compile": False, "ns_dtype": torch.float32, "muon_weight_decay": 0.1, "adamw_weight_decay": 0.1,
-          "adamw_decay_1d": True}
+    kw = {
+        "compile": False,
+        "ns_dtype": torch.float32,
+        "muon_weight_decay": 0.1,
+        "adamw_weight_decay": 0.1,
+        "adamw_decay_1d": True,
+    }
     opt, ref_opt = mf.create_hybrid_optimizer(model, **kw), mf.create_hybrid_optimizer(ref, **kw)
     assert opt.split.frozen == {"l6.weight"}
     frozen = full(model.l6.weight).detach().clone()
@@ -526,9 +580,13 @@ def test_fsdp2_one_rank_state_dict_round_trip(device, one_rank, kind):
     the uninterrupted run, bit for bit (the same steps on the same device); both equal the
     single-device optimizer on the copy. Dtype hyperparameters (``ns_dtype``, SSO's
     ``msign_dtype``) travel by name: a full state dict takes no ``torch.dtype``."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict, set_model_state_dict,
-                                                         set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     make, ref_cls, kw, tol = {
         "muon": (FSDPMuonOptimizer, mf.MuonOptimizer, dict(KW, ns_dtype=torch.float32), "fp32"),
@@ -537,9 +595,16 @@ def test_fsdp2_one_rank_state_dict_round_trip(device, one_rank, kind):
     model, ref = sharded_twins(one_rank, device)
     opt, ref_opt = make(model, **kw), single(ref_cls, ref, **kw)
     steps([(model, opt), (ref, ref_opt)], 2)
-    to_cpu, full_sd = StateDictOptions(full_state_dict=True, cpu_offload=True), StateDictOptions(full_state_dict=True)
-    saved = read_on_cpu({"model": get_model_state_dict(model, options=to_cpu),
-                         "optim": get_optimizer_state_dict(model, opt, options=to_cpu)})
+    to_cpu, full_sd = (
+        StateDictOptions(full_state_dict=True, cpu_offload=True),
+        StateDictOptions(full_state_dict=True),
+    )
+    saved = read_on_cpu(
+        {
+            "model": get_model_state_dict(model, options=to_cpu),
+            "optim": get_optimizer_state_dict(model, opt, options=to_cpu),
+        }
+    )
     assert saved["optim"]["state"]["fc1.weight"]["momentum_buffer"].device.type == "cpu"
     torch.manual_seed(1)  # another init: everything comes from the checkpoint
     resumed = shard(Net().to(device), mesh=one_rank)
@@ -559,7 +624,9 @@ def test_fsdp2_one_rank_sso_equals_spectral_sphere_optimizer(device, one_rank):
     ref_opt = single(mf.SpectralSphereOptimizer, ref, lr=0.02, weight_decay=0.01)
     steps([(model, opt), (ref, ref_opt)], 3)
     assert_same(model, opt, ref, ref_opt, parity(device, "sso"))
-    assert_match(opt.solver_stats().lam, ref_opt.solver_stats().lam, parity(device, "sso_lambda"), "λ")
+    assert_match(
+        opt.solver_stats().lam, ref_opt.solver_stats().lam, parity(device, "sso_lambda"), "λ"
+    )
 
 
 # ---------------------------------------------------------------------------- ranks agree
@@ -571,8 +638,12 @@ class TestPlanAgreement(expecttest.TestCase):
         torch.manual_seed(0)
         model = Net()
         opt = FSDPMuonOptimizer(model)
-        description = [(k, re.sub("^[0-9a-f]{16}$", "<hash>", v)) for k, v in opt._plan_description(opt.plan)]
-        self.assertExpectedInline("\n".join(f"{k}: {v}" for k, v in description), """\
+        description = [
+            (k, re.sub("^[0-9a-f]{16}$", "<hash>", v)) for k, v in opt._plan_description(opt.plan)
+        ]
+        self.assertExpectedInline(
+            "\n".join(f"{k}: {v}" for k, v in description),
+            """\
 the options: strategy='owner', wire_dtype=None, num_buckets=4, gradient_accumulation_steps=1, nonfinite='skip', overlap=False, 1 ranks, no device mesh
 parameter 0 of group 0: 'conv.weight' of shape (4, 2, 3, 3), a plain (replicated) tensor, muon, view 'flatten'
 parameter 1 of group 0: 'conv.bias' of shape (4,), a plain (replicated) tensor, adamw
@@ -584,7 +655,8 @@ parameter 6 of group 0: 'head.weight' of shape (3, 10), a plain (replicated) ten
 parameter 7 of group 0: 'head.bias' of shape (3,), a plain (replicated) tensor, adamw
 parameter 8 of group 0: 'norm.weight' of shape (10,), a plain (replicated) tensor, adamw
 parameter 9 of group 0: 'norm.bias' of shape (10,), a plain (replicated) tensor, adamw
-the plan's owners and buckets: <hash>""")
+the plan's owners and buckets: <hash>""",
+        )
 
     def test_first_difference(self):
         def describe(model, **kw):
@@ -596,17 +668,28 @@ the plan's owners and buckets: <hash>""")
         renamed = Net()
         renamed.fc3 = renamed.fc2
         del renamed.fc2
-        self.assertExpectedInline(first_difference(base, describe(renamed), 1), """\
-at parameter 4 of group 0: 'fc2.weight' of shape (10, 10), a plain (replicated) tensor, muon on rank 0, 'head.weight' of shape (3, 10), a plain (replicated) tensor, muon on rank 1""")
+        self.assertExpectedInline(
+            first_difference(base, describe(renamed), 1),
+            """\
+at parameter 4 of group 0: 'fc2.weight' of shape (10, 10), a plain (replicated) tensor, muon on rank 0, 'head.weight' of shape (3, 10), a plain (replicated) tensor, muon on rank 1""",
+        )
         extra = Net()
         extra.more = nn.Linear(3, 3, bias=False)
-        self.assertExpectedInline(first_difference(base, describe(extra), 3), """\
-at parameter 10 of group 0: none on rank 0, 'more.weight' of shape (3, 3), a plain (replicated) tensor, muon on rank 3""")
-        self.assertExpectedInline(first_difference(base, describe(Net(), num_buckets=1), 1), """at the options: strategy='owner', wire_dtype=None, num_buckets=4, gradient_accumulation_steps=1, nonfinite='skip', overlap=False, 1 ranks, no device mesh on rank 0, strategy='owner', wire_dtype=None, num_buckets=1, gradient_accumulation_steps=1, nonfinite='skip', overlap=False, 1 ranks, no device mesh on rank 1""")
+        self.assertExpectedInline(
+            first_difference(base, describe(extra), 3),
+            """\
+at parameter 10 of group 0: none on rank 0, 'more.weight' of shape (3, 3), a plain (replicated) tensor, muon on rank 3""",
+        )
+        self.assertExpectedInline(
+            first_difference(base, describe(Net(), num_buckets=1), 1),
+            """at the options: strategy='owner', wire_dtype=None, num_buckets=4, gradient_accumulation_steps=1, nonfinite='skip', overlap=False, 1 ranks, no device mesh on rank 0, strategy='owner', wire_dtype=None, num_buckets=1, gradient_accumulation_steps=1, nonfinite='skip', overlap=False, 1 ranks, no device mesh on rank 1""",
+        )
         twins = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
         # bucket_size changes only which matrices an owner computes together: the plan's hash
-        assert re.fullmatch("at the plan's owners and buckets: [0-9a-f]{16} on rank 0, [0-9a-f]{16} on rank 1",
-                            first_difference(describe(twins), describe(twins, bucket_size=1), 1))
+        assert re.fullmatch(
+            "at the plan's owners and buckets: [0-9a-f]{16} on rank 0, [0-9a-f]{16} on rank 1",
+            first_difference(describe(twins), describe(twins, bucket_size=1), 1),
+        )
 
 
 def test_fsdp_state_dict_records_the_layout_and_refuses_another():
@@ -614,12 +697,17 @@ def test_fsdp_state_dict_records_the_layout_and_refuses_another():
     model = Net()
     opt = FSDPMuonOptimizer(model, **KW)
     sd = opt.state_dict()
-    assert sd["param_groups"][0]["param_layout"][:2] == [("conv.weight", (4, 2, 3, 3), "flatten"),
-                                                          ("conv.bias", (4,), "flatten")]
+    assert sd["param_groups"][0]["param_layout"][:2] == [
+        ("conv.weight", (4, 2, 3, 3), "flatten"),
+        ("conv.bias", (4,), "flatten"),
+    ]
     renamed = Net()
     renamed.fc3 = renamed.fc2
     del renamed.fc2
     other = FSDPMuonOptimizer(renamed, **KW)
-    with pytest.raises(ValueError, match="parameter 4 is 'fc2.weight' of shape \\(10, 10\\) in the state dict "
-                                         "but 'head.weight' of shape \\(3, 10\\) in this optimizer"):
+    with pytest.raises(
+        ValueError,
+        match="parameter 4 is 'fc2.weight' of shape \\(10, 10\\) in the state dict "
+        "but 'head.weight' of shape \\(3, 10\\) in this optimizer",
+    ):
         other.load_state_dict(copy.deepcopy(sd))

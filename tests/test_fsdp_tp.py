@@ -70,7 +70,11 @@ def block_tp(mesh_dims=(2, 2), names=("dp", "tp"), net=Block) -> nn.Module:
     """Block with column-/row-wise TP on the last mesh dim and FSDP2 on the others (HSDP when two)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     t = _fsdp()
     mesh = init_device_mesh("cpu", mesh_dims, mesh_dim_names=names)
@@ -91,10 +95,18 @@ def set_grads(model: nn.Module, step: int) -> None:
     for i, p in enumerate(model.parameters()):
         g = t.synthetic_grad(tuple(p.shape), step, i)
         if isinstance(p, DTensor):
-            shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+            shape, offset = compute_local_shape_and_global_offset(
+                p.shape, p.device_mesh, p.placements
+            )
             block = g[tuple(slice(o, o + s) for o, s in zip(offset, shape))].clone()
-            p.grad = DTensor.from_local(block, p.device_mesh, p.placements, run_check=False,
-                                        shape=p.shape, stride=p.stride())
+            p.grad = DTensor.from_local(
+                block,
+                p.device_mesh,
+                p.placements,
+                run_check=False,
+                shape=p.shape,
+                stride=p.stride(),
+            )
         else:
             p.grad = g
 
@@ -116,11 +128,18 @@ def check_tp(build=block_tp, strategy="owner", **kw):
         opt = FSDPMuonOptimizer(model, strategy=strategy, **t.muon_kwargs(compile=False, **kw))
         assert opt.topology.general and opt.topology.world_size == W
         train(model, opt)
-        t.assert_same(model, opt, t.reference(t.muon_single(Block, compile=False, **kw), STEPS),
-                      what=f"TP {strategy} {kw}: ")
+        t.assert_same(
+            model,
+            opt,
+            t.reference(t.muon_single(Block, compile=False, **kw), STEPS),
+            what=f"TP {strategy} {kw}: ",
+        )
         layout = opt._layouts[id(model.down.weight)]
-        return {"down_rows": layout.rows, "down_placements": str(tuple(model.down.weight.placements)),
-                "sent": opt.last_step_stats["bytes_sent"]}
+        return {
+            "down_rows": layout.rows,
+            "down_placements": str(tuple(model.down.weight.placements)),
+            "sent": opt.last_step_stats["bytes_sent"],
+        }
 
     return run
 
@@ -132,8 +151,10 @@ def check_tp_normuon():
     from muon_fn.fsdp import FSDPMuonOptimizer
 
     def groups(m):
-        return [{"params": [q for n, q in m.named_parameters() if n != "down.weight"]},
-                {"params": [m.down.weight], "use_muon": False}]
+        return [
+            {"params": [q for n, q in m.named_parameters() if n != "down.weight"]},
+            {"params": [m.down.weight], "use_muon": False},
+        ]
 
     def run():
         model = block_tp()
@@ -144,7 +165,9 @@ def check_tp_normuon():
             message = str(e)
         else:
             raise AssertionError("NorMuon on a column-sharded weight was accepted")
-        assert "'down.weight'" in message and "Shard(dim=1)" in message and "row_variance" in message, message
+        assert (
+            "'down.weight'" in message and "Shard(dim=1)" in message and "row_variance" in message
+        ), message
         opt = FSDPMuonOptimizer(model, groups(model), **kw)
         train(model, opt)
 
@@ -201,7 +224,7 @@ def check_tp_overlap():
         gen = torch.Generator().manual_seed(3)
         dp = torch.distributed.get_rank() // 2
         for _ in range(STEPS):
-            x = torch.randn(8, 8, generator=gen)[dp * 4:dp * 4 + 4]
+            x = torch.randn(8, 8, generator=gen)[dp * 4 : dp * 4 + 4]
             for model, opt in pairs:
                 model(x).square().mean().backward()
                 opt.step()
@@ -210,8 +233,10 @@ def check_tp_overlap():
         for (name, p), q in zip(a.named_parameters(), b.parameters()):
             assert torch.equal(p.to_local(), q.to_local()), name
             for key, v in oa.state[p].items():
-                assert torch.equal(v.to_local() if hasattr(v, "to_local") else v,
-                                   ob.state[q][key].to_local() if hasattr(v, "to_local") else ob.state[q][key]), (name, key)
+                assert torch.equal(
+                    v.to_local() if hasattr(v, "to_local") else v,
+                    ob.state[q][key].to_local() if hasattr(v, "to_local") else ob.state[q][key],
+                ), (name, key)
         assert ob.last_step_stats["overlapped_buckets"] == len(ob.plan.buckets), ob.last_step_stats
         return {}
 
@@ -236,27 +261,38 @@ def check_tp_dcp():
     from muon_fn.fsdp import FSDPMuonOptimizer
 
     def run():
-        path = [tempfile.mkdtemp(prefix="muon_fn_tp_dcp_") if torch.distributed.get_rank() == 0 else None]
+        path = [
+            tempfile.mkdtemp(prefix="muon_fn_tp_dcp_")
+            if torch.distributed.get_rank() == 0
+            else None
+        ]
         torch.distributed.broadcast_object_list(path)
         model = block_tp()
         opt = FSDPMuonOptimizer(model, **t.muon_kwargs(compile=False))
         train(model, opt, 2)
-        dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
-                 checkpoint_id=path[0])
+        dcp.save(
+            {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+            checkpoint_id=path[0],
+        )
         torch.manual_seed(99)
         fresh = block_tp()
         with torch.no_grad():
             for p in fresh.parameters():
                 p.to_local().normal_()
         opt = FSDPMuonOptimizer(fresh, **t.muon_kwargs(compile=False))
-        state = {"model": get_model_state_dict(fresh), "optim": get_optimizer_state_dict(fresh, opt)}
+        state = {
+            "model": get_model_state_dict(fresh),
+            "optim": get_optimizer_state_dict(fresh, opt),
+        }
         dcp.load(state, checkpoint_id=path[0])
         set_model_state_dict(fresh, state["model"])
         set_optimizer_state_dict(fresh, opt, state["optim"])
         for step in (2, 3):
             set_grads(fresh, step)
             opt.step()
-        t.assert_same(fresh, opt, t.reference(t.muon_single(Block, compile=False), 4), what="TP DCP: ")
+        t.assert_same(
+            fresh, opt, t.reference(t.muon_single(Block, compile=False), 4), what="TP DCP: "
+        )
         torch.distributed.barrier()
         if torch.distributed.get_rank() == 0:
             shutil.rmtree(path[0])
@@ -275,17 +311,21 @@ def experts(split: bool):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
     full = expert_params(split)
     stack = [Shard(1), Shard(0)] if split else [Shard(0), Shard(0)]
-    return Holder(w_up=distribute_tensor(full["w_up"], mesh, stack),
-                  w_down=distribute_tensor(full["w_down"], mesh, stack),
-                  router=distribute_tensor(full["router"], mesh["dp"], [Shard(0)]))
+    return Holder(
+        w_up=distribute_tensor(full["w_up"], mesh, stack),
+        w_down=distribute_tensor(full["w_down"], mesh, stack),
+        router=distribute_tensor(full["router"], mesh["dp"], [Shard(0)]),
+    )
 
 
 def expert_params(split: bool) -> dict:
     e = 2 if split else 4
     gen = torch.Generator().manual_seed(5)
-    return {"w_up": torch.randn(e, 6, 5, generator=gen) / 5**0.5,
-            "w_down": torch.randn(e, 5, 6, generator=gen) / 6**0.5,
-            "router": torch.randn(e, 5, generator=gen) / 5**0.5}
+    return {
+        "w_up": torch.randn(e, 6, 5, generator=gen) / 5**0.5,
+        "w_down": torch.randn(e, 5, 6, generator=gen) / 6**0.5,
+        "router": torch.randn(e, 5, generator=gen) / 5**0.5,
+    }
 
 
 def check_experts(split: bool):
@@ -298,16 +338,21 @@ def check_experts(split: bool):
     def run():
         model = experts(split)
         opt = FSDPMuonOptimizer(model, **t.muon_kwargs(compile=False))
-        kinds = ["piece" if m.piece is not None else "local" if mp.local else "owned"
-                 for m, mp in zip(opt._matrices(), opt.plan.matrices)]
+        kinds = [
+            "piece" if m.piece is not None else "local" if mp.local else "owned"
+            for m, mp in zip(opt._matrices(), opt.plan.matrices)
+        ]
         # 2 experts on 4 ranks are cut into one-expert pieces with owners of their own
         assert kinds == (["piece"] * 4 if split else ["local"] * 2) + ["owned"], opt.plan.describe()
         train(model, opt)
 
         def build():
             ref = Holder(**expert_params(split))
-            return ref, mf.MuonOptimizer(ref.named_parameters(), matrix_view={"w_*": "experts"},
-                                         **t.muon_kwargs(compile=False))
+            return ref, mf.MuonOptimizer(
+                ref.named_parameters(),
+                matrix_view={"w_*": "experts"},
+                **t.muon_kwargs(compile=False),
+            )
 
         t.assert_same(model, opt, t.reference(build, STEPS), what=f"EP split={split}: ")
         if not split:  # whole experts are computed where they lie: only the router travels
@@ -330,8 +375,9 @@ def check_refused():
     def run():
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         x = torch.zeros(4, 4)
-        partial = DTensor.from_local(x, mesh, [Shard(0), Partial()], shape=torch.Size((8, 4)),
-                                     stride=(4, 1))
+        partial = DTensor.from_local(
+            x, mesh, [Shard(0), Partial()], shape=torch.Size((8, 4)), stride=(4, 1)
+        )
         try:
             FSDPMuonOptimizer(Holder(proj=partial))
         except ValueError as e:

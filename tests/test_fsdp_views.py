@@ -96,11 +96,15 @@ def check_heads_muon(w, **kw):
         model = t.shard(t.make(Attn))
         opt = FSDPMuonOptimizer(model, matrix_view=head_views(), **t.muon_kwargs(**kw))
         t.train([(model, opt)], t.STEPS)
-        expected = t.reference(t.muon_single(Attn, lambda m: m.named_parameters(), matrix_view=head_views(), **kw))
+        expected = t.reference(
+            t.muon_single(Attn, lambda m: m.named_parameters(), matrix_view=head_views(), **kw)
+        )
         t.assert_same(model, opt, expected, what=f"W={w} heads {kw}: ")
         plain = t.reference(t.muon_single(Attn, lambda m: m.named_parameters(), **kw))
         same = [torch.equal(t.full(p.detach()), q) for p, (q, _) in zip(model.parameters(), plain)]
-        assert same == [False, True, False, True], same  # qkv.weight, qkv.bias, out.weight, mlp.weight
+        assert same == [False, True, False, True], (
+            same
+        )  # qkv.weight, qkv.bias, out.weight, mlp.weight
         text = opt.describe()
         assert "view=heads(rows=(6, 6, 6))" in text and "view=heads(cols=3)" in text, text
         return {}
@@ -122,7 +126,9 @@ def check_heads_sso(w):
 
         def build():
             ref = t.make(Attn)
-            return ref, SpectralSphereOptimizer(ref.named_parameters(), matrix_view=head_views(), compile=False)
+            return ref, SpectralSphereOptimizer(
+                ref.named_parameters(), matrix_view=head_views(), compile=False
+            )
 
         t.assert_same(model, opt, t.reference(build, 3), what=f"W={w} heads sso: ")
         return {}
@@ -146,10 +152,15 @@ def check_experts_local(w, local=True, **kw):
         stats = opt.last_step_stats
         assert (stats["bytes_sent"] == stats["bytes_received"] == 0) == local, stats
         views = {"w_up": "experts", "w_down": "experts", **stack_views()}
-        expected = t.reference(t.muon_single(Stacks, lambda m: m.named_parameters(), matrix_view=views, **kw))
+        expected = t.reference(
+            t.muon_single(Stacks, lambda m: m.named_parameters(), matrix_view=views, **kw)
+        )
         t.assert_same(model, opt, expected, what=f"W={w} local experts {kw}: ")
-        return {"describe": opt.describe(), "plan": opt.plan.describe(
-            [n for n, _ in model.named_parameters()]), "ns_flops": stats["ns_flops"]}
+        return {
+            "describe": opt.describe(),
+            "plan": opt.plan.describe([n for n, _ in model.named_parameters()]),
+            "ns_flops": stats["ns_flops"],
+        }
 
     return run
 
@@ -164,12 +175,27 @@ def check_experts_mixed(w):
         model = t.shard(t.make(t.Experts))
         opt = FSDPMuonOptimizer(model, **t.muon_kwargs(compile=False))
         names = [n for n, _ in model.named_parameters()]
-        local = {names[opt._matrices()[j].position]: mp.local for j, mp in enumerate(opt.plan.matrices)}
-        assert local == {"w_up": True, "w_down": True, "router.weight": False, "conv.weight": False}, local
+        local = {
+            names[opt._matrices()[j].position]: mp.local for j, mp in enumerate(opt.plan.matrices)
+        }
+        assert local == {
+            "w_up": True,
+            "w_down": True,
+            "router.weight": False,
+            "conv.weight": False,
+        }, local
         t.train([(model, opt)], t.STEPS)
         views = {"w_*": "experts", "conv.weight": "flatten"}
-        t.assert_same(model, opt, t.reference(t.muon_single(t.Experts, lambda m: m.named_parameters(),
-                                                            matrix_view=views, compile=False)), what=f"W={w} mixed: ")
+        t.assert_same(
+            model,
+            opt,
+            t.reference(
+                t.muon_single(
+                    t.Experts, lambda m: m.named_parameters(), matrix_view=views, compile=False
+                )
+            ),
+            what=f"W={w} mixed: ",
+        )
         moved = sum(mp.numel for mp in opt.plan.matrices if not mp.local)
         sent = torch.tensor([float(opt.last_step_stats["bytes_sent"])])
         torch.distributed.all_reduce(sent)
@@ -191,12 +217,20 @@ def check_expert_pieces(w, **kw):
         opt = FSDPMuonOptimizer(model, **t.muon_kwargs(**kw))
         kinds = {}
         for m, mp in zip(opt._matrices(), opt.plan.matrices):
-            kinds.setdefault(m.position, set()).add("piece" if m.piece is not None else "local" if mp.local else "owned")
-        expected = {0: {"piece" if w > 2 else "local"}, 1: {"piece" if w > 3 else "local"}, 2: {"owned"}}
+            kinds.setdefault(m.position, set()).add(
+                "piece" if m.piece is not None else "local" if mp.local else "owned"
+            )
+        expected = {
+            0: {"piece" if w > 2 else "local"},
+            1: {"piece" if w > 3 else "local"},
+            2: {"owned"},
+        }
         assert kinds == expected, (kinds, opt.plan.describe())
         t.train([(model, opt)], t.STEPS)
         views = {"w_*": "experts"}
-        reference = t.reference(t.muon_single(FewExperts, lambda m: m.named_parameters(), matrix_view=views, **kw))
+        reference = t.reference(
+            t.muon_single(FewExperts, lambda m: m.named_parameters(), matrix_view=views, **kw)
+        )
         t.assert_same(model, opt, reference, what=f"W={w} expert pieces {kw}: ")
         return {"load": opt.plan.load(), "describe": opt.describe()}
 
@@ -230,7 +264,7 @@ def check_expert_pieces_overlap(w):
             pairs.append((model, FSDPMuonOptimizer(model, overlap=overlap, compile=False)))
         gen, rank = torch.Generator().manual_seed(1), torch.distributed.get_rank()
         for _ in range(3):
-            x = torch.randn(2 * w, 6, generator=gen)[2 * rank:2 * rank + 2]
+            x = torch.randn(2 * w, 6, generator=gen)[2 * rank : 2 * rank + 2]
             for model, opt in pairs:
                 model(x).square().mean().backward()
                 opt.step()
@@ -261,7 +295,9 @@ def check_experts_sso(w):
         def build():
             ref = t.make(Stacks)
             views = {"w_up": "experts", "w_down": "experts", **stack_views()}
-            return ref, SpectralSphereOptimizer(ref.named_parameters(), matrix_view=views, compile=False)
+            return ref, SpectralSphereOptimizer(
+                ref.named_parameters(), matrix_view=views, compile=False
+            )
 
         t.assert_same(model, opt, t.reference(build, 3), what=f"W={w} sso stacks: ")
         return {}
@@ -318,18 +354,24 @@ def test_describe_shows_per_expert_planning(results):
     ranks, log = results(2)
     assert ranks, log
     value = ranks[0]["experts_local"]["value"]
-    assert value["describe"] == """\
+    assert (
+        value["describe"]
+        == """\
 FSDPMuonOptimizer(strategy='owner', world_size=2)
   muon  w_up (4, 8, 6) local bucket=2 view=experts
   muon  w_down (4, 6, 8) local bucket=0 view=experts
-  muon  w_gate_up (4, 10, 6) local bucket=1 view=heads(rows=2, experts=True)""", value["describe"]
-    assert value["plan"] == """\
+  muon  w_gate_up (4, 10, 6) local bucket=1 view=heads(rows=2, experts=True)"""
+    ), value["describe"]
+    assert (
+        value["plan"]
+        == """\
 Plan(world_size=2, matrices=3, buckets=3)
   w_up (4, 8, 6) bucket=2 local rows per rank=[2, 2]
   w_gate_up (4, 10, 6) bucket=1 local rows per rank=[2, 2]
   w_down (4, 6, 8) bucket=0 local rows per rank=[2, 2]
   load per rank=[9736, 9736]
-  elements sent per rank=[0, 0]""", value["plan"]
+  elements sent per rank=[0, 0]"""
+    ), value["plan"]
 
 
 if __name__ == "__main__":

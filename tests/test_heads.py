@@ -104,8 +104,11 @@ def test_a_head_view_is_hashable_picklable_and_shows_itself():
 
 # ------------------------------------------------------------------------------ transforms
 @settings(deadline=None)
-@given(case=head_cases(), method=st.sampled_from(["polar_express", "quintic", "you", "cubic"]),
-       bf16=st.booleans())
+@given(
+    case=head_cases(),
+    method=st.sampled_from(["polar_express", "quintic", "you", "cubic"]),
+    bf16=st.booleans(),
+)
 def test_orthogonalize_is_each_block_alone(case, method, bf16):
     x, view = case
     dtype = torch.bfloat16 if bf16 else torch.float32
@@ -114,24 +117,38 @@ def test_orthogonalize_is_each_block_alone(case, method, bf16):
 
 
 @settings(deadline=None)
-@given(case=head_cases(), rule=st.sampled_from(["keller", "match_rms_adamw", "spectral", "legacy", "none"]))
+@given(
+    case=head_cases(),
+    rule=st.sampled_from(["keller", "match_rms_adamw", "spectral", "legacy", "none"]),
+)
 def test_scale_by_shape_scales_each_block_by_its_own_shape(case, rule):
     x, view = case
     out, _ = run(mf.scale_by_shape(rule, view=view), x)
     assert torch.equal(out, per_block(mf.scale_by_shape(rule), x, view))
-    for block, b_in, (m, n) in zip(_views.split(out, view), _views.split(x, view), _views.unit_shapes(x.shape, view)):
+    for block, b_in, (m, n) in zip(
+        _views.split(out, view), _views.split(x, view), _views.unit_shapes(x.shape, view)
+    ):
         assert torch.equal(block, b_in * mf.shape_scale(rule, (m, n)))
 
 
 @settings(deadline=None, max_examples=25)
-@given(case=head_cases(), beta2=st.sampled_from([None, 0.95]), rule=st.sampled_from(["keller", "spectral"]),
-       bf16=st.booleans())
+@given(
+    case=head_cases(),
+    beta2=st.sampled_from([None, 0.95]),
+    rule=st.sampled_from(["keller", "spectral"]),
+    bf16=st.booleans(),
+)
 def test_muon_is_each_block_alone(case, beta2, rule, bf16):
     """The whole recipe (momentum, orthogonalize, NorMuon rows, shape scale, decay, lr), three
     steps: every block moves exactly as it would as a weight of its own."""
     x, view = case
-    kw = dict(lr=0.02, adjust_lr_fn=rule, weight_decay=0.1, beta2=beta2,
-              ns_dtype=torch.bfloat16 if bf16 else torch.float32)
+    kw = dict(
+        lr=0.02,
+        adjust_lr_fn=rule,
+        weight_decay=0.1,
+        beta2=beta2,
+        ns_dtype=torch.bfloat16 if bf16 else torch.float32,
+    )
     params = x.flip(-1)
     u, state = run(mf.muon(view=view, **kw), x, steps=3, param=params)
     assert torch.equal(u, per_block(mf.muon(**kw), x, view, steps=3, param=params))
@@ -154,12 +171,18 @@ def well_conditioned_blocks(shapes, seed):
 
 
 @settings(deadline=None)
-@given(case=head_cases(), method=st.sampled_from(sorted(BANDS_5)),
-       rule=st.sampled_from(["keller", "spectral", "match_rms_adamw"]), seed=st.integers(0, 2**16))
+@given(
+    case=head_cases(),
+    method=st.sampled_from(sorted(BANDS_5)),
+    rule=st.sampled_from(["keller", "spectral", "match_rms_adamw"]),
+    seed=st.integers(0, 2**16),
+)
 def test_each_block_lands_in_the_band_times_its_own_scale(case, method, rule, seed):
     x, view = case
     x = _views.join(well_conditioned_blocks(_views.unit_shapes(x.shape, view), seed), x, view)
-    tx = mf.muon(lr=1.0, momentum=0.0, method=method, ns_dtype=torch.float32, adjust_lr_fn=rule, view=view)
+    tx = mf.muon(
+        lr=1.0, momentum=0.0, method=method, ns_dtype=torch.float32, adjust_lr_fn=rule, view=view
+    )
     u, _ = run(tx, x)
     lo, hi = BANDS_5[method]
     for block, shape in zip(_views.split(-u, view), _views.unit_shapes(x.shape, view)):
@@ -167,8 +190,9 @@ def test_each_block_lands_in_the_band_times_its_own_scale(case, method, rule, se
         assert lo <= s.min() and s.max() <= hi, (shape, s.min().item(), s.max().item())
 
 
-@pytest.mark.parametrize("view", [mf.heads(rows=(8, 4, 4)), mf.heads(cols=2), mf.heads(rows=2, experts=True)],
-                         ids=str)
+@pytest.mark.parametrize(
+    "view", [mf.heads(rows=(8, 4, 4)), mf.heads(cols=2), mf.heads(rows=2, experts=True)], ids=str
+)
 def test_spectral_sphere_is_each_block_alone(view):
     """Every block its own sphere. The warm blocks of a leaf's units share one width (the
     smallest side of its blocks, at most ``power_block``): with ``power_block`` no wider than
@@ -188,8 +212,10 @@ def test_partition_scopes_a_head_view_to_its_leaves():
     g = torch.Generator().manual_seed(6)
     tree = {"qkv": torch.randn(12, 4, generator=g), "mlp": torch.randn(12, 4, generator=g)}
     kw = dict(lr=0.1, ns_dtype=torch.float32)
-    tx = mf.partition({"heads": mf.muon(view=mf.heads(rows=3), **kw), "plain": mf.muon(**kw)},
-                      {"qkv": "heads", "mlp": "plain"})
+    tx = mf.partition(
+        {"heads": mf.muon(view=mf.heads(rows=3), **kw), "plain": mf.muon(**kw)},
+        {"qkv": "heads", "mlp": "plain"},
+    )
     out, _ = tx.update(tree, tx.init(tree), tree)
     assert torch.equal(out["mlp"], run(mf.muon(**kw), tree["mlp"])[0])
     assert torch.equal(out["qkv"], per_block(mf.muon(**kw), tree["qkv"], mf.heads(rows=3)))
@@ -229,7 +255,9 @@ def trained(views, steps=3, cls=mf.MuonOptimizer, **kw):
     return model, opt
 
 
-@pytest.mark.parametrize("kw", [{"ns_dtype": torch.float32}, {"beta2": 0.95}], ids=["fp32", "normuon"])
+@pytest.mark.parametrize(
+    "kw", [{"ns_dtype": torch.float32}, {"beta2": 0.95}], ids=["fp32", "normuon"]
+)
 def test_muon_optimizer_heads_per_parameter(kw):
     """Each head of the mapped parameters moves as a weight of its own; the MLP weight (the same
     shape as the QKV) and every unmapped parameter move exactly as without the mapping."""
@@ -239,18 +267,27 @@ def test_muon_optimizer_heads_per_parameter(kw):
     assert not torch.equal(model.qkv.weight, plain.qkv.weight)
     torch.manual_seed(0)
     ref = Attention()
-    heads = [nn.Parameter(b.detach().clone()) for b in _views.split(ref.qkv.weight, VIEWS["qkv.weight"])]
-    heads += [nn.Parameter(b.detach().clone()) for b in _views.split(ref.out.weight, VIEWS["out.weight"])]
+    heads = [
+        nn.Parameter(b.detach().clone()) for b in _views.split(ref.qkv.weight, VIEWS["qkv.weight"])
+    ]
+    heads += [
+        nn.Parameter(b.detach().clone()) for b in _views.split(ref.out.weight, VIEWS["out.weight"])
+    ]
     opt = mf.MuonOptimizer(heads, compile=False, **kw)
     for t in range(3):
         grads(ref, t)
-        parts = (_views.split(ref.qkv.weight.grad, VIEWS["qkv.weight"])
-                 + _views.split(ref.out.weight.grad, VIEWS["out.weight"]))
+        parts = _views.split(ref.qkv.weight.grad, VIEWS["qkv.weight"]) + _views.split(
+            ref.out.weight.grad, VIEWS["out.weight"]
+        )
         for p, g in zip(heads, parts):
             p.grad = g.clone()
         opt.step()
-    assert torch.equal(model.qkv.weight, _views.join(heads[:3 * H], model.qkv.weight, VIEWS["qkv.weight"]))
-    assert torch.equal(model.out.weight, _views.join(heads[3 * H:], model.out.weight, VIEWS["out.weight"]))
+    assert torch.equal(
+        model.qkv.weight, _views.join(heads[: 3 * H], model.qkv.weight, VIEWS["qkv.weight"])
+    )
+    assert torch.equal(
+        model.out.weight, _views.join(heads[3 * H :], model.out.weight, VIEWS["out.weight"])
+    )
 
 
 def test_spectral_sphere_optimizer_heads_per_parameter():
@@ -258,15 +295,21 @@ def test_spectral_sphere_optimizer_heads_per_parameter():
     plain, _ = trained(None, steps=2, cls=mf.SpectralSphereOptimizer)
     assert torch.equal(model.mlp.weight, plain.mlp.weight)
     names = opt.solver_stats().names
-    assert [n for n in names if n.startswith("qkv")] == ["qkv.weight[0]", "qkv.weight[1]", "qkv.weight[2]"]
+    assert [n for n in names if n.startswith("qkv")] == [
+        "qkv.weight[0]",
+        "qkv.weight[1]",
+        "qkv.weight[2]",
+    ]
 
 
 def test_compiled_step_equals_eager_with_heads():
     torch.manual_seed(0)
     models = [Attention() for _ in range(2)]
     models[1].load_state_dict(models[0].state_dict())
-    opts = [mf.MuonOptimizer(m.named_parameters(), matrix_view=VIEWS, ns_dtype=torch.float32, compile=c)
-            for m, c in zip(models, [{"backend": "eager", "fullgraph": True}, False])]
+    opts = [
+        mf.MuonOptimizer(m.named_parameters(), matrix_view=VIEWS, ns_dtype=torch.float32, compile=c)
+        for m, c in zip(models, [{"backend": "eager", "fullgraph": True}, False])
+    ]
     for t in range(2):
         for m, o in zip(models, opts):
             grads(m, t)
@@ -294,10 +337,14 @@ def test_create_hybrid_optimizer_takes_heads_by_name():
             self.attn = Attention()
             self.head = nn.Linear(D, 10)
 
-    opt = mf.create_hybrid_optimizer(Block(), matrix_view={"attn.qkv.weight": mf.heads(rows=(8, 8, 8)),
-                                                           "*.out.weight": mf.heads(cols=H)})
-    assert opt.param_groups[0]["matrix_view"] == {"attn.qkv.weight": mf.heads(rows=(8, 8, 8)),
-                                                  "attn.out.weight": mf.heads(cols=H)}
+    opt = mf.create_hybrid_optimizer(
+        Block(),
+        matrix_view={"attn.qkv.weight": mf.heads(rows=(8, 8, 8)), "*.out.weight": mf.heads(cols=H)},
+    )
+    assert opt.param_groups[0]["matrix_view"] == {
+        "attn.qkv.weight": mf.heads(rows=(8, 8, 8)),
+        "attn.out.weight": mf.heads(cols=H),
+    }
     shown = str(opt.split)
     assert "heads(rows=(8, 8, 8)): 3 blocks 8x8" in shown and "heads(cols=2): 2 blocks 8x4" in shown
 
@@ -306,8 +353,11 @@ def test_a_function_may_name_no_view():
     model = Attention()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        opt = mf.MuonOptimizer(model.parameters(), compile=False,
-                               matrix_view=lambda p: mf.heads(rows=3) if p is model.qkv.weight else None)
+        opt = mf.MuonOptimizer(
+            model.parameters(),
+            compile=False,
+            matrix_view=lambda p: mf.heads(rows=3) if p is model.qkv.weight else None,
+        )
     assert opt._matrix_views(opt.param_groups[0])[0] == [mf.heads(rows=3), "flatten", "flatten"]
 
 
@@ -319,33 +369,71 @@ class TestHeadErrors(expecttest.TestCase):
             return str(info.value)
 
         model = Attention()
-        self.assertExpectedInline(message(lambda: mf.heads()), """\
-heads() needs rows= or cols= (the blocks of each matrix)""")
-        self.assertExpectedInline(message(lambda: mf.heads(rows=0)), """\
-Invalid rows: 0 (expected a number of blocks >= 1 or block sizes)""")
-        self.assertExpectedInline(message(lambda: mf.heads(cols=(4, -1))), """\
-Invalid cols: (4, -1) (expected a number of blocks >= 1 or positive block sizes)""")
-        self.assertExpectedInline(message(lambda: mf.MuonOptimizer(model.named_parameters(),
-                                                                   matrix_view=mf.heads(rows=3))), """\
-Invalid matrix_view: heads(rows=3) for a whole group: a head view is one parameter's layout; give it per parameter, matrix_view={name or glob pattern: heads(rows=3)} (named parameters) or a function param -> view | None""")
-        self.assertExpectedInline(message(lambda: mf.MuonOptimizer(
-            model.named_parameters(), matrix_view={"out.weight": mf.heads(cols=3)})), """\
-Invalid matrix_view for parameter 'out.weight' of shape (8, 8): heads(cols=3) does not fit a leaf of shape (8, 8): its matrices have 8 columns""")
-        self.assertExpectedInline(message(lambda: mf.muon(view=mf.heads(rows=5)).update(
-            [torch.zeros(8, 4)], mf.muon().init([torch.zeros(8, 4)]), [torch.zeros(8, 4)])), """\
-heads(rows=5) does not fit a leaf of shape (8, 4): its matrices have 8 rows""")
-        self.assertExpectedInline(message(lambda: mf.MuonOptimizer(model.parameters(), split=[8, 8, 8])), """\
-MuonOptimizer() got an unexpected keyword argument 'split': removed: row blocks are a head view, given per parameter: matrix_view={name: muon_fn.heads(rows=...)} (cols= for column blocks)""")
-        self.assertExpectedInline(message(lambda: mf.orthogonalize(split=[8, 8, 8])), """\
-split= was removed: row blocks are a head view now, given per parameter: view=muon_fn.heads(rows=[8, 8, 8]) for one transform's leaves, or matrix_view={name: muon_fn.heads(rows=...)} in an optimizer (cols= cuts columns)""")
-        self.assertExpectedInline(message(lambda: mf.spectral_sphere(view=mf.heads(cols=(2, 4))).init(
-            [torch.zeros(4, 6)])), """\
-spectral_sphere: heads(cols=(2, 4)) cuts a leaf of shape (4, 6) into column blocks of different widths; SSO's warm blocks need equal widths""")
+        self.assertExpectedInline(
+            message(lambda: mf.heads()),
+            """\
+heads() needs rows= or cols= (the blocks of each matrix)""",
+        )
+        self.assertExpectedInline(
+            message(lambda: mf.heads(rows=0)),
+            """\
+Invalid rows: 0 (expected a number of blocks >= 1 or block sizes)""",
+        )
+        self.assertExpectedInline(
+            message(lambda: mf.heads(cols=(4, -1))),
+            """\
+Invalid cols: (4, -1) (expected a number of blocks >= 1 or positive block sizes)""",
+        )
+        self.assertExpectedInline(
+            message(
+                lambda: mf.MuonOptimizer(model.named_parameters(), matrix_view=mf.heads(rows=3))
+            ),
+            """\
+Invalid matrix_view: heads(rows=3) for a whole group: a head view is one parameter's layout; give it per parameter, matrix_view={name or glob pattern: heads(rows=3)} (named parameters) or a function param -> view | None""",
+        )
+        self.assertExpectedInline(
+            message(
+                lambda: mf.MuonOptimizer(
+                    model.named_parameters(), matrix_view={"out.weight": mf.heads(cols=3)}
+                )
+            ),
+            """\
+Invalid matrix_view for parameter 'out.weight' of shape (8, 8): heads(cols=3) does not fit a leaf of shape (8, 8): its matrices have 8 columns""",
+        )
+        self.assertExpectedInline(
+            message(
+                lambda: mf.muon(view=mf.heads(rows=5)).update(
+                    [torch.zeros(8, 4)], mf.muon().init([torch.zeros(8, 4)]), [torch.zeros(8, 4)]
+                )
+            ),
+            """\
+heads(rows=5) does not fit a leaf of shape (8, 4): its matrices have 8 rows""",
+        )
+        self.assertExpectedInline(
+            message(lambda: mf.MuonOptimizer(model.parameters(), split=[8, 8, 8])),
+            """\
+MuonOptimizer() got an unexpected keyword argument 'split': removed: row blocks are a head view, given per parameter: matrix_view={name: muon_fn.heads(rows=...)} (cols= for column blocks)""",
+        )
+        self.assertExpectedInline(
+            message(lambda: mf.orthogonalize(split=[8, 8, 8])),
+            """\
+split= was removed: row blocks are a head view now, given per parameter: view=muon_fn.heads(rows=[8, 8, 8]) for one transform's leaves, or matrix_view={name: muon_fn.heads(rows=...)} in an optimizer (cols= cuts columns)""",
+        )
+        self.assertExpectedInline(
+            message(
+                lambda: mf.spectral_sphere(view=mf.heads(cols=(2, 4))).init([torch.zeros(4, 6)])
+            ),
+            """\
+spectral_sphere: heads(cols=(2, 4)) cuts a leaf of shape (4, 6) into column blocks of different widths; SSO's warm blocks need equal widths""",
+        )
         opt = mf.MuonOptimizer(model.named_parameters(), compile=False)
         saved = opt.state_dict()
         saved["param_groups"][0]["split"] = [8, 8, 8]
-        self.assertExpectedInline(message(lambda: opt.load_state_dict(saved)), """\
-cannot load a param group saved with split=[8, 8, 8]: row blocks are a head view now; build the optimizer with matrix_view={name: muon_fn.heads(rows=...)} and load a state_dict whose groups have no 'split' key""")
+        self.assertExpectedInline(
+            message(lambda: opt.load_state_dict(saved)),
+            """\
+cannot load a param group saved with split=[8, 8, 8]: row blocks are a head view now; build the optimizer with matrix_view={name: muon_fn.heads(rows=...)} and load a state_dict whose groups have no 'split' key""",
+        )
         saved["param_groups"][0]["split"] = None  # the former default: loads
         opt.load_state_dict(saved)
         assert "split" not in opt.param_groups[0]

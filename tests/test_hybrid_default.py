@@ -17,8 +17,14 @@ from muon_fn.optim._hybrid import NORMUON_BETA2
 
 def _model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 12), nn.Tanh(), nn.Linear(12, 8), nn.LayerNorm(8),
-                         nn.Linear(8, 16, bias=False))
+    return nn.Sequential(
+        nn.Embedding(16, 8),
+        nn.Linear(8, 12),
+        nn.Tanh(),
+        nn.Linear(12, 8),
+        nn.LayerNorm(8),
+        nn.Linear(8, 16, bias=False),
+    )
 
 
 def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int) -> None:
@@ -55,23 +61,33 @@ def test_default_steps_as_normuon_spelled_out():
         assert torch.equal(p, q)
 
 
-@pytest.mark.parametrize("kwargs, head", [({"beta2": None}, "Muon"), ({"adamuon_beta2": 0.999}, "AdaMuon"),
-                                          ({"beta2": 0.9}, "NorMuon")], ids=["muon", "adamuon", "beta2"])
+@pytest.mark.parametrize(
+    "kwargs, head",
+    [({"beta2": None}, "Muon"), ({"adamuon_beta2": 0.999}, "AdaMuon"), ({"beta2": 0.9}, "NorMuon")],
+    ids=["muon", "adamuon", "beta2"],
+)
 def test_other_recipes_are_one_keyword_away(kwargs, head):
     opt = mf.create_hybrid_optimizer(_model(), compile=False, **kwargs)
     group = _muon_group(opt)
     assert _head(opt) == head
-    assert group["beta2"] == kwargs.get("beta2") and group["adamuon_beta2"] == kwargs.get("adamuon_beta2")
+    assert group["beta2"] == kwargs.get("beta2") and group["adamuon_beta2"] == kwargs.get(
+        "adamuon_beta2"
+    )
     assert ("normalize_rows" in opt.describe()) == (head == "NorMuon")
 
 
 def test_optimizer_classes_without_normuon_get_no_beta2():
-    opt = mf.create_hybrid_optimizer(_model(), optimizer_cls=mf.SpectralSphereOptimizer, compile=False)
+    opt = mf.create_hybrid_optimizer(
+        _model(), optimizer_cls=mf.SpectralSphereOptimizer, compile=False
+    )
     assert "beta2" not in _muon_group(opt)
 
 
-@pytest.mark.parametrize("saved_beta2, built_beta2", [(None, NORMUON_BETA2), (NORMUON_BETA2, None)],
-                         ids=["old-muon-checkpoint", "normuon-checkpoint-into-muon"])
+@pytest.mark.parametrize(
+    "saved_beta2, built_beta2",
+    [(None, NORMUON_BETA2), (NORMUON_BETA2, None)],
+    ids=["old-muon-checkpoint", "normuon-checkpoint-into-muon"],
+)
 def test_checkpoint_runs_the_rule_it_ran_with(saved_beta2, built_beta2):
     """An older checkpoint (the hybrid ran Muon then: ``beta2=None``) loaded into today's default
     continues as Muon, bit for bit with the optimizer that wrote it; and the other way round. The
@@ -94,7 +110,9 @@ def test_checkpoint_runs_the_rule_it_ran_with(saved_beta2, built_beta2):
         assert torch.equal(p, q)
 
 
-@pytest.mark.parametrize("copy_of", [copy.deepcopy, lambda o: pickle.loads(pickle.dumps(o))], ids=["deepcopy", "pickle"])
+@pytest.mark.parametrize(
+    "copy_of", [copy.deepcopy, lambda o: pickle.loads(pickle.dumps(o))], ids=["deepcopy", "pickle"]
+)
 def test_a_copy_names_the_rule_it_loads(copy_of):
     """The split reads the rule from its own optimizer: a copy's split follows the copy's groups."""
     old = mf.create_hybrid_optimizer(_model(), beta2=None, compile=False).state_dict()

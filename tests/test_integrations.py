@@ -26,8 +26,13 @@ from muon_fn.integrations import _common
 
 from test_examples import _require_extra
 
-GROUP_TOTALS = ("muon/grad_norm", "muon/update_norm", "muon/weight_norm", "muon/ortho_residual_max",
-                "adamw/update_norm")
+GROUP_TOTALS = (
+    "muon/grad_norm",
+    "muon/update_norm",
+    "muon/weight_norm",
+    "muon/ortho_residual_max",
+    "adamw/update_norm",
+)
 
 
 class Net(nn.Module):
@@ -37,7 +42,12 @@ class Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.inp, self.h1, self.h2, self.out = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 1)
+        self.inp, self.h1, self.h2, self.out = (
+            nn.Linear(8, 16),
+            nn.Linear(16, 16),
+            nn.Linear(16, 16),
+            nn.Linear(16, 1),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(torch.relu(self.h2(torch.relu(self.h1(self.inp(x))))))
@@ -73,7 +83,7 @@ def _initial_muon_weight_norm(optimizer, prefix: str = "") -> float:
 def _check_against_optimizer(logged: dict, optimizer, prefix: str = "optim/") -> None:
     """What a callback logged for the last measured step is what ``optimizer.metrics()`` gives."""
     figures = optimizer.metrics()
-    names = [k[len(prefix):] for k in logged if k.startswith(prefix)]
+    names = [k[len(prefix) :] for k in logged if k.startswith(prefix)]
     assert names and set(names) <= set(figures)
     for name in names:
         assert float(logged[prefix + name]) == pytest.approx(figures[name], rel=1e-6), name
@@ -101,9 +111,16 @@ def test_lightning_callback_logs_every_measured_step(tmp_path):
             return mf.create_hybrid_optimizer(self.net, compile=False, metrics=2)
 
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*_data()), batch_size=4)
-    trainer = pl.Trainer(max_steps=3, logger=CSVLogger(tmp_path), callbacks=[MuonMetricsCallback()],
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         accelerator="cpu", log_every_n_steps=1)
+    trainer = pl.Trainer(
+        max_steps=3,
+        logger=CSVLogger(tmp_path),
+        callbacks=[MuonMetricsCallback()],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        log_every_n_steps=1,
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Lightning's own (few workers, deprecations)
         trainer.fit(Lit(), loader)
@@ -113,8 +130,9 @@ def test_lightning_callback_logs_every_measured_step(tmp_path):
     for r in measured:
         _check_figures(r)
     optimizer = trainer.optimizers[0]
-    assert float(measured[0]["optim/muon/weight_norm"]) == pytest.approx(_initial_muon_weight_norm(optimizer),
-                                                                         rel=1e-6)
+    assert float(measured[0]["optim/muon/weight_norm"]) == pytest.approx(
+        _initial_muon_weight_norm(optimizer), rel=1e-6
+    )
     _check_against_optimizer({k: v for k, v in measured[1].items() if v}, optimizer)
     # logged at the step of that batch's self.log values (Lightning counts from 0)
     losses = {r["step"] for r in rows if r.get("train_loss")}
@@ -150,11 +168,25 @@ def test_hf_callback_adds_figures_to_the_logs(tmp_path):
 
     model = Model()
     optimizer = mf.create_hybrid_optimizer(model, compile=False, metrics=2)
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=3, logging_steps=2, report_to=[], use_cpu=True,
-                             save_strategy="no", disable_tqdm=True, per_device_train_batch_size=4,
-                             dataloader_num_workers=0)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=3,
+        logging_steps=2,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        per_device_train_batch_size=4,
+        dataloader_num_workers=0,
+    )
     callback = MuonMetricsCallback(names=["*/*_norm", "*/ortho_residual_max"])
-    trainer = Trainer(model=model, args=args, train_dataset=Data(), optimizers=(optimizer, None), callbacks=[callback])
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=Data(),
+        optimizers=(optimizer, None),
+        callbacks=[callback],
+    )
     trainer.train()
     history = [h for h in trainer.state.log_history if "loss" in h]
     # steps 1 and 3 are measured and logged although logging_steps=2 logs step 2 only
@@ -163,13 +195,18 @@ def test_hf_callback_adds_figures_to_the_logs(tmp_path):
     for h in (history[0], history[2]):
         _check_figures(h)
         assert not any(k.endswith("_rms") for k in h), sorted(h)  # names= kept the group totals
-    assert history[0]["optim/muon/weight_norm"] == pytest.approx(_initial_muon_weight_norm(optimizer, "net."),
-                                                                   rel=1e-6)
+    assert history[0]["optim/muon/weight_norm"] == pytest.approx(
+        _initial_muon_weight_norm(optimizer, "net."), rel=1e-6
+    )
     _check_against_optimizer(history[2], optimizer)
     # report_to integrations run before the callback: it says how to reach them
     with pytest.warns(UserWarning, match=r"report_to integrations \['wandb'\].*report_to='none'"):
-        callback.on_train_begin(SimpleNamespace(report_to=["wandb"]), SimpleNamespace(is_world_process_zero=True),
-                                None, optimizer=optimizer)
+        callback.on_train_begin(
+            SimpleNamespace(report_to=["wandb"]),
+            SimpleNamespace(is_world_process_zero=True),
+            None,
+            optimizer=optimizer,
+        )
 
 
 def test_callbacks_name_the_extra_and_stay_out_of_import_muon_fn():
@@ -199,8 +236,12 @@ def test_reader_reads_each_measured_step_once():
     opt = mf.create_hybrid_optimizer(model, compile=False, metrics=2)
     reader = _common.Reader("optim/", ("*/update_norm",))
     assert _common.no_measuring_hint("cb", [opt]) is None
-    assert "metrics=True" in _common.no_measuring_hint("cb", [mf.create_hybrid_optimizer(model, compile=False)])
-    assert "no muon_fn optimizer" in _common.no_measuring_hint("cb", [torch.optim.SGD(model.parameters(), lr=0.1)])
+    assert "metrics=True" in _common.no_measuring_hint(
+        "cb", [mf.create_hybrid_optimizer(model, compile=False)]
+    )
+    assert "no muon_fn optimizer" in _common.no_measuring_hint(
+        "cb", [torch.optim.SGD(model.parameters(), lr=0.1)]
+    )
     x, y = _data(4)
     seen, changes = [], []
     for _ in range(4):
@@ -214,11 +255,16 @@ def test_reader_reads_each_measured_step_once():
     assert sorted(seen[0]) == ["optim/adamw/update_norm", "optim/muon/update_norm", "optim/step"]
     muon = _muon_names(opt)
     assert muon and muon < {n for n, _ in model.named_parameters()}
-    for figures, change in ((seen[0], changes[0]), (seen[2], changes[2])):  # the weight change, in float64
+    for figures, change in (
+        (seen[0], changes[0]),
+        (seen[2], changes[2]),
+    ):  # the weight change, in float64
         assert figures["optim/muon/update_norm"] == pytest.approx(
-            _norm(d for n, d in change.items() if n in muon), rel=1e-5)
+            _norm(d for n, d in change.items() if n in muon), rel=1e-5
+        )
         assert figures["optim/adamw/update_norm"] == pytest.approx(
-            _norm(d for n, d in change.items() if n not in muon), rel=1e-5)
+            _norm(d for n, d in change.items() if n not in muon), rel=1e-5
+        )
     with pytest.raises(ValueError, match="Invalid names"):
         _common.Reader("optim/", [])
 
@@ -227,9 +273,31 @@ def test_train_metrics_series_and_plot(tmp_path, capsys):
     """``--metrics 2``: the muon row's metrics.json history holds optimizer.metrics() of steps 1
     and 3; the adamw row (torch.optim) none, and the log says so; loss.png gets the figures' panels."""
     out = tmp_path / "run"
-    argv = ["train", "--compare", "muon,adamw", "--metrics", "2", "--steps", "4", "--eval-interval", "2",
-            "--eval-windows", "4", "--batch-size", "2", "--seq-len", "32", "--max-bytes", "200000",
-            "--no-progress", "--no-checkpoint", "--threads", "1", "--out", str(out)]
+    argv = [
+        "train",
+        "--compare",
+        "muon,adamw",
+        "--metrics",
+        "2",
+        "--steps",
+        "4",
+        "--eval-interval",
+        "2",
+        "--eval-windows",
+        "4",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "32",
+        "--max-bytes",
+        "200000",
+        "--no-progress",
+        "--no-checkpoint",
+        "--threads",
+        "1",
+        "--out",
+        str(out),
+    ]
     assert cli.main(argv) == 0
     printed = capsys.readouterr().out
     assert "[adamw] --metrics: a torch.optim row, without telemetry" in printed
@@ -245,8 +313,14 @@ def test_train_metrics_series_and_plot(tmp_path, capsys):
         for figure in ("ortho_residual", "update_rms", "grad_rms"):
             worst = max(step[f"{m}/{figure}"] for m in matrices)
             assert step[f"muon/{figure}_max"] == worst and worst > 0
-            named = [k for k, v in step.items() if k.startswith(f"muon/{figure}_max@") and v is not None and v == v]
-            assert named == [f"muon/{figure}_max@{max(matrices, key=lambda m: step[f'{m}/{figure}'])}"]
+            named = [
+                k
+                for k, v in step.items()
+                if k.startswith(f"muon/{figure}_max@") and v is not None and v == v
+            ]
+            assert named == [
+                f"muon/{figure}_max@{max(matrices, key=lambda m: step[f'{m}/{figure}'])}"
+            ]
     assert "metrics" not in runs["adamw"]["history"]
     text = (out / "metrics.json").read_text()
     assert '"step": [1,3]' in text  # each series on one line

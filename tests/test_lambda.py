@@ -27,7 +27,6 @@ def _msign8(x: torch.Tensor) -> torch.Tensor:
     return newton_schulz(x, "polar_express", 8, dtype=torch.float32)
 
 
-
 # ------------------------------------------------------------------------------ λ solver
 def _problem(m, n, seed, scale_theta=0.0):
     g = torch.Generator().manual_seed(seed)
@@ -38,7 +37,9 @@ def _problem(m, n, seed, scale_theta=0.0):
 
 
 def _h_exact(m_hat, u, v, lam):
-    return float(u.double() @ _exact_msign(m_hat.double() + lam * torch.outer(u, v).double()) @ v.double())
+    return float(
+        u.double() @ _exact_msign(m_hat.double() + lam * torch.outer(u, v).double()) @ v.double()
+    )
 
 
 _FIT8 = _lambda_model.spectral_function_fit(coefficient_schedule("polar_express", 8))
@@ -46,18 +47,31 @@ _FIT8 = _lambda_model.spectral_function_fit(coefficient_schedule("polar_express"
 
 def _model(m_hat, u, v):
     """The λ model for ``_msign8`` (Polar Express normalizer 1.01·‖X‖_F + 1e-7)."""
-    return _lambda_model.lambda_model(m_hat, u, v, _FIT8, norm_scale=norm_scale("polar_express"), eps=1e-7)
+    return _lambda_model.lambda_model(
+        m_hat, u, v, _FIT8, norm_scale=norm_scale("polar_express"), eps=1e-7
+    )
 
 
 @pytest.mark.parametrize("method", ["bisection", "illinois", "model"])
-@given(shape=st.tuples(st.integers(4, 24), st.integers(4, 24)), seed=st.integers(0, 2**16),
-       pull=st.floats(-0.3, 0.3))
+@given(
+    shape=st.tuples(st.integers(4, 24), st.integers(4, 24)),
+    seed=st.integers(0, 2**16),
+    pull=st.floats(-0.3, 0.3),
+)
 def test_solver_tangency_when_converged(method, shape, seed, pull):
     m_hat, u, v = _problem(*shape, seed, scale_theta=pull)
     tol = 1e-4
     model = _model(m_hat[None], u[None], v[None]) if method == "model" else None
-    lam, phi, stats = _lambda.solve_lambda(m_hat, u, v, _msign8, tol=tol, method="illinois" if model else method,
-                                            max_expansions=16, model=model)
+    lam, phi, stats = _lambda.solve_lambda(
+        m_hat,
+        u,
+        v,
+        _msign8,
+        tol=tol,
+        method="illinois" if model else method,
+        max_expansions=16,
+        model=model,
+    )
     if bool(stats.converged):
         assert float(stats.residual) <= tol
         # The returned Φ is msign at the returned λ, and h there is small by an independent msign.
@@ -76,8 +90,12 @@ def test_solver_tangency_when_converged(method, shape, seed, pull):
 
 def test_bisection_and_illinois_find_the_same_root_and_illinois_is_cheaper():
     m_hat, u, v = _problem(24, 40, 7, scale_theta=0.2)
-    lb, _, sb = _lambda.solve_lambda(m_hat, u, v, _msign8, tol=1e-5, method="bisection", max_iterations=40)
-    li, _, si = _lambda.solve_lambda(m_hat, u, v, _msign8, tol=1e-5, method="illinois", max_iterations=40)
+    lb, _, sb = _lambda.solve_lambda(
+        m_hat, u, v, _msign8, tol=1e-5, method="bisection", max_iterations=40
+    )
+    li, _, si = _lambda.solve_lambda(
+        m_hat, u, v, _msign8, tol=1e-5, method="illinois", max_iterations=40
+    )
     assert bool(sb.converged) and bool(si.converged)
     assert float(lb) == pytest.approx(float(li), abs=2e-5)
     assert int(si.iterations) < int(sb.iterations)
@@ -137,7 +155,9 @@ def test_solver_traces_as_one_graph():
     batch = (m_hat[None], u[None], v[None])
     fn = torch.compile(
         lambda m, u, v: _lambda.solve_lambda(m, u, v, _msign8, max_expansions=3, max_iterations=3),
-        backend="eager", fullgraph=True)
+        backend="eager",
+        fullgraph=True,
+    )
     lam_c, phi_c, st_c = fn(*batch)
     lam_e, phi_e, st_e = _lambda.solve_lambda(*batch, _msign8, max_expansions=3, max_iterations=3)
     torch.testing.assert_close(lam_c, lam_e)
@@ -175,8 +195,15 @@ def test_lambda_model_matches_the_msign_residual(shape, precision):
     for seed in range(8):
         for pull in (0.0, 0.2, -0.3):
             m_hat, u, v = _problem(*shape, seed, scale_theta=pull)
-            model = _lambda_model.lambda_model(m_hat[None], u[None], v[None], _FIT8, norm_scale=norm_scale("polar_express"),
-                                          eps=1e-7, precision=precision)
+            model = _lambda_model.lambda_model(
+                m_hat[None],
+                u[None],
+                v[None],
+                _FIT8,
+                norm_scale=norm_scale("polar_express"),
+                eps=1e-7,
+                precision=precision,
+            )
             lams = torch.tensor([-0.1, -0.01, 0.0, 0.003, 0.05])
             for lam in lams:
                 h, _ = _lambda.tangent_residual(m_hat, u, v, lam, _msign8)
@@ -188,14 +215,20 @@ def test_lambda_model_matches_the_msign_residual(shape, precision):
 def test_model_root_is_the_msign_root_and_costs_one_msign():
     rows = [_problem(24, 40, s, scale_theta=p) for s, p in ((1, 0.0), (2, 0.2), (3, -0.2))]
     m_hat, U, V = (torch.stack(x) for x in zip(*rows))
-    lam_c, phi_c, st_c = _lambda.solve_lambda(m_hat, U, V, _msign8, tol=1e-5, method="illinois", max_iterations=40)
+    lam_c, phi_c, st_c = _lambda.solve_lambda(
+        m_hat, U, V, _msign8, tol=1e-5, method="illinois", max_iterations=40
+    )
     model = _model(m_hat, U, V)
-    lam_m, phi_m, st_m = _lambda.solve_lambda(m_hat, U, V, _msign8, tol=1e-5, method="illinois", model=model)
+    lam_m, phi_m, st_m = _lambda.solve_lambda(
+        m_hat, U, V, _msign8, tol=1e-5, method="illinois", model=model
+    )
     assert bool(st_c.converged.all()) and bool(st_m.converged.all())
     torch.testing.assert_close(lam_m, lam_c, rtol=0, atol=1e-5)
     assert st_m.iterations.tolist() == [1, 1, 1] and bool((st_c.iterations >= 3).all())
     # Φ is the msign at the returned λ (no extra call), and certifies the tangency.
-    torch.testing.assert_close(phi_m, _lambda.tangent_residual(m_hat, U, V, lam_m, _msign8)[1], rtol=0, atol=0)
+    torch.testing.assert_close(
+        phi_m, _lambda.tangent_residual(m_hat, U, V, lam_m, _msign8)[1], rtol=0, atol=0
+    )
     assert float((U[:, None, :] @ phi_m @ V[:, :, None]).abs().max()) <= 1e-5
 
 
@@ -210,8 +243,12 @@ def _bisect_model(model, offset, reach, steps=80):
     return 0.5 * (lo + hi)
 
 
-@given(shape=st.sampled_from([(8, 8), (16, 16), (12, 30), (30, 12), (33, 33)]), seed=st.integers(0, 2**16),
-       pull=st.floats(-0.5, 0.5), offset=st.floats(-0.3, 0.3))
+@given(
+    shape=st.sampled_from([(8, 8), (16, 16), (12, 30), (30, 12), (33, 33)]),
+    seed=st.integers(0, 2**16),
+    pull=st.floats(-0.5, 0.5),
+    offset=st.floats(-0.3, 0.3),
+)
 def test_model_root_matches_bisection_in_few_evaluations(shape, seed, pull, offset):
     """Illinois false position with a bisection guard: the bisection's root to fp32 resolution,
     in a handful of model evaluations; rows without a sign change are reported, not solved."""
@@ -222,7 +259,9 @@ def test_model_root_matches_bisection_in_few_evaluations(shape, seed, pull, offs
     calls = []
     residual = _lambda_model.model_residual
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_lambda_model, "model_residual", lambda mo, lam: calls.append(1) or residual(mo, lam))
+        mp.setattr(
+            _lambda_model, "model_residual", lambda mo, lam: calls.append(1) or residual(mo, lam)
+        )
         lam, ok = _lambda_model.model_root(model, off, 1.023)
     ref = _bisect_model(model, off, 1.023)
     assert ok.tolist()[2] is False
@@ -231,7 +270,9 @@ def test_model_root_matches_bisection_in_few_evaluations(shape, seed, pull, offs
         if bool(ok[i]):
             assert abs(float(lam[i]) - float(ref[i])) <= 1e-6 * max(1.0, abs(float(ref[i])))
             assert abs(float(h[i])) <= 1e-5
-    assert len(calls) <= 30  # 2 ends + the steps: measured ≈ 12 on gpt2-small gradients (50 for bisection)
+    assert (
+        len(calls) <= 30
+    )  # 2 ends + the steps: measured ≈ 12 on gpt2-small gradients (50 for bisection)
 
 
 @pytest.mark.parametrize("shape", [(24, 40), (40, 24), (16, 16), (33, 33)])
@@ -241,8 +282,14 @@ def test_model_direction_is_the_msign_at_the_model_root(shape):
         m_hat, u, v = _problem(*shape, seed, scale_theta=0.2 if seed % 2 else 0.0)
         # Φ needs the fp64 model (SSO's direction="spectral" uses it): "mixed" leaves the fp32
         # Gram's rounding in the eigenvectors of the larger eigenvalues, which Φ sees directly.
-        model = _lambda_model.lambda_model(m_hat[None], u[None], v[None], _FIT8, norm_scale=norm_scale("polar_express"),
-                                      precision="fp64")
+        model = _lambda_model.lambda_model(
+            m_hat[None],
+            u[None],
+            v[None],
+            _FIT8,
+            norm_scale=norm_scale("polar_express"),
+            precision="fp64",
+        )
         lam, ok = _lambda_model.model_root(model, torch.zeros(1, dtype=torch.float64), 1.023)
         assert bool(ok)
         phi = _lambda_model.model_direction(model, m_hat[None], u[None], v[None], lam)[0]
@@ -275,10 +322,17 @@ def test_krylov_model_matches_the_full_model(shape):
     assert krylov.eig.shape[-1] < min(shape) // 4  # a small projected problem, not m eigenpairs
     for lam in (-0.05, -0.003, 0.0, 0.002, 0.04):
         at = torch.full((2,), lam, dtype=torch.float64)
-        diff = (_lambda_model.model_residual(krylov, at) - _lambda_model.model_residual(full, at)).abs().max()
+        diff = (
+            (_lambda_model.model_residual(krylov, at) - _lambda_model.model_residual(full, at))
+            .abs()
+            .max()
+        )
         assert float(diff) <= 1e-5  # measured ≤ 2e-7
     zero = torch.zeros(2, dtype=torch.float64)
-    (r_k, ok_k), (r_f, ok_f) = _lambda_model.model_root(krylov, zero, 1.023), _lambda_model.model_root(full, zero, 1.023)
+    (r_k, ok_k), (r_f, ok_f) = (
+        _lambda_model.model_root(krylov, zero, 1.023),
+        _lambda_model.model_root(full, zero, 1.023),
+    )
     assert bool(ok_k.all() and ok_f.all())
     torch.testing.assert_close(r_k, r_f, rtol=0, atol=1e-6)
 
@@ -329,10 +383,21 @@ def test_model_steps_then_bracket_when_the_model_is_off():
     m_hat, u, v = _problem(16, 24, 12, scale_theta=0.2)
     other, _, _ = _problem(16, 24, 13, scale_theta=-0.2)
     wrong = _model(other[None], u[None], v[None])
-    lam_ref, _, st_ref = _lambda.solve_lambda(m_hat, u, v, _msign8, tol=1e-5, method="illinois", max_iterations=40)
+    lam_ref, _, st_ref = _lambda.solve_lambda(
+        m_hat, u, v, _msign8, tol=1e-5, method="illinois", max_iterations=40
+    )
     for steps in (1, 3):
-        lam, phi, st = _lambda.solve_lambda(m_hat, u, v, _msign8, tol=1e-5, method="illinois",
-                                             model=wrong, model_steps=steps, max_iterations=40)
+        lam, phi, st = _lambda.solve_lambda(
+            m_hat,
+            u,
+            v,
+            _msign8,
+            tol=1e-5,
+            method="illinois",
+            model=wrong,
+            model_steps=steps,
+            max_iterations=40,
+        )
         assert bool(st.converged) and not bool(st.fallback)
         assert float(lam) == pytest.approx(float(lam_ref), abs=1e-5)
         assert abs(float(u @ phi @ v)) <= 1e-5
@@ -347,24 +412,39 @@ def test_model_solver_fixed_schedule_matches_early_exit_and_traces():
     b = (far / torch.linalg.matrix_norm(far), u, v)
     m_hat, U, V = (torch.stack([x, y]) for x, y in zip(a, b))
     # Short caps keep the traced (unrolled) search small; the bracket reaches ±0.35: row b has no root there.
-    kw = dict(tol=1e-4, bracket_step=0.05, max_expansions=3, max_iterations=2, model_steps=2, method="illinois")
+    kw = dict(
+        tol=1e-4,
+        bracket_step=0.05,
+        max_expansions=3,
+        max_iterations=2,
+        model_steps=2,
+        method="illinois",
+    )
     model = _model(m_hat, U, V)
     lam, phi, st = _lambda.solve_lambda(m_hat, U, V, _msign8, model=model, **kw)
     assert st.converged.tolist() == [True, False] and st.fallback.tolist() == [False, True]
-    lam_f, phi_f, st_f = _lambda.solve_lambda(m_hat, U, V, _msign8, model=model, early_exit=False, **kw)
+    lam_f, phi_f, st_f = _lambda.solve_lambda(
+        m_hat, U, V, _msign8, model=model, early_exit=False, **kw
+    )
     torch.testing.assert_close(lam_f, lam, rtol=0, atol=1e-7)
     torch.testing.assert_close(phi_f, phi, rtol=0, atol=1e-6)
     assert torch.equal(st_f.iterations, st.iterations) and torch.equal(st_f.fallback, st.fallback)
 
     def solve(m, u, v):
-        model = _lambda_model.lambda_model(m, u, v, _FIT8, norm_scale=norm_scale("polar_express"), precision="fp64")
+        model = _lambda_model.lambda_model(
+            m, u, v, _FIT8, norm_scale=norm_scale("polar_express"), precision="fp64"
+        )
         return _lambda.solve_lambda(m, u, v, _msign8, model=model, **kw)
 
     compiled = torch.compile(solve, backend="eager", fullgraph=True)
     (lam_c, phi_c, _), gemms_c = _gemms(lambda: compiled(m_hat, U, V))
     torch.testing.assert_close(lam_c, lam, rtol=0, atol=1e-7)
-    torch.testing.assert_close(phi_c, phi, rtol=0, atol=1e-5)  # fp32 rounding: 1.0e-6 seen on a Zen 3
-    assert gemms_c > _gemms(lambda: solve(m_hat, U, V))[1]  # row b: the fixed search ran, eager stopped early
+    torch.testing.assert_close(
+        phi_c, phi, rtol=0, atol=1e-5
+    )  # fp32 rounding: 1.0e-6 seen on a Zen 3
+    assert (
+        gemms_c > _gemms(lambda: solve(m_hat, U, V))[1]
+    )  # row b: the fixed search ran, eager stopped early
     # Compiled, the search after the first evaluation sits behind torch.cond: when every matrix
     # converged there (the λ model's usual case), the step runs exactly the eager step's GEMMs.
     both = tuple(torch.stack([x, x]) for x in a)
@@ -377,7 +457,9 @@ def _gemms(fn):
     """``fn()`` and the number of GEMM calls it ran (profiler events: they include compiled code)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         out = fn()
-    return out, sum(e.name in ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm") for e in prof.events())
+    return out, sum(
+        e.name in ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm") for e in prof.events()
+    )
 
 
 # ------------------------------------------------------------------------------ messages
@@ -390,22 +472,39 @@ class TestMessages(expecttest.TestCase):
     def test_validation_messages(self):
         W = torch.zeros(3, 4)
         u, v = torch.zeros(3), torch.zeros(4)
-        self.assertExpectedInline(self._msg(lambda: _lambda.solve_lambda(W, u, v, _msign8, method="newton")),
-                                  """Invalid method: 'newton' (valid: 'bisection', 'illinois')""")
-        self.assertExpectedInline(self._msg(lambda: _lambda.solve_lambda(W, u, v, _msign8, tol=0.0)),
-                                  """Invalid tol: 0.0 (expected a finite value > 0)""")
-        self.assertExpectedInline(self._msg(lambda: _lambda.solve_lambda(W, u, v, _msign8, max_expansions=-2)),
-                                  """Invalid max_expansions: -2 (expected an integer >= 0)""")
-        self.assertExpectedInline(self._msg(lambda: _lambda.solve_lambda(W, u, v, _msign8, model_steps=0)),
-                                  """Invalid model_steps: 0 (expected an integer >= 1)""")
         self.assertExpectedInline(
-            self._msg(lambda: _lambda_model.lambda_model(W[None], u[None], v[None], _FIT8, precision="fp16")),
-            """Invalid precision: 'fp16' (valid: 'fp64', 'mixed', 'fp32')""")
-        self.assertExpectedInline(self._msg(lambda: _lambda_model.spectral_function_fit(())),
-                                  """Invalid schedule: expected at least one (a, b, c) row""")
+            self._msg(lambda: _lambda.solve_lambda(W, u, v, _msign8, method="newton")),
+            """Invalid method: 'newton' (valid: 'bisection', 'illinois')""",
+        )
+        self.assertExpectedInline(
+            self._msg(lambda: _lambda.solve_lambda(W, u, v, _msign8, tol=0.0)),
+            """Invalid tol: 0.0 (expected a finite value > 0)""",
+        )
+        self.assertExpectedInline(
+            self._msg(lambda: _lambda.solve_lambda(W, u, v, _msign8, max_expansions=-2)),
+            """Invalid max_expansions: -2 (expected an integer >= 0)""",
+        )
+        self.assertExpectedInline(
+            self._msg(lambda: _lambda.solve_lambda(W, u, v, _msign8, model_steps=0)),
+            """Invalid model_steps: 0 (expected an integer >= 1)""",
+        )
+        self.assertExpectedInline(
+            self._msg(
+                lambda: _lambda_model.lambda_model(
+                    W[None], u[None], v[None], _FIT8, precision="fp16"
+                )
+            ),
+            """Invalid precision: 'fp16' (valid: 'fp64', 'mixed', 'fp32')""",
+        )
+        self.assertExpectedInline(
+            self._msg(lambda: _lambda_model.spectral_function_fit(())),
+            """Invalid schedule: expected at least one (a, b, c) row""",
+        )
 
 
-@pytest.mark.parametrize("dtype,uses_eigh_model", [(torch.float32, True), (torch.bfloat16, False)], ids=str)
+@pytest.mark.parametrize(
+    "dtype,uses_eigh_model", [(torch.float32, True), (torch.bfloat16, False)], ids=str
+)
 def test_sso_skips_the_eigh_model_with_a_half_precision_msign(dtype, uses_eigh_model):
     """A bf16 msign costs less than the model's fp64 eigh, so non-Krylov batches bracket from
     last step's λ* instead; the certification by the real msign is the same either way."""
@@ -444,7 +543,9 @@ def test_msign_with_the_rank_two_gram_equals_the_plain_one(shape):
     schedule = coefficient_schedule("polar_express", 8)
 
     def msign(x, gram=None):
-        return orthogonalize_matrices(x, schedule, dtype=torch.float32, eps=1e-7, norm_scale=1.01, gram=gram)
+        return orthogonalize_matrices(
+            x, schedule, dtype=torch.float32, eps=1e-7, norm_scale=1.01, gram=gram
+        )
 
     rows = [_problem(*shape, seed, scale_theta=0.2) for seed in (1, 2)]
     m_hat, U, V = (torch.stack(x) for x in zip(*rows))
@@ -456,7 +557,10 @@ def test_msign_with_the_rank_two_gram_equals_the_plain_one(shape):
         h_g, phi_g = _lambda.tangent_residual(m_hat, U, V, lam, msign, gram)
         torch.testing.assert_close(phi_g, phi, rtol=0, atol=2e-5)  # PE-8 amplifies fp32 rounding
         torch.testing.assert_close(h_g, h, rtol=0, atol=2e-5)
-    lam, phi, st = _lambda.solve_lambda(m_hat, U, V, msign, tol=1e-5, method="illinois", model=_model(m_hat, U, V),
-                                         gram=gram)
+    lam, phi, st = _lambda.solve_lambda(
+        m_hat, U, V, msign, tol=1e-5, method="illinois", model=_model(m_hat, U, V), gram=gram
+    )
     assert bool(st.converged.all()) and st.iterations.tolist() == [1, 1]
-    torch.testing.assert_close(phi, _lambda.tangent_residual(m_hat, U, V, lam, msign)[1], rtol=0, atol=2e-5)
+    torch.testing.assert_close(
+        phi, _lambda.tangent_residual(m_hat, U, V, lam, msign)[1], rtol=0, atol=2e-5
+    )

@@ -27,6 +27,7 @@ MAX_LINES = 600
 # Modules over MAX_LINES, each with the most lines it may have: shrink this list, never grow it.
 LONG_MODULES: dict[str, int] = {}
 
+
 def module_name(path: pathlib.Path) -> str:
     parts = path.relative_to(ROOT.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -70,10 +71,15 @@ def imports_of(name: str, path: pathlib.Path, known: set[str]) -> set[str]:
             for alias in node.names:
                 sub = f"{source}.{alias.name}"
                 add(sub if sub in known else source)
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-              and node.func.attr == "import_module" and node.args
-              and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)
-              and node.args[0].value.startswith(PACKAGE)):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+            and node.args[0].value.startswith(PACKAGE)
+        ):
             add(node.args[0].value)
     return found
 
@@ -117,23 +123,33 @@ def graph() -> dict[str, set[str]]:
 
 def test_the_graph_sees_function_level_and_relative_imports(graph):
     # a sanity check of the reader itself, on edges that exist for certain
-    assert "muon_fn._execution" in graph["muon_fn._newton_schulz.execution"]  # from .. import _execution
-    assert "muon_fn._newton_schulz.cpu" in graph["muon_fn._newton_schulz.execution"]  # from . import cpu
+    assert (
+        "muon_fn._execution" in graph["muon_fn._newton_schulz.execution"]
+    )  # from .. import _execution
+    assert (
+        "muon_fn._newton_schulz.cpu" in graph["muon_fn._newton_schulz.execution"]
+    )  # from . import cpu
     assert "muon_fn._newton_schulz.products" in graph["muon_fn._newton_schulz.iteration"]
     assert "muon_fn._newton_schulz" in graph["muon_fn"]
     toy = {"a": {"b"}, "b": {"c", "a"}, "c": {"a"}, "d": {"d"}}
     assert elementary_cycles(toy) == {("a", "b"), ("a", "b", "c"), ("d",)}
     src = "def f():\n    from .cpu import x\n"
     tree_edges = [n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.ImportFrom)]
-    assert _resolve("muon_fn._newton_schulz.products", False, tree_edges[0].level, tree_edges[0].module) \
+    assert (
+        _resolve(
+            "muon_fn._newton_schulz.products", False, tree_edges[0].level, tree_edges[0].module
+        )
         == "muon_fn._newton_schulz.cpu"
+    )
 
 
 def test_no_import_cycle_in_newton_schulz(graph):
     """The Newton–Schulz math (schedules, iteration, products) imports no execution module; the
     execution side (cpu, batched, execution) picks the products: no cycle touches the package."""
     ns = "muon_fn._newton_schulz"
-    touching = {c for c in elementary_cycles(graph) if any(m == ns or m.startswith(ns + ".") for m in c)}
+    touching = {
+        c for c in elementary_cycles(graph) if any(m == ns or m.startswith(ns + ".") for m in c)
+    }
     assert not touching, f"import cycles through {ns}:\n{_show(touching)}"
 
 
@@ -141,7 +157,9 @@ def test_newton_schulz_math_imports_no_execution(graph):
     ns = "muon_fn._newton_schulz"
     execution = {"muon_fn._execution", f"{ns}.cpu", f"{ns}.batched", f"{ns}.execution", ns}
     for math in ("schedules", "iteration", "products"):
-        assert not graph[f"{ns}.{math}"] & execution, f"{ns}.{math} imports {graph[f'{ns}.{math}'] & execution}"
+        assert not graph[f"{ns}.{math}"] & execution, (
+            f"{ns}.{math} imports {graph[f'{ns}.{math}'] & execution}"
+        )
 
 
 def test_no_import_cycles_in_muon_fn(graph):
@@ -165,10 +183,19 @@ def part_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
 
 
 def test_the_part_graph_merges_subpackages():
-    toy = {"muon_fn.a.x": {"muon_fn.b.y", "muon_fn.a.z"}, "muon_fn.a.z": set(), "muon_fn.b.y": {"muon_fn._c"},
-           "muon_fn._c": set(), "muon_fn": {"muon_fn.a.x"}}
-    assert part_graph(toy) == {"muon_fn.a": {"muon_fn.b"}, "muon_fn.b": {"muon_fn._c"}, "muon_fn._c": set(),
-                               "muon_fn": {"muon_fn.a"}}
+    toy = {
+        "muon_fn.a.x": {"muon_fn.b.y", "muon_fn.a.z"},
+        "muon_fn.a.z": set(),
+        "muon_fn.b.y": {"muon_fn._c"},
+        "muon_fn._c": set(),
+        "muon_fn": {"muon_fn.a.x"},
+    }
+    assert part_graph(toy) == {
+        "muon_fn.a": {"muon_fn.b"},
+        "muon_fn.b": {"muon_fn._c"},
+        "muon_fn._c": set(),
+        "muon_fn": {"muon_fn.a"},
+    }
 
 
 def test_no_import_cycles_between_subpackages(graph):
@@ -176,14 +203,25 @@ def test_no_import_cycles_between_subpackages(graph):
     that imports it (e.g. bench's compile-time model comes from _train, so _train takes nothing
     from bench; what both need lives below both)."""
     cycles = elementary_cycles(part_graph(graph))
-    edges = {c: [(a, b) for a, targets in graph.items() for b in targets
-                 if (part_of(a), part_of(b)) in set(zip(c, c[1:] + c[:1]))] for c in cycles}
+    edges = {
+        c: [
+            (a, b)
+            for a, targets in graph.items()
+            for b in targets
+            if (part_of(a), part_of(b)) in set(zip(c, c[1:] + c[:1]))
+        ]
+        for c in cycles
+    }
     assert not cycles, "import cycles between muon_fn's subpackages:\n" + "\n".join(
-        f"{' -> '.join(c + (c[0],))}: {sorted(e)}" for c, e in sorted(edges.items()))
+        f"{' -> '.join(c + (c[0],))}: {sorted(e)}" for c, e in sorted(edges.items())
+    )
 
 
 def test_modules_are_at_most_600_lines():
-    lengths = {p.relative_to(ROOT.parent).as_posix(): len(p.read_text().splitlines()) for p in ROOT.rglob("*.py")}
+    lengths = {
+        p.relative_to(ROOT.parent).as_posix(): len(p.read_text().splitlines())
+        for p in ROOT.rglob("*.py")
+    }
     over = {p: n for p, n in lengths.items() if n > LONG_MODULES.get(p, MAX_LINES)}
     assert not over, f"modules over {MAX_LINES} lines (or over their LONG_MODULES ceiling): {over}"
     stale = sorted(p for p in LONG_MODULES if lengths.get(p, 0) <= MAX_LINES)

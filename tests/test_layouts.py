@@ -88,7 +88,10 @@ class TestRefusedSwap(expecttest.TestCase):
         grads(model, 1)
         with self.assertRaises(ValueError) as ctx:
             opt.step()
-        self.assertExpectedInline(str(ctx.exception), """parameter #0 of shape (3, 3) of group 0 replaced one of shape (3, 4, 5) that has optimizer state, by one of shape (3, 3): the state cannot follow it. Swap in parameters of the same shape, or build the optimizer after the model is laid out""")
+        self.assertExpectedInline(
+            str(ctx.exception),
+            """parameter #0 of shape (3, 3) of group 0 replaced one of shape (3, 4, 5) that has optimizer state, by one of shape (3, 3): the state cannot follow it. Swap in parameters of the same shape, or build the optimizer after the model is laid out""",
+        )
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), kept))
         assert torch.equal(opt.state[model.experts]["momentum_buffer"], momentum)
 
@@ -103,7 +106,13 @@ def test_model_names_parameters_and_gives_module_views():
         opt = mf.MuonOptimizer(model.parameters(), model=model, compile=False)
     ref = muon(ref_model.parameters())
     layout = opt.state_dict()["param_groups"][0]["param_layout"]
-    assert [name for name, _, _ in layout] == ["experts", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+    assert [name for name, _, _ in layout] == [
+        "experts",
+        "fc1.weight",
+        "fc1.bias",
+        "fc2.weight",
+        "fc2.bias",
+    ]
     assert layout[0][2] == "experts"
     train(model, opt, 2)
     train(ref_model, ref, 2)
@@ -122,14 +131,22 @@ def test_state_dict_loads_through_another_module_root():
     parent = Parent(make())
     loader = mf.MuonOptimizer(parent.parameters(), model=parent, compile=False)
     loader.load_state_dict(saved.state_dict())
-    assert torch.equal(loader.state[parent.model.fc1.weight]["momentum_buffer"],
-                       saved.state[child.fc1.weight]["momentum_buffer"])
+    assert torch.equal(
+        loader.state[parent.model.fc1.weight]["momentum_buffer"],
+        saved.state[child.fc1.weight]["momentum_buffer"],
+    )
     reordered = nn.Module()
-    reordered.fc2, reordered.fc1, reordered.experts = nn.Linear(10, 4), nn.Linear(6, 10), nn.Parameter(
-        torch.zeros(3, 4, 5))
+    reordered.fc2, reordered.fc1, reordered.experts = (
+        nn.Linear(10, 4),
+        nn.Linear(6, 10),
+        nn.Parameter(torch.zeros(3, 4, 5)),
+    )
     other = mf.MuonOptimizer(reordered.parameters(), model=reordered, compile=False)
-    with pytest.raises(ValueError, match="parameter 1 is 'fc1.weight' of shape \\(10, 6\\) in the state dict but "
-                                         "'fc2.weight' of shape \\(4, 10\\) in this optimizer"):
+    with pytest.raises(
+        ValueError,
+        match="parameter 1 is 'fc1.weight' of shape \\(10, 6\\) in the state dict but "
+        "'fc2.weight' of shape \\(4, 10\\) in this optimizer",
+    ):
         other.load_state_dict(saved.state_dict())
 
 
@@ -157,7 +174,10 @@ def test_dtensors_at_construction_keep_the_users_class(one_rank, device):  # noq
         set_grads(ref, t)
         opt.step()
         plain.step()
-    copies = [copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))]  # FSDP2 modules do not copy: the optimizer alone
+    copies = [
+        copy.deepcopy(opt),
+        pickle.loads(pickle.dumps(opt)),
+    ]  # FSDP2 modules do not copy: the optimizer alone
     assert all(type(c).__name__ == "MuonOptimizer" and c.last_step_stats == {} for c in copies)
     holders = [Holder(c.param_groups[0]["params"]) for c in copies]
     for t in range(2, 4):
@@ -165,15 +185,21 @@ def test_dtensors_at_construction_keep_the_users_class(one_rank, device):  # noq
             set_grads(m, t)
             o.step()
     for m in [model, *holders]:
-        assert all(torch.equal(p.full_tensor().cpu(), q.cpu()) for p, q in zip(m.parameters(), ref.parameters()))
+        assert all(
+            torch.equal(p.full_tensor().cpu(), q.cpu())
+            for p, q in zip(m.parameters(), ref.parameters())
+        )
 
 
 def test_accumulation_on_dtensors_needs_the_model(one_rank, device):  # noqa: F811
     """gradient_accumulation_steps > 1 pauses FSDP2's gradient sync, which needs the model."""
     model, _ = sharded_twins(one_rank, device, Net)
-    with pytest.raises(ValueError, match="gradient_accumulation_steps=2 needs a model wrapped with "
-                                         "torch.distributed.fsdp.fully_shard \\(FSDP2\\), whose gradient sync it "
-                                         "pauses, but the optimizer was given no model; pass model="):
+    with pytest.raises(
+        ValueError,
+        match="gradient_accumulation_steps=2 needs a model wrapped with "
+        "torch.distributed.fsdp.fully_shard \\(FSDP2\\), whose gradient sync it "
+        "pauses, but the optimizer was given no model; pass model=",
+    ):
         muon(model.parameters(), gradient_accumulation_steps=2)
     opt = muon(model.parameters(), gradient_accumulation_steps=2, model=model)
     assert opt.last_step is None and type(opt).__name__ == "MuonOptimizer"
@@ -200,4 +226,7 @@ def test_swap_to_dtensors_after_steps(one_rank, device):  # noqa: F811
         opt.step()
         plain.step()
     assert "matrices_computed" in opt.last_step_stats
-    assert all(torch.equal(p.full_tensor().cpu(), q.cpu()) for p, q in zip(model.parameters(), ref.parameters()))
+    assert all(
+        torch.equal(p.full_tensor().cpu(), q.cpu())
+        for p, q in zip(model.parameters(), ref.parameters())
+    )

@@ -45,7 +45,11 @@ def set_grads(model: nn.Module, step: int) -> None:
 
     for i, p in enumerate(model.parameters()):
         g = synthetic_grad(tuple(p.shape), step, i)
-        p.grad = distribute_tensor(g, p.device_mesh, p.placements, src_data_rank=None) if isinstance(p, DTensor) else g
+        p.grad = (
+            distribute_tensor(g, p.device_mesh, p.placements, src_data_rank=None)
+            if isinstance(p, DTensor)
+            else g
+        )
 
 
 def train(pairs, steps: int, first: int = 0) -> None:
@@ -89,7 +93,9 @@ def builders():
 
     return {
         "muon": lambda m: mf.MuonOptimizer(m.parameters(), weight_decay=0.01, compile=False),
-        "muon_named_normuon": lambda m: mf.MuonOptimizer(m.named_parameters(), beta2=0.95, compile=False),
+        "muon_named_normuon": lambda m: mf.MuonOptimizer(
+            m.named_parameters(), beta2=0.95, compile=False
+        ),
         "hybrid": lambda m: mf.create_hybrid_optimizer(m, compile=False),
         "sso": lambda m: mf.SpectralSphereOptimizer(m.parameters(), compile=False),
         "triton_muon": lambda m: mf.TritonMuon(m.parameters(), compile=False),
@@ -100,6 +106,7 @@ def builders():
 
 def single(name, cls=Toy, steps=STEPS):
     """The single-device optimizer ``name`` after ``steps`` steps: parameters and state (rank 0's, sent to all)."""
+
     def run():
         model = make(cls)
         opt = builders()[name](model)
@@ -111,13 +118,17 @@ def single(name, cls=Toy, steps=STEPS):
 
 def check_construction(name, cls=Toy):
     """Built on DTensors: the class, not another; the distributed step; bit for bit."""
+
     def run():
         model = shard(make(cls))
         opt = builders()[name](model)
         train([(model, opt)], STEPS)
         assert type(opt).__name__ == type(builders()[name](make(cls))).__name__
         assert_same(model, opt, single(name, cls), what=f"{name}: ")
-        return {"class": type(opt).__name__, "matrices": opt.last_step_stats.get("matrices_computed")}
+        return {
+            "class": type(opt).__name__,
+            "matrices": opt.last_step_stats.get("matrices_computed"),
+        }
 
     return run
 
@@ -125,7 +136,11 @@ def check_construction(name, cls=Toy):
 def tensor_parallel(model: nn.Module) -> nn.Module:
     """``l1`` column-wise and ``l2`` row-wise over every rank (a 1-D tensor-parallel mesh)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     import torch.distributed as dist
 
@@ -149,7 +164,10 @@ def accelerate_swap(model: nn.Module, opt, blocks=None) -> nn.Module:
     ``Accelerator._prepare_fsdp2``, with ``fully_shard`` for its ``fsdp2_prepare_model``, which
     needs a GPU): placeholders, shard (``blocks(model)``, then the root; default: every child),
     then its own ``fsdp2_switch_optimizer_parameters``."""
-    from accelerate.utils.fsdp_utils import fsdp2_canonicalize_names, fsdp2_switch_optimizer_parameters
+    from accelerate.utils.fsdp_utils import (
+        fsdp2_canonicalize_names,
+        fsdp2_switch_optimizer_parameters,
+    )
     from torch.distributed.fsdp import fully_shard
 
     old = fsdp2_canonicalize_names(dict(model.named_parameters()))
@@ -171,6 +189,7 @@ def accelerate_swap(model: nn.Module, opt, blocks=None) -> nn.Module:
 def check_swap(name, before=0, cls=Toy):
     """Built on the plain model, ``before`` steps, swapped by accelerate, then the rest: bit for
     bit the single-device run (state made before the swap follows its parameter)."""
+
     def run():
         model = make(cls)
         opt = builders()[name](model)
@@ -188,7 +207,9 @@ def gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2))
+    return GPT2LMHeadModel(
+        GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2)
+    )
 
 
 def check_hf_trainer_fsdp2():
@@ -198,7 +219,12 @@ def check_hf_trainer_fsdp2():
     the single-device run."""
     from muon_fn.integrations.hf import HybridFactory
 
-    kwargs = {"muon_lr": 3e-3, "adamw_lr": 3e-3, "adjust_lr_fn": "match_rms_adamw", "compile": False}
+    kwargs = {
+        "muon_lr": 3e-3,
+        "adamw_lr": 3e-3,
+        "adjust_lr_fn": "match_rms_adamw",
+        "compile": False,
+    }
 
     def reference():
         model = gpt2()
@@ -246,13 +272,18 @@ def check_accelerate_checkpoint(tmp: Path):
 
     def run():
         acc = accelerator()
-        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
+        plugin = FullyShardedDataParallelPlugin(
+            fsdp_version=2, state_dict_type="SHARDED_STATE_DICT"
+        )
         out = {}
         for name, cls in (("hybrid", Lm), ("muon_named_normuon", Toy)):
+
             def prepared(seed=0):
                 model = make(cls, seed=seed)
                 opt = AcceleratedOptimizer(builders()[name](model))
-                assert not opt.state, f"{name}: {len(opt.state)} state entries after AcceleratedOptimizer"
+                assert not opt.state, (
+                    f"{name}: {len(opt.state)} state entries after AcceleratedOptimizer"
+                )
                 accelerate_swap(model, opt)
                 return model, opt
 
@@ -261,13 +292,17 @@ def check_accelerate_checkpoint(tmp: Path):
             train([(model, opt)], 2)
             assert all(isinstance(p, DTensor) and st for p, st in opt.state.items()), name
             save_fsdp_optimizer(plugin, acc, opt, model, where)
-            resumed, ropt = prepared(seed=1)  # another start: the parameters and the state come from the run
+            resumed, ropt = prepared(
+                seed=1
+            )  # another start: the parameters and the state come from the run
             with torch.no_grad():
                 for p, q in zip(resumed.parameters(), model.parameters()):
                     p.to_local().copy_(q.to_local())
             load_fsdp_optimizer(plugin, acc, ropt, resumed, where)
             train([(resumed, ropt)], STEPS - 2, first=2)
-            assert_same(resumed, ropt, single(name, cls), what=f"{name} resumed through accelerate: ")
+            assert_same(
+                resumed, ropt, single(name, cls), what=f"{name} resumed through accelerate: "
+            )
             out[name] = sorted(ropt.state_dict()["param_groups"][0])[:3]
         return out
 
@@ -293,8 +328,17 @@ def check_hybrid_accumulation():
         opt = mf.create_hybrid_optimizer(model, gradient_accumulation_steps=2, compile=False)
         for t in range(4):
             for i, p in enumerate(model.parameters()):
-                g = None if t % 2 == 0 else synthetic_grad(tuple(p.shape), t - 1, i) + synthetic_grad(tuple(p.shape), t, i)
-                p.grad = None if g is None else distribute_tensor(g, p.device_mesh, p.placements, src_data_rank=None)
+                g = (
+                    None
+                    if t % 2 == 0
+                    else synthetic_grad(tuple(p.shape), t - 1, i)
+                    + synthetic_grad(tuple(p.shape), t, i)
+                )
+                p.grad = (
+                    None
+                    if g is None
+                    else distribute_tensor(g, p.device_mesh, p.placements, src_data_rank=None)
+                )
             opt.step()
             assert opt.last_step.applied == (t % 2 == 1), t
         assert_same(model, opt, on_rank0(reference), what="hybrid accumulating: ")
@@ -318,22 +362,36 @@ def check_transformers_tp_plan(tmp: Path):
         path = tmp / "llama"
         if dist.get_rank() == 0 and not path.exists():
             torch.manual_seed(0)
-            LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=2)).save_pretrained(path)
+            LlamaForCausalLM(
+                LlamaConfig(
+                    vocab_size=64,
+                    hidden_size=16,
+                    intermediate_size=32,
+                    num_hidden_layers=1,
+                    num_attention_heads=2,
+                    num_key_value_heads=2,
+                )
+            ).save_pretrained(path)
         dist.barrier()
-        model = LlamaForCausalLM.from_pretrained(path, tp_plan="auto",
-                                                 device_mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+        model = LlamaForCausalLM.from_pretrained(
+            path, tp_plan="auto", device_mesh=init_device_mesh("cpu", (dist.get_world_size(),))
+        )
         ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
         model(input_ids=ids, labels=ids).loss.backward()
-        placed = [(p.grad.device_mesh, p.grad.placements) if hasattr(p.grad, "placements") else None
-                  for p in model.parameters()]
+        placed = [
+            (p.grad.device_mesh, p.grad.placements) if hasattr(p.grad, "placements") else None
+            for p in model.parameters()
+        ]
         opt = builders()["muon"](model)
         ref = LlamaForCausalLM.from_pretrained(path)
         plain = builders()["muon"](ref)
         for t in range(STEPS):
             for i, (p, q, where) in enumerate(zip(model.parameters(), ref.parameters(), placed)):
                 g = synthetic_grad(tuple(q.shape), t, i)
-                p.grad, q.grad = g if where is None else distribute_tensor(g, *where, src_data_rank=None), g.clone()
+                p.grad, q.grad = (
+                    g if where is None else distribute_tensor(g, *where, src_data_rank=None),
+                    g.clone(),
+                )
             opt.step()
             plain.step()
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
@@ -356,7 +414,9 @@ def check_swap_refused():
         kept = [full(p).clone() for p in model.parameters()]
         opt.param_groups[0]["params"][0] = other.weight
         message = refusal(opt.step, "the swap")
-        assert "parameter #0 of shape (4, 7) of group 0 replaced one of shape (10, 6)" in message, message
+        assert "parameter #0 of shape (4, 7) of group 0 replaced one of shape (10, 6)" in message, (
+            message
+        )
         assert all(torch.equal(full(p), q) for p, q in zip(model.parameters(), kept))
         return {"message": message[:80]}
 
@@ -378,13 +438,22 @@ def dcp_builders():
 
     return {
         # names relative to the child (the hybrid's model), DCP through the parent (Lightning)
-        "hybrid_via_parent": (lambda parent: mf.create_hybrid_optimizer(parent.model, compile=False),
-                              lambda parent: parent),
+        "hybrid_via_parent": (
+            lambda parent: mf.create_hybrid_optimizer(parent.model, compile=False),
+            lambda parent: parent,
+        ),
         # names relative to the parent, DCP through the child
-        "fsdp_via_child": (lambda parent: FSDPMuonOptimizer(parent, compile=False), lambda parent: parent.model),
+        "fsdp_via_child": (
+            lambda parent: FSDPMuonOptimizer(parent, compile=False),
+            lambda parent: parent.model,
+        ),
         # no names at all, DCP through the parent
-        "muon_via_parent": (lambda parent: mf.MuonOptimizer(parent.model.parameters(), matrix_view="experts",
-                                                            compile=False), lambda parent: parent),
+        "muon_via_parent": (
+            lambda parent: mf.MuonOptimizer(
+                parent.model.parameters(), matrix_view="experts", compile=False
+            ),
+            lambda parent: parent,
+        ),
     }
 
 
@@ -394,11 +463,15 @@ def dcp_single(name):
 
     def run():
         model = make(Moe)
-        opt = {"hybrid_via_parent": lambda: mf.create_hybrid_optimizer(model, compile=False),
-               "fsdp_via_child": lambda: mf.MuonOptimizer(model.parameters(), weight_decay=0.01, matrix_view="experts",
-                                                          compile=False),
-               "muon_via_parent": lambda: mf.MuonOptimizer(model.parameters(), matrix_view="experts",
-                                                           compile=False)}[name]()
+        opt = {
+            "hybrid_via_parent": lambda: mf.create_hybrid_optimizer(model, compile=False),
+            "fsdp_via_child": lambda: mf.MuonOptimizer(
+                model.parameters(), weight_decay=0.01, matrix_view="experts", compile=False
+            ),
+            "muon_via_parent": lambda: mf.MuonOptimizer(
+                model.parameters(), matrix_view="experts", compile=False
+            ),
+        }[name]()
         train([(model, opt)], STEPS)
         return model, opt
 
@@ -410,18 +483,26 @@ def check_dcp_root(tmp: Path, w: int, name: str):
     loads them through the same root into a fresh model and optimizer, takes the third step and
     equals the single-device run bit for bit."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                         set_model_state_dict, set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     def run():
         build, root_of = dcp_builders()[name]
-        parent = Parent(shard(make(Moe, seed=1 if w == 3 else 0)))  # W=3 starts elsewhere: the load must set it
+        parent = Parent(
+            shard(make(Moe, seed=1 if w == 3 else 0))
+        )  # W=3 starts elsewhere: the load must set it
         opt, root = build(parent), root_of(parent)
         where = str(tmp / f"dcp_{name}")
         if w == 2:
             train([(parent.model, opt)], 2)
-            dcp.save({"model": get_model_state_dict(root), "optim": get_optimizer_state_dict(root, opt)},
-                     checkpoint_id=where)
+            dcp.save(
+                {"model": get_model_state_dict(root), "optim": get_optimizer_state_dict(root, opt)},
+                checkpoint_id=where,
+            )
             return {"saved": sorted(get_optimizer_state_dict(root, opt)["state"])[:3]}
         state = {"model": get_model_state_dict(root), "optim": get_optimizer_state_dict(root, opt)}
         dcp.load(state, checkpoint_id=where)
@@ -440,19 +521,31 @@ def check_other_view_refused(tmp: Path):
     parent too, naming the parameter under the optimizer's own name; the parameters are left as
     they were (DCP has loaded the state in place by then)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
 
     import muon_fn as mf
 
     def run():
         parent = Parent(shard(make(Moe)))
-        opt = mf.create_hybrid_optimizer(parent.model, matrix_view={"experts": "flatten"}, beta2=None, compile=False)
+        opt = mf.create_hybrid_optimizer(
+            parent.model, matrix_view={"experts": "flatten"}, beta2=None, compile=False
+        )
         kept = [full(p).clone() for p in parent.parameters()]
         state = {"optim": get_optimizer_state_dict(parent, opt)}
         dcp.load(state, checkpoint_id=str(tmp / "dcp_hybrid_via_parent"))
-        message = refusal(lambda: set_optimizer_state_dict(parent, opt, state["optim"]), "a checkpoint of another layout")
-        assert "'experts' of shape (3, 4, 6) with view 'experts' in the state dict" in message, message
-        assert message.endswith("build the optimizer again before stepping (the parameters are unchanged)"), message
+        message = refusal(
+            lambda: set_optimizer_state_dict(parent, opt, state["optim"]),
+            "a checkpoint of another layout",
+        )
+        assert "'experts' of shape (3, 4, 6) with view 'experts' in the state dict" in message, (
+            message
+        )
+        assert message.endswith(
+            "build the optimizer again before stepping (the parameters are unchanged)"
+        ), message
         assert all(torch.equal(full(p), q) for p, q in zip(parent.parameters(), kept))
         return {"message": message}
 
@@ -483,7 +576,9 @@ def checks_for(w: int, tmp: str) -> dict:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     shared = tmp_path_factory.mktemp("layouts_dcp")
-    return job_runner(__file__, "layouts", tmp_path_factory, JOB_TIMEOUT_S, args=[str(shared)], order=WORLD_SIZES)
+    return job_runner(
+        __file__, "layouts", tmp_path_factory, JOB_TIMEOUT_S, args=[str(shared)], order=WORLD_SIZES
+    )
 
 
 CHECKS = list(dict.fromkeys([*checks_for(2, "."), *checks_for(3, ".")]))

@@ -52,11 +52,21 @@ def _start(tmp: Path, name: str, argvs: list[list[str]]) -> Callable[..., str]:
     ``stop=True``: at once), and returns its output; a failure fails the test with its tail."""
     spec, log = tmp / f"{name}.json", tmp / f"{name}.log"
     spec.write_text(json.dumps(argvs))
-    env = dict(os.environ, OMP_NUM_THREADS="1", MUON_FN_COMPILE="0",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        MUON_FN_COMPILE="0",
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    )
     with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, __file__, str(spec)], cwd=tmp, env=env, stdout=f,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, __file__, str(spec)],
+            cwd=tmp,
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     deadline = time.monotonic() + JOB_TIMEOUT_S
 
     def finish(stop: bool = False) -> str:
@@ -95,18 +105,61 @@ def runs(tmp_path_factory) -> Path:
     """
     _require_extra("lightning", "lightning")
     tmp = tmp_path_factory.mktemp("lightning")
-    one = [[*STEPS, "--accumulate", "2", "--optimizer", opt, "--grad-clip", clip,
-            "--save-params", str(tmp / f"one-{opt}-clip{clip}.pt")] for opt in OPTIMIZERS for clip in "01"]
+    one = [
+        [
+            *STEPS,
+            "--accumulate",
+            "2",
+            "--optimizer",
+            opt,
+            "--grad-clip",
+            clip,
+            "--save-params",
+            str(tmp / f"one-{opt}-clip{clip}.pt"),
+        ]
+        for opt in OPTIMIZERS
+        for clip in "01"
+    ]
     straight, resumed = [], []
     for strategy, clip in STRATEGIES.items():
         for opt in OPTIMIZERS:
             run = f"{strategy}-{opt}"
-            common = [*STEPS, "--strategy", strategy, "--devices", "2", "--grad-clip", clip, "--optimizer", opt]
-            straight.append([*common, "--ckpt-dir", str(tmp / run), "--save-params", str(tmp / f"{run}.pt")])
-            resumed.append([*common, "--resume", str(tmp / run / "epoch=0-step=2.ckpt"),
-                            "--save-params", str(tmp / f"{run}-resumed.pt")])
-    straight.append([*STEPS, "--strategy", "fsdp2", "--devices", "2", "--optimizer", "hybrid",
-                     "--save-params", str(tmp / "fsdp2-hybrid-clip1.pt")])
+            common = [
+                *STEPS,
+                "--strategy",
+                strategy,
+                "--devices",
+                "2",
+                "--grad-clip",
+                clip,
+                "--optimizer",
+                opt,
+            ]
+            straight.append(
+                [*common, "--ckpt-dir", str(tmp / run), "--save-params", str(tmp / f"{run}.pt")]
+            )
+            resumed.append(
+                [
+                    *common,
+                    "--resume",
+                    str(tmp / run / "epoch=0-step=2.ckpt"),
+                    "--save-params",
+                    str(tmp / f"{run}-resumed.pt"),
+                ]
+            )
+    straight.append(
+        [
+            *STEPS,
+            "--strategy",
+            "fsdp2",
+            "--devices",
+            "2",
+            "--optimizer",
+            "hybrid",
+            "--save-params",
+            str(tmp / "fsdp2-hybrid-clip1.pt"),
+        ]
+    )
     one_job = _start(tmp, "one", one)
     try:
         out = _start(tmp, "straight", straight)()
@@ -127,10 +180,16 @@ def test_lightning_resumed_run_equals_the_straight_run(runs):
     for strategy in STRATEGIES:
         for opt in OPTIMIZERS:
             ckpts = runs / f"{strategy}-{opt}"
-            assert sorted(p.name for p in ckpts.iterdir()) == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt"]
+            assert sorted(p.name for p in ckpts.iterdir()) == [
+                "epoch=0-step=2.ckpt",
+                "epoch=1-step=4.ckpt",
+            ]
             assert (ckpts / "epoch=0-step=2.ckpt").is_dir() == (strategy == "fsdp2")
-            _assert_equal(_params(runs / f"{strategy}-{opt}-resumed.pt"), _params(runs / f"{strategy}-{opt}.pt"),
-                          f"{strategy} {opt}: resumed vs straight")
+            _assert_equal(
+                _params(runs / f"{strategy}-{opt}-resumed.pt"),
+                _params(runs / f"{strategy}-{opt}.pt"),
+                f"{strategy} {opt}: resumed vs straight",
+            )
 
 
 @pytest.mark.distributed
@@ -139,12 +198,17 @@ def test_lightning_fsdp2_equals_one_process(runs):
     hybrid, no clipping: equal to one process accumulating the ranks' micro-batches, bit for bit;
     with clipping within CLIPPED_ATOL, and clipping changes the result."""
     for opt in OPTIMIZERS:
-        _assert_equal(_params(runs / f"fsdp2-{opt}.pt"), _params(runs / f"one-{opt}-clip0.pt"),
-                      f"fsdp2 {opt} vs one process")
+        _assert_equal(
+            _params(runs / f"fsdp2-{opt}.pt"),
+            _params(runs / f"one-{opt}-clip0.pt"),
+            f"fsdp2 {opt} vs one process",
+        )
     clipped, one = _params(runs / "fsdp2-hybrid-clip1.pt"), _params(runs / "one-hybrid-clip1.pt")
     worst = max((clipped[k] - one[k]).abs().max().item() for k in one)
     assert worst <= CLIPPED_ATOL, worst
-    assert not torch.equal(clipped["lm_head.weight"], _params(runs / "fsdp2-hybrid.pt")["lm_head.weight"])
+    assert not torch.equal(
+        clipped["lm_head.weight"], _params(runs / "fsdp2-hybrid.pt")["lm_head.weight"]
+    )
 
 
 @pytest.mark.distributed
@@ -152,8 +216,11 @@ def test_lightning_ddp_equals_one_process(runs):
     """DDP with the example's default clipping (of the all-reduced gradients, as on one process):
     equal to one process, bit for bit, for both optimizers, which differ."""
     for opt in OPTIMIZERS:
-        _assert_equal(_params(runs / f"ddp-{opt}.pt"), _params(runs / f"one-{opt}-clip1.pt"),
-                      f"ddp {opt} vs one process")
+        _assert_equal(
+            _params(runs / f"ddp-{opt}.pt"),
+            _params(runs / f"one-{opt}-clip1.pt"),
+            f"ddp {opt} vs one process",
+        )
     muon, hybrid = (_params(runs / f"ddp-{opt}.pt") for opt in OPTIMIZERS)
     assert not torch.equal(muon["lm_head.weight"], hybrid["lm_head.weight"])
 

@@ -24,7 +24,9 @@ LR, WD, B2, EPS = 0.02, 0.01, 0.95, 1e-8
 
 def model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 24), nn.Tanh(), nn.Linear(24, 12), nn.Tanh(), nn.Linear(12, 6))
+    return nn.Sequential(
+        nn.Linear(8, 24), nn.Tanh(), nn.Linear(24, 12), nn.Tanh(), nn.Linear(12, 6)
+    )
 
 
 def backward(net: nn.Module, seed: int) -> None:
@@ -40,7 +42,10 @@ def rms(t: torch.Tensor) -> float:
 def exact_residual(o: torch.Tensor) -> float:
     o = o.double()
     o = o if o.shape[0] <= o.shape[1] else o.mT
-    return (torch.linalg.matrix_norm(o @ o.mT - torch.eye(o.shape[0], dtype=torch.float64)) / math.sqrt(o.shape[0])).item()
+    return (
+        torch.linalg.matrix_norm(o @ o.mT - torch.eye(o.shape[0], dtype=torch.float64))
+        / math.sqrt(o.shape[0])
+    ).item()
 
 
 # The shape rules of design.md §3, written out (not muon_fn's shape_scale): s(out, in).
@@ -66,8 +71,15 @@ def documented_residual(o: torch.Tensor) -> float:
 def test_every_figure_matches_an_eager_reference():
     """One NorMuon step of MuonOptimizer (fp32 iteration) and the figures recomputed by hand."""
     net = model()
-    opt = mf.MuonOptimizer(net.named_parameters(), lr=LR, weight_decay=WD, beta2=B2, ns_dtype=torch.float32,
-                           compile=False, metrics=True)
+    opt = mf.MuonOptimizer(
+        net.named_parameters(),
+        lr=LR,
+        weight_decay=WD,
+        beta2=B2,
+        ns_dtype=torch.float32,
+        compile=False,
+        metrics=True,
+    )
     backward(net, 0)
     w = net[2].weight  # 12 x 24: the estimate's 8 rows of 12
     before, grad = w.detach().clone(), w.grad.clone()
@@ -85,13 +97,17 @@ def test_every_figure_matches_an_eager_reference():
     assert got["row_scale_range"] == pytest.approx((scales.max() / scales.min()).item(), rel=1e-6)
     o = orthogonalized(grad, st["momentum_buffer"])  # the step's O, recomputed
     assert got["ortho_residual"] == pytest.approx(documented_residual(o), rel=1e-5)
-    assert abs(got["ortho_residual"] - exact_residual(o)) < 0.25 * exact_residual(o)  # estimates the exact
+    assert abs(got["ortho_residual"] - exact_residual(o)) < 0.25 * exact_residual(
+        o
+    )  # estimates the exact
     small = net[4].weight  # 6 x 12: all 6 rows, the exact value
     assert m["4.weight/ortho_residual"] == pytest.approx(
-        exact_residual(orthogonalized(small.grad, opt.state[small]["momentum_buffer"])), rel=1e-4)
+        exact_residual(orthogonalized(small.grad, opt.state[small]["momentum_buffer"])), rel=1e-4
+    )
     assert m["group0/skipped"] == 0.0
     assert m["group0/grad_norm"] == pytest.approx(
-        math.sqrt(sum(p.grad.double().square().sum().item() for p in net.parameters())), rel=1e-6)
+        math.sqrt(sum(p.grad.double().square().sum().item() for p in net.parameters())), rel=1e-6
+    )
 
 
 def _one_step(rule: str, beta2: float | None):
@@ -99,7 +115,9 @@ def _one_step(rule: str, beta2: float | None):
     its figures, each weight before the step and its change (float64)."""
     torch.manual_seed(0)
     params = {"tall": nn.Parameter(torch.randn(24, 16)), "wide": nn.Parameter(torch.randn(16, 40))}
-    opt = mf.MuonOptimizer(list(params.items()), lr=LR, adjust_lr_fn=rule, beta2=beta2, compile=False, metrics=True)
+    opt = mf.MuonOptimizer(
+        list(params.items()), lr=LR, adjust_lr_fn=rule, beta2=beta2, compile=False, metrics=True
+    )
     for p in params.values():
         p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(p.shape[1]))
     before = {n: p.detach().double().clone() for n, p in params.items()}
@@ -124,14 +142,21 @@ def test_figures_match_the_weight_change(rule):
         assert m[f"{name}/effective_lr"] == pytest.approx(LR * s, rel=1e-6)
         assert m[f"{name}/ortho_residual"] == pytest.approx(documented_residual(o), rel=1e-3)
         scales = ((1 - B2) * o.square().mean(dim=1)).sqrt() + EPS
-        assert normuon[f"{name}/row_scale_range"] == pytest.approx((scales.max() / scales.min()).item(), rel=1e-3)
+        assert normuon[f"{name}/row_scale_range"] == pytest.approx(
+            (scales.max() / scales.min()).item(), rel=1e-3
+        )
         assert normuon[f"{name}/update_rms"] == pytest.approx(rms(n_delta[name]), rel=1e-5)
         assert normuon[f"{name}/weight_rms"] == pytest.approx(rms(n_before[name]), rel=1e-6)
         assert normuon[f"{name}/effective_lr"] == pytest.approx(LR * s, rel=1e-6)
     assert m["group0/update_norm"] == pytest.approx(
-        math.sqrt(sum(d.square().sum().item() for d in delta.values())), rel=1e-5)
+        math.sqrt(sum(d.square().sum().item() for d in delta.values())), rel=1e-5
+    )
     worst = max(("tall", "wide"), key=lambda n: m[f"{n}/ortho_residual"])
-    assert m[f"group0/ortho_residual_max@{worst}"] == m["group0/ortho_residual_max"] == m[f"{worst}/ortho_residual"]
+    assert (
+        m[f"group0/ortho_residual_max@{worst}"]
+        == m["group0/ortho_residual_max"]
+        == m[f"{worst}/ortho_residual"]
+    )
 
 
 def orthogonalized(grad: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
@@ -145,11 +170,14 @@ def test_residual_estimate_is_exact_for_at_most_eight_rows_and_follows_the_itera
     torch.manual_seed(0)
     for shape in [(4, 9), (8, 8), (3, 50)]:
         o = mf.zeropower_via_newtonschulz5(torch.randn(shape), steps=5)
-        assert _metrics.residual(o.unsqueeze(0)).item() == pytest.approx(exact_residual(o), rel=1e-5)
+        assert _metrics.residual(o.unsqueeze(0)).item() == pytest.approx(
+            exact_residual(o), rel=1e-5
+        )
     for shape in [(24, 16), (16, 40), (64, 9)]:  # more than 8 rows: the estimate of the doc
         o = mf.zeropower_via_newtonschulz5(torch.randn(shape), steps=5)
-        assert _metrics.residual((o if shape[0] <= shape[1] else o.mT).unsqueeze(0)).item() == pytest.approx(
-            documented_residual(o), rel=1e-5)
+        assert _metrics.residual(
+            (o if shape[0] <= shape[1] else o.mT).unsqueeze(0)
+        ).item() == pytest.approx(documented_residual(o), rel=1e-5)
     g = torch.randn(64, 128)
     loose = _metrics.residual(mf.polar_express(g, steps=5).unsqueeze(0)).item()
     exact = _metrics.residual(mf.polar_express(g, steps=10).unsqueeze(0)).item()
@@ -160,15 +188,19 @@ def test_units_of_an_expert_stack_and_a_head_view():
     torch.manual_seed(0)
     stack = nn.Parameter(torch.randn(3, 6, 4))
     qkv = nn.Parameter(torch.randn(12, 4))
-    opt = mf.MuonOptimizer([("experts", stack), ("qkv", qkv)], matrix_view={"experts": "experts",
-                           "qkv": mf.heads(rows=3)}, compile=False, metrics=True)
+    opt = mf.MuonOptimizer(
+        [("experts", stack), ("qkv", qkv)],
+        matrix_view={"experts": "experts", "qkv": mf.heads(rows=3)},
+        compile=False,
+        metrics=True,
+    )
     stack.grad, qkv.grad = torch.randn_like(stack), torch.randn_like(qkv)
     g_stack, g_qkv = stack.grad.clone(), qkv.grad.clone()
     opt.step()
     m = opt.metrics()
     for j in range(3):
         assert m[f"experts[{j}]/grad_rms"] == pytest.approx(rms(g_stack[j]), rel=1e-6)
-        assert m[f"qkv[{j}]/grad_rms"] == pytest.approx(rms(g_qkv[4 * j:4 * j + 4]), rel=1e-6)
+        assert m[f"qkv[{j}]/grad_rms"] == pytest.approx(rms(g_qkv[4 * j : 4 * j + 4]), rel=1e-6)
         assert f"qkv[{j}]/ortho_residual" in m and f"experts[{j}]/effective_lr" in m
     assert m["group0/grad_rms_max"] == max(v for k, v in m.items() if k.endswith("/grad_rms"))
 
@@ -193,10 +225,16 @@ def _graphs(opt_factory, steps: int = 4):
 
 def test_off_is_the_same_graphs_and_every_k_reuses_them():
     plain, _, net_a = _graphs(lambda n, c: mf.MuonOptimizer(n.parameters(), compile=c, beta2=B2))
-    off, _, net_b = _graphs(lambda n, c: mf.MuonOptimizer(n.parameters(), compile=c, beta2=B2, metrics=False))
-    every, opt, net_c = _graphs(lambda n, c: mf.MuonOptimizer(n.parameters(), compile=c, beta2=B2, metrics=3))
+    off, _, net_b = _graphs(
+        lambda n, c: mf.MuonOptimizer(n.parameters(), compile=c, beta2=B2, metrics=False)
+    )
+    every, opt, net_c = _graphs(
+        lambda n, c: mf.MuonOptimizer(n.parameters(), compile=c, beta2=B2, metrics=3)
+    )
     assert off == plain
-    assert set(plain) <= set(every) and len(every) == 2 * len(plain)  # the unmeasured graphs, and one set more
+    assert set(plain) <= set(every) and len(every) == 2 * len(
+        plain
+    )  # the unmeasured graphs, and one set more
     for a, b in zip(net_a.parameters(), net_c.parameters()):
         assert torch.equal(a, b)  # measuring changes no bit of the step
     assert opt.metrics()["step"] == 4.0
@@ -218,7 +256,8 @@ def test_compiled_step_reads_nothing_back_and_never_recompiles():
     m = opt.metrics()
     # the sixth step ran at the scheduler's fifth value (its first step came before the loop)
     assert m["step"] == 6.0 and m["2.weight/effective_lr"] == pytest.approx(
-        LR / 5 * SHAPE_RULES["keller"](12, 24), rel=1e-6)
+        LR / 5 * SHAPE_RULES["keller"](12, 24), rel=1e-6
+    )
 
 
 BUILDS = {
@@ -252,6 +291,7 @@ def assert_same_figures(got: dict[str, float], want: dict[str, float]) -> None:
     so an ulp of difference in its inputs (inductor fuses the momentum's lerp) may take one more
     or one fewer evaluation: its λ*, |h| and evaluation count are compared to the solve's
     accuracy, and the matrix named by ``sso_residual_max@`` may differ."""
+
     def names(m):
         return {k for k in m if "sso_residual_max@" not in k}
 
@@ -296,9 +336,16 @@ def test_names_of_groups_and_unnamed_parameters():
     ``group<i>`` (``"auto"``, or two groups of one algorithm)."""
     net = model()
     w0, w2, w4 = net[0].weight, net[2].weight, net[4].weight
-    opt = mf.MuonOptimizer([{"params": [w0], "algorithm": "muon"}, {"params": [w2], "algorithm": "muon"},
-                            {"params": [w4], "algorithm": "adamw"}, {"params": [net[0].bias]}],
-                           compile=False, metrics=True)
+    opt = mf.MuonOptimizer(
+        [
+            {"params": [w0], "algorithm": "muon"},
+            {"params": [w2], "algorithm": "muon"},
+            {"params": [w4], "algorithm": "adamw"},
+            {"params": [net[0].bias]},
+        ],
+        compile=False,
+        metrics=True,
+    )
     backward(net, 0)
     grads = [w0.grad.clone(), w2.grad.clone(), w4.grad.clone()]
     opt.step()
@@ -312,7 +359,9 @@ def test_names_of_groups_and_unnamed_parameters():
 
 def test_skipped_only_with_a_nonfinite_check_and_step_restarts_in_a_loaded_optimizer():
     net = model()
-    unchecked = mf.MuonOptimizer(net.named_parameters(), compile=False, metrics=True, nonfinite=None)
+    unchecked = mf.MuonOptimizer(
+        net.named_parameters(), compile=False, metrics=True, nonfinite=None
+    )
     backward(net, 0)
     unchecked.step()
     assert "group0/grad_norm" in unchecked.metrics() and "group0/skipped" not in unchecked.metrics()
@@ -329,7 +378,9 @@ def test_skipped_only_with_a_nonfinite_check_and_step_restarts_in_a_loaded_optim
 
 def test_gradient_figures_under_accumulation_are_the_windows_mean():
     net = model()
-    opt = mf.MuonOptimizer(net.named_parameters(), compile=False, metrics=True, gradient_accumulation_steps=2)
+    opt = mf.MuonOptimizer(
+        net.named_parameters(), compile=False, metrics=True, gradient_accumulation_steps=2
+    )
     grads = []
     for t in range(2):
         backward(net, t)
@@ -338,7 +389,9 @@ def test_gradient_figures_under_accumulation_are_the_windows_mean():
     mean = [(a + b) / 2 for a, b in zip(*grads)]
     m = opt.metrics()
     assert m["step"] == 1.0
-    assert m["group0/grad_norm"] == pytest.approx(math.sqrt(sum(g.square().sum().item() for g in mean)), rel=1e-6)
+    assert m["group0/grad_norm"] == pytest.approx(
+        math.sqrt(sum(g.square().sum().item() for g in mean)), rel=1e-6
+    )
     assert m["0.weight/grad_rms"] == pytest.approx(rms(mean[0]), rel=1e-6)
 
 
@@ -355,7 +408,9 @@ def test_a_skipped_step_is_marked():
 
 
 def test_metrics_keyword_is_checked():
-    with pytest.raises(ValueError, match=r"Invalid metrics: 0 \(expected False, True, or an integer k >= 1"):
+    with pytest.raises(
+        ValueError, match=r"Invalid metrics: 0 \(expected False, True, or an integer k >= 1"
+    ):
         mf.MuonOptimizer(model().parameters(), metrics=0)
 
 
@@ -380,7 +435,13 @@ class _CountedReads(torch.Tensor):
     a synchronizing copy."""
 
     reads = 0
-    READS = {torch.Tensor.cpu, torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.numpy, torch.Tensor.__float__}
+    READS = {
+        torch.Tensor.cpu,
+        torch.Tensor.tolist,
+        torch.Tensor.item,
+        torch.Tensor.numpy,
+        torch.Tensor.__float__,
+    }
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -396,8 +457,13 @@ def test_read_metrics_reads_the_device_once():
     grads = {k: torch.randn_like(v) for k, v in params.items()}
     _, state = tx.update(grads, tx.init(params), params)
     want = _metrics.read_metrics(state, params)
-    counted = _metrics.MetricsState(state.inner, tuple(
-        None if r is None else {k: v.as_subclass(_CountedReads) for k, v in r.items()} for r in state.raw))
+    counted = _metrics.MetricsState(
+        state.inner,
+        tuple(
+            None if r is None else {k: v.as_subclass(_CountedReads) for k, v in r.items()}
+            for r in state.raw
+        ),
+    )
     _CountedReads.reads = 0
     assert _metrics.read_metrics(counted, params) == want and len(want) > 10
     assert _CountedReads.reads == 1
@@ -417,4 +483,8 @@ def test_on_every_device(device):
         else:
             opt.step()
     m = opt.metrics()
-    assert m["step"] == 2.0 and m["muon/skipped"] == 0.0 and math.isfinite(m["muon/ortho_residual_max"])
+    assert (
+        m["step"] == 2.0
+        and m["muon/skipped"] == 0.0
+        and math.isfinite(m["muon/ortho_residual_max"])
+    )

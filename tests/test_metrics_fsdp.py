@@ -42,6 +42,7 @@ def _compare(mine: dict, theirs: dict) -> dict:
 
 def check_muon(w, cls=Toy, **kw):
     """FSDPMuonOptimizer(metrics=True) against MuonOptimizer(metrics=True), NorMuon on."""
+
     def run():
         import muon_fn as mf
         from muon_fn.fsdp import FSDPMuonOptimizer
@@ -51,8 +52,9 @@ def check_muon(w, cls=Toy, **kw):
         train([(model, opt)], 3)
         ref = make(cls)
         views = {"w_*": "experts", "conv.weight": "flatten"} if cls is Experts else None
-        single = mf.MuonOptimizer(ref.named_parameters(), metrics=True, beta2=0.95, matrix_view=views,
-                                  **muon_kwargs(**kw))
+        single = mf.MuonOptimizer(
+            ref.named_parameters(), metrics=True, beta2=0.95, matrix_view=views, **muon_kwargs(**kw)
+        )
         train([(ref, single)], 3)
         return _same_everywhere(opt.metrics(), single.metrics())
 
@@ -77,6 +79,7 @@ def check_sso(w):
 
 def check_every_k(w):
     """metrics=3: the figures are those of steps 1 and 4, on every rank."""
+
     def run():
         from muon_fn.fsdp import FSDPMuonOptimizer
 
@@ -96,13 +99,19 @@ def _same_everywhere(mine: dict, reference: dict | None) -> dict:
     """Every rank's dict equals rank 0's bit for bit, and the single-device one (if given)."""
     gathered = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, mine)
-    assert all(json.dumps(g, sort_keys=True) == json.dumps(gathered[0], sort_keys=True) for g in gathered)
+    assert all(
+        json.dumps(g, sort_keys=True) == json.dumps(gathered[0], sort_keys=True) for g in gathered
+    )
     return _compare(mine, reference) if reference is not None else {"figures": len(mine)}
 
 
 def checks_for(w: int) -> dict:
-    return {"muon": check_muon(w), "muon_experts": check_muon(w, Experts), "sso": check_sso(w),
-            "every_k": check_every_k(w)}
+    return {
+        "muon": check_muon(w),
+        "muon_experts": check_muon(w, Experts),
+        "sso": check_sso(w),
+        "every_k": check_every_k(w),
+    }
 
 
 @pytest.fixture(scope="module")

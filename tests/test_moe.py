@@ -44,8 +44,14 @@ def route_loop(expert: torch.Tensor, num_experts: int, cap: int) -> torch.Tensor
     return slot
 
 
-@given(b=st.integers(1, 3), t=st.integers(1, 12), e=st.integers(1, 6), k=st.integers(1, 3),
-       factor=st.sampled_from([0.25, 0.5, 1.0, 1.25, 2.0]), seed=st.integers(0, 2**16))
+@given(
+    b=st.integers(1, 3),
+    t=st.integers(1, 12),
+    e=st.integers(1, 6),
+    k=st.integers(1, 3),
+    factor=st.sampled_from([0.25, 0.5, 1.0, 1.25, 2.0]),
+    seed=st.integers(0, 2**16),
+)
 def test_route_matches_a_loop_over_tokens(b, t, e, k, factor, seed):
     k = min(k, e)
     logits = torch.randn(b, t, e, generator=torch.Generator().manual_seed(seed))
@@ -79,7 +85,9 @@ def moe_loop(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("k, factor, drops", [(1, 1.25, True), (1, 0.5, True), (2, 1.0, True), (3, 4.0, False)])
+@pytest.mark.parametrize(
+    "k, factor, drops", [(1, 1.25, True), (1, 0.5, True), (2, 1.0, True), (3, 4.0, False)]
+)
 def test_layer_matches_a_loop_over_tokens(k, factor, drops):
     moe = layer(k=k, factor=factor)
     x = torch.randn(3, 10, 8, generator=torch.Generator().manual_seed(1))
@@ -89,7 +97,9 @@ def test_layer_matches_a_loop_over_tokens(k, factor, drops):
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
     cap = capacity(10, 4, k, factor)
     dropped = route(moe.router(x), k, cap).slot == 4 * cap
-    assert bool(dropped.any()) == drops  # the dropping path is exercised (capacity 30 ≥ t never drops)
+    assert (
+        bool(dropped.any()) == drops
+    )  # the dropping path is exercised (capacity 30 ≥ t never drops)
 
 
 def test_layer_is_causal_and_batch_independent():
@@ -123,8 +133,11 @@ def test_gradient_reaches_every_expert_used():
 def test_expert_weights_are_one_3d_parameter_per_projection():
     model = GPT(config_for("moe-tiny"))
     names = {n: tuple(p.shape) for n, p in model.named_parameters() if ".mlp." in n}
-    assert names == {f"blocks.{i}.mlp.{n}": s for i in range(4)
-                     for n, s in (("fc", (4, 512, 128)), ("proj", (4, 128, 512)), ("router.weight", (4, 128)))}
+    assert names == {
+        f"blocks.{i}.mlp.{n}": s
+        for i in range(4)
+        for n, s in (("fc", (4, 512, 128)), ("proj", (4, 128, 512)), ("router.weight", (4, 128)))
+    }
     assert sum(p.numel() for p in model.parameters()) == 2_461_952
 
 
@@ -144,7 +157,10 @@ def test_balance_term_adds_gradient_not_value():
         assert all(1.0 <= a < 1.5 for a in aux), aux  # ≥ 1 (Cauchy–Schwarz), near-uniform at init
     assert torch.equal(losses[0], losses[1])
     differs = {n for n in grads[0] if not torch.equal(grads[0][n], grads[1][n])}
-    assert {n for n in differs if "router" in n} == {"blocks.0.mlp.router.weight", "blocks.1.mlp.router.weight"}
+    assert {n for n in differs if "router" in n} == {
+        "blocks.0.mlp.router.weight",
+        "blocks.1.mlp.router.weight",
+    }
     model.eval()
     with torch.no_grad():
         logits, loss = model(x, x)
@@ -162,8 +178,12 @@ def test_trainer_optimizer_steps_each_expert_as_its_own_matrix():
     model = GPT(GPTConfig(**SMALL))
     opt, _ = build_single("muon", {}, model, 0.02, 3e-3, 0.0, compile=False)
     muon, adamw = opt.param_groups
-    assert muon["matrix_view"] == {f"blocks.{i}.mlp.{n}": "experts" for i in range(2) for n in ("fc", "proj")}
-    assert [n for n in muon["param_names"] if "router" in n] == [f"blocks.{i}.mlp.router.weight" for i in range(2)]
+    assert muon["matrix_view"] == {
+        f"blocks.{i}.mlp.{n}": "experts" for i in range(2) for n in ("fc", "proj")
+    }
+    assert [n for n in muon["param_names"] if "router" in n] == [
+        f"blocks.{i}.mlp.router.weight" for i in range(2)
+    ]
     assert not [n for n in adamw["param_names"] if "router" in n]
     fc = model.blocks[0].mlp.fc
     before = fc.detach().clone()

@@ -77,8 +77,14 @@ def _set_grads(model, step):
         g = _grad(tuple(p.shape), step, i)
         if isinstance(p, DTensor):
             a, b = chunk_rows(g.shape[0], WORLD)[p.device_mesh.get_local_rank(0)]
-            p.grad = DTensor.from_local(g[a:b].clone(), p.device_mesh, p.placements, run_check=False,
-                                        shape=p.shape, stride=p.stride())
+            p.grad = DTensor.from_local(
+                g[a:b].clone(),
+                p.device_mesh,
+                p.placements,
+                run_check=False,
+                shape=p.shape,
+                stride=p.stride(),
+            )
         else:
             p.grad = g
 
@@ -105,8 +111,13 @@ def _check_synthetic():
         opt.step()
         ref_opt.step()
     diffs = _diffs(model, ref)
-    return {"max_diff": max(diffs.values()), "diffs": diffs, "stacks": [list(mp.shape) for mp in stacks],
-            "contrib": [list(map(list, mp.contrib)) for mp in stacks], "views": views}
+    return {
+        "max_diff": max(diffs.values()),
+        "diffs": diffs,
+        "stacks": [list(mp.shape) for mp in stacks],
+        "contrib": [list(map(list, mp.contrib)) for mp in stacks],
+        "views": views,
+    }
 
 
 def _check_backward():
@@ -122,7 +133,7 @@ def _check_backward():
     for step in range(STEPS):
         tokens = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(step))
         x, y = tokens[:, :-1], tokens[:, 1:]
-        _, loss = model(x[2 * rank: 2 * rank + 2], y[2 * rank: 2 * rank + 2])
+        _, loss = model(x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2])
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -166,10 +177,20 @@ def _worker(rank, port, out):
 @pytest.fixture(scope="module")
 def ranks():
     out = os.path.join(tempfile.mkdtemp(), "moe_fsdp.json")
-    env = dict(os.environ, OMP_NUM_THREADS="1", MUON_FN_COMPILE="0",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, __file__, out, str(free_port())], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, text=True)
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        MUON_FN_COMPILE="0",
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    )
+    proc = subprocess.Popen(
+        [sys.executable, __file__, out, str(free_port())],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        text=True,
+    )
     try:
         log, _ = proc.communicate(timeout=JOB_TIMEOUT_S)
     except subprocess.TimeoutExpired:

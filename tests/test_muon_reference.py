@@ -76,8 +76,14 @@ def problem(seed=0, device=CPU):
 def run_torch(*, lr, weight_decay, momentum, nesterov, adjust_lr_fn, steps=STEPS, device=CPU):
     params, grads = problem(device=device)
     ps = [p.clone() for p in params]
-    opt = torch.optim.Muon(ps, lr=lr, weight_decay=weight_decay, momentum=momentum,
-                           nesterov=nesterov, adjust_lr_fn=adjust_lr_fn)
+    opt = torch.optim.Muon(
+        ps,
+        lr=lr,
+        weight_decay=weight_decay,
+        momentum=momentum,
+        nesterov=nesterov,
+        adjust_lr_fn=adjust_lr_fn,
+    )
     for _ in range(steps):
         for p, g in zip(ps, grads(ps)):
             p.grad = g
@@ -85,12 +91,31 @@ def run_torch(*, lr, weight_decay, momentum, nesterov, adjust_lr_fn, steps=STEPS
     return params, ps, [opt.state[p]["momentum_buffer"] for p in ps]
 
 
-def run_muon_fn(*, lr, weight_decay, momentum, nesterov, adjust_lr_fn, ns_dtype, steps=STEPS,
-                kind="ema", device=CPU):
+def run_muon_fn(
+    *,
+    lr,
+    weight_decay,
+    momentum,
+    nesterov,
+    adjust_lr_fn,
+    ns_dtype,
+    steps=STEPS,
+    kind="ema",
+    device=CPU,
+):
     params, grads = problem(device=device)
     tree = {f"w{i}": p.clone() for i, p in enumerate(params)}
-    tx = mf.muon(lr, momentum, nesterov=nesterov, kind=kind, method="quintic", ns_steps=5,
-                 ns_dtype=ns_dtype, adjust_lr_fn=adjust_lr_fn, weight_decay=weight_decay)
+    tx = mf.muon(
+        lr,
+        momentum,
+        nesterov=nesterov,
+        kind=kind,
+        method="quintic",
+        ns_steps=5,
+        ns_dtype=ns_dtype,
+        adjust_lr_fn=adjust_lr_fn,
+        weight_decay=weight_decay,
+    )
     state = tx.init(tree)
     for _ in range(steps):
         gs = grads([tree[f"w{i}"] for i in range(len(SHAPES))])
@@ -128,10 +153,23 @@ def test_twin_is_faithful_in_bf16(device):
 
 @pytest.mark.parametrize("adjust_lr_fn", ["keller", "original"])
 def test_matches_torch_muon_bf16(device, adjust_lr_fn):
-    p0, p_torch, _ = run_torch(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True,
-                               adjust_lr_fn="original", device=device)
-    p_mf, _ = run_muon_fn(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True,
-                          adjust_lr_fn=adjust_lr_fn, ns_dtype=torch.bfloat16, device=device)
+    p0, p_torch, _ = run_torch(
+        lr=0.02,
+        weight_decay=0.1,
+        momentum=0.95,
+        nesterov=True,
+        adjust_lr_fn="original",
+        device=device,
+    )
+    p_mf, _ = run_muon_fn(
+        lr=0.02,
+        weight_decay=0.1,
+        momentum=0.95,
+        nesterov=True,
+        adjust_lr_fn=adjust_lr_fn,
+        ns_dtype=torch.bfloat16,
+        device=device,
+    )
     for start, a, b in zip(p0, p_torch, p_mf):
         assert b.dtype == torch.float32 and b.shape == a.shape and b.device == a.device
         start, a, b = start.cpu(), a.cpu(), b.cpu()
@@ -155,13 +193,28 @@ def torch_muon_fp32(monkeypatch):
 )
 @pytest.mark.parametrize("nesterov", [True, False])
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
-def test_matches_torch_muon_fp32(device, torch_muon_fp32, adjust_torch, adjust_mf, nesterov, weight_decay):
+def test_matches_torch_muon_fp32(
+    device, torch_muon_fp32, adjust_torch, adjust_mf, nesterov, weight_decay
+):
     lr, tol = 0.01 if adjust_mf == "match_rms_adamw" else 0.02, TOL[device.type]
-    p0, p_torch, buf_torch = run_torch(lr=lr, weight_decay=weight_decay, momentum=0.95,
-                                       nesterov=nesterov, adjust_lr_fn=adjust_torch, device=device)
+    p0, p_torch, buf_torch = run_torch(
+        lr=lr,
+        weight_decay=weight_decay,
+        momentum=0.95,
+        nesterov=nesterov,
+        adjust_lr_fn=adjust_torch,
+        device=device,
+    )
     assert len(torch_muon_fp32.calls) == STEPS * len(SHAPES)  # the patch was really used
-    p_mf, buf_mf = run_muon_fn(lr=lr, weight_decay=weight_decay, momentum=0.95, nesterov=nesterov,
-                               adjust_lr_fn=adjust_mf, ns_dtype=torch.float32, device=device)
+    p_mf, buf_mf = run_muon_fn(
+        lr=lr,
+        weight_decay=weight_decay,
+        momentum=0.95,
+        nesterov=nesterov,
+        adjust_lr_fn=adjust_mf,
+        ns_dtype=torch.float32,
+        device=device,
+    )
     for start, a, b in zip(p0, p_torch, p_mf):
         assert torch.linalg.matrix_norm(a.cpu() - start.cpu()) > 0.1
         torch.testing.assert_close(b.cpu(), a.cpu(), atol=tol["param"], rtol=0)
@@ -172,10 +225,24 @@ def test_matches_torch_muon_fp32(device, torch_muon_fp32, adjust_torch, adjust_m
 def test_sgd_momentum_kind_matches_torch_after_orthogonalization(device, torch_muon_fp32):
     """kind="sgd" buffers are 1/(1−μ) larger, but msign is scale-invariant: same parameters."""
     tol = TOL[device.type]
-    p0, p_torch, buf_torch = run_torch(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True,
-                                       adjust_lr_fn="original", device=device)
-    p_mf, buf_mf = run_muon_fn(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True,
-                               adjust_lr_fn="keller", ns_dtype=torch.float32, kind="sgd", device=device)
+    p0, p_torch, buf_torch = run_torch(
+        lr=0.02,
+        weight_decay=0.1,
+        momentum=0.95,
+        nesterov=True,
+        adjust_lr_fn="original",
+        device=device,
+    )
+    p_mf, buf_mf = run_muon_fn(
+        lr=0.02,
+        weight_decay=0.1,
+        momentum=0.95,
+        nesterov=True,
+        adjust_lr_fn="keller",
+        ns_dtype=torch.float32,
+        kind="sgd",
+        device=device,
+    )
     for a, b in zip(p_torch, p_mf):
         torch.testing.assert_close(b.cpu(), a.cpu(), atol=tol["param"], rtol=0)
     for a, b in zip(buf_torch, buf_mf):
@@ -185,10 +252,18 @@ def test_sgd_momentum_kind_matches_torch_after_orthogonalization(device, torch_m
 def test_fp32_parity_detects_a_wrong_momentum(torch_muon_fp32):
     """Negative control: the fp32 comparison sees momentum 0.94 vs 0.95 (7e-5 ≫ 1e-5 after 10 steps).
     CPU only: it is the control of the CPU's tolerance; CUDA's (1e-4, ``TOL``) is wider than 7e-5."""
-    _, p_torch, _ = run_torch(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True,
-                              adjust_lr_fn="original", steps=10)
-    p_mf, _ = run_muon_fn(lr=0.02, weight_decay=0.1, momentum=0.94, nesterov=True,
-                          adjust_lr_fn="keller", ns_dtype=torch.float32, steps=10)
+    _, p_torch, _ = run_torch(
+        lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, adjust_lr_fn="original", steps=10
+    )
+    p_mf, _ = run_muon_fn(
+        lr=0.02,
+        weight_decay=0.1,
+        momentum=0.94,
+        nesterov=True,
+        adjust_lr_fn="keller",
+        ns_dtype=torch.float32,
+        steps=10,
+    )
     assert max((a - b).abs().max().item() for a, b in zip(p_torch, p_mf)) > 3e-5
 
 
@@ -247,21 +322,35 @@ def test_hybrid_matches_torch_muon_and_adamw_fp32(device, torch_muon_fp32, decay
     decay = [p for _, p, _ in adamw_params if decay_1d or p.ndim >= 2]
     no_decay = [p for _, p, _ in adamw_params if not (decay_1d or p.ndim >= 2)]
     assert len(decay) == (5 if decay_1d else 2)
-    torch_muon_opt = torch.optim.Muon([p for _, p, _ in muon_params], lr=0.04, weight_decay=0.01,
-                                      adjust_lr_fn="original")
-    torch_adamw = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                                     {"params": no_decay, "weight_decay": 0.0}], lr=3e-3, betas=(0.9, 0.95))
-    opt = mf.create_hybrid_optimizer(ours, muon_lr=0.04, adamw_lr=3e-3, adamw_weight_decay=0.1,
-                                     muon_weight_decay=0.01, adamw_betas=(0.9, 0.95), adamw_decay_1d=decay_1d,
-                                     ns_dtype=torch.float32, beta2=None, compile=False)
+    torch_muon_opt = torch.optim.Muon(
+        [p for _, p, _ in muon_params], lr=0.04, weight_decay=0.01, adjust_lr_fn="original"
+    )
+    torch_adamw = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=3e-3,
+        betas=(0.9, 0.95),
+    )
+    opt = mf.create_hybrid_optimizer(
+        ours,
+        muon_lr=0.04,
+        adamw_lr=3e-3,
+        adamw_weight_decay=0.1,
+        muon_weight_decay=0.01,
+        adamw_betas=(0.9, 0.95),
+        adamw_decay_1d=decay_1d,
+        ns_dtype=torch.float32,
+        beta2=None,
+        compile=False,
+    )
     expected = _train(ref, [torch_muon_opt.step, torch_adamw.step], 10)
     got = _train(ours, [opt.step], 10)
     assert len(torch_muon_fp32.calls) == 2 * 10
     start = dict(_Net().named_parameters())  # a fresh init: the run really moved every tensor
     for step, (a, b) in enumerate(zip(expected, got)):
         for name, pa, pb in zip(dict(ref.named_parameters()), a, b):
-            torch.testing.assert_close(pb, pa, atol=TOL[device.type]["param"], rtol=0,
-                                       msg=f"{name} after step {step + 1}")
+            torch.testing.assert_close(
+                pb, pa, atol=TOL[device.type]["param"], rtol=0, msg=f"{name} after step {step + 1}"
+            )
     for (name, p), final in zip(ref.named_parameters(), expected[-1]):
         assert not torch.equal(final, start[name].detach()), name
 
@@ -273,13 +362,29 @@ def test_hybrid_parity_detects_decay_on_1d(device, torch_muon_fp32):
     10 · lr · wd = 3e-3)."""
     ref, ours = _nets(device)
     muon_params, adamw_params = mf.split_parameters(ref)
-    torch_muon_opt = torch.optim.Muon([p for _, p, _ in muon_params], lr=0.04, adjust_lr_fn="original")
-    torch_adamw = torch.optim.AdamW([{"params": [p for _, p, _ in adamw_params if p.ndim >= 2]},
-                                     {"params": [p for _, p, _ in adamw_params if p.ndim < 2], "weight_decay": 0.0}],
-                                    lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
-    opt = mf.create_hybrid_optimizer(ours, muon_lr=0.04, adamw_lr=3e-3, adamw_weight_decay=0.1,
-                                     adamw_betas=(0.9, 0.95), adamw_decay_1d=True, ns_dtype=torch.float32,
-                                     beta2=None, compile=False)
+    torch_muon_opt = torch.optim.Muon(
+        [p for _, p, _ in muon_params], lr=0.04, adjust_lr_fn="original"
+    )
+    torch_adamw = torch.optim.AdamW(
+        [
+            {"params": [p for _, p, _ in adamw_params if p.ndim >= 2]},
+            {"params": [p for _, p, _ in adamw_params if p.ndim < 2], "weight_decay": 0.0},
+        ],
+        lr=3e-3,
+        betas=(0.9, 0.95),
+        weight_decay=0.1,
+    )
+    opt = mf.create_hybrid_optimizer(
+        ours,
+        muon_lr=0.04,
+        adamw_lr=3e-3,
+        adamw_weight_decay=0.1,
+        adamw_betas=(0.9, 0.95),
+        adamw_decay_1d=True,
+        ns_dtype=torch.float32,
+        beta2=None,
+        compile=False,
+    )
     a = _train(ref, [torch_muon_opt.step, torch_adamw.step], 10)[-1]
     b = _train(ours, [opt.step], 10)[-1]
     names = [n for n, _ in ref.named_parameters()]

@@ -57,11 +57,15 @@ import muon_fn as mf
 CPU = torch.device("cpu")
 # Per device (module docstring): fp32 parity with torch.optim on parameters ("fp32"), optimizer
 # state the CPU pins tighter ("state": AdamW's moments, a momentum buffer), and the bf16 band.
-TOL = {"cpu": dict(fp32=1e-5, state=1e-6, bf16=1e-2), "cuda": dict(fp32=1e-4, state=1e-4, bf16=1e-2)}
+TOL = {
+    "cpu": dict(fp32=1e-5, state=1e-6, bf16=1e-2),
+    "cuda": dict(fp32=1e-4, state=1e-4, bf16=1e-2),
+}
 
 
 def tol(device: torch.device, kind: str = "fp32") -> float:
     return TOL[device.type][kind]
+
 
 # --------------------------------------------------------------------------- models and data
 
@@ -117,7 +121,9 @@ class GPT(nn.Module):
 
 def make_gpt(tied: bool = False, seed: int = 0, dtype=torch.float32, device=CPU) -> GPT:
     torch.manual_seed(seed)
-    return GPT(tied=tied).to(device=device, dtype=dtype)  # initialized on the CPU: the same on every device
+    return GPT(tied=tied).to(
+        device=device, dtype=dtype
+    )  # initialized on the CPU: the same on every device
 
 
 def batch(step: int, bsz: int = 4):
@@ -155,7 +161,8 @@ def snapshot_params(model: nn.Module) -> dict[str, torch.Tensor]:
 def snapshot_state(opt: torch.optim.Optimizer) -> list[dict[str, torch.Tensor]]:
     return [
         {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in opt.state[p].items()}
-        for g in opt.param_groups for p in g["params"]
+        for g in opt.param_groups
+        for p in g["params"]
     ]
 
 
@@ -178,7 +185,8 @@ def max_abs_diff(m1: nn.Module, m2: nn.Module, names=None) -> float:
     p2 = dict(m2.named_parameters())
     return max(
         (p - p2[n]).abs().max().item()
-        for n, p in m1.named_parameters() if names is None or n in names
+        for n, p in m1.named_parameters()
+        if names is None or n in names
     )
 
 
@@ -194,6 +202,7 @@ TORCH_LIKE = dict(method="quintic", momentum_kind="ema", eps=1e-7)
 
 
 # --------------------------------------------------------------------------- the headline example
+
 
 def test_linear_steps_and_momentum_buffer_survives_save_load(device):
     torch.manual_seed(0)
@@ -245,7 +254,9 @@ def test_old_checkpoint_with_muon_step_loads():
     opt2 = mf.MuonOptimizer(lin.parameters())
     opt2.load_state_dict(sd)
     assert set(opt2.state[lin.weight]) == {"momentum_buffer"}
-    assert torch.equal(opt2.state[lin.weight]["momentum_buffer"], opt.state[lin.weight]["momentum_buffer"])
+    assert torch.equal(
+        opt2.state[lin.weight]["momentum_buffer"], opt.state[lin.weight]["momentum_buffer"]
+    )
     opt2.step()
     assert set(opt2.state[lin.weight]) == {"momentum_buffer"}
 
@@ -264,75 +275,120 @@ def test_state_is_torch_format():
     assert sd["param_groups"][0]["params"] == [0, 1, 2, 3]
     for st in sd["state"].values():
         for v in st.values():
-            assert type(v) is torch.Tensor  # plain tensors in torch's format, no NamedTuples (muon_fn.Optimizer's docstring, "State")
+            assert (
+                type(v) is torch.Tensor
+            )  # plain tensors in torch's format, no NamedTuples (muon_fn.Optimizer's docstring, "State")
 
 
 # --------------------------------------------------------------------------- parity: torch.optim.Muon
+
 
 def _muon_parity_run(adjust_lr_fn, ns_dtype, nesterov=True, steps=20, wd=0.1, lr=0.02, device=CPU):
     ref, ours = make_gpt(device=device), make_gpt(device=device)
     names = hidden_names(ref)
     ref_params, our_params = freeze_all_but(ref, names), freeze_all_but(ours, names)
-    topt = torch.optim.Muon(ref_params, lr=lr, weight_decay=wd, momentum=0.95, nesterov=nesterov,
-                            adjust_lr_fn=adjust_lr_fn)
-    opt = mf.MuonOptimizer(our_params, lr=lr, weight_decay=wd, momentum=0.95, nesterov=nesterov,
-                           adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype, **TORCH_LIKE)
+    topt = torch.optim.Muon(
+        ref_params,
+        lr=lr,
+        weight_decay=wd,
+        momentum=0.95,
+        nesterov=nesterov,
+        adjust_lr_fn=adjust_lr_fn,
+    )
+    opt = mf.MuonOptimizer(
+        our_params,
+        lr=lr,
+        weight_decay=wd,
+        momentum=0.95,
+        nesterov=nesterov,
+        adjust_lr_fn=adjust_lr_fn,
+        ns_dtype=ns_dtype,
+        **TORCH_LIKE,
+    )
     start = snapshot_params(ref)
     for step in range(steps):
         for model, o in ((ref, topt), (ours, opt)):
             o.zero_grad()
             backward(model, step)
             o.step()
-    travelled = max((p - start[n]).abs().max().item() for n, p in ref.named_parameters() if n in names)
+    travelled = max(
+        (p - start[n]).abs().max().item() for n, p in ref.named_parameters() if n in names
+    )
     return ref, ours, names, travelled, topt, opt
 
 
 @pytest.mark.parametrize("adjust_lr_fn", ["original", "match_rms_adamw"])
 def test_parity_with_torch_muon_fp32(device, fp32_torch_muon, adjust_lr_fn):
-    ref, ours, names, travelled, topt, opt = _muon_parity_run(adjust_lr_fn, torch.float32, device=device)
+    ref, ours, names, travelled, topt, opt = _muon_parity_run(
+        adjust_lr_fn, torch.float32, device=device
+    )
     diff = max_abs_diff(ref, ours, names)
     assert diff <= tol(device), diff
     assert travelled > 1e-2  # the check is not vacuous
     for n, p in ref.named_parameters():
         if n in names:
             q = dict(ours.named_parameters())[n]
-            torch.testing.assert_close(opt.state[q]["momentum_buffer"].cpu(), topt.state[p]["momentum_buffer"].cpu(),
-                                       atol=tol(device), rtol=0)
+            torch.testing.assert_close(
+                opt.state[q]["momentum_buffer"].cpu(),
+                topt.state[p]["momentum_buffer"].cpu(),
+                atol=tol(device),
+                rtol=0,
+            )
             assert set(opt.state[q]) == set(topt.state[p]) == {"momentum_buffer"}
 
 
 def test_parity_with_torch_muon_fp32_no_nesterov(device, fp32_torch_muon):
-    ref, ours, names, travelled, _, _ = _muon_parity_run("original", torch.float32, nesterov=False, steps=10,
-                                                         device=device)
+    ref, ours, names, travelled, _, _ = _muon_parity_run(
+        "original", torch.float32, nesterov=False, steps=10, device=device
+    )
     assert max_abs_diff(ref, ours, names) <= tol(device)
 
 
 @pytest.mark.parametrize("adjust_lr_fn", ["original", "match_rms_adamw"])
 def test_parity_with_torch_muon_bf16(device, adjust_lr_fn):
     # torch.optim.Muon as shipped (bf16 NS) vs MuonOptimizer with ns_dtype=bf16: see module docstring.
-    ref, ours, names, travelled, _, _ = _muon_parity_run(adjust_lr_fn, torch.bfloat16, device=device)
+    ref, ours, names, travelled, _, _ = _muon_parity_run(
+        adjust_lr_fn, torch.bfloat16, device=device
+    )
     diff = max_abs_diff(ref, ours, names)
-    assert diff <= tol(device, "bf16"), diff  # measured (CPU): 3.2e-3 (original), 3.8e-3 (match_rms_adamw)
+    assert diff <= tol(device, "bf16"), (
+        diff
+    )  # measured (CPU): 3.2e-3 (original), 3.8e-3 (match_rms_adamw)
     assert travelled > 10 * 1e-2, travelled  # measured: 0.195, 0.224
 
 
 # --------------------------------------------------------------------------- parity: torch.optim.AdamW
+
 
 def test_auto_group_adamw_half_matches_torch_adamw(device, fp32_torch_muon):
     """In an algorithm="auto" group, matrices follow torch.optim.Muon and 0-/1-D params follow
     torch.optim.AdamW(lr=adamw_lr, betas=adamw_betas, eps=adamw_eps, weight_decay=adamw_weight_decay)
     when 0-/1-D parameters decay too (adamw_decay_1d=True; without it they get no decay)."""
     ref, ours = make_gpt(device=device), make_gpt(device=device)
-    names = [n for n, p in ref.named_parameters() if n.startswith("blocks.") or n.startswith("ln_f")]
+    names = [
+        n for n, p in ref.named_parameters() if n.startswith("blocks.") or n.startswith("ln_f")
+    ]
     ref_params, our_params = freeze_all_but(ref, names), freeze_all_but(ours, names)
     mats = [p for p in ref_params if p.ndim >= 2]
     vecs = [p for p in ref_params if p.ndim < 2]
     assert mats and vecs
-    topts = [torch.optim.Muon(mats, lr=0.02, weight_decay=0.05, momentum=0.95, adjust_lr_fn="original"),
-             torch.optim.AdamW(vecs, lr=3e-3, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1)]
-    opt = mf.MuonOptimizer(our_params, lr=0.02, weight_decay=0.05, adjust_lr_fn="original",
-                           ns_dtype=torch.float32, adamw_lr=3e-3, adamw_betas=(0.8, 0.9),
-                           adamw_eps=1e-6, adamw_weight_decay=0.1, adamw_decay_1d=True, **TORCH_LIKE)
+    topts = [
+        torch.optim.Muon(mats, lr=0.02, weight_decay=0.05, momentum=0.95, adjust_lr_fn="original"),
+        torch.optim.AdamW(vecs, lr=3e-3, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1),
+    ]
+    opt = mf.MuonOptimizer(
+        our_params,
+        lr=0.02,
+        weight_decay=0.05,
+        adjust_lr_fn="original",
+        ns_dtype=torch.float32,
+        adamw_lr=3e-3,
+        adamw_betas=(0.8, 0.9),
+        adamw_eps=1e-6,
+        adamw_weight_decay=0.1,
+        adamw_decay_1d=True,
+        **TORCH_LIKE,
+    )
     for step in range(20):
         for o in topts:
             o.zero_grad()
@@ -346,9 +402,17 @@ def test_auto_group_adamw_half_matches_torch_adamw(device, fp32_torch_muon):
     ours_p = dict(ours.named_parameters())
     for n, p in ref.named_parameters():
         if n in names and p.ndim < 2:
-            for key in ("exp_avg", "exp_avg_sq", "step"):  # torch keeps a non-capturable step on the CPU
-                torch.testing.assert_close(opt.state[ours_p[n]][key].cpu(), topts[1].state[p][key].cpu(),
-                                           atol=tol(device, "state"), rtol=1e-5)
+            for key in (
+                "exp_avg",
+                "exp_avg_sq",
+                "step",
+            ):  # torch keeps a non-capturable step on the CPU
+                torch.testing.assert_close(
+                    opt.state[ours_p[n]][key].cpu(),
+                    topts[1].state[p][key].cpu(),
+                    atol=tol(device, "state"),
+                    rtol=1e-5,
+                )
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
@@ -357,15 +421,35 @@ def test_hybrid_matches_torch_muon_plus_adamw(device, fp32_torch_muon, tied):
     (one AdamW group, which decays every parameter: adamw_decay_1d=True; the default's no-decay
     groups are tests/test_muon_reference.py::test_hybrid_matches_torch_muon_and_adamw_fp32)."""
     ref, ours = make_gpt(tied, device=device), make_gpt(tied, device=device)
-    opt = mf.create_hybrid_optimizer(ours, muon_lr=0.02, adamw_lr=2e-3, adamw_weight_decay=0.01,
-                                     muon_weight_decay=0.1, adamw_betas=(0.9, 0.999), adamw_eps=1e-8,
-                                     adamw_decay_1d=True, adjust_lr_fn="original", ns_dtype=torch.float32,
-                                     beta2=None, **TORCH_LIKE)
+    opt = mf.create_hybrid_optimizer(
+        ours,
+        muon_lr=0.02,
+        adamw_lr=2e-3,
+        adamw_weight_decay=0.01,
+        muon_weight_decay=0.1,
+        adamw_betas=(0.9, 0.999),
+        adamw_eps=1e-8,
+        adamw_decay_1d=True,
+        adjust_lr_fn="original",
+        ns_dtype=torch.float32,
+        beta2=None,
+        **TORCH_LIKE,
+    )
     hidden = set(hidden_names(ref))
-    topt_m = torch.optim.Muon([p for n, p in ref.named_parameters() if n in hidden], lr=0.02,
-                              weight_decay=0.1, momentum=0.95, adjust_lr_fn="original")
-    topt_a = torch.optim.AdamW([p for n, p in ref.named_parameters() if n not in hidden], lr=2e-3,
-                               betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    topt_m = torch.optim.Muon(
+        [p for n, p in ref.named_parameters() if n in hidden],
+        lr=0.02,
+        weight_decay=0.1,
+        momentum=0.95,
+        adjust_lr_fn="original",
+    )
+    topt_a = torch.optim.AdamW(
+        [p for n, p in ref.named_parameters() if n not in hidden],
+        lr=2e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0.01,
+    )
     for step in range(20):
         topt_m.zero_grad()
         topt_a.zero_grad()
@@ -380,12 +464,19 @@ def test_hybrid_matches_torch_muon_plus_adamw(device, fp32_torch_muon, tied):
 
 # --------------------------------------------------------------------------- schedulers
 
+
 def _scheduled_run(make_sched, *, by_hand=None, steps=12, compile_backend=None):
     model = make_gpt()
     params = freeze_all_but(model, hidden_names(model))
-    opt = mf.MuonOptimizer(params, lr=0.02, weight_decay=0.1, adjust_lr_fn="original",
-                           ns_dtype=torch.float32,
-                           compile={"backend": compile_backend} if compile_backend else False, **TORCH_LIKE)
+    opt = mf.MuonOptimizer(
+        params,
+        lr=0.02,
+        weight_decay=0.1,
+        adjust_lr_fn="original",
+        ns_dtype=torch.float32,
+        compile={"backend": compile_backend} if compile_backend else False,
+        **TORCH_LIKE,
+    )
     sched = make_sched(opt) if make_sched else None
     seen = []
     for step in range(steps):
@@ -411,14 +502,20 @@ def wide_shapes(params):
 
 def graph_count(params):
     params = list(params)
-    return len({tuple(tuple(params[i].shape) for i in b)
-                for b in mf.optim._adapter.buckets(params, mf.optim.BUCKET_SIZE)})
+    return len(
+        {
+            tuple(tuple(params[i].shape) for i in b)
+            for b in mf.optim._adapter.buckets(params, mf.optim.BUCKET_SIZE)
+        }
+    )
 
 
 def _torch_scheduled_run(make_sched, steps=12):
     model = make_gpt()
     params = freeze_all_but(model, hidden_names(model))
-    opt = torch.optim.Muon(params, lr=0.02, weight_decay=0.1, momentum=0.95, adjust_lr_fn="original")
+    opt = torch.optim.Muon(
+        params, lr=0.02, weight_decay=0.1, momentum=0.95, adjust_lr_fn="original"
+    )
     sched = make_sched(opt)
     for step in range(steps):
         opt.zero_grad()
@@ -431,8 +528,14 @@ def _torch_scheduled_run(make_sched, steps=12):
 SCHEDULERS = {
     "StepLR": lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.3),
     "OneCycleLR": lambda o: torch.optim.lr_scheduler.OneCycleLR(
-        o, max_lr=0.05, total_steps=12, pct_start=0.3, cycle_momentum=True,
-        base_momentum=0.8, max_momentum=0.95),
+        o,
+        max_lr=0.05,
+        total_steps=12,
+        pct_start=0.3,
+        cycle_momentum=True,
+        base_momentum=0.8,
+        max_momentum=0.95,
+    ),
 }
 
 
@@ -440,8 +543,11 @@ SCHEDULERS = {
 def test_scheduler_changes_lr_without_recompiling(fp32_torch_muon, name):
     cnt = CompileCounterWithBackend("eager")
     model, seen = _scheduled_run(SCHEDULERS[name], compile_backend=cnt)
-    assert cnt.frame_count == cnt.after_first_step == wide_shapes(
-        [p for n, p in model.named_parameters() if n in hidden_names(model)]), cnt.frame_count
+    assert (
+        cnt.frame_count
+        == cnt.after_first_step
+        == wide_shapes([p for n, p in model.named_parameters() if n in hidden_names(model)])
+    ), cnt.frame_count
     lrs = [s["lr"] for s in seen]
     assert len(set(lrs)) >= 4  # the lr really changed
     if name == "OneCycleLR":
@@ -500,6 +606,7 @@ def test_scheduler_scales_adamw_half_of_auto_group():
 
 # --------------------------------------------------------------------------- resume
 
+
 def _train(model, opt, steps, start=0):
     for step in range(start, start + steps):
         opt.zero_grad()
@@ -525,7 +632,9 @@ def test_resume_is_bit_exact_fp32(device, kind):
     _train(first, opt1, 10)
     ckpt = roundtrip({"model": first.state_dict(), "opt": opt1.state_dict()})
 
-    second = make_gpt(seed=123, device=device)  # different init: everything must come from the checkpoint
+    second = make_gpt(
+        seed=123, device=device
+    )  # different init: everything must come from the checkpoint
     second.load_state_dict(ckpt["model"])
     opt2 = build(second)
     opt2.load_state_dict(ckpt["opt"])
@@ -596,7 +705,9 @@ GRAD_CASES = {
 @pytest.mark.parametrize("case", list(GRAD_CASES))
 def test_step_never_modifies_grads(device, case):
     model = make_gpt(device=device)
-    opt = mf.MuonOptimizer(model.parameters(), weight_decay=0.1, adamw_weight_decay=0.1, **GRAD_CASES[case])
+    opt = mf.MuonOptimizer(
+        model.parameters(), weight_decay=0.1, adamw_weight_decay=0.1, **GRAD_CASES[case]
+    )
     for step in range(3):
         opt.zero_grad()
         backward(model, step)
@@ -613,7 +724,9 @@ def test_step_never_modifies_grads(device, case):
 def test_closure(device, fp32_torch_muon):
     ref, ours = make_gpt(device=device), make_gpt(device=device)
     names = hidden_names(ref)
-    topt = torch.optim.Muon(freeze_all_but(ref, names), lr=0.02, weight_decay=0.0, adjust_lr_fn="original")
+    topt = torch.optim.Muon(
+        freeze_all_but(ref, names), lr=0.02, weight_decay=0.0, adjust_lr_fn="original"
+    )
     opt = mf.MuonOptimizer(freeze_all_but(ours, names), ns_dtype=torch.float32, **TORCH_LIKE)
     calls = []
 
@@ -622,6 +735,7 @@ def test_closure(device, fp32_torch_muon):
             calls.append(torch.is_grad_enabled())
             o.zero_grad()
             return backward(model, step)
+
         return closure
 
     for step in range(3):
@@ -639,13 +753,20 @@ def test_add_param_group(device, fp32_torch_muon):
     w1, w2 = torch.randn(8, 6).to(device), torch.randn(5, 7).to(device)
     ours = [nn.Parameter(w1.clone()), nn.Parameter(w2.clone())]
     ref = [nn.Parameter(w1.clone()), nn.Parameter(w2.clone())]
-    opt = mf.MuonOptimizer([ours[0]], lr=0.02, ns_dtype=torch.float32, adjust_lr_fn="original", **TORCH_LIKE)
+    opt = mf.MuonOptimizer(
+        [ours[0]], lr=0.02, ns_dtype=torch.float32, adjust_lr_fn="original", **TORCH_LIKE
+    )
     topt = torch.optim.Muon([ref[0]], lr=0.02, weight_decay=0.0, adjust_lr_fn="original")
     opt.add_param_group({"params": [ours[1]], "lr": 0.05, "weight_decay": 0.1})
     topt.add_param_group({"params": [ref[1]], "lr": 0.05, "weight_decay": 0.1})
     g = opt.param_groups[1]
     # missing keys come from the defaults
-    assert g["momentum"] == 0.95 and g["ns_steps"] is None and g["method"] == "quintic" and g["lr"] == 0.05
+    assert (
+        g["momentum"] == 0.95
+        and g["ns_steps"] is None
+        and g["method"] == "quintic"
+        and g["lr"] == 0.05
+    )
     for step in range(5):
         gen = torch.Generator().manual_seed(step)
         for a, b in zip(ours, ref):
@@ -658,7 +779,9 @@ def test_add_param_group(device, fp32_torch_muon):
     assert len(opt.state_dict()["param_groups"]) == 2
     # A group added later is validated like the constructor's.
     with pytest.raises(ValueError, match="Invalid learning rate"):
-        opt.add_param_group({"params": [nn.Parameter(torch.randn(3, 3, device=device))], "lr": -1.0})
+        opt.add_param_group(
+            {"params": [nn.Parameter(torch.randn(3, 3, device=device))], "lr": -1.0}
+        )
 
 
 def _optimizer_of(kind: str):
@@ -666,7 +789,9 @@ def _optimizer_of(kind: str):
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4))
     if kind == "hybrid":
         return model, mf.create_hybrid_optimizer(model, compile=False)
-    cls = {"muon": mf.MuonOptimizer, "sso": mf.SpectralSphereOptimizer, "tritonw": mf.TritonMuonW}[kind]
+    cls = {"muon": mf.MuonOptimizer, "sso": mf.SpectralSphereOptimizer, "tritonw": mf.TritonMuonW}[
+        kind
+    ]
     return model, cls(model.named_parameters(), lr=0.02, compile=False)
 
 
@@ -675,6 +800,7 @@ def _copied(opt, how: str, kind: str):
         return copy.deepcopy(opt)
     if how == "pickle":
         import pickle
+
         return pickle.loads(pickle.dumps(opt))
     _, fresh = _optimizer_of(kind)
     fresh.load_state_dict(opt.state_dict())
@@ -721,16 +847,26 @@ def test_copy_refuses_a_misspelled_matrix_view_as_the_original(how):
             o.add_param_group(group)
         messages.append(str(refused.value))
         assert len(o.param_groups) == 1
-    assert messages[0] == messages[1] == (
-        "Invalid matrix_view: key 'extra.wieght' matches no parameter of its groups; they are: 'extra.weight'")
+    assert (
+        messages[0]
+        == messages[1]
+        == (
+            "Invalid matrix_view: key 'extra.wieght' matches no parameter of its groups; they are: 'extra.weight'"
+        )
+    )
 
 
 def test_use_muon_groups():
     """``use_muon`` (as in KellerJordan's MuonWithAuxAdam) picks the group's algorithm: False is
     AdamW at the group's adamw_lr and adamw_weight_decay, also for a 2-D weight; True is Muon."""
     emb, hidden = nn.Parameter(torch.randn(6, 4)), nn.Parameter(torch.randn(5, 4))
-    opt = mf.MuonOptimizer([{"params": [emb], "use_muon": False}, {"params": [hidden], "use_muon": True}],
-                           lr=0.02, adamw_lr=3e-3, adamw_weight_decay=0.1, weight_decay=0.01)
+    opt = mf.MuonOptimizer(
+        [{"params": [emb], "use_muon": False}, {"params": [hidden], "use_muon": True}],
+        lr=0.02,
+        adamw_lr=3e-3,
+        adamw_weight_decay=0.1,
+        weight_decay=0.01,
+    )
     adam, muon = opt.param_groups
     assert (adam["algorithm"], adam["lr"], adam["weight_decay"]) == ("adamw", 3e-3, 0.1)
     assert (muon["algorithm"], muon["lr"], muon["weight_decay"]) == ("muon", 0.02, 0.01)
@@ -792,9 +928,13 @@ def test_missing_grads_leave_params_untouched(device):
     model.blocks[1].fc.bias.grad = None
     opt.step()
     fc_w, fc_b = model.blocks[1].fc.weight, model.blocks[1].fc.bias
-    assert torch.equal(fc_w, before["blocks.1.fc.weight"]) and torch.equal(fc_b, before["blocks.1.fc.bias"])
+    assert torch.equal(fc_w, before["blocks.1.fc.weight"]) and torch.equal(
+        fc_b, before["blocks.1.fc.bias"]
+    )
     assert not torch.equal(model.blocks[0].fc.weight, before["blocks.0.fc.weight"])
-    idx = next(i for i, p in enumerate(p for g in opt.param_groups for p in g["params"]) if p is fc_w)
+    idx = next(
+        i for i, p in enumerate(p for g in opt.param_groups for p in g["params"]) if p is fc_w
+    )
     assert torch.equal(opt.state[fc_w]["momentum_buffer"], st_before[idx]["momentum_buffer"])
 
 
@@ -830,16 +970,28 @@ def test_nonfinite_error_names_the_parameters():
 
 # --------------------------------------------------------------------------- gradient accumulation
 
+
 @pytest.mark.parametrize("k", [2, 3])
 def test_gradient_accumulation_equals_mean_gradient_step(device, fp32_torch_muon, k):
     ours, ref = make_gpt(device=device), make_gpt(device=device)
-    opt = mf.MuonOptimizer(ours.parameters(), lr=0.02, weight_decay=0.1, adjust_lr_fn="original",
-                           ns_dtype=torch.float32, adamw_lr=1e-3, adamw_weight_decay=0.01, adamw_decay_1d=True,
-                           gradient_accumulation_steps=k, **TORCH_LIKE)
+    opt = mf.MuonOptimizer(
+        ours.parameters(),
+        lr=0.02,
+        weight_decay=0.1,
+        adjust_lr_fn="original",
+        ns_dtype=torch.float32,
+        adamw_lr=1e-3,
+        adamw_weight_decay=0.01,
+        adamw_decay_1d=True,
+        gradient_accumulation_steps=k,
+        **TORCH_LIKE,
+    )
     ref_mats = [p for p in ref.parameters() if p.ndim >= 2]
     ref_vecs = [p for p in ref.parameters() if p.ndim < 2]
-    topt = [torch.optim.Muon(ref_mats, lr=0.02, weight_decay=0.1, adjust_lr_fn="original"),
-            torch.optim.AdamW(ref_vecs, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.01)]
+    topt = [
+        torch.optim.Muon(ref_mats, lr=0.02, weight_decay=0.1, adjust_lr_fn="original"),
+        torch.optim.AdamW(ref_vecs, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.01),
+    ]
     for outer in range(3):
         # ours: step() after every micro-batch, zero_grad in between (an ordinary loop)
         for micro in range(k):
@@ -872,14 +1024,22 @@ def test_gradient_accumulation_equals_mean_gradient_step(device, fp32_torch_muon
 
 # --------------------------------------------------------------------------- mixed precision
 
+
 def test_bf16_params_one_step_matches_fp32_reference(device, fp32_torch_muon):
     torch.manual_seed(0)
     w = torch.randn(24, 16).bfloat16().to(device)
     g = torch.randn(24, 16).bfloat16().to(device)
     p = nn.Parameter(w.clone())
     p.grad = g.clone()
-    opt = mf.MuonOptimizer([p], lr=0.02, weight_decay=0.1, adjust_lr_fn="original",
-                           ns_dtype=torch.float32, momentum_dtype=torch.float32, **TORCH_LIKE)
+    opt = mf.MuonOptimizer(
+        [p],
+        lr=0.02,
+        weight_decay=0.1,
+        adjust_lr_fn="original",
+        ns_dtype=torch.float32,
+        momentum_dtype=torch.float32,
+        **TORCH_LIKE,
+    )
     opt.step()
     assert p.dtype == torch.bfloat16
     assert opt.state[p]["momentum_buffer"].dtype == torch.float32
@@ -910,15 +1070,29 @@ def test_bf16_model_trains_and_keeps_dtypes(device):
 
 def test_autocast_bf16_matches_torch_reference(fp32_torch_muon):
     ref, ours = make_gpt(), make_gpt()
-    opt = mf.create_hybrid_optimizer(ours, adjust_lr_fn="original", ns_dtype=torch.float32, beta2=None, **TORCH_LIKE)
+    opt = mf.create_hybrid_optimizer(
+        ours, adjust_lr_fn="original", ns_dtype=torch.float32, beta2=None, **TORCH_LIKE
+    )
     hidden = set(hidden_names(ref))
     rest = [(n, p) for n, p in ref.named_parameters() if n not in hidden]
     # the hybrid's defaults spelled out in torch: Muon wd 0.01; AdamW β (0.9, 0.95), wd 0.01 on ndim ≥ 2 only
-    topt = [torch.optim.Muon([p for n, p in ref.named_parameters() if n in hidden], lr=0.02,
-                             weight_decay=0.01, adjust_lr_fn="original"),
-            torch.optim.AdamW([{"params": [p for _, p in rest if p.ndim >= 2]},
-                               {"params": [p for _, p in rest if p.ndim < 2], "weight_decay": 0.0}],
-                              lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01)]
+    topt = [
+        torch.optim.Muon(
+            [p for n, p in ref.named_parameters() if n in hidden],
+            lr=0.02,
+            weight_decay=0.01,
+            adjust_lr_fn="original",
+        ),
+        torch.optim.AdamW(
+            [
+                {"params": [p for _, p in rest if p.ndim >= 2]},
+                {"params": [p for _, p in rest if p.ndim < 2], "weight_decay": 0.0},
+            ],
+            lr=1e-3,
+            betas=(0.9, 0.95),
+            weight_decay=0.01,
+        ),
+    ]
     for step in range(5):
         for model, opts in ((ref, topt), (ours, [opt])):
             for o in opts:
@@ -994,7 +1168,9 @@ def test_grad_scaler_step_equals_unscaled_step(device, fp32_torch_muon):
 
 def test_nonfinite_skip_leaves_everything_unchanged_and_counts(device):
     model = make_gpt(device=device)
-    opt = mf.MuonOptimizer(model.parameters(), nonfinite="skip", weight_decay=0.1, adamw_weight_decay=0.1)
+    opt = mf.MuonOptimizer(
+        model.parameters(), nonfinite="skip", weight_decay=0.1, adamw_weight_decay=0.1
+    )
     _train(model, opt, 2)
     assert opt.nonfinite_steps == 0
     for poison in ("nan", "inf"):
@@ -1044,6 +1220,7 @@ def test_nonfinite_error_leaves_params_and_state_unchanged(device):
 
 # --------------------------------------------------------------------------- create_hybrid_optimizer
 
+
 def _where(opt) -> dict[str, str]:
     out = {}
     for g in opt.param_groups:
@@ -1069,7 +1246,9 @@ def test_hybrid_puts_each_parameter_where_documented(tied):
     groups = {g["algorithm"]: g for g in opt.param_groups}
     assert groups["muon"]["lr"] == 0.02 and groups["adamw"]["lr"] == 1e-3
     assert groups["adamw"]["weight_decay"] == 0.01 and groups["muon"]["weight_decay"] == 0.01
-    assert groups["adamw"]["adamw_betas"] == (0.9, 0.95) and groups["adamw"]["adamw_decay_1d"] is False
+    assert (
+        groups["adamw"]["adamw_betas"] == (0.9, 0.95) and groups["adamw"]["adamw_decay_1d"] is False
+    )
     # one optimizer, one state_dict covering every parameter
     _train(model, opt, 1)
     sd = opt.state_dict()
@@ -1091,8 +1270,13 @@ def test_hybrid_split_is_printed(capsys):
     text = str(opt.split)
     assert text.startswith("NorMuon: 2 tensors, 248 parameters")
     assert "AdamW: 6 tensors, 150 parameters" in text
-    for name, reason in [("conv.weight", "flattened"), ("hidden.weight", "hidden matrix"),
-                         ("emb.weight", "embedding"), ("out.weight", "output head"), ("norm.bias", "1-D")]:
+    for name, reason in [
+        ("conv.weight", "flattened"),
+        ("hidden.weight", "hidden matrix"),
+        ("emb.weight", "embedding"),
+        ("out.weight", "output head"),
+        ("norm.bias", "1-D"),
+    ]:
         line = next(line for line in text.splitlines() if line.strip().startswith(name + " "))
         assert reason in line, line
 
@@ -1116,8 +1300,15 @@ def test_hybrid_decays_1d_parameters_only_when_asked(decay_1d):
         for p in model.parameters():
             p.add_(0.5)
     kw = {} if not decay_1d else {"adamw_decay_1d": True}
-    opt = mf.create_hybrid_optimizer(model, muon_lr=0.02, adamw_lr=0.01, adamw_weight_decay=0.1,
-                                     muon_weight_decay=0.05, compile=False, **kw)
+    opt = mf.create_hybrid_optimizer(
+        model,
+        muon_lr=0.02,
+        adamw_lr=0.01,
+        adamw_weight_decay=0.1,
+        muon_weight_decay=0.05,
+        compile=False,
+        **kw,
+    )
     assert all(g["adamw_decay_1d"] is decay_1d for g in opt.param_groups)
     factors = _decay_only_step(model, opt)
     where = _where(opt)
@@ -1140,11 +1331,28 @@ def test_muon_optimizer_adamw_half_decays_1d_only_when_asked(decay_1d):
             p.add_(0.5)
     hidden = set(hidden_names(model))
     named = dict(model.named_parameters())
-    groups = [{"params": [p for n, p in named.items() if n not in ("wte.weight", "wpe.weight", "head.weight")]},
-              {"params": [named["wte.weight"], named["wpe.weight"]], "algorithm": "adamw", "lr": 0.01,
-               "weight_decay": 0.2}]
-    opt = mf.MuonOptimizer(groups, lr=0.02, weight_decay=0.05, adamw_lr=0.01, adamw_weight_decay=0.1,
-                           adamw_decay_1d=decay_1d, compile=False)
+    groups = [
+        {
+            "params": [
+                p for n, p in named.items() if n not in ("wte.weight", "wpe.weight", "head.weight")
+            ]
+        },
+        {
+            "params": [named["wte.weight"], named["wpe.weight"]],
+            "algorithm": "adamw",
+            "lr": 0.01,
+            "weight_decay": 0.2,
+        },
+    ]
+    opt = mf.MuonOptimizer(
+        groups,
+        lr=0.02,
+        weight_decay=0.05,
+        adamw_lr=0.01,
+        adamw_weight_decay=0.1,
+        adamw_decay_1d=decay_1d,
+        compile=False,
+    )
     factors = _decay_only_step(model, opt)
     for n, p in named.items():
         if n == "head.weight":
@@ -1176,8 +1384,11 @@ def test_checkpoint_from_before_adamw_decay_1d_keeps_decaying_every_parameter():
 
 def test_hybrid_overrides_by_name_and_predicate():
     model = make_gpt()
-    opt = mf.create_hybrid_optimizer(model, adamw_names=["blocks.0.qkv.weight"],
-                                     adamw_predicate=lambda n, p: n.endswith("fc2.weight"))
+    opt = mf.create_hybrid_optimizer(
+        model,
+        adamw_names=["blocks.0.qkv.weight"],
+        adamw_predicate=lambda n, p: n.endswith("fc2.weight"),
+    )
     where = _where(opt)
     assert where["blocks.0.qkv.weight"] == "adamw"
     assert where["blocks.1.qkv.weight"] == "muon"
@@ -1190,7 +1401,12 @@ class _Frozen(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.emb, self.a, self.b, self.head = nn.Embedding(16, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 16)
+        self.emb, self.a, self.b, self.head = (
+            nn.Embedding(16, 8),
+            nn.Linear(8, 8),
+            nn.Linear(8, 8),
+            nn.Linear(8, 16),
+        )
 
     def forward(self, x):
         return self.head(self.b(self.a(self.emb(x)).relu()))
@@ -1204,13 +1420,27 @@ def test_hybrid_keeps_frozen_parameters_and_trains_them_once_unfrozen():
     torch.manual_seed(0)
     model = _Frozen()
     model.b.requires_grad_(False)
-    kw = {"compile": False, "muon_weight_decay": 0.1, "adamw_weight_decay": 0.1, "adamw_decay_1d": True}
+    kw = {
+        "compile": False,
+        "muon_weight_decay": 0.1,
+        "adamw_weight_decay": 0.1,
+        "adamw_decay_1d": True,
+    }
     opt = mf.create_hybrid_optimizer(model, **kw)
-    assert _where(opt) == {"a.weight": "muon", "b.weight": "muon", "emb.weight": "adamw", "a.bias": "adamw",
-                           "b.bias": "adamw", "head.weight": "adamw", "head.bias": "adamw"}
+    assert _where(opt) == {
+        "a.weight": "muon",
+        "b.weight": "muon",
+        "emb.weight": "adamw",
+        "a.bias": "adamw",
+        "b.bias": "adamw",
+        "head.weight": "adamw",
+        "head.bias": "adamw",
+    }
     assert opt.split.frozen == {"b.weight", "b.bias"}
     shown = {line.split()[0]: line for line in str(opt.split).splitlines() if line.startswith("  ")}
-    assert shown["b.weight"].endswith("hidden matrix, frozen") and shown["b.bias"].endswith("1-D, frozen")
+    assert shown["b.weight"].endswith("hidden matrix, frozen") and shown["b.bias"].endswith(
+        "1-D, frozen"
+    )
     assert not shown["a.weight"].endswith("frozen")
     x = torch.randint(0, 16, (4, 5))
     frozen = {n: p.detach().clone() for n, p in model.b.named_parameters()}
@@ -1218,7 +1448,9 @@ def test_hybrid_keeps_frozen_parameters_and_trains_them_once_unfrozen():
         opt.zero_grad()
         model(x).pow(2).mean().backward()
         opt.step()
-    assert all(torch.equal(p, frozen[n]) for n, p in model.b.named_parameters())  # no update, no decay
+    assert all(
+        torch.equal(p, frozen[n]) for n, p in model.b.named_parameters()
+    )  # no update, no decay
     for p in model.b.parameters():  # (state made for its bucket, never advanced)
         assert all(not v.any() for v in opt.state.get(p, {}).values())
     model.b.requires_grad_(True)
@@ -1247,7 +1479,9 @@ def test_hybrid_frozen_parameters_without_a_bucket_mate_get_no_state():
 
 def test_muon_optimizer_on_any_model_routes_by_ndim():
     """MuonOptimizer(model.parameters()) is safe on any model: 0-/1-D params go to AdamW."""
-    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4 * 4 * 4, 5))
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4 * 4 * 4, 5)
+    )
     scalar = nn.Parameter(torch.tensor(1.0))
     opt = mf.MuonOptimizer([*model.parameters(), scalar])
     out = model(torch.randn(2, 3, 6, 6)).sum() * scalar
@@ -1255,7 +1489,9 @@ def test_muon_optimizer_on_any_model_routes_by_ndim():
     opt.step()
     for p in [*model.parameters(), scalar]:
         keys = set(opt.state[p])
-        assert keys == ({"momentum_buffer"} if p.ndim >= 2 else {"exp_avg", "exp_avg_sq", "step"}), p.shape
+        assert keys == (
+            {"momentum_buffer"} if p.ndim >= 2 else {"exp_avg", "exp_avg_sq", "step"}
+        ), p.shape
 
 
 def test_conv_weight_is_flattened_for_muon(device, fp32_torch_muon):
@@ -1264,24 +1500,33 @@ def test_conv_weight_is_flattened_for_muon(device, fp32_torch_muon):
     w = torch.randn(6, 3, 3, 3).to(device)
     p = nn.Parameter(w.clone())
     q = nn.Parameter(w.reshape(6, 27).clone())
-    opt = mf.MuonOptimizer([p], ns_dtype=torch.float32, adjust_lr_fn="original", weight_decay=0.1, **TORCH_LIKE)
+    opt = mf.MuonOptimizer(
+        [p], ns_dtype=torch.float32, adjust_lr_fn="original", weight_decay=0.1, **TORCH_LIKE
+    )
     topt = torch.optim.Muon([q], lr=0.02, weight_decay=0.1, adjust_lr_fn="original")
     for step in range(3):
         g = torch.randn(6, 3, 3, 3, generator=torch.Generator().manual_seed(step)).to(device)
         p.grad, q.grad = g.clone(), g.reshape(6, 27).clone()
         opt.step()
         topt.step()
-    torch.testing.assert_close(p.detach().reshape(6, 27).cpu(), q.detach().cpu(), atol=tol(device), rtol=0)
+    torch.testing.assert_close(
+        p.detach().reshape(6, 27).cpu(), q.detach().cpu(), atol=tol(device), rtol=0
+    )
 
 
 # --------------------------------------------------------------------------- muon_fn.Optimizer with a custom transform
+
 
 def test_generic_optimizer_with_factory_and_scheduler():
     """mf.Optimizer(params, factory, defaults): lr reaches the transform as a 0-d tensor."""
     torch.manual_seed(0)
     p = nn.Parameter(torch.randn(5))
-    opt = mf.Optimizer([p], lambda h: mf.chain(mf.scale_by_learning_rate(h["lr"])), {"lr": 0.5},
-                       compile={"backend": "eager"})
+    opt = mf.Optimizer(
+        [p],
+        lambda h: mf.chain(mf.scale_by_learning_rate(h["lr"])),
+        {"lr": 0.5},
+        compile={"backend": "eager"},
+    )
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     expected = p.detach().clone()
     for step in range(4):
@@ -1296,8 +1541,11 @@ def test_generic_optimizer_adamw_recipe_matches_torch_adamw(device):
     torch.manual_seed(0)
     w = torch.randn(7, 3).to(device)
     p, q = nn.Parameter(w.clone()), nn.Parameter(w.clone())
-    opt = mf.Optimizer([p], lambda h: mf.adamw(h["lr"], (0.9, 0.999), 1e-8, h["weight_decay"]),
-                       {"lr": 1e-2, "weight_decay": 0.05})
+    opt = mf.Optimizer(
+        [p],
+        lambda h: mf.adamw(h["lr"], (0.9, 0.999), 1e-8, h["weight_decay"]),
+        {"lr": 1e-2, "weight_decay": 0.05},
+    )
     topt = torch.optim.AdamW([q], lr=1e-2, weight_decay=0.05)
     for step in range(10):
         g = torch.randn(7, 3, generator=torch.Generator().manual_seed(step)).to(device)
@@ -1315,7 +1563,9 @@ def test_inductor_smoke(device, fp32_torch_muon):
     torch.manual_seed(0)
     w = torch.randn(16, 8).to(device)
     p, q = nn.Parameter(w.clone()), nn.Parameter(w.clone())
-    opt = mf.MuonOptimizer([p], ns_dtype=torch.float32, adjust_lr_fn="original", compile=True, **TORCH_LIKE)
+    opt = mf.MuonOptimizer(
+        [p], ns_dtype=torch.float32, adjust_lr_fn="original", compile=True, **TORCH_LIKE
+    )
     topt = torch.optim.Muon([q], lr=0.02, weight_decay=0.0, adjust_lr_fn="original")
     for step in range(3):
         g = torch.randn(16, 8, generator=torch.Generator().manual_seed(step)).to(device)
@@ -1326,6 +1576,7 @@ def test_inductor_smoke(device, fp32_torch_muon):
 
 
 # --------------------------------------------------------------------------- more edge cases
+
 
 def test_static_and_scalar_hyperparameters_changed_mid_training(device, fp32_torch_muon):
     """Changing ns_steps (static: the transform is rebuilt) and weight_decay (a 0-d tensor) keeps
@@ -1345,8 +1596,12 @@ def test_static_and_scalar_hyperparameters_changed_mid_training(device, fp32_tor
         opt.step()
         topt.step()
     torch.testing.assert_close(p.detach().cpu(), q.detach().cpu(), atol=tol(device), rtol=0)
-    torch.testing.assert_close(opt.state[p]["momentum_buffer"].cpu(), topt.state[q]["momentum_buffer"].cpu(),
-                               atol=tol(device, "state"), rtol=0)
+    torch.testing.assert_close(
+        opt.state[p]["momentum_buffer"].cpu(),
+        topt.state[q]["momentum_buffer"].cpu(),
+        atol=tol(device, "state"),
+        rtol=0,
+    )
 
 
 def test_resume_in_the_middle_of_accumulation():
@@ -1374,7 +1629,10 @@ def test_accumulation_resumes_through_distributed_checkpoint():
     template of a fresh optimizer has the momentum to load into, and a run resumed through it at a
     window boundary continues bit for bit. A checkpoint taken inside a window carries no
     accumulated gradients there, and its load is refused, saying so."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
 
     def build(m):
         return mf.MuonOptimizer(m.named_parameters(), gradient_accumulation_steps=2, compile=False)
@@ -1383,7 +1641,9 @@ def test_accumulation_resumes_through_distributed_checkpoint():
     _train(full, build(full), 6)
     a = make_gpt()
     opt_a = build(a)
-    assert sorted(get_optimizer_state_dict(a, opt_a)["state"]["blocks.0.qkv.weight"]) == ["momentum_buffer"]
+    assert sorted(get_optimizer_state_dict(a, opt_a)["state"]["blocks.0.qkv.weight"]) == [
+        "momentum_buffer"
+    ]
     assert opt_a.param_groups[0]["micro_step"] == 0
     _train(a, opt_a, 4)  # two optimizer steps
     saved = copy.deepcopy(get_optimizer_state_dict(a, opt_a))
@@ -1391,7 +1651,10 @@ def test_accumulation_resumes_through_distributed_checkpoint():
     b.load_state_dict(a.state_dict())
     opt_b = build(b)
     template = get_optimizer_state_dict(b, opt_b)  # what dcp.load fills in
-    assert b.blocks[0].qkv.weight.equal(a.blocks[0].qkv.weight) and opt_b.param_groups[0]["micro_step"] == 0
+    assert (
+        b.blocks[0].qkv.weight.equal(a.blocks[0].qkv.weight)
+        and opt_b.param_groups[0]["micro_step"] == 0
+    )
     assert sorted(template["state"]) == sorted(saved["state"])
     set_optimizer_state_dict(b, opt_b, saved)
     _train(b, opt_b, 2, start=4)
@@ -1400,8 +1663,11 @@ def test_accumulation_resumes_through_distributed_checkpoint():
     mid = get_optimizer_state_dict(a, opt_a)
     for st in mid["state"].values():
         st.pop("grad_accumulator", None)  # what a fresh optimizer's template would load
-    with pytest.raises(ValueError, match="inside a gradient accumulation window .micro_step 1 of 2. but the "
-                                         "state_dict holds no 'grad_accumulator'"):
+    with pytest.raises(
+        ValueError,
+        match="inside a gradient accumulation window .micro_step 1 of 2. but the "
+        "state_dict holds no 'grad_accumulator'",
+    ):
         set_optimizer_state_dict(b, opt_b, mid)
 
 
@@ -1424,11 +1690,13 @@ def test_nonfinite_error_under_accumulation_refuses_the_micro_batch():
     """Under "error" a micro-batch with a non-finite gradient raises at once, naming the
     parameter, and is never accumulated: the window goes on as if the call had not happened, and
     the optimizer is not stuck (it used to accumulate the NaN and raise at every later step)."""
+
     def run(batches):
         torch.manual_seed(0)
         lin = nn.Linear(4, 3)
-        opt = mf.MuonOptimizer(lin.named_parameters(), gradient_accumulation_steps=3, nonfinite="error",
-                               compile=False)
+        opt = mf.MuonOptimizer(
+            lin.named_parameters(), gradient_accumulation_steps=3, nonfinite="error", compile=False
+        )
         for w, b in batches:
             lin.weight.grad, lin.bias.grad = w, b
             try:
@@ -1437,7 +1705,9 @@ def test_nonfinite_error_under_accumulation_refuses_the_micro_batch():
                 assert "in 'weight'" in str(e), e
                 step = opt.param_groups[0]["micro_step"]
                 assert step in (1, 2) and ("not accumulated" in str(e)) == (step == 1), (step, e)
-                assert torch.equal(opt.state[lin.weight]["grad_accumulator"], torch.full((3, 4), 0.5 * step))
+                assert torch.equal(
+                    opt.state[lin.weight]["grad_accumulator"], torch.full((3, 4), 0.5 * step)
+                )
         return [p.detach().clone() for p in lin.parameters()], opt
 
     good = [(torch.full((3, 4), 0.5), torch.ones(3))] * 3
@@ -1461,7 +1731,9 @@ def test_auto_group_scheduler_no_recompile_and_adamw_follows():
     tsched = torch.optim.lr_scheduler.StepLR(topt, step_size=2, gamma=0.5)
     for step in range(6):
         opt.zero_grad()
-        model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).square().sum().backward()
+        model(
+            torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        ).square().sum().backward()
         ref_bias.grad = model[2].bias.grad.clone()
         opt.step()
         topt.step()
@@ -1478,7 +1750,9 @@ def test_compiled_matches_eager_and_survives_load_without_recompiling():
     m1 = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4))
     m2 = copy.deepcopy(m1)
     eager = mf.MuonOptimizer(m1.parameters(), weight_decay=0.1, beta2=0.9)
-    compiled = mf.MuonOptimizer(m2.parameters(), weight_decay=0.1, beta2=0.9, compile={"backend": cnt})
+    compiled = mf.MuonOptimizer(
+        m2.parameters(), weight_decay=0.1, beta2=0.9, compile={"backend": cnt}
+    )
 
     def run(model, opt, steps, start):
         for step in range(start, start + steps):
@@ -1498,12 +1772,16 @@ def test_compiled_matches_eager_and_survives_load_without_recompiling():
 
 
 # --------------------------------------------------------------------------- copies
-@pytest.mark.parametrize("make", [
-    lambda m: mf.MuonOptimizer(m.parameters(), weight_decay=0.01, nonfinite="error"),
-    lambda m: mf.MuonOptimizer(m.parameters(), beta2=0.95, compile={"backend": "eager"}),
-    lambda m: mf.create_hybrid_optimizer(m),
-    lambda m: mf.SpectralSphereOptimizer(m.parameters()),
-], ids=["muon", "normuon-compiled", "hybrid", "sso"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda m: mf.MuonOptimizer(m.parameters(), weight_decay=0.01, nonfinite="error"),
+        lambda m: mf.MuonOptimizer(m.parameters(), beta2=0.95, compile={"backend": "eager"}),
+        lambda m: mf.create_hybrid_optimizer(m),
+        lambda m: mf.SpectralSphereOptimizer(m.parameters()),
+    ],
+    ids=["muon", "normuon-compiled", "hybrid", "sso"],
+)
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
 def test_copied_optimizer_steps_like_the_original(make, how):
     """copy.deepcopy / pickle (EMA and SWA helpers, Lightning, evaluation copies): the copy carries
@@ -1515,7 +1793,9 @@ def test_copied_optimizer_steps_like_the_original(make, how):
     opt = make(model)
     for step in range(2):
         opt.zero_grad()
-        model(torch.randn(4, 6, generator=torch.Generator().manual_seed(step))).square().mean().backward()
+        model(
+            torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
+        ).square().mean().backward()
         opt.step()
     clone = copy.deepcopy(opt) if how == "deepcopy" else pickle.loads(pickle.dumps(opt))
     assert clone.nonfinite == opt.nonfinite and clone._bucket_size == opt._bucket_size

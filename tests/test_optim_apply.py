@@ -54,9 +54,15 @@ def assert_bitwise(a, opt_a, b, opt_b):
 CASES = {
     "default": {},
     "sgd-no-nesterov": {"momentum_kind": "sgd", "nesterov": False},
-    "heads-spectral": {"matrix_view": lambda w: mf.heads(rows=3) if w.shape == (48, 16) else "flatten",
-                       "adjust_lr_fn": "spectral"},
-    "coefficients-stepsize": {"ns_coefficients": [(3.4445, -4.7750, 2.0315)], "ns_steps": 3, "ns_stepsize": 0.9},
+    "heads-spectral": {
+        "matrix_view": lambda w: mf.heads(rows=3) if w.shape == (48, 16) else "flatten",
+        "adjust_lr_fn": "spectral",
+    },
+    "coefficients-stepsize": {
+        "ns_coefficients": [(3.4445, -4.7750, 2.0315)],
+        "ns_steps": 3,
+        "ns_stepsize": 0.9,
+    },
     "normuon-aol4": {"beta2": 0.95, "method": "aol", "ns_steps": 4},
     "callable-method": {"method": lambda x: x / (torch.linalg.matrix_norm(x, keepdim=True) + 1e-7)},
     "accumulation-tensor-lr": {"gradient_accumulation_steps": 2, "lr": torch.tensor(0.01)},
@@ -81,7 +87,9 @@ def test_matrix_only_group_compiled_equals_eager():
     a = Net()
     b = copy.deepcopy(a)
     kw = dict(weight_decay=0.01, ns_dtype=torch.float32, algorithm="muon")
-    compiled = mf.MuonOptimizer([p for p in a.parameters() if p.ndim >= 2], compile={"backend": "eager"}, **kw)
+    compiled = mf.MuonOptimizer(
+        [p for p in a.parameters() if p.ndim >= 2], compile={"backend": "eager"}, **kw
+    )
     eager = mf.MuonOptimizer([p for p in b.parameters() if p.ndim >= 2], compile=False, **kw)
     for t in range(2):
         set_grads(a, t)
@@ -94,8 +102,12 @@ def test_matrix_only_group_compiled_equals_eager():
 def test_bucket_size_does_not_change_results():
     """Buckets only decide what runs together: every step is per matrix."""
     a, opt_a, b, _ = pair()
-    opt_a = mf.MuonOptimizer(a.parameters(), compile=False, weight_decay=0.01, ns_dtype=torch.float32, bucket_size=1)
-    opt_b = mf.MuonOptimizer(b.parameters(), compile=False, weight_decay=0.01, ns_dtype=torch.float32, bucket_size=64)
+    opt_a = mf.MuonOptimizer(
+        a.parameters(), compile=False, weight_decay=0.01, ns_dtype=torch.float32, bucket_size=1
+    )
+    opt_b = mf.MuonOptimizer(
+        b.parameters(), compile=False, weight_decay=0.01, ns_dtype=torch.float32, bucket_size=64
+    )
     assert len(opt_a._runtimes[0].buckets) > len(opt_b._runtimes[0].buckets)
     for t in range(3):
         set_grads(a, t)
@@ -111,7 +123,9 @@ def test_bf16_params(momentum_dtype):
     the momentum buffer keeps momentum_dtype (default: the parameter's)."""
     a, compiled, b, eager = pair(torch.bfloat16, momentum_dtype=momentum_dtype)
     if momentum_dtype is None:  # compiled == eager is checked once, with the fp32 buffer
-        compiled = mf.MuonOptimizer(a.parameters(), compile=False, weight_decay=0.01, ns_dtype=torch.float32)
+        compiled = mf.MuonOptimizer(
+            a.parameters(), compile=False, weight_decay=0.01, ns_dtype=torch.float32
+        )
     for t in range(3):
         set_grads(a, t)
         set_grads(b, t)
@@ -129,7 +143,9 @@ def test_channels_last_conv():
     a, opt_a, b, opt_b = pair()
     a.conv.to(memory_format=torch.channels_last)
     assert not a.conv.weight.is_contiguous()
-    opt_a = mf.MuonOptimizer(a.parameters(), compile={"backend": "eager"}, weight_decay=0.01, ns_dtype=torch.float32)
+    opt_a = mf.MuonOptimizer(
+        a.parameters(), compile={"backend": "eager"}, weight_decay=0.01, ns_dtype=torch.float32
+    )
     for t in range(3):
         set_grads(a, t)
         set_grads(b, t)

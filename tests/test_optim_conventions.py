@@ -22,7 +22,10 @@ import pytest
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import OneCycleLR, ReduceLROnPlateau, StepLR
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 
 import muon_fn as mf
 from conftest import roundtrip
@@ -63,9 +66,21 @@ def loss_fn(model: nn.Module, step: int = 0) -> torch.Tensor:
 class ErrorInput:
     """Constructor arguments that must fail (torch's ``ErrorOptimizerInput``)."""
 
-    def __init__(self, desc: str, kwargs: dict[str, Any], error: type, match: str,
-                 params: Callable[[], Any] | None = None) -> None:
-        self.desc, self.kwargs, self.error, self.match, self.params = desc, kwargs, error, match, params
+    def __init__(
+        self,
+        desc: str,
+        kwargs: dict[str, Any],
+        error: type,
+        match: str,
+        params: Callable[[], Any] | None = None,
+    ) -> None:
+        self.desc, self.kwargs, self.error, self.match, self.params = (
+            desc,
+            kwargs,
+            error,
+            match,
+            params,
+        )
 
 
 @dataclass
@@ -107,83 +122,205 @@ _P = lambda: nn.Parameter(torch.randn(3, 3))  # noqa: E731
 
 # Inputs every class must reject (torch's get_error_inputs_for_all_optims, plus muon_fn's).
 COMMON_ERRORS = [
-    ErrorInput("a bare tensor as params", {}, TypeError,
-               "params argument given to the optimizer should be an iterable of Tensors or dicts", params=_P),
+    ErrorInput(
+        "a bare tensor as params",
+        {},
+        TypeError,
+        "params argument given to the optimizer should be an iterable of Tensors or dicts",
+        params=_P,
+    ),
     ErrorInput("empty", {}, ValueError, "optimizer got an empty parameter list", params=lambda: []),
-    ErrorInput("duplicate across groups", {}, ValueError, "some parameters appear in more than one parameter group",
-               params=lambda: (lambda p: [{"params": [p]}, {"params": [p]}])(_P())),
-    ErrorInput("names on some params", {}, ValueError, "all optimizer params should be with/without names",
-               params=lambda: [("w", _P()), _P()]),
-    ErrorInput("Tensor lr of 2 elements", {"lr": torch.tensor([0.1, 0.1])}, ValueError, "Tensor lr must be 1-element"),
-    ErrorInput("1-D tensor lr", {"lr": torch.tensor([0.1])}, ValueError, r"Invalid lr: a tensor of shape \(1,\)"),
-    ErrorInput("a module as params", {}, TypeError, r"params argument given to the optimizer should be an iterable of "
-               r"Tensors or dicts, but got torch\.nn\.modules\.linear\.Linear \(a module\): pass model\.parameters\(\)",
-               params=lambda: nn.Linear(3, 3)),
+    ErrorInput(
+        "duplicate across groups",
+        {},
+        ValueError,
+        "some parameters appear in more than one parameter group",
+        params=lambda: (lambda p: [{"params": [p]}, {"params": [p]}])(_P()),
+    ),
+    ErrorInput(
+        "names on some params",
+        {},
+        ValueError,
+        "all optimizer params should be with/without names",
+        params=lambda: [("w", _P()), _P()],
+    ),
+    ErrorInput(
+        "Tensor lr of 2 elements",
+        {"lr": torch.tensor([0.1, 0.1])},
+        ValueError,
+        "Tensor lr must be 1-element",
+    ),
+    ErrorInput(
+        "1-D tensor lr",
+        {"lr": torch.tensor([0.1])},
+        ValueError,
+        r"Invalid lr: a tensor of shape \(1,\)",
+    ),
+    ErrorInput(
+        "a module as params",
+        {},
+        TypeError,
+        r"params argument given to the optimizer should be an iterable of "
+        r"Tensors or dicts, but got torch\.nn\.modules\.linear\.Linear \(a module\): pass model\.parameters\(\)",
+        params=lambda: nn.Linear(3, 3),
+    ),
     ErrorInput("negative lr", {"lr": -0.1}, ValueError, "Invalid learning rate: -0.1"),
     ErrorInput("momentum 1", {"momentum": 1.0}, ValueError, "Invalid momentum value: 1.0"),
-    ErrorInput("complex parameter", {}, ValueError, "does not support complex parameters",
-               params=lambda: [nn.Parameter(torch.randn(3, 3, dtype=torch.complex64))]),
-    ErrorInput("integer parameter", {}, ValueError, "floating-point parameters only",
-               params=lambda: [torch.zeros(3, 3, dtype=torch.int64)]),
+    ErrorInput(
+        "complex parameter",
+        {},
+        ValueError,
+        "does not support complex parameters",
+        params=lambda: [nn.Parameter(torch.randn(3, 3, dtype=torch.complex64))],
+    ),
+    ErrorInput(
+        "integer parameter",
+        {},
+        ValueError,
+        "floating-point parameters only",
+        params=lambda: [torch.zeros(3, 3, dtype=torch.int64)],
+    ),
     ErrorInput("maximize", {"maximize": True}, ValueError, "to maximize f, minimize -f"),
-    ErrorInput("differentiable", {"differentiable": True}, ValueError, "differentiable=True is not supported"),
+    ErrorInput(
+        "differentiable",
+        {"differentiable": True},
+        ValueError,
+        "differentiable=True is not supported",
+    ),
     ErrorInput("foreach", {"foreach": "yes"}, ValueError, "Invalid foreach value: 'yes'"),
-    ErrorInput("accumulation 0", {"gradient_accumulation_steps": 0}, ValueError, "Invalid gradient_accumulation_steps"),
+    ErrorInput(
+        "accumulation 0",
+        {"gradient_accumulation_steps": 0},
+        ValueError,
+        "Invalid gradient_accumulation_steps",
+    ),
 ]
 MUON_ERRORS = [
     ErrorInput("ns_steps 0", {"ns_steps": 0}, ValueError, "Invalid ns_steps value: 0"),
-    ErrorInput("adjust_lr_fn", {"adjust_lr_fn": "arbitrary"}, ValueError, "Invalid adjust_lr_fn: 'arbitrary'"),
-    ErrorInput("ns_coefficients pair", {"ns_coefficients": (3.4, -4.7)}, ValueError, "Invalid ns_coefficients"),
+    ErrorInput(
+        "adjust_lr_fn",
+        {"adjust_lr_fn": "arbitrary"},
+        ValueError,
+        "Invalid adjust_lr_fn: 'arbitrary'",
+    ),
+    ErrorInput(
+        "ns_coefficients pair",
+        {"ns_coefficients": (3.4, -4.7)},
+        ValueError,
+        "Invalid ns_coefficients",
+    ),
     ErrorInput("ns_dtype string", {"ns_dtype": "bf16"}, TypeError, "Invalid ns_dtype: 'bf16'"),
-    ErrorInput("momentum_dtype int", {"momentum_dtype": torch.int64}, ValueError, "Invalid momentum_dtype: torch.int64"),
+    ErrorInput(
+        "momentum_dtype int",
+        {"momentum_dtype": torch.int64},
+        ValueError,
+        "Invalid momentum_dtype: torch.int64",
+    ),
     ErrorInput("nesterov int", {"nesterov": 1}, TypeError, "Invalid nesterov: 1"),
     ErrorInput("eps 0", {"eps": 0.0}, ValueError, "Invalid eps value: 0.0"),
     ErrorInput("ns_eps", {"ns_eps": 1e-7}, TypeError, "use eps"),
 ]
-MUON_INPUTS = [{}, {"lr": 0.01}, {"lr": torch.tensor(0.01)}, {"weight_decay": 0.1}, {"momentum": 0.8},
-               {"nesterov": False}, {"ns_steps": 6}, {"ns_coefficients": (3.4, -4.7, 2.0)}, {"beta2": 0.95},
-               {"method": "polar_express"}, {"adjust_lr_fn": "match_rms_adamw", "lr": 0.01}]
+MUON_INPUTS = [
+    {},
+    {"lr": 0.01},
+    {"lr": torch.tensor(0.01)},
+    {"weight_decay": 0.1},
+    {"momentum": 0.8},
+    {"nesterov": False},
+    {"ns_steps": 6},
+    {"ns_coefficients": (3.4, -4.7, 2.0)},
+    {"beta2": 0.95},
+    {"method": "polar_express"},
+    {"adjust_lr_fn": "match_rms_adamw", "lr": 0.01},
+]
+
 
 def _triton(cls):
     """TritonMuon / TritonMuonW at lr 0.01 (their 1e-3 default moves the fixed problem's loss
     less than the 10 % in 12 steps that these tests ask for)."""
+
     def build(params, lr=0.01, **kwargs):
         return cls(params, lr=lr, **kwargs)
+
     return build
 
 
 TRITON_ERRORS = [
     ErrorInput("velocity 1", {"velocity": 1.0}, ValueError, "Invalid velocity value: 1.0"),
-    ErrorInput("weight_decay -1", {"weight_decay": -1.0}, ValueError, "Invalid weight_decay value: -1.0"),
+    ErrorInput(
+        "weight_decay -1", {"weight_decay": -1.0}, ValueError, "Invalid weight_decay value: -1.0"
+    ),
     ErrorInput("eps 0", {"eps": 0.0}, ValueError, "Invalid eps value: 0.0"),
-    ErrorInput("betas", {"betas": (0.9, 0.99)}, TypeError, "use momentum .beta1. and velocity .beta2."),
+    ErrorInput(
+        "betas", {"betas": (0.9, 0.99)}, TypeError, "use momentum .beta1. and velocity .beta2."
+    ),
 ]
-TRITON_INPUTS = [{}, {"lr": torch.tensor(0.01)}, {"nesterov": True}, {"layerwise_norm": True},
-                 {"weight_decay": 0.1}, {"momentum": 0.8, "velocity": 0.99}]
+TRITON_INPUTS = [
+    {},
+    {"lr": torch.tensor(0.01)},
+    {"nesterov": True},
+    {"layerwise_norm": True},
+    {"weight_decay": 0.1},
+    {"momentum": 0.8, "velocity": 0.99},
+]
 
 INFOS = [
-    OptimizerInfo("Optimizer", _generic, [{}, {"lr": 0.01}, {"lr": torch.tensor(0.01)}, {"momentum": 0.8}],
-                  COMMON_ERRORS),
+    OptimizerInfo(
+        "Optimizer",
+        _generic,
+        [{}, {"lr": 0.01}, {"lr": torch.tensor(0.01)}, {"momentum": 0.8}],
+        COMMON_ERRORS,
+    ),
     OptimizerInfo("MuonOptimizer", mf.MuonOptimizer, MUON_INPUTS, COMMON_ERRORS + MUON_ERRORS),
-    OptimizerInfo("hybrid", mf.create_hybrid_optimizer, [{}, {"muon_lr": 0.01}, {"momentum": 0.8}],
-                  [e for e in COMMON_ERRORS + MUON_ERRORS if e.params is None and "lr" not in e.kwargs
-                   and "momentum" not in e.kwargs], takes_model=True),
-    OptimizerInfo("SpectralSphereOptimizer", mf.SpectralSphereOptimizer,
-                  [{}, {"lr": 0.01}, {"momentum": 0.8}, {"nesterov": False}, {"msign_steps": 5}], COMMON_ERRORS),
-    OptimizerInfo("TritonMuon", _triton(mf.TritonMuon), TRITON_INPUTS, COMMON_ERRORS + TRITON_ERRORS),
-    OptimizerInfo("TritonMuonW", _triton(mf.TritonMuonW), TRITON_INPUTS, COMMON_ERRORS + TRITON_ERRORS),
-    OptimizerInfo("FSDPMuonOptimizer", _fsdp, [{}, {"lr": 0.01}, {"beta2": 0.95}],
-                  [e for e in MUON_ERRORS if e.params is None], takes_model=True, add_param_group=False),
-    OptimizerInfo("FSDPSpectralSphereOptimizer", _fsdp_sso, [{}, {"lr": 0.01}, {"momentum": 0.8}],
-                  takes_model=True, add_param_group=False),
+    OptimizerInfo(
+        "hybrid",
+        mf.create_hybrid_optimizer,
+        [{}, {"muon_lr": 0.01}, {"momentum": 0.8}],
+        [
+            e
+            for e in COMMON_ERRORS + MUON_ERRORS
+            if e.params is None and "lr" not in e.kwargs and "momentum" not in e.kwargs
+        ],
+        takes_model=True,
+    ),
+    OptimizerInfo(
+        "SpectralSphereOptimizer",
+        mf.SpectralSphereOptimizer,
+        [{}, {"lr": 0.01}, {"momentum": 0.8}, {"nesterov": False}, {"msign_steps": 5}],
+        COMMON_ERRORS,
+    ),
+    OptimizerInfo(
+        "TritonMuon", _triton(mf.TritonMuon), TRITON_INPUTS, COMMON_ERRORS + TRITON_ERRORS
+    ),
+    OptimizerInfo(
+        "TritonMuonW", _triton(mf.TritonMuonW), TRITON_INPUTS, COMMON_ERRORS + TRITON_ERRORS
+    ),
+    OptimizerInfo(
+        "FSDPMuonOptimizer",
+        _fsdp,
+        [{}, {"lr": 0.01}, {"beta2": 0.95}],
+        [e for e in MUON_ERRORS if e.params is None],
+        takes_model=True,
+        add_param_group=False,
+    ),
+    OptimizerInfo(
+        "FSDPSpectralSphereOptimizer",
+        _fsdp_sso,
+        [{}, {"lr": 0.01}, {"momentum": 0.8}],
+        takes_model=True,
+        add_param_group=False,
+    ),
 ]
 ids = [info.name for info in INFOS]
 every_class = pytest.mark.parametrize("info", INFOS, ids=ids)
 
 
-def train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, schedulers=(), start: int = 0) -> list[float]:
+def train(
+    model: nn.Module, opt: torch.optim.Optimizer, steps: int, schedulers=(), start: int = 0
+) -> list[float]:
     losses = []
     for step in range(start, start + steps):
+
         def closure():
             opt.zero_grad()
             loss = loss_fn(model, step)
@@ -254,9 +391,11 @@ def test_inputs_go_the_right_direction(info):
 def test_lr_schedulers_go_the_right_direction(info, scheduler):
     model = make_net()
     opt = info.make(model)
-    make = {"step": lambda o: StepLR(o, step_size=4, gamma=0.5),
-            "plateau": lambda o: ReduceLROnPlateau(o, patience=1),
-            "onecycle": lambda o: OneCycleLR(o, max_lr=0.03, total_steps=13, cycle_momentum=True)}[scheduler]
+    make = {
+        "step": lambda o: StepLR(o, step_size=4, gamma=0.5),
+        "plateau": lambda o: ReduceLROnPlateau(o, patience=1),
+        "onecycle": lambda o: OneCycleLR(o, max_lr=0.03, total_steps=13, cycle_momentum=True),
+    }[scheduler]
     losses = train(model, opt, 12, [make(opt)])
     assert losses[-1] < 0.9 * losses[0], losses
 
@@ -298,7 +437,13 @@ def test_torch_implementation_keys_are_accepted(info):
     pass them to every optimizer: torchtitan puts ``fused`` and ``foreach`` in every group), as
     keywords and as group keys, with the values whose meaning holds: the same steps as without
     them; a state_dict with them loads into an optimizer without, and back."""
-    keys = {"foreach": True, "fused": False, "capturable": False, "differentiable": False, "maximize": False}
+    keys = {
+        "foreach": True,
+        "fused": False,
+        "capturable": False,
+        "differentiable": False,
+        "maximize": False,
+    }
     plain, keyed, grouped = make_net(), make_net(), make_net()
     ref = info.make(plain)
     opt = info.make(keyed, **keys)
@@ -309,7 +454,9 @@ def test_torch_implementation_keys_are_accepted(info):
     ref.load_state_dict(opt.state_dict())
     opt.load_state_dict(ref.state_dict())
     if not info.takes_model:
-        groups = info.build([{"params": list(grouped.parameters()), "foreach": False, "fused": None}])
+        groups = info.build(
+            [{"params": list(grouped.parameters()), "foreach": False, "fused": None}]
+        )
         train(grouped, groups, 3)
         assert_same(plain, grouped)
 
@@ -342,9 +489,13 @@ def test_param_group_added_later(info):
     opt = info.build(later.fc1.parameters())
     opt.add_param_group({"params": list(later.fc2.parameters()), "lr": 0.01})
     opt.add_param_group({"params": list(later.norm.parameters()), "lr": 0.0})
-    ref = info.build([{"params": list(upfront.fc1.parameters())},
-                      {"params": list(upfront.fc2.parameters()), "lr": 0.01},
-                      {"params": list(upfront.norm.parameters()), "lr": 0.0}])
+    ref = info.build(
+        [
+            {"params": list(upfront.fc1.parameters())},
+            {"params": list(upfront.fc2.parameters()), "lr": 0.01},
+            {"params": list(upfront.norm.parameters()), "lr": 0.0},
+        ]
+    )
     norm = [p.detach().clone() for p in later.norm.parameters()]
     train(later, opt, 3)
     train(upfront, ref, 3)
@@ -394,10 +545,12 @@ def test_step_hooks_fire_in_order(info):
     model = make_net()
     opt = info.make(model)
     seen = []
-    handles = [opt.register_step_pre_hook(lambda o, a, k: seen.append("pre")),
-               opt.register_step_post_hook(lambda o, a, k: seen.append("post")),
-               register_optimizer_step_pre_hook(lambda o, a, k: seen.append("global pre")),
-               register_optimizer_step_post_hook(lambda o, a, k: seen.append("global post"))]
+    handles = [
+        opt.register_step_pre_hook(lambda o, a, k: seen.append("pre")),
+        opt.register_step_post_hook(lambda o, a, k: seen.append("post")),
+        register_optimizer_step_pre_hook(lambda o, a, k: seen.append("global pre")),
+        register_optimizer_step_post_hook(lambda o, a, k: seen.append("global post")),
+    ]
     try:
         train(model, opt, 1)
     finally:
@@ -484,14 +637,18 @@ def test_a_model_that_no_longer_holds_the_parameters_warns_once(info):
         warnings.simplefilter("always")
         train(model, opt, 1)
     assert not [w for w in caught if "no longer holds" in str(w.message)]
-    model.fc1.weight = nn.Parameter(model.fc1.weight.detach().clone())  # as fully_shard replaces them
+    model.fc1.weight = nn.Parameter(
+        model.fc1.weight.detach().clone()
+    )  # as fully_shard replaces them
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         train(model, opt, 2)
     told = [str(w.message) for w in caught if "no longer holds" in str(w.message)]
     assert len(told) == 1, told
-    assert f"{type(opt).__name__}: the model given as model= no longer holds this optimizer's parameter " \
-           "'fc1.weight'" in told[0], told[0]
+    assert (
+        f"{type(opt).__name__}: the model given as model= no longer holds this optimizer's parameter "
+        "'fc1.weight'" in told[0]
+    ), told[0]
     assert caught[[str(w.message) for w in caught].index(told[0])].filename == __file__
 
 
@@ -506,15 +663,19 @@ def test_copy_steps_like_the_original(info, how):
     twin_opt = copy.deepcopy(opt) if how == "deepcopy" else pickle.loads(pickle.dumps(opt))
     public = lambda o: {k for k in o.__dict__ if not k.startswith("_")}  # noqa: E731
     assert public(twin_opt) == public(opt)
-    for p, q in zip([p for g in opt.param_groups for p in g["params"]],
-                    [p for g in twin_opt.param_groups for p in g["params"]]):
+    for p, q in zip(
+        [p for g in opt.param_groups for p in g["params"]],
+        [p for g in twin_opt.param_groups for p in g["params"]],
+    ):
         assert torch.equal(p, q) and p is not q
         p.grad = q.grad = None
         p.grad, q.grad = torch.full_like(p, 0.1), torch.full_like(q, 0.1)
     opt.step()
     twin_opt.step()
-    for p, q in zip([p for g in opt.param_groups for p in g["params"]],
-                    [p for g in twin_opt.param_groups for p in g["params"]]):
+    for p, q in zip(
+        [p for g in opt.param_groups for p in g["params"]],
+        [p for g in twin_opt.param_groups for p in g["params"]],
+    ):
         assert torch.equal(p, q)
 
 
@@ -539,8 +700,10 @@ def test_loaded_hyperparameters_are_checked_and_a_refused_load_changes_nothing(i
     sd = roundtrip(opt.state_dict())
     sd["param_groups"][0]["momentum"] = 1.5
     groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-    state = {id(p): {k: v.clone() for k, v in st.items() if isinstance(v, torch.Tensor)}
-             for p, st in opt.state.items()}
+    state = {
+        id(p): {k: v.clone() for k, v in st.items() if isinstance(v, torch.Tensor)}
+        for p, st in opt.state.items()
+    }
     with pytest.raises(ValueError, match="Invalid momentum value: 1.5"):
         opt.load_state_dict(sd)
     assert [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] == groups

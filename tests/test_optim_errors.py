@@ -37,88 +37,137 @@ class TestHyperparameters(expecttest.TestCase):
         lin = _linear()
         self.assertExpectedInline(
             self.message(ValueError, lambda: mf.MuonOptimizer(lin.parameters(), lr=-0.1)),
-            """Invalid learning rate: -0.1""")
+            """Invalid learning rate: -0.1""",
+        )
 
     def test_negative_tensor_lr(self):
         lin = _linear()
         self.assertExpectedInline(
-            self.message(ValueError, lambda: mf.MuonOptimizer(lin.parameters(), lr=torch.tensor(-0.5))),
-            """Invalid learning rate: -0.5""")
+            self.message(
+                ValueError, lambda: mf.MuonOptimizer(lin.parameters(), lr=torch.tensor(-0.5))
+            ),
+            """Invalid learning rate: -0.5""",
+        )
 
     def test_one_element_1d_tensor_lr(self):
         """Found by a new user: ``lr=torch.tensor([0.02])`` was accepted (torch takes any 1-element
         tensor); muon_fn's lr is a float or a 0-d tensor, wherever it is given."""
         lin = _linear()
         lr = torch.tensor([0.02])
-        self.assertExpectedInline(self.message(ValueError, lambda: mf.MuonOptimizer(lin.parameters(), lr=lr)), """Invalid lr: a tensor of shape (1,) (expected a float or a 0-d tensor, e.g. torch.tensor(0.02), not torch.tensor([0.02]))""")
+        self.assertExpectedInline(
+            self.message(ValueError, lambda: mf.MuonOptimizer(lin.parameters(), lr=lr)),
+            """Invalid lr: a tensor of shape (1,) (expected a float or a 0-d tensor, e.g. torch.tensor(0.02), not torch.tensor([0.02]))""",
+        )
         opt = mf.MuonOptimizer([lin.weight], compile=False)
         self.assertExpectedInline(
-            self.message(ValueError, lambda: opt.add_param_group({"params": [lin.bias], "lr": lr})), """Invalid lr: a tensor of shape (1,) (expected a float or a 0-d tensor, e.g. torch.tensor(0.02), not torch.tensor([0.02]))""")
+            self.message(ValueError, lambda: opt.add_param_group({"params": [lin.bias], "lr": lr})),
+            """Invalid lr: a tensor of shape (1,) (expected a float or a 0-d tensor, e.g. torch.tensor(0.02), not torch.tensor([0.02]))""",
+        )
         assert len(opt.param_groups) == 1
         self.assertExpectedInline(
-            self.message(ValueError, lambda: mf.MuonOptimizer(lin.parameters(), adamw_lr=lr)), """Invalid adamw_lr: a tensor of shape (1,) (expected a float or a 0-d tensor, e.g. torch.tensor(0.02), not torch.tensor([0.02]))""")
-        self.assertExpectedInline(self.message(ValueError, lambda: mf.create_hybrid_optimizer(lin, muon_lr=lr)), """Invalid muon_lr: a tensor of shape (1,) (expected a float or a 0-d tensor, e.g. torch.tensor(0.02), not torch.tensor([0.02]))""")
-        self.assertExpectedInline(self.message(ValueError, lambda: mf.create_hybrid_optimizer(lin, adamw_lr=lr)), """Invalid adamw_lr: a tensor of shape (1,) (expected a float or a 0-d tensor, e.g. torch.tensor(0.02), not torch.tensor([0.02]))""")
-        self.assertExpectedInline(self.message(ValueError, lambda: mf.TritonMuon(lin.parameters(), lr=lr)), """Invalid lr: a tensor of shape (1,) (expected a float or a 0-d tensor, e.g. torch.tensor(0.02), not torch.tensor([0.02]))""")
-        self.assertExpectedInline(self.message(ValueError, lambda: mf.scale_by_learning_rate(lr)), """Invalid lr: a tensor of shape (1,) (expected a float or a 0-d tensor, e.g. torch.tensor(0.02), not torch.tensor([0.02]))""")
+            self.message(ValueError, lambda: mf.MuonOptimizer(lin.parameters(), adamw_lr=lr)),
+            """Invalid adamw_lr: a tensor of shape (1,) (expected a float or a 0-d tensor, e.g. torch.tensor(0.02), not torch.tensor([0.02]))""",
+        )
+        self.assertExpectedInline(
+            self.message(ValueError, lambda: mf.create_hybrid_optimizer(lin, muon_lr=lr)),
+            """Invalid muon_lr: a tensor of shape (1,) (expected a float or a 0-d tensor, e.g. torch.tensor(0.02), not torch.tensor([0.02]))""",
+        )
+        self.assertExpectedInline(
+            self.message(ValueError, lambda: mf.create_hybrid_optimizer(lin, adamw_lr=lr)),
+            """Invalid adamw_lr: a tensor of shape (1,) (expected a float or a 0-d tensor, e.g. torch.tensor(0.02), not torch.tensor([0.02]))""",
+        )
+        self.assertExpectedInline(
+            self.message(ValueError, lambda: mf.TritonMuon(lin.parameters(), lr=lr)),
+            """Invalid lr: a tensor of shape (1,) (expected a float or a 0-d tensor, e.g. torch.tensor(0.02), not torch.tensor([0.02]))""",
+        )
+        self.assertExpectedInline(
+            self.message(ValueError, lambda: mf.scale_by_learning_rate(lr)),
+            """Invalid lr: a tensor of shape (1,) (expected a float or a 0-d tensor, e.g. torch.tensor(0.02), not torch.tensor([0.02]))""",
+        )
         sd = opt.state_dict()
         sd["param_groups"][0]["lr"] = lr
-        self.assertExpectedInline(self.message(ValueError, lambda: opt.load_state_dict(sd)), """Invalid lr: a tensor of shape (1,) (expected a float or a 0-d tensor, e.g. torch.tensor(0.02), not torch.tensor([0.02]))""")
+        self.assertExpectedInline(
+            self.message(ValueError, lambda: opt.load_state_dict(sd)),
+            """Invalid lr: a tensor of shape (1,) (expected a float or a 0-d tensor, e.g. torch.tensor(0.02), not torch.tensor([0.02]))""",
+        )
         assert opt.param_groups[0]["lr"] == 0.02
 
     def test_hybrid_lr_named(self):
         lin = _linear()
-        self.assertExpectedInline(self.message(ValueError, lambda: mf.create_hybrid_optimizer(lin, adamw_lr=-1.0)), """Invalid adamw_lr: -1.0""")
-        self.assertExpectedInline(self.message(ValueError, lambda: mf.create_hybrid_optimizer(lin, muon_lr=torch.tensor([0.1, 0.2]))), """Tensor muon_lr must be 1-element""")
+        self.assertExpectedInline(
+            self.message(ValueError, lambda: mf.create_hybrid_optimizer(lin, adamw_lr=-1.0)),
+            """Invalid adamw_lr: -1.0""",
+        )
+        self.assertExpectedInline(
+            self.message(
+                ValueError,
+                lambda: mf.create_hybrid_optimizer(lin, muon_lr=torch.tensor([0.1, 0.2])),
+            ),
+            """Tensor muon_lr must be 1-element""",
+        )
 
     def test_nan_lr(self):
         lin = _linear()
         self.assertExpectedInline(
             self.message(ValueError, lambda: mf.MuonOptimizer(lin.parameters(), lr=float("nan"))),
-            """Invalid learning rate: nan""")
+            """Invalid learning rate: nan""",
+        )
 
     def test_momentum_one(self):
         lin = _linear()
         self.assertExpectedInline(
             self.message(ValueError, lambda: mf.MuonOptimizer(lin.parameters(), momentum=1.0)),
-            """Invalid momentum value: 1.0 (expected 0 <= momentum < 1)""")
+            """Invalid momentum value: 1.0 (expected 0 <= momentum < 1)""",
+        )
 
     def test_momentum_negative(self):
         lin = _linear()
         self.assertExpectedInline(
             self.message(ValueError, lambda: mf.MuonOptimizer(lin.parameters(), momentum=-0.1)),
-            """Invalid momentum value: -0.1 (expected 0 <= momentum < 1)""")
+            """Invalid momentum value: -0.1 (expected 0 <= momentum < 1)""",
+        )
 
     def test_negative_weight_decay(self):
         lin = _linear()
         self.assertExpectedInline(
-            self.message(ValueError, lambda: mf.MuonOptimizer(lin.parameters(), weight_decay=-0.01)),
-            """Invalid weight_decay value: -0.01""")
+            self.message(
+                ValueError, lambda: mf.MuonOptimizer(lin.parameters(), weight_decay=-0.01)
+            ),
+            """Invalid weight_decay value: -0.01""",
+        )
 
     def test_negative_adamw_weight_decay(self):
         lin = _linear()
         self.assertExpectedInline(
-            self.message(ValueError, lambda: mf.MuonOptimizer(lin.parameters(), adamw_weight_decay=-1.0)),
-            """Invalid adamw_weight_decay value: -1.0""")
+            self.message(
+                ValueError, lambda: mf.MuonOptimizer(lin.parameters(), adamw_weight_decay=-1.0)
+            ),
+            """Invalid adamw_weight_decay value: -1.0""",
+        )
 
     def test_ns_steps_zero(self):
         lin = _linear()
         self.assertExpectedInline(
             self.message(ValueError, lambda: mf.MuonOptimizer(lin.parameters(), ns_steps=0)),
-            """Invalid ns_steps value: 0 (expected an integer >= 1, or None)""")
+            """Invalid ns_steps value: 0 (expected an integer >= 1, or None)""",
+        )
 
     def test_ns_steps_float(self):
         lin = _linear()
         self.assertExpectedInline(
             self.message(ValueError, lambda: mf.MuonOptimizer(lin.parameters(), ns_steps=2.5)),
-            """Invalid ns_steps value: 2.5 (expected an integer >= 1, or None)""")
+            """Invalid ns_steps value: 2.5 (expected an integer >= 1, or None)""",
+        )
 
     def test_fsdp_bad_ns_coefficients_fail_at_construction(self):
         from muon_fn.fsdp import FSDPMuonOptimizer
 
         self.assertExpectedInline(
-            self.message(ValueError, lambda: FSDPMuonOptimizer(_linear(), ns_coefficients=[(1.0,)])),
-            """Invalid ns_coefficients: [(1.0,)] (expected an (a, b, c) triple or a sequence of (a, b, c) triples)""")
+            self.message(
+                ValueError, lambda: FSDPMuonOptimizer(_linear(), ns_coefficients=[(1.0,)])
+            ),
+            """Invalid ns_coefficients: [(1.0,)] (expected an (a, b, c) triple or a sequence of (a, b, c) triples)""",
+        )
 
     def test_unknown_method(self):
         # The method list grows (other engineers add methods), so the list is spelled from the
@@ -127,65 +176,93 @@ class TestHyperparameters(expecttest.TestCase):
 
         lin = _linear()
         msg = self.message(ValueError, lambda: mf.MuonOptimizer(lin.parameters(), method="newton"))
-        self.assertEqual(msg, "Invalid method: 'newton' (valid: " + ", ".join(map(repr, METHODS)) + ")")
-        self.assertTrue(msg.startswith("Invalid method: 'newton' (valid: 'polar_express', 'quintic', 'you', 'cubic'"))
+        self.assertEqual(
+            msg, "Invalid method: 'newton' (valid: " + ", ".join(map(repr, METHODS)) + ")"
+        )
+        self.assertTrue(
+            msg.startswith(
+                "Invalid method: 'newton' (valid: 'polar_express', 'quintic', 'you', 'cubic'"
+            )
+        )
         for m in METHODS:  # every listed method is accepted (fp32: some methods reject bf16)
             mf.MuonOptimizer(lin.parameters(), method=m, ns_dtype=torch.float32)
 
     def test_unknown_adjust_lr_fn(self):
         lin = _linear()
         self.assertExpectedInline(
-            self.message(ValueError, lambda: mf.MuonOptimizer(lin.parameters(), adjust_lr_fn="sqrt")),
-            """Invalid adjust_lr_fn: 'sqrt' (valid: None, 'keller', 'original', 'match_rms_adamw', 'spectral', 'legacy', 'none')""")
+            self.message(
+                ValueError, lambda: mf.MuonOptimizer(lin.parameters(), adjust_lr_fn="sqrt")
+            ),
+            """Invalid adjust_lr_fn: 'sqrt' (valid: None, 'keller', 'original', 'match_rms_adamw', 'spectral', 'legacy', 'none')""",
+        )
 
     def test_unknown_momentum_kind(self):
         lin = _linear()
         self.assertExpectedInline(
-            self.message(ValueError, lambda: mf.MuonOptimizer(lin.parameters(), momentum_kind="heavy")),
-            """Invalid momentum_kind: 'heavy' (valid: 'sgd', 'ema')""")
+            self.message(
+                ValueError, lambda: mf.MuonOptimizer(lin.parameters(), momentum_kind="heavy")
+            ),
+            """Invalid momentum_kind: 'heavy' (valid: 'sgd', 'ema')""",
+        )
 
     def test_bad_beta2(self):
         lin = _linear()
         self.assertExpectedInline(
             self.message(ValueError, lambda: mf.MuonOptimizer(lin.parameters(), beta2=1.0)),
-            """Invalid beta2 value: 1.0 (expected 0 <= beta2 < 1, or None for Muon)""")
+            """Invalid beta2 value: 1.0 (expected 0 <= beta2 < 1, or None for Muon)""",
+        )
 
     def test_bad_adamw_betas(self):
         lin = _linear()
         self.assertExpectedInline(
-            self.message(ValueError, lambda: mf.MuonOptimizer(lin.parameters(), adamw_betas=(0.9, 1.5))),
-            """Invalid adamw_betas parameter at index 1: 1.5""")
+            self.message(
+                ValueError, lambda: mf.MuonOptimizer(lin.parameters(), adamw_betas=(0.9, 1.5))
+            ),
+            """Invalid adamw_betas parameter at index 1: 1.5""",
+        )
 
     def test_bad_eps(self):
         lin = _linear()
         self.assertExpectedInline(
             self.message(ValueError, lambda: mf.MuonOptimizer(lin.parameters(), adamw_eps=0.0)),
-            """Invalid adamw_eps value: 0.0 (expected > 0)""")
+            """Invalid adamw_eps value: 0.0 (expected > 0)""",
+        )
 
     def test_bad_value_in_later_group(self):
         lin = _linear()
         self.assertExpectedInline(
-            self.message(ValueError, lambda: mf.MuonOptimizer(
-                [{"params": [lin.weight]}, {"params": [lin.bias], "momentum": 2.0}])),
-            """Invalid momentum value: 2.0 (expected 0 <= momentum < 1)""")
+            self.message(
+                ValueError,
+                lambda: mf.MuonOptimizer(
+                    [{"params": [lin.weight]}, {"params": [lin.bias], "momentum": 2.0}]
+                ),
+            ),
+            """Invalid momentum value: 2.0 (expected 0 <= momentum < 1)""",
+        )
 
     def test_bad_accumulation_steps(self):
         lin = _linear()
         self.assertExpectedInline(
-            self.message(ValueError, lambda: mf.MuonOptimizer(lin.parameters(), gradient_accumulation_steps=0)),
-            """Invalid gradient_accumulation_steps: 0 (expected an integer >= 1)""")
+            self.message(
+                ValueError,
+                lambda: mf.MuonOptimizer(lin.parameters(), gradient_accumulation_steps=0),
+            ),
+            """Invalid gradient_accumulation_steps: 0 (expected an integer >= 1)""",
+        )
 
     def test_bad_nonfinite_policy(self):
         lin = _linear()
         self.assertExpectedInline(
             self.message(ValueError, lambda: mf.MuonOptimizer(lin.parameters(), nonfinite="warn")),
-            """Invalid nonfinite: 'warn' (valid: 'skip', 'error', None)""")
+            """Invalid nonfinite: 'warn' (valid: 'skip', 'error', None)""",
+        )
 
     def test_bad_transform(self):
         lin = _linear()
         self.assertExpectedInline(
             self.message(TypeError, lambda: mf.Optimizer(lin.parameters(), 0.02)),
-            """tx_or_factory must be a GradientTransformation or a function of the group's hyperparameters, got float""")
+            """tx_or_factory must be a GradientTransformation or a function of the group's hyperparameters, got float""",
+        )
 
 
 class TestParameters(expecttest.TestCase):
@@ -197,39 +274,56 @@ class TestParameters(expecttest.TestCase):
     def test_empty_parameter_list(self):
         self.assertExpectedInline(
             self.message(ValueError, lambda: mf.MuonOptimizer([])),
-            """optimizer got an empty parameter list""")
+            """optimizer got an empty parameter list""",
+        )
 
     def test_empty_parameter_list_generic(self):
         self.assertExpectedInline(
             self.message(ValueError, lambda: mf.Optimizer([], mf.adamw())),
-            """optimizer got an empty parameter list""")
+            """optimizer got an empty parameter list""",
+        )
 
     def test_empty_parameter_list_hybrid(self):
         """A model without parameters (a frozen one keeps its parameters, as in torch.optim)."""
         self.assertExpectedInline(
             self.message(ValueError, lambda: mf.create_hybrid_optimizer(nn.Sequential(nn.ReLU()))),
-            """optimizer got an empty parameter list""")
+            """optimizer got an empty parameter list""",
+        )
 
     def test_a_module_as_params(self):
         """Found by a new user (was torch's "'Linear' object is not iterable")."""
         lin = _linear()
-        self.assertExpectedInline(self.message(TypeError, lambda: mf.MuonOptimizer(lin)), """params argument given to the optimizer should be an iterable of Tensors or dicts, but got torch.nn.modules.linear.Linear (a module): pass model.parameters() (or model.named_parameters()), and model=model to name them in messages and checkpoints and give conv and expert weights their module's matrix view""")
-        seq = nn.Sequential(lin)  # iterable: torch said "optimizer can only optimize Tensors, but one of the params is ..."
-        self.assertExpectedInline(self.message(TypeError, lambda: mf.TritonMuonW(seq)), """params argument given to the optimizer should be an iterable of Tensors or dicts, but got torch.nn.modules.container.Sequential (a module): pass model.parameters() (or model.named_parameters()), and model=model to name them in messages and checkpoints and give conv and expert weights their module's matrix view""")
+        self.assertExpectedInline(
+            self.message(TypeError, lambda: mf.MuonOptimizer(lin)),
+            """params argument given to the optimizer should be an iterable of Tensors or dicts, but got torch.nn.modules.linear.Linear (a module): pass model.parameters() (or model.named_parameters()), and model=model to name them in messages and checkpoints and give conv and expert weights their module's matrix view""",
+        )
+        seq = nn.Sequential(
+            lin
+        )  # iterable: torch said "optimizer can only optimize Tensors, but one of the params is ..."
+        self.assertExpectedInline(
+            self.message(TypeError, lambda: mf.TritonMuonW(seq)),
+            """params argument given to the optimizer should be an iterable of Tensors or dicts, but got torch.nn.modules.container.Sequential (a module): pass model.parameters() (or model.named_parameters()), and model=model to name them in messages and checkpoints and give conv and expert weights their module's matrix view""",
+        )
 
     def test_parameter_in_two_groups(self):
         lin = _linear()
         self.assertExpectedInline(
-            self.message(ValueError, lambda: mf.MuonOptimizer(
-                [{"params": [lin.weight]}, {"params": [lin.bias, lin.weight]}])),
-            """some parameters appear in more than one parameter group: the new group's parameter #1 of shape (3, 4) is in group 0 already""")
+            self.message(
+                ValueError,
+                lambda: mf.MuonOptimizer(
+                    [{"params": [lin.weight]}, {"params": [lin.bias, lin.weight]}]
+                ),
+            ),
+            """some parameters appear in more than one parameter group: the new group's parameter #1 of shape (3, 4) is in group 0 already""",
+        )
 
     def test_parameter_in_two_groups_via_add_param_group(self):
         lin = _linear()
         opt = mf.MuonOptimizer(lin.parameters())
         self.assertExpectedInline(
             self.message(ValueError, lambda: opt.add_param_group({"params": [lin.bias]})),
-            """some parameters appear in more than one parameter group: the new group's parameter #0 of shape (3,) is in group 0 already""")
+            """some parameters appear in more than one parameter group: the new group's parameter #0 of shape (3,) is in group 0 already""",
+        )
 
     def test_sparse_gradient(self):
         torch.manual_seed(0)
@@ -239,7 +333,8 @@ class TestParameters(expecttest.TestCase):
         before = emb.weight.detach().clone()
         self.assertExpectedInline(
             self.message(RuntimeError, opt.step),
-            """muon_fn does not support sparse gradients (parameter 'weight')""")
+            """muon_fn does not support sparse gradients (parameter 'weight')""",
+        )
         self.assertTrue(torch.equal(emb.weight, before))
 
     def test_sparse_gradient_unnamed(self):
@@ -249,27 +344,33 @@ class TestParameters(expecttest.TestCase):
         emb(torch.tensor([1, 2])).sum().backward()
         self.assertExpectedInline(
             self.message(RuntimeError, opt.step),
-            """muon_fn does not support sparse gradients (parameter #0 of shape (10, 4))""")
+            """muon_fn does not support sparse gradients (parameter #0 of shape (10, 4))""",
+        )
 
     def test_complex_parameter(self):
         w = nn.Parameter(torch.zeros(3, 3, dtype=torch.complex64))
         self.assertExpectedInline(
             self.message(ValueError, lambda: mf.MuonOptimizer([w])),
-            """muon_fn does not support complex parameters, got #0 of shape (3, 3)""")
+            """muon_fn does not support complex parameters, got #0 of shape (3, 3)""",
+        )
 
     def test_complex_parameter_named(self):
         w = nn.Parameter(torch.zeros(3, 3, dtype=torch.complex64))
         self.assertExpectedInline(
             self.message(ValueError, lambda: mf.MuonOptimizer([("rotation", w)])),
-            """muon_fn does not support complex parameters, got 'rotation'""")
+            """muon_fn does not support complex parameters, got 'rotation'""",
+        )
 
     def test_one_d_parameter_reaching_muon_only_transform(self):
         lin = _linear()
-        msg = self.message(ValueError, lambda: mf.Optimizer(
-            lin.parameters(), lambda h: mf.muon(h["lr"]), {"lr": 0.02}))
+        msg = self.message(
+            ValueError,
+            lambda: mf.Optimizer(lin.parameters(), lambda h: mf.muon(h["lr"]), {"lr": 0.02}),
+        )
         self.assertExpectedInline(
             msg,
-            """parameter #1 of shape (3,): orthogonalize only supports matrices (ndim >= 2) whereas we found a leaf at [1] with size: (3,). Route 0-/1-D parameters (biases, norms) to another transform with muon_fn.partition, e.g. muon_fn.hybrid(...), or use muon_fn.MuonOptimizer / muon_fn.create_hybrid_optimizer, which do this for you.""")
+            """parameter #1 of shape (3,): orthogonalize only supports matrices (ndim >= 2) whereas we found a leaf at [1] with size: (3,). Route 0-/1-D parameters (biases, norms) to another transform with muon_fn.partition, e.g. muon_fn.hybrid(...), or use muon_fn.MuonOptimizer / muon_fn.create_hybrid_optimizer, which do this for you.""",
+        )
         self.assertIn("MuonOptimizer", msg)
         self.assertIn("create_hybrid_optimizer", msg)
 
@@ -277,7 +378,8 @@ class TestParameters(expecttest.TestCase):
         lin = _linear()
         self.assertExpectedInline(
             self.message(ValueError, lambda: mf.Optimizer(lin.parameters(), mf.muon())),
-            """parameter #1 of shape (3,): orthogonalize only supports matrices (ndim >= 2) whereas we found a leaf at [1] with size: (3,). Route 0-/1-D parameters (biases, norms) to another transform with muon_fn.partition, e.g. muon_fn.hybrid(...), or use muon_fn.MuonOptimizer / muon_fn.create_hybrid_optimizer, which do this for you.""")
+            """parameter #1 of shape (3,): orthogonalize only supports matrices (ndim >= 2) whereas we found a leaf at [1] with size: (3,). Route 0-/1-D parameters (biases, norms) to another transform with muon_fn.partition, e.g. muon_fn.hybrid(...), or use muon_fn.MuonOptimizer / muon_fn.create_hybrid_optimizer, which do this for you.""",
+        )
 
     def test_nonfinite_error_message(self):
         lin = _linear()
@@ -286,7 +388,8 @@ class TestParameters(expecttest.TestCase):
         lin.bias.grad = torch.tensor([0.0, float("nan"), 1.0])
         self.assertExpectedInline(
             self.message(RuntimeError, opt.step),
-            """non-finite gradient (inf or nan) in 'bias'; parameters and optimizer state were left unchanged. Pass nonfinite='skip' to skip such steps, or use torch.amp.GradScaler.""")
+            """non-finite gradient (inf or nan) in 'bias'; parameters and optimizer state were left unchanged. Pass nonfinite='skip' to skip such steps, or use torch.amp.GradScaler.""",
+        )
 
 
 class TestStateDict(expecttest.TestCase):
@@ -305,7 +408,8 @@ class TestStateDict(expecttest.TestCase):
         sd = _roundtrip(opt.state_dict())
         self.assertExpectedInline(
             self.message(ValueError, lambda: opt2.load_state_dict(sd)),
-            """loaded state dict contains a parameter group that doesn't match optimizer's group 0: parameter 0 is 'weight' of shape (3, 4) in the state dict but 'weight' of shape (4, 3) in this optimizer; the state_dict comes from a different model layout""")
+            """loaded state dict contains a parameter group that doesn't match optimizer's group 0: parameter 0 is 'weight' of shape (3, 4) in the state dict but 'weight' of shape (4, 3) in this optimizer; the state_dict comes from a different model layout""",
+        )
 
     def test_group_count_mismatch(self):
         lin = _linear()
@@ -313,7 +417,8 @@ class TestStateDict(expecttest.TestCase):
         opt2 = mf.MuonOptimizer([{"params": [lin.weight]}, {"params": [lin.bias]}])
         self.assertExpectedInline(
             self.message(ValueError, lambda: opt2.load_state_dict(opt.state_dict())),
-            """loaded state dict has a different number of parameter groups""")
+            """loaded state dict has a different number of parameter groups""",
+        )
 
     def test_state_keys_of_muon_optimizer(self):
         lin = _linear()
@@ -322,9 +427,14 @@ class TestStateDict(expecttest.TestCase):
         opt.step()
         sd = opt.state_dict()
         self.assertExpectedInline(
-            repr({i: {k: (tuple(v.shape), str(v.dtype)) for k, v in sorted(st.items())}
-                  for i, st in sd["state"].items()}),
-            """{0: {'momentum_buffer': ((3, 4), 'torch.float32'), 'row_variance': ((3, 1), 'torch.float32')}, 1: {'exp_avg': ((3,), 'torch.float32'), 'exp_avg_sq': ((3,), 'torch.float32'), 'step': ((), 'torch.float32')}}""")
+            repr(
+                {
+                    i: {k: (tuple(v.shape), str(v.dtype)) for k, v in sorted(st.items())}
+                    for i, st in sd["state"].items()
+                }
+            ),
+            """{0: {'momentum_buffer': ((3, 4), 'torch.float32'), 'row_variance': ((3, 1), 'torch.float32')}, 1: {'exp_avg': ((3,), 'torch.float32'), 'exp_avg_sq': ((3,), 'torch.float32'), 'step': ((), 'torch.float32')}}""",
+        )
 
 
 def _adamw_state_dict(params):
@@ -349,7 +459,10 @@ class TestForeignStateDict(expecttest.TestCase):
         lin = _linear()
         sd = _adamw_state_dict(lin.parameters())
         opt = mf.MuonOptimizer(lin.named_parameters())
-        self.assertExpectedInline(self.message(ValueError, lambda: opt.load_state_dict(sd)), """loaded param group 0 lacks this optimizer's hyperparameters ['adamw_betas', 'adamw_eps', 'adamw_lr', 'adamw_weight_decay', 'adjust_lr_fn', 'algorithm', 'beta2', 'method', 'momentum', 'momentum_dtype', 'momentum_kind', 'nesterov', 'normuon_eps', 'ns_coefficients', 'ns_dtype', 'ns_steps', 'ns_stepsize']: the state_dict comes from a different optimizer layout; it is a torch.optim.AdamW state_dict (its state holds exp_avg and exp_avg_sq), not a muon_fn optimizer's: start this optimizer afresh and load the model's weights only (one optimizer's moments are not another's state), or convert torch.optim.Muon and torch.optim.AdamW state_dicts with muon_fn.optim.from_torch_state_dict(optimizer, muon_state_dict, adamw_state_dict)""")
+        self.assertExpectedInline(
+            self.message(ValueError, lambda: opt.load_state_dict(sd)),
+            """loaded param group 0 lacks this optimizer's hyperparameters ['adamw_betas', 'adamw_eps', 'adamw_lr', 'adamw_weight_decay', 'adjust_lr_fn', 'algorithm', 'beta2', 'method', 'momentum', 'momentum_dtype', 'momentum_kind', 'nesterov', 'normuon_eps', 'ns_coefficients', 'ns_dtype', 'ns_steps', 'ns_stepsize']: the state_dict comes from a different optimizer layout; it is a torch.optim.AdamW state_dict (its state holds exp_avg and exp_avg_sq), not a muon_fn optimizer's: start this optimizer afresh and load the model's weights only (one optimizer's moments are not another's state), or convert torch.optim.Muon and torch.optim.AdamW state_dicts with muon_fn.optim.from_torch_state_dict(optimizer, muon_state_dict, adamw_state_dict)""",
+        )
 
     def test_torch_muon_state_dict_into_optimizer_with_adamw_parameters(self):
         """A torch.optim.Muon state_dict loads directly only when the parameters are its matrices;
@@ -360,13 +473,19 @@ class TestForeignStateDict(expecttest.TestCase):
         topt.step()
         sd = _roundtrip(topt.state_dict())
         opt = mf.MuonOptimizer(lin.parameters())
-        self.assertExpectedInline(self.message(ValueError, lambda: opt.load_state_dict(sd)), """this optimizer runs AdamW on 1 parameter(s) (0-/1-D, or algorithm='adamw') that a torch.optim.Muon state_dict does not cover: convert it with torch.optim.AdamW's, muon_fn.optim.from_torch_state_dict(optimizer, muon_sd, adamw_sd)""")
+        self.assertExpectedInline(
+            self.message(ValueError, lambda: opt.load_state_dict(sd)),
+            """this optimizer runs AdamW on 1 parameter(s) (0-/1-D, or algorithm='adamw') that a torch.optim.Muon state_dict does not cover: convert it with torch.optim.AdamW's, muon_fn.optim.from_torch_state_dict(optimizer, muon_sd, adamw_sd)""",
+        )
 
     def test_tensor_lr_not_one_element(self):
         lin = _linear()
         self.assertExpectedInline(
-            self.message(ValueError, lambda: mf.MuonOptimizer(lin.parameters(), lr=torch.tensor([0.1, 0.2]))),
-            """Tensor lr must be 1-element""")
+            self.message(
+                ValueError, lambda: mf.MuonOptimizer(lin.parameters(), lr=torch.tensor([0.1, 0.2]))
+            ),
+            """Tensor lr must be 1-element""",
+        )
 
     def test_adamw_state_dict_into_hybrid(self):
         """Found by a new user: a torch.optim.AdamW checkpoint over model.parameters() (one
@@ -375,8 +494,14 @@ class TestForeignStateDict(expecttest.TestCase):
         model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8), nn.Linear(8, 10))
         sd = _adamw_state_dict(model.parameters())
         opt = mf.create_hybrid_optimizer(model, compile=False)
-        before = {k: v.clone() for k, v in opt.state_dict()["state"].items()}, opt.param_groups[0]["lr"]
-        self.assertExpectedInline(self.message(ValueError, lambda: opt.load_state_dict(sd)), """loaded state dict has a different number of parameter groups; it is a torch.optim.AdamW state_dict (its state holds exp_avg and exp_avg_sq), not a muon_fn optimizer's: start this optimizer afresh and load the model's weights only (one optimizer's moments are not another's state), or convert torch.optim.Muon and torch.optim.AdamW state_dicts with muon_fn.optim.from_torch_state_dict(optimizer, muon_state_dict, adamw_state_dict)""")
+        before = (
+            {k: v.clone() for k, v in opt.state_dict()["state"].items()},
+            opt.param_groups[0]["lr"],
+        )
+        self.assertExpectedInline(
+            self.message(ValueError, lambda: opt.load_state_dict(sd)),
+            """loaded state dict has a different number of parameter groups; it is a torch.optim.AdamW state_dict (its state holds exp_avg and exp_avg_sq), not a muon_fn optimizer's: start this optimizer afresh and load the model's weights only (one optimizer's moments are not another's state), or convert torch.optim.Muon and torch.optim.AdamW state_dicts with muon_fn.optim.from_torch_state_dict(optimizer, muon_state_dict, adamw_state_dict)""",
+        )
         assert not before[0] and not opt.state and opt.param_groups[0]["lr"] == before[1]
 
     def test_sgd_state_dict_into_triton_muon(self):
@@ -387,13 +512,21 @@ class TestForeignStateDict(expecttest.TestCase):
             p.grad = torch.ones_like(p)
         topt.step()
         opt = mf.TritonMuon([{"params": [lin.weight]}, {"params": [lin.bias]}], compile=False)
-        self.assertExpectedInline(self.message(ValueError, lambda: opt.load_state_dict(topt.state_dict())), """loaded state dict has a different number of parameter groups; it is a torch.optim.SGD state_dict (its state holds momentum_buffer, its groups dampening), not a muon_fn optimizer's: start this optimizer afresh and load the model's weights only (one optimizer's moments are not another's state)""")
+        self.assertExpectedInline(
+            self.message(ValueError, lambda: opt.load_state_dict(topt.state_dict())),
+            """loaded state dict has a different number of parameter groups; it is a torch.optim.SGD state_dict (its state holds momentum_buffer, its groups dampening), not a muon_fn optimizer's: start this optimizer afresh and load the model's weights only (one optimizer's moments are not another's state)""",
+        )
 
     def test_one_d_error_names_the_parameter(self):
         lin = _linear()
-        msg = self.message(ValueError, lambda: mf.Optimizer(
-            lin.named_parameters(), lambda h: mf.muon(h["lr"]), {"lr": 0.02}))
-        self.assertExpectedInline(msg, """parameter 'bias': orthogonalize only supports matrices (ndim >= 2) whereas we found a leaf at [1] with size: (3,). Route 0-/1-D parameters (biases, norms) to another transform with muon_fn.partition, e.g. muon_fn.hybrid(...), or use muon_fn.MuonOptimizer / muon_fn.create_hybrid_optimizer, which do this for you.""")
+        msg = self.message(
+            ValueError,
+            lambda: mf.Optimizer(lin.named_parameters(), lambda h: mf.muon(h["lr"]), {"lr": 0.02}),
+        )
+        self.assertExpectedInline(
+            msg,
+            """parameter 'bias': orthogonalize only supports matrices (ndim >= 2) whereas we found a leaf at [1] with size: (3,). Route 0-/1-D parameters (biases, norms) to another transform with muon_fn.partition, e.g. muon_fn.hybrid(...), or use muon_fn.MuonOptimizer / muon_fn.create_hybrid_optimizer, which do this for you.""",
+        )
         self.assertIn("'bias'", msg)
 
 

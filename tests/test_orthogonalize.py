@@ -262,8 +262,12 @@ def test_batched_equals_per_matrix(device, method, x, zero_one):
     assert out.shape == x.shape
     flat_x, flat_out = x.reshape(-1, *x.shape[-2:]), out.reshape(-1, *x.shape[-2:])
     for xi, oi in zip(flat_x, flat_out):
-        torch.testing.assert_close(oi, newton_schulz(xi, method, 5, dtype=torch.float32), atol=TOL[device.type]["fp32"],
-                                   rtol=0)
+        torch.testing.assert_close(
+            oi,
+            newton_schulz(xi, method, 5, dtype=torch.float32),
+            atol=TOL[device.type]["fp32"],
+            rtol=0,
+        )
     if zero_one:
         assert torch.equal(flat_out[0], torch.zeros_like(flat_out[0]))
 
@@ -310,10 +314,16 @@ def test_singular_values_follow_the_scalar_polynomial(device, method, x, steps):
     """σ(f(X)) = p_k∘…∘p_1(σ(X)/(s‖X‖_F+eps)) with the notes' coefficients (an SVD reference)."""
     triples, rule, factor = REF[method]
     s_in = svdvals(x)
-    expected = scalar_map(s_in / (factor * torch.linalg.vector_norm(s_in) + 1e-7), ref_schedule(triples, rule, steps))
+    expected = scalar_map(
+        s_in / (factor * torch.linalg.vector_norm(s_in) + 1e-7), ref_schedule(triples, rule, steps)
+    )
     got = svdvals(newton_schulz(x.to(device), method, steps, dtype=torch.float64))
-    torch.testing.assert_close(got, expected.abs().sort(descending=True).values, atol=TOL[device.type]["fp64_of_fp32"],
-                               rtol=0)
+    torch.testing.assert_close(
+        got,
+        expected.abs().sort(descending=True).values,
+        atol=TOL[device.type]["fp64_of_fp32"],
+        rtol=0,
+    )
 
 
 @methods
@@ -321,12 +331,20 @@ def test_singular_values_follow_the_scalar_polynomial(device, method, x, steps):
 @given(x=gaussian(), steps=st.integers(1, 12))
 def test_matches_float64_reference_iteration(device, method, x, steps):
     expected, xd = ref_method(x, method, steps), x.to(device)
-    torch.testing.assert_close(newton_schulz(xd, method, steps, dtype=torch.float64).double().cpu(), expected,
-                               atol=TOL[device.type]["fp64_of_fp32"], rtol=0)
+    torch.testing.assert_close(
+        newton_schulz(xd, method, steps, dtype=torch.float64).double().cpu(),
+        expected,
+        atol=TOL[device.type]["fp64_of_fp32"],
+        rtol=0,
+    )
     if method != "polar_express" or steps > 1:
         # fp32 compute: rounding amplified by the composed polynomial (largest for PE's first step).
-        torch.testing.assert_close(newton_schulz(xd, method, steps, dtype=torch.float32).double().cpu(), expected,
-                                   atol=2e-3, rtol=0)
+        torch.testing.assert_close(
+            newton_schulz(xd, method, steps, dtype=torch.float32).double().cpu(),
+            expected,
+            atol=2e-3,
+            rtol=0,
+        )
 
 
 @pytest.mark.parametrize(("method", "min_steps"), [("polar_express", 8), ("cubic", 20)])
@@ -377,24 +395,35 @@ def test_bf16_close_to_fp32(device, method, x):
 def test_stepsize_damping_matches_formula(device, method, x, steps, eta):
     """η damps each iteration: X ← X + η(p(X) − X), checked against the textbook iteration."""
     expected = ref_method(x, method, steps, stepsize=eta)
-    got = newton_schulz(x.to(device), method, steps, stepsize=eta, dtype=torch.float64).double().cpu()
+    got = (
+        newton_schulz(x.to(device), method, steps, stepsize=eta, dtype=torch.float64).double().cpu()
+    )
     torch.testing.assert_close(got, expected, atol=TOL[device.type]["fp64_of_fp32"], rtol=0)
 
 
 def test_stepsize_one_is_the_plain_iteration(device):
     x = synth(7, 12, 3.0, 1).to(device)
     assert torch.equal(newton_schulz(x, "quintic", 5, stepsize=1.0), newton_schulz(x, "quintic", 5))
-    assert not torch.allclose(newton_schulz(x, "quintic", 5, stepsize=0.5), newton_schulz(x, "quintic", 5))
+    assert not torch.allclose(
+        newton_schulz(x, "quintic", 5, stepsize=0.5), newton_schulz(x, "quintic", 5)
+    )
 
 
 @given(eta=st.floats(0.01, 2.0), steps=st.integers(1, 10))
 def test_coefficient_schedule_stepsize_formula(eta, steps):
     for method in METHODS4:
         triples, rule, _ = REF[method]
-        want = [(1 - eta + eta * a, eta * b, eta * c) for a, b, c in ref_schedule(triples, rule, steps)]
+        want = [
+            (1 - eta + eta * a, eta * b, eta * c) for a, b, c in ref_schedule(triples, rule, steps)
+        ]
         got = coefficient_schedule(method, steps, stepsize=eta)
         assert len(got) == steps
-        torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64), atol=1e-12, rtol=1e-12)
+        torch.testing.assert_close(
+            torch.tensor(got, dtype=torch.float64),
+            torch.tensor(want, dtype=torch.float64),
+            atol=1e-12,
+            rtol=1e-12,
+        )
 
 
 @pytest.mark.parametrize("steps", [1, 3, 5, 7, 8, 11, 13])
@@ -414,7 +443,9 @@ def test_method_schedules_match_notes(steps):
 @lane_examples
 @given(
     triples=st.lists(
-        st.tuples(st.floats(1.0, 4.0), st.floats(-5.0, -0.5), st.floats(0.0, 2.5)), min_size=1, max_size=4
+        st.tuples(st.floats(1.0, 4.0), st.floats(-5.0, -0.5), st.floats(0.0, 2.5)),
+        min_size=1,
+        max_size=4,
     ),
     steps=st.integers(1, 8),
     method=st.sampled_from(METHODS4),
@@ -423,15 +454,28 @@ def test_method_schedules_match_notes(steps):
 def test_custom_coefficients_repeat_last(device, triples, steps, method, x):
     """A custom schedule overrides the method's, repeats its last triple, and uses plain X/(‖X‖_F+eps)."""
     sched = coefficient_schedule(method, steps, coefficients=triples)
-    assert list(sched) == [tuple(map(float, triples[min(i, len(triples) - 1)])) for i in range(steps)]
+    assert list(sched) == [
+        tuple(map(float, triples[min(i, len(triples) - 1)])) for i in range(steps)
+    ]
     sched = ref_schedule(triples, "repeat_last", steps)
     expected = ref_ns(x, sched)
-    assume(torch.isfinite(expected).all() and expected.abs().max() < 1e3)  # arbitrary triples may diverge
+    assume(
+        torch.isfinite(expected).all() and expected.abs().max() < 1e3
+    )  # arbitrary triples may diverge
     # Arbitrary triples can be expansive (|p'(1)| up to ~7 per step), so the fp32 Frobenius norm's
     # relative error (≤ ~1e-6) is amplified: allow what a 1e-6 change of the norm explains.
     sensitivity = (ref_ns(x, sched, norm_factor=1 + 1e-6) - expected).abs().max().item()
-    got = newton_schulz(x.to(device), method, steps, coefficients=triples, dtype=torch.float64).double().cpu()
-    torch.testing.assert_close(got, expected, atol=1e-5 * max(1.0, expected.abs().max().item()) + 4 * sensitivity, rtol=1e-5)
+    got = (
+        newton_schulz(x.to(device), method, steps, coefficients=triples, dtype=torch.float64)
+        .double()
+        .cpu()
+    )
+    torch.testing.assert_close(
+        got,
+        expected,
+        atol=1e-5 * max(1.0, expected.abs().max().item()) + 4 * sensitivity,
+        rtol=1e-5,
+    )
 
 
 def test_custom_coefficients_accept_lists_and_tensors_rows(device):
@@ -493,8 +537,12 @@ def test_zeropower_is_keller_quintic_in_bf16(device):
     G = G.to(device)
     out = muon_fn.zeropower_via_newtonschulz5(G)
     assert torch.isfinite(out).all()
-    assert (torch.linalg.matrix_norm(out.double().cpu() - expected) / math.sqrt(50)).item() < 0.02  # bf16 rounding
-    torch.testing.assert_close(out, newton_schulz(G, "quintic", 5, dtype=torch.bfloat16), atol=0, rtol=0)
+    assert (
+        torch.linalg.matrix_norm(out.double().cpu() - expected) / math.sqrt(50)
+    ).item() < 0.02  # bf16 rounding
+    torch.testing.assert_close(
+        out, newton_schulz(G, "quintic", 5, dtype=torch.bfloat16), atol=0, rtol=0
+    )
 
 
 @pytest.mark.parametrize("shape", [(50, 100), (100, 50)])
@@ -523,7 +571,9 @@ def test_notes_section_4_five_step_numbers(device, shape):
         O = newton_schulz(G.to(device), method, 5, dtype=torch.float32)
         s = svdvals(O)
         assert lo <= s.min() and s.max() <= hi, method
-        assert (torch.linalg.matrix_norm(O.double().cpu() - polar) / math.sqrt(50)).item() < rms_max, method
+        assert (
+            torch.linalg.matrix_norm(O.double().cpu() - polar) / math.sqrt(50)
+        ).item() < rms_max, method
         # And 5 steps are *not* exact (the reason exact mode exists).
         assert orth_error(O) > 1e-2, method
 
@@ -542,21 +592,40 @@ class TestValidationMessages(expecttest.TestCase):
         return self.msg(newton_schulz, torch.randn(4, 6), **kwargs)
 
     def test_steps(self):
-        self.assertExpectedInline(self.ns(steps=0), """Invalid steps: 0 (expected an integer >= 1)""")
-        self.assertExpectedInline(self.ns(steps=-3), """Invalid steps: -3 (expected an integer >= 1)""")
-        self.assertExpectedInline(self.ns(steps=2.5), """Invalid steps: 2.5 (expected an integer >= 1)""")
-        self.assertExpectedInline(self.ns(steps=True), """Invalid steps: True (expected an integer >= 1)""")
+        self.assertExpectedInline(
+            self.ns(steps=0), """Invalid steps: 0 (expected an integer >= 1)"""
+        )
+        self.assertExpectedInline(
+            self.ns(steps=-3), """Invalid steps: -3 (expected an integer >= 1)"""
+        )
+        self.assertExpectedInline(
+            self.ns(steps=2.5), """Invalid steps: 2.5 (expected an integer >= 1)"""
+        )
+        self.assertExpectedInline(
+            self.ns(steps=True), """Invalid steps: True (expected an integer >= 1)"""
+        )
 
     def test_eps(self):
-        self.assertExpectedInline(self.ns(eps=0.0), """Invalid eps: 0.0 (expected a finite value > 0)""")
-        self.assertExpectedInline(self.ns(eps=-1e-7), """Invalid eps: -1e-07 (expected a finite value > 0)""")
-        self.assertExpectedInline(self.ns(eps=float("nan")), """Invalid eps: nan (expected a finite value > 0)""")
+        self.assertExpectedInline(
+            self.ns(eps=0.0), """Invalid eps: 0.0 (expected a finite value > 0)"""
+        )
+        self.assertExpectedInline(
+            self.ns(eps=-1e-7), """Invalid eps: -1e-07 (expected a finite value > 0)"""
+        )
+        self.assertExpectedInline(
+            self.ns(eps=float("nan")), """Invalid eps: nan (expected a finite value > 0)"""
+        )
 
     def test_stepsize(self):
-        self.assertExpectedInline(self.ns(stepsize=0), """Invalid stepsize: 0 (expected a finite value > 0)""")
-        self.assertExpectedInline(self.ns(stepsize=-0.5), """Invalid stepsize: -0.5 (expected a finite value > 0)""")
         self.assertExpectedInline(
-            self.ns(stepsize=float("inf")), """Invalid stepsize: inf (expected a finite value > 0)"""
+            self.ns(stepsize=0), """Invalid stepsize: 0 (expected a finite value > 0)"""
+        )
+        self.assertExpectedInline(
+            self.ns(stepsize=-0.5), """Invalid stepsize: -0.5 (expected a finite value > 0)"""
+        )
+        self.assertExpectedInline(
+            self.ns(stepsize=float("inf")),
+            """Invalid stepsize: inf (expected a finite value > 0)""",
         )
 
     def test_method(self):
@@ -586,12 +655,15 @@ class TestValidationMessages(expecttest.TestCase):
             """Invalid coefficients: [(1.0, inf, 0.0)] (values must be finite)""",
         )
         self.assertExpectedInline(
-            self.ns(coefficients=5), """Invalid coefficients: 5 (expected an (a, b, c) triple or a sequence of (a, b, c) triples)"""
+            self.ns(coefficients=5),
+            """Invalid coefficients: 5 (expected an (a, b, c) triple or a sequence of (a, b, c) triples)""",
         )
 
     def test_non_numeric_coefficients_name_the_argument(self):
         # Regression: at 235b064 float()'s own "could not convert string to float" escaped.
-        self.assertTrue(self.ns(coefficients=[(1.0, 2.0, "x")]).startswith("Invalid coefficients: "))
+        self.assertTrue(
+            self.ns(coefficients=[(1.0, 2.0, "x")]).startswith("Invalid coefficients: ")
+        )
         self.assertTrue(self.ns(coefficients="abc").startswith("Invalid coefficients: "))
 
     def test_not_a_matrix(self):
@@ -606,7 +678,8 @@ class TestValidationMessages(expecttest.TestCase):
 
     def test_coefficient_schedule_validates(self):
         self.assertExpectedInline(
-            self.msg(coefficient_schedule, "cubic", 0), """Invalid steps: 0 (expected an integer >= 1)"""
+            self.msg(coefficient_schedule, "cubic", 0),
+            """Invalid steps: 0 (expected an integer >= 1)""",
         )
         self.assertExpectedInline(
             self.msg(coefficient_schedule, "cubic", 3, stepsize=-1.0),
@@ -648,8 +721,14 @@ def _split_symmetric_products(min_block: int):
         O.cpu.SYMMETRIC_MIN_BLOCK, O.cpu._amx_dtypes = old
 
 
-@given(m=st.integers(1, 70), k=st.integers(1, 70), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-       beta=st.floats(-4.0, 4.0), alpha=st.floats(-4.0, 4.0), seed=st.integers(0, 2**16))
+@given(
+    m=st.integers(1, 70),
+    k=st.integers(1, 70),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    beta=st.floats(-4.0, 4.0),
+    alpha=st.floats(-4.0, 4.0),
+    seed=st.integers(0, 2**16),
+)
 def test_symmetric_products_computed_blockwise(m, k, dtype, beta, alpha, seed):
     """XXᵀ (XᵀX of a tall X) and βA + αA² from the blocks on and above the diagonal (split down
     to 4-row blocks here, several levels deep) equal one GEMM's result to rounding."""
@@ -668,7 +747,9 @@ def test_symmetric_products_computed_blockwise(m, k, dtype, beta, alpha, seed):
     xmax, amax = float(x.float().abs().max()), float(a.float().abs().max())
     expected = x.mT @ x if m > k else x @ x.mT  # the min(m, k)-square Gram matrix
     torch.testing.assert_close(gram, expected, rtol=0, atol=unit * max(m, k) * xmax**2 + 1e-30)
-    torch.testing.assert_close(square, ref, rtol=0, atol=unit * (abs(beta) * amax + abs(alpha) * m * amax**2) + 1e-30)
+    torch.testing.assert_close(
+        square, ref, rtol=0, atol=unit * (abs(beta) * amax + abs(alpha) * m * amax**2) + 1e-30
+    )
 
 
 @pytest.mark.parametrize("method,steps", [("aol9", 4), ("polar_express", 5), ("quintic", 5)])
@@ -710,8 +791,12 @@ def test_symmetric_block_plan_tiles_the_matrix_once(m, min_block):
             covered[cols, rows] += 1
     assert bool((covered == 1).all())
     leaves = [rows for rows, cols, mirrored in blocks if not mirrored]
-    assert all(rows == cols for rows, cols, mirrored in blocks if not mirrored)  # leaves sit on the diagonal
-    assert all(r.stop - r.start < 2 * min_block for r in leaves)  # a leaf is a block too small to split
+    assert all(
+        rows == cols for rows, cols, mirrored in blocks if not mirrored
+    )  # leaves sit on the diagonal
+    assert all(
+        r.stop - r.start < 2 * min_block for r in leaves
+    )  # a leaf is a block too small to split
     assert (len(blocks) > len(leaves)) == (m >= 2 * min_block)
 
 
@@ -741,8 +826,9 @@ def test_blockwise_products_leave_autograd_working(method):
     y.square().sum().backward()
     assert x.grad is not None and bool(torch.isfinite(x.grad).all())
     with torch.no_grad():
-        torch.testing.assert_close(muon_fn.newton_schulz(x, method, None, dtype=torch.float32), y,
-                                   rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            muon_fn.newton_schulz(x, method, None, dtype=torch.float32), y, rtol=0, atol=1e-5
+        )
 
 
 @pytest.mark.parametrize("method", ["polar_express", "aol9"])
@@ -766,16 +852,25 @@ def test_folding_c0_into_the_diagonal_is_the_same_iteration(device):
     from muon_fn import _newton_schulz as O
 
     base = O.coefficient_schedule("aol9", 6)  # three quintics, the degree-9 step, two more quintics
-    x = torch.randn(40, 70, dtype=torch.float64, generator=torch.Generator().manual_seed(11)).to(device)
-    unfolded, *folded = (O.orthogonalize_matrices(x, O.Schedule(base, precondition="aol", fold_from=f),
-                                                  dtype=torch.float64, eps=1e-7) for f in (None, 0, 1, 5))
+    x = torch.randn(40, 70, dtype=torch.float64, generator=torch.Generator().manual_seed(11)).to(
+        device
+    )
+    unfolded, *folded = (
+        O.orthogonalize_matrices(
+            x, O.Schedule(base, precondition="aol", fold_from=f), dtype=torch.float64, eps=1e-7
+        )
+        for f in (None, 0, 1, 5)
+    )
     for y in folded:
         torch.testing.assert_close(y, unfolded, rtol=0, atol=1e-12)
     assert not torch.equal(folded[0], unfolded)  # a different sum, not the same code path
     assert {m: O.coefficient_schedule(m, None).fold_from for m in O.METHODS} == {
-        m: 1 if m == "aol9" else None for m in O.METHODS}
+        m: 1 if m == "aol9" else None for m in O.METHODS
+    }
     assert O.coefficient_schedule("aol9", 4, coefficients=[(3.0, -3.2, 1.2)]).fold_from is None
-    with pytest.raises(ValueError, match=r"Invalid fold_from: -1 \(expected None or an integer >= 0\)"):
+    with pytest.raises(
+        ValueError, match=r"Invalid fold_from: -1 \(expected None or an integer >= 0\)"
+    ):
         O.Schedule(base, fold_from=-1)
 
 
@@ -801,8 +896,13 @@ def test_degree9_step_accumulates_into_its_scratch_gram(batch):
 
 
 @settings(max_examples=15, deadline=None)
-@given(m=st.integers(1, 40), n=st.integers(1, 40), method=st.sampled_from(orth.METHODS),
-       bf16=st.booleans(), seed=st.integers(0, 2**16))
+@given(
+    m=st.integers(1, 40),
+    n=st.integers(1, 40),
+    method=st.sampled_from(orth.METHODS),
+    bf16=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
 def test_batched_operator_result_does_not_depend_on_batch_mates(m, n, method, bf16, seed):
     """orthogonalize_batch computes every step per matrix: a matrix gives the same bits alone, last
     in a batch or first in one (the FSDP owner batches other matrices than a single device), and at
@@ -813,8 +913,13 @@ def test_batched_operator_result_does_not_depend_on_batch_mates(m, n, method, bf
     g = torch.Generator().manual_seed(seed)
     xs = [torch.randn(m, n, generator=g) for _ in range(3)]
     schedule = orth.coefficient_schedule(method, None)
-    run = lambda batch: orth.orthogonalize_batch(batch, schedule, dtype=dtype, eps=1e-7,  # noqa: E731
-                                              norm_scale=orth.norm_scale(method))
+    run = lambda batch: orth.orthogonalize_batch(
+        batch,
+        schedule,
+        dtype=dtype,
+        eps=1e-7,  # noqa: E731
+        norm_scale=orth.norm_scale(method),
+    )
     alone = run([xs[2]])[0]
     assert torch.equal(run(xs)[2], alone)
     assert torch.equal(run([xs[2], xs[0]])[0], alone)

@@ -54,8 +54,11 @@ def rounding(device: torch.device) -> float:
 
 # ---------------------------------------------------------------------------- the math
 @lane_examples
-@given(s=st.lists(st.floats(-1e4, 1e4, width=32), min_size=1, max_size=8),
-       tau=st.floats(1e-2, 1e3), group=st.sampled_from([1, 2, 4]))
+@given(
+    s=st.lists(st.floats(-1e4, 1e4, width=32), min_size=1, max_size=8),
+    tau=st.floats(1e-2, 1e3),
+    group=st.sampled_from([1, 2, 4]),
+)
 def test_factors(device, s, tau, group):
     """γ = min(1, τ/S) per query head; a key head takes its group's smallest γ; heads at or
     below τ get exactly 1 and are not marked."""
@@ -76,13 +79,19 @@ def _rows_reference(w, first, d, factor, clipped):
     out = w.clone()
     for h in range(factor.shape[0]):
         if clipped[h]:
-            out[first + h * d:first + (h + 1) * d] *= factor[h]
+            out[first + h * d : first + (h + 1) * d] *= factor[h]
     return out
 
 
 @lane_examples
-@given(n=st.integers(1, 5), d=st.integers(1, 4), first=st.integers(0, 6), extra=st.integers(0, 5),
-       cuts=st.lists(st.integers(0, 40), max_size=3), seed=st.integers(0, 2**16))
+@given(
+    n=st.integers(1, 5),
+    d=st.integers(1, 4),
+    first=st.integers(0, 6),
+    extra=st.integers(0, 5),
+    cuts=st.lists(st.integers(0, 40), max_size=3),
+    seed=st.integers(0, 2**16),
+)
 def test_scale_head_rows_by_shards(device, n, d, first, extra, cuts, seed):
     """Each head's rows scaled by its factor where clipped, the rest untouched; shards scaled from
     their global offset and concatenated equal the whole weight scaled (bit for bit)."""
@@ -94,11 +103,15 @@ def test_scale_head_rows_by_shards(device, n, d, first, extra, cuts, seed):
     whole = mf.scale_head_rows(w, 0, first, d, factor, clipped)
     assert torch.equal(whole, _rows_reference(w, first, d, factor, clipped))
     bounds = sorted({0, rows, *(min(c, rows) for c in cuts)})
-    parts = [mf.scale_head_rows(w[a:b], a, first, d, factor, clipped) for a, b in zip(bounds, bounds[1:])]
+    parts = [
+        mf.scale_head_rows(w[a:b], a, first, d, factor, clipped) for a, b in zip(bounds, bounds[1:])
+    ]
     assert torch.equal(torch.cat(parts), whole)
 
 
-@pytest.mark.parametrize("n_head, n_kv, causal", [(4, 4, True), (4, 4, False), (6, 2, True), (4, 1, False)])
+@pytest.mark.parametrize(
+    "n_head, n_kv, causal", [(4, 4, True), (4, 4, False), (6, 2, True), (4, 1, False)]
+)
 def test_max_attention_logits(device, n_head, n_kv, causal, monkeypatch):
     """Against the logits written out on the CPU (grouped heads as
     scaled_dot_product_attention(enable_gqa)), in several query blocks too."""
@@ -112,7 +125,9 @@ def test_max_attention_logits(device, n_head, n_kv, causal, monkeypatch):
     expected = logits.amax(dim=(0, 2, 3))
     q, k, kw = q.to(device), k.to(device), TOL[device.type]["logits"]
     torch.testing.assert_close(mf.max_attention_logits(q, k, causal=causal).cpu(), expected, **kw)
-    monkeypatch.setattr("muon_fn._qk_clip._CHUNK_ELEMENTS", 2 * n_head * 7 * 2)  # blocks of 2 queries
+    monkeypatch.setattr(
+        "muon_fn._qk_clip._CHUNK_ELEMENTS", 2 * n_head * 7 * 2
+    )  # blocks of 2 queries
     torch.testing.assert_close(mf.max_attention_logits(q, k, causal=causal).cpu(), expected, **kw)
 
 
@@ -123,7 +138,9 @@ def forced_gpt(n_layer=2, seed=0, device="cpu"):
     model = GPT(GPTConfig(n_layer=n_layer, n_head=4, n_embd=32, block_size=16))
     with torch.no_grad():
         for block in model.blocks:
-            block.attn.q.weight.mul_(torch.tensor([100.0, 1.0, 100.0, 1.0]).repeat_interleave(8)[:, None])
+            block.attn.q.weight.mul_(
+                torch.tensor([100.0, 1.0, 100.0, 1.0]).repeat_interleave(8)[:, None]
+            )
             block.attn.k.weight.mul_(10.0)
     return model.to(device)
 
@@ -139,9 +156,14 @@ class FusedGQA(nn.Module):
 
     def split(self, x):
         b, t, _ = x.shape
-        q, k, v = self.qkv(x).split([self.n_head * self.d, self.n_kv * self.d, self.n_kv * self.d], dim=-1)
-        return (q.view(b, t, self.n_head, self.d).transpose(1, 2), k.view(b, t, self.n_kv, self.d).transpose(1, 2),
-                v.view(b, t, self.n_kv, self.d).transpose(1, 2))
+        q, k, v = self.qkv(x).split(
+            [self.n_head * self.d, self.n_kv * self.d, self.n_kv * self.d], dim=-1
+        )
+        return (
+            q.view(b, t, self.n_head, self.d).transpose(1, 2),
+            k.view(b, t, self.n_kv, self.d).transpose(1, 2),
+            v.view(b, t, self.n_kv, self.d).transpose(1, 2),
+        )
 
     def forward(self, x):
         q, k, v = self.split(x)
@@ -150,14 +172,21 @@ class FusedGQA(nn.Module):
         return self.out(y.transpose(1, 2).flatten(2))
 
     def qk_clip_heads(self):
-        return mf.AttentionHeads(self, "qkv.weight", "qkv.weight", self.n_head, self.d, n_kv_head=self.n_kv)
+        return mf.AttentionHeads(
+            self, "qkv.weight", "qkv.weight", self.n_head, self.d, n_kv_head=self.n_kv
+        )
 
 
 def attention_inputs(model):
     """Every attention layer's input of the next forward, captured by hooks (remove with .remove())."""
     seen = {}
-    handles = [m.register_forward_pre_hook(lambda mod, args, _n=name: seen.__setitem__(_n, args[0].detach()))
-               for name, m in model.named_modules() if hasattr(m, "qk_clip_heads")]
+    handles = [
+        m.register_forward_pre_hook(
+            lambda mod, args, _n=name: seen.__setitem__(_n, args[0].detach())
+        )
+        for name, m in model.named_modules()
+        if hasattr(m, "qk_clip_heads")
+    ]
     return seen, handles
 
 
@@ -191,12 +220,17 @@ def test_logits_bounded_and_small_heads_untouched(device, build):
     """A real step (lr 0.02): every layer's logits from its step inputs are ≤ τ afterwards with
     lr = 0, and with lr > 0 each head's W_q/W_k rows equal the step without QK-Clip — scaled by
     exactly √γ for clipped heads, bit for bit for the others."""
+
     def make(lr, clip):
         model = forced_gpt(device=device)
         kw = {"qk_clip": mf.QKClip(model, TAU)} if clip else {}
         if build == "hybrid":
-            return model, mf.create_hybrid_optimizer(model, muon_lr=lr, adamw_lr=lr / 10, compile=False, **kw)
-        return model, mf.MuonOptimizer(model.parameters(), lr=lr, adamw_lr=lr / 10, compile=False, **kw)
+            return model, mf.create_hybrid_optimizer(
+                model, muon_lr=lr, adamw_lr=lr / 10, compile=False, **kw
+            )
+        return model, mf.MuonOptimizer(
+            model.parameters(), lr=lr, adamw_lr=lr / 10, compile=False, **kw
+        )
 
     tokens = TOKENS.to(device)
     model, opt = make(0.0, True)
@@ -205,11 +239,16 @@ def test_logits_bounded_and_small_heads_untouched(device, build):
     for h in handles:
         h.remove()
     S = opt.qk_clip.last_max_logits
-    assert all((s[[0, 2]] > 2 * TAU).all() and (s[[1, 3]] < TAU).all() for s in S)  # the forcing works
+    assert all(
+        (s[[0, 2]] > 2 * TAU).all() and (s[[1, 3]] < TAU).all() for s in S
+    )  # the forcing works
     for after in gpt_logits(model, seen):
         assert (after <= TAU * (1 + rounding(device))).all(), after
-    assert all(torch.equal(m.max_logits, torch.full((4,), -math.inf, device=device)) for m in model.modules()
-               if hasattr(m, "qk_clip_heads"))  # reset for the next step
+    assert all(
+        torch.equal(m.max_logits, torch.full((4,), -math.inf, device=device))
+        for m in model.modules()
+        if hasattr(m, "qk_clip_heads")
+    )  # reset for the next step
 
     (clipped_model, clipped_opt), (plain_model, plain_opt) = make(0.02, True), make(0.02, False)
     _, loss = clipped_model(tokens, tokens)
@@ -233,13 +272,17 @@ def test_logits_bounded_and_small_heads_untouched(device, build):
 def test_fresh_forward_bounded_one_layer(device):
     """A one-layer model with lr = 0: a fresh forward after the step has every head's max logit ≤ τ."""
     model, tokens = forced_gpt(n_layer=1, device=device), TOKENS.to(device)
-    opt = mf.create_hybrid_optimizer(model, muon_lr=0.0, adamw_lr=0.0, qk_clip=mf.QKClip(model, TAU), compile=False)
+    opt = mf.create_hybrid_optimizer(
+        model, muon_lr=0.0, adamw_lr=0.0, qk_clip=mf.QKClip(model, TAU), compile=False
+    )
     step_once(model, opt, tokens)
     assert (opt.qk_clip.max_logit() > 5 * TAU).item()
     model(tokens)
     fresh = model.blocks[0].attn.max_logits
     assert fresh.device.type == device.type
-    assert (fresh <= TAU * (1 + rounding(device))).all() and (fresh.max() >= TAU * (1 - 1e-5)).item(), fresh
+    assert (fresh <= TAU * (1 + rounding(device))).all() and (
+        fresh.max() >= TAU * (1 - 1e-5)
+    ).item(), fresh
 
 
 def test_fused_qkv_grouped_query(device):
@@ -266,26 +309,38 @@ def test_fused_qkv_grouped_query(device):
     unchanged = list(range(0, 4)) + list(range(8, 24)) + list(range(28, 32)) + list(range(32, 40))
     assert torch.equal(w[unchanged], before[unchanged])  # q heads 0, 2..5, k head 1, all of V
     f = mf.qk_clip_factors(S, TAU, 2)
-    assert torch.equal(w[4:8], before[4:8] * f.q[1]) and torch.equal(w[24:28], before[24:28] * f.k[0])
+    assert torch.equal(w[4:8], before[4:8] * f.q[1]) and torch.equal(
+        w[24:28], before[24:28] * f.k[0]
+    )
 
 
 def test_accumulation_and_skipped_steps(device):
     """Micro-steps only record (the max over the micro-batches is used at the applied step); a
     step skipped for a non-finite gradient scales nothing and starts a fresh record."""
     model, tokens = forced_gpt(n_layer=1, device=device), TOKENS.to(device)
-    opt = mf.create_hybrid_optimizer(model, muon_lr=0.0, adamw_lr=0.0, qk_clip=mf.QKClip(model, TAU),
-                                     gradient_accumulation_steps=2, compile=False)
+    opt = mf.create_hybrid_optimizer(
+        model,
+        muon_lr=0.0,
+        adamw_lr=0.0,
+        qk_clip=mf.QKClip(model, TAU),
+        gradient_accumulation_steps=2,
+        compile=False,
+    )
     attn = model.blocks[0].attn
     q0 = attn.q.weight.detach().clone()
     step_once(model, opt, tokens[:2])
     first = attn.max_logits.clone()
     assert torch.equal(attn.q.weight, q0) and (first > -math.inf).all()  # micro-step: recorded only
     step_once(model, opt, tokens[2:])
-    assert torch.equal(opt.qk_clip.last_max_logits[0], torch.maximum(first, opt.qk_clip.last_max_logits[0]))
+    assert torch.equal(
+        opt.qk_clip.last_max_logits[0], torch.maximum(first, opt.qk_clip.last_max_logits[0])
+    )
     assert not torch.equal(attn.q.weight, q0)
 
     model = forced_gpt(n_layer=1, device=device)
-    opt = mf.create_hybrid_optimizer(model, muon_lr=0.0, adamw_lr=0.0, qk_clip=mf.QKClip(model, TAU), compile=False)
+    opt = mf.create_hybrid_optimizer(
+        model, muon_lr=0.0, adamw_lr=0.0, qk_clip=mf.QKClip(model, TAU), compile=False
+    )
     q0 = model.blocks[0].attn.q.weight.detach().clone()
     _, loss = model(tokens, tokens)
     loss.backward()
@@ -302,15 +357,21 @@ def _host_reads(fn):
     return count(fn)
 
 
-@pytest.mark.parametrize("compile, hybrid", [(False, True), ({"backend": "eager"}, False)],
-                         ids=["eager-hybrid", "compiled-muon"])
+@pytest.mark.parametrize(
+    "compile, hybrid",
+    [(False, True), ({"backend": "eager"}, False)],
+    ids=["eager-hybrid", "compiled-muon"],
+)
 def test_step_reads_nothing_back(device, compile, hybrid):
     """No .item()/float()/bool() of a device tensor in a step with qk_clip on (the profiler counter
     of tests/test_compile.py), eager and compiled."""
     model, tokens = forced_gpt(n_layer=1, device=device), TOKENS.to(device)
     clip = mf.QKClip(model, TAU)
-    opt = (mf.create_hybrid_optimizer(model, qk_clip=clip, compile=compile) if hybrid
-           else mf.MuonOptimizer(model.parameters(), qk_clip=clip, compile=compile))
+    opt = (
+        mf.create_hybrid_optimizer(model, qk_clip=clip, compile=compile)
+        if hybrid
+        else mf.MuonOptimizer(model.parameters(), qk_clip=clip, compile=compile)
+    )
     step_once(model, opt, tokens)  # compiles
     _, loss = model(tokens, tokens)
     loss.backward()
@@ -327,7 +388,9 @@ def test_inductor_default(device, compiled_default, monkeypatch):
 
     def run():
         model = forced_gpt(n_layer=1, device=device)
-        opt = mf.create_hybrid_optimizer(model, muon_lr=0.0, adamw_lr=0.0, qk_clip=mf.QKClip(model, TAU))
+        opt = mf.create_hybrid_optimizer(
+            model, muon_lr=0.0, adamw_lr=0.0, qk_clip=mf.QKClip(model, TAU)
+        )
         step_once(model, opt, tokens)
         _, loss = model(tokens, tokens)
         loss.backward()
@@ -364,10 +427,40 @@ def test_trainer_qk_clip(tmp_path, capsys):
     from muon_fn import cli
 
     out = tmp_path / "run"
-    small = ["--steps", "6", "--eval-interval", "3", "--eval-windows", "8", "--batch-size", "4", "--seq-len", "32",
-             "--max-bytes", "400000", "--no-progress", "--threads", "1", "--no-checkpoint", "--no-compile"]
-    assert cli.main(["train", "--compare", "muon[qk_clip=none],muon,adamw[qk_clip=none],adamw", "--qk-clip", "0.1",
-                     *small, "--out", str(out)]) == 0
+    small = [
+        "--steps",
+        "6",
+        "--eval-interval",
+        "3",
+        "--eval-windows",
+        "8",
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "32",
+        "--max-bytes",
+        "400000",
+        "--no-progress",
+        "--threads",
+        "1",
+        "--no-checkpoint",
+        "--no-compile",
+    ]
+    assert (
+        cli.main(
+            [
+                "train",
+                "--compare",
+                "muon[qk_clip=none],muon,adamw[qk_clip=none],adamw",
+                "--qk-clip",
+                "0.1",
+                *small,
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert "largest attention logit of any step; --qk-clip 0.1" in capsys.readouterr().out
     runs = {r["label"]: r for r in json.loads((out / "metrics.json").read_text())["runs"]}
     logged = {label: [v for _, v in r["history"]["max_logit"]] for label, r in runs.items()}
@@ -393,36 +486,58 @@ class TestErrors(expecttest.TestCase):
         model = forced_gpt(n_layer=1)
         for tau in (0.0, -1.0, math.inf, math.nan):
             assert f"Invalid tau: {tau}" in self.message(lambda: mf.QKClip(model, tau))
-        self.assertExpectedInline(self.message(lambda: mf.QKClip(model, 0.0)),
-                                  """Invalid tau: 0.0 (expected a finite value > 0)""")
-        self.assertExpectedInline(self.message(lambda: mf.QKClip(model, "100"), TypeError),
-                                  """tau must be a float or a 0-d tensor, got str""")
+        self.assertExpectedInline(
+            self.message(lambda: mf.QKClip(model, 0.0)),
+            """Invalid tau: 0.0 (expected a finite value > 0)""",
+        )
+        self.assertExpectedInline(
+            self.message(lambda: mf.QKClip(model, "100"), TypeError),
+            """tau must be a float or a 0-d tensor, got str""",
+        )
 
     def test_layout(self):
         attn = FusedGQA()
         heads = attn.qk_clip_heads()
-        self.assertExpectedInline(self.message(lambda: mf.QKClip([heads._replace(n_kv_head=4)], TAU)),
-                                  """QKClip layer 0 (FusedGQA): n_kv_head=4 does not divide n_head=6""")
-        self.assertExpectedInline(self.message(lambda: mf.QKClip([heads._replace(head_dim=6)], TAU)),
-                                  """QKClip layer 0 (FusedGQA): parameter 'qkv.weight' of shape (40, 24) cannot hold 2 heads of 6 rows from row 36 (needs a matrix of at least 48 rows)""")  # noqa: E501
-        self.assertExpectedInline(self.message(lambda: mf.QKClip([heads._replace(q="query.weight")], TAU)),
-                                  """QKClip layer 0 (FusedGQA): FusedGQA has no parameter 'query.weight'""")
-        self.assertExpectedInline(self.message(lambda: mf.QKClip([heads._replace(n_head=0)], TAU)),
-                                  """Invalid n_head: 0 (expected an integer >= 1)""")
-        self.assertExpectedInline(self.message(lambda: mf.QKClip(nn.Linear(2, 2), TAU)),
-                                  """QKClip found no attention layers in Linear: define qk_clip_heads() on its attention modules, or pass AttentionHeads(...)""")  # noqa: E501
+        self.assertExpectedInline(
+            self.message(lambda: mf.QKClip([heads._replace(n_kv_head=4)], TAU)),
+            """QKClip layer 0 (FusedGQA): n_kv_head=4 does not divide n_head=6""",
+        )
+        self.assertExpectedInline(
+            self.message(lambda: mf.QKClip([heads._replace(head_dim=6)], TAU)),
+            """QKClip layer 0 (FusedGQA): parameter 'qkv.weight' of shape (40, 24) cannot hold 2 heads of 6 rows from row 36 (needs a matrix of at least 48 rows)""",
+        )  # noqa: E501
+        self.assertExpectedInline(
+            self.message(lambda: mf.QKClip([heads._replace(q="query.weight")], TAU)),
+            """QKClip layer 0 (FusedGQA): FusedGQA has no parameter 'query.weight'""",
+        )
+        self.assertExpectedInline(
+            self.message(lambda: mf.QKClip([heads._replace(n_head=0)], TAU)),
+            """Invalid n_head: 0 (expected an integer >= 1)""",
+        )
+        self.assertExpectedInline(
+            self.message(lambda: mf.QKClip(nn.Linear(2, 2), TAU)),
+            """QKClip found no attention layers in Linear: define qk_clip_heads() on its attention modules, or pass AttentionHeads(...)""",
+        )  # noqa: E501
         attn.max_logits = torch.zeros(3)
-        self.assertExpectedInline(self.message(lambda: mf.QKClip(attn, TAU)),
-                                  """FusedGQA.max_logits has shape (3,), expected (6,) (one per query head)""")
+        self.assertExpectedInline(
+            self.message(lambda: mf.QKClip(attn, TAU)),
+            """FusedGQA.max_logits has shape (3,), expected (6,) (one per query head)""",
+        )
 
     def test_optimizer(self):
         model = forced_gpt(n_layer=1)
         clip = mf.QKClip(model, TAU)
-        matrices = [p for p in model.parameters() if p.ndim == 2 and p is not model.blocks[0].attn.k.weight]
-        self.assertExpectedInline(self.message(lambda: mf.MuonOptimizer(matrices, qk_clip=clip)),
-                                  """qk_clip: CausalSelfAttention.k.weight is not a parameter of this MuonOptimizer (QKClip must see the parameters the optimizer updates; build it after fully_shard)""")  # noqa: E501
-        self.assertExpectedInline(self.message(lambda: mf.MuonOptimizer(model.parameters(), qk_clip=100.0), TypeError),
-                                  """qk_clip must be a muon_fn.QKClip or None, got float""")
+        matrices = [
+            p for p in model.parameters() if p.ndim == 2 and p is not model.blocks[0].attn.k.weight
+        ]
+        self.assertExpectedInline(
+            self.message(lambda: mf.MuonOptimizer(matrices, qk_clip=clip)),
+            """qk_clip: CausalSelfAttention.k.weight is not a parameter of this MuonOptimizer (QKClip must see the parameters the optimizer updates; build it after fully_shard)""",
+        )  # noqa: E501
+        self.assertExpectedInline(
+            self.message(lambda: mf.MuonOptimizer(model.parameters(), qk_clip=100.0), TypeError),
+            """qk_clip must be a muon_fn.QKClip or None, got float""",
+        )
 
 
 # ---------------------------------------------------------------------------- FSDP2, W = 2
@@ -440,8 +555,10 @@ class TwoAttentions(nn.Module):
         self.proj = nn.Linear(12, 6)
 
     def layers(self):
-        return [mf.AttentionHeads(self.a, "q.weight", "k.weight", 3, 4),
-                mf.AttentionHeads(self.b, "qkv.weight", "qkv.weight", 3, 4, n_kv_head=1)]
+        return [
+            mf.AttentionHeads(self.a, "q.weight", "k.weight", 3, 4),
+            mf.AttentionHeads(self.b, "qkv.weight", "qkv.weight", 3, 4, n_kv_head=1),
+        ]
 
 
 def rank_logits(step: int, rank: int) -> list[torch.Tensor]:
@@ -475,15 +592,24 @@ def _run_fsdp(w: int) -> dict:
     for child in (model.a, model.b, model.proj):
         fully_shard(child)
     fully_shard(model)
-    opt = FSDPMuonOptimizer(model, lr=0.05, weight_decay=0.01, compile=False, qk_clip=mf.QKClip(model.layers(), TAU))
-    ref_opt = mf.MuonOptimizer(ref.parameters(), lr=0.05, weight_decay=0.01, compile=False,
-                               qk_clip=mf.QKClip(ref.layers(), TAU))
+    opt = FSDPMuonOptimizer(
+        model, lr=0.05, weight_decay=0.01, compile=False, qk_clip=mf.QKClip(model.layers(), TAU)
+    )
+    ref_opt = mf.MuonOptimizer(
+        ref.parameters(),
+        lr=0.05,
+        weight_decay=0.01,
+        compile=False,
+        qk_clip=mf.QKClip(ref.layers(), TAU),
+    )
     clipped = 0
     for step in range(3):
         mine = rank_logits(step, rank)
         for layer, s in zip(opt.qk_clip.layers, mine):
             layer.module.max_logits.copy_(s)
-        for layer, ranks in zip(ref_opt.qk_clip.layers, zip(*[rank_logits(step, r) for r in range(w)])):
+        for layer, ranks in zip(
+            ref_opt.qk_clip.layers, zip(*[rank_logits(step, r) for r in range(w)])
+        ):
             layer.module.max_logits.copy_(torch.stack(ranks).amax(0))
         _set_grads(model, step)
         _set_grads(ref, step)
@@ -524,11 +650,23 @@ def test_fsdp_w2_bit_exact(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    procs = [subprocess.Popen([sys.executable, __file__, str(w), str(r), str(out)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-             for r in range(w)]
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, str(w), str(r), str(out)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        for r in range(w)
+    ]
     logs = []
     for proc in procs:
         try:
@@ -542,7 +680,9 @@ def test_fsdp_w2_bit_exact(tmp_path):
         assert result["ok"], f"rank {r}: {result['error']}"
     value = results[0]["value"]
     assert value["clipped_heads"] > 0
-    assert value["local_shapes"]["a.q.weight"] == [6, 6] and value["local_shapes"]["b.qkv.weight"] == [10, 6]
+    assert value["local_shapes"]["a.q.weight"] == [6, 6] and value["local_shapes"][
+        "b.qkv.weight"
+    ] == [10, 6]
 
 
 if __name__ == "__main__":

@@ -24,12 +24,16 @@ FORMATS = [(Q.LINEAR, 8), (Q.LINEAR, 4), *FLOATS]
 def sample(seed: int, rows: int, n: int, spread: float, kind: str) -> torch.Tensor:
     """Values over ``spread`` decades (signed, or non-negative for UNSIGNED), some exact zeros."""
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, n, generator=gen) * 10 ** (spread * torch.rand(rows, n, generator=gen) - spread / 2)
+    x = torch.randn(rows, n, generator=gen) * 10 ** (
+        spread * torch.rand(rows, n, generator=gen) - spread / 2
+    )
     x[torch.rand(rows, n, generator=gen) < 0.05] = 0.0
     return x.abs() if kind == Q.UNSIGNED else x
 
 
-BLOCK = 256  # the documented block length (docs/api.md, "Low-bit state"): ⌈n/256⌉ equal blocks a row
+BLOCK = (
+    256  # the documented block length (docs/api.md, "Low-bit state"): ⌈n/256⌉ equal blocks a row
+)
 
 
 def block_spans(n: int) -> list[tuple[int, int]]:
@@ -54,8 +58,13 @@ def roundtrip_q(x: torch.Tensor, kind: str, bits: int) -> torch.Tensor:
     return Q.decode(codes, scales, tuple(x.shape), storage)
 
 
-@given(seed=st.integers(0, 2**16), rows=st.integers(0, 4), n=st.integers(1, 700), spread=st.floats(0.0, 12.0),
-       fmt=st.sampled_from(FORMATS))
+@given(
+    seed=st.integers(0, 2**16),
+    rows=st.integers(0, 4),
+    n=st.integers(1, 700),
+    spread=st.floats(0.0, 12.0),
+    fmt=st.sampled_from(FORMATS),
+)
 def test_error_bounds(seed, rows, n, spread, fmt):
     """Per block with maximum M: linear codes are within M/(2q) of x; small floats within
     2^-(m+1)·x for x ≥ 2^-R·M, and a positive x below it becomes 2^-R·M (never 0); signs are
@@ -73,12 +82,14 @@ def test_error_bounds(seed, rows, n, spread, fmt):
         assert bool(((y - x).abs() <= big / (2 * q) * tol + 1e-37).all())
         return
     m, octaves = FLOATS[fmt]
-    floor = big * 2.0 ** -octaves
+    floor = big * 2.0**-octaves
     inside = x.abs() >= floor
     assert bool(((y - x).abs()[inside] <= x.abs()[inside] * 2.0 ** -(m + 1) * tol).all())
     below = ~inside & (x != 0)
     assert bool((y[below] > 0).all()) and bool((y[below] <= floor[below] * tol).all())
-    assert torch.equal(y.abs().amax(dim=1) if rows else y, x.abs().amax(dim=1) if rows else x)  # M is exact
+    assert torch.equal(
+        y.abs().amax(dim=1) if rows else y, x.abs().amax(dim=1) if rows else x
+    )  # M is exact
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -101,8 +112,13 @@ def test_scales_are_the_documented_blocks_maxima(n, fmt):
         assert bool(((y - x).abs() <= block_max(x) / (2 * q) * (1 + 1e-6) + 1e-37).all())
 
 
-@given(seed=st.integers(0, 2**16), rows=st.integers(1, 9), n=st.integers(1, 600), fmt=st.sampled_from(FORMATS),
-       cut=st.integers(0, 9))
+@given(
+    seed=st.integers(0, 2**16),
+    rows=st.integers(1, 9),
+    n=st.integers(1, 600),
+    fmt=st.sampled_from(FORMATS),
+    cut=st.integers(0, 9),
+)
 def test_rows_quantize_alone(seed, rows, n, fmt, cut):
     """Blocks lie within rows: any block of rows (a rank's FSDP shard, possibly empty) gets the
     codes and scales the whole tensor gives those rows, bit for bit."""
@@ -117,7 +133,9 @@ def test_rows_quantize_alone(seed, rows, n, fmt, cut):
     assert codes.shape == storage.codes_shape((rows, n)) and codes.dtype == Q.CODE_DTYPES[bits]
 
 
-@given(rows=st.integers(0, 3), n=st.integers(1, 41), signed=st.booleans(), seed=st.integers(0, 2**16))
+@given(
+    rows=st.integers(0, 3), n=st.integers(1, 41), signed=st.booleans(), seed=st.integers(0, 2**16)
+)
 def test_pack4_roundtrip(rows, n, signed, seed):
     gen = torch.Generator().manual_seed(seed)
     lo = -7 if signed else 0
@@ -130,7 +148,9 @@ def test_pack4_roundtrip(rows, n, signed, seed):
 def test_zero_blocks_and_extremes():
     """A zero block is zero codes and a zero scale; huge, tiny and subnormal values stay finite
     and keep their sign; a block's maximum comes back exactly (small floats)."""
-    x = torch.tensor([[0.0] * 6, [3e38, -1e-30, 1e-44, 0.0, -3e38, 1.0], [1e-40, -1e-41, 0.0, 0.0, 0.0, 1e-45]])
+    x = torch.tensor(
+        [[0.0] * 6, [3e38, -1e-30, 1e-44, 0.0, -3e38, 1.0], [1e-40, -1e-41, 0.0, 0.0, 0.0, 1e-45]]
+    )
     for kind, bits in FORMATS:
         if kind == Q.UNSIGNED:
             xx = x.abs()
@@ -150,33 +170,56 @@ def test_zero_blocks_and_extremes():
 # codes differently. Worked out by hand from the module's formulas: linear ``round(x·q/M)``
 # (half to even; rows with M/q a power of two decode exactly); small floats ``1 + (R + log2 r)·2^m +
 # mantissa`` minus the width's offset (8 bits: 128), the 4-bit ones two a byte, low nibble first.
-UNSIGNED_ROWS = [[1.0, 0.5, 0.3, 0.0, 2.0**-31, 1e-12, 0.75, 0.1], [8.0, 3.0, 0.0, 1.0, 0.001, 6.0, 2.0**-11, 0.5]]
+UNSIGNED_ROWS = [
+    [1.0, 0.5, 0.3, 0.0, 2.0**-31, 1e-12, 0.75, 0.1],
+    [8.0, 3.0, 0.0, 1.0, 0.001, 6.0, 2.0**-11, 0.5],
+]
 GOLDEN = {  # (kind, bits): (input, codes, scales, decoded)
-    (Q.LINEAR, 8): ([[127.0, -63.5, 0.0, 1.0, -0.4, 64.5, -127.0, 0.6],
-                     [0.9921875, -0.5, 0.25, 0.0, 0.00390625, -0.9921875, 0.1, 0.0]],
-                    [[127, -64, 0, 1, 0, 64, -127, 1], [127, -64, 32, 0, 0, -127, 13, 0]],
-                    [[127.0], [0.9921875]],
-                    [[127.0, -64.0, 0.0, 1.0, 0.0, 64.0, -127.0, 1.0],
-                     [0.9921875, -0.5, 0.25, 0.0, 0.0, -0.9921875, 0.1015625, 0.0]]),
-    (Q.LINEAR, 4): ([[7.0, -3.5, 2.5, -7.0, 1.49], [0.875, -0.4375, 0.0625, 0.1, -0.2]],
-                    [[199, 146, 1], [199, 16, 14]],  # (7, -4), (2, -7), (1, pad); (7, -4), (0, 1), (-2, pad)
-                    [[7.0], [0.875]],
-                    [[7.0, -4.0, 2.0, -7.0, 1.0], [0.875, -0.5, 0.0, 0.125, -0.25]]),
-    (Q.UNSIGNED, 16): (UNSIGNED_ROWS,
-                       [[31745, 30721, 29902, 0, 1, 1, 31233, 28263],
-                        [31745, 30209, 0, 28673, 18458, 31233, 17409, 27649]],
-                       [[1.0], [8.0]],
-                       [[1.0, 0.5, 0.300048828125, 0.0, 2.0**-31, 2.0**-31, 0.75, 0.0999755859375],
-                        [8.0, 3.0, 0.0, 1.0, 0.0010004043579101562, 6.0, 2.0**-11, 0.5]]),
-    (Q.UNSIGNED, 8): (UNSIGNED_ROWS,
-                      [[121, 113, 107, -128, -127, -127, 117, 94], [121, 109, -128, 97, 17, 117, 9, 89]],
-                      [[1.0], [8.0]],
-                      [[1.0, 0.5, 0.3125, 0.0, 2.0**-31, 2.0**-31, 0.75, 0.1015625],
-                       [8.0, 3.0, 0.0, 1.0, 2.0**-10, 6.0, 2.0**-11, 0.5]]),
-    (Q.UNSIGNED, 4): ([[1.0, 0.5, 0.3, 0.0, 2.0**-14], [8.0, 6.0, 1e-9, 0.75, 3.0]],
-                      [[239, 13, 1], [255, 193, 14]],  # (15, 14), (13, 0), (1, pad); (15, 15), (1, 12), (14, pad)
-                      [[1.0], [8.0]],
-                      [[1.0, 0.5, 0.25, 0.0, 2.0**-14], [8.0, 8.0, 2.0**-11, 1.0, 4.0]]),
+    (Q.LINEAR, 8): (
+        [
+            [127.0, -63.5, 0.0, 1.0, -0.4, 64.5, -127.0, 0.6],
+            [0.9921875, -0.5, 0.25, 0.0, 0.00390625, -0.9921875, 0.1, 0.0],
+        ],
+        [[127, -64, 0, 1, 0, 64, -127, 1], [127, -64, 32, 0, 0, -127, 13, 0]],
+        [[127.0], [0.9921875]],
+        [
+            [127.0, -64.0, 0.0, 1.0, 0.0, 64.0, -127.0, 1.0],
+            [0.9921875, -0.5, 0.25, 0.0, 0.0, -0.9921875, 0.1015625, 0.0],
+        ],
+    ),
+    (Q.LINEAR, 4): (
+        [[7.0, -3.5, 2.5, -7.0, 1.49], [0.875, -0.4375, 0.0625, 0.1, -0.2]],
+        [[199, 146, 1], [199, 16, 14]],  # (7, -4), (2, -7), (1, pad); (7, -4), (0, 1), (-2, pad)
+        [[7.0], [0.875]],
+        [[7.0, -4.0, 2.0, -7.0, 1.0], [0.875, -0.5, 0.0, 0.125, -0.25]],
+    ),
+    (Q.UNSIGNED, 16): (
+        UNSIGNED_ROWS,
+        [
+            [31745, 30721, 29902, 0, 1, 1, 31233, 28263],
+            [31745, 30209, 0, 28673, 18458, 31233, 17409, 27649],
+        ],
+        [[1.0], [8.0]],
+        [
+            [1.0, 0.5, 0.300048828125, 0.0, 2.0**-31, 2.0**-31, 0.75, 0.0999755859375],
+            [8.0, 3.0, 0.0, 1.0, 0.0010004043579101562, 6.0, 2.0**-11, 0.5],
+        ],
+    ),
+    (Q.UNSIGNED, 8): (
+        UNSIGNED_ROWS,
+        [[121, 113, 107, -128, -127, -127, 117, 94], [121, 109, -128, 97, 17, 117, 9, 89]],
+        [[1.0], [8.0]],
+        [
+            [1.0, 0.5, 0.3125, 0.0, 2.0**-31, 2.0**-31, 0.75, 0.1015625],
+            [8.0, 3.0, 0.0, 1.0, 2.0**-10, 6.0, 2.0**-11, 0.5],
+        ],
+    ),
+    (Q.UNSIGNED, 4): (
+        [[1.0, 0.5, 0.3, 0.0, 2.0**-14], [8.0, 6.0, 1e-9, 0.75, 3.0]],
+        [[239, 13, 1], [255, 193, 14]],  # (15, 14), (13, 0), (1, pad); (15, 15), (1, 12), (14, pad)
+        [[1.0], [8.0]],
+        [[1.0, 0.5, 0.25, 0.0, 2.0**-14], [8.0, 8.0, 2.0**-11, 1.0, 4.0]],
+    ),
 }
 
 
@@ -200,8 +243,9 @@ def test_golden_bf16_momentum():
     plain, codes, scales = storage.store(x, storage.init(x))
     assert codes is None and scales is None and plain.dtype == torch.bfloat16
     assert plain.view(torch.int16).tolist() == [[16256, -16742, 15173, 0, 18304]]
-    assert storage.load((plain, None, None), x.shape, torch.float32).tolist() == \
-        [[1.0, -0.30078125, 0.0030059814453125, 0.0, 65536.0]]
+    assert storage.load((plain, None, None), x.shape, torch.float32).tolist() == [
+        [1.0, -0.30078125, 0.0030059814453125, 0.0, 65536.0]
+    ]
 
 
 def test_storage_layout_and_bytes():
@@ -214,7 +258,9 @@ def test_storage_layout_and_bytes():
             storage = Q.Storage(bits, kind)
             stored = storage.init(p)
             shapes[bits, kind] = [None if t is None else (tuple(t.shape), t.dtype) for t in stored]
-            assert sum(t.numel() * t.element_size() for t in stored if t is not None) == Q.nbytes(p.shape, bits, kind)
+            assert sum(t.numel() * t.element_size() for t in stored if t is not None) == Q.nbytes(
+                p.shape, bits, kind
+            )
             flat = storage.init(one)
             assert flat[0].dtype == torch.float32 and flat[1] is None  # ndim < 2: full precision
     assert shapes[8, Q.LINEAR] == [None, ((10, 300), torch.int8), ((10, 2), torch.float32)]
@@ -227,13 +273,19 @@ def test_storage_layout_and_bytes():
 # ------------------------------------------------------------------------------ transforms
 def tree(seed=0):
     gen = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(8, 300, generator=gen), "conv": torch.randn(4, 2, 3, 3, generator=gen),
-            "b": torch.randn(8, generator=gen)}
+    return {
+        "w": torch.randn(8, 300, generator=gen),
+        "conv": torch.randn(4, 2, 3, 3, generator=gen),
+        "b": torch.randn(8, generator=gen),
+    }
 
 
 @pytest.mark.parametrize("bits", (16, 8, 4))
-@pytest.mark.parametrize("make", (lambda b: mf.momentum(0.9, state_bits=b), lambda b: mf.scale_by_adam(state_bits=b)),
-                         ids=("momentum", "adam"))
+@pytest.mark.parametrize(
+    "make",
+    (lambda b: mf.momentum(0.9, state_bits=b), lambda b: mf.scale_by_adam(state_bits=b)),
+    ids=("momentum", "adam"),
+)
 def test_transform_close_to_fp32(make, bits):
     """Ten steps at ``bits`` stay near the fp32 state's (a relative tolerance per width); 1-D
     leaves are exact (full precision)."""
@@ -256,14 +308,20 @@ def test_state_structure():
     mom = mf.momentum(state_bits=8).init(params)
     assert isinstance(mom, mf.QuantizedMomentumState)
     assert mom.mu["w"] is None and mom.mu["b"].dtype == torch.float32
-    assert mom.codes["w"].shape == (8, 300) and mom.codes["conv"].shape == (4, 18) and mom.codes["b"] is None
+    assert (
+        mom.codes["w"].shape == (8, 300)
+        and mom.codes["conv"].shape == (4, 18)
+        and mom.codes["b"] is None
+    )
     assert mf.QuantizedMomentumState.state_keys["codes"] == "momentum_buffer_codes"
     assert isinstance(mf.momentum(state_bits=16).init(params), mf.MomentumState)
     adam = mf.scale_by_adam(state_bits=4).init(params)
     assert isinstance(adam, mf.QuantizedAdamState)
     assert adam.nu_codes["w"].shape == (8, 150) and adam.nu_codes["w"].dtype == torch.uint8
     assert "state_bits=8" in repr(mf.muon(state_bits=8)) and "state_bits" not in repr(mf.muon())
-    with pytest.raises(ValueError, match=r"Invalid state_bits: 12 \(expected one of 32, 16, 8, 4\)"):
+    with pytest.raises(
+        ValueError, match=r"Invalid state_bits: 12 \(expected one of 32, 16, 8, 4\)"
+    ):
         mf.momentum(state_bits=12)
     with pytest.raises(ValueError, match="mu_dtype=torch.bfloat16 and state_bits=8"):
         mf.momentum(mu_dtype=torch.bfloat16, state_bits=8)
@@ -275,7 +333,11 @@ def test_compiled_matches_eager():
     and eager: the same state codes up to one step of a code, the same update to fp tolerance."""
     params = {"w": torch.randn(16, 300), "e": torch.randn(40, 24), "b": torch.randn(16)}
     labels = {"w": "muon", "e": "adamw", "b": "adamw"}
-    for tx in [mf.partition({"muon": mf.momentum(state_bits=4), "adamw": mf.scale_by_adam(state_bits=8)}, labels)]:
+    for tx in [
+        mf.partition(
+            {"muon": mf.momentum(state_bits=4), "adamw": mf.scale_by_adam(state_bits=8)}, labels
+        )
+    ]:
         step = mf.compile_update(tx, backend="inductor").update
         st_e = st_c = tx.init(params)
         for t in range(3):
@@ -323,7 +385,10 @@ def test_state_dict_roundtrip(bits):
     model, opt = hybrid(bits)
     for t in range(2):
         step(model, opt, t)
-    saved, weights = roundtrip(opt.state_dict()), {k: v.clone() for k, v in model.state_dict().items()}
+    saved, weights = (
+        roundtrip(opt.state_dict()),
+        {k: v.clone() for k, v in model.state_dict().items()},
+    )
     for t in range(2, 4):
         step(model, opt, t)
     model2, opt2 = hybrid(bits)
@@ -352,9 +417,14 @@ def test_checkpoints_across_widths():
     fp32 = opt32.state[p]["momentum_buffer"].clone()
     _, opt8 = hybrid(8)
     opt8.load_state_dict(opt32.state_dict())
-    assert opt8.param_groups[0]["state_bits"] == 8 and "momentum_buffer" not in opt8.state[list(opt8.state)[0]]
+    assert (
+        opt8.param_groups[0]["state_bits"] == 8
+        and "momentum_buffer" not in opt8.state[list(opt8.state)[0]]
+    )
     q8 = entry(opt8, "momentum_buffer_codes", (40, 300))
-    value8 = Q.decode(q8["momentum_buffer_codes"], q8["momentum_buffer_scales"], (40, 300), Q.Storage(8, Q.LINEAR))
+    value8 = Q.decode(
+        q8["momentum_buffer_codes"], q8["momentum_buffer_scales"], (40, 300), Q.Storage(8, Q.LINEAR)
+    )
     assert float((value8 - fp32).abs().max()) <= float(fp32.abs().max()) / 254 * 1.01
     _, back = hybrid(32)
     back.load_state_dict(opt8.state_dict())
@@ -367,7 +437,9 @@ def test_checkpoints_across_widths():
     model8, again = hybrid(8)
     again.load_state_dict(opt4.state_dict())
     q4 = entry(opt4, "momentum_buffer_codes", (40, 150))
-    value4 = Q.decode(q4["momentum_buffer_codes"], q4["momentum_buffer_scales"], (40, 300), Q.Storage(4, Q.LINEAR))
+    value4 = Q.decode(
+        q4["momentum_buffer_codes"], q4["momentum_buffer_scales"], (40, 300), Q.Storage(4, Q.LINEAR)
+    )
     assert float((value4 - value8).abs().max()) <= float(value8.abs().max()) / 14 * 1.01
     for m, o in ((model4, opt4), (model8, again)):  # the converted optimizers step
         step(m, o, 2)
@@ -387,7 +459,9 @@ def test_state_bits_changed_between_steps():
     step(ref, ref_opt, 2)
     st = entry(opt, "momentum_buffer_codes", (40, 300))
     assert "momentum_buffer" not in st
-    got = Q.decode(st["momentum_buffer_codes"], st["momentum_buffer_scales"], (40, 300), Q.Storage(8, Q.LINEAR))
+    got = Q.decode(
+        st["momentum_buffer_codes"], st["momentum_buffer_scales"], (40, 300), Q.Storage(8, Q.LINEAR)
+    )
     want = entry(ref_opt, "momentum_buffer", (40, 300))["momentum_buffer"]
     assert float((got - want).norm() / want.norm()) < 0.02
 
@@ -406,7 +480,9 @@ def test_torch_muon_export_and_import():
     assert adamw_sd is None
     buf = muon_sd["state"][0]["momentum_buffer"]
     st = opt.state[ws[0]]
-    want = Q.decode(st["momentum_buffer_codes"], st["momentum_buffer_scales"], (24, 300), Q.Storage(8, Q.LINEAR))
+    want = Q.decode(
+        st["momentum_buffer_codes"], st["momentum_buffer_scales"], (24, 300), Q.Storage(8, Q.LINEAR)
+    )
     assert buf.dtype == torch.float32 and torch.equal(buf, want)
     torch_opt = torch.optim.Muon(ws)
     torch_opt.load_state_dict(muon_sd)
@@ -426,18 +502,26 @@ class Pair(torch.nn.Module):
         self.fc = torch.nn.Linear(300, 40, bias=False)
 
 
-@pytest.mark.parametrize("build", [
-    lambda m, bits, **kw: mf.MuonOptimizer(m.parameters(), state_bits=bits, **kw),
-    lambda m, bits, **kw: mf.create_hybrid_optimizer(m, state_bits=bits, **kw),
-    lambda m, bits, **kw: mf.SpectralSphereOptimizer(m.parameters(), state_bits=bits, **kw),
-    lambda m, bits, **kw: mf.TritonMuonW(m.parameters(), state_bits=bits, **kw),
-    lambda m, bits, **kw: mf.TritonMuon(m.parameters(), state_bits=bits, **kw),
-], ids=("MuonOptimizer", "hybrid", "SpectralSphereOptimizer", "TritonMuonW", "TritonMuon"))
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda m, bits, **kw: mf.MuonOptimizer(m.parameters(), state_bits=bits, **kw),
+        lambda m, bits, **kw: mf.create_hybrid_optimizer(m, state_bits=bits, **kw),
+        lambda m, bits, **kw: mf.SpectralSphereOptimizer(m.parameters(), state_bits=bits, **kw),
+        lambda m, bits, **kw: mf.TritonMuonW(m.parameters(), state_bits=bits, **kw),
+        lambda m, bits, **kw: mf.TritonMuon(m.parameters(), state_bits=bits, **kw),
+    ],
+    ids=("MuonOptimizer", "hybrid", "SpectralSphereOptimizer", "TritonMuonW", "TritonMuon"),
+)
 def test_every_class(build):
     """Every optimizer class takes state_bits and steps with it, eager and traced whole by dynamo
     (``fullgraph``, the eager backend: no graph break), and refuses a bad value naming it."""
-    for bits, kw, model in ((16, {}, Net()), (8, {}, Net()), (4, {}, Net()),
-                            (8, {"compile": {"backend": "eager"}}, Pair())):
+    for bits, kw, model in (
+        (16, {}, Net()),
+        (8, {}, Net()),
+        (4, {}, Net()),
+        (8, {"compile": {"backend": "eager"}}, Pair()),
+    ):
         opt = build(model, bits, **kw)
         model_params = [p for g in opt.param_groups for p in g["params"]]
         for _ in range(2):
@@ -457,8 +541,12 @@ def test_momentum_dtype_with_state_bits_refused():
 
 # ------------------------------------------------------------------------------ targets
 def state_bytes(opt) -> int:
-    return sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
-               if isinstance(v, torch.Tensor))
+    return sum(
+        v.numel() * v.element_size()
+        for s in opt.state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor)
+    )
 
 
 def test_state_bytes_targets():
@@ -470,15 +558,21 @@ def test_state_bytes_targets():
     muon = lambda bits: 12 * sum(Q.nbytes(s, bits, Q.LINEAR) for s in matrices)  # noqa: E731
     assert muon(8) / muon(32) <= 0.27 and muon(4) / muon(32) <= 0.15
     adamw_shapes = [(vocab, d), (1024, d)] + [(d,)] * (12 * 13 + 2)
-    adam = lambda bits: sum(Q.nbytes(s, bits, Q.LINEAR) + Q.nbytes(s, bits, Q.UNSIGNED) + 4  # noqa: E731
-                            for s in adamw_shapes)
+    adam = lambda bits: sum(
+        Q.nbytes(s, bits, Q.LINEAR) + Q.nbytes(s, bits, Q.UNSIGNED) + 4  # noqa: E731
+        for s in adamw_shapes
+    )
     assert (muon(8) + adam(8)) / (muon(32) + adam(32)) <= 0.30
     model, opt = hybrid(8)
     step(model, opt, 0)
     expected = sum(Q.nbytes(p.shape, 8, Q.LINEAR) for p in opt.param_groups[0]["params"])
-    expected += sum(Q.nbytes(p.shape, 8, Q.LINEAR) + Q.nbytes(p.shape, 8, Q.UNSIGNED) + 4
-                    for p in opt.param_groups[1]["params"])
-    rows = sum(4 * p.shape[0] for p in opt.param_groups[0]["params"])  # NorMuon's fp32 row statistics
+    expected += sum(
+        Q.nbytes(p.shape, 8, Q.LINEAR) + Q.nbytes(p.shape, 8, Q.UNSIGNED) + 4
+        for p in opt.param_groups[1]["params"]
+    )
+    rows = sum(
+        4 * p.shape[0] for p in opt.param_groups[0]["params"]
+    )  # NorMuon's fp32 row statistics
     assert state_bytes(opt) == expected + rows
 
 
@@ -488,7 +582,13 @@ def test_planner_counts_the_state():
     from muon_fn.fsdp import format_plan, plan_model
 
     full, low = (plan_model("llama3-8b", "dp=8", state_bits=b) for b in (32, 8))
-    assert len(full.state) == 8 and all(0.25 <= q / f <= 0.26 for q, f in zip(low.state, full.state))
-    adamw = 2 * 128256 * 4096 + 65 * 4096  # embedding, head, 65 norms: two fp32 moments, a step per rank each
+    assert len(full.state) == 8 and all(
+        0.25 <= q / f <= 0.26 for q, f in zip(low.state, full.state)
+    )
+    adamw = (
+        2 * 128256 * 4096 + 65 * 4096
+    )  # embedding, head, 65 norms: two fp32 moments, a step per rank each
     assert sum(full.state) == 4 * sum(p.numel for p in full.plan.matrices) + 8 * adamw + 8 * 4 * 67
-    assert "state/rank max (8-bit)" in format_plan([low]) and "state/rank" not in format_plan([plan_model("tiny", 2)])
+    assert "state/rank max (8-bit)" in format_plan([low]) and "state/rank" not in format_plan(
+        [plan_model("tiny", 2)]
+    )

@@ -20,8 +20,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ROOT / "docs" / "reference"
-MODULES = ("muon_fn", "muon_fn.optim", "muon_fn.fsdp", "muon_fn.spectral", "muon_fn.integrations.hf",
-           "muon_fn.integrations.lightning", "muon_fn.integrations.torchtitan")
+MODULES = (
+    "muon_fn",
+    "muon_fn.optim",
+    "muon_fn.fsdp",
+    "muon_fn.spectral",
+    "muon_fn.integrations.hf",
+    "muon_fn.integrations.lightning",
+    "muon_fn.integrations.torchtitan",
+)
 
 
 def _resolve(path: str):
@@ -52,16 +59,31 @@ def _attribute_docstring(modname: str, name: str) -> str | None:
     mod = importlib.import_module(modname)
     body = ast.parse(Path(inspect.getfile(mod)).read_text()).body
     for i, node in enumerate(body):
-        targets = (node.targets if isinstance(node, ast.Assign)
-                   else [node.target] if isinstance(node, ast.AnnAssign) else [])
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, ast.AnnAssign)
+            else []
+        )
         if any(isinstance(t, ast.Name) and t.id == name for t in targets):
             nxt = body[i + 1] if i + 1 < len(body) else None
-            if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+            if (
+                isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
                 return nxt.value.value
             return None
-        if isinstance(node, ast.ImportFrom) and any((a.asname or a.name) == name for a in node.names):
-            source = importlib.util.resolve_name("." * node.level + (node.module or ""), mod.__package__)
-            return _attribute_docstring(source, next(a.name for a in node.names if (a.asname or a.name) == name))
+        if isinstance(node, ast.ImportFrom) and any(
+            (a.asname or a.name) == name for a in node.names
+        ):
+            source = importlib.util.resolve_name(
+                "." * node.level + (node.module or ""), mod.__package__
+            )
+            return _attribute_docstring(
+                source, next(a.name for a in node.names if (a.asname or a.name) == name)
+            )
     return None
 
 
@@ -106,13 +128,20 @@ def test_every_public_name_has_a_docstring(modname):
     undocumented = []
     for name in mod.__all__:
         obj = getattr(mod, name)
-        if inspect.isclass(obj) or inspect.isfunction(obj) or inspect.ismodule(obj) or inspect.ismethod(obj):
+        if (
+            inspect.isclass(obj)
+            or inspect.isfunction(obj)
+            or inspect.ismodule(obj)
+            or inspect.ismethod(obj)
+        ):
             doc = _own_docstring(obj)
         elif callable(obj) and not isinstance(obj, (dict, tuple, int, str)):
             doc = (getattr(obj, "__doc__", None) or "").strip()
         else:  # a constant: the docstring after its assignment, where the reference takes it from
             modpath, attrs = paths.get(id(obj), (modname, [name]))
-            doc = (_attribute_docstring(modpath, attrs[-1]) or "").strip() if len(attrs) == 1 else ""
+            doc = (
+                (_attribute_docstring(modpath, attrs[-1]) or "").strip() if len(attrs) == 1 else ""
+            )
         if not doc:
             undocumented.append(name)
     assert not undocumented, f"{modname}: public names without a docstring: {undocumented}"

@@ -48,7 +48,9 @@ def _scalar(s: torch.Tensor, schedule) -> torch.Tensor:
 @pytest.mark.parametrize("shape", [(24, 80), (80, 24), (3, 16, 50), (30, 30)])
 @pytest.mark.parametrize("steps", [1, 3, 5, 7])
 def test_gram_equals_standard_iteration_in_float64(device, shape, steps):
-    x = torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(steps)).to(device)
+    x = torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(steps)).to(
+        device
+    )
     ref = O.newton_schulz(x, "polar_express", steps)
     torch.testing.assert_close(O.newton_schulz(x, "gram", steps), ref, atol=1e-10, rtol=0)
 
@@ -56,7 +58,9 @@ def test_gram_equals_standard_iteration_in_float64(device, shape, steps):
 def test_gram_float32_close_to_standard(device):
     x = torch.randn(64, 256, generator=torch.Generator().manual_seed(0)).to(device)
     out = O.newton_schulz(x, "gram", 5, dtype=torch.float32)
-    torch.testing.assert_close(out, O.newton_schulz(x, "polar_express", 5, dtype=torch.float32), atol=2e-3, rtol=0)
+    torch.testing.assert_close(
+        out, O.newton_schulz(x, "polar_express", 5, dtype=torch.float32), atol=2e-3, rtol=0
+    )
 
 
 def test_gram_rejects_bfloat16_with_a_clear_error():
@@ -64,8 +68,16 @@ def test_gram_rejects_bfloat16_with_a_clear_error():
         O.newton_schulz(torch.randn(8, 16), "gram", 5, dtype=torch.bfloat16)
 
 
-@pytest.mark.parametrize("method,dtype", [("gram", torch.float32), ("aol", torch.bfloat16), ("aol", torch.float32),
-                                          ("aol9", torch.bfloat16), ("aol9", torch.float32)])
+@pytest.mark.parametrize(
+    "method,dtype",
+    [
+        ("gram", torch.float32),
+        ("aol", torch.bfloat16),
+        ("aol", torch.float32),
+        ("aol9", torch.bfloat16),
+        ("aol9", torch.float32),
+    ],
+)
 def test_zero_maps_to_zero(device, method, dtype):
     out = O.newton_schulz(torch.zeros(2, 12, 40, device=device), method, None, dtype=dtype)
     assert out.shape == (2, 12, 40) and torch.isfinite(out).all() and not out.any()
@@ -83,15 +95,21 @@ def _aol64(x: torch.Tensor) -> torch.Tensor:
 def test_aol_is_the_standard_iteration_after_row_scaling_float64(device):
     x = torch.randn(40, 100, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     sched = O.coefficient_schedule("aol", 4)
-    torch.testing.assert_close(O.newton_schulz(x.to(device), "aol", 4).cpu(), O.iterate(_aol64(x), sched), atol=1e-10,
-                               rtol=0)
+    torch.testing.assert_close(
+        O.newton_schulz(x.to(device), "aol", 4).cpu(),
+        O.iterate(_aol64(x), sched),
+        atol=1e-10,
+        rtol=0,
+    )
 
 
 def test_aol_singular_values_follow_the_scalar_polynomial(device):
     x = torch.randn(50, 120, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     sched = O.coefficient_schedule("aol", 4)
     expect = _scalar(_svals(_aol64(x)), sched).sort().values
-    torch.testing.assert_close(_svals(O.newton_schulz(x.to(device), "aol", 4)).sort().values, expect, atol=1e-9, rtol=0)
+    torch.testing.assert_close(
+        _svals(O.newton_schulz(x.to(device), "aol", 4)).sort().values, expect, atol=1e-9, rtol=0
+    )
 
 
 def test_aol_bound_holds_and_scaling_lifts_sigma():
@@ -121,9 +139,18 @@ def test_aol_rank_one_direction_is_not_flipped(device):
 
 
 def test_published_aol_triples_would_flip_sigma_one():
-    eo_aol = [(4.0098, -7.0585, 2.4635), (3.4585, -5.5479, 2.5959), (2.7573, -3.2939, 1.4254), (2.7215, -3.0494, 1.3169)]
+    eo_aol = [
+        (4.0098, -7.0585, 2.4635),
+        (3.4585, -5.5479, 2.5959),
+        (2.7573, -3.2939, 1.4254),
+        (2.7215, -3.0494, 1.3169),
+    ]
     assert _scalar(torch.tensor(1.0, dtype=torch.float64), eo_aol) < 0
-    assert 0.75 < _scalar(torch.tensor(1.0, dtype=torch.float64), O.coefficient_schedule("aol", 4)) < 1.2
+    assert (
+        0.75
+        < _scalar(torch.tensor(1.0, dtype=torch.float64), O.coefficient_schedule("aol", 4))
+        < 1.2
+    )
 
 
 def test_aol_scalar_band_and_more_steps_converge():
@@ -139,8 +166,12 @@ def test_aol_scalar_band_and_more_steps_converge():
 
 def test_aol_transpose_equivariance(device):
     x = torch.randn(3, 30, 70, generator=torch.Generator().manual_seed(6)).to(device)
-    torch.testing.assert_close(O.newton_schulz(x.mT, "aol", 4).mT, O.newton_schulz(x, "aol", 4),
-                               atol=TOL[device.type]["aol_transpose"], rtol=0)
+    torch.testing.assert_close(
+        O.newton_schulz(x.mT, "aol", 4).mT,
+        O.newton_schulz(x, "aol", 4),
+        atol=TOL[device.type]["aol_transpose"],
+        rtol=0,
+    )
 
 
 def test_aol_quality_matches_torch_quintic_on_real_gradient():
@@ -152,19 +183,33 @@ def test_aol_quality_matches_torch_quintic_on_real_gradient():
 
 
 # ----------------------------------------------------------------------------- degree-7/9 rows, "aol9"
-@pytest.mark.parametrize("row", [(1.5, -0.5), (3.0, -3.2, 1.2, 0.0), (2.0, -1.5, 0.8, -0.2),
-                                 (3.4, -6.3, 5.8, -2.3, 0.33), (1.0, 0.5, -0.25, 0.125, -0.0625),
-                                 (2.0, -1.0, 0.3, 0.0, 0.05)])
+@pytest.mark.parametrize(
+    "row",
+    [
+        (1.5, -0.5),
+        (3.0, -3.2, 1.2, 0.0),
+        (2.0, -1.5, 0.8, -0.2),
+        (3.4, -6.3, 5.8, -2.3, 0.33),
+        (1.0, 0.5, -0.25, 0.125, -0.0625),
+        (2.0, -1.0, 0.3, 0.0, 0.05),
+    ],
+)
 def test_any_degree_row_applies_its_scalar_polynomial_float64(device, row):
     x = torch.randn(30, 70, dtype=torch.float64, generator=torch.Generator().manual_seed(len(row)))
     x = x / torch.linalg.vector_norm(x)
     out = O.iterate(x.to(device), [row, (1.875, -1.25, 0.375)])
-    torch.testing.assert_close(_svals(out).sort().values, _scalar(_svals(x), [row, (1.875, -1.25, 0.375)]).abs().sort().values,
-                               atol=1e-12, rtol=0)
+    torch.testing.assert_close(
+        _svals(out).sort().values,
+        _scalar(_svals(x), [row, (1.875, -1.25, 0.375)]).abs().sort().values,
+        atol=1e-12,
+        rtol=0,
+    )
 
 
 def test_degree_nine_rows_in_gram_form_and_damped_equal_the_standard_form(device):
-    x = torch.randn(2, 20, 90, dtype=torch.float64, generator=torch.Generator().manual_seed(7)).to(device)
+    x = torch.randn(2, 20, 90, dtype=torch.float64, generator=torch.Generator().manual_seed(7)).to(
+        device
+    )
     x = x / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
     rows = O.coefficient_schedule("aol9", 6)
     torch.testing.assert_close(O.iterate_gram(x, rows), O.iterate(x, rows), atol=1e-10, rtol=0)
@@ -185,8 +230,9 @@ def test_aol9_singular_values_follow_the_scalar_polynomial(device):
     sched = O.coefficient_schedule("aol9", None)
     assert len(sched) == 4 and sched.precondition == "aol" and len(sched[3]) == 5
     expect = _scalar(_svals(_aol64(x)), sched).sort().values
-    torch.testing.assert_close(_svals(O.newton_schulz(x.to(device), "aol9", None)).sort().values, expect, atol=1e-9,
-                               rtol=0)
+    torch.testing.assert_close(
+        _svals(O.newton_schulz(x.to(device), "aol9", None)).sort().values, expect, atol=1e-9, rtol=0
+    )
 
 
 def test_aol9_scalar_band_and_more_steps_converge():
@@ -199,7 +245,11 @@ def test_aol9_scalar_band_and_more_steps_converge():
     top = _scalar(s, sched[:3]).max() * 1.005
     past = _scalar(torch.linspace(1.0, 1.07, 200, dtype=torch.float64) * top, sched[3:])
     assert past.min() >= 0.6 and past.max() <= 1.15 + 1e-9
-    assert 0.9 < _scalar(torch.tensor(1.0, dtype=torch.float64), O.coefficient_schedule("aol9", 4)) < 1.15
+    assert (
+        0.9
+        < _scalar(torch.tensor(1.0, dtype=torch.float64), O.coefficient_schedule("aol9", 4))
+        < 1.15
+    )
     eight = _scalar(s, O.coefficient_schedule("aol9", 8))
     assert (eight - 1).abs().max() < 1e-6
     # Slope at 0 (what lifts the tiny singular values of low-rank gradients): above torch's 3.4445**5.
@@ -217,10 +267,19 @@ def test_aol9_band_on_gaussian(device, dtype, shape):
 
 
 @settings(lane_examples, max_examples=25, deadline=None)
-@given(m=st.integers(1, 40), n=st.integers(1, 40), batch=st.integers(0, 2), seed=st.integers(0, 2**31 - 1),
-       scale=st.sampled_from([1e-3, 1.0, 1e3]))
-def test_aol9_any_shape_is_finite_bounded_and_transpose_equivariant(device, m, n, batch, seed, scale):
-    x = scale * torch.randn(*([batch] if batch else []), m, n, generator=torch.Generator().manual_seed(seed))
+@given(
+    m=st.integers(1, 40),
+    n=st.integers(1, 40),
+    batch=st.integers(0, 2),
+    seed=st.integers(0, 2**31 - 1),
+    scale=st.sampled_from([1e-3, 1.0, 1e3]),
+)
+def test_aol9_any_shape_is_finite_bounded_and_transpose_equivariant(
+    device, m, n, batch, seed, scale
+):
+    x = scale * torch.randn(
+        *([batch] if batch else []), m, n, generator=torch.Generator().manual_seed(seed)
+    )
     x = x.to(device)
     # Exact map: σ ≤ 1.142. bf16 rounding on tiny matrices (errors do not average out) reaches
     # 1.27 over 2,700 random 2×2 … 24×24 matrices (torch's quintic: 1.20).
@@ -230,8 +289,12 @@ def test_aol9_any_shape_is_finite_bounded_and_transpose_equivariant(device, m, n
         assert torch.linalg.matrix_norm(out.double().cpu(), ord=2).max() <= bound
     if m != n:  # AOL scales rows, so a square input and its transpose are scaled differently
         out = O.newton_schulz(x, "aol9", None, dtype=torch.float64)
-        torch.testing.assert_close(O.newton_schulz(x.mT, "aol9", None, dtype=torch.float64), out.mT,
-                                   atol=TOL[device.type]["aol9_transpose64"], rtol=0)
+        torch.testing.assert_close(
+            O.newton_schulz(x.mT, "aol9", None, dtype=torch.float64),
+            out.mT,
+            atol=TOL[device.type]["aol9_transpose64"],
+            rtol=0,
+        )
 
 
 def test_aol9_rank_one_direction_is_not_flipped(device):
@@ -252,7 +315,11 @@ def test_aol9_no_worse_than_torch_quintic_on_every_real_tiny_gradient(dtype):
     for name, g in zip(names, grads):
         ref = bench.orthogonality(g, torch_ortho(g))
         ours = bench.orthogonality(g, O.newton_schulz(g, "aol9", None, dtype=dtype))
-        assert ours["rms"] <= ref["rms"] and ours["signed_rms"] <= ref["signed_rms"] and ours["max"] <= 1.2, name
+        assert (
+            ours["rms"] <= ref["rms"]
+            and ours["signed_rms"] <= ref["signed_rms"]
+            and ours["max"] <= 1.2
+        ), name
 
 
 # ----------------------------------------------------------------------------- schedules
@@ -267,8 +334,11 @@ def test_default_steps_and_schedule_options():
     # A plain tuple of triples still runs (Frobenius, standard form).
     x = torch.randn(8, 20, dtype=torch.float64)
     torch.testing.assert_close(
-        O.orthogonalize_matrices(x, tuple(O.coefficient_schedule("quintic", 5)), dtype=torch.float64, eps=1e-7),
-        O.newton_schulz(x, "quintic", 5))
+        O.orthogonalize_matrices(
+            x, tuple(O.coefficient_schedule("quintic", 5)), dtype=torch.float64, eps=1e-7
+        ),
+        O.newton_schulz(x, "quintic", 5),
+    )
 
 
 def test_schedule_rejects_unknown_options():
@@ -288,7 +358,9 @@ def test_orthogonalize_batch_equals_per_matrix(device):
             outs = O.orthogonalize_batch(xs, sched, dtype=torch.float64, eps=1e-7, norm_scale=scale)
             assert outs.shape == (3, *shape) and outs.is_contiguous()
             for x, o in zip(xs, outs):
-                ref = O.orthogonalize_matrices(x, sched, dtype=torch.float64, eps=1e-7, norm_scale=scale)
+                ref = O.orthogonalize_matrices(
+                    x, sched, dtype=torch.float64, eps=1e-7, norm_scale=scale
+                )
                 torch.testing.assert_close(o, ref, atol=1e-12, rtol=0)
     with pytest.raises(ValueError, match="one shape"):
         O.orthogonalize_batch([xs[0], xs[0].mT.contiguous()], sched, dtype=torch.float64, eps=1e-7)

@@ -38,8 +38,13 @@ shapes = st.tuples(st.integers(2, 40), st.integers(2, 40))
 
 
 # ------------------------------------------------------------------------------ power iteration
-@given(shape=shapes, gap=st.floats(0.05, 0.8), cond=st.floats(1.0, 1e4), scale=st.floats(1e-3, 1e3),
-       seed=st.integers(0, 2**16))
+@given(
+    shape=shapes,
+    gap=st.floats(0.05, 0.8),
+    cond=st.floats(1.0, 1e4),
+    scale=st.floats(1e-3, 1e3),
+    seed=st.integers(0, 2**16),
+)
 def test_power_iteration_matches_matrix_norm(shape, gap, cond, scale, seed):
     m, n = shape
     k = min(m, n)
@@ -63,7 +68,9 @@ def test_compute_spectral_norm_matches_matrix_norm_without_gap(shape, scale, see
     g = torch.Generator().manual_seed(seed)
     W = torch.randn(*shape, generator=g) * scale  # Gaussian: σ₂/σ₁ can be close to 1
     expected = torch.linalg.matrix_norm(W.double(), ord=2)
-    torch.testing.assert_close(spectral.compute_spectral_norm(W).double(), expected, rtol=2e-5, atol=0)
+    torch.testing.assert_close(
+        spectral.compute_spectral_norm(W).double(), expected, rtol=2e-5, atol=0
+    )
 
 
 def test_spectral_norm_near_degenerate_top_and_batched():
@@ -130,15 +137,21 @@ def _flat_top(shape, top, seed, scale=1.0):
     """W with σ₁ = 1 falling linearly to σ₉ = ``top``, then to 0.05·top; and a warm block (3 power
     steps on a perturbed W, like last step's block in SSO)."""
     m, n = shape
-    s = torch.cat([torch.linspace(1.0, top, 9)[:-1], top * torch.linspace(1.0, 0.05, min(m, n) - 8)])
+    s = torch.cat(
+        [torch.linspace(1.0, top, 9)[:-1], top * torch.linspace(1.0, 0.05, min(m, n) - 8)]
+    )
     W = (_with_spectrum(m, n, s, seed) * scale).float()
     g = torch.Generator().manual_seed(seed)
     near = W + 0.01 * scale * torch.randn(m, n, generator=g) / math.sqrt(n)
     return W, spectral.subspace_iteration(near, 3, block=4, method="power")[3]
 
 
-@given(shape=st.sampled_from([(48, 48), (40, 96), (96, 40)]), top=st.floats(0.9, 0.99),
-       seed=st.integers(0, 2**16), scale=st.floats(1e-2, 1e2))
+@given(
+    shape=st.sampled_from([(48, 48), (40, 96), (96, 40)]),
+    top=st.floats(0.9, 0.99),
+    seed=st.integers(0, 2**16),
+    scale=st.floats(1e-2, 1e2),
+)
 def test_chebyshev_block_iteration_beats_power_on_a_flat_top(shape, top, seed, scale):
     """A flat top is where plain power steps stall; the Chebyshev filter damps everything below
     the block's smallest Ritz value and separates the top faster. Both give Ritz lower bounds."""
@@ -155,13 +168,18 @@ def test_chebyshev_block_iteration_beats_power_on_a_flat_top(shape, top, seed, s
 
 def test_chebyshev_block_iteration_example():
     W, V0 = _flat_top((48, 48), 0.9, 0)
-    power, cheb = (1 - float(spectral.subspace_iteration(W, 4, V0, method=m)[0]) for m in ("power", "chebyshev"))
+    power, cheb = (
+        1 - float(spectral.subspace_iteration(W, 4, V0, method=m)[0])
+        for m in ("power", "chebyshev")
+    )
     assert cheb <= 0.25 * power  # measured 4.1e-3 vs 2.5e-2
 
 
 def test_block_iteration_handles_zero_and_low_rank_matrices():
     for method in spectral.SUBSPACE_METHODS:
-        sigma, u, v, V = spectral.subspace_iteration(torch.zeros(2, 6, 5), 5, block=3, method=method)
+        sigma, u, v, V = spectral.subspace_iteration(
+            torch.zeros(2, 6, 5), 5, block=3, method=method
+        )
         assert torch.equal(sigma, torch.zeros(2)) and bool(torch.isfinite(V).all())
         x = torch.outer(torch.arange(1.0, 7.0), torch.ones(5))  # rank one, σ = √(91·5)
         sigma = spectral.subspace_iteration(x, 5, block=3, method=method)[0]
@@ -199,11 +217,19 @@ def test_products_and_block_iteration_are_batch_invariant(shape):
     W = torch.randn(4, *shape, generator=g)
     x, y = torch.randn(4, shape[1], generator=g), torch.randn(4, shape[0], generator=g)
     V0 = torch.randn(4, shape[1], min(3, *shape), generator=g)
-    full = (spectral.matvec(W, x), spectral.bilinear(y, W, x), spectral.matmul(W, x[..., None]),
-            *spectral.subspace_iteration(W, 3, V0))
+    full = (
+        spectral.matvec(W, x),
+        spectral.bilinear(y, W, x),
+        spectral.matmul(W, x[..., None]),
+        *spectral.subspace_iteration(W, 3, V0),
+    )
     for rows in ([0], [2, 0], [1, 2, 3]):
-        part = (spectral.matvec(W[rows], x[rows]), spectral.bilinear(y[rows], W[rows], x[rows]),
-                spectral.matmul(W[rows], x[rows, :, None]), *spectral.subspace_iteration(W[rows], 3, V0[rows]))
+        part = (
+            spectral.matvec(W[rows], x[rows]),
+            spectral.bilinear(y[rows], W[rows], x[rows]),
+            spectral.matmul(W[rows], x[rows, :, None]),
+            *spectral.subspace_iteration(W[rows], 3, V0[rows]),
+        )
         for a, b in zip(part, full):
             assert torch.equal(a, b[rows])
 
@@ -217,16 +243,26 @@ class TestMessages(expecttest.TestCase):
 
     def test_validation_messages(self):
         W = torch.zeros(3, 4)
-        self.assertExpectedInline(self._msg(lambda: spectral.power_iteration(W, -1)),
-                                  """Invalid steps: -1 (expected an integer >= 0)""")
-        self.assertExpectedInline(self._msg(lambda: spectral.subspace_iteration(W, 2, method="lanczos")),
-                                  """Invalid method: 'lanczos' (valid: 'chebyshev', 'power')""")
-        self.assertExpectedInline(self._msg(lambda: spectral.power_iteration(torch.zeros(3), 2)),
-                                  """power_iteration expects a matrix or a batch of matrices, got shape (3,)""")
-        self.assertExpectedInline(self._msg(lambda: spectral.power_iteration(W, 2, torch.ones(3))),
-                                  """Invalid v0: shape (3,) does not match W's 4 columns""")
-        self.assertExpectedInline(self._msg(lambda: spectral.target_radius((5,))),
-                                  """target_radius expects a matrix shape, got (5,)""")
+        self.assertExpectedInline(
+            self._msg(lambda: spectral.power_iteration(W, -1)),
+            """Invalid steps: -1 (expected an integer >= 0)""",
+        )
+        self.assertExpectedInline(
+            self._msg(lambda: spectral.subspace_iteration(W, 2, method="lanczos")),
+            """Invalid method: 'lanczos' (valid: 'chebyshev', 'power')""",
+        )
+        self.assertExpectedInline(
+            self._msg(lambda: spectral.power_iteration(torch.zeros(3), 2)),
+            """power_iteration expects a matrix or a batch of matrices, got shape (3,)""",
+        )
+        self.assertExpectedInline(
+            self._msg(lambda: spectral.power_iteration(W, 2, torch.ones(3))),
+            """Invalid v0: shape (3,) does not match W's 4 columns""",
+        )
+        self.assertExpectedInline(
+            self._msg(lambda: spectral.target_radius((5,))),
+            """target_radius expects a matrix shape, got (5,)""",
+        )
 
 
 @pytest.mark.parametrize("shape", [(1, 5), (5, 1), (1, 1), (3, 1, 5)])
@@ -236,9 +272,11 @@ def test_meta_shapes_of_one_row_or_column_matrices(shape):
     torch 2.10–2.11's meta ``vector_norm`` kept a reduced dim of size 1."""
     real = torch.randn(shape)
     meta = real.to("meta")
-    for fn in (lambda w: spectral.top_singular(w, squarings=3),
-               lambda w: spectral.subspace_iteration(w, 3, block=min(w.shape[-2:])),
-               spectral.compute_spectral_norm):
+    for fn in (
+        lambda w: spectral.top_singular(w, squarings=3),
+        lambda w: spectral.subspace_iteration(w, 3, block=min(w.shape[-2:])),
+        spectral.compute_spectral_norm,
+    ):
         out_real, out_meta = fn(real), fn(meta)
         out_real = out_real if isinstance(out_real, tuple) else (out_real,)
         out_meta = out_meta if isinstance(out_meta, tuple) else (out_meta,)

@@ -96,7 +96,9 @@ def test_one_step_matches_exact_reference(device, shape):
     W1, state = _step(tx, *_on(device, W, g), state)
     W_ref, buf_ref, lam_ref = _reference_step(W, g, torch.zeros_like(W), 0.02, 0.95, 2.0)
     torch.testing.assert_close(W1.double().cpu(), W_ref, rtol=0, atol=atol)
-    torch.testing.assert_close(state[0].mu[0].double().cpu(), buf_ref, rtol=0, atol=1e-7)  # elementwise
+    torch.testing.assert_close(
+        state[0].mu[0].double().cpu(), buf_ref, rtol=0, atol=1e-7
+    )  # elementwise
     assert float(state[1].lam[0]) == pytest.approx(lam_ref, abs=2e-4)
     assert not bool(state[1].fallback[0]) and float(state[1].residual[0]) <= 1e-6
     # A second step from the new state (warm v, warm λ) still matches the reference.
@@ -110,7 +112,9 @@ def test_retraction_is_exact_even_after_training(device):
     """A step at lr = 1e-30 (an update below fp32's resolution of W) is the retraction alone: W lands
     on the sphere, from a random W and, warm-started, after real steps moved it off."""
     gen = torch.Generator().manual_seed(0)
-    W = nn.Linear(96, 64).weight.detach().clone().to(device)  # σ₂/σ₁ ≈ 0.98: hard for cold power iteration
+    W = (
+        nn.Linear(96, 64).weight.detach().clone().to(device)
+    )  # σ₂/σ₁ ≈ 0.98: hard for cold power iteration
     lr = torch.tensor(1e-30, device=device)  # a 0-d lr on the parameters' device, updated in place
 
     def step_and_norm(W, state):
@@ -134,7 +138,9 @@ def test_retraction_is_exact_even_after_training(device):
 def test_update_is_tangent_to_the_sphere_and_muon_sphere_is_not(device):
     gen = torch.Generator().manual_seed(1)
     W = torch.randn(24, 40, generator=gen) / math.sqrt(40)
-    g = torch.randn(24, 40, generator=gen) + 3 * torch.outer(torch.randn(24, generator=gen), torch.randn(40, generator=gen))
+    g = torch.randn(24, 40, generator=gen) + 3 * torch.outer(
+        torch.randn(24, generator=gen), torch.randn(40, generator=gen)
+    )
     lr, R = 0.02, 2.0 * math.sqrt(24 / 40)
     U, S, Vh = torch.linalg.svd(W.double())  # exact, on the CPU
     theta = torch.outer(U[:, 0], Vh[0])
@@ -156,7 +162,9 @@ def test_update_is_tangent_to_the_sphere_and_muon_sphere_is_not(device):
     assert abs(tangent) <= 2e-4 + 1e-5 and float(st[1].residual[0]) <= 2e-4
     off, st0 = inner(muon_sphere=True)
     assert abs(off) > 10 * 2e-4
-    assert float(st0[1].lam[0]) == 0.0 and float(st0[1].residual[0]) == pytest.approx(abs(off), abs=1e-5)
+    assert float(st0[1].lam[0]) == 0.0 and float(st0[1].residual[0]) == pytest.approx(
+        abs(off), abs=1e-5
+    )
 
 
 @pytest.mark.parametrize("scale", [3.0, 0.2])  # σ(W) = 3R (above the sphere), 0.2R (below)
@@ -180,7 +188,9 @@ def test_dynamic_retraction_differs_from_hard_only_by_its_factor(device, scale):
     assert sigma == float(st_h[1].sigma[0]) and float(st_d[1].lam[0]) == float(st_h[1].lam[0])
     d = -1.0 if scale > 1 else 1.0
     expected = u_h[0].double() + ((1 + alpha * lr * d) - R / sigma) * W.double()
-    torch.testing.assert_close(u_d[0].double().cpu(), expected.cpu(), rtol=0, atol=1e-5)  # fp32 rounding of one formula
+    torch.testing.assert_close(
+        u_d[0].double().cpu(), expected.cpu(), rtol=0, atol=1e-5
+    )  # fp32 rounding of one formula
 
 
 @pytest.mark.parametrize("retract_mode", ["hard", "dynamic"])
@@ -208,7 +218,9 @@ def test_dynamic_retraction_approaches_the_sphere_geometrically():
     ratios = [4.0]
     for _ in range(45):
         W, state = _step(tx, W, torch.randn(24, 32, generator=gen), state)
-        assert float(state[1].sigma[0]) / R == pytest.approx(ratios[-1], rel=1e-4)  # σ before this step
+        assert float(state[1].sigma[0]) / R == pytest.approx(
+            ratios[-1], rel=1e-4
+        )  # σ before this step
         ratios.append(float(torch.linalg.matrix_norm(W.double(), ord=2)) / R)
     far = [(a, b) for a, b in zip(ratios, ratios[1:]) if a > 1.5]
     assert len(far) >= 15 and all(abs(b / a - (1 - alpha * lr)) <= 1e-3 for a, b in far)
@@ -221,7 +233,9 @@ def test_aol_msign_methods_stay_tangent(method):
     # still certifies the root. "aol9" has a degree-9 row, which the model's fit must accept.
     gen = torch.Generator().manual_seed(2)
     W = torch.randn(24, 40, generator=gen) / math.sqrt(40)
-    g = torch.randn(24, 40, generator=gen) + 3 * torch.outer(torch.randn(24, generator=gen), torch.randn(40, generator=gen))
+    g = torch.randn(24, 40, generator=gen) + 3 * torch.outer(
+        torch.randn(24, generator=gen), torch.randn(40, generator=gen)
+    )
     lr, R = 0.02, 2.0 * math.sqrt(24 / 40)
     U, S, Vh = torch.linalg.svd(W.double())
     tx = sso(lr, msign_method=method)
@@ -237,8 +251,12 @@ def test_lambda_model_takes_the_same_steps_with_fewer_msigns(device, shape):
     # to the solver tolerance (|Δλ| ≤ 2·tol/h' ⇒ ‖ΔΦ‖ small), every step is certified tangent.
     gen = torch.Generator().manual_seed(sum(shape) + 7)
     W0 = torch.randn(*shape, generator=gen) / math.sqrt(shape[1])
-    grads = [torch.randn(*shape, generator=gen) + 2 * torch.outer(torch.randn(shape[0], generator=gen),
-             torch.randn(shape[1], generator=gen)) for _ in range(4)]
+    grads = [
+        torch.randn(*shape, generator=gen)
+        + 2
+        * torch.outer(torch.randn(shape[0], generator=gen), torch.randn(shape[1], generator=gen))
+        for _ in range(4)
+    ]
     W0, *grads = _on(device, W0, *grads)
     runs = {}
     for use_model in (False, True):
@@ -249,8 +267,12 @@ def test_lambda_model_takes_the_same_steps_with_fewer_msigns(device, shape):
             msigns += int(state[1].iterations[0])
             assert float(state[1].residual[0]) <= 2e-4 and not bool(state[1].fallback[0])
         runs[use_model] = (W, state, msigns)
-    torch.testing.assert_close(runs[True][0].cpu(), runs[False][0].cpu(), rtol=0, atol=1e-4)  # the solver's tolerance
-    assert float(runs[True][1][1].lam[0]) == pytest.approx(float(runs[False][1][1].lam[0]), abs=1e-4)
+    torch.testing.assert_close(
+        runs[True][0].cpu(), runs[False][0].cpu(), rtol=0, atol=1e-4
+    )  # the solver's tolerance
+    assert float(runs[True][1][1].lam[0]) == pytest.approx(
+        float(runs[False][1][1].lam[0]), abs=1e-4
+    )
     assert runs[True][2] < runs[False][2]
     assert runs[True][2] <= 2 * len(grads)  # measured: 1 per step
 
@@ -289,15 +311,21 @@ def test_muon_sphere_equals_lambda_zero(device):
     sigma = torch.linalg.matrix_norm(W.double(), ord=2)
     phi0 = newton_schulz(m_hat, "polar_express", 8, dtype=torch.float32)
     expected = (R / sigma - 1) * W.double() - lr * R * phi0.double()
-    torch.testing.assert_close(u[0].double().cpu(), expected.cpu(), rtol=0, atol=TOL[device.type]["msign"])
+    torch.testing.assert_close(
+        u[0].double().cpu(), expected.cpu(), rtol=0, atol=TOL[device.type]["msign"]
+    )
     assert int(st[1].iterations[0]) == 1 and not bool(st[1].fallback[0])
 
 
 def test_batched_tree_none_grads_and_conv_kernels():
     gen = torch.Generator().manual_seed(3)
-    params = {"a": torch.randn(8, 12, generator=gen), "b": torch.randn(8, 12, generator=gen),
-              "t": torch.randn(12, 8, generator=gen), "conv": torch.randn(6, 2, 3, 3, generator=gen),
-              "skip": torch.randn(5, 5, generator=gen)}
+    params = {
+        "a": torch.randn(8, 12, generator=gen),
+        "b": torch.randn(8, 12, generator=gen),
+        "t": torch.randn(12, 8, generator=gen),
+        "conv": torch.randn(6, 2, 3, 3, generator=gen),
+        "skip": torch.randn(5, 5, generator=gen),
+    }
     grads = {k: torch.randn(p.shape, generator=gen) for k, p in params.items()}
     grads["skip"] = None
     tx = sso(0.02)
@@ -305,7 +333,10 @@ def test_batched_tree_none_grads_and_conv_kernels():
     u, new = tx.update(grads, state, params)
     assert u["skip"] is None
     assert new[0].mu["skip"] is state[0].mu["skip"] and new[1].v["skip"] is state[1].v["skip"]
-    assert u["conv"].shape == (6, 2, 3, 3) and new[1].v["conv"].shape == (18, 6)  # (in, min(16, out, in))
+    assert u["conv"].shape == (6, 2, 3, 3) and new[1].v["conv"].shape == (
+        18,
+        6,
+    )  # (in, min(16, out, in))
     for k in ("a", "b", "t", "conv"):  # batched (a, b share a shape; t is its transpose) = alone
         one = sso(0.02)
         u1, _ = one.update((grads[k],), one.init((params[k],)), (params[k],))
@@ -313,7 +344,13 @@ def test_batched_tree_none_grads_and_conv_kernels():
     R = 2.0 * math.sqrt(6 / 18)
     new_conv = (params["conv"] + u["conv"]).reshape(6, 18)
     assert float(torch.linalg.matrix_norm(new_conv, ord=2)) == pytest.approx(R, rel=0.03)
-    assert {k: int(c) for k, c in new[1].count.items()} == {"a": 1, "b": 1, "t": 1, "conv": 1, "skip": 0}
+    assert {k: int(c) for k, c in new[1].count.items()} == {
+        "a": 1,
+        "b": 1,
+        "t": 1,
+        "conv": 1,
+        "skip": 0,
+    }
 
 
 def test_large_groups_run_in_chunks_with_the_same_result(monkeypatch):
@@ -339,7 +376,9 @@ def test_large_groups_run_in_chunks_with_the_same_result(monkeypatch):
     chunked = run()
     torch.testing.assert_close(chunked[0], whole[0], rtol=0, atol=1e-6)
     for field in ("lam", "sigma", "iterations", "v"):
-        torch.testing.assert_close(getattr(chunked[1][1], field), getattr(whole[1][1], field), rtol=0, atol=1e-6)
+        torch.testing.assert_close(
+            getattr(chunked[1][1], field), getattr(whole[1][1], field), rtol=0, atol=1e-6
+        )
 
 
 def test_head_blocks_are_separate_spheres():
@@ -365,13 +404,18 @@ def test_head_blocks_are_separate_spheres():
     R = 2.0 * math.sqrt(d / (2 * d))
     for block in W.split(d):
         assert float(torch.linalg.matrix_norm(block.double(), ord=2)) == pytest.approx(R, rel=1e-5)
-    assert abs(float(torch.linalg.matrix_norm(W.double(), ord=2)) - 2.0 * math.sqrt(3 * d / (2 * d))) > 0.1
+    assert (
+        abs(float(torch.linalg.matrix_norm(W.double(), ord=2)) - 2.0 * math.sqrt(3 * d / (2 * d)))
+        > 0.1
+    )
 
 
 def test_optimizer_with_heads_trains_and_checkpoints():
     torch.manual_seed(7)
     qkv = nn.Linear(12, 36, bias=False)
-    opt = SpectralSphereOptimizer(qkv.named_parameters(), matrix_view={"weight": muon_fn.heads(rows=3)})
+    opt = SpectralSphereOptimizer(
+        qkv.named_parameters(), matrix_view={"weight": muon_fn.heads(rows=3)}
+    )
     X = torch.randn(10, 12)
     for _ in range(2):
         opt.zero_grad()
@@ -381,7 +425,9 @@ def test_optimizer_with_heads_trains_and_checkpoints():
     report = opt.last_step_stats()
     assert report.names == ["weight[0]", "weight[1]", "weight[2]"]
     assert report.sigma.shape == (3,) and int(report.fallbacks.sum()) == 0
-    opt2 = SpectralSphereOptimizer(qkv.named_parameters(), matrix_view={"weight": muon_fn.heads(rows=3)})
+    opt2 = SpectralSphereOptimizer(
+        qkv.named_parameters(), matrix_view={"weight": muon_fn.heads(rows=3)}
+    )
     opt2.load_state_dict(opt.state_dict())
     assert opt2.state[qkv.weight]["sso_iterations"].dtype == torch.int32
 
@@ -405,7 +451,8 @@ def test_optimizer_msign_method_reaches_the_transform():
     """``SpectralSphereOptimizer(msign_method=...)`` runs the same step as the transform with it
     (here Muon's default msign, aol9 in bf16, with a bf16-sized tolerance)."""
     stepped, expected, opt, st = _optimizer_and_transform(
-        8, msign_method="aol9", msign_steps=4, msign_dtype=torch.bfloat16, tol=5e-3)
+        8, msign_method="aol9", msign_steps=4, msign_dtype=torch.bfloat16, tol=5e-3
+    )
     torch.testing.assert_close(stepped, expected, rtol=0, atol=1e-6)
     stats = opt.last_step_stats()
     assert int(stats.iterations[0]) == int(st[1].iterations[0]) and float(stats.residual[0]) <= 5e-3
@@ -427,14 +474,18 @@ def test_lr_schedule_and_scale_modes():
     sigma = torch.linalg.matrix_norm(W, ord=2)
     R = math.sqrt(8 / 32)
     phi = -(u1[0] - (R / sigma - 1) * W) / (0.01 * math.sqrt(8 / 32))
-    assert float(torch.linalg.matrix_norm(phi, ord=2)) == pytest.approx(1.0, abs=0.02)  # s = √(out/in)
+    assert float(torch.linalg.matrix_norm(phi, ord=2)) == pytest.approx(
+        1.0, abs=0.02
+    )  # s = √(out/in)
     assert int(st[1].count[0]) == 1
 
 
 def test_state_structure():
     tx = sso()
     state = tx.init((torch.zeros(4, 6), torch.zeros(3, 2, 2)))
-    shapes = _tree.tree_map(lambda t: None if t is None else (tuple(t.shape), str(t.dtype)[6:]), state)
+    shapes = _tree.tree_map(
+        lambda t: None if t is None else (tuple(t.shape), str(t.dtype)[6:]), state
+    )
     momentum, sphere = shapes
     assert isinstance(state[0], muon_fn.MomentumState) and isinstance(state[1], SpectralSphereState)
     assert sphere.v == (((6, 4), "float32"), ((4, 3), "float32"))  # (in, min(16, out, in))
@@ -447,7 +498,9 @@ def test_state_structure():
 def _regression(seed=0, n=256, d_in=100, d_out=100):
     gen = torch.Generator().manual_seed(seed)
     X = torch.randn(n, d_in, generator=gen)
-    Y = X @ torch.randn(d_in, d_out, generator=gen) / math.sqrt(d_in) + 0.1 * torch.randn(n, d_out, generator=gen)
+    Y = X @ torch.randn(d_in, d_out, generator=gen) / math.sqrt(d_in) + 0.1 * torch.randn(
+        n, d_out, generator=gen
+    )
     return X, Y
 
 
@@ -464,7 +517,9 @@ def test_linear_100_stays_on_the_sphere_for_10_steps(device):
         loss.backward()
         opt.step()
         losses.append(float(loss))
-        devs.append(abs(float(torch.linalg.matrix_norm(lin.weight.detach().double().cpu(), ord=2)) / R - 1))
+        devs.append(
+            abs(float(torch.linalg.matrix_norm(lin.weight.detach().double().cpu(), ord=2)) / R - 1)
+        )
     assert max(devs) <= 0.10  # the plan's criterion
     assert max(devs) <= 0.02  # the provable bound lr·‖Φ‖₂/… for a retracted W
     assert max(devs) <= 5e-3  # what we observe (≤ 1.0e-3), with a margin
@@ -491,9 +546,16 @@ def test_optimizer_routes_biases_to_adamw_like_torch(device):
         opt.step()
         ref_opt.step()
         del ref_before
-    for r, p in zip(ref, (model[0].bias, model[2].bias)):  # the same gradients, elementwise: every device
+    for r, p in zip(
+        ref, (model[0].bias, model[2].bias)
+    ):  # the same gradients, elementwise: every device
         torch.testing.assert_close(p.detach().cpu(), r.detach().cpu(), rtol=0, atol=1e-6)
-    assert set(opt.state[model[0].weight]) >= {"momentum_buffer", "sso_v", "sso_lambda", "sso_sigma"}
+    assert set(opt.state[model[0].weight]) >= {
+        "momentum_buffer",
+        "sso_v",
+        "sso_lambda",
+        "sso_sigma",
+    }
     assert "exp_avg" in opt.state[model[0].bias] and "sso_v" not in opt.state[model[0].bias]
 
 
@@ -519,7 +581,11 @@ def test_state_dict_round_trip_continues_identically(device):
     opt_c.load_state_dict(opt_b.state_dict())
     for p in b.parameters():  # torch casts every state tensor to the param dtype; we restore them
         for key, value in opt_b.state[p].items():
-            assert opt_c.state[p][key].dtype == value.dtype, (key, opt_c.state[p][key].dtype, value.dtype)
+            assert opt_c.state[p][key].dtype == value.dtype, (
+                key,
+                opt_c.state[p][key].dtype,
+                value.dtype,
+            )
     train(a, opt_a, 2)
     train(b, opt_c, 2)
     for pa, pb in zip(a.parameters(), b.parameters()):
@@ -535,13 +601,18 @@ def test_bf16_params_keep_fp32_momentum_and_integer_stats_through_a_checkpoint(d
         opt.zero_grad()
         m(X).float().square().mean().backward()
         opt.step()
-    assert float(torch.linalg.matrix_norm(m.weight.float().cpu(), ord=2)) == pytest.approx(2 * math.sqrt(0.5), rel=1e-2)
+    assert float(torch.linalg.matrix_norm(m.weight.float().cpu(), ord=2)) == pytest.approx(
+        2 * math.sqrt(0.5), rel=1e-2
+    )
     opt2 = SpectralSphereOptimizer(m.parameters(), momentum_dtype=torch.float32)
     opt2.load_state_dict(opt.state_dict())
     st = opt2.state[m.weight]
     assert (st["momentum_buffer"].dtype, st["sso_v"].dtype) == (torch.float32, torch.float32)
     assert (st["sso_iterations"].dtype, st["sso_fallback"].dtype, st["sso_fallbacks"].dtype) == (
-        torch.int32, torch.bool, torch.int64)
+        torch.int32,
+        torch.bool,
+        torch.int64,
+    )
 
 
 def test_from_model_split_and_scheduler():
@@ -559,7 +630,12 @@ def test_from_model_split_and_scheduler():
     model = Tiny()
     opt = SpectralSphereOptimizer.from_model(model, lr=0.02, adamw_lr=1e-3)
     assert [n for n, _, _ in opt.split.muon] == ["hidden.weight"]
-    assert {n for n, _, _ in opt.split.adamw} == {"emb.weight", "hidden.bias", "head.weight", "head.bias"}
+    assert {n for n, _, _ in opt.split.adamw} == {
+        "emb.weight",
+        "hidden.bias",
+        "head.weight",
+        "head.bias",
+    }
     torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1e-30)  # sets lr → 2e-32: pure retraction
     x = torch.randint(0, 50, (4, 5))
     opt.zero_grad()
@@ -567,7 +643,9 @@ def test_from_model_split_and_scheduler():
     opt.step()
     assert opt.param_groups[0]["lr"] == pytest.approx(2e-32)
     R = 2.0
-    assert float(torch.linalg.matrix_norm(model.hidden.weight.detach().double(), ord=2)) == pytest.approx(R, rel=1e-5)
+    assert float(
+        torch.linalg.matrix_norm(model.hidden.weight.detach().double(), ord=2)
+    ) == pytest.approx(R, rel=1e-5)
     assert opt.last_step_stats().names == ["'hidden.weight'".strip("'")]
 
 
@@ -585,7 +663,10 @@ def test_sso_is_the_momentum_then_the_sphere():
     needs params, and so is the recipe."""
     params, grads = _two_shapes(20)
     tx = sso(0.03, 0.9, nesterov=False, radius_scale=1.5)
-    mom, sphere = muon_fn.momentum(0.9, nesterov=False, kind="ema"), spectral_sphere(0.03, radius_scale=1.5)
+    mom, sphere = (
+        muon_fn.momentum(0.9, nesterov=False, kind="ema"),
+        spectral_sphere(0.03, radius_scale=1.5),
+    )
     st, s_mom, s_sphere = tx.init(params), mom.init(params), sphere.init(params)
     for g in grads:
         u, st = tx.update(g, st, params)
@@ -604,12 +685,16 @@ def test_optimizer_is_the_recipe_applied_by_hand():
     ``partition({"sso": sso(...), "adamw": adamw(...)})`` applied to the whole tree by hand, with
     the optimizer's 0-d tensor hyperparameters."""
     torch.manual_seed(21)
-    model = nn.Sequential(nn.Linear(24, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+    model = nn.Sequential(
+        nn.Linear(24, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16)
+    )
     params = tuple(p.detach().clone() for p in model.parameters())
     opt = SpectralSphereOptimizer(model.parameters(), lr=0.02, adamw_lr=1e-3, bucket_size=1)
     lr, mu, adamw_lr = torch.tensor(0.02), torch.tensor(0.95), torch.tensor(1e-3)
-    tx = muon_fn.partition({"sso": sso(lr, mu), "adamw": muon_fn.adamw(adamw_lr, (0.9, 0.999), 1e-8, 0.0)},
-                           muon_fn.leafwise_labels(lambda p: "sso" if p.ndim >= 2 else "adamw"))
+    tx = muon_fn.partition(
+        {"sso": sso(lr, mu), "adamw": muon_fn.adamw(adamw_lr, (0.9, 0.999), 1e-8, 0.0)},
+        muon_fn.leafwise_labels(lambda p: "sso" if p.ndim >= 2 else "adamw"),
+    )
     state = tx.init(params)
     X = torch.randn(8, 24)
     for _ in range(3):
@@ -629,9 +714,16 @@ def test_optimizer_is_the_recipe_applied_by_hand():
             assert int(opt.state[p]["sso_count"]) == int(sphere_state.count[i]) == 3
 
 
-@pytest.mark.parametrize("shape,kw", [((24, 40), {}), ((40, 40), {"lambda_model": False}),
-                                      ((24, 16), {"direction": "spectral"}), ((256, 640), {})],
-                         ids=["model", "bracketing", "spectral", "krylov"])
+@pytest.mark.parametrize(
+    "shape,kw",
+    [
+        ((24, 40), {}),
+        ((40, 40), {"lambda_model": False}),
+        ((24, 16), {"direction": "spectral"}),
+        ((256, 640), {}),
+    ],
+    ids=["model", "bracketing", "spectral", "krylov"],
+)
 def test_a_matrix_update_does_not_depend_on_its_batch_mates(shape, kw, monkeypatch):
     """Matrix 0's updates and state over 3 steps are bit-identical (fp32) whether it is updated
     alone, with same-shape mates (first or last in the batch), or in chunks of other
@@ -642,9 +734,17 @@ def test_a_matrix_update_does_not_depend_on_its_batch_mates(shape, kw, monkeypat
     gen = torch.Generator().manual_seed(sum(shape))
     n = 3 if shape[0] >= 256 else 4
     params = [torch.randn(*shape, generator=gen) / math.sqrt(shape[1]) for _ in range(n)]
-    grads = [[torch.randn(*shape, generator=gen) * (1 + k) + k * torch.outer(
-        torch.randn(shape[0], generator=gen), torch.randn(shape[1], generator=gen)) for k in range(n)]
-        for _ in range(3)]
+    grads = [
+        [
+            torch.randn(*shape, generator=gen) * (1 + k)
+            + k
+            * torch.outer(
+                torch.randn(shape[0], generator=gen), torch.randn(shape[1], generator=gen)
+            )
+            for k in range(n)
+        ]
+        for _ in range(3)
+    ]
 
     def run(order):
         tx = sso(0.02, **kw)
@@ -654,14 +754,21 @@ def test_a_matrix_update_does_not_depend_on_its_batch_mates(shape, kw, monkeypat
         for g in grads:
             u, state = tx.update(tuple(g[i] for i in order), state, ps)
             ps = muon_fn.apply_updates(ps, u)
-            out += [u[order.index(0)], *(x[order.index(0)] for x in (state[1].v, state[1].lam,
-                                                                     state[1].iterations))]
+            out += [
+                u[order.index(0)],
+                *(x[order.index(0)] for x in (state[1].v, state[1].lam, state[1].iterations)),
+            ]
         return out
 
     alone = run([0])
     elements = shape[0] * shape[1]
-    for order, chunk in (([0, 1], None), (list(range(n))[::-1], None), ([1, 0, 2], 2 * elements),
-                         ([2, 1, 0], 2 * elements), (list(range(n)), elements)):
+    for order, chunk in (
+        ([0, 1], None),
+        (list(range(n))[::-1], None),
+        ([1, 0, 2], 2 * elements),
+        ([2, 1, 0], 2 * elements),
+        (list(range(n)), elements),
+    ):
         if chunk is not None:
             monkeypatch.setattr(_sso, "_CHUNK_ELEMENTS", chunk)
         for a, b in zip(run(order), alone):
@@ -673,7 +780,11 @@ def test_an_empty_parameter_gets_no_update_like_muon():
     """Zero-size matrices (no rows, or no columns) get a zero update and state of their shape, as
     under ``MuonOptimizer``; the others train as usual."""
     torch.manual_seed(22)
-    params = [nn.Parameter(torch.zeros(0, 5)), nn.Parameter(torch.zeros(4, 0, 3)), nn.Parameter(torch.randn(6, 5))]
+    params = [
+        nn.Parameter(torch.zeros(0, 5)),
+        nn.Parameter(torch.zeros(4, 0, 3)),
+        nn.Parameter(torch.randn(6, 5)),
+    ]
     opt = SpectralSphereOptimizer(params)
     muon = muon_fn.MuonOptimizer([nn.Parameter(p.detach().clone()) for p in params])
     for _ in range(2):
@@ -685,7 +796,10 @@ def test_an_empty_parameter_gets_no_update_like_muon():
     assert int(w0["sso_iterations"]) == 1 and int(w0["sso_count"]) == 2
     for p, q, v_shape in zip(params[:2], muon.param_groups[0]["params"][:2], [(5, 0), (0, 0)]):
         st = opt.state[p]
-        assert p.shape == q.shape and st["momentum_buffer"].shape == muon.state[q]["momentum_buffer"].shape
+        assert (
+            p.shape == q.shape
+            and st["momentum_buffer"].shape == muon.state[q]["momentum_buffer"].shape
+        )
         assert tuple(st["sso_v"].shape) == v_shape and int(st["sso_count"]) == 2
         assert int(st["sso_iterations"]) == 0 and float(st["sso_sigma"]) == 0.0
 
@@ -736,59 +850,110 @@ class TestMessages(expecttest.TestCase):
         return str(cm.exception)
 
     def test_transform_messages(self):
-        self.assertExpectedInline(self._msg(lambda: spectral_sphere(lr=-1.0)),
-                                  """Invalid lr: -1.0 (expected a finite value >= 0)""")
-        self.assertExpectedInline(self._msg(lambda: sso(momentum=1.0)),
-                                  """Invalid momentum: 1.0 (expected 0 <= momentum < 1)""")
-        self.assertExpectedInline(self._msg(lambda: spectral_sphere(radius_scale=0.0)),
-                                  """Invalid radius_scale: 0.0 (expected a finite value > 0)""")
-        self.assertExpectedInline(self._msg(lambda: spectral_sphere(power_steps=0)),
-                                  """Invalid power_steps: 0 (expected an integer >= 1)""")
-        self.assertExpectedInline(self._msg(lambda: spectral_sphere(scale_mode="adam")),
-                                  """Invalid scale_mode: 'adam' (valid: 'radius', 'keller', 'original', 'match_rms_adamw', 'spectral', 'legacy', 'none')""")
-        self.assertExpectedInline(self._msg(lambda: spectral_sphere(retract_mode="soft")),
-                                  """Invalid retract_mode: 'soft' (valid: 'hard', 'dynamic')""")
-        self.assertExpectedInline(self._msg(lambda: spectral_sphere(retract_alpha=0.0)),
-                                  """Invalid retract_alpha: 0.0 (expected a finite value > 0)""")
-        self.assertExpectedInline(self._msg(lambda: spectral_sphere(solver="secant")),
-                                  """Invalid solver: 'secant' (valid: 'bisection', 'illinois')""")
-        self.assertExpectedInline(self._msg(lambda: spectral_sphere(max_iterations=-1)),
-                                  """Invalid max_iterations: -1 (expected an integer >= 0)""")
-        self.assertExpectedInline(self._msg(lambda: spectral_sphere(model_steps=0)),
-                                  """Invalid model_steps: 0 (expected an integer >= 1)""")
-        self.assertExpectedInline(self._msg(lambda: spectral_sphere(direction="svd")),
-                                  """Invalid direction: 'svd' (valid: 'msign', 'spectral')""")
-        self.assertExpectedInline(self._msg(lambda: spectral_sphere(direction="spectral", lambda_model=False)),
-                                  """Invalid direction: 'spectral' computes Φ from the λ model; it needs lambda_model=True and muon_sphere=False""")
-        self.assertExpectedInline(self._msg(lambda: spectral_sphere(lambda_model="yes")),
-                                  """Invalid lambda_model: 'yes' (expected True or False)""")
+        self.assertExpectedInline(
+            self._msg(lambda: spectral_sphere(lr=-1.0)),
+            """Invalid lr: -1.0 (expected a finite value >= 0)""",
+        )
+        self.assertExpectedInline(
+            self._msg(lambda: sso(momentum=1.0)),
+            """Invalid momentum: 1.0 (expected 0 <= momentum < 1)""",
+        )
+        self.assertExpectedInline(
+            self._msg(lambda: spectral_sphere(radius_scale=0.0)),
+            """Invalid radius_scale: 0.0 (expected a finite value > 0)""",
+        )
+        self.assertExpectedInline(
+            self._msg(lambda: spectral_sphere(power_steps=0)),
+            """Invalid power_steps: 0 (expected an integer >= 1)""",
+        )
+        self.assertExpectedInline(
+            self._msg(lambda: spectral_sphere(scale_mode="adam")),
+            """Invalid scale_mode: 'adam' (valid: 'radius', 'keller', 'original', 'match_rms_adamw', 'spectral', 'legacy', 'none')""",
+        )
+        self.assertExpectedInline(
+            self._msg(lambda: spectral_sphere(retract_mode="soft")),
+            """Invalid retract_mode: 'soft' (valid: 'hard', 'dynamic')""",
+        )
+        self.assertExpectedInline(
+            self._msg(lambda: spectral_sphere(retract_alpha=0.0)),
+            """Invalid retract_alpha: 0.0 (expected a finite value > 0)""",
+        )
+        self.assertExpectedInline(
+            self._msg(lambda: spectral_sphere(solver="secant")),
+            """Invalid solver: 'secant' (valid: 'bisection', 'illinois')""",
+        )
+        self.assertExpectedInline(
+            self._msg(lambda: spectral_sphere(max_iterations=-1)),
+            """Invalid max_iterations: -1 (expected an integer >= 0)""",
+        )
+        self.assertExpectedInline(
+            self._msg(lambda: spectral_sphere(model_steps=0)),
+            """Invalid model_steps: 0 (expected an integer >= 1)""",
+        )
+        self.assertExpectedInline(
+            self._msg(lambda: spectral_sphere(direction="svd")),
+            """Invalid direction: 'svd' (valid: 'msign', 'spectral')""",
+        )
+        self.assertExpectedInline(
+            self._msg(lambda: spectral_sphere(direction="spectral", lambda_model=False)),
+            """Invalid direction: 'spectral' computes Φ from the λ model; it needs lambda_model=True and muon_sphere=False""",
+        )
+        self.assertExpectedInline(
+            self._msg(lambda: spectral_sphere(lambda_model="yes")),
+            """Invalid lambda_model: 'yes' (expected True or False)""",
+        )
         tx = sso()
-        self.assertExpectedInline(self._msg(lambda: tx.init((torch.zeros(3),))),
-                                  """spectral_sphere only supports matrices (ndim >= 2) whereas we found a leaf with size: (3,). Route 0-/1-D parameters (biases, norms) to another transform with muon_fn.partition, e.g. muon_fn.hybrid(...), or use muon_fn.MuonOptimizer / muon_fn.create_hybrid_optimizer, which do this for you.""")
+        self.assertExpectedInline(
+            self._msg(lambda: tx.init((torch.zeros(3),))),
+            """spectral_sphere only supports matrices (ndim >= 2) whereas we found a leaf with size: (3,). Route 0-/1-D parameters (biases, norms) to another transform with muon_fn.partition, e.g. muon_fn.hybrid(...), or use muon_fn.MuonOptimizer / muon_fn.create_hybrid_optimizer, which do this for you.""",
+        )
         W = torch.zeros(2, 2)
-        self.assertExpectedInline(self._msg(lambda: tx.update((W,), tx.init((W,)))),
-                                  """spectral_sphere needs params: call update(updates, state, params)""")
+        self.assertExpectedInline(
+            self._msg(lambda: tx.update((W,), tx.init((W,)))),
+            """spectral_sphere needs params: call update(updates, state, params)""",
+        )
 
     def test_optimizer_messages(self):
         p = [nn.Parameter(torch.zeros(3, 3))]
-        self.assertExpectedInline(self._msg(lambda: SpectralSphereOptimizer(p, lr=-0.1)),
-                                  """Invalid learning rate: -0.1""")
-        self.assertExpectedInline(self._msg(lambda: SpectralSphereOptimizer(p, solver="x")),
-                                  """Invalid solver: 'x' (valid: 'bisection', 'illinois')""")
-        self.assertExpectedInline(self._msg(lambda: SpectralSphereOptimizer(p, retract_mode="Hard")),
-                                  """Invalid retract_mode: 'Hard' (valid: 'hard', 'dynamic')""")
-        self.assertExpectedInline(self._msg(lambda: SpectralSphereOptimizer(p, retract_alpha=-1)),
-                                  """Invalid retract_alpha: -1 (expected a finite value > 0)""")
-        self.assertExpectedInline(self._msg(lambda: SpectralSphereOptimizer(p, lambda_model=1)),
-                                  """Invalid lambda_model: 1 (expected True or False)""")
-        self.assertExpectedInline(self._msg(lambda: SpectralSphereOptimizer(p, model_steps=0)),
-                                  """Invalid model_steps: 0 (expected an integer >= 1)""")
-        self.assertExpectedInline(self._msg(lambda: SpectralSphereOptimizer(p, msign_method="svd")),
-                                  """Invalid msign_method: 'svd' (valid: 'polar_express', 'quintic', 'you', 'cubic', 'aol', 'aol9', 'gram')""")
-        self.assertExpectedInline(self._msg(lambda: SpectralSphereOptimizer(p, algorithm="lion")),
-                                  """Invalid algorithm: 'lion' (valid: 'auto', 'sso', 'muon', 'adamw')""")
         self.assertExpectedInline(
-            self._msg(lambda: SpectralSphereOptimizer([nn.Parameter(torch.zeros(3))], algorithm="sso")),
-            """parameter #0 of shape (3,) is in an algorithm='sso' group, but SSO needs a matrix (ndim >= 2), got ndim 1; use algorithm='auto' or put it in an 'adamw' group""")
-        self.assertExpectedInline(self._msg(lambda: SpectralSphereOptimizer([])),
-                                  """optimizer got an empty parameter list""")
+            self._msg(lambda: SpectralSphereOptimizer(p, lr=-0.1)),
+            """Invalid learning rate: -0.1""",
+        )
+        self.assertExpectedInline(
+            self._msg(lambda: SpectralSphereOptimizer(p, solver="x")),
+            """Invalid solver: 'x' (valid: 'bisection', 'illinois')""",
+        )
+        self.assertExpectedInline(
+            self._msg(lambda: SpectralSphereOptimizer(p, retract_mode="Hard")),
+            """Invalid retract_mode: 'Hard' (valid: 'hard', 'dynamic')""",
+        )
+        self.assertExpectedInline(
+            self._msg(lambda: SpectralSphereOptimizer(p, retract_alpha=-1)),
+            """Invalid retract_alpha: -1 (expected a finite value > 0)""",
+        )
+        self.assertExpectedInline(
+            self._msg(lambda: SpectralSphereOptimizer(p, lambda_model=1)),
+            """Invalid lambda_model: 1 (expected True or False)""",
+        )
+        self.assertExpectedInline(
+            self._msg(lambda: SpectralSphereOptimizer(p, model_steps=0)),
+            """Invalid model_steps: 0 (expected an integer >= 1)""",
+        )
+        self.assertExpectedInline(
+            self._msg(lambda: SpectralSphereOptimizer(p, msign_method="svd")),
+            """Invalid msign_method: 'svd' (valid: 'polar_express', 'quintic', 'you', 'cubic', 'aol', 'aol9', 'gram')""",
+        )
+        self.assertExpectedInline(
+            self._msg(lambda: SpectralSphereOptimizer(p, algorithm="lion")),
+            """Invalid algorithm: 'lion' (valid: 'auto', 'sso', 'muon', 'adamw')""",
+        )
+        self.assertExpectedInline(
+            self._msg(
+                lambda: SpectralSphereOptimizer([nn.Parameter(torch.zeros(3))], algorithm="sso")
+            ),
+            """parameter #0 of shape (3,) is in an algorithm='sso' group, but SSO needs a matrix (ndim >= 2), got ndim 1; use algorithm='auto' or put it in an 'adamw' group""",
+        )
+        self.assertExpectedInline(
+            self._msg(lambda: SpectralSphereOptimizer([])),
+            """optimizer got an empty parameter list""",
+        )

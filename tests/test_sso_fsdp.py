@@ -72,8 +72,14 @@ def _set_grads(model, step):
         if isinstance(p, DTensor):
             mesh = p.device_mesh
             a, b = chunk_rows(g.shape[0], mesh.size(0))[mesh.get_local_rank(0)]
-            p.grad = DTensor.from_local(g[a:b].clone(), mesh, p.placements, run_check=False,
-                                        shape=p.shape, stride=p.stride())
+            p.grad = DTensor.from_local(
+                g[a:b].clone(),
+                mesh,
+                p.placements,
+                run_check=False,
+                shape=p.shape,
+                stride=p.stride(),
+            )
         else:
             p.grad = g
 
@@ -121,11 +127,15 @@ def _check_parity(strategy, rescale=None, cls=Net, views=None, heads=False, **ss
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, lam)
     ref_stats = ref.solver_stats()
-    return {"max_diff": max(diffs.values()), "diffs": diffs,
-            "ranks_agree": all(x == everyone[0] for x in everyone),
-            "lam": lam, "ref_lam": [float(x) for x in ref_stats.lam],
-            "iterations": [int(x) for x in stats.iterations.reshape(-1)],
-            "ref_iterations": [int(x) for x in ref_stats.iterations]}
+    return {
+        "max_diff": max(diffs.values()),
+        "diffs": diffs,
+        "ranks_agree": all(x == everyone[0] for x in everyone),
+        "lam": lam,
+        "ref_lam": [float(x) for x in ref_stats.lam],
+        "iterations": [int(x) for x in stats.iterations.reshape(-1)],
+        "ref_iterations": [int(x) for x in ref_stats.iterations],
+    }
 
 
 def _check_bytes():
@@ -139,7 +149,9 @@ def _check_bytes():
 
     w = dist.get_world_size()
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16, bias=False), nn.Linear(16, 8, bias=False), nn.Linear(8, 8, bias=False))
+    model = nn.Sequential(
+        nn.Linear(8, 16, bias=False), nn.Linear(16, 8, bias=False), nn.Linear(8, 8, bias=False)
+    )
     for layer in model:
         fully_shard(layer)
     fully_shard(model)
@@ -153,15 +165,18 @@ def _check_bytes():
     return {"mean_bytes": mean, "expected": expected}
 
 
-CHECKS = {"owner": lambda: _check_parity("owner"), "replicate": lambda: _check_parity("replicate"),
-          "bytes": _check_bytes,
-          # A head view on the three 12-row matrices: one sphere per 4-row block.
-          "owner_heads": lambda: _check_parity("owner", heads=True),
-          # The dynamic retraction (α·lr = 1 %): the owner runs the same transform.
-          "owner_dynamic": lambda: _check_parity("owner", retract_mode="dynamic", retract_alpha=0.5),
-          "owner_rescaled": lambda: _check_parity("owner", rescale=3.0),
-          # An expert stack: one sphere per expert; its per-expert state travels with its rows.
-          "owner_experts": lambda: _check_parity("owner", cls=Experts, views={"w_up": "experts"})}
+CHECKS = {
+    "owner": lambda: _check_parity("owner"),
+    "replicate": lambda: _check_parity("replicate"),
+    "bytes": _check_bytes,
+    # A head view on the three 12-row matrices: one sphere per 4-row block.
+    "owner_heads": lambda: _check_parity("owner", heads=True),
+    # The dynamic retraction (α·lr = 1 %): the owner runs the same transform.
+    "owner_dynamic": lambda: _check_parity("owner", retract_mode="dynamic", retract_alpha=0.5),
+    "owner_rescaled": lambda: _check_parity("owner", rescale=3.0),
+    # An expert stack: one sphere per expert; its per-expert state travels with its rows.
+    "owner_experts": lambda: _check_parity("owner", cls=Experts, views={"w_up": "experts"}),
+}
 
 
 def _worker(rank, w, port, out):
@@ -193,10 +208,19 @@ def _job(w):
     if w in _CACHE:
         return _CACHE[w]
     out = os.path.join(tempfile.mkdtemp(), f"sso_fsdp_{w}.json")
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, __file__, str(w), out, str(free_port())], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, text=True)
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    )
+    proc = subprocess.Popen(
+        [sys.executable, __file__, str(w), out, str(free_port())],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        text=True,
+    )
     try:
         log, _ = proc.communicate(timeout=JOB_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -208,8 +232,10 @@ def _job(w):
 
 
 @pytest.mark.parametrize("w", [2, 3, 4])
-@pytest.mark.parametrize("strategy", ["owner", "replicate", "owner_heads", "owner_dynamic", "owner_rescaled",
-                                      "owner_experts"])
+@pytest.mark.parametrize(
+    "strategy",
+    ["owner", "replicate", "owner_heads", "owner_dynamic", "owner_rescaled", "owner_experts"],
+)
 def test_fsdp_sso_matches_single_device(w, strategy):
     ranks = _job(w)
     assert isinstance(ranks, list), f"job failed:\n{ranks}"

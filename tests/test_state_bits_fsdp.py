@@ -18,8 +18,21 @@ import pytest
 import torch
 
 from _ranks import assert_check, job_runner, run_checks, run_ranks
-from test_fsdp import (JOB_TIMEOUT_S, Pair, assert_same, check_expert_stacks, check_parity, make, muon_kwargs,
-                       muon_single, on_rank0, reference, shard, train, two_iterations)
+from test_fsdp import (
+    JOB_TIMEOUT_S,
+    Pair,
+    assert_same,
+    check_expert_stacks,
+    check_parity,
+    make,
+    muon_kwargs,
+    muon_single,
+    on_rank0,
+    reference,
+    shard,
+    train,
+    two_iterations,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -30,8 +43,10 @@ BLOCK = 4
 def adamw_groups(m):
     """Two matrices and their biases on AdamW (quantized moments on row shards), the rest "auto"."""
     adam = [m.l1.weight, m.l2.weight]
-    return [{"params": [p for p in m.parameters() if all(p is not q for q in adam)]},
-            {"params": adam, "algorithm": "adamw", "lr": 1e-3, "weight_decay": 0.1}]
+    return [
+        {"params": [p for p in m.parameters() if all(p is not q for q in adam)]},
+        {"params": adam, "algorithm": "adamw", "lr": 1e-3, "weight_decay": 0.1},
+    ]
 
 
 def check_layout(w):
@@ -48,8 +63,16 @@ def check_layout(w):
         state = opt.state[p]
         assert sorted(state) == ["momentum_buffer_codes", "momentum_buffer_scales"], sorted(state)
         codes, scales = state["momentum_buffer_codes"], state["momentum_buffer_scales"]
-        assert isinstance(codes, DTensor) and codes.dtype == torch.int8 and tuple(codes.shape) == (10, 6)
-        assert isinstance(scales, DTensor) and scales.dtype == torch.float32 and tuple(scales.shape) == (10, 2)
+        assert (
+            isinstance(codes, DTensor)
+            and codes.dtype == torch.int8
+            and tuple(codes.shape) == (10, 6)
+        )
+        assert (
+            isinstance(scales, DTensor)
+            and scales.dtype == torch.float32
+            and tuple(scales.shape) == (10, 2)
+        )
         assert codes.placements == scales.placements == p.placements
         rows = p.to_local().shape[0]
         assert codes.to_local().shape[0] == scales.to_local().shape[0] == rows
@@ -61,16 +84,24 @@ def check_layout(w):
 
 def check_dcp_save(w, ckpt_dir):
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
 
     from muon_fn.fsdp import FSDPMuonOptimizer
 
     def run():
         model = shard(make())
-        opt = FSDPMuonOptimizer(model, adamw_groups(model), state_bits=8, beta2=0.9, **muon_kwargs())
+        opt = FSDPMuonOptimizer(
+            model, adamw_groups(model), state_bits=8, beta2=0.9, **muon_kwargs()
+        )
         train([(model, opt)], 2)
         osd = get_optimizer_state_dict(model, opt)
-        assert "momentum_buffer_codes" in osd["state"]["l3.weight"] and "exp_avg_sq_codes" in osd["state"]["l1.weight"]
+        assert (
+            "momentum_buffer_codes" in osd["state"]["l3.weight"]
+            and "exp_avg_sq_codes" in osd["state"]["l1.weight"]
+        )
         dcp.save({"model": get_model_state_dict(model), "optim": osd}, checkpoint_id=ckpt_dir)
 
     return run
@@ -79,8 +110,12 @@ def check_dcp_save(w, ckpt_dir):
 def check_dcp_load(w, ckpt_dir):
     """Load W=4's 8-bit checkpoint at W=2 and continue: 4 uninterrupted single-device steps."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                         set_model_state_dict, set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     from muon_fn.fsdp import FSDPMuonOptimizer
 
@@ -88,8 +123,13 @@ def check_dcp_load(w, ckpt_dir):
         if not os.path.isdir(ckpt_dir) or not os.listdir(ckpt_dir):
             raise AssertionError(f"no checkpoint in {ckpt_dir}: the W=4 job did not save one")
         model = shard(make(seed=123))
-        opt = FSDPMuonOptimizer(model, adamw_groups(model), state_bits=8, beta2=0.9, **muon_kwargs())
-        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+        opt = FSDPMuonOptimizer(
+            model, adamw_groups(model), state_bits=8, beta2=0.9, **muon_kwargs()
+        )
+        state = {
+            "model": get_model_state_dict(model),
+            "optim": get_optimizer_state_dict(model, opt),
+        }
         dcp.load(state, checkpoint_id=ckpt_dir)
         set_model_state_dict(model, state["model"])
         set_optimizer_state_dict(model, opt, state["optim"])
@@ -125,7 +165,10 @@ def check_convert(w):
             for p, q in zip(m8.parameters(), m32.parameters()):
                 p.to_local().copy_(q.to_local())
         opt8.load_state_dict(opt32.state_dict())
-        assert "momentum_buffer_codes" in opt8.state[m8.l3.weight] and opt8.param_groups[0]["state_bits"] == 8
+        assert (
+            "momentum_buffer_codes" in opt8.state[m8.l3.weight]
+            and opt8.param_groups[0]["state_bits"] == 8
+        )
         train([(m8, opt8)], 2, first=2)
         assert_same(m8, opt8, on_rank0(single), what=f"fp32 -> 8-bit W={w}: ")
 
@@ -160,9 +203,14 @@ def check_columns_refused(w):
     def run():
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         model = torch.nn.Linear(8, 6, bias=False)
-        model.weight = torch.nn.Parameter(distribute_tensor(model.weight.detach(), mesh, [Shard(1)]))
-        with pytest.raises(ValueError, match=r"'weight' has placements \(Shard\(dim=1\),\), which shard its "
-                                             r"columns, but its state 'momentum_buffer' is quantized"):
+        model.weight = torch.nn.Parameter(
+            distribute_tensor(model.weight.detach(), mesh, [Shard(1)])
+        )
+        with pytest.raises(
+            ValueError,
+            match=r"'weight' has placements \(Shard\(dim=1\),\), which shard its "
+            r"columns, but its state 'momentum_buffer' is quantized",
+        ):
             FSDPMuonOptimizer(model, state_bits=8, **muon_kwargs())
         FSDPMuonOptimizer(model, state_bits=16, **muon_kwargs())  # bf16: no blocks
 
@@ -177,16 +225,20 @@ def checks_for(w: int, ckpt_dir: str) -> dict:
         "parity_16bit": check_parity(w, state_bits=16),
         "parity_8bit_adamw": check_parity(w, groups=adamw_groups, state_bits=8),
         "parity_4bit_adamw": check_parity(w, groups=adamw_groups, state_bits=4),
-        f"parity_compiled_{compiled['backend']}": check_parity(w, Pair, compile=compiled, groups=two_iterations,
-                                                               state_bits=8),
+        f"parity_compiled_{compiled['backend']}": check_parity(
+            w, Pair, compile=compiled, groups=two_iterations, state_bits=8
+        ),
         "expert_stacks_8bit": check_expert_stacks(w, state_bits=8),
         "layout": check_layout(w),
         "convert_fp32_to_8bit": check_convert(w),
         "sso_8bit": check_sso(w),
         "columns_refused": check_columns_refused(w),
     }
-    checks.update({"dcp_save_w4": check_dcp_save(w, ckpt_dir)} if w == 4 else
-                  {f"dcp_load_w{w}": check_dcp_load(w, ckpt_dir)})
+    checks.update(
+        {"dcp_save_w4": check_dcp_save(w, ckpt_dir)}
+        if w == 4
+        else {f"dcp_load_w{w}": check_dcp_load(w, ckpt_dir)}
+    )
     return checks
 
 
@@ -206,10 +258,14 @@ def ckpt_dir():
 @pytest.fixture(scope="module")
 def results(ckpt_dir, tmp_path_factory):
     """Each world size's results, run on first use, W=4 first (it saves the checkpoint)."""
-    return job_runner(__file__, "state_bits", tmp_path_factory, JOB_TIMEOUT_S, args=[ckpt_dir], order=WORLD_SIZES)
+    return job_runner(
+        __file__, "state_bits", tmp_path_factory, JOB_TIMEOUT_S, args=[ckpt_dir], order=WORLD_SIZES
+    )
 
 
-@pytest.mark.parametrize("w, name", [(w, name) for w in WORLD_SIZES for name in checks_for(w, "/nonexistent")])
+@pytest.mark.parametrize(
+    "w, name", [(w, name) for w in WORLD_SIZES for name in checks_for(w, "/nonexistent")]
+)
 def test_state_bits_fsdp(results, w, name):
     assert_check(results(w), w, name)
 
@@ -219,6 +275,15 @@ if __name__ == "__main__":
         _worker(int(sys.argv[2]), int(sys.argv[1]), sys.argv[3], sys.argv[4])
         sys.stdout.flush()
         os._exit(0)
-    logs_dir = Path(tempfile.mkdtemp(prefix="muon_fn_state_bits_"))  # by hand: python tests/test_state_bits_fsdp.py W
-    print(run_ranks(__file__, int(sys.argv[1]), [str(logs_dir / "results.json"), str(logs_dir / "ckpt")], logs_dir,
-                    JOB_TIMEOUT_S))
+    logs_dir = Path(
+        tempfile.mkdtemp(prefix="muon_fn_state_bits_")
+    )  # by hand: python tests/test_state_bits_fsdp.py W
+    print(
+        run_ranks(
+            __file__,
+            int(sys.argv[1]),
+            [str(logs_dir / "results.json"), str(logs_dir / "ckpt")],
+            logs_dir,
+            JOB_TIMEOUT_S,
+        )
+    )

@@ -48,8 +48,15 @@ TOL = {
     "cuda": {"param": 2e-5, "momentum": 2e-6, "ns": 1e-5, "bf16": 6e-3, "bf16_moved": 10},
 }
 # torch.optim.Muon's settings spelled out (its defaults, except lr and a weight decay to see).
-TORCH_SETTINGS = dict(weight_decay=0.1, momentum=0.95, nesterov=True, ns_coefficients=KELLER, eps=1e-7,
-                      ns_steps=5, adjust_lr_fn=None)
+TORCH_SETTINGS = dict(
+    weight_decay=0.1,
+    momentum=0.95,
+    nesterov=True,
+    ns_coefficients=KELLER,
+    eps=1e-7,
+    ns_steps=5,
+    adjust_lr_fn=None,
+)
 
 
 class Net(nn.Module):
@@ -101,21 +108,31 @@ def train(model, opts, steps, start=0):
 
 
 def torch_pair(model, lr=0.02, **muon_kw):
-    return [torch.optim.Muon(mats(model), lr=lr, **{**TORCH_SETTINGS, **muon_kw}),
-            torch.optim.AdamW(vecs(model), lr=3e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)]
+    return [
+        torch.optim.Muon(mats(model), lr=lr, **{**TORCH_SETTINGS, **muon_kw}),
+        torch.optim.AdamW(vecs(model), lr=3e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01),
+    ]
 
 
 def muon_fn_auto(model, lr=0.02, **kw):
     """One algorithm="auto" group with the torch pair's settings (AdamW half included)."""
-    return mf.MuonOptimizer(model.parameters(), lr=lr, **{**TORCH_SETTINGS, "ns_dtype": torch.float32,
-                            "adamw_lr": 3e-3, "adamw_betas": (0.9, 0.999), "adamw_weight_decay": 0.01, **kw})
+    return mf.MuonOptimizer(
+        model.parameters(),
+        lr=lr,
+        **{
+            **TORCH_SETTINGS,
+            "ns_dtype": torch.float32,
+            "adamw_lr": 3e-3,
+            "adamw_betas": (0.9, 0.999),
+            "adamw_weight_decay": 0.01,
+            **kw,
+        },
+    )
 
 
 def assert_models_close(a, b, atol):
     for (n, p), q in zip(a.named_parameters(), b.parameters()):
         torch.testing.assert_close(q.detach().cpu(), p.detach().cpu(), atol=atol, rtol=0, msg=n)
-
-
 
 
 def assert_models_equal(a, b):
@@ -126,8 +143,11 @@ def assert_models_equal(a, b):
 def assert_state_on(opt, device):
     """Every state tensor of ``opt`` on ``device`` (a checkpoint read on the CPU was moved)."""
     for p, st in opt.state.items():
-        assert all(v.device == p.device and v.device.type == device.type
-                   for v in st.values() if isinstance(v, torch.Tensor)), {k: v.device for k, v in st.items()}
+        assert all(
+            v.device == p.device and v.device.type == device.type
+            for v in st.values()
+            if isinstance(v, torch.Tensor)
+        ), {k: v.device for k, v in st.items()}
 
 
 # --------------------------------------------------------------------------- keywords
@@ -160,9 +180,15 @@ def test_torch_keywords_reproduce_torch_muon_fp32(device, fp32_torch_muon, neste
     train(ours, [opt], 10)
     assert max((p - s).abs().max().item() for p, s in zip(mats(ref), start)) > 0.02  # it moved
     for p, q in zip(mats(ref), mats(ours)):
-        torch.testing.assert_close(q.detach().cpu(), p.detach().cpu(), atol=tol(device)["param"], rtol=0)
-        torch.testing.assert_close(opt.state[q]["momentum_buffer"].cpu(), topt.state[p]["momentum_buffer"].cpu(),
-                                   atol=tol(device)["momentum"], rtol=0)
+        torch.testing.assert_close(
+            q.detach().cpu(), p.detach().cpu(), atol=tol(device)["param"], rtol=0
+        )
+        torch.testing.assert_close(
+            opt.state[q]["momentum_buffer"].cpu(),
+            topt.state[p]["momentum_buffer"].cpu(),
+            atol=tol(device)["momentum"],
+            rtol=0,
+        )
 
 
 def test_torch_keywords_reproduce_torch_muon_bf16(device):
@@ -175,8 +201,12 @@ def test_torch_keywords_reproduce_torch_muon_bf16(device):
     train(ours, [opt], 5)
     diff = max((p - q).abs().max().item() for p, q in zip(mats(ref), mats(ours)))
     travelled = max((p - s).abs().max().item() for p, s in zip(mats(ref), start))
-    assert diff < tol(device)["bf16"], diff  # measured 3.2e-3 (1.8e-3 after one step) on 24-wide matrices
-    assert travelled > tol(device)["bf16_moved"] * diff, travelled  # measured 0.066: a wrong formula would show
+    assert diff < tol(device)["bf16"], (
+        diff
+    )  # measured 3.2e-3 (1.8e-3 after one step) on 24-wide matrices
+    assert travelled > tol(device)["bf16_moved"] * diff, (
+        travelled
+    )  # measured 0.066: a wrong formula would show
 
 
 def test_ns_coefficients_select_exactly_that_iteration(device, fp32_torch_muon):
@@ -210,14 +240,20 @@ def test_small_momenta_are_normalized_like_torch(device, scale):
     x = torch.randn(32, 64, generator=torch.Generator().manual_seed(1))
     x = (x * scale / x.norm()).to(device)
     ours = mf.orthogonalize(coefficients=KELLER, dtype=torch.float32).update({"w": x}, None)[0]["w"]
-    torch.testing.assert_close(ours.cpu(), ns_fp32_twin(x, KELLER, 5, 1e-7).cpu(), atol=tol(device)["ns"], rtol=0)
+    torch.testing.assert_close(
+        ours.cpu(), ns_fp32_twin(x, KELLER, 5, 1e-7).cpu(), atol=tol(device)["ns"], rtol=0
+    )
 
 
 def test_adjust_lr_fn_none_is_original(device):
     runs = []
     for rule in (None, "original", "keller"):
         model = make_net(device=device)
-        train(model, [mf.MuonOptimizer(model.parameters(), adjust_lr_fn=rule, ns_dtype=torch.float32)], 2)
+        train(
+            model,
+            [mf.MuonOptimizer(model.parameters(), adjust_lr_fn=rule, ns_dtype=torch.float32)],
+            2,
+        )
         runs.append(model)
     assert_models_equal(runs[0], runs[1])
     assert_models_equal(runs[0], runs[2])
@@ -227,7 +263,11 @@ def test_eps_is_the_newton_schulz_epsilon_and_normuon_eps_is_normuons(device):
     # ‖X‖ ≈ 8e-6: below eps=1e-4 the normalization clamps
     x = (torch.randn(8, 8, generator=torch.Generator().manual_seed(0)) * 1e-6).to(device)
     outs = {}
-    for name, kw in {"default": {}, "eps": {"eps": 1e-4}, "normuon_eps": {"normuon_eps": 1.0}}.items():
+    for name, kw in {
+        "default": {},
+        "eps": {"eps": 1e-4},
+        "normuon_eps": {"normuon_eps": 1.0},
+    }.items():
         p = nn.Parameter(torch.zeros(8, 8, device=device))
         opt = mf.MuonOptimizer([p], ns_dtype=torch.float32, **kw)
         p.grad = x.clone()
@@ -245,30 +285,56 @@ class TestRefusedKeywords(expecttest.TestCase):
 
     def test_old_ns_eps(self):
         lin = nn.Linear(4, 3)
-        self.assertExpectedInline(self.message(TypeError, lambda: mf.MuonOptimizer(lin.parameters(), ns_eps=1e-7)), """MuonOptimizer() got an unexpected keyword argument 'ns_eps': use eps: it is the Newton-Schulz epsilon, as in torch.optim.Muon (NorMuon's epsilon is normuon_eps)""")
+        self.assertExpectedInline(
+            self.message(TypeError, lambda: mf.MuonOptimizer(lin.parameters(), ns_eps=1e-7)),
+            """MuonOptimizer() got an unexpected keyword argument 'ns_eps': use eps: it is the Newton-Schulz epsilon, as in torch.optim.Muon (NorMuon's epsilon is normuon_eps)""",
+        )
 
     def test_torch_flags(self):
         """torch's implementation keywords: refused only where their meaning does not hold."""
         lin = nn.Linear(4, 3)
-        msgs = [self.message(ValueError, lambda: mf.MuonOptimizer(lin.parameters(), **{k: v}))
-                for k, v in (("capturable", True), ("differentiable", True), ("maximize", True), ("fused", "yes"))]
-        self.assertExpectedInline("\n".join(msgs), """\
+        msgs = [
+            self.message(ValueError, lambda: mf.MuonOptimizer(lin.parameters(), **{k: v}))
+            for k, v in (
+                ("capturable", True),
+                ("differentiable", True),
+                ("maximize", True),
+                ("fused", "yes"),
+            )
+        ]
+        self.assertExpectedInline(
+            "\n".join(msgs),
+            """\
 capturable=True is not supported: the step compiles its own graphs and cannot be captured in a user's CUDA graph; compile={'mode': 'reduce-overhead'} runs it as CUDA graphs
 differentiable=True is not supported: the step runs under torch.no_grad(); differentiating through it is not supported
 maximize=True is not supported: muon_fn optimizers minimize; to maximize f, minimize -f
-Invalid fused value: 'yes' (expected True, False or None)""")
+Invalid fused value: 'yes' (expected True, False or None)""",
+        )
 
     def test_ns_eps_in_a_param_group(self):
         lin = nn.Linear(4, 3)
-        self.assertExpectedInline(self.message(ValueError, lambda: mf.MuonOptimizer([{"params": lin.parameters(), "ns_eps": 1e-7}])), """Invalid param group key 'ns_eps' (this optimizer does not use it): use eps: it is the Newton-Schulz epsilon, as in torch.optim.Muon (NorMuon's epsilon is normuon_eps)""")
+        self.assertExpectedInline(
+            self.message(
+                ValueError, lambda: mf.MuonOptimizer([{"params": lin.parameters(), "ns_eps": 1e-7}])
+            ),
+            """Invalid param group key 'ns_eps' (this optimizer does not use it): use eps: it is the Newton-Schulz epsilon, as in torch.optim.Muon (NorMuon's epsilon is normuon_eps)""",
+        )
 
     def test_non_bool_nesterov(self):
         lin = nn.Linear(4, 3)
-        self.assertExpectedInline(self.message(TypeError, lambda: mf.MuonOptimizer(lin.parameters(), nesterov=1)), """Invalid nesterov: 1 (expected True or False)""")
+        self.assertExpectedInline(
+            self.message(TypeError, lambda: mf.MuonOptimizer(lin.parameters(), nesterov=1)),
+            """Invalid nesterov: 1 (expected True or False)""",
+        )
 
     def test_adjust_lr_fn_lists_none(self):
         lin = nn.Linear(4, 3)
-        self.assertExpectedInline(self.message(ValueError, lambda: mf.MuonOptimizer(lin.parameters(), adjust_lr_fn="arbitrary")), """Invalid adjust_lr_fn: 'arbitrary' (valid: None, 'keller', 'original', 'match_rms_adamw', 'spectral', 'legacy', 'none')""")
+        self.assertExpectedInline(
+            self.message(
+                ValueError, lambda: mf.MuonOptimizer(lin.parameters(), adjust_lr_fn="arbitrary")
+            ),
+            """Invalid adjust_lr_fn: 'arbitrary' (valid: None, 'keller', 'original', 'match_rms_adamw', 'spectral', 'legacy', 'none')""",
+        )
 
 
 # --------------------------------------------------------------------------- checkpoints: torch -> muon_fn
@@ -300,20 +366,32 @@ def test_torch_muon_and_adamw_checkpoint_converts(device, fp32_torch_muon, layou
     if layout == "hybrid":
         muon_names = ["fc1.weight", "fc2.weight"]
         named = dict(ref.named_parameters())
-        topts = [torch.optim.Muon([named[n] for n in muon_names], lr=0.02, **TORCH_SETTINGS),
-                 torch.optim.AdamW([p for n, p in named.items() if n not in muon_names], lr=3e-3,
-                                   betas=(0.9, 0.999), weight_decay=0.01)]
+        topts = [
+            torch.optim.Muon([named[n] for n in muon_names], lr=0.02, **TORCH_SETTINGS),
+            torch.optim.AdamW(
+                [p for n, p in named.items() if n not in muon_names],
+                lr=3e-3,
+                betas=(0.9, 0.999),
+                weight_decay=0.01,
+            ),
+        ]
     else:
         topts = torch_pair(ref)
     train(ref, topts, 3)
     ours = copy.deepcopy(ref)
     if layout == "hybrid":
-        opt = mf.create_hybrid_optimizer(ours, adamw_names=["fc3.weight"], ns_dtype=torch.float32)  # NorMuon: torch's rule loads
+        opt = mf.create_hybrid_optimizer(
+            ours, adamw_names=["fc3.weight"], ns_dtype=torch.float32
+        )  # NorMuon: torch's rule loads
     else:
         opt = mf.MuonOptimizer(ours.parameters(), ns_dtype=torch.float32)
-    sd = from_torch_state_dict(opt, read_on_cpu(topts[0].state_dict()), read_on_cpu(topts[1].state_dict()))
+    sd = from_torch_state_dict(
+        opt, read_on_cpu(topts[0].state_dict()), read_on_cpu(topts[1].state_dict())
+    )
     opt.load_state_dict(sd)
-    assert_state_on(opt, device)  # torch.optim.AdamW's steps are CPU tensors; muon_fn's live with the params
+    assert_state_on(
+        opt, device
+    )  # torch.optim.AdamW's steps are CPU tensors; muon_fn's live with the params
     train(ref, topts, 5, start=3)
     train(ours, [opt], 5, start=3)
     assert_models_close(ref, ours, atol=tol(device)["param"])
@@ -345,7 +423,9 @@ def test_muon_fn_checkpoint_converts_for_torch(device, fp32_torch_muon):
     topts = torch_pair(ref, lr=0.5)  # hyperparameters come from the checkpoint
     for o, sd in zip(topts, to_torch_state_dict(opt)):
         o.load_state_dict(read_on_cpu(sd))
-    assert topts[0].param_groups[0]["lr"] == 0.02 and topts[1].param_groups[0]["lr"] == pytest.approx(3e-3)
+    assert topts[0].param_groups[0]["lr"] == 0.02 and topts[1].param_groups[0][
+        "lr"
+    ] == pytest.approx(3e-3)
     for p, q in zip(mats(ours), mats(ref)):
         assert torch.equal(topts[0].state[q]["momentum_buffer"], opt.state[p]["momentum_buffer"])
     train(ours, [opt], 5, start=3)
@@ -357,22 +437,40 @@ def test_hybrid_without_decay_on_1d_converts_to_two_torch_adamw_groups(device, f
     """torch.optim.AdamW decays every parameter of a group, so the hybrid's AdamW group (the head
     fc3.weight decays, the biases and norm do not) becomes two torch groups, and back."""
     ours = make_net(device=device)
-    opt = mf.create_hybrid_optimizer(ours, adamw_names=["fc3.weight"], adamw_weight_decay=0.1,
-                                     ns_dtype=torch.float32, beta2=None, compile=False)
+    opt = mf.create_hybrid_optimizer(
+        ours,
+        adamw_names=["fc3.weight"],
+        adamw_weight_decay=0.1,
+        ns_dtype=torch.float32,
+        beta2=None,
+        compile=False,
+    )
     train(ours, [opt], 3)
     muon_sd, adamw_sd = to_torch_state_dict(opt)
-    assert [(g["weight_decay"], len(g["params"])) for g in adamw_sd["param_groups"]] == [(0.1, 1), (0.0, 5)]
+    assert [(g["weight_decay"], len(g["params"])) for g in adamw_sd["param_groups"]] == [
+        (0.1, 1),
+        (0.0, 5),
+    ]
     assert adamw_sd["param_groups"][0]["param_names"] == ["fc3.weight"]
     ref = copy.deepcopy(ours)
     named = dict(ref.named_parameters())
     rest = [p for n, p in named.items() if n not in ("fc1.weight", "fc2.weight", "fc3.weight")]
-    topts = [torch.optim.Muon([named["fc1.weight"], named["fc2.weight"]], lr=0.5),
-             torch.optim.AdamW([{"params": [named["fc3.weight"]]}, {"params": rest}], lr=0.5)]
+    topts = [
+        torch.optim.Muon([named["fc1.weight"], named["fc2.weight"]], lr=0.5),
+        torch.optim.AdamW([{"params": [named["fc3.weight"]]}, {"params": rest}], lr=0.5),
+    ]
     for o, sd in zip(topts, (muon_sd, adamw_sd)):
         o.load_state_dict(read_on_cpu(sd))
     again = copy.deepcopy(ours)
-    opt2 = mf.create_hybrid_optimizer(again, adamw_names=["fc3.weight"], adamw_weight_decay=0.3,
-                                      adamw_decay_1d=True, ns_dtype=torch.float32, beta2=None, compile=False)
+    opt2 = mf.create_hybrid_optimizer(
+        again,
+        adamw_names=["fc3.weight"],
+        adamw_weight_decay=0.3,
+        adamw_decay_1d=True,
+        ns_dtype=torch.float32,
+        beta2=None,
+        compile=False,
+    )
     opt2.load_state_dict(from_torch_state_dict(opt2, *map(read_on_cpu, (muon_sd, adamw_sd))))
     adamw_group = opt2.param_groups[1]
     assert adamw_group["weight_decay"] == 0.1 and adamw_group["adamw_decay_1d"] is False
@@ -458,12 +556,19 @@ def test_a_checkpoint_lacking_keys_muon_fn_adds_keeps_this_optimizers_values():
         warnings.simplefilter("always")
         other.load_state_dict(sd)
     told = [str(w.message) for w in caught if "lack keys" in str(w.message)]
-    assert told == ["MuonOptimizer.load_state_dict: the state_dict's param groups lack keys that muon_fn adds "
-                    "to torch.optim.Muon's; they keep this optimizer's values: group 0: base_lr=0.03; group 0: "
-                    "ns_stepsize=0.9"], told
+    assert told == [
+        "MuonOptimizer.load_state_dict: the state_dict's param groups lack keys that muon_fn adds "
+        "to torch.optim.Muon's; they keep this optimizer's values: group 0: base_lr=0.03; group 0: "
+        "ns_stepsize=0.9"
+    ], told
     assert caught[[str(w.message) for w in caught].index(told[0])].filename == __file__
     group = other.param_groups[0]
-    assert (group["base_lr"], group["ns_stepsize"], group["lr"], group["weight_decay"]) == (0.03, 0.9, 0.01, 0.1)
+    assert (group["base_lr"], group["ns_stepsize"], group["lr"], group["weight_decay"]) == (
+        0.03,
+        0.9,
+        0.01,
+        0.1,
+    )
     sd = opt.state_dict()
     del sd["param_groups"][0]["momentum"]
     with pytest.raises(ValueError, match=r"lacks this optimizer's hyperparameters \['momentum'\]"):
@@ -472,8 +577,10 @@ def test_a_checkpoint_lacking_keys_muon_fn_adds_keeps_this_optimizers_values():
 
 # --------------------------------------------------------------------------- conversion errors
 def _state_of(opt):
-    return ([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
-            {id(p): {k: v.clone() for k, v in st.items()} for p, st in opt.state.items()})
+    return (
+        [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+        {id(p): {k: v.clone() for k, v in st.items()} for p, st in opt.state.items()},
+    )
 
 
 class TestConversionErrors(expecttest.TestCase):
@@ -483,13 +590,21 @@ class TestConversionErrors(expecttest.TestCase):
         return str(ctx.exception)
 
     def test_other_methods_are_not_torchs(self):
-        opt = mf.MuonOptimizer(make_net().parameters(), beta2=0.9, momentum_kind="sgd", method="polar_express")
-        self.assertExpectedInline(self.message(ValueError, lambda: to_torch_state_dict(opt)), """param group 0 cannot be written as torch.optim.Muon: method='polar_express' (torch.optim.Muon runs one quintic: pass ns_coefficients=(a, b, c) or method='quintic'); momentum_kind='sgd' (torch.optim.Muon's is 'ema'); beta2=0.9 (torch.optim.Muon's is None)""")
+        opt = mf.MuonOptimizer(
+            make_net().parameters(), beta2=0.9, momentum_kind="sgd", method="polar_express"
+        )
+        self.assertExpectedInline(
+            self.message(ValueError, lambda: to_torch_state_dict(opt)),
+            """param group 0 cannot be written as torch.optim.Muon: method='polar_express' (torch.optim.Muon runs one quintic: pass ns_coefficients=(a, b, c) or method='quintic'); momentum_kind='sgd' (torch.optim.Muon's is 'ema'); beta2=0.9 (torch.optim.Muon's is None)""",
+        )
 
     def test_conv_weight(self):
         model = nn.Sequential(nn.Conv2d(2, 4, 3))
         opt = mf.MuonOptimizer(model.named_parameters(), **TORCH_SETTINGS)
-        self.assertExpectedInline(self.message(ValueError, lambda: to_torch_state_dict(opt)), """parameter '0.weight' has shape (4, 2, 3, 3): torch.optim.Muon takes 2-D parameters only""")
+        self.assertExpectedInline(
+            self.message(ValueError, lambda: to_torch_state_dict(opt)),
+            """parameter '0.weight' has shape (4, 2, 3, 3): torch.optim.Muon takes 2-D parameters only""",
+        )
 
     def test_parameter_count_mismatch_changes_nothing(self):
         model = make_net()
@@ -497,7 +612,10 @@ class TestConversionErrors(expecttest.TestCase):
         opt = mf.MuonOptimizer(mats(model))
         train(model, [opt], 1)
         before = _state_of(opt)
-        self.assertExpectedInline(self.message(ValueError, lambda: opt.load_state_dict(topt.state_dict())), """the torch.optim.Muon state_dict has 2 parameters, but this optimizer has 3 Muon parameters (its Muon parameters, in order, are the torch.optim.Muon's)""")
+        self.assertExpectedInline(
+            self.message(ValueError, lambda: opt.load_state_dict(topt.state_dict())),
+            """the torch.optim.Muon state_dict has 2 parameters, but this optimizer has 3 Muon parameters (its Muon parameters, in order, are the torch.optim.Muon's)""",
+        )
         after = _state_of(opt)
         self.assertEqual(before[0], after[0])
         for key, st in before[1].items():
@@ -509,7 +627,10 @@ class TestConversionErrors(expecttest.TestCase):
         muon_sd = torch.optim.Muon(mats(model)).state_dict()
         adamw_sd = torch.optim.AdamW(vecs(model), amsgrad=True).state_dict()
         opt = mf.MuonOptimizer(model.parameters())
-        self.assertExpectedInline(self.message(ValueError, lambda: from_torch_state_dict(opt, muon_sd, adamw_sd)), """the torch.optim.AdamW state_dict's param group 0 has amsgrad=True, which muon_fn's AdamW does not offer""")
+        self.assertExpectedInline(
+            self.message(ValueError, lambda: from_torch_state_dict(opt, muon_sd, adamw_sd)),
+            """the torch.optim.AdamW state_dict's param group 0 has amsgrad=True, which muon_fn's AdamW does not offer""",
+        )
 
     def test_adamw_schedule_not_following_muons(self):
         model = make_net()
@@ -517,8 +638,16 @@ class TestConversionErrors(expecttest.TestCase):
         adamw = torch.optim.AdamW(vecs(model), lr=1e-3)
         adamw.param_groups[0]["initial_lr"] = 2e-3  # halved by a scheduler Muon did not follow
         opt = mf.MuonOptimizer(model.parameters())
-        self.assertExpectedInline(self.message(ValueError, lambda: from_torch_state_dict(opt, muon_sd, adamw.state_dict())), """param group 0 (algorithm='auto') runs AdamW at adamw_lr*lr/base_lr = 0.002, but torch.optim.AdamW's lr is 0.001: its schedule did not follow Muon's; use separate 'muon' and 'adamw' groups (muon_fn.create_hybrid_optimizer)""")
+        self.assertExpectedInline(
+            self.message(
+                ValueError, lambda: from_torch_state_dict(opt, muon_sd, adamw.state_dict())
+            ),
+            """param group 0 (algorithm='auto') runs AdamW at adamw_lr*lr/base_lr = 0.002, but torch.optim.AdamW's lr is 0.001: its schedule did not follow Muon's; use separate 'muon' and 'adamw' groups (muon_fn.create_hybrid_optimizer)""",
+        )
 
     def test_not_a_muon_optimizer(self):
         opt = mf.SpectralSphereOptimizer(make_net().parameters())
-        self.assertExpectedInline(self.message(TypeError, lambda: to_torch_state_dict(opt)), """expected a muon_fn.MuonOptimizer (or a hybrid built on it), got SpectralSphereOptimizer""")
+        self.assertExpectedInline(
+            self.message(TypeError, lambda: to_torch_state_dict(opt)),
+            """expected a muon_fn.MuonOptimizer (or a hybrid built on it), got SpectralSphereOptimizer""",
+        )

@@ -37,8 +37,12 @@ class Block(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.attention_norm = nn.LayerNorm(8)
-        self.attention = nn.ModuleDict({"wq": nn.Linear(8, 8, bias=False), "wo": nn.Linear(8, 8, bias=False)})
-        self.feed_forward = nn.ModuleDict({"w1": nn.Linear(8, 12, bias=False), "w2": nn.Linear(12, 8, bias=False)})
+        self.attention = nn.ModuleDict(
+            {"wq": nn.Linear(8, 8, bias=False), "wo": nn.Linear(8, 8, bias=False)}
+        )
+        self.feed_forward = nn.ModuleDict(
+            {"w1": nn.Linear(8, 12, bias=False), "w2": nn.Linear(12, 8, bias=False)}
+        )
 
 
 class Titan(nn.Module):
@@ -62,8 +66,10 @@ def shard(model: Titan, mesh=None) -> Titan:
 
 
 GROUPS = [
-    {"pattern": r"^(tok_embeddings|output)\.", "optimizer_kwargs": {"algorithm": "adamw", "lr": 3e-3,
-                                                                    "weight_decay": 0.1}},
+    {
+        "pattern": r"^(tok_embeddings|output)\.",
+        "optimizer_kwargs": {"algorithm": "adamw", "lr": 3e-3, "weight_decay": 0.1},
+    },
     {"pattern": r".*", "optimizer_kwargs": {"lr": 0.02, "weight_decay": 0.01, "adamw_lr": 3e-3}},
 ]
 
@@ -75,7 +81,8 @@ def container(model: nn.Module, compile: bool = False):
 
     config = MuonOptimizersContainer.Config(
         param_groups=[ParamGroupConfig(optimizer_name="MuonOptimizer", **g) for g in GROUPS],
-        optimizer_factory_kwargs_by_name={"MuonOptimizer": {"compile": compile}})
+        optimizer_factory_kwargs_by_name={"MuonOptimizer": {"compile": compile}},
+    )
     return config.build(model_parts=[model])
 
 
@@ -88,7 +95,11 @@ def single(device: str = "cpu", compile: bool = False):
     def build():
         model, claimed, groups = make(Titan).to(device), set(), []
         for g in GROUPS:
-            named = [(n, p) for n, p in model.named_parameters() if n not in claimed and re.search(g["pattern"], n)]
+            named = [
+                (n, p)
+                for n, p in model.named_parameters()
+                if n not in claimed and re.search(g["pattern"], n)
+            ]
             claimed |= {n for n, _ in named}
             groups.append({"params": [p for _, p in named], **g["optimizer_kwargs"]})
         return model, mf.MuonOptimizer(groups, compile=compile)
@@ -100,8 +111,14 @@ def set_grads(model: nn.Module, step: int) -> None:
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     for i, p in enumerate(model.parameters()):
-        g = torch.randn(tuple(p.shape), generator=torch.Generator().manual_seed(1000 * step + i)).to(p.device)
-        p.grad = distribute_tensor(g, p.device_mesh, p.placements, src_data_rank=None) if isinstance(p, DTensor) else g
+        g = torch.randn(
+            tuple(p.shape), generator=torch.Generator().manual_seed(1000 * step + i)
+        ).to(p.device)
+        p.grad = (
+            distribute_tensor(g, p.device_mesh, p.placements, src_data_rank=None)
+            if isinstance(p, DTensor)
+            else g
+        )
 
 
 def train(model, opt, steps: int, first: int = 0) -> None:
@@ -137,7 +154,9 @@ def check_container(tmp: Path):
         train(model, box, 2)
         assert_same(model, opt, reference(2), what="torchtitan container, 2 steps: ")
         where = str(tmp / "titan")
-        dcp.save({"model": get_model_state_dict(model), "optim": box.state_dict()}, checkpoint_id=where)
+        dcp.save(
+            {"model": get_model_state_dict(model), "optim": box.state_dict()}, checkpoint_id=where
+        )
         dist.barrier()
         fresh = shard(make(Titan, seed=1))
         again = container(fresh)
@@ -146,7 +165,9 @@ def check_container(tmp: Path):
         set_model_state_dict(fresh, state["model"])
         again.load_state_dict(state["optim"])
         train(fresh, again, 1, first=2)
-        assert_same(fresh, again.optimizers[0], reference(STEPS), what="torchtitan container, resumed: ")
+        assert_same(
+            fresh, again.optimizers[0], reference(STEPS), what="torchtitan container, resumed: "
+        )
         return {"keys": len(state["optim"])}
 
     return run
@@ -191,7 +212,10 @@ def test_container_on_one_rank(one_rank, device, tmp_path):  # noqa: F811
     model = shard(make(Titan).to(device), one_rank)
     box = container(model, compiled)
     train(model, box, 2)
-    dcp.save({"model": get_model_state_dict(model), "optim": box.state_dict()}, checkpoint_id=str(tmp_path / "ck"))
+    dcp.save(
+        {"model": get_model_state_dict(model), "optim": box.state_dict()},
+        checkpoint_id=str(tmp_path / "ck"),
+    )
     fresh = shard(make(Titan, seed=1).to(device), one_rank)
     again = container(fresh, compiled)
     state = {"model": get_model_state_dict(fresh), "optim": again.state_dict()}
@@ -217,12 +241,14 @@ def llama3_debugmodel(device: str | torch.device = "cpu") -> nn.Module:
 
     needs_torchtitan()
     if importlib.util.find_spec("triton") is None and KERNELS not in sys.modules:
+
         def missing(name: str):
             if name.startswith("__"):
                 raise AttributeError(name)
 
             def kernel(*args, **kwargs):
                 raise RuntimeError(f"{KERNELS}.{name} needs triton")
+
             return kernel
 
         stub = types.ModuleType(KERNELS)
@@ -243,9 +269,13 @@ def titan_config(*groups: tuple[str, dict], verbose: bool = False):
     from muon_fn.integrations.torchtitan import MuonOptimizersContainer
 
     return MuonOptimizersContainer.Config(
-        param_groups=[ParamGroupConfig(pattern=p, optimizer_name="MuonOptimizer", optimizer_kwargs=kw)
-                      for p, kw in groups],
-        optimizer_factory_kwargs_by_name={"MuonOptimizer": {"compile": False}}, verbose=verbose)
+        param_groups=[
+            ParamGroupConfig(pattern=p, optimizer_name="MuonOptimizer", optimizer_kwargs=kw)
+            for p, kw in groups
+        ],
+        optimizer_factory_kwargs_by_name={"MuonOptimizer": {"compile": False}},
+        verbose=verbose,
+    )
 
 
 def test_llama3_roles(capsys):
@@ -266,24 +296,39 @@ def test_llama3_roles(capsys):
     (opt,) = box.optimizers
     auto, twin = opt.param_groups
     assert auto["algorithm"] == "auto"
-    assert auto["param_names"] == [n for n in names if n not in ("tok_embeddings.weight", "lm_head.weight")]
-    assert twin["algorithm"] == "adamw" and twin["param_names"] == ["tok_embeddings.weight", "lm_head.weight"]
+    assert auto["param_names"] == [
+        n for n in names if n not in ("tok_embeddings.weight", "lm_head.weight")
+    ]
+    assert twin["algorithm"] == "adamw" and twin["param_names"] == [
+        "tok_embeddings.weight",
+        "lm_head.weight",
+    ]
     assert (twin["lr"], twin["weight_decay"], twin["base_lr"]) == (3e-4, 0.1, 3e-4)
     assert (auto["lr"], auto["weight_decay"]) == (0.02, 0.01)
     (split,) = box.splits
     rows = {n: r for n, _, r in split.adamw}
     assert sorted(n for n, _, _ in split.muon) == sorted(matrices)
-    assert rows == {"tok_embeddings.weight": "embedding", "lm_head.weight": "output head", **{n: "1-D" for n in norms}}
+    assert rows == {
+        "tok_embeddings.weight": "embedding",
+        "lm_head.weight": "output head",
+        **{n: "1-D" for n in norms},
+    }
     hybrid = mf.create_hybrid_optimizer(model, compile=False).split
     assert sorted(split.muon) == sorted(hybrid.muon) and sorted(split.adamw) == sorted(hybrid.adamw)
-    assert printed == f"{split}\n" and "lm_head.weight" in printed and str(split).startswith("Muon: 30 tensors")
+    assert (
+        printed == f"{split}\n"
+        and "lm_head.weight" in printed
+        and str(split).startswith("Muon: 30 tensors")
+    )
     head = names["lm_head.weight"]
     before = head.detach().clone()
     for p in model.parameters():
         p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()))
     box.step()
     step = before * (1 - 3e-4 * 0.1) - head.detach()  # AdamW's first step: lr·g / (|g| + eps)
-    torch.testing.assert_close(step, 3e-4 * head.grad / (head.grad.abs() + 1e-8), rtol=1e-4, atol=1e-8)
+    torch.testing.assert_close(
+        step, 3e-4 * head.grad / (head.grad.abs() + 1e-8), rtol=1e-4, atol=1e-8
+    )
 
 
 def test_llama3_patterns_pin(capsys):
@@ -291,17 +336,27 @@ def test_llama3_patterns_pin(capsys):
     ``lm_head`` to Muon; the earlier recipe's ``^(tok_embeddings|output)\\.`` AdamW group keeps
     the embedding, and the catch-all's head still gets AdamW. The split names the pinning group."""
     model = llama3_debugmodel()
-    pinned = titan_config((r"^lm_head\.", {"algorithm": "muon", "lr": 0.02}), (r".*", CATCH_ALL)).build(
-        model_parts=[model])
+    pinned = titan_config(
+        (r"^lm_head\.", {"algorithm": "muon", "lr": 0.02}), (r".*", CATCH_ALL)
+    ).build(model_parts=[model])
     groups = pinned.optimizers[0].param_groups
     assert [(g["algorithm"], g["param_names"][:1]) for g in groups] == [
-        ("muon", ["lm_head.weight"]), ("auto", ["layers.0.attention.qkv_linear.wqkv.weight"]),
-        ("adamw", ["tok_embeddings.weight"])]
-    assert {n: r for n, _, r in pinned.splits[0].muon}["lm_head.weight"] == "algorithm='muon' group [^lm_head\\.]"
-    earlier = titan_config((r"^(tok_embeddings|output)\.", {"algorithm": "adamw", "lr": 3e-4, "weight_decay": 0.1}),
-                           (r".*", CATCH_ALL)).build(model_parts=[model])
-    assert [(g["algorithm"], g["param_names"]) for g in earlier.optimizers[0].param_groups if g["algorithm"] == "adamw"] \
-        == [("adamw", ["tok_embeddings.weight"]), ("adamw", ["lm_head.weight"])]
+        ("muon", ["lm_head.weight"]),
+        ("auto", ["layers.0.attention.qkv_linear.wqkv.weight"]),
+        ("adamw", ["tok_embeddings.weight"]),
+    ]
+    assert {n: r for n, _, r in pinned.splits[0].muon}[
+        "lm_head.weight"
+    ] == "algorithm='muon' group [^lm_head\\.]"
+    earlier = titan_config(
+        (r"^(tok_embeddings|output)\.", {"algorithm": "adamw", "lr": 3e-4, "weight_decay": 0.1}),
+        (r".*", CATCH_ALL),
+    ).build(model_parts=[model])
+    assert [
+        (g["algorithm"], g["param_names"])
+        for g in earlier.optimizers[0].param_groups
+        if g["algorithm"] == "adamw"
+    ] == [("adamw", ["tok_embeddings.weight"]), ("adamw", ["lm_head.weight"])]
     assert capsys.readouterr().out == ""  # verbose=False prints nothing
 
 
@@ -316,7 +371,10 @@ def test_llama3_roles_sharded(one_rank, device):  # noqa: F811
         fully_shard(block, mesh=one_rank)
     fully_shard(model, mesh=one_rank)
     box = titan_config((r".*", CATCH_ALL)).build(model_parts=[model])
-    assert box.optimizers[0].param_groups[1]["param_names"] == ["tok_embeddings.weight", "lm_head.weight"]
+    assert box.optimizers[0].param_groups[1]["param_names"] == [
+        "tok_embeddings.weight",
+        "lm_head.weight",
+    ]
     assert box.splits[0].muon == plain.muon and box.splits[0].adamw == plain.adamw
 
 

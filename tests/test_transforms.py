@@ -29,7 +29,10 @@ from muon_fn._newton_schulz import newton_schulz
 
 from conftest import lane_examples
 
-TOL = {"cpu": {"ns": 2e-5}, "cuda": {"ns": 1e-4}}  # max-abs of fp32 Newton–Schulz results (module docstring)
+TOL = {
+    "cpu": {"ns": 2e-5},
+    "cuda": {"ns": 1e-4},
+}  # max-abs of fp32 Newton–Schulz results (module docstring)
 
 
 # --------------------------------------------------------------------------------------------
@@ -40,22 +43,37 @@ TRANSFORMS_UNDER_TEST = {
     "momentum_ema": (lambda: mf.momentum(0.9, nesterov=False, kind="ema"), True),
     "momentum_bf16_mu": (lambda: mf.momentum(0.9, mu_dtype=torch.float32), True),
     "orthogonalize": (lambda: mf.orthogonalize(dtype=torch.float32), False),
-    "orthogonalize_heads": (lambda: mf.orthogonalize(
-        "you", dtype=torch.float32, view=lambda x: mf.heads(rows=(2, 2)) if x.shape[0] == 4 else "flatten"), False),
+    "orthogonalize_heads": (
+        lambda: mf.orthogonalize(
+            "you",
+            dtype=torch.float32,
+            view=lambda x: mf.heads(rows=(2, 2)) if x.shape[0] == 4 else "flatten",
+        ),
+        False,
+    ),
     "scale_by_shape": (lambda: mf.scale_by_shape("spectral"), False),
     "add_decoupled_weight_decay": (lambda: mf.add_decoupled_weight_decay(0.1), True),
     "scale_by_learning_rate": (lambda: mf.scale_by_learning_rate(0.1), True),
     "scale_by_learning_rate_tensor": (lambda: mf.scale_by_learning_rate(torch.tensor(0.1)), True),
-    "scale_by_learning_rate_schedule": (lambda: mf.scale_by_learning_rate(lambda c: 0.1 / (1 + c)), True),
+    "scale_by_learning_rate_schedule": (
+        lambda: mf.scale_by_learning_rate(lambda c: 0.1 / (1 + c)),
+        True,
+    ),
     "scale_by_adam": (lambda: mf.scale_by_adam(), True),
     "normalize_rows": (lambda: mf.normalize_rows(0.95), False),
     "normalize_layerwise": (lambda: mf.normalize_layerwise(), True),
-    "scale_by_adam_nesterov_no_bias_correction": (lambda: mf.scale_by_adam(nesterov=True, bias_correction=False), True),
+    "scale_by_adam_nesterov_no_bias_correction": (
+        lambda: mf.scale_by_adam(nesterov=True, bias_correction=False),
+        True,
+    ),
     "identity": (lambda: mf.identity(), True),
     "muon": (lambda: mf.muon(ns_dtype=torch.float32, weight_decay=0.1), False),
     "normuon": (lambda: mf.normuon(ns_dtype=torch.float32), False),
     "adamw": (lambda: mf.adamw(weight_decay=0.1), True),
-    "triton_muon": (lambda: mf.triton_muon(weight_decay=0.1, nesterov=True, layerwise_norm=True), True),
+    "triton_muon": (
+        lambda: mf.triton_muon(weight_decay=0.1, nesterov=True, layerwise_norm=True),
+        True,
+    ),
     "triton_muon_decoupled": (lambda: mf.triton_muon(weight_decay=0.1, decoupled=True), True),
     "hybrid": (lambda: mf.hybrid(ns_dtype=torch.float32), True),
     "chain_empty": (lambda: mf.chain(), True),
@@ -80,7 +98,11 @@ def structure(tree):
 def describe(tree):
     """Structure plus (shape, dtype, device) of every tensor leaf."""
     return structure(tree), [
-        None if x is None else (tuple(x.shape), x.dtype, x.device) if isinstance(x, torch.Tensor) else x
+        None
+        if x is None
+        else (tuple(x.shape), x.dtype, x.device)
+        if isinstance(x, torch.Tensor)
+        else x
         for x in _tree.tree_leaves(tree)
     ]
 
@@ -90,7 +112,10 @@ def sample_tree(seed=0, vectors=True, dtype=torch.float32, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     t = {
         "w": torch.randn(4, 6, generator=g).to(device, dtype),
-        "blocks": [torch.randn(6, 4, generator=g).to(device, dtype), torch.randn(4, 6, generator=g).to(device, dtype)],
+        "blocks": [
+            torch.randn(6, 4, generator=g).to(device, dtype),
+            torch.randn(4, 6, generator=g).to(device, dtype),
+        ],
         "conv": torch.randn(4, 2, 3, 3, generator=g).to(device, dtype),
     }
     if vectors:
@@ -128,7 +153,7 @@ def test_none_gradient_leaves(device, name):
     paths, old_leaves, _ = _tree.tree_flatten_with_path(state)
     _, new_leaves, _ = _tree.tree_flatten_with_path(new_state)
     for path, old, new in zip(paths, old_leaves, new_leaves):
-        missing = "conv" in path or any(path[i:i + 2] == ("blocks", 1) for i in range(len(path)))
+        missing = "conv" in path or any(path[i : i + 2] == ("blocks", 1) for i in range(len(path)))
         if missing and isinstance(old, torch.Tensor):
             assert torch.equal(old, new), path
 
@@ -143,11 +168,17 @@ def test_update_and_state_structure_dtype_stable(device, name, dtype):
     for step in range(3):
         grads = sample_tree(10 + step, vectors=vectors_ok, dtype=dtype, device=device)
         updates, state = tx.update(grads, state, params)
-        if name == "momentum_bf16_mu":  # an fp32 buffer returns fp32 updates (apply_updates casts back)
+        if (
+            name == "momentum_bf16_mu"
+        ):  # an fp32 buffer returns fp32 updates (apply_updates casts back)
             assert structure(updates) == structure(grads)
         else:
-            assert describe(updates) == describe(grads)  # same structure, shapes, dtypes and devices
-        assert describe(state) == before  # no drift: no recompiles, no dtype promotion, no device move
+            assert describe(updates) == describe(
+                grads
+            )  # same structure, shapes, dtypes and devices
+        assert (
+            describe(state) == before
+        )  # no drift: no recompiles, no dtype promotion, no device move
         for leaf in _tree.tree_leaves(updates):
             assert torch.isfinite(leaf.float()).all()
         params = mf.apply_updates(params, updates)
@@ -211,9 +242,15 @@ def test_momentum_formulas(device, kind, nesterov, mu, steps, seed):
 
 @pytest.mark.parametrize("nesterov", [True, False])
 @lane_examples
-@given(mu=st.floats(0.0, 0.99), steps=st.integers(1, 6), seed=st.integers(0, 2**16),
-       method=st.sampled_from(["polar_express", "quintic", "you", "cubic"]))
-def test_momentum_ema_and_sgd_agree_after_orthogonalization(device, nesterov, mu, steps, seed, method):
+@given(
+    mu=st.floats(0.0, 0.99),
+    steps=st.integers(1, 6),
+    seed=st.integers(0, 2**16),
+    method=st.sampled_from(["polar_express", "quintic", "you", "cubic"]),
+)
+def test_momentum_ema_and_sgd_agree_after_orthogonalization(
+    device, nesterov, mu, steps, seed, method
+):
     """Equal up to (1−μ) before msign (a positive scalar), hence equal after it."""
     gs = [g.float() for g in grads_sequence(seed, steps, device=device)]
     mom = {k: mf.momentum(mu, nesterov=nesterov, kind=k) for k in ("sgd", "ema")}
@@ -223,7 +260,9 @@ def test_momentum_ema_and_sgd_agree_after_orthogonalization(device, nesterov, mu
         pre = {}
         for k, tx in mom.items():
             pre[k], states[k] = tx.update({"w": g}, states[k])
-        torch.testing.assert_close(pre["ema"]["w"], (1 - mu) * pre["sgd"]["w"], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(
+            pre["ema"]["w"], (1 - mu) * pre["sgd"]["w"], atol=1e-6, rtol=1e-5
+        )
         post = {k: orth.update(pre[k], ())[0]["w"] for k in mom}
         torch.testing.assert_close(post["ema"], post["sgd"], atol=TOL[device.type]["ns"], rtol=0)
 
@@ -348,7 +387,9 @@ def test_orthogonalize_leaves_match_newton_schulz(device):
     for batch in (True, False):
         out, _ = mf.orthogonalize("you", 5, dtype=torch.float32, batch=batch).update(tree, ())
         for k, x in tree.items():
-            want = newton_schulz(x.reshape(x.shape[0], -1), "you", 5, dtype=torch.float32).reshape(x.shape)
+            want = newton_schulz(x.reshape(x.shape[0], -1), "you", 5, dtype=torch.float32).reshape(
+                x.shape
+            )
             torch.testing.assert_close(out[k], want, atol=TOL[device.type]["ns"], rtol=0)
             assert out[k].dtype == x.dtype
 
@@ -357,18 +398,27 @@ def test_orthogonalize_flatten_false_treats_leading_dims_as_batch(device):
     x = torch.randn(3, 6, 10).to(device)
     out, _ = mf.orthogonalize("quintic", dtype=torch.float32, flatten=False).update([x], ())
     for i in range(3):
-        torch.testing.assert_close(out[0][i], newton_schulz(x[i], "quintic", dtype=torch.float32),
-                                   atol=TOL[device.type]["ns"], rtol=0)
+        torch.testing.assert_close(
+            out[0][i],
+            newton_schulz(x[i], "quintic", dtype=torch.float32),
+            atol=TOL[device.type]["ns"],
+            rtol=0,
+        )
 
 
 def test_orthogonalize_head_blocks(device):
     x = torch.randn(3 * 16, 16).to(device)  # fused QKV
-    out, _ = mf.orthogonalize("polar_express", dtype=torch.float32, view=mf.heads(rows=3)).update({"qkv": x}, ())
+    out, _ = mf.orthogonalize("polar_express", dtype=torch.float32, view=mf.heads(rows=3)).update(
+        {"qkv": x}, ()
+    )
     for i in range(3):
-        block = x[16 * i: 16 * (i + 1)]
-        torch.testing.assert_close(out["qkv"][16 * i: 16 * (i + 1)],
-                                   newton_schulz(block, "polar_express", dtype=torch.float32),
-                                   atol=TOL[device.type]["ns"], rtol=0)
+        block = x[16 * i : 16 * (i + 1)]
+        torch.testing.assert_close(
+            out["qkv"][16 * i : 16 * (i + 1)],
+            newton_schulz(block, "polar_express", dtype=torch.float32),
+            atol=TOL[device.type]["ns"],
+            rtol=0,
+        )
 
 
 def test_orthogonalize_callable_method_and_zero(device):
@@ -400,8 +450,10 @@ def test_weight_decay_and_lr_formulas(device, lr, wd, seed):
     g = torch.Generator().manual_seed(seed)
 
     def draw():
-        return {"w": torch.randn(3, 4, generator=g, dtype=torch.float64).to(device),
-                "b": torch.randn(4, generator=g, dtype=torch.float64).to(device)}
+        return {
+            "w": torch.randn(3, 4, generator=g, dtype=torch.float64).to(device),
+            "b": torch.randn(4, generator=g, dtype=torch.float64).to(device),
+        }
 
     p, u = draw(), draw()
     tx = mf.chain(mf.add_decoupled_weight_decay(wd), mf.scale_by_learning_rate(lr))
@@ -462,7 +514,9 @@ def test_weight_decay_min_ndim_skips_smaller_leaves(device):
     p = {k: torch.ones(s, device=device) for k, s in shapes.items()}
     u = {k: torch.zeros_like(v) for k, v in p.items()}
     out = {k: v.cpu() for k, v in tx.update(u, (), p)[0].items()}
-    assert torch.equal(out["w"], torch.full((2, 3), 0.1)) and torch.equal(out["k"], torch.full((2, 1, 3, 3), 0.1))
+    assert torch.equal(out["w"], torch.full((2, 3), 0.1)) and torch.equal(
+        out["k"], torch.full((2, 1, 3, 3), 0.1)
+    )
     assert torch.equal(out["b"], torch.zeros(3)) and torch.equal(out["s"], torch.zeros(()))
     assert mf.info(tx).leafwise
     for bad in (-1, 1.5, True):
@@ -475,8 +529,9 @@ def test_adamw_decay_1d_false_equals_torch_adamw_with_a_no_decay_group(device):
     torch.manual_seed(0)
     w, b = torch.randn(4, 3).to(device), torch.randn(3).to(device)
     ref = [w.clone().requires_grad_(), b.clone().requires_grad_()]
-    opt = torch.optim.AdamW([{"params": [ref[0]]}, {"params": [ref[1]], "weight_decay": 0.0}], lr=0.1,
-                            weight_decay=0.5)
+    opt = torch.optim.AdamW(
+        [{"params": [ref[0]]}, {"params": [ref[1]], "weight_decay": 0.0}], lr=0.1, weight_decay=0.5
+    )
     tx = mf.adamw(0.1, weight_decay=0.5, decay_1d=False)
     tree = {"w": w.clone(), "b": b.clone()}
     state = tx.init(tree)
@@ -492,11 +547,16 @@ def test_adamw_decay_1d_false_equals_torch_adamw_with_a_no_decay_group(device):
 
 
 def test_apply_updates(device):
-    p = {"a": torch.ones(2, dtype=torch.bfloat16, device=device), "b": torch.ones(3, device=device),
-         "c": torch.ones(1, device=device)}
+    p = {
+        "a": torch.ones(2, dtype=torch.bfloat16, device=device),
+        "b": torch.ones(3, device=device),
+        "c": torch.ones(1, device=device),
+    }
     u = {"a": torch.full((2,), 0.5, device=device), "b": None, "c": -torch.ones(1, device=device)}
     new = mf.apply_updates(p, u)
-    assert new["a"].dtype == torch.bfloat16 and torch.equal(new["a"].cpu(), torch.full((2,), 1.5, dtype=torch.bfloat16))
+    assert new["a"].dtype == torch.bfloat16 and torch.equal(
+        new["a"].cpu(), torch.full((2,), 1.5, dtype=torch.bfloat16)
+    )
     assert new["b"] is p["b"]
     assert torch.equal(new["c"].cpu(), torch.zeros(1))
     assert torch.equal(p["c"].cpu(), torch.ones(1))  # out of place
@@ -513,14 +573,21 @@ def test_adamw_matches_torch(device, betas, weight_decay, eps):
     g = torch.Generator().manual_seed(0)
     shapes = {"w": (5, 7), "b": (7,), "s": ()}
     params = {k: torch.randn(s, generator=g).to(device) for k, s in shapes.items()}
-    grads = [{k: torch.randn(s, generator=g).to(device) for k, s in shapes.items()} for _ in range(8)]
+    grads = [
+        {k: torch.randn(s, generator=g).to(device) for k, s in shapes.items()} for _ in range(8)
+    ]
     lr = 0.01
 
     torch_params = {k: v.clone() for k, v in params.items()}
-    opt = torch.optim.AdamW(list(torch_params.values()), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    opt = torch.optim.AdamW(
+        list(torch_params.values()), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay
+    )
     tx = mf.adamw(lr, betas, eps, weight_decay)
-    by_hand = mf.chain(mf.scale_by_adam(betas, eps), mf.add_decoupled_weight_decay(weight_decay),
-                       mf.scale_by_learning_rate(lr))
+    by_hand = mf.chain(
+        mf.scale_by_adam(betas, eps),
+        mf.add_decoupled_weight_decay(weight_decay),
+        mf.scale_by_learning_rate(lr),
+    )
     ours, state = dict(params), tx.init(params)
     ours2, state2 = dict(params), by_hand.init(params)
     for gr in grads:
@@ -551,7 +618,9 @@ def test_adam_count_is_per_leaf_for_missing_grads(device):
     assert float(state.count["a"]) == 2 and float(state.count["b"]) == 1
     # "b" at its first step gets the fully bias-corrected first step: m̂/(√v̂+eps) = g/|g| = 1.
     out, _ = mf.scale_by_adam().update({"b": 2 * ones}, mf.scale_by_adam().init({"b": p["b"]}))
-    torch.testing.assert_close(out["b"].cpu(), torch.ones(3), atol=2e-5, rtol=0)  # fp32 rounding of 1 − β₂
+    torch.testing.assert_close(
+        out["b"].cpu(), torch.ones(3), atol=2e-5, rtol=0
+    )  # fp32 rounding of 1 − β₂
 
 
 # --------------------------------------------------------------------------------------------
@@ -591,7 +660,9 @@ def test_normalize_rows_matches_notes(device, shape, beta2, seed, row_scale):
         assert o.shape == u.shape
         torch.testing.assert_close(o.double().reshape(w.shape), w, atol=1e-5, rtol=1e-5)
         # Frobenius norm is kept.
-        torch.testing.assert_close(torch.linalg.vector_norm(o), torch.linalg.vector_norm(u), rtol=1e-5, atol=0)
+        torch.testing.assert_close(
+            torch.linalg.vector_norm(o), torch.linalg.vector_norm(u), rtol=1e-5, atol=0
+        )
     torch.testing.assert_close(state.nu["w"].double().cpu().reshape(-1), v, rtol=1e-5, atol=1e-12)
 
 

@@ -45,14 +45,24 @@ def check_adamuon_state_is_sharded(w):
 def checks_for(w: int) -> dict:
     compiled = {"backend": "inductor"} if w == 2 else {"backend": "eager"}
     return {
-        "parity_cautious": check_parity(w, cautious_weight_decay=True, adamw_weight_decay=0.1, adamw_decay_1d=True),
+        "parity_cautious": check_parity(
+            w, cautious_weight_decay=True, adamw_weight_decay=0.1, adamw_decay_1d=True
+        ),
         "parity_adamuon": check_parity(w, adamuon_beta2=0.95),
         "parity_adamuon_rms_cautious_nosign": check_parity(
-            w, adamuon_beta2=0.9, adjust_lr_fn="match_rms_adamw", cautious_weight_decay=True, adamuon_sign=False),
-        "parity_adamuon_bf16_iteration": check_parity(w, adamuon_beta2=0.95, ns_dtype=torch.bfloat16),
+            w,
+            adamuon_beta2=0.9,
+            adjust_lr_fn="match_rms_adamw",
+            cautious_weight_decay=True,
+            adamuon_sign=False,
+        ),
+        "parity_adamuon_bf16_iteration": check_parity(
+            w, adamuon_beta2=0.95, ns_dtype=torch.bfloat16
+        ),
         "parity_adamuon_replicate": check_parity(w, strategy="replicate", adamuon_beta2=0.95),
         f"parity_compiled_{compiled['backend']}": check_parity(
-            w, Pair, compile=compiled, adamuon_beta2=0.95, cautious_weight_decay=True),
+            w, Pair, compile=compiled, adamuon_beta2=0.95, cautious_weight_decay=True
+        ),
         "adamuon_state_sharded": check_adamuon_state_is_sharded(w),
     }
 

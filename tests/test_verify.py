@@ -27,17 +27,23 @@ from muon_fn import _compile, _verify
 def corrupting(value: float = float("nan")):
     """A torch.compile backend: the graph runs, then every floating tensor it wrote in place
     is overwritten with ``value`` (what a miscompiled kernel does to a parameter)."""
+
     def backend(gm, example_inputs):
         del example_inputs
 
         def run(*args):
-            before = [a.clone() if isinstance(a, torch.Tensor) and a.is_floating_point() else None for a in args]
+            before = [
+                a.clone() if isinstance(a, torch.Tensor) and a.is_floating_point() else None
+                for a in args
+            ]
             out = gm(*args)
             for a, b in zip(args, before):
                 if b is not None and not torch.equal(a, b):
                     a.fill_(value)
             return out
+
         return run
+
     return backend
 
 
@@ -45,14 +51,21 @@ def corrupting_returns(value: float = float("nan")):
     """A torch.compile backend: the graph runs, then every floating tensor it returns is replaced
     by ``value`` (a miscompiled kernel whose output is returned, not written in place: what a
     graph of ``atomic=True`` hands to the step's commit)."""
+
     def backend(gm, example_inputs):
         del example_inputs
 
         def run(*args):
             out = gm(*args)
-            return type(out)(torch.full_like(o, value) if isinstance(o, torch.Tensor) and o.is_floating_point()
-                             else o for o in out)
+            return type(out)(
+                torch.full_like(o, value)
+                if isinstance(o, torch.Tensor) and o.is_floating_point()
+                else o
+                for o in out
+            )
+
         return run
+
     return backend
 
 
@@ -85,8 +98,9 @@ def test_a_wrong_graph_is_caught_and_training_goes_on_at_eager(cls, value):
     got, opt, notes = train(cls, compile={"backend": corrupting(value)})
     assert all(torch.equal(a, b) for a, b in zip(got, eager)), "not eager's result"
     wrong = [n for n in notes if "gave a wrong result on this machine" in n]
-    assert wrong and all(f"{cls.__name__}'s step" in n and "runs eagerly" in n and "verify=False" in n
-                         for n in wrong), notes
+    assert wrong and all(
+        f"{cls.__name__}'s step" in n and "runs eagerly" in n and "verify=False" in n for n in wrong
+    ), notes
     # one warning per graph signature that failed, none at later steps
     steps = [s for v in opt._runtimes[0].variants for s in v.steps.values()]
     assert len(wrong) == sum(len(s.eager) for s in steps) >= 1
@@ -101,7 +115,9 @@ def test_a_wrong_returned_value_is_caught(cls):
     got, _, notes = train(cls, compile={"backend": corrupting_returns(1e3)}, atomic=True)
     assert all(torch.equal(a, b) for a, b in zip(got, eager)), "not eager's result"
     wrong = [n for n in notes if "gave a wrong result on this machine" in n]
-    assert wrong and all(f"{cls.__name__}'s step" in n and "runs eagerly" in n for n in wrong), notes
+    assert wrong and all(f"{cls.__name__}'s step" in n and "runs eagerly" in n for n in wrong), (
+        notes
+    )
 
 
 def test_verify_false_trusts_the_graph():
@@ -155,7 +171,12 @@ def test_the_bound_separates_rounding_from_a_fault():
     assert verdict(after).ok
     assert verdict(after + 1e-3 * update).ok  # the measured bf16 spread is below 1e-2 of the change
     assert verdict(after.nextafter(torch.full_like(after, float("inf")))).ok  # one ulp everywhere
-    for wrong in (before, before + 0.8 * update, before + 1.2 * update, after.clone().fill_(float("nan"))):
+    for wrong in (
+        before,
+        before + 0.8 * update,
+        before + 1.2 * update,
+        after.clone().fill_(float("nan")),
+    ):
         assert not verdict(wrong).ok
     assert not _verify.compare((after,), (after,), (after,)).conclusive  # nothing changed
 
@@ -176,6 +197,7 @@ def test_a_failed_inductor_graph_is_recompiled_with_safe_options(monkeypatch):
             for p in a[0]:
                 p.fill_(float("nan"))
             return result
+
         return real(wrong, eager, args, compared)
 
     monkeypatch.setattr(_verify, "first_run", fail_once)
@@ -221,14 +243,22 @@ _REAL_FAULT = textwrap.dedent("""
 
 
 @pytest.mark.inductor
-@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512", reason="needs an AVX-512 CPU")
+@pytest.mark.skipif(
+    torch.backends.cpu.get_cpu_capability() != "AVX512", reason="needs an AVX-512 CPU"
+)
 def test_the_real_miscompile_where_the_toolchain_has_it(tmp_path):
     """On an AVX-512 host whose GCC miscompiles the tile transpose under -mtune=generic (GCC 12:
     forced here by TORCHINDUCTOR_CPP_MARCH=x86-64-v4), the unchecked graph is wrong, the check
     warns and the result is eager's; where the toolchain is right, no warning."""
-    env = {**os.environ, "TORCHINDUCTOR_CPP_MARCH": "x86-64-v4", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path),
-           "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-c", _REAL_FAULT], env=env, capture_output=True, text=True, timeout=600)
+    env = {
+        **os.environ,
+        "TORCHINDUCTOR_CPP_MARCH": "x86-64-v4",
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path),
+        "OMP_NUM_THREADS": "1",
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", _REAL_FAULT], env=env, capture_output=True, text=True, timeout=600
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     wrong, warned, right = out.stdout.split()[-3:]
     assert right == "True" and warned == wrong, out.stdout

@@ -57,7 +57,9 @@ def on_stack(tx, stack, steps=1, params=None):
 def test_views_read_a_stack_as_its_matrices():
     x = torch.arange(2 * 3 * 4.0).reshape(2, 3, 4)
     assert _views.matrix_shape(x.shape) == (2, 12) and _views.count(x.shape) == 1
-    assert _views.matrix_shape(x.shape, "experts") == (3, 4) and _views.count(x.shape, "experts") == 2
+    assert (
+        _views.matrix_shape(x.shape, "experts") == (3, 4) and _views.count(x.shape, "experts") == 2
+    )
     assert _views.rows_shape(x.shape, "experts") == (6, 4)
     assert torch.equal(_views.matrices(x, "experts")[1], x[1])
     assert _views.matrix_shape((5, 7), "experts") == _views.matrix_shape((5, 7)) == (5, 7)
@@ -80,12 +82,17 @@ def test_orthogonalize_experts_with_head_blocks(stack, blocks):
     """``heads(rows=n, experts=True)`` cuts each expert into row blocks (a fused gate/up stack)."""
     stack = stack.repeat(1, blocks, 1)
     kw = dict(method="polar_express", dtype=torch.float32)
-    assert torch.equal(on_stack(mf.orthogonalize(view=mf.heads(rows=blocks, experts=True), **kw), stack)[0],
-                       per_expert(mf.orthogonalize(view=mf.heads(rows=blocks), **kw), stack))
+    assert torch.equal(
+        on_stack(mf.orthogonalize(view=mf.heads(rows=blocks, experts=True), **kw), stack)[0],
+        per_expert(mf.orthogonalize(view=mf.heads(rows=blocks), **kw), stack),
+    )
 
 
 @settings(deadline=None)
-@given(stack=stacks(), rule=st.sampled_from(["keller", "match_rms_adamw", "spectral", "legacy", "none"]))
+@given(
+    stack=stacks(),
+    rule=st.sampled_from(["keller", "match_rms_adamw", "spectral", "legacy", "none"]),
+)
 def test_scale_by_shape_experts_scales_each_expert_by_its_own_shape(stack, rule):
     u, _ = on_stack(mf.scale_by_shape(rule, view="experts"), stack)
     e, out, inp = stack.shape
@@ -95,13 +102,22 @@ def test_scale_by_shape_experts_scales_each_expert_by_its_own_shape(stack, rule)
 
 
 @settings(deadline=None, max_examples=15)
-@given(stack=stacks(), beta2=st.sampled_from([None, 0.95]), rule=st.sampled_from(["keller", "spectral"]),
-       bf16=st.booleans())
+@given(
+    stack=stacks(),
+    beta2=st.sampled_from([None, 0.95]),
+    rule=st.sampled_from(["keller", "spectral"]),
+    bf16=st.booleans(),
+)
 def test_muon_experts_is_each_expert_alone(stack, beta2, rule, bf16):
     """The whole recipe (momentum, orthogonalize, NorMuon rows, shape scale, weight decay, lr),
     three steps: every expert of the stack moves exactly as it would alone."""
-    kw = dict(lr=0.02, adjust_lr_fn=rule, weight_decay=0.1, beta2=beta2,
-              ns_dtype=torch.bfloat16 if bf16 else torch.float32)
+    kw = dict(
+        lr=0.02,
+        adjust_lr_fn=rule,
+        weight_decay=0.1,
+        beta2=beta2,
+        ns_dtype=torch.bfloat16 if bf16 else torch.float32,
+    )
     params = stack.flip(0)
     u, state = on_stack(mf.muon(view="experts", **kw), stack, steps=3, params=params)
     assert torch.equal(u, per_expert(mf.muon(**kw), stack, steps=3, params=params))
@@ -127,7 +143,11 @@ def test_normalize_rows_experts_keeps_one_row_per_expert_output():
     u, state = on_stack(mf.normalize_rows(0.9, view="experts"), stack)
     assert state.nu[0].shape == (3, 4, 1)
     assert torch.equal(u, per_expert(mf.normalize_rows(0.9), stack))
-    assert mf.normalize_rows(0.9).init([stack]).nu[0].shape == (3, 1, 1)  # flattened: rows = experts
+    assert mf.normalize_rows(0.9).init([stack]).nu[0].shape == (
+        3,
+        1,
+        1,
+    )  # flattened: rows = experts
 
 
 def test_spectral_sphere_experts_is_each_expert_alone():
@@ -142,7 +162,10 @@ def test_spectral_sphere_experts_is_each_expert_alone():
 
 def test_view_function_chooses_per_leaf():
     g = torch.Generator().manual_seed(3)
-    tree = {"conv": torch.randn(4, 2, 3, 3, generator=g), "experts": torch.randn(3, 6, 5, generator=g)}
+    tree = {
+        "conv": torch.randn(4, 2, 3, 3, generator=g),
+        "experts": torch.randn(3, 6, 5, generator=g),
+    }
 
     def by_ndim(leaf):
         return "experts" if leaf.ndim == 3 else "flatten"
@@ -151,7 +174,9 @@ def test_view_function_chooses_per_leaf():
     out, _ = tx.update(tree, ())
     flat, _ = mf.orthogonalize(dtype=torch.float32).update({"conv": tree["conv"]}, ())
     assert torch.equal(out["conv"], flat["conv"])
-    assert torch.equal(out["experts"], per_expert(mf.orthogonalize(dtype=torch.float32), tree["experts"]))
+    assert torch.equal(
+        out["experts"], per_expert(mf.orthogonalize(dtype=torch.float32), tree["experts"])
+    )
     assert "view='by_ndim'" in repr(tx)  # as a callable method is shown
 
 
@@ -170,17 +195,38 @@ class TestViewErrors(expecttest.TestCase):
                 fn()
             return str(info.value)
 
-        self.assertExpectedInline(message(lambda: mf.orthogonalize(view="expert")), """Invalid view: 'expert' (valid: 'flatten', 'experts', muon_fn.heads(...), or a function leaf -> view)""")
-        self.assertExpectedInline(message(lambda: mf.orthogonalize(view="experts", flatten=True)), """\
-pass view='experts' alone: flatten= is its older spelling (flatten=True is view='flatten', flatten=False is view='experts')""")
-        self.assertExpectedInline(message(lambda: mf.scale_by_shape(view=None)), """Invalid view: None (valid: 'flatten', 'experts', muon_fn.heads(...), or a function leaf -> view)""")
+        self.assertExpectedInline(
+            message(lambda: mf.orthogonalize(view="expert")),
+            """Invalid view: 'expert' (valid: 'flatten', 'experts', muon_fn.heads(...), or a function leaf -> view)""",
+        )
+        self.assertExpectedInline(
+            message(lambda: mf.orthogonalize(view="experts", flatten=True)),
+            """\
+pass view='experts' alone: flatten= is its older spelling (flatten=True is view='flatten', flatten=False is view='experts')""",
+        )
+        self.assertExpectedInline(
+            message(lambda: mf.scale_by_shape(view=None)),
+            """Invalid view: None (valid: 'flatten', 'experts', muon_fn.heads(...), or a function leaf -> view)""",
+        )
         bad = mf.orthogonalize(view=lambda leaf: "rows")
-        self.assertExpectedInline(message(lambda: bad.update([torch.zeros(2, 3, 4)], ())), """view function returned 'rows' for a leaf of shape (2, 3, 4) (valid: 'flatten', 'experts', muon_fn.heads(...))""")
+        self.assertExpectedInline(
+            message(lambda: bad.update([torch.zeros(2, 3, 4)], ())),
+            """view function returned 'rows' for a leaf of shape (2, 3, 4) (valid: 'flatten', 'experts', muon_fn.heads(...))""",
+        )
         p = nn.Parameter(torch.zeros(2, 3, 4))
-        self.assertExpectedInline(message(lambda: mf.MuonOptimizer([p], matrix_view="stack")), """Invalid matrix_view: 'stack' (valid: 'flatten', 'experts', muon_fn.heads(...), or a function leaf -> view)""")
-        self.assertExpectedInline(message(lambda: mf.MuonOptimizer([p], matrix_view={"w": "experts"})), """\
-matrix_view is a mapping of parameter names, but a parameter of shape (2, 3, 4) has no name: pass named parameters (model.named_parameters()) or groups with 'param_names'""")
-        self.assertExpectedInline(message(lambda: mf.MuonOptimizer([("w", p)], matrix_view={"w": "rows"})), """Invalid matrix_view['w']: 'rows' (valid: 'flatten', 'experts', muon_fn.heads(...), or a function leaf -> view)""")
+        self.assertExpectedInline(
+            message(lambda: mf.MuonOptimizer([p], matrix_view="stack")),
+            """Invalid matrix_view: 'stack' (valid: 'flatten', 'experts', muon_fn.heads(...), or a function leaf -> view)""",
+        )
+        self.assertExpectedInline(
+            message(lambda: mf.MuonOptimizer([p], matrix_view={"w": "experts"})),
+            """\
+matrix_view is a mapping of parameter names, but a parameter of shape (2, 3, 4) has no name: pass named parameters (model.named_parameters()) or groups with 'param_names'""",
+        )
+        self.assertExpectedInline(
+            message(lambda: mf.MuonOptimizer([("w", p)], matrix_view={"w": "rows"})),
+            """Invalid matrix_view['w']: 'rows' (valid: 'flatten', 'experts', muon_fn.heads(...), or a function leaf -> view)""",
+        )
 
 
 # ------------------------------------------------------------------------------ optimizers
@@ -225,11 +271,16 @@ def step_both(stacks, opt, twins, twin_opt, steps=3):
 def assert_each_expert_alone(stacks, twins):
     pairs = [(s, e) for s in stacks for e in range(s.shape[0])]
     for twin, (s, e) in zip(twins, pairs):
-        assert torch.equal(s.detach()[e], twin.detach()), f"expert {e}: {(s.detach()[e] - twin).abs().max()}"
+        assert torch.equal(s.detach()[e], twin.detach()), (
+            f"expert {e}: {(s.detach()[e] - twin).abs().max()}"
+        )
 
 
-@pytest.mark.parametrize("kw", [{"ns_dtype": torch.float32}, {}, {"beta2": 0.95, "nesterov": False}],
-                         ids=["fp32", "default_iteration", "normuon"])
+@pytest.mark.parametrize(
+    "kw",
+    [{"ns_dtype": torch.float32}, {}, {"beta2": 0.95, "nesterov": False}],
+    ids=["fp32", "default_iteration", "normuon"],
+)
 def test_muon_optimizer_experts_view_moves_each_expert_as_alone(kw):
     torch.manual_seed(0)
     stack = nn.Parameter(torch.randn(E, OUT, IN))
@@ -256,7 +307,9 @@ def test_muon_optimizer_experts_view_compiled_with_inductor():
         step_both([stack], opt, twins[-1], mf.MuonOptimizer(twins[-1], **kw))
         stacks.append(stack)
     assert_each_expert_alone([stacks[0]], twins[0])
-    torch.testing.assert_close(stacks[1].detach(), torch.stack([t.detach() for t in twins[1]]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        stacks[1].detach(), torch.stack([t.detach() for t in twins[1]]), atol=1e-6, rtol=0
+    )
 
 
 def test_create_hybrid_optimizer_reads_expert_stacks_by_module():
@@ -267,17 +320,24 @@ def test_create_hybrid_optimizer_reads_expert_stacks_by_module():
     model = MoE()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        opt = mf.create_hybrid_optimizer(model, muon_lr=0.03, muon_weight_decay=0.01, ns_dtype=torch.float32,
-                                         beta2=None)
+        opt = mf.create_hybrid_optimizer(
+            model, muon_lr=0.03, muon_weight_decay=0.01, ns_dtype=torch.float32, beta2=None
+        )
     muon_group = opt.param_groups[0]
-    assert muon_group["matrix_view"] == {"w_up": "experts", "w_down": "experts", "conv.weight": "flatten"}
+    assert muon_group["matrix_view"] == {
+        "w_up": "experts",
+        "w_down": "experts",
+        "conv.weight": "flatten",
+    }
     split = str(opt.split)
     assert "expert stack: 4 matrices 12x8" in split and "expert stack: 4 matrices 8x12" in split
     assert "conv weight, flattened to 8x24" in split
     stacks = [model.w_up, model.w_down]
     twins = expert_twins(stacks)
-    twin_opt = mf.MuonOptimizer([{"params": twins, "algorithm": "muon", "lr": 0.03, "weight_decay": 0.01}],
-                                ns_dtype=torch.float32)
+    twin_opt = mf.MuonOptimizer(
+        [{"params": twins, "algorithm": "muon", "lr": 0.03, "weight_decay": 0.01}],
+        ns_dtype=torch.float32,
+    )
     step_both(stacks, opt, twins, twin_opt)
     assert_each_expert_alone(stacks, twins)
 
@@ -285,9 +345,15 @@ def test_create_hybrid_optimizer_reads_expert_stacks_by_module():
 def test_create_hybrid_optimizer_matrix_view_overrides_the_module_default():
     model = MoE()
     opt = mf.create_hybrid_optimizer(model, matrix_view={"w_down": "flatten"})
-    assert opt.param_groups[0]["matrix_view"] == {"w_up": "experts", "w_down": "flatten", "conv.weight": "flatten"}
+    assert opt.param_groups[0]["matrix_view"] == {
+        "w_up": "experts",
+        "w_down": "flatten",
+        "conv.weight": "flatten",
+    }
     assert "3-D weight, flattened to 4x96" in str(opt.split)
-    opt = mf.create_hybrid_optimizer(model, matrix_view=lambda p: "experts")  # conv too: the user said so
+    opt = mf.create_hybrid_optimizer(
+        model, matrix_view=lambda p: "experts"
+    )  # conv too: the user said so
     assert set(opt.param_groups[0]["matrix_view"].values()) == {"experts"}
 
 
@@ -320,13 +386,22 @@ class TestGuessWarning(expecttest.TestCase):
             opt = mf.MuonOptimizer(model.named_parameters())
         self.assertEqual(len(caught), 1)
         self.assertEqual(caught[0].filename, __file__)  # points at the line that built it
-        self.assertExpectedInline(str(caught[0].message), """\
-MuonOptimizer: no matrix_view is given for 'w_up' (4, 12, 8), 'w_down' (4, 8, 12), 'conv.weight' (8, 8, 3): each is read as one matrix (shape[0], prod(shape[1:])), 'w_up' as 4x96, which is right for a conv weight. For a stack of matrices such as MoE experts (E, out, in) pass matrix_view='experts' ('w_up': 4 matrices 12x8, each orthogonalized and scaled by its own shape) or a mapping {name or glob pattern: view}; pass matrix_view='flatten' to keep this without the warning. Given the model (model=model, or muon_fn.create_hybrid_optimizer(model)) the optimizer chooses by module.""")
-        self.assertIn("matrix_view='flatten' for", opt.describe().splitlines()[1] + "matrix_view='flatten' for")
+        self.assertExpectedInline(
+            str(caught[0].message),
+            """\
+MuonOptimizer: no matrix_view is given for 'w_up' (4, 12, 8), 'w_down' (4, 8, 12), 'conv.weight' (8, 8, 3): each is read as one matrix (shape[0], prod(shape[1:])), 'w_up' as 4x96, which is right for a conv weight. For a stack of matrices such as MoE experts (E, out, in) pass matrix_view='experts' ('w_up': 4 matrices 12x8, each orthogonalized and scaled by its own shape) or a mapping {name or glob pattern: view}; pass matrix_view='flatten' to keep this without the warning. Given the model (model=model, or muon_fn.create_hybrid_optimizer(model)) the optimizer chooses by module.""",
+        )
+        self.assertIn(
+            "matrix_view='flatten' for",
+            opt.describe().splitlines()[1] + "matrix_view='flatten' for",
+        )
 
     def test_a_named_view_silences_it(self):
         model = MoE()
-        for kw in ({"matrix_view": "flatten"}, {"matrix_view": {"w_*": "experts", "conv.*": "flatten"}}):
+        for kw in (
+            {"matrix_view": "flatten"},
+            {"matrix_view": {"w_*": "experts", "conv.*": "flatten"}},
+        ):
             with warnings.catch_warnings():
                 warnings.simplefilter("error")
                 mf.MuonOptimizer(model.named_parameters(), **kw)
@@ -337,12 +412,18 @@ MuonOptimizer: no matrix_view is given for 'w_up' (4, 12, 8), 'w_down' (4, 8, 12
 
 def test_a_mapping_matches_exact_names_then_patterns_in_order():
     model = MoE()
-    opt = mf.MuonOptimizer(model.named_parameters(), matrix_view={"w_*": "experts", "w_down": "flatten",
-                                                                  "*": "flatten"})
+    opt = mf.MuonOptimizer(
+        model.named_parameters(),
+        matrix_view={"w_*": "experts", "w_down": "flatten", "*": "flatten"},
+    )
     views, guessed = opt._matrix_views(opt.param_groups[0])
     named = dict(zip(opt.param_groups[0]["param_names"], views))
     assert (named["w_up"], named["w_down"], named["conv.weight"], named["router.weight"]) == (
-        "experts", "flatten", "flatten", "flatten")
+        "experts",
+        "flatten",
+        "flatten",
+        "flatten",
+    )
     assert guessed == []
 
 
@@ -354,7 +435,11 @@ def test_matrix_view_travels_in_the_state_dict_and_older_checkpoints_keep_ours()
     opt.step()
     saved = opt.state_dict()
     assert saved["param_groups"][0]["matrix_view"] == "experts"
-    older = {**saved, "param_groups": [{k: v for k, v in g.items() if k != "matrix_view"}
-                                       for g in saved["param_groups"]]}
+    older = {
+        **saved,
+        "param_groups": [
+            {k: v for k, v in g.items() if k != "matrix_view"} for g in saved["param_groups"]
+        ],
+    }
     opt.load_state_dict(older)
     assert opt.param_groups[0]["matrix_view"] == "experts"
