@@ -34,10 +34,9 @@ from pathlib import Path
 import torch
 
 try:
-    import muon_fn as mf
+    import muon_fn  # noqa: F401
 except ImportError:  # a source checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    import muon_fn as mf
 from muon_fn._train.data import WindowDataset, load_corpus
 
 try:

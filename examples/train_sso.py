@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     for name, sigma in zip(report.names, report.sigma.tolist()):
         w = dict(model.named_parameters())[name]
         R = radius_scale * (w.shape[0] / w.shape[1]) ** 0.5
-        print(f"  {name:<28} {str(tuple(w.shape)):<12} σ {sigma:.4f}  R {R:.4f}")
+        print(f"  {name:<28} {tuple(w.shape)!s:<12} σ {sigma:.4f}  R {R:.4f}")
     return 0
 
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Callable, Union
+from typing import Any
+from collections.abc import Callable
 
 import torch
 
@@ -31,7 +32,7 @@ def muon(
     *,
     nesterov: bool = True,
     kind: str = "sgd",
-    method: Union[str, Callable[[torch.Tensor], torch.Tensor], None] = None,
+    method: str | Callable[[torch.Tensor], torch.Tensor] | None = None,
     ns_steps: int | None = None,
     ns_coefficients: Sequence[Sequence[float]] | Sequence[float] | None = None,
     ns_dtype: torch.dtype | None = None,

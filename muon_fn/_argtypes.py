@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 import math
-from typing import Callable
+from collections.abc import Callable
 
 
 def int_arg(low: int, high: int | None = None) -> Callable[[str], int]:

@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, NamedTuple, Protocol, Union
+from typing import Any, NamedTuple, Protocol, Union
+from collections.abc import Callable
 
 import torch
 

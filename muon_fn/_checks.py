@@ -29,7 +29,7 @@ def non_negative(name: str, value: Any) -> None:
     v = _as_float(name, value)
     if v is None:
         return
-    if not v >= 0.0 or math.isinf(v):
+    if not 0.0 <= v or math.isinf(v):
         raise ValueError(f"Invalid {name}: {value} (expected a finite value >= 0)")
 
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping
-from typing import Any, Callable, NamedTuple, Union
+from typing import Any, NamedTuple, Union
+from collections.abc import Callable
 
 import torch
 

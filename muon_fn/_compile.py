@@ -19,7 +19,8 @@ import sys
 import types
 import warnings
 from collections.abc import Hashable, Mapping
-from typing import Any, Callable, Union, cast
+from typing import Any, Union, cast
+from collections.abc import Callable
 
 import torch
 

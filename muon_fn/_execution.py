@@ -38,7 +38,8 @@ rounding.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
+from collections.abc import Iterator
 
 import torch
 

@@ -33,7 +33,8 @@ operator (``muon_fn._sso``).
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple
+from typing import NamedTuple
+from collections.abc import Callable
 
 import torch
 
@@ -128,7 +129,7 @@ class _Search(NamedTuple):
     flo: torch.Tensor  # h(lo)
     fhi: torch.Tensor  # h(hi)
 
-    def record(self, active, lam, f, phi, tol) -> "_Search":
+    def record(self, active, lam, f, phi, tol) -> _Search:
         """This state with the evaluation ``(λ, h, Φ)`` of the ``active`` matrices taken in."""
         better = active & (f.abs() < self.res_best)
         new_lo = active & (f < 0) & (lam > self.lo)

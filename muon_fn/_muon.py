@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable, Sequence
-from typing import Any, Callable, Union
+from typing import Any
+from collections.abc import Callable
 
 import torch
 
@@ -130,7 +131,7 @@ def view_argument(view: View, flatten: bool | None) -> View:
 # Longer than 80 lines only for its Args docstring (the public reference of every option);
 # the code after it is 53 lines.
 def orthogonalize(
-    method: Union[str, Callable[[torch.Tensor], torch.Tensor], None] = None,
+    method: str | Callable[[torch.Tensor], torch.Tensor] | None = None,
     steps: int | None = None,
     *,
     coefficients: Sequence[Sequence[float]] | Sequence[float] | None = None,

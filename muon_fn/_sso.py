@@ -249,8 +249,8 @@ def spectral_sphere(
     return with_info(tx, leafwise=True, scope=MATRIX, final=True, needs_params=True)
 
 
-def _record(collector: Any, cfg: "_Transform", updates, params, state: "SpectralSphereState",
-            new_state: "SpectralSphereState") -> None:
+def _record(collector: Any, cfg: _Transform, updates, params, state: SpectralSphereState,
+            new_state: SpectralSphereState) -> None:
     """Telemetry (:mod:`muon_fn._metrics`): each unit's solve (σ, λ*, |h|, evaluations, fallback),
     the step's ``lr`` and the update scale ``s``, so the effective learning rate is ``lr·s``."""
     for field, name in (("sigma", "sso_sigma"), ("lam", "sso_lambda"), ("residual", "sso_residual"),

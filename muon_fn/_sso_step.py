@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import torch
 
@@ -52,7 +52,7 @@ class Sphere(NamedTuple):
         ).float()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def sphere(key: str) -> Sphere:
     """The :class:`Sphere` of a JSON key of the per-chunk math's options (the options of
     :func:`spectral_sphere` that phases 1–6 read; the fit is computed here, once per key)."""
@@ -77,7 +77,7 @@ STEP_OUTPUTS = ("delta", "v", "lam", "sigma", "residual", "iterations", "fallbac
 
 
 @torch.library.custom_op("muon_fn::spectral_sphere_step", mutates_args=())
-def _sphere_step_op(W: torch.Tensor, M: torch.Tensor, V0: torch.Tensor, lam0: Optional[torch.Tensor],
+def _sphere_step_op(W: torch.Tensor, M: torch.Tensor, V0: torch.Tensor, lam0: torch.Tensor | None,
                     lr: torch.Tensor, key: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                                          torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_sphere_step` as one operator: under ``torch.compile`` it stays one opaque call that

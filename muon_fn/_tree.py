@@ -6,7 +6,8 @@ params keep one structure whether or not every parameter received a gradient.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import optree
 import torch

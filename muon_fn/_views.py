@@ -27,7 +27,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Callable, Union
+from typing import Union
+from collections.abc import Callable
 
 import torch
 
@@ -49,7 +50,7 @@ class Heads:
         return f"heads({', '.join(parts + (['experts=True'] if self.experts else []))})"
 
 
-View = Union[str, Heads, Callable[[torch.Tensor], Union[str, Heads]]]
+View = Union[str, Heads, Callable[[torch.Tensor], str | Heads]]
 
 
 def _blocks(name: str, value) -> Blocks:

@@ -12,8 +12,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, NamedTuple, Sequence
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -101,7 +102,7 @@ def run_checks(checks: dict, rank: int, w: int, out: str) -> None:
         t0 = time.perf_counter()
         try:
             results[name] = {"ok": True, "value": fn()}
-        except Exception:  # noqa: BLE001 - reported to pytest
+        except Exception:  # reported to pytest
             results[name] = {"ok": False, "error": traceback.format_exc(limit=8)}
         print(
             f"[W={w} rank {rank}] {name}: {'ok' if results[name]['ok'] else 'FAIL'} "

@@ -30,12 +30,11 @@ from typing import NamedTuple
 
 import pytest
 import torch
+from _ranks import assert_check, job_results, rank_main
 from torch import nn
 
 import muon_fn as mf
 from muon_fn import _base, _compile, _sso_step
-
-from _ranks import assert_check, job_results, rank_main
 
 COMPILED = {
     "compile": {"backend": "inductor"}
@@ -548,9 +547,9 @@ def _fsdp_check(cls_name: str, compile_option):
 
     def run():
         import torch.distributed as dist
+        from test_fsdp import shard
 
         from muon_fn.fsdp import FSDPMuonOptimizer, FSDPSpectralSphereOptimizer
-        from test_fsdp import shard
 
         cls = {"muon": FSDPMuonOptimizer, "sso": FSDPSpectralSphereOptimizer}[cls_name]
         rank = dist.get_rank()

@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from muon_fn import MuonOptimizer, bench
 from muon_fn import _newton_schulz as O
-from muon_fn.bench import _muon, _replay, _rows, _timing
+from muon_fn.bench import _muon, _replay, _timing
 
 ONE_LAYER = dict(model_size="tiny", layers=1, rounds=1, quality_layers=1, gaussian=False)
 

@@ -15,7 +15,8 @@ import expecttest
 import pytest
 import torch
 import torch.nn as nn
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 import muon_fn as mf
 from muon_fn.fsdp import FSDPMuonOptimizer

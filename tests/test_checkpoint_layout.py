@@ -20,10 +20,10 @@ import json
 import expecttest
 import pytest
 import torch
+from conftest import read_on_cpu, roundtrip
 from torch import nn
 
 import muon_fn as mf
-from conftest import read_on_cpu, roundtrip
 from muon_fn.optim import _layout
 
 # Moe built without a matrix_view on purpose: the guessed view is what gets recorded.

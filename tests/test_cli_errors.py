@@ -511,7 +511,7 @@ def _loop(compiles: bool, monkeypatch, *extra: str) -> tuple[_Bar, _Optimizer]:
         _Scheduler(),
         batcher,
         history,
-        range(0, 2),
+        range(2),
         2,
         args,
         corpus,

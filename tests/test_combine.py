@@ -229,7 +229,7 @@ def test_partition_errors():
 
 @pytest.mark.parametrize("container", ["dict", "list", "nested"])
 def test_design_section_1_snippet(container):
-    import muon_fn as mf  # noqa: F811 (as in the snippet)
+    import muon_fn as mf  # as in the snippet
 
     g = torch.Generator().manual_seed(0)
     shapes = [(16, 32), (32, 16), (8, 4, 3, 3)]

@@ -28,7 +28,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-import _compile_cache_child as child  # noqa: E402
+import _compile_cache_child as child
 
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = (

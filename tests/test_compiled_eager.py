@@ -46,7 +46,7 @@ import muon_fn as mf
 from muon_fn import _verify
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _ranks import assert_check, rank_main, start_job  # noqa: E402
+from _ranks import assert_check, rank_main, start_job
 
 pytestmark = pytest.mark.inductor
 

@@ -29,13 +29,13 @@ import inspect
 import expecttest
 import pytest
 import torch
+from conftest import roundtrip
 from hypothesis import given
 from hypothesis import strategies as st
+from test_compile import _host_reads
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import muon_fn as mf
-from conftest import roundtrip
-from test_compile import _host_reads
 
 # Parameters, gradients and states are compared to the plain loop to this tolerance (fp32), on
 # every device; Muon's fp32 iteration to ``TOL`` of the device (module docstring).

@@ -19,7 +19,6 @@ from typing import NamedTuple
 import pytest
 import torch
 import torch.nn as nn
-
 from _ranks import assert_check, job_runner, run_checks, run_ranks
 
 pytestmark = pytest.mark.distributed

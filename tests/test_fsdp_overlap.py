@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-
 from _ranks import assert_check, job_runner, run_checks, run_ranks
 
 pytestmark = pytest.mark.distributed

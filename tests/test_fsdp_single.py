@@ -19,14 +19,13 @@ import expecttest
 import pytest
 import torch
 import torch.nn as nn
+from conftest import read_on_cpu
+from test_fsdp import full, shard
 
 import muon_fn as mf
-from muon_fn.fsdp import FSDPMuonOptimizer, FSDPSpectralSphereOptimizer
-from muon_fn.fsdp import _phases, _rows
+from muon_fn.fsdp import FSDPMuonOptimizer, FSDPSpectralSphereOptimizer, _phases, _rows
 from muon_fn.fsdp._exchange import first_difference
 from muon_fn.optim._state import Slot
-from test_fsdp import full, shard
-from conftest import read_on_cpu
 
 # FSDP against single-device optimizers, per device. The CPU: bit for bit (the project's
 # contract: there a matrix's result does not depend on its batch mates, muon_fn._execution).
@@ -366,11 +365,13 @@ def test_errors_model_groups_and_options():
     ):
         FSDPMuonOptimizer(model, [{"params": [model.fc1.bias], "use_muon": True}])
     opt = FSDPMuonOptimizer(model)
-    with pytest.raises(
-        ValueError, match=r"unshard_params\(\) needs a model wrapped with fully_shard"
+    with (
+        pytest.raises(
+            ValueError, match=r"unshard_params\(\) needs a model wrapped with fully_shard"
+        ),
+        opt.unshard_params(),
     ):
-        with opt.unshard_params():
-            pass
+        pass
     with pytest.raises(RuntimeError, match="cannot add parameter groups after construction"):
         opt.add_param_group({"params": [nn.Parameter(torch.zeros(2, 2))]})
 

@@ -30,7 +30,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-
 from _ranks import run_checks, run_ranks
 
 pytestmark = pytest.mark.distributed

@@ -18,13 +18,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_examples import _require_extra
 from torch import nn
 
 import muon_fn as mf
 from muon_fn import cli
 from muon_fn.integrations import _common
-
-from test_examples import _require_extra
 
 GROUP_TOTALS = (
     "muon/grad_norm",

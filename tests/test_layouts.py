@@ -16,10 +16,13 @@ import expecttest
 import pytest
 import torch
 import torch.nn as nn
+from test_fsdp_single import (
+    one_rank,  # noqa: F401 (a fixture)
+    set_grads,
+    sharded_twins,
+)
 
 import muon_fn as mf
-from test_fsdp_single import one_rank  # noqa: F401 (a fixture)
-from test_fsdp_single import set_grads, sharded_twins
 
 
 class Net(nn.Module):

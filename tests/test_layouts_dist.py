@@ -29,7 +29,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-
 from _ranks import assert_check, job_runner, rank_main
 from test_fsdp import JOB_TIMEOUT_S, Toy, assert_same, full, make, on_rank0, shard, synthetic_grad
 
@@ -135,14 +134,13 @@ def check_construction(name, cls=Toy):
 
 def tensor_parallel(model: nn.Module) -> nn.Module:
     """``l1`` column-wise and ``l2`` row-wise over every rank (a 1-D tensor-parallel mesh)."""
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
         parallelize_module,
     )
-
-    import torch.distributed as dist
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
     return parallelize_module(model, mesh, {"l1": ColwiseParallel(), "l2": RowwiseParallel()})
@@ -314,8 +312,9 @@ def check_hybrid_accumulation():
     builds (it hands the model on, whose gradient sync the step pauses) and accumulates as one
     process does, bit for bit: the gradients as FSDP2 leaves them (``None`` on a window's first
     micro-batch, the window's sum on its last) against the single-device hybrid's micro-batches."""
-    import muon_fn as mf
     from torch.distributed.tensor import distribute_tensor
+
+    import muon_fn as mf
 
     def reference():
         model = make(Lm)

@@ -27,12 +27,11 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
-
 from test_examples import ROOT, _require_extra, load_example
 
 STEPS = ["--steps", "4", "--epochs", "2", "--batch-size", "1"]

@@ -11,13 +11,12 @@ import warnings
 
 import pytest
 import torch
+from test_compile import _host_reads
 from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import muon_fn as mf
 from muon_fn import _metrics
-
-from test_compile import _host_reads
 
 LR, WD, B2, EPS = 0.02, 0.01, 0.95, 1e-8
 

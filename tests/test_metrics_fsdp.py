@@ -15,7 +15,6 @@ import math
 
 import pytest
 import torch
-
 from _ranks import assert_check, job_runner, rank_main
 from test_fsdp import JOB_TIMEOUT_S, Experts, Toy, make, muon_kwargs, shard, train
 

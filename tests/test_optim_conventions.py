@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import copy
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
+from conftest import roundtrip
 from torch import nn
 from torch.optim.lr_scheduler import OneCycleLR, ReduceLROnPlateau, StepLR
 from torch.optim.optimizer import (
@@ -28,7 +30,6 @@ from torch.optim.optimizer import (
 )
 
 import muon_fn as mf
-from conftest import roundtrip
 
 
 class Net(nn.Module):
@@ -129,7 +130,7 @@ COMMON_ERRORS = [
         "params argument given to the optimizer should be an iterable of Tensors or dicts",
         params=_P,
     ),
-    ErrorInput("empty", {}, ValueError, "optimizer got an empty parameter list", params=lambda: []),
+    ErrorInput("empty", {}, ValueError, "optimizer got an empty parameter list", params=list),
     ErrorInput(
         "duplicate across groups",
         {},

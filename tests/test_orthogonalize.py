@@ -48,14 +48,13 @@ import math
 import expecttest
 import pytest
 import torch
+from conftest import lane_examples
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import muon_fn
 from muon_fn import _newton_schulz as orth
 from muon_fn._newton_schulz import coefficient_schedule, newton_schulz
-
-from conftest import lane_examples
 
 METHODS4 = ("polar_express", "quintic", "you", "cubic")
 
@@ -917,7 +916,7 @@ def test_batched_operator_result_does_not_depend_on_batch_mates(m, n, method, bf
         batch,
         schedule,
         dtype=dtype,
-        eps=1e-7,  # noqa: E731
+        eps=1e-7,
         norm_scale=orth.norm_scale(method),
     )
     alone = run([xs[2]])[0]

@@ -32,13 +32,12 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from conftest import lane_examples
 from hypothesis import given
 from hypothesis import strategies as st
 
 import muon_fn as mf
 from muon_fn._train.model import GPT, GPTConfig
-
-from conftest import lane_examples
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = {
@@ -306,7 +305,7 @@ def test_fused_qkv_grouped_query(device):
     after = mf.max_attention_logits(q, k, causal=True)
     assert (after <= TAU * (1 + rounding(device))).all(), after
     w = attn.qkv.weight.detach()
-    unchanged = list(range(0, 4)) + list(range(8, 24)) + list(range(28, 32)) + list(range(32, 40))
+    unchanged = list(range(4)) + list(range(8, 24)) + list(range(28, 32)) + list(range(32, 40))
     assert torch.equal(w[unchanged], before[unchanged])  # q heads 0, 2..5, k head 1, all of V
     f = mf.qk_clip_factors(S, TAU, 2)
     assert torch.equal(w[4:8], before[4:8] * f.q[1]) and torch.equal(
@@ -505,7 +504,7 @@ class TestErrors(expecttest.TestCase):
         self.assertExpectedInline(
             self.message(lambda: mf.QKClip([heads._replace(head_dim=6)], TAU)),
             """QKClip layer 0 (FusedGQA): parameter 'qkv.weight' of shape (40, 24) cannot hold 2 heads of 6 rows from row 36 (needs a matrix of at least 48 rows)""",
-        )  # noqa: E501
+        )
         self.assertExpectedInline(
             self.message(lambda: mf.QKClip([heads._replace(q="query.weight")], TAU)),
             """QKClip layer 0 (FusedGQA): FusedGQA has no parameter 'query.weight'""",
@@ -517,7 +516,7 @@ class TestErrors(expecttest.TestCase):
         self.assertExpectedInline(
             self.message(lambda: mf.QKClip(nn.Linear(2, 2), TAU)),
             """QKClip found no attention layers in Linear: define qk_clip_heads() on its attention modules, or pass AttentionHeads(...)""",
-        )  # noqa: E501
+        )
         attn.max_logits = torch.zeros(3)
         self.assertExpectedInline(
             self.message(lambda: mf.QKClip(attn, TAU)),
@@ -533,7 +532,7 @@ class TestErrors(expecttest.TestCase):
         self.assertExpectedInline(
             self.message(lambda: mf.MuonOptimizer(matrices, qk_clip=clip)),
             """qk_clip: CausalSelfAttention.k.weight is not a parameter of this MuonOptimizer (QKClip must see the parameters the optimizer updates; build it after fully_shard)""",
-        )  # noqa: E501
+        )
         self.assertExpectedInline(
             self.message(lambda: mf.MuonOptimizer(model.parameters(), qk_clip=100.0), TypeError),
             """qk_clip must be a muon_fn.QKClip or None, got float""",
@@ -631,7 +630,7 @@ def _worker(rank: int, w: int, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=w, timeout=timedelta(seconds=60))
     try:
         result = {"ok": True, "value": _run_fsdp(w)}
-    except Exception:  # noqa: BLE001 - reported to pytest
+    except Exception:  # reported to pytest
         result = {"ok": False, "error": traceback.format_exc(limit=8)}
     gathered = [None] * w
     dist.all_gather_object(gathered, result)

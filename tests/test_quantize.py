@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import roundtrip
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -13,8 +14,6 @@ import muon_fn as mf
 from muon_fn import _quantize as Q
 from muon_fn import _tree
 from muon_fn.optim import from_torch_state_dict, to_torch_state_dict
-
-from conftest import roundtrip
 
 # (mantissa bits, octaves) of the small-float formats, as the module defines them.
 FLOATS = {(Q.UNSIGNED, 16): (10, 31), (Q.UNSIGNED, 8): (3, 31), (Q.UNSIGNED, 4): (0, 14)}
@@ -559,8 +558,7 @@ def test_state_bytes_targets():
     assert muon(8) / muon(32) <= 0.27 and muon(4) / muon(32) <= 0.15
     adamw_shapes = [(vocab, d), (1024, d)] + [(d,)] * (12 * 13 + 2)
     adam = lambda bits: sum(
-        Q.nbytes(s, bits, Q.LINEAR) + Q.nbytes(s, bits, Q.UNSIGNED) + 4  # noqa: E731
-        for s in adamw_shapes
+        Q.nbytes(s, bits, Q.LINEAR) + Q.nbytes(s, bits, Q.UNSIGNED) + 4 for s in adamw_shapes
     )
     assert (muon(8) + adam(8)) / (muon(32) + adam(32)) <= 0.30
     model, opt = hybrid(8)

@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import lane_examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from muon_fn import _newton_schulz as O
 from muon_fn import bench
-
-from conftest import lane_examples
 
 TOL = {  # max-abs of the transpose checks (module docstring)
     "cpu": {"aol_transpose": 1e-5, "aol9_transpose64": 1e-6},

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from _ranks import assert_check, job_runner, run_checks, run_ranks
 from test_fsdp import (
     JOB_TIMEOUT_S,

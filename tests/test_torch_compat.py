@@ -33,12 +33,11 @@ import inspect
 import expecttest
 import pytest
 import torch
+from conftest import read_on_cpu
 from torch import nn
 
 import muon_fn as mf
 from muon_fn.optim import from_torch_state_dict, to_torch_state_dict
-
-from conftest import read_on_cpu
 
 KELLER = (3.4445, -4.775, 2.0315)
 TOL = {

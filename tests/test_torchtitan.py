@@ -23,7 +23,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-
 from _ranks import assert_check, job_runner, rank_main
 from test_fsdp import JOB_TIMEOUT_S, assert_same, make, on_rank0
 from test_fsdp_single import one_rank  # noqa: F401 (a fixture)
@@ -311,7 +310,7 @@ def test_llama3_roles(capsys):
     assert rows == {
         "tok_embeddings.weight": "embedding",
         "lm_head.weight": "output head",
-        **{n: "1-D" for n in norms},
+        **dict.fromkeys(norms, "1-D"),
     }
     hybrid = mf.create_hybrid_optimizer(model, compile=False).split
     assert sorted(split.muon) == sorted(hybrid.muon) and sorted(split.adamw) == sorted(hybrid.adamw)

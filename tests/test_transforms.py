@@ -20,14 +20,13 @@ import math
 import optree
 import pytest
 import torch
+from conftest import lane_examples
 from hypothesis import given
 from hypothesis import strategies as st
 
 import muon_fn as mf
 from muon_fn import _tree
 from muon_fn._newton_schulz import newton_schulz
-
-from conftest import lane_examples
 
 TOL = {
     "cpu": {"ns": 2e-5},
@@ -196,7 +195,7 @@ def test_update_does_not_mutate_inputs(device, name):
     tx.update(grads, state, params)
     for original, copy in zip((grads, state, params), copies):
         for a, b in zip(_tree.tree_leaves(original), _tree.tree_leaves(copy)):
-            assert a is None and b is None or torch.equal(a, b)
+            assert (a is None and b is None) or torch.equal(a, b)
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from _ranks import assert_check, job_runner, rank_main
 from test_fsdp import JOB_TIMEOUT_S, Pair, check_parity, make, muon_kwargs, shard, train
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import muon_fn as mf
-from muon_fn import _compile, _verify
+from muon_fn import _verify
 
 
 def corrupting(value: float = float("nan")):

@@ -10,7 +10,7 @@ them, mirrored (:func:`half_blocks`: 3/4 of the FLOPs, in plain batched GEMMs in
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -17,7 +17,7 @@ import functools
 import math
 import platform
 import threading
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -82,7 +82,7 @@ def _amx_dtypes() -> frozenset[torch.dtype]:
     return frozenset(dt for dt, name in probe.items() if getattr(cpu, name, lambda: False)())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _symmetric_blocks(m: int, min_block: int) -> tuple[tuple[slice, slice, bool], ...]:
     """The blocks ``(rows, cols, mirrored)`` computed for a symmetric ``m × m`` product split
     recursively 2×2 while halves keep ``min_block`` rows: the diagonal leaves, then each corner
@@ -146,7 +146,7 @@ class CPUProducts(Products):
             if self.buffers[key].numel() > 2 * need:
                 del self.buffers[key]
 
-    def without_scratch(self) -> "CPUProducts":
+    def without_scratch(self) -> CPUProducts:
         return self if self.buffers is None else CPUProducts(self.policy)
 
     def product(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,

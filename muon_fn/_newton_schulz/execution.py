@@ -13,13 +13,12 @@ products, schedules.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 from .. import _checks, _execution
 from . import batched, cpu, iteration
-from .iteration import wide_shape
 from .products import Buffers, Products
 from .schedules import GRAM_RESTARTS, Coefficients, Schedule, check_dtype, coefficient_schedule
 from .schedules import norm_scale as method_norm_scale

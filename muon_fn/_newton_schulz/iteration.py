@@ -17,7 +17,7 @@ this module imports no execution module.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

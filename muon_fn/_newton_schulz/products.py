@@ -11,7 +11,7 @@ iteration, imports no execution module (the execution modules import it).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -59,7 +59,7 @@ class Products:
         del role, shape, like
         return None
 
-    def without_scratch(self) -> "Products":
+    def without_scratch(self) -> Products:
         """These products with fresh outputs only (for callers that hold products across calls)."""
         return self
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import itertools
 import numbers
-from typing import Callable, Sequence, Union
+from typing import Union
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -136,7 +137,7 @@ class Schedule(tuple):
     fold_from: int | None = None
 
     def __new__(cls, rows: Sequence[Coefficients], *, precondition: str = "frobenius",
-                form: str = "standard", fold_from: int | None = None) -> "Schedule":
+                form: str = "standard", fold_from: int | None = None) -> Schedule:
         _checks.one_of("precondition", precondition, PRECONDITIONERS)
         _checks.one_of("form", form, FORMS)
         if fold_from is not None and (isinstance(fold_from, bool) or not isinstance(fold_from, int) or fold_from < 0):

@@ -19,7 +19,8 @@ import argparse
 import json
 import os
 import sys
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from .. import _newton_schulz
 from .._argtypes import device_arg, float_arg, int_arg

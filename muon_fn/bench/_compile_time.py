@@ -26,7 +26,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import torch
 

@@ -50,7 +50,8 @@ import ctypes.util
 import gc
 import os
 import sys
-from typing import Any, Callable, Iterator
+from typing import Any
+from collections.abc import Callable, Iterator
 
 import torch
 

@@ -46,7 +46,8 @@ import os
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 import torch
 

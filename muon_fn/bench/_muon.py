@@ -11,7 +11,8 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from typing import Any, Callable, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 import torch
 

@@ -8,7 +8,8 @@ CPU (σ to about 1e-6, far below the differences measured).
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, NamedTuple, Optional
+from typing import NamedTuple
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -22,7 +23,7 @@ class Ortho(NamedTuple):
     """An orthogonalization whose quality is measured."""
 
     method: str  # a newton_schulz method, or TORCH
-    steps: Optional[int]  # None: the method's default count
+    steps: int | None  # None: the method's default count
     dtype: torch.dtype  # iteration dtype (TORCH: bf16)
 
 

@@ -4,7 +4,7 @@ a step that orthogonalizes with it)."""
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -14,7 +14,7 @@ from ..optim._adapter import buckets
 AUTO = "auto"  # bucket_size: the optimizers' buckets (the device policy's count and byte bound)
 
 
-def replay(params: Sequence[torch.Tensor], method: str, steps: int | None, *, bucket_size: int | None | str,
+def replay(params: Sequence[torch.Tensor], method: str, steps: int | None, *, bucket_size: int | str | None,
            dtype: torch.dtype | None = None) -> Callable[[], None]:
     """A function running the GEMMs of ``method``'s schedule on ``params``' shapes, in ``dtype``
     (default: the device's compute dtype, as the optimizer picks it), through
@@ -63,7 +63,7 @@ def replay(params: Sequence[torch.Tensor], method: str, steps: int | None, *, bu
     return run
 
 
-def _buckets(params: Sequence[torch.Tensor], bucket_size: int | None | str) -> list[tuple[int, ...]]:
+def _buckets(params: Sequence[torch.Tensor], bucket_size: int | str | None) -> list[tuple[int, ...]]:
     """Positions of ``params`` in the replay's buckets (:func:`replay`'s ``bucket_size``): with
     :data:`AUTO`, the optimizers' own rule (:func:`muon_fn.optim._adapter.buckets` cut by
     :func:`muon_fn._execution.bucket_limit`)."""

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import functools
 
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -26,11 +27,11 @@ class Row(NamedTuple):
     """A timed row."""
 
     build: Callable[[Any, float], Built]  # (params with .grad set, lr); a model row: (the model, lr)
-    method: Optional[str]  # orthogonalization method (TORCH: torch's own), None for AdamW
-    steps: Optional[int]  # None: the method's default count
-    dtype: Optional[torch.dtype]  # iteration dtype; None: the device's compute dtype
-    own_replay: Optional[str]  # the replay row running the same GEMMs
-    compile: Optional[bool]  # a muon_fn row's compile option (None: not a muon_fn row)
+    method: str | None  # orthogonalization method (TORCH: torch's own), None for AdamW
+    steps: int | None  # None: the method's default count
+    dtype: torch.dtype | None  # iteration dtype; None: the device's compute dtype
+    own_replay: str | None  # the replay row running the same GEMMs
+    compile: bool | None  # a muon_fn row's compile option (None: not a muon_fn row)
     peers: tuple[str, ...] = ()  # rows this one is compared with (ratio_to_peers), the first in the table
     model: bool = False  # built on the set's GPT model (gradients set), not on its matrices
 
@@ -141,7 +142,7 @@ def _torch_muon_adamw(model: torch.nn.Module, lr: float) -> Built:
     return pair, pair.step
 
 
-def _replay(method: str, steps: int | None, bucket_size: int | None | str = AUTO,
+def _replay(method: str, steps: int | None, bucket_size: int | str | None = AUTO,
             dtype: torch.dtype | None = None) -> Callable[[list[torch.Tensor], float], Built]:
     def build(params: list[torch.Tensor], lr: float) -> Built:
         return None, replay(params, method, steps, bucket_size=bucket_size, dtype=dtype)

@@ -27,7 +27,8 @@ from __future__ import annotations
 import statistics
 import time
 from collections import Counter
-from typing import Any, Callable, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -135,8 +136,8 @@ class _SolverStats:
 
     def __init__(self, rows: list[str], sigma: bool) -> None:
         self.hist = {r: Counter() for r in rows}
-        self.residual_max = {r: 0.0 for r in rows}
-        self.fallbacks = {r: 0 for r in rows}
+        self.residual_max = dict.fromkeys(rows, 0.0)
+        self.fallbacks = dict.fromkeys(rows, 0)
         self.sigma_error: dict[str, list[float]] | None = {r: [] for r in rows} if sigma else None
         self.exact: list[float] = []
 

@@ -10,7 +10,8 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Iterator, Sequence, Union
+from typing import Any, Union
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -71,7 +72,7 @@ def paired_rounds(rows: Sequence[str], step: Callable[[str], None], rounds: int,
     return times
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def default_threads() -> int:
     """The thread count torch picks when ``OMP_NUM_THREADS`` is unset (its physical cores), asked
     of a fresh interpreter, since this process's count may have been set already."""

@@ -24,7 +24,8 @@ import hashlib
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist

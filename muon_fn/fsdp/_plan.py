@@ -24,7 +24,7 @@ import functools
 import heapq
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from collections.abc import Sequence
 
 from .. import _views
 from .._newton_schulz import gemm_flops

@@ -9,7 +9,7 @@ table from code.
 from __future__ import annotations
 
 import argparse
-from typing import Sequence
+from collections.abc import Sequence
 
 from .._argtypes import float_arg, int_arg
 from .._quantize import STATE_BITS

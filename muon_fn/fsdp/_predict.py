@@ -44,7 +44,8 @@ import bisect
 import functools
 import math
 from dataclasses import dataclass
-from typing import Iterable, NamedTuple, Sequence
+from typing import NamedTuple
+from collections.abc import Iterable, Sequence
 
 from .. import _quantize, _views
 from .._muon import group_by

@@ -12,7 +12,8 @@ its new value, and the adapter shares it after the exchange. Everything travels 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
+from collections.abc import Sequence
 
 import torch
 

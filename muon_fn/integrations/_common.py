@@ -9,7 +9,8 @@ describe), so the reader costs nothing on an unmeasured step; on a measured one 
 from __future__ import annotations
 
 import fnmatch
-from typing import Any, Iterable, Sequence
+from typing import Any
+from collections.abc import Iterable, Sequence
 
 
 def unwrap(optimizer: Any) -> Any:

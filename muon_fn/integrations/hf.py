@@ -34,7 +34,8 @@ Needs the ``hf`` extra (``pip install 'muon-fn[hf]'``).
 from __future__ import annotations
 
 import warnings
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from ._common import Reader, no_measuring_hint
 

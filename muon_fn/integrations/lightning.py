@@ -17,7 +17,8 @@ extra (``pip install 'muon-fn[lightning]'``); ``pytorch_lightning`` works too.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from ._common import Reader, no_measuring_hint
 

@@ -43,7 +43,8 @@ Needs torchtitan (``pip install torchtitan``); importing this module imports it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from torch import nn
 from torchtitan.components.optimizer import OptimizersContainer

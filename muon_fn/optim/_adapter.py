@@ -23,7 +23,7 @@ Every algorithm (Muon, the hybrid, NorMuon, SSO, AdamW) is a transform run throu
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, NamedTuple, Union
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -59,7 +59,7 @@ BUCKET_SIZE = _execution.CPU.bucket_size
 of them) share one compiled call; on GPUs the default is 16."""
 
 
-def buckets(params: list[torch.Tensor], size: int | None | Callable[..., int]) -> list[tuple[int, ...]]:
+def buckets(params: list[torch.Tensor], size: int | Callable[..., int] | None) -> list[tuple[int, ...]]:
     """Positions of ``params`` in buckets of parameters of one shape, dtype and device, at most
     ``size`` of them (a function ``size(same_shape, params)``; ``None``: the whole group is one
     bucket)."""
@@ -236,7 +236,7 @@ class Optimizer(Checkpointing, Placed, StagedStep, Telemetry, torch.optim.Optimi
     def __init__(
         self,
         params: Iterable[Any],
-        tx_or_factory: Union[GradientTransformation, Factory],
+        tx_or_factory: GradientTransformation | Factory,
         defaults: Mapping[str, Any] | None = None,
         *,
         gradient_accumulation_steps: int = 1,
@@ -258,7 +258,7 @@ class Optimizer(Checkpointing, Placed, StagedStep, Telemetry, torch.optim.Optimi
         self.atomic, self.verify = atomic, verify
         self._metrics_every, self._applied_steps = check_metrics(metrics), 0
         if isinstance(tx_or_factory, GradientTransformation):
-            self._factory: Factory = lambda hyper, _tx=tx_or_factory: _tx  # noqa: E731
+            self._factory: Factory = lambda hyper, _tx=tx_or_factory: _tx
         elif callable(tx_or_factory):
             self._factory = tx_or_factory
         else:

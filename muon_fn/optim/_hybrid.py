@@ -141,7 +141,7 @@ class HybridSplit:
             return sum(int(torch.Size(s).numel()) for _, s, _ in rows)
 
         def rows(entries, note=lambda s: ""):
-            return [f"  {n:<40} {str(s):<20} {r}{note(s)}{', frozen' if n in self.frozen else ''}"
+            return [f"  {n:<40} {s!s:<20} {r}{note(s)}{', frozen' if n in self.frozen else ''}"
                     for n, s, r in entries]
 
         muon_wd, adamw_wd = self.muon_weight_decay, self.adamw_weight_decay

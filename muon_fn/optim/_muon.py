@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable, Mapping
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 

@@ -157,7 +157,7 @@ class SpectralSphereOptimizer(HybridOptimizer):
 
     @classmethod
     def from_model(cls, model: nn.Module, lr: float = 0.02, adamw_lr: float = 1e-3,
-                   adamw_weight_decay: float = 0.01, **kwargs: Any) -> "SpectralSphereOptimizer":
+                   adamw_weight_decay: float = 0.01, **kwargs: Any) -> SpectralSphereOptimizer:
         """Hidden matrices → SSO, embeddings / output head / 0-/1-D → AdamW, one optimizer:
         :func:`muon_fn.create_hybrid_optimizer` with ``optimizer_cls=SpectralSphereOptimizer``
         (the split is kept as ``optimizer.split``)."""

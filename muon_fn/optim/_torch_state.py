@@ -72,7 +72,7 @@ def foreign_optimizer(state_dict: dict[str, Any]) -> str | None:
         return None
     entries = [e for e in state_dict["state"].values() if isinstance(e, dict) and e]
     moments = all({"exp_avg", "exp_avg_sq"} <= set(e) for e in entries)
-    if entries and moments or not entries and groups and all("betas" in g for g in groups):
+    if (entries and moments) or (not entries and groups and all("betas" in g for g in groups)):
         coupled = any(g.get("decoupled_weight_decay") is False for g in groups)
         return f"a torch.optim.{'Adam' if coupled else 'AdamW'} state_dict (its state holds exp_avg and exp_avg_sq)"
     if groups and all(set(TORCH_MUON_KEYS) <= set(g) for g in groups):

@@ -20,7 +20,8 @@ import os
 import sys
 import warnings
 from collections.abc import Mapping
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 from torch import nn
