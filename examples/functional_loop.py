@@ -8,8 +8,10 @@ The learning rates are 0-d tensors closed over by the transform and changed in p
 (``lr.fill_(...)``), so the compiled update is traced once and never recompiles while the
 schedule moves.
 
-    python examples/functional_loop.py                          # 30 steps, inductor (first step compiles: ~1 min on a CPU)
+    python examples/functional_loop.py                            # 30 steps, inductor
     python examples/functional_loop.py --steps 3 --backend eager  # what the tests run
+
+With inductor the first step compiles (about a minute on a CPU).
 """
 
 import argparse

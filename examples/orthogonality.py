@@ -58,7 +58,7 @@ def main(argv=None) -> int:
                     lo, hi, rms = measure(G, method, steps, dtype)
                     name = str(dtype).replace("torch.", "")
                     print(
-                        f"{'x'.join(map(str, shape)):<10} {method:<14} {steps:>5} {name:<9} {lo:7.4f} {hi:7.4f} {rms:9.4f}"
+                        f"{'x'.join(map(str, shape)):<10} {method:<14} {steps:>5} {name:<9} {lo:7.4f} {hi:7.4f} {rms:9.4f}"  # noqa: E501
                     )
     return 0
 

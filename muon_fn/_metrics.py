@@ -251,7 +251,7 @@ def with_metrics(tx: Any, *, view: Any = "flatten") -> Any:
     | ``row_scale_range`` | NorMuon: the largest over the smallest row divisor ``√v + eps`` of the unit |
     | ``sso_sigma``, ``sso_lambda``, ``sso_residual``, ``sso_iterations``, ``sso_fallback`` | SSO: σ(W) before the retraction, λ*, the tangency error abs(h(λ*)), msign evaluations, whether λ fell back to 0 |
 
-    The cost is a few fused reductions per matrix and ``2·8·m·n`` FLOPs for the residual."""
+    The cost is a few fused reductions per matrix and ``2·8·m·n`` FLOPs for the residual."""  # noqa: E501  (a table's rows)
     from ._base import GradientTransformation, info, named, with_info
 
     def init(params):

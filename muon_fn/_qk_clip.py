@@ -214,7 +214,8 @@ class QKClip:
         for layer, s in zip(self.layers, logits):
             f = qk_clip_factors(s, self.tau, layer.n_kv_head)
             cq, ck = (f.q_clipped, f.k_clipped) if enabled is None else (f.q_clipped & enabled, f.k_clipped & enabled)
-            for name, first, factor, clipped in ((layer.q, layer.q_row, f.q, cq), (layer.k, layer.k_first_row, f.k, ck)):
+            for name, first, factor, clipped in ((layer.q, layer.q_row, f.q, cq),
+                                                 (layer.k, layer.k_first_row, f.k, ck)):
                 w, start = rows(layer.module.get_parameter(name))
                 w.copy_(scale_head_rows(w, start, first, layer.head_dim, factor, clipped))
             s.fill_(-math.inf)

@@ -6,9 +6,9 @@ Each case compiles one update twice in a row, each time with another value of on
 hyperparameter (``ROUND`` "first": values 0 then 1 of its three; "second": 2 then 0), and this
 writes to ``OUT`` (JSON), per case and value, the compiled update's distance from eager,
 ``max|compiled − eager| / max|eager|`` over the update of a state one eager step old (a transform)
-or over two steps (an optimizer), and the AOTAutograd cache's hits and misses. The caller runs both rounds in two processes that
-share one ``TORCHINDUCTOR_CACHE_DIR``. Inputs are drawn on the CPU and moved to ``DEVICE``.
-Everything runs in float64, the iteration too (the
+or over two steps (an optimizer), and the AOTAutograd cache's hits and misses. The caller runs
+both rounds in two processes that share one ``TORCHINDUCTOR_CACHE_DIR``. Inputs are drawn on the
+CPU and moved to ``DEVICE``. Everything runs in float64, the iteration too (the
 transforms' fp32 step counters and NorMuon's fp32 second moment round at about 1e-7), so a stale
 constant shows as an error of order one.
 

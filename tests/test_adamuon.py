@@ -560,7 +560,7 @@ chain(
         )
         self.assertExpectedInline(
             str(shown),
-            """(MomentumState(mu={'w': '(8, 4) bfloat16', 'conv': '(4, 2, 3, 3) float32'}), EmptyState(), EmptyState(), ScaleBySecondMomentState(nu={'w': '(8, 4) float32', 'conv': '(4, 2, 3, 3) float32'}), EmptyState(), EmptyState(), EmptyState(), EmptyState())""",
+            """(MomentumState(mu={'w': '(8, 4) bfloat16', 'conv': '(4, 2, 3, 3) float32'}), EmptyState(), EmptyState(), ScaleBySecondMomentState(nu={'w': '(8, 4) float32', 'conv': '(4, 2, 3, 3) float32'}), EmptyState(), EmptyState(), EmptyState(), EmptyState())""",  # noqa: E501
         )
 
     def test_split(self):
@@ -598,7 +598,7 @@ chain(
         )
         self.assertExpectedInline(
             msg(mf.align_rms().update, [torch.zeros(3)], ()),
-            """align_rms only supports matrices (ndim >= 2) whereas we found a leaf with size: (3,). Route 0-/1-D parameters (biases, norms) to another transform with muon_fn.partition, e.g. muon_fn.hybrid(...), or use muon_fn.MuonOptimizer / muon_fn.create_hybrid_optimizer, which do this for you.""",
+            """align_rms only supports matrices (ndim >= 2) whereas we found a leaf with size: (3,). Route 0-/1-D parameters (biases, norms) to another transform with muon_fn.partition, e.g. muon_fn.hybrid(...), or use muon_fn.MuonOptimizer / muon_fn.create_hybrid_optimizer, which do this for you.""",  # noqa: E501
         )
         self.assertExpectedInline(
             msg(mf.adamuon, beta2=-0.1), """Invalid beta2: -0.1 (expected 0 <= beta2 < 1)"""
@@ -623,11 +623,11 @@ chain(
         )
         self.assertExpectedInline(
             msg(mf.muon, beta2=0.95, adamuon_beta2=0.95),
-            """beta2=0.95 (NorMuon) and adamuon_beta2=0.95 (AdaMuon) both normalize the orthogonalized update; pass one of them (the other None)""",
+            """beta2=0.95 (NorMuon) and adamuon_beta2=0.95 (AdaMuon) both normalize the orthogonalized update; pass one of them (the other None)""",  # noqa: E501
         )
         self.assertExpectedInline(
             msg(mf.normuon, adamuon_beta2=0.9),
-            """beta2=0.95 (NorMuon) and adamuon_beta2=0.9 (AdaMuon) both normalize the orthogonalized update; pass one of them (the other None)""",
+            """beta2=0.95 (NorMuon) and adamuon_beta2=0.9 (AdaMuon) both normalize the orthogonalized update; pass one of them (the other None)""",  # noqa: E501
         )
         self.assertExpectedInline(
             msg(mf.MuonOptimizer, p, adamuon_beta2=1.0),
@@ -643,9 +643,9 @@ chain(
         )
         self.assertExpectedInline(
             msg(mf.MuonOptimizer, p, beta2=0.95, adamuon_beta2=0.9),
-            """beta2=0.95 (NorMuon) and adamuon_beta2=0.9 (AdaMuon) both normalize the orthogonalized update; pass one of them (the other None)""",
+            """beta2=0.95 (NorMuon) and adamuon_beta2=0.9 (AdaMuon) both normalize the orthogonalized update; pass one of them (the other None)""",  # noqa: E501
         )
         self.assertExpectedInline(
             msg(FSDPMuonOptimizer, nn.Linear(2, 2), beta2=0.95, adamuon_beta2=0.9),
-            """beta2=0.95 (NorMuon) and adamuon_beta2=0.9 (AdaMuon) both normalize the orthogonalized update; pass one of them (the other None)""",
+            """beta2=0.95 (NorMuon) and adamuon_beta2=0.9 (AdaMuon) both normalize the orthogonalized update; pass one of them (the other None)""",  # noqa: E501
         )

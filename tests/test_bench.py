@@ -520,7 +520,7 @@ def test_elementwise_rows_report_paired_ratios_to_their_torch_peers(tmp_path, ca
         ),
         (
             ["--memory", "--model-size", "llama3-1b", "--layers", "1", "--rows", "hybrid"],
-            "Invalid row: 'hybrid' on llama3-1b (a model row runs on the GPT model of a gpt set: ['gpt2-small', 'tiny'])",
+            "Invalid row: 'hybrid' on llama3-1b (a model row runs on the GPT model of a gpt set: ['gpt2-small', 'tiny'])",  # noqa: E501
         ),
     ],
 )
@@ -735,7 +735,7 @@ ratio                     median     min     max  per round
 muon_same/muon             3.790   3.490   3.850  3.490 3.850
 sso/muon                   5.020   4.590   5.160  4.590 5.160
 sso/muon_same              1.323   1.304   1.342  1.304 1.342
-sso: msigns per matrix-step {1: 143, 2: 1} (mean 1.01), max |h| 1.1e-05, fallbacks 0, σ estimate rel. error max 2.5e-07""",
+sso: msigns per matrix-step {1: 143, 2: 1} (mean 1.01), max |h| 1.1e-05, fallbacks 0, σ estimate rel. error max 2.5e-07""",  # noqa: E501
         )
 
 

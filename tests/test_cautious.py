@@ -341,7 +341,7 @@ NorMuon: 1 tensors, 32 parameters; cautious weight decay 0.01
 AdamW: 3 tensors, 128 parameters; cautious weight decay 0.1 on ndim >= 2, none on 0-/1-D (adamw_decay_1d=True decays every tensor)
   emb.weight                               (10, 4)              embedding
   hidden.bias                              (8,)                 1-D, no weight decay
-  out.weight                               (10, 8)              output head""",
+  out.weight                               (10, 8)              output head""",  # noqa: E501
         )
         self.assertExpectedInline(
             opt.describe(),

@@ -139,7 +139,7 @@ class TestRefused(expecttest.TestCase):
         self.assertExpectedInline(
             message(lambda: opt.load_state_dict(sd)),
             """\
-loaded state dict contains a parameter group that doesn't match optimizer's group 0: parameter 0 is 'a.weight' of shape (6, 6) in the state dict but 'b.weight' of shape (6, 6) in this optimizer; the state_dict comes from a different model layout""",
+loaded state dict contains a parameter group that doesn't match optimizer's group 0: parameter 0 is 'a.weight' of shape (6, 6) in the state dict but 'b.weight' of shape (6, 6) in this optimizer; the state_dict comes from a different model layout""",  # noqa: E501
         )
         assert_unchanged(opt, snap)
         step(model, opt, 5)  # still usable
@@ -151,7 +151,7 @@ loaded state dict contains a parameter group that doesn't match optimizer's grou
         self.assertExpectedInline(
             message(lambda: opt.load_state_dict(sd)),
             """\
-loaded state dict contains a parameter group that doesn't match optimizer's group 0: parameter 1 is 'b.weight' of shape (6, 6) in the state dict but 'c.weight' of shape (6, 6) in this optimizer; the state_dict comes from a different model layout""",
+loaded state dict contains a parameter group that doesn't match optimizer's group 0: parameter 1 is 'b.weight' of shape (6, 6) in the state dict but 'c.weight' of shape (6, 6) in this optimizer; the state_dict comes from a different model layout""",  # noqa: E501
         )
         assert_unchanged(opt, snap)
 
@@ -163,7 +163,7 @@ loaded state dict contains a parameter group that doesn't match optimizer's grou
         self.assertExpectedInline(
             message(lambda: opt.load_state_dict(sd)),
             """\
-loaded state dict contains a parameter group that doesn't match optimizer's group 0: parameter 0 is 'weight' of shape (3, 4) in the state dict but 'weight' of shape (4, 3) in this optimizer; the state_dict comes from a different model layout""",
+loaded state dict contains a parameter group that doesn't match optimizer's group 0: parameter 0 is 'weight' of shape (3, 4) in the state dict but 'weight' of shape (4, 3) in this optimizer; the state_dict comes from a different model layout""",  # noqa: E501
         )
         assert_unchanged(opt, snap)
 
@@ -177,7 +177,7 @@ loaded state dict contains a parameter group that doesn't match optimizer's grou
         self.assertExpectedInline(
             message(lambda: opt.load_state_dict(sd)),
             """\
-loaded state dict contains a parameter group that doesn't match optimizer's group 0: parameter 0 is 'experts' of shape (3, 4, 5) with view 'flatten' in the state dict but 'experts' of shape (3, 4, 5) with view 'experts' in this optimizer; the state_dict comes from a different model layout""",
+loaded state dict contains a parameter group that doesn't match optimizer's group 0: parameter 0 is 'experts' of shape (3, 4, 5) with view 'flatten' in the state dict but 'experts' of shape (3, 4, 5) with view 'experts' in this optimizer; the state_dict comes from a different model layout""",  # noqa: E501
         )
         assert_unchanged(opt, snap)
 
@@ -201,7 +201,7 @@ loaded state dict contains a parameter group that doesn't match optimizer's grou
         self.assertExpectedInline(
             message(lambda: opt.load_state_dict(live)),
             """\
-loaded state dict contains a parameter group that doesn't match optimizer's group 0: parameter 0 is 'experts' of shape (3, 4, 5) with view 'flatten' in the state dict but 'experts' of shape (3, 4, 5) with view 'experts' in this optimizer; the state_dict comes from a different model layout. The loader had already written this state_dict's state into the optimizer's own state tensors (torch.distributed.checkpoint loads in place into what get_optimizer_state_dict returned), so the optimizer's state is the refused checkpoint's now: build the optimizer again before stepping (the parameters are unchanged)""",
+loaded state dict contains a parameter group that doesn't match optimizer's group 0: parameter 0 is 'experts' of shape (3, 4, 5) with view 'flatten' in the state dict but 'experts' of shape (3, 4, 5) with view 'experts' in this optimizer; the state_dict comes from a different model layout. The loader had already written this state_dict's state into the optimizer's own state tensors (torch.distributed.checkpoint loads in place into what get_optimizer_state_dict returned), so the optimizer's state is the refused checkpoint's now: build the optimizer again before stepping (the parameters are unchanged)""",  # noqa: E501
         )
 
     def test_group_of_another_size_in_torchs_words(self):
@@ -210,7 +210,7 @@ loaded state dict contains a parameter group that doesn't match optimizer's grou
         self.assertExpectedInline(
             message(lambda: opt.load_state_dict(sd)),
             """\
-loaded state dict contains a parameter group that doesn't match the size of optimizer's group: group 0 has 4 parameters in the state dict and 2 in this optimizer""",
+loaded state dict contains a parameter group that doesn't match the size of optimizer's group: group 0 has 4 parameters in the state dict and 2 in this optimizer""",  # noqa: E501
         )
 
     def test_unnamed_parameters_are_compared_by_shape(self):
@@ -221,7 +221,7 @@ loaded state dict contains a parameter group that doesn't match the size of opti
         self.assertExpectedInline(
             message(lambda: other.load_state_dict(roundtrip(opt.state_dict()))),
             """\
-loaded state dict contains a parameter group that doesn't match optimizer's group 0: parameter 0 is one of shape (3, 4) in the state dict but one of shape (4, 3) in this optimizer; the state_dict comes from a different model layout""",
+loaded state dict contains a parameter group that doesn't match optimizer's group 0: parameter 0 is one of shape (3, 4) in the state dict but one of shape (4, 3) in this optimizer; the state_dict comes from a different model layout""",  # noqa: E501
         )
 
 
@@ -242,7 +242,7 @@ class TestWithoutRecord(expecttest.TestCase):
         self.assertExpectedInline(
             message(lambda: opt.load_state_dict(sd)),
             """\
-loaded state dict contains a parameter group that doesn't match optimizer's group 0: parameter 0 is 'a.weight' in the state dict's param_names but 'b.weight' in this optimizer; the state_dict comes from a different model layout""",
+loaded state dict contains a parameter group that doesn't match optimizer's group 0: parameter 0 is 'a.weight' in the state dict's param_names but 'b.weight' in this optimizer; the state_dict comes from a different model layout""",  # noqa: E501
         )
         assert_unchanged(opt, snap)
 
@@ -256,7 +256,7 @@ loaded state dict contains a parameter group that doesn't match optimizer's grou
         self.assertExpectedInline(
             message(lambda: opt.load_state_dict(sd)),
             """\
-loaded state 'momentum_buffer' for parameter 'weight' has shape (3, 4), expected (4, 3): the state_dict comes from a different optimizer layout""",
+loaded state 'momentum_buffer' for parameter 'weight' has shape (3, 4), expected (4, 3): the state_dict comes from a different optimizer layout""",  # noqa: E501
         )
         assert_unchanged(opt, snap)
 

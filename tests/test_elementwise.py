@@ -134,8 +134,9 @@ def reference_run(
     layerwise=False,
 ):
     """Every step, per tensor: g ← g + wd·θ (L2); g ← g/(‖g‖ + 1e-8) (layerwise: the original
-    TritonMuon kernel normalizes the sum); m ← β₁m + (1−β₁)g; v ← β₂v + (1−β₂)g²; θ ← θ − lr·m̃/(√v + ε) − lr·wd·θ (decoupled),
-    m̃ = β₁m + (1−β₁)g with Nesterov. ``lr`` may be a list (one per tensor). Returns θ, m, v."""
+    TritonMuon kernel normalizes the sum); m ← β₁m + (1−β₁)g; v ← β₂v + (1−β₂)g²;
+    θ ← θ − lr·m̃/(√v + ε) − lr·wd·θ (decoupled), m̃ = β₁m + (1−β₁)g with Nesterov. ``lr`` may
+    be a list (one per tensor). Returns θ, m, v."""
     theta = [p.clone() for p in params]
     m = [torch.zeros_like(p) for p in params]
     v = [torch.zeros_like(p) for p in params]

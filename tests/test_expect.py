@@ -95,7 +95,7 @@ AdamW: 5 tensors, 144 parameters; weight decay 0.1 on ndim >= 2, none on 0-/1-D 
   hidden.bias                              (8,)                 1-D, no weight decay
   norm.weight                              (8,)                 1-D, no weight decay
   norm.bias                                (8,)                 1-D, no weight decay
-  out.weight                               (10, 8)              output head""",
+  out.weight                               (10, 8)              output head""",  # noqa: E501
         )
 
     def test_decay_on_every_parameter(self):
@@ -172,11 +172,11 @@ class TestStateStructure(expecttest.TestCase):
         state = mf.muon().init(self.params)
         self.assertExpectedInline(
             str(optree.tree_structure(state, none_is_leaf=True, namespace="muon_fn")),
-            """PyTreeSpec((MomentumState(mu={'conv': *, 'w_in': *, 'w_out': *}), EmptyState(), EmptyState(), EmptyState(), EmptyState()), NoneIsLeaf)""",
+            """PyTreeSpec((MomentumState(mu={'conv': *, 'w_in': *, 'w_out': *}), EmptyState(), EmptyState(), EmptyState(), EmptyState()), NoneIsLeaf)""",  # noqa: E501
         )
         self.assertExpectedInline(
             str(shapes_and_dtypes(state)),
-            """(MomentumState(mu={'w_in': '(8, 4) float32', 'w_out': '(4, 8) float32', 'conv': '(4, 2, 3, 3) float32'}), EmptyState(), EmptyState(), EmptyState(), EmptyState())""",
+            """(MomentumState(mu={'w_in': '(8, 4) float32', 'w_out': '(4, 8) float32', 'conv': '(4, 2, 3, 3) float32'}), EmptyState(), EmptyState(), EmptyState(), EmptyState())""",  # noqa: E501
         )
 
     def test_muon_state_after_update_is_the_same(self):
@@ -186,18 +186,18 @@ class TestStateStructure(expecttest.TestCase):
         _, state = tx.update(params, state, params)
         self.assertExpectedInline(
             str(shapes_and_dtypes(state)),
-            """(MomentumState(mu={'w_in': '(8, 4) float32', 'w_out': '(4, 8) float32', 'conv': '(4, 2, 3, 3) float32'}), EmptyState(), EmptyState(), EmptyState(), EmptyState())""",
+            """(MomentumState(mu={'w_in': '(8, 4) float32', 'w_out': '(4, 8) float32', 'conv': '(4, 2, 3, 3) float32'}), EmptyState(), EmptyState(), EmptyState(), EmptyState())""",  # noqa: E501
         )
 
     def test_hybrid_and_normuon_state(self):
         params = {"w": torch.zeros(8, 4), "b": torch.zeros(8), "missing": None}
         self.assertExpectedInline(
             str(shapes_and_dtypes(mf.hybrid().init(params))),
-            """PartitionState(inner_states={'muon': (MomentumState(mu={'w': '(8, 4) float32', 'b': None, 'missing': None}), EmptyState(), EmptyState(), EmptyState(), EmptyState()), 'adamw': (ScaleByAdamState(count={'w': None, 'b': '() float32', 'missing': None}, mu={'w': None, 'b': '(8,) float32', 'missing': None}, nu={'w': None, 'b': '(8,) float32', 'missing': None}), EmptyState(), EmptyState())})""",
+            """PartitionState(inner_states={'muon': (MomentumState(mu={'w': '(8, 4) float32', 'b': None, 'missing': None}), EmptyState(), EmptyState(), EmptyState(), EmptyState()), 'adamw': (ScaleByAdamState(count={'w': None, 'b': '() float32', 'missing': None}, mu={'w': None, 'b': '(8,) float32', 'missing': None}, nu={'w': None, 'b': '(8,) float32', 'missing': None}), EmptyState(), EmptyState())})""",  # noqa: E501
         )
         self.assertExpectedInline(
             str(shapes_and_dtypes(mf.normuon().init({"w": params["w"]}))),
-            """(MomentumState(mu={'w': '(8, 4) float32'}), EmptyState(), NormalizeRowsState(nu={'w': '(8, 1) float32'}), EmptyState(), EmptyState(), EmptyState())""",
+            """(MomentumState(mu={'w': '(8, 4) float32'}), EmptyState(), NormalizeRowsState(nu={'w': '(8, 1) float32'}), EmptyState(), EmptyState(), EmptyState())""",  # noqa: E501
         )
         sched = mf.scale_by_learning_rate(lambda c: 0.1).init(params)
         self.assertExpectedInline(
@@ -267,7 +267,7 @@ class TestValidationMessages(expecttest.TestCase):
     def test_unknown_rule_lists_valid_ones(self):
         self.assertExpectedInline(
             self.msg(mf.scale_by_shape, "kelller"),
-            """Invalid rule: 'kelller' (valid: 'keller', 'original', 'match_rms_adamw', 'spectral', 'legacy', 'none')""",
+            """Invalid rule: 'kelller' (valid: 'keller', 'original', 'match_rms_adamw', 'spectral', 'legacy', 'none')""",  # noqa: E501
         )
         self.assertExpectedInline(
             self.msg(mf.shape_scale, "nope", (4, 4)),
@@ -341,15 +341,15 @@ class TestValidationMessages(expecttest.TestCase):
         tx = mf.orthogonalize()
         self.assertExpectedInline(
             self.msg(tx.update, {"b": torch.zeros(5)}, ()),
-            """orthogonalize only supports matrices (ndim >= 2) whereas we found a leaf at ['b'] with size: (5,). Route 0-/1-D parameters (biases, norms) to another transform with muon_fn.partition, e.g. muon_fn.hybrid(...), or use muon_fn.MuonOptimizer / muon_fn.create_hybrid_optimizer, which do this for you.""",
+            """orthogonalize only supports matrices (ndim >= 2) whereas we found a leaf at ['b'] with size: (5,). Route 0-/1-D parameters (biases, norms) to another transform with muon_fn.partition, e.g. muon_fn.hybrid(...), or use muon_fn.MuonOptimizer / muon_fn.create_hybrid_optimizer, which do this for you.""",  # noqa: E501
         )
         self.assertExpectedInline(
             self.msg(tx.update, {"s": torch.tensor(1.0)}, ()),
-            """orthogonalize only supports matrices (ndim >= 2) whereas we found a leaf at ['s'] with size: (). Route 0-/1-D parameters (biases, norms) to another transform with muon_fn.partition, e.g. muon_fn.hybrid(...), or use muon_fn.MuonOptimizer / muon_fn.create_hybrid_optimizer, which do this for you.""",
+            """orthogonalize only supports matrices (ndim >= 2) whereas we found a leaf at ['s'] with size: (). Route 0-/1-D parameters (biases, norms) to another transform with muon_fn.partition, e.g. muon_fn.hybrid(...), or use muon_fn.MuonOptimizer / muon_fn.create_hybrid_optimizer, which do this for you.""",  # noqa: E501
         )
         self.assertExpectedInline(
             self.msg(mf.scale_by_shape().update, [torch.zeros(3)], ()),
-            """scale_by_shape only supports matrices (ndim >= 2) whereas we found a leaf with size: (3,). Route 0-/1-D parameters (biases, norms) to another transform with muon_fn.partition, e.g. muon_fn.hybrid(...), or use muon_fn.MuonOptimizer / muon_fn.create_hybrid_optimizer, which do this for you.""",
+            """scale_by_shape only supports matrices (ndim >= 2) whereas we found a leaf with size: (3,). Route 0-/1-D parameters (biases, norms) to another transform with muon_fn.partition, e.g. muon_fn.hybrid(...), or use muon_fn.MuonOptimizer / muon_fn.create_hybrid_optimizer, which do this for you.""",  # noqa: E501
         )
         self.assertExpectedInline(
             self.msg(mf.normalize_rows().init, [torch.zeros(3)]),
@@ -368,7 +368,7 @@ class TestValidationMessages(expecttest.TestCase):
         )
         self.assertExpectedInline(
             self.msg(mf.muon, adjust_lr_fn="x"),
-            """Invalid adjust_lr_fn: 'x' (valid: None, 'keller', 'original', 'match_rms_adamw', 'spectral', 'legacy', 'none')""",
+            """Invalid adjust_lr_fn: 'x' (valid: None, 'keller', 'original', 'match_rms_adamw', 'spectral', 'legacy', 'none')""",  # noqa: E501
         )
         self.assertExpectedInline(
             self.msg(mf.muon, eps=0.0), """Invalid eps: 0.0 (expected a finite value > 0)"""

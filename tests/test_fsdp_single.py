@@ -656,7 +656,7 @@ parameter 6 of group 0: 'head.weight' of shape (3, 10), a plain (replicated) ten
 parameter 7 of group 0: 'head.bias' of shape (3,), a plain (replicated) tensor, adamw
 parameter 8 of group 0: 'norm.weight' of shape (10,), a plain (replicated) tensor, adamw
 parameter 9 of group 0: 'norm.bias' of shape (10,), a plain (replicated) tensor, adamw
-the plan's owners and buckets: <hash>""",
+the plan's owners and buckets: <hash>""",  # noqa: E501
         )
 
     def test_first_difference(self):
@@ -672,18 +672,18 @@ the plan's owners and buckets: <hash>""",
         self.assertExpectedInline(
             first_difference(base, describe(renamed), 1),
             """\
-at parameter 4 of group 0: 'fc2.weight' of shape (10, 10), a plain (replicated) tensor, muon on rank 0, 'head.weight' of shape (3, 10), a plain (replicated) tensor, muon on rank 1""",
+at parameter 4 of group 0: 'fc2.weight' of shape (10, 10), a plain (replicated) tensor, muon on rank 0, 'head.weight' of shape (3, 10), a plain (replicated) tensor, muon on rank 1""",  # noqa: E501
         )
         extra = Net()
         extra.more = nn.Linear(3, 3, bias=False)
         self.assertExpectedInline(
             first_difference(base, describe(extra), 3),
             """\
-at parameter 10 of group 0: none on rank 0, 'more.weight' of shape (3, 3), a plain (replicated) tensor, muon on rank 3""",
+at parameter 10 of group 0: none on rank 0, 'more.weight' of shape (3, 3), a plain (replicated) tensor, muon on rank 3""",  # noqa: E501
         )
         self.assertExpectedInline(
             first_difference(base, describe(Net(), num_buckets=1), 1),
-            """at the options: strategy='owner', wire_dtype=None, num_buckets=4, gradient_accumulation_steps=1, nonfinite='skip', overlap=False, 1 ranks, no device mesh on rank 0, strategy='owner', wire_dtype=None, num_buckets=1, gradient_accumulation_steps=1, nonfinite='skip', overlap=False, 1 ranks, no device mesh on rank 1""",
+            """at the options: strategy='owner', wire_dtype=None, num_buckets=4, gradient_accumulation_steps=1, nonfinite='skip', overlap=False, 1 ranks, no device mesh on rank 0, strategy='owner', wire_dtype=None, num_buckets=1, gradient_accumulation_steps=1, nonfinite='skip', overlap=False, 1 ranks, no device mesh on rank 1""",  # noqa: E501
         )
         twins = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
         # bucket_size changes only which matrices an owner computes together: the plan's hash

@@ -389,7 +389,7 @@ Invalid cols: (4, -1) (expected a number of blocks >= 1 or positive block sizes)
                 lambda: mf.MuonOptimizer(model.named_parameters(), matrix_view=mf.heads(rows=3))
             ),
             """\
-Invalid matrix_view: heads(rows=3) for a whole group: a head view is one parameter's layout; give it per parameter, matrix_view={name or glob pattern: heads(rows=3)} (named parameters) or a function param -> view | None""",
+Invalid matrix_view: heads(rows=3) for a whole group: a head view is one parameter's layout; give it per parameter, matrix_view={name or glob pattern: heads(rows=3)} (named parameters) or a function param -> view | None""",  # noqa: E501
         )
         self.assertExpectedInline(
             message(
@@ -398,7 +398,7 @@ Invalid matrix_view: heads(rows=3) for a whole group: a head view is one paramet
                 )
             ),
             """\
-Invalid matrix_view for parameter 'out.weight' of shape (8, 8): heads(cols=3) does not fit a leaf of shape (8, 8): its matrices have 8 columns""",
+Invalid matrix_view for parameter 'out.weight' of shape (8, 8): heads(cols=3) does not fit a leaf of shape (8, 8): its matrices have 8 columns""",  # noqa: E501
         )
         self.assertExpectedInline(
             message(
@@ -412,19 +412,19 @@ heads(rows=5) does not fit a leaf of shape (8, 4): its matrices have 8 rows""",
         self.assertExpectedInline(
             message(lambda: mf.MuonOptimizer(model.parameters(), split=[8, 8, 8])),
             """\
-MuonOptimizer() got an unexpected keyword argument 'split': removed: row blocks are a head view, given per parameter: matrix_view={name: muon_fn.heads(rows=...)} (cols= for column blocks)""",
+MuonOptimizer() got an unexpected keyword argument 'split': removed: row blocks are a head view, given per parameter: matrix_view={name: muon_fn.heads(rows=...)} (cols= for column blocks)""",  # noqa: E501
         )
         self.assertExpectedInline(
             message(lambda: mf.orthogonalize(split=[8, 8, 8])),
             """\
-split= was removed: row blocks are a head view now, given per parameter: view=muon_fn.heads(rows=[8, 8, 8]) for one transform's leaves, or matrix_view={name: muon_fn.heads(rows=...)} in an optimizer (cols= cuts columns)""",
+split= was removed: row blocks are a head view now, given per parameter: view=muon_fn.heads(rows=[8, 8, 8]) for one transform's leaves, or matrix_view={name: muon_fn.heads(rows=...)} in an optimizer (cols= cuts columns)""",  # noqa: E501
         )
         self.assertExpectedInline(
             message(
                 lambda: mf.spectral_sphere(view=mf.heads(cols=(2, 4))).init([torch.zeros(4, 6)])
             ),
             """\
-spectral_sphere: heads(cols=(2, 4)) cuts a leaf of shape (4, 6) into column blocks of different widths; SSO's warm blocks need equal widths""",
+spectral_sphere: heads(cols=(2, 4)) cuts a leaf of shape (4, 6) into column blocks of different widths; SSO's warm blocks need equal widths""",  # noqa: E501
         )
         opt = mf.MuonOptimizer(model.named_parameters(), compile=False)
         saved = opt.state_dict()
@@ -432,7 +432,7 @@ spectral_sphere: heads(cols=(2, 4)) cuts a leaf of shape (4, 6) into column bloc
         self.assertExpectedInline(
             message(lambda: opt.load_state_dict(saved)),
             """\
-cannot load a param group saved with split=[8, 8, 8]: row blocks are a head view now; build the optimizer with matrix_view={name: muon_fn.heads(rows=...)} and load a state_dict whose groups have no 'split' key""",
+cannot load a param group saved with split=[8, 8, 8]: row blocks are a head view now; build the optimizer with matrix_view={name: muon_fn.heads(rows=...)} and load a state_dict whose groups have no 'split' key""",  # noqa: E501
         )
         saved["param_groups"][0]["split"] = None  # the former default: loads
         opt.load_state_dict(saved)

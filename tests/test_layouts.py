@@ -93,7 +93,7 @@ class TestRefusedSwap(expecttest.TestCase):
             opt.step()
         self.assertExpectedInline(
             str(ctx.exception),
-            """parameter #0 of shape (3, 3) of group 0 replaced one of shape (3, 4, 5) that has optimizer state, by one of shape (3, 3): the state cannot follow it. Swap in parameters of the same shape, or build the optimizer after the model is laid out""",
+            """parameter #0 of shape (3, 3) of group 0 replaced one of shape (3, 4, 5) that has optimizer state, by one of shape (3, 3): the state cannot follow it. Swap in parameters of the same shape, or build the optimizer after the model is laid out""",  # noqa: E501
         )
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), kept))
         assert torch.equal(opt.state[model.experts]["momentum_buffer"], momentum)

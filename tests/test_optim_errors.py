@@ -56,39 +56,39 @@ class TestHyperparameters(expecttest.TestCase):
         lr = torch.tensor([0.02])
         self.assertExpectedInline(
             self.message(ValueError, lambda: mf.MuonOptimizer(lin.parameters(), lr=lr)),
-            """Invalid lr: a tensor of shape (1,) (expected a float or a 0-d tensor, e.g. torch.tensor(0.02), not torch.tensor([0.02]))""",
+            """Invalid lr: a tensor of shape (1,) (expected a float or a 0-d tensor, e.g. torch.tensor(0.02), not torch.tensor([0.02]))""",  # noqa: E501
         )
         opt = mf.MuonOptimizer([lin.weight], compile=False)
         self.assertExpectedInline(
             self.message(ValueError, lambda: opt.add_param_group({"params": [lin.bias], "lr": lr})),
-            """Invalid lr: a tensor of shape (1,) (expected a float or a 0-d tensor, e.g. torch.tensor(0.02), not torch.tensor([0.02]))""",
+            """Invalid lr: a tensor of shape (1,) (expected a float or a 0-d tensor, e.g. torch.tensor(0.02), not torch.tensor([0.02]))""",  # noqa: E501
         )
         assert len(opt.param_groups) == 1
         self.assertExpectedInline(
             self.message(ValueError, lambda: mf.MuonOptimizer(lin.parameters(), adamw_lr=lr)),
-            """Invalid adamw_lr: a tensor of shape (1,) (expected a float or a 0-d tensor, e.g. torch.tensor(0.02), not torch.tensor([0.02]))""",
+            """Invalid adamw_lr: a tensor of shape (1,) (expected a float or a 0-d tensor, e.g. torch.tensor(0.02), not torch.tensor([0.02]))""",  # noqa: E501
         )
         self.assertExpectedInline(
             self.message(ValueError, lambda: mf.create_hybrid_optimizer(lin, muon_lr=lr)),
-            """Invalid muon_lr: a tensor of shape (1,) (expected a float or a 0-d tensor, e.g. torch.tensor(0.02), not torch.tensor([0.02]))""",
+            """Invalid muon_lr: a tensor of shape (1,) (expected a float or a 0-d tensor, e.g. torch.tensor(0.02), not torch.tensor([0.02]))""",  # noqa: E501
         )
         self.assertExpectedInline(
             self.message(ValueError, lambda: mf.create_hybrid_optimizer(lin, adamw_lr=lr)),
-            """Invalid adamw_lr: a tensor of shape (1,) (expected a float or a 0-d tensor, e.g. torch.tensor(0.02), not torch.tensor([0.02]))""",
+            """Invalid adamw_lr: a tensor of shape (1,) (expected a float or a 0-d tensor, e.g. torch.tensor(0.02), not torch.tensor([0.02]))""",  # noqa: E501
         )
         self.assertExpectedInline(
             self.message(ValueError, lambda: mf.TritonMuon(lin.parameters(), lr=lr)),
-            """Invalid lr: a tensor of shape (1,) (expected a float or a 0-d tensor, e.g. torch.tensor(0.02), not torch.tensor([0.02]))""",
+            """Invalid lr: a tensor of shape (1,) (expected a float or a 0-d tensor, e.g. torch.tensor(0.02), not torch.tensor([0.02]))""",  # noqa: E501
         )
         self.assertExpectedInline(
             self.message(ValueError, lambda: mf.scale_by_learning_rate(lr)),
-            """Invalid lr: a tensor of shape (1,) (expected a float or a 0-d tensor, e.g. torch.tensor(0.02), not torch.tensor([0.02]))""",
+            """Invalid lr: a tensor of shape (1,) (expected a float or a 0-d tensor, e.g. torch.tensor(0.02), not torch.tensor([0.02]))""",  # noqa: E501
         )
         sd = opt.state_dict()
         sd["param_groups"][0]["lr"] = lr
         self.assertExpectedInline(
             self.message(ValueError, lambda: opt.load_state_dict(sd)),
-            """Invalid lr: a tensor of shape (1,) (expected a float or a 0-d tensor, e.g. torch.tensor(0.02), not torch.tensor([0.02]))""",
+            """Invalid lr: a tensor of shape (1,) (expected a float or a 0-d tensor, e.g. torch.tensor(0.02), not torch.tensor([0.02]))""",  # noqa: E501
         )
         assert opt.param_groups[0]["lr"] == 0.02
 
@@ -193,7 +193,7 @@ class TestHyperparameters(expecttest.TestCase):
             self.message(
                 ValueError, lambda: mf.MuonOptimizer(lin.parameters(), adjust_lr_fn="sqrt")
             ),
-            """Invalid adjust_lr_fn: 'sqrt' (valid: None, 'keller', 'original', 'match_rms_adamw', 'spectral', 'legacy', 'none')""",
+            """Invalid adjust_lr_fn: 'sqrt' (valid: None, 'keller', 'original', 'match_rms_adamw', 'spectral', 'legacy', 'none')""",  # noqa: E501
         )
 
     def test_unknown_momentum_kind(self):
@@ -261,7 +261,7 @@ class TestHyperparameters(expecttest.TestCase):
         lin = _linear()
         self.assertExpectedInline(
             self.message(TypeError, lambda: mf.Optimizer(lin.parameters(), 0.02)),
-            """tx_or_factory must be a GradientTransformation or a function of the group's hyperparameters, got float""",
+            """tx_or_factory must be a GradientTransformation or a function of the group's hyperparameters, got float""",  # noqa: E501
         )
 
 
@@ -295,14 +295,14 @@ class TestParameters(expecttest.TestCase):
         lin = _linear()
         self.assertExpectedInline(
             self.message(TypeError, lambda: mf.MuonOptimizer(lin)),
-            """params argument given to the optimizer should be an iterable of Tensors or dicts, but got torch.nn.modules.linear.Linear (a module): pass model.parameters() (or model.named_parameters()), and model=model to name them in messages and checkpoints and give conv and expert weights their module's matrix view""",
+            """params argument given to the optimizer should be an iterable of Tensors or dicts, but got torch.nn.modules.linear.Linear (a module): pass model.parameters() (or model.named_parameters()), and model=model to name them in messages and checkpoints and give conv and expert weights their module's matrix view""",  # noqa: E501
         )
         seq = nn.Sequential(
             lin
         )  # iterable: torch said "optimizer can only optimize Tensors, but one of the params is ..."
         self.assertExpectedInline(
             self.message(TypeError, lambda: mf.TritonMuonW(seq)),
-            """params argument given to the optimizer should be an iterable of Tensors or dicts, but got torch.nn.modules.container.Sequential (a module): pass model.parameters() (or model.named_parameters()), and model=model to name them in messages and checkpoints and give conv and expert weights their module's matrix view""",
+            """params argument given to the optimizer should be an iterable of Tensors or dicts, but got torch.nn.modules.container.Sequential (a module): pass model.parameters() (or model.named_parameters()), and model=model to name them in messages and checkpoints and give conv and expert weights their module's matrix view""",  # noqa: E501
         )
 
     def test_parameter_in_two_groups(self):
@@ -314,7 +314,7 @@ class TestParameters(expecttest.TestCase):
                     [{"params": [lin.weight]}, {"params": [lin.bias, lin.weight]}]
                 ),
             ),
-            """some parameters appear in more than one parameter group: the new group's parameter #1 of shape (3, 4) is in group 0 already""",
+            """some parameters appear in more than one parameter group: the new group's parameter #1 of shape (3, 4) is in group 0 already""",  # noqa: E501
         )
 
     def test_parameter_in_two_groups_via_add_param_group(self):
@@ -322,7 +322,7 @@ class TestParameters(expecttest.TestCase):
         opt = mf.MuonOptimizer(lin.parameters())
         self.assertExpectedInline(
             self.message(ValueError, lambda: opt.add_param_group({"params": [lin.bias]})),
-            """some parameters appear in more than one parameter group: the new group's parameter #0 of shape (3,) is in group 0 already""",
+            """some parameters appear in more than one parameter group: the new group's parameter #0 of shape (3,) is in group 0 already""",  # noqa: E501
         )
 
     def test_sparse_gradient(self):
@@ -369,7 +369,7 @@ class TestParameters(expecttest.TestCase):
         )
         self.assertExpectedInline(
             msg,
-            """parameter #1 of shape (3,): orthogonalize only supports matrices (ndim >= 2) whereas we found a leaf at [1] with size: (3,). Route 0-/1-D parameters (biases, norms) to another transform with muon_fn.partition, e.g. muon_fn.hybrid(...), or use muon_fn.MuonOptimizer / muon_fn.create_hybrid_optimizer, which do this for you.""",
+            """parameter #1 of shape (3,): orthogonalize only supports matrices (ndim >= 2) whereas we found a leaf at [1] with size: (3,). Route 0-/1-D parameters (biases, norms) to another transform with muon_fn.partition, e.g. muon_fn.hybrid(...), or use muon_fn.MuonOptimizer / muon_fn.create_hybrid_optimizer, which do this for you.""",  # noqa: E501
         )
         self.assertIn("MuonOptimizer", msg)
         self.assertIn("create_hybrid_optimizer", msg)
@@ -378,7 +378,7 @@ class TestParameters(expecttest.TestCase):
         lin = _linear()
         self.assertExpectedInline(
             self.message(ValueError, lambda: mf.Optimizer(lin.parameters(), mf.muon())),
-            """parameter #1 of shape (3,): orthogonalize only supports matrices (ndim >= 2) whereas we found a leaf at [1] with size: (3,). Route 0-/1-D parameters (biases, norms) to another transform with muon_fn.partition, e.g. muon_fn.hybrid(...), or use muon_fn.MuonOptimizer / muon_fn.create_hybrid_optimizer, which do this for you.""",
+            """parameter #1 of shape (3,): orthogonalize only supports matrices (ndim >= 2) whereas we found a leaf at [1] with size: (3,). Route 0-/1-D parameters (biases, norms) to another transform with muon_fn.partition, e.g. muon_fn.hybrid(...), or use muon_fn.MuonOptimizer / muon_fn.create_hybrid_optimizer, which do this for you.""",  # noqa: E501
         )
 
     def test_nonfinite_error_message(self):
@@ -388,7 +388,7 @@ class TestParameters(expecttest.TestCase):
         lin.bias.grad = torch.tensor([0.0, float("nan"), 1.0])
         self.assertExpectedInline(
             self.message(RuntimeError, opt.step),
-            """non-finite gradient (inf or nan) in 'bias'; parameters and optimizer state were left unchanged. Pass nonfinite='skip' to skip such steps, or use torch.amp.GradScaler.""",
+            """non-finite gradient (inf or nan) in 'bias'; parameters and optimizer state were left unchanged. Pass nonfinite='skip' to skip such steps, or use torch.amp.GradScaler.""",  # noqa: E501
         )
 
 
@@ -408,7 +408,7 @@ class TestStateDict(expecttest.TestCase):
         sd = _roundtrip(opt.state_dict())
         self.assertExpectedInline(
             self.message(ValueError, lambda: opt2.load_state_dict(sd)),
-            """loaded state dict contains a parameter group that doesn't match optimizer's group 0: parameter 0 is 'weight' of shape (3, 4) in the state dict but 'weight' of shape (4, 3) in this optimizer; the state_dict comes from a different model layout""",
+            """loaded state dict contains a parameter group that doesn't match optimizer's group 0: parameter 0 is 'weight' of shape (3, 4) in the state dict but 'weight' of shape (4, 3) in this optimizer; the state_dict comes from a different model layout""",  # noqa: E501
         )
 
     def test_group_count_mismatch(self):
@@ -433,7 +433,7 @@ class TestStateDict(expecttest.TestCase):
                     for i, st in sd["state"].items()
                 }
             ),
-            """{0: {'momentum_buffer': ((3, 4), 'torch.float32'), 'row_variance': ((3, 1), 'torch.float32')}, 1: {'exp_avg': ((3,), 'torch.float32'), 'exp_avg_sq': ((3,), 'torch.float32'), 'step': ((), 'torch.float32')}}""",
+            """{0: {'momentum_buffer': ((3, 4), 'torch.float32'), 'row_variance': ((3, 1), 'torch.float32')}, 1: {'exp_avg': ((3,), 'torch.float32'), 'exp_avg_sq': ((3,), 'torch.float32'), 'step': ((), 'torch.float32')}}""",  # noqa: E501
         )
 
 
@@ -461,7 +461,7 @@ class TestForeignStateDict(expecttest.TestCase):
         opt = mf.MuonOptimizer(lin.named_parameters())
         self.assertExpectedInline(
             self.message(ValueError, lambda: opt.load_state_dict(sd)),
-            """loaded param group 0 lacks this optimizer's hyperparameters ['adamw_betas', 'adamw_eps', 'adamw_lr', 'adamw_weight_decay', 'adjust_lr_fn', 'algorithm', 'beta2', 'method', 'momentum', 'momentum_dtype', 'momentum_kind', 'nesterov', 'normuon_eps', 'ns_coefficients', 'ns_dtype', 'ns_steps', 'ns_stepsize']: the state_dict comes from a different optimizer layout; it is a torch.optim.AdamW state_dict (its state holds exp_avg and exp_avg_sq), not a muon_fn optimizer's: start this optimizer afresh and load the model's weights only (one optimizer's moments are not another's state), or convert torch.optim.Muon and torch.optim.AdamW state_dicts with muon_fn.optim.from_torch_state_dict(optimizer, muon_state_dict, adamw_state_dict)""",
+            """loaded param group 0 lacks this optimizer's hyperparameters ['adamw_betas', 'adamw_eps', 'adamw_lr', 'adamw_weight_decay', 'adjust_lr_fn', 'algorithm', 'beta2', 'method', 'momentum', 'momentum_dtype', 'momentum_kind', 'nesterov', 'normuon_eps', 'ns_coefficients', 'ns_dtype', 'ns_steps', 'ns_stepsize']: the state_dict comes from a different optimizer layout; it is a torch.optim.AdamW state_dict (its state holds exp_avg and exp_avg_sq), not a muon_fn optimizer's: start this optimizer afresh and load the model's weights only (one optimizer's moments are not another's state), or convert torch.optim.Muon and torch.optim.AdamW state_dicts with muon_fn.optim.from_torch_state_dict(optimizer, muon_state_dict, adamw_state_dict)""",  # noqa: E501
         )
 
     def test_torch_muon_state_dict_into_optimizer_with_adamw_parameters(self):
@@ -475,7 +475,7 @@ class TestForeignStateDict(expecttest.TestCase):
         opt = mf.MuonOptimizer(lin.parameters())
         self.assertExpectedInline(
             self.message(ValueError, lambda: opt.load_state_dict(sd)),
-            """this optimizer runs AdamW on 1 parameter(s) (0-/1-D, or algorithm='adamw') that a torch.optim.Muon state_dict does not cover: convert it with torch.optim.AdamW's, muon_fn.optim.from_torch_state_dict(optimizer, muon_sd, adamw_sd)""",
+            """this optimizer runs AdamW on 1 parameter(s) (0-/1-D, or algorithm='adamw') that a torch.optim.Muon state_dict does not cover: convert it with torch.optim.AdamW's, muon_fn.optim.from_torch_state_dict(optimizer, muon_sd, adamw_sd)""",  # noqa: E501
         )
 
     def test_tensor_lr_not_one_element(self):
@@ -500,7 +500,7 @@ class TestForeignStateDict(expecttest.TestCase):
         )
         self.assertExpectedInline(
             self.message(ValueError, lambda: opt.load_state_dict(sd)),
-            """loaded state dict has a different number of parameter groups; it is a torch.optim.AdamW state_dict (its state holds exp_avg and exp_avg_sq), not a muon_fn optimizer's: start this optimizer afresh and load the model's weights only (one optimizer's moments are not another's state), or convert torch.optim.Muon and torch.optim.AdamW state_dicts with muon_fn.optim.from_torch_state_dict(optimizer, muon_state_dict, adamw_state_dict)""",
+            """loaded state dict has a different number of parameter groups; it is a torch.optim.AdamW state_dict (its state holds exp_avg and exp_avg_sq), not a muon_fn optimizer's: start this optimizer afresh and load the model's weights only (one optimizer's moments are not another's state), or convert torch.optim.Muon and torch.optim.AdamW state_dicts with muon_fn.optim.from_torch_state_dict(optimizer, muon_state_dict, adamw_state_dict)""",  # noqa: E501
         )
         assert not before[0] and not opt.state and opt.param_groups[0]["lr"] == before[1]
 
@@ -514,7 +514,7 @@ class TestForeignStateDict(expecttest.TestCase):
         opt = mf.TritonMuon([{"params": [lin.weight]}, {"params": [lin.bias]}], compile=False)
         self.assertExpectedInline(
             self.message(ValueError, lambda: opt.load_state_dict(topt.state_dict())),
-            """loaded state dict has a different number of parameter groups; it is a torch.optim.SGD state_dict (its state holds momentum_buffer, its groups dampening), not a muon_fn optimizer's: start this optimizer afresh and load the model's weights only (one optimizer's moments are not another's state)""",
+            """loaded state dict has a different number of parameter groups; it is a torch.optim.SGD state_dict (its state holds momentum_buffer, its groups dampening), not a muon_fn optimizer's: start this optimizer afresh and load the model's weights only (one optimizer's moments are not another's state)""",  # noqa: E501
         )
 
     def test_one_d_error_names_the_parameter(self):
@@ -525,7 +525,7 @@ class TestForeignStateDict(expecttest.TestCase):
         )
         self.assertExpectedInline(
             msg,
-            """parameter 'bias': orthogonalize only supports matrices (ndim >= 2) whereas we found a leaf at [1] with size: (3,). Route 0-/1-D parameters (biases, norms) to another transform with muon_fn.partition, e.g. muon_fn.hybrid(...), or use muon_fn.MuonOptimizer / muon_fn.create_hybrid_optimizer, which do this for you.""",
+            """parameter 'bias': orthogonalize only supports matrices (ndim >= 2) whereas we found a leaf at [1] with size: (3,). Route 0-/1-D parameters (biases, norms) to another transform with muon_fn.partition, e.g. muon_fn.hybrid(...), or use muon_fn.MuonOptimizer / muon_fn.create_hybrid_optimizer, which do this for you.""",  # noqa: E501
         )
         self.assertIn("'bias'", msg)
 

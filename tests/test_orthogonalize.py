@@ -643,7 +643,7 @@ class TestValidationMessages(expecttest.TestCase):
         )
         self.assertExpectedInline(
             self.ns(coefficients=[(3.0, -4.0, 2.0), (1.0, 2.0)]),
-            """Invalid coefficients: [(3.0, -4.0, 2.0), (1.0, 2.0)] (expected an (a, b, c) triple or a sequence of (a, b, c) triples)""",
+            """Invalid coefficients: [(3.0, -4.0, 2.0), (1.0, 2.0)] (expected an (a, b, c) triple or a sequence of (a, b, c) triples)""",  # noqa: E501
         )
         self.assertExpectedInline(
             self.ns(coefficients=[(1.0, 2.0, float("nan"))]),

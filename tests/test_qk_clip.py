@@ -503,7 +503,7 @@ class TestErrors(expecttest.TestCase):
         )
         self.assertExpectedInline(
             self.message(lambda: mf.QKClip([heads._replace(head_dim=6)], TAU)),
-            """QKClip layer 0 (FusedGQA): parameter 'qkv.weight' of shape (40, 24) cannot hold 2 heads of 6 rows from row 36 (needs a matrix of at least 48 rows)""",
+            """QKClip layer 0 (FusedGQA): parameter 'qkv.weight' of shape (40, 24) cannot hold 2 heads of 6 rows from row 36 (needs a matrix of at least 48 rows)""",  # noqa: E501
         )
         self.assertExpectedInline(
             self.message(lambda: mf.QKClip([heads._replace(q="query.weight")], TAU)),
@@ -515,7 +515,7 @@ class TestErrors(expecttest.TestCase):
         )
         self.assertExpectedInline(
             self.message(lambda: mf.QKClip(nn.Linear(2, 2), TAU)),
-            """QKClip found no attention layers in Linear: define qk_clip_heads() on its attention modules, or pass AttentionHeads(...)""",
+            """QKClip found no attention layers in Linear: define qk_clip_heads() on its attention modules, or pass AttentionHeads(...)""",  # noqa: E501
         )
         attn.max_logits = torch.zeros(3)
         self.assertExpectedInline(
@@ -531,7 +531,7 @@ class TestErrors(expecttest.TestCase):
         ]
         self.assertExpectedInline(
             self.message(lambda: mf.MuonOptimizer(matrices, qk_clip=clip)),
-            """qk_clip: CausalSelfAttention.k.weight is not a parameter of this MuonOptimizer (QKClip must see the parameters the optimizer updates; build it after fully_shard)""",
+            """qk_clip: CausalSelfAttention.k.weight is not a parameter of this MuonOptimizer (QKClip must see the parameters the optimizer updates; build it after fully_shard)""",  # noqa: E501
         )
         self.assertExpectedInline(
             self.message(lambda: mf.MuonOptimizer(model.parameters(), qk_clip=100.0), TypeError),

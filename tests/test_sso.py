@@ -868,7 +868,7 @@ class TestMessages(expecttest.TestCase):
         )
         self.assertExpectedInline(
             self._msg(lambda: spectral_sphere(scale_mode="adam")),
-            """Invalid scale_mode: 'adam' (valid: 'radius', 'keller', 'original', 'match_rms_adamw', 'spectral', 'legacy', 'none')""",
+            """Invalid scale_mode: 'adam' (valid: 'radius', 'keller', 'original', 'match_rms_adamw', 'spectral', 'legacy', 'none')""",  # noqa: E501
         )
         self.assertExpectedInline(
             self._msg(lambda: spectral_sphere(retract_mode="soft")),
@@ -896,7 +896,7 @@ class TestMessages(expecttest.TestCase):
         )
         self.assertExpectedInline(
             self._msg(lambda: spectral_sphere(direction="spectral", lambda_model=False)),
-            """Invalid direction: 'spectral' computes Φ from the λ model; it needs lambda_model=True and muon_sphere=False""",
+            """Invalid direction: 'spectral' computes Φ from the λ model; it needs lambda_model=True and muon_sphere=False""",  # noqa: E501
         )
         self.assertExpectedInline(
             self._msg(lambda: spectral_sphere(lambda_model="yes")),
@@ -905,7 +905,7 @@ class TestMessages(expecttest.TestCase):
         tx = sso()
         self.assertExpectedInline(
             self._msg(lambda: tx.init((torch.zeros(3),))),
-            """spectral_sphere only supports matrices (ndim >= 2) whereas we found a leaf with size: (3,). Route 0-/1-D parameters (biases, norms) to another transform with muon_fn.partition, e.g. muon_fn.hybrid(...), or use muon_fn.MuonOptimizer / muon_fn.create_hybrid_optimizer, which do this for you.""",
+            """spectral_sphere only supports matrices (ndim >= 2) whereas we found a leaf with size: (3,). Route 0-/1-D parameters (biases, norms) to another transform with muon_fn.partition, e.g. muon_fn.hybrid(...), or use muon_fn.MuonOptimizer / muon_fn.create_hybrid_optimizer, which do this for you.""",  # noqa: E501
         )
         W = torch.zeros(2, 2)
         self.assertExpectedInline(
@@ -941,7 +941,7 @@ class TestMessages(expecttest.TestCase):
         )
         self.assertExpectedInline(
             self._msg(lambda: SpectralSphereOptimizer(p, msign_method="svd")),
-            """Invalid msign_method: 'svd' (valid: 'polar_express', 'quintic', 'you', 'cubic', 'aol', 'aol9', 'gram')""",
+            """Invalid msign_method: 'svd' (valid: 'polar_express', 'quintic', 'you', 'cubic', 'aol', 'aol9', 'gram')""",  # noqa: E501
         )
         self.assertExpectedInline(
             self._msg(lambda: SpectralSphereOptimizer(p, algorithm="lion")),
@@ -951,7 +951,7 @@ class TestMessages(expecttest.TestCase):
             self._msg(
                 lambda: SpectralSphereOptimizer([nn.Parameter(torch.zeros(3))], algorithm="sso")
             ),
-            """parameter #0 of shape (3,) is in an algorithm='sso' group, but SSO needs a matrix (ndim >= 2), got ndim 1; use algorithm='auto' or put it in an 'adamw' group""",
+            """parameter #0 of shape (3,) is in an algorithm='sso' group, but SSO needs a matrix (ndim >= 2), got ndim 1; use algorithm='auto' or put it in an 'adamw' group""",  # noqa: E501
         )
         self.assertExpectedInline(
             self._msg(lambda: SpectralSphereOptimizer([])),

@@ -8,7 +8,8 @@ Tolerances:
     order (muon_fn: fp32 0-d tensor scalars and one fused ``p + u``; torch: Python doubles,
     ``mul_`` then ``add_``), i.e. a few ulps per step.
   * bf16 (torch.optim.Muon as shipped against ``ns_dtype=torch.bfloat16``): 4e-3 max-abs after 5
-    steps (measured 3.2e-3; 1.8e-3 after one step, while an element moves up to 0.017 per step). Both iterate in bf16 but round at different points: torch casts the momentum to bf16
+    steps (measured 3.2e-3; 1.8e-3 after one step, while an element moves up to 0.017 per step).
+    Both iterate in bf16 but round at different points: torch casts the momentum to bf16
     before taking its norm (computed in bf16) and divides in place in bf16, muon_fn takes the norm
     in fp32 and casts the normalized matrix once. Each product then rounds to bf16 (relative
     2^-8 ≈ 4e-3) on slightly different inputs, and on matrices 24 wide the rounding does not average out.
@@ -286,7 +287,7 @@ class TestRefusedKeywords(expecttest.TestCase):
         lin = nn.Linear(4, 3)
         self.assertExpectedInline(
             self.message(TypeError, lambda: mf.MuonOptimizer(lin.parameters(), ns_eps=1e-7)),
-            """MuonOptimizer() got an unexpected keyword argument 'ns_eps': use eps: it is the Newton-Schulz epsilon, as in torch.optim.Muon (NorMuon's epsilon is normuon_eps)""",
+            """MuonOptimizer() got an unexpected keyword argument 'ns_eps': use eps: it is the Newton-Schulz epsilon, as in torch.optim.Muon (NorMuon's epsilon is normuon_eps)""",  # noqa: E501
         )
 
     def test_torch_flags(self):
@@ -307,7 +308,7 @@ class TestRefusedKeywords(expecttest.TestCase):
 capturable=True is not supported: the step compiles its own graphs and cannot be captured in a user's CUDA graph; compile={'mode': 'reduce-overhead'} runs it as CUDA graphs
 differentiable=True is not supported: the step runs under torch.no_grad(); differentiating through it is not supported
 maximize=True is not supported: muon_fn optimizers minimize; to maximize f, minimize -f
-Invalid fused value: 'yes' (expected True, False or None)""",
+Invalid fused value: 'yes' (expected True, False or None)""",  # noqa: E501
         )
 
     def test_ns_eps_in_a_param_group(self):
@@ -316,7 +317,7 @@ Invalid fused value: 'yes' (expected True, False or None)""",
             self.message(
                 ValueError, lambda: mf.MuonOptimizer([{"params": lin.parameters(), "ns_eps": 1e-7}])
             ),
-            """Invalid param group key 'ns_eps' (this optimizer does not use it): use eps: it is the Newton-Schulz epsilon, as in torch.optim.Muon (NorMuon's epsilon is normuon_eps)""",
+            """Invalid param group key 'ns_eps' (this optimizer does not use it): use eps: it is the Newton-Schulz epsilon, as in torch.optim.Muon (NorMuon's epsilon is normuon_eps)""",  # noqa: E501
         )
 
     def test_non_bool_nesterov(self):
@@ -332,7 +333,7 @@ Invalid fused value: 'yes' (expected True, False or None)""",
             self.message(
                 ValueError, lambda: mf.MuonOptimizer(lin.parameters(), adjust_lr_fn="arbitrary")
             ),
-            """Invalid adjust_lr_fn: 'arbitrary' (valid: None, 'keller', 'original', 'match_rms_adamw', 'spectral', 'legacy', 'none')""",
+            """Invalid adjust_lr_fn: 'arbitrary' (valid: None, 'keller', 'original', 'match_rms_adamw', 'spectral', 'legacy', 'none')""",  # noqa: E501
         )
 
 
@@ -594,7 +595,7 @@ class TestConversionErrors(expecttest.TestCase):
         )
         self.assertExpectedInline(
             self.message(ValueError, lambda: to_torch_state_dict(opt)),
-            """param group 0 cannot be written as torch.optim.Muon: method='polar_express' (torch.optim.Muon runs one quintic: pass ns_coefficients=(a, b, c) or method='quintic'); momentum_kind='sgd' (torch.optim.Muon's is 'ema'); beta2=0.9 (torch.optim.Muon's is None)""",
+            """param group 0 cannot be written as torch.optim.Muon: method='polar_express' (torch.optim.Muon runs one quintic: pass ns_coefficients=(a, b, c) or method='quintic'); momentum_kind='sgd' (torch.optim.Muon's is 'ema'); beta2=0.9 (torch.optim.Muon's is None)""",  # noqa: E501
         )
 
     def test_conv_weight(self):
@@ -613,7 +614,7 @@ class TestConversionErrors(expecttest.TestCase):
         before = _state_of(opt)
         self.assertExpectedInline(
             self.message(ValueError, lambda: opt.load_state_dict(topt.state_dict())),
-            """the torch.optim.Muon state_dict has 2 parameters, but this optimizer has 3 Muon parameters (its Muon parameters, in order, are the torch.optim.Muon's)""",
+            """the torch.optim.Muon state_dict has 2 parameters, but this optimizer has 3 Muon parameters (its Muon parameters, in order, are the torch.optim.Muon's)""",  # noqa: E501
         )
         after = _state_of(opt)
         self.assertEqual(before[0], after[0])
@@ -628,7 +629,7 @@ class TestConversionErrors(expecttest.TestCase):
         opt = mf.MuonOptimizer(model.parameters())
         self.assertExpectedInline(
             self.message(ValueError, lambda: from_torch_state_dict(opt, muon_sd, adamw_sd)),
-            """the torch.optim.AdamW state_dict's param group 0 has amsgrad=True, which muon_fn's AdamW does not offer""",
+            """the torch.optim.AdamW state_dict's param group 0 has amsgrad=True, which muon_fn's AdamW does not offer""",  # noqa: E501
         )
 
     def test_adamw_schedule_not_following_muons(self):
@@ -641,7 +642,7 @@ class TestConversionErrors(expecttest.TestCase):
             self.message(
                 ValueError, lambda: from_torch_state_dict(opt, muon_sd, adamw.state_dict())
             ),
-            """param group 0 (algorithm='auto') runs AdamW at adamw_lr*lr/base_lr = 0.002, but torch.optim.AdamW's lr is 0.001: its schedule did not follow Muon's; use separate 'muon' and 'adamw' groups (muon_fn.create_hybrid_optimizer)""",
+            """param group 0 (algorithm='auto') runs AdamW at adamw_lr*lr/base_lr = 0.002, but torch.optim.AdamW's lr is 0.001: its schedule did not follow Muon's; use separate 'muon' and 'adamw' groups (muon_fn.create_hybrid_optimizer)""",  # noqa: E501
         )
 
     def test_not_a_muon_optimizer(self):

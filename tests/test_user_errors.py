@@ -68,41 +68,41 @@ class TestFirstHour(expecttest.TestCase):
         e = self.error
         self.assertExpectedInline(
             e(TypeError, lambda: mf.create_hybrid_optimizer(model().parameters())),
-            """create_hybrid_optimizer() takes the model (an nn.Module), to split its parameters by role (embeddings, output head, hidden matrices), got generator; for an iterable of parameters use muon_fn.MuonOptimizer(params) (Muon for ndim >= 2, AdamW for the rest)""",
+            """create_hybrid_optimizer() takes the model (an nn.Module), to split its parameters by role (embeddings, output head, hidden matrices), got generator; for an iterable of parameters use muon_fn.MuonOptimizer(params) (Muon for ndim >= 2, AdamW for the rest)""",  # noqa: E501
         )
         self.assertExpectedInline(
             e(TypeError, lambda: mf.create_hybrid_optimizer(model(), lr=0.02)),
-            """create_hybrid_optimizer() got an unexpected keyword argument 'lr': use muon_lr= for the Muon half (default 0.02) and adamw_lr= for the AdamW half (default 1e-3)""",
+            """create_hybrid_optimizer() got an unexpected keyword argument 'lr': use muon_lr= for the Muon half (default 0.02) and adamw_lr= for the AdamW half (default 1e-3)""",  # noqa: E501
         )
         self.assertExpectedInline(
             e(TypeError, lambda: mf.create_hybrid_optimizer(model(), weight_decay=0.1)),
-            """create_hybrid_optimizer() got an unexpected keyword argument 'weight_decay': use muon_weight_decay= and adamw_weight_decay= (default 0.01 each)""",
+            """create_hybrid_optimizer() got an unexpected keyword argument 'weight_decay': use muon_weight_decay= and adamw_weight_decay= (default 0.01 each)""",  # noqa: E501
         )
         self.assertExpectedInline(
             e(TypeError, lambda: mf.SpectralSphereOptimizer.from_model(list(model().parameters()))),
-            """create_hybrid_optimizer() takes the model (an nn.Module), to split its parameters by role (embeddings, output head, hidden matrices), got list; for an iterable of parameters use muon_fn.MuonOptimizer(params) (Muon for ndim >= 2, AdamW for the rest)""",
+            """create_hybrid_optimizer() takes the model (an nn.Module), to split its parameters by role (embeddings, output head, hidden matrices), got list; for an iterable of parameters use muon_fn.MuonOptimizer(params) (Muon for ndim >= 2, AdamW for the rest)""",  # noqa: E501
         )
 
     def test_a_parameter_listed_twice(self):
         e, w = self.error, matrix()
         self.assertExpectedInline(
             e(ValueError, lambda: mf.MuonOptimizer([w, w])),
-            """parameter #1 of shape (4, 6) appears twice in one parameter group (positions 0 and 1); it would be updated twice per step: list each parameter once""",
+            """parameter #1 of shape (4, 6) appears twice in one parameter group (positions 0 and 1); it would be updated twice per step: list each parameter once""",  # noqa: E501
         )
         self.assertExpectedInline(
             e(ValueError, lambda: mf.MuonOptimizer([("a", w), ("b", w)])),
-            """parameter 'b' appears twice in one parameter group (positions 0 and 1); it would be updated twice per step: list each parameter once""",
+            """parameter 'b' appears twice in one parameter group (positions 0 and 1); it would be updated twice per step: list each parameter once""",  # noqa: E501
         )
         self.assertExpectedInline(
             e(ValueError, lambda: mf.MuonOptimizer([{"params": [w]}, {"params": [w]}])),
-            """some parameters appear in more than one parameter group: the new group's parameter #0 of shape (4, 6) is in group 0 already""",
+            """some parameters appear in more than one parameter group: the new group's parameter #0 of shape (4, 6) is in group 0 already""",  # noqa: E501
         )
 
     def test_misspelled_keys(self):
         e = self.error
         self.assertExpectedInline(
             e(ValueError, lambda: mf.MuonOptimizer([{"params": [matrix()], "lrr": 0.1}])),
-            """Invalid param group key 'lrr': MuonOptimizer has no hyperparameter 'lrr' (it would be kept and never used); did you mean 'lr'?""",
+            """Invalid param group key 'lrr': MuonOptimizer has no hyperparameter 'lrr' (it would be kept and never used); did you mean 'lr'?""",  # noqa: E501
         )
         self.assertExpectedInline(
             e(
@@ -116,7 +116,7 @@ class TestFirstHour(expecttest.TestCase):
                 ValueError,
                 lambda: mf.create_hybrid_optimizer(model(), matrix_view={"0.weight": "experts"}),
             ),
-            """Invalid matrix_view: key '0.weight' matches no Muon parameter of the model ('0.weight' gets AdamW (embedding), which reads no matrix view); they are: '1.weight'""",
+            """Invalid matrix_view: key '0.weight' matches no Muon parameter of the model ('0.weight' gets AdamW (embedding), which reads no matrix view); they are: '1.weight'""",  # noqa: E501
         )
         self.assertExpectedInline(
             e(
@@ -125,18 +125,18 @@ class TestFirstHour(expecttest.TestCase):
                     model().named_parameters(), matrix_view={"1.wieght": "experts"}
                 ),
             ),
-            """Invalid matrix_view: key '1.wieght' matches no parameter of its groups; they are: '0.weight', '1.weight', '1.bias', '2.weight', '2.bias'""",
+            """Invalid matrix_view: key '1.wieght' matches no parameter of its groups; they are: '0.weight', '1.weight', '1.bias', '2.weight', '2.bias'""",  # noqa: E501
         )
 
     def test_gradients_that_do_not_fit_the_parameters(self):
         e = self.error
         self.assertExpectedInline(
             e(ValueError, lambda: update({"a": torch.zeros(6, 4)})),
-            """the updates (gradients) do not match the parameters: the update at ['a'] has shape (6, 4) but its parameter has shape (4, 6) (transposed?)""",
+            """the updates (gradients) do not match the parameters: the update at ['a'] has shape (6, 4) but its parameter has shape (4, 6) (transposed?)""",  # noqa: E501
         )
         self.assertExpectedInline(
             e(ValueError, lambda: update({"b": torch.zeros(4, 6)})),
-            """the updates (gradients) do not match the parameters: no update for ['a']; updates for ['b'], which are not parameters""",
+            """the updates (gradients) do not match the parameters: no update for ['a']; updates for ['b'], which are not parameters""",  # noqa: E501
         )
 
     def test_a_state_dict_that_lost_a_parameters_state(self):
@@ -145,7 +145,7 @@ class TestFirstHour(expecttest.TestCase):
         fresh = mf.MuonOptimizer(net.named_parameters(), compile=False)
         self.assertExpectedInline(
             e(ValueError, lambda: fresh.load_state_dict(without_state_of(sd, 1))),
-            """loaded state dict has no state for parameter '1.weight' of group 0, which had state when the state_dict was saved: it would restart from zero momentum. Load the complete state_dict, or pass allow_missing_state=True to start the state of such parameters afresh""",
+            """loaded state dict has no state for parameter '1.weight' of group 0, which had state when the state_dict was saved: it would restart from zero momentum. Load the complete state_dict, or pass allow_missing_state=True to start the state of such parameters afresh""",  # noqa: E501
         )
         fresh.load_state_dict(without_state_of(sd, 1), allow_missing_state=True)
         assert "momentum_buffer" not in fresh.state[net[1].weight]
@@ -156,11 +156,11 @@ class TestFirstHour(expecttest.TestCase):
         w.grad = torch.full_like(w, float("inf"))
         self.assertExpectedInline(
             self.error(RuntimeError, opt.step),
-            """non-finite gradient (inf or nan) in 'w'; parameters and optimizer state were left unchanged. Pass nonfinite='skip' to skip such steps, or use torch.amp.GradScaler.""",
+            """non-finite gradient (inf or nan) in 'w'; parameters and optimizer state were left unchanged. Pass nonfinite='skip' to skip such steps, or use torch.amp.GradScaler.""",  # noqa: E501
         )
         self.assertExpectedInline(
             first_skip_warning(),
-            """MuonOptimizer: skipped a step: non-finite gradient (inf or nan) in 'w'; parameters and optimizer state were left unchanged (nonfinite='skip', the default). Later skipped steps are counted in optimizer.nonfinite_steps without a warning; pass nonfinite='error' to raise instead, or use torch.amp.GradScaler for fp16 training.""",
+            """MuonOptimizer: skipped a step: non-finite gradient (inf or nan) in 'w'; parameters and optimizer state were left unchanged (nonfinite='skip', the default). Later skipped steps are counted in optimizer.nonfinite_steps without a warning; pass nonfinite='error' to raise instead, or use torch.amp.GradScaler for fp16 training.""",  # noqa: E501
         )
 
 

@@ -202,7 +202,7 @@ class TestViewErrors(expecttest.TestCase):
         self.assertExpectedInline(
             message(lambda: mf.orthogonalize(view="experts", flatten=True)),
             """\
-pass view='experts' alone: flatten= is its older spelling (flatten=True is view='flatten', flatten=False is view='experts')""",
+pass view='experts' alone: flatten= is its older spelling (flatten=True is view='flatten', flatten=False is view='experts')""",  # noqa: E501
         )
         self.assertExpectedInline(
             message(lambda: mf.scale_by_shape(view=None)),
@@ -211,21 +211,21 @@ pass view='experts' alone: flatten= is its older spelling (flatten=True is view=
         bad = mf.orthogonalize(view=lambda leaf: "rows")
         self.assertExpectedInline(
             message(lambda: bad.update([torch.zeros(2, 3, 4)], ())),
-            """view function returned 'rows' for a leaf of shape (2, 3, 4) (valid: 'flatten', 'experts', muon_fn.heads(...))""",
+            """view function returned 'rows' for a leaf of shape (2, 3, 4) (valid: 'flatten', 'experts', muon_fn.heads(...))""",  # noqa: E501
         )
         p = nn.Parameter(torch.zeros(2, 3, 4))
         self.assertExpectedInline(
             message(lambda: mf.MuonOptimizer([p], matrix_view="stack")),
-            """Invalid matrix_view: 'stack' (valid: 'flatten', 'experts', muon_fn.heads(...), or a function leaf -> view)""",
+            """Invalid matrix_view: 'stack' (valid: 'flatten', 'experts', muon_fn.heads(...), or a function leaf -> view)""",  # noqa: E501
         )
         self.assertExpectedInline(
             message(lambda: mf.MuonOptimizer([p], matrix_view={"w": "experts"})),
             """\
-matrix_view is a mapping of parameter names, but a parameter of shape (2, 3, 4) has no name: pass named parameters (model.named_parameters()) or groups with 'param_names'""",
+matrix_view is a mapping of parameter names, but a parameter of shape (2, 3, 4) has no name: pass named parameters (model.named_parameters()) or groups with 'param_names'""",  # noqa: E501
         )
         self.assertExpectedInline(
             message(lambda: mf.MuonOptimizer([("w", p)], matrix_view={"w": "rows"})),
-            """Invalid matrix_view['w']: 'rows' (valid: 'flatten', 'experts', muon_fn.heads(...), or a function leaf -> view)""",
+            """Invalid matrix_view['w']: 'rows' (valid: 'flatten', 'experts', muon_fn.heads(...), or a function leaf -> view)""",  # noqa: E501
         )
 
 
@@ -389,7 +389,7 @@ class TestGuessWarning(expecttest.TestCase):
         self.assertExpectedInline(
             str(caught[0].message),
             """\
-MuonOptimizer: no matrix_view is given for 'w_up' (4, 12, 8), 'w_down' (4, 8, 12), 'conv.weight' (8, 8, 3): each is read as one matrix (shape[0], prod(shape[1:])), 'w_up' as 4x96, which is right for a conv weight. For a stack of matrices such as MoE experts (E, out, in) pass matrix_view='experts' ('w_up': 4 matrices 12x8, each orthogonalized and scaled by its own shape) or a mapping {name or glob pattern: view}; pass matrix_view='flatten' to keep this without the warning. Given the model (model=model, or muon_fn.create_hybrid_optimizer(model)) the optimizer chooses by module.""",
+MuonOptimizer: no matrix_view is given for 'w_up' (4, 12, 8), 'w_down' (4, 8, 12), 'conv.weight' (8, 8, 3): each is read as one matrix (shape[0], prod(shape[1:])), 'w_up' as 4x96, which is right for a conv weight. For a stack of matrices such as MoE experts (E, out, in) pass matrix_view='experts' ('w_up': 4 matrices 12x8, each orthogonalized and scaled by its own shape) or a mapping {name or glob pattern: view}; pass matrix_view='flatten' to keep this without the warning. Given the model (model=model, or muon_fn.create_hybrid_optimizer(model)) the optimizer chooses by module.""",  # noqa: E501
         )
         self.assertIn(
             "matrix_view='flatten' for",

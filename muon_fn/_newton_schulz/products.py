@@ -48,8 +48,9 @@ class Products:
     """How the iteration's products are computed; this base class computes them plainly.
 
     ``scratch(role, shape, like)``: a reusable output for the product of that role (``None``:
-    allocate; :meth:`without_scratch` never reuses); ``product``: ``a @ b`` or ``beta·bias + alpha·(a @ b)``, ``symmetric`` when the
-    caller knows the result is exactly symmetric; ``scaled_sum``: ``a + alpha·b``; and
+    allocate; :meth:`without_scratch` never reuses); ``product``: ``a @ b`` or
+    ``beta·bias + alpha·(a @ b)``, ``symmetric`` when the caller knows the result is exactly
+    symmetric; ``scaled_sum``: ``a + alpha·b``; and
     ``each_matrix(run, y, gram, out)`` runs the iteration of a batch ``y`` (``run(y, gram, out)``),
     whole or one matrix at a time. A device's subclass also has ``orthogonalize_batch``, which
     prepares and iterates a batch of same-shape matrices its way.

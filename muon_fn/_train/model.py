@@ -3,7 +3,8 @@
 Token + learned position embeddings, pre-LayerNorm blocks, causal self-attention through
 ``F.scaled_dot_product_attention``, a GELU MLP, a final LayerNorm and a linear head. Q, K and V are
 separate ``nn.Linear`` layers so that Muon orthogonalizes each projection on its own shape (a fused
-QKV matrix would need a head view, ``matrix_view={name: muon_fn.heads(rows=3)}``). Byte-level by default (vocabulary 256).
+QKV matrix would need a head view, ``matrix_view={name: muon_fn.heads(rows=3)}``). Byte-level by
+default (vocabulary 256).
 With ``n_experts > 0`` (the ``moe-*`` presets) every block's MLP is a routed mixture of experts
 (:class:`~muon_fn._train.moe.MoE`) whose expert weights are 3-D stacks ``(E, out, in)``.
 """

@@ -104,7 +104,8 @@ def _plot_max_logit(ax, results: list[dict]) -> None:
     runs = [r for r in results if r["history"].get("max_logit")]
     for i, (label, (steps, columns)) in enumerate(_curves(runs, "max_logit").items()):
         mean = [sum(c) / len(c) for c in columns]
-        ax.plot(steps, mean, color=_color(label, i), linewidth=1.5, label=f"{label}: peak {max(max(c) for c in columns):.1f}")
+        ax.plot(steps, mean, color=_color(label, i), linewidth=1.5,
+                label=f"{label}: peak {max(max(c) for c in columns):.1f}")
         if len(columns[0]) > 1:
             ax.fill_between(steps, [min(c) for c in columns], [max(c) for c in columns],
                             color=_color(label, i), alpha=0.2, linewidth=0)
@@ -178,7 +179,8 @@ def _line(ax, steps: list, values: list | None, color: str, style: str, label: s
 def _zoom(results: list[dict], ax_t, ax_v) -> None:
     """Zoom in on the interesting range: the first evaluations are all ~ln(256) = 5.5."""
     all_val = [v for r in results for _, v in r["history"]["val"][1:]] or [5.6]
-    all_train = [v for r in results for v in ema([x for _, x in r["history"]["train"]])[len(r["history"]["train"]) // 10:]]
+    all_train = [v for r in results
+                 for v in ema([x for _, x in r["history"]["train"]])[len(r["history"]["train"]) // 10:]]
     if all_train:
         ax_t.set_ylim(min(all_train) - 0.1, max(all_train) + 0.3)
     ax_v.set_ylim(min(all_val) - 0.1, max(all_val) + 0.3)

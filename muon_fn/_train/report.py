@@ -80,7 +80,8 @@ def comparison_table(summary: dict[str, dict[str, Any]], steps: int) -> str:
     rows = []
     for label in order:
         s = summary[label]
-        reach = "-" if s["steps_to_adamw_final"] is None else f"{s['steps_to_adamw_final']:.0f} of {steps} ({s['reached_adamw_final']})"
+        reach = ("-" if s["steps_to_adamw_final"] is None
+                 else f"{s['steps_to_adamw_final']:.0f} of {steps} ({s['reached_adamw_final']})")
         rows.append([label, str(len(s["seeds"])), f"{s['mean']:.4f}", f"{s['stderr']:.4f}", f"{s['min']:.4f}",
                      f"{s['max']:.4f}", "-" if s["mean"] == best else f"+{s['mean'] - best:.4f}",
                      f"{s['train_mean']:.4f}", reach, f"{s['cpu_s']:.0f} s", _share(s)])

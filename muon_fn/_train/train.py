@@ -512,7 +512,8 @@ def _report(args, corpus: Corpus, results: list[dict], argv: list[str], ctx: Dis
 def _plot_title(args, corpus: Corpus, ctx: Dist) -> str:
     cfg = config_for(args.model)
     src = "Python stdlib" if args.data is None else Path(args.data).name
-    seeds = f"seed {args.seed}" if args.seeds == 1 else f"seeds {args.seed}–{args.seed + args.seeds - 1} (mean, band: min–max)"
+    seeds = (f"seed {args.seed}" if args.seeds == 1
+             else f"seeds {args.seed}–{args.seed + args.seeds - 1} (mean, band: min–max)")
     moe = f", {cfg.n_experts} experts, top-{cfg.moe_top_k}" if cfg.n_experts else ""
     return (f"byte-level GPT '{args.model}' ({cfg.n_layer}L, d={cfg.n_embd}{moe}) on {src}; "
             f"batch {args.batch_size * ctx.world}×{args.seq_len}, {seeds}")

@@ -68,7 +68,8 @@ __all__ = [
     "benchmark_fsdp", "format_fsdp_result", "real_gradients", "matrix_shapes", "MODEL_SIZES", "MATRIX_NAMES",
     "paired_ratio", "paired_rounds", "check_device", "synchronize", "default_threads", "parse_threads",
     "state_bytes", "peak_step_bytes", "resident_step_bytes", "benchmark_memory", "format_memory_table",
-    "MEMORY_ROWS", "MODEL_ROWS", "memory_rows", "orthogonality", "orthogonalizer", "Ortho", "TORCH_ORTHO", "replay", "ROWS",
+    "MEMORY_ROWS", "MODEL_ROWS", "memory_rows", "orthogonality", "orthogonalizer", "Ortho", "TORCH_ORTHO",
+    "replay", "ROWS",
     "OPTIONAL_ROWS", "ELEMENTWISE_ROWS", "ROW_SPECS", "default_rows", "SSO_ROWS", "SSO_DEFAULT_ROWS",
     "SETS", "MatrixSet", "DEFAULT_SIZES", "meta_params", "set_size", "step_gemm_flops", "matmul_rate",
 ]

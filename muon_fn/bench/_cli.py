@@ -266,7 +266,8 @@ def _fsdp_parser(prog: str) -> argparse.ArgumentParser:
                     help="process counts, one run each (default 2 4)")
     ap.add_argument("--repeats", type=int_arg(1), default=3, metavar="N", help="paired repeats (default 3)")
     ap.add_argument("--ns-steps", type=int_arg(1), default=5, metavar="N", help="Newton–Schulz steps (default 5)")
-    ap.add_argument("--layers", type=int_arg(1), default=12, metavar="N", help="layers of 4 D×D, 4D×D and D×4D matrices (default 12)")
+    ap.add_argument("--layers", type=int_arg(1), default=12, metavar="N",
+                    help="layers of 4 D×D, 4D×D and D×4D matrices (default 12)")
     ap.add_argument("--dim", type=int_arg(1), default=768, metavar="D", help="model width (default 768: gpt2-small)")
     ap.add_argument("--buckets", type=int_arg(1), default=4, metavar="N",
                     help="num_buckets of the FSDPMuonOptimizer rows (default 4; MuonOptimizer on DTensors: 4)")

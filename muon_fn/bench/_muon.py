@@ -157,7 +157,8 @@ def _matmul_rates(rows: Sequence[str], params: list[torch.Tensor], device: torch
 
 
 def _time_rows(built: dict[str, Built], params: list[torch.Tensor], rounds: int, num_steps: int,
-               device: torch.device, progress: Callable[[str], None]) -> tuple[dict[str, float], dict[str, list[float]]]:
+               device: torch.device,
+               progress: Callable[[str], None]) -> tuple[dict[str, float], dict[str, list[float]]]:
     """The first step of every row (state allocation, compilation), then ``rounds`` paired rounds;
     the parameters go back to their start after every round (lr does not matter here), copied
     from the host (no second copy of a large set on the device)."""
@@ -283,7 +284,8 @@ def format_table(result: dict[str, Any]) -> str:
     cfg = result["config"]
     width = max([26, *(len(r) for r in result["rows"])])
     rates = ", ".join(f"{dt} {r['flops_per_s'] / 1e12:.3g} TFLOP/s" for dt, r in cfg.get("matmul_rates", {}).items())
-    lines = [f"{cfg['model_size']}: {cfg['layers']} layer(s), {cfg['matrices']} matrices, {cfg['params'] / 1e6:.1f} M params, "
+    lines = [f"{cfg['model_size']}: {cfg['layers']} layer(s), {cfg['matrices']} matrices, "
+             f"{cfg['params'] / 1e6:.1f} M params, "
              f"{cfg['rounds']} paired rounds x {cfg['num_steps']} steps, {cfg['device']}, "
              f"{cfg['threads']} thread(s), torch {cfg['torch']}, default compute dtype {cfg['compute_dtype']} "
              f"(CPU bf16 GEMMs: {cfg['cpu_bf16_gemm']})" + (f"; matmul {rates}" if rates else ""),

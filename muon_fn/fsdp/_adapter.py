@@ -490,7 +490,8 @@ class FSDPAdapter(AdapterStep):
                     who = "local" if mp is not None and mp.local else f"owner={mp.owner}" if mp else ""
                     if len(js) > 1:
                         who = "per expert, owners=[" + ", ".join(
-                            "here" if self.plan.matrices[j].local else str(self.plan.matrices[j].owner) for j in js) + "]"
+                            "here" if self.plan.matrices[j].local else str(self.plan.matrices[j].owner)
+                            for j in js) + "]"
                     where = "" if mp is None else f" {who} bucket={mp.bucket}"
                     view = route.options.get("matrix_view", "flatten")
                     if mp is not None and (p.ndim >= 3 or isinstance(view, _views.Heads)):

@@ -94,7 +94,8 @@ class AdapterStep(FSDPTelemetry):
         if self.nonfinite is None:
             return None
         pairs = [(gi, i, g) for gi, gs in enumerate(grads) for i, g in enumerate(gs) if g is not None]
-        flags = finite_flags([g for _, _, g in pairs]) if pairs else torch.ones(0, dtype=torch.bool, device=self._device)
+        flags = (finite_flags([g for _, _, g in pairs]) if pairs
+                 else torch.ones(0, dtype=torch.bool, device=self._device))
         flag = flags.all() if pairs else torch.ones((), dtype=torch.bool, device=self._device)
         finite = _exchange.all_ranks_finite(flag, self.topology.group, self.topology.world_size)
         if self.nonfinite == "error" and not bool(finite):

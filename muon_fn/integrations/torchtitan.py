@@ -123,7 +123,8 @@ class MuonOptimizersContainer(OptimizersContainer):
 
     @staticmethod
     def _build_param_groups(model: nn.Module, param_group_configs: list[Any],
-                            impl_kwargs: dict[str, Any]) -> tuple[dict[str, list[dict[str, Any]]], dict[str, list[str]]]:
+                            impl_kwargs: dict[str, Any],
+                            ) -> tuple[dict[str, list[dict[str, Any]]], dict[str, list[str]]]:
         """torchtitan's groups, with the embeddings and the output head of each ``"auto"`` group
         of a muon_fn optimizer moved to its ``use_muon=False`` twin, placed after it."""
         groups, patterns = OptimizersContainer._build_param_groups(model, param_group_configs, impl_kwargs)

@@ -290,8 +290,8 @@ class Optimizer(Checkpointing, Placed, StagedStep, Telemetry, torch.optim.Optimi
     # travels too, so copy.deepcopy and pickle give an optimizer that steps like the original.
     # Compiled steps, scalar tensors and transforms are caches, rebuilt on the copy's first use.
     _CONFIG = ("nonfinite", "_factory", "_compile_options", "_bucket_size", "_scalar_keys",
-               "_nonfinite_count", "last_step", "split", "_built", "_metrics_every", "_applied_steps", "atomic", "verify",
-               "_fault_count", "_model")
+               "_nonfinite_count", "last_step", "split", "_built", "_metrics_every", "_applied_steps",
+               "atomic", "verify", "_fault_count", "_model")
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()

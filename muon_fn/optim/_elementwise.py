@@ -97,8 +97,9 @@ class TritonMuon(_ElementwiseOptimizer):
 
     ``lr``, ``momentum`` and ``velocity`` are per-step scalars (schedulers change them without a
     recompile), held as 0-d fp32 tensors (fp64 for fp64 parameters), as in every
-    muon_fn optimizer: ``velocity=0.999`` acts as fp32(0.999). Errors use torch's wording: ``Invalid learning rate: -1.0``, ``Invalid momentum
-    value: 1.0``, ``Invalid velocity value: 1.0``, ``Invalid weight_decay value: -0.1``.
+    muon_fn optimizer: ``velocity=0.999`` acts as fp32(0.999). Errors use torch's wording:
+    ``Invalid learning rate: -1.0``, ``Invalid momentum value: 1.0``, ``Invalid velocity value: 1.0``,
+    ``Invalid weight_decay value: -0.1``.
     """
 
     def __init__(

@@ -285,7 +285,7 @@ def create_hybrid_optimizer(
           out.weight                               (10, 8)              output head
 
     Example: ``examples/mixed_adamw.py``.
-    """
+    """  # noqa: E501  (the split's output, verbatim)
     refuse_torch_style("create_hybrid_optimizer", model, muon_kwargs)
     _checks.learning_rate(muon_lr, "muon_lr")
     _checks.learning_rate(adamw_lr, "adamw_lr")

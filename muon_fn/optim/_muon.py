@@ -146,7 +146,8 @@ class MuonOptimizer(HybridOptimizer):
     you rely on (tested against torch in fp32 to 1e-5, in bf16 to 4e-3 after 5 steps: torch
     casts to bf16 before taking the norm, muon_fn after). ``momentum`` must be < 1 and
     ``nesterov`` a bool. Positional arguments after ``lr`` raise ``TypeError``, so
-    ``MuonOptimizer(p, 1e-3, 0.1)`` cannot set momentum where torch sets weight decay. A torch.optim.Muon ``state_dict`` loads
+    ``MuonOptimizer(p, 1e-3, 0.1)`` cannot set momentum where torch sets weight decay. A
+    torch.optim.Muon ``state_dict`` loads
     directly when this optimizer's parameters are exactly its matrices; otherwise convert it with
     :func:`muon_fn.optim.from_torch_state_dict` (and back with :func:`to_torch_state_dict`).
     Loading one restores torch's hyperparameters and algorithm (``method=None`` with its

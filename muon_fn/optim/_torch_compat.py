@@ -40,7 +40,8 @@ def to_torch_state_dict(optimizer: MuonOptimizer) -> tuple[dict[str, Any], dict[
     with one torch param group per group of ``optimizer`` that has such parameters, in order.
 
     Only torch-compatible settings convert: every Muon parameter 2-D, one ``(a, b, c)`` triple
-    (``ns_coefficients``, ``method="quintic"`` or the default ``method=None``), EMA momentum, no NorMuon (``beta2=None``),
+    (``ns_coefficients``, ``method="quintic"`` or the default ``method=None``), EMA momentum, no
+    NorMuon (``beta2=None``),
     no AdaMuon (``adamuon_beta2=None``), no cautious weight decay (in either half),
     ``ns_stepsize=1``, no head views, and ``adjust_lr_fn`` ``None``/``"original"``/``"keller"``/
     ``"match_rms_adamw"``; otherwise ``ValueError`` names what differs. Build the torch

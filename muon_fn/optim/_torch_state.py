@@ -153,7 +153,8 @@ def _match(routes: list[_Route], entries: list[_Entry], source: str, role: str) 
 def _check_torch_state_dict(state_dict: Any, source: str, keys: tuple[str, ...]) -> None:
     groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
     if not isinstance(groups, list) or not isinstance(state_dict.get("state"), dict):
-        raise ValueError(f"expected a {source} state_dict (with 'state' and 'param_groups'), got {type(state_dict).__name__}")
+        raise ValueError(f"expected a {source} state_dict (with 'state' and 'param_groups'), "
+                         f"got {type(state_dict).__name__}")
     for i, group in enumerate(groups):
         missing = [k for k in keys if k not in group]
         if missing or "algorithm" in group:
@@ -269,8 +270,8 @@ def to_torch(optimizer: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
     muon_routes, adamw_routes = _routes(optimizer)
     for r in muon_routes:
         if len(r.shape) != 2:
-            raise ValueError(f"parameter {repr(r.name) if r.name else '#' + str(r.index)} has shape {r.shape}: torch.optim.Muon "
-                             "takes 2-D parameters only")
+            raise ValueError(f"parameter {repr(r.name) if r.name else '#' + str(r.index)} has shape {r.shape}: "
+                             "torch.optim.Muon takes 2-D parameters only")
     ours = optimizer.state_dict()
     muon_sd = _torch_side(ours, muon_routes, _MUON_STATE, _torch_muon_group)
     adamw_sd = _torch_side(ours, adamw_routes, _ADAMW_STATE, _torch_adamw_group) if adamw_routes else None
@@ -349,7 +350,8 @@ def _torch_adamw_hyper(g: int, group: dict[str, Any]) -> dict[str, Any]:
             out["initial_lr"] = group["initial_lr"]
         return out
     base = float(group.get("base_lr") or 0.0)
-    scale = (lambda lr: float(group["adamw_lr"]) * float(lr) / base) if base > 0 else (lambda lr: float(group["adamw_lr"]))
+    scale = ((lambda lr: float(group["adamw_lr"]) * float(lr) / base) if base > 0
+             else (lambda lr: float(group["adamw_lr"])))
     out.update(lr=scale(group["lr"]), weight_decay=group["adamw_weight_decay"])
     if "initial_lr" in group:
         out["initial_lr"] = scale(group["initial_lr"])
