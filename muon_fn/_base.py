@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple, Protocol, Union
+from typing import Any, NamedTuple, Protocol
 from collections.abc import Callable
 
 import torch
@@ -12,9 +12,9 @@ import torch
 Params = Any  # a pytree of tensors
 Updates = Any  # a pytree of tensors (or None for missing gradients), same structure as Params
 OptState = Any  # a pytree (NamedTuples, tuples, dicts) of tensors
-Scalar = Union[float, torch.Tensor]  # a Python float or a 0-d tensor
+Scalar = float | torch.Tensor  # a Python float or a 0-d tensor
 Schedule = Callable[[torch.Tensor], torch.Tensor]  # step count (0-d tensor) -> value
-ScalarOrSchedule = Union[float, torch.Tensor, Schedule]
+ScalarOrSchedule = float | torch.Tensor | Schedule
 
 # How much of a leaf a transform needs to see (TransformInfo.scope).
 ELEMENTWISE = "elementwise"  # each element from the same element of the inputs and its state: works on any shard

@@ -246,7 +246,7 @@ def listed_once(new: dict[str, Any], groups: list[dict[str, Any]]) -> None:
     ``params`` a list of tensors or ``(name, tensor)`` pairs) lists twice, or that an earlier
     group of ``groups`` holds already: it would be updated twice per step."""
     entries = new["params"]
-    if isinstance(entries, torch.Tensor) or isinstance(entries, set):
+    if isinstance(entries, (torch.Tensor, set)):
         return  # torch's add_param_group takes (or refuses) these
     entries = list(entries)
     pairs = [(e[0], e[1]) if isinstance(e, tuple) and len(e) == 2 else (None, e) for e in entries]

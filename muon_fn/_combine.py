@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping
-from typing import Any, NamedTuple, Union
+from typing import Any, NamedTuple
 from collections.abc import Callable
 
 import torch
@@ -11,7 +11,7 @@ import torch
 from . import _tree
 from ._base import ELEMENTWISE, MATRIX, GradientTransformation, OptState, Params, Updates, info, with_info
 
-Labels = Union[Any, Callable[[Params], Any]]  # a pytree of labels, or params -> pytree of labels
+Labels = Any | Callable[[Params], Any]  # a pytree of labels, or params -> pytree of labels
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:

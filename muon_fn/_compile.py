@@ -19,7 +19,7 @@ import sys
 import types
 import warnings
 from collections.abc import Hashable, Mapping
-from typing import Any, Union, cast
+from typing import Any, cast
 from collections.abc import Callable
 
 import torch
@@ -29,7 +29,7 @@ from ._base import MATRIX, GradientTransformation, info, with_info
 from ._log import notice
 from ._tree import tree_leaves
 
-CompileOption = Union[bool, Mapping[str, Any]]
+CompileOption = bool | Mapping[str, Any]
 
 
 def compile_update(tx: GradientTransformation, **torch_compile_kwargs: Any) -> GradientTransformation:

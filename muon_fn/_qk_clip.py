@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from typing import NamedTuple, Union
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -146,7 +146,7 @@ class AttentionHeads(NamedTuple):
         return self.n_head * self.head_dim if self.q == self.k else 0
 
 
-Layers = Union[nn.Module, Iterable[AttentionHeads]]
+Layers = nn.Module | Iterable[AttentionHeads]
 Rows = Callable[[torch.Tensor], "tuple[torch.Tensor, int]"]
 
 

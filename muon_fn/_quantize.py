@@ -250,7 +250,7 @@ def stored_triples(plain: Any, codes: Any = None, scales: Any = None) -> Any:
 
 def split_triples(like: Any, triples: Any) -> tuple[Any, Any, Any]:
     """The ``(plain, codes, scales)`` trees of a tree of stored triples with ``like``'s structure."""
-    return tuple(_tree.tree_map(lambda _, t: t[i], like, triples) for i in range(3))
+    return tuple(_tree.tree_map(lambda _, t: t[i], like, triples) for i in range(3))  # noqa: B023  called at once
 
 
 # ---------------------------------------------------------------------------------------------

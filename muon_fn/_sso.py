@@ -89,7 +89,7 @@ class SpectralSphereState(NamedTuple):
     fallback: Updates  # shape=(), bool: the last step found no bracket and used λ = 0
     fallbacks: Updates  # shape=(), int64: how many steps fell back to λ = 0 so far
 
-    state_keys = {
+    state_keys = {  # noqa: RUF012  NamedTuple: annotated, it would be a field
         "count": "sso_count",
         "v": "sso_v",
         "lam": "sso_lambda",

@@ -44,7 +44,7 @@ class MomentumState(NamedTuple):
 
     mu: Updates  # like params; dtype mu_dtype or the param's
 
-    state_keys = {"mu": "momentum_buffer"}  # names in torch.optim state dicts
+    state_keys = {"mu": "momentum_buffer"}  # names in torch.optim state dicts  # noqa: RUF012  NamedTuple: annotated, it would be a field
 
 
 class QuantizedMomentumState(NamedTuple):
@@ -58,7 +58,7 @@ class QuantizedMomentumState(NamedTuple):
     codes: Updates  # per matrix (rows, n) int8, or (rows, ⌈n/2⌉) uint8 at 4 bits; else None
     scales: Updates  # per matrix (rows, blocks) fp32: each block's absolute maximum; else None
 
-    state_keys = {"mu": "momentum_buffer", "codes": "momentum_buffer_codes", "scales": "momentum_buffer_scales"}
+    state_keys = {"mu": "momentum_buffer", "codes": "momentum_buffer_codes", "scales": "momentum_buffer_scales"}  # noqa: RUF012  NamedTuple: annotated, it would be a field
 
 
 def momentum(
@@ -151,7 +151,7 @@ class ScaleByScheduleState(NamedTuple):
 
     count: torch.Tensor  # shape=(), int64: number of updates so far
 
-    state_keys = {"count": "lr_schedule_count"}
+    state_keys = {"count": "lr_schedule_count"}  # noqa: RUF012  NamedTuple: annotated, it would be a field
 
 
 def scale_by_learning_rate(lr: ScalarOrSchedule) -> GradientTransformation:
@@ -270,7 +270,7 @@ class ScaleBySecondMomentState(NamedTuple):
 
     nu: Updates  # like params, float32 (float64 for float64 params): EMA of the squared update
 
-    state_keys = {"nu": "update_exp_avg_sq"}  # not AdamW's exp_avg_sq: the square of the update
+    state_keys = {"nu": "update_exp_avg_sq"}  # not AdamW's exp_avg_sq: the square of the update  # noqa: RUF012  NamedTuple: annotated, it would be a field
 
 
 def scale_by_second_moment(beta2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
@@ -319,7 +319,7 @@ class ScaleByAdamState(NamedTuple):
     mu: Updates  # like params: first moment
     nu: Updates  # like params: second moment
 
-    state_keys = {"count": "step", "mu": "exp_avg", "nu": "exp_avg_sq"}
+    state_keys = {"count": "step", "mu": "exp_avg", "nu": "exp_avg_sq"}  # noqa: RUF012  NamedTuple: annotated, it would be a field
 
 
 class QuantizedAdamState(NamedTuple):
@@ -337,7 +337,7 @@ class QuantizedAdamState(NamedTuple):
     nu_codes: Updates  # codes of v relative to each block's maximum (int16, int8 or two a byte)
     nu_scales: Updates  # (rows, blocks) fp32, else None
 
-    state_keys = {"count": "step", "mu": "exp_avg", "mu_codes": "exp_avg_codes", "mu_scales": "exp_avg_scales",
+    state_keys = {"count": "step", "mu": "exp_avg", "mu_codes": "exp_avg_codes", "mu_scales": "exp_avg_scales",  # noqa: RUF012  NamedTuple: annotated, it would be a field
                   "nu": "exp_avg_sq", "nu_codes": "exp_avg_sq_codes", "nu_scales": "exp_avg_sq_scales"}
 
 
@@ -469,7 +469,7 @@ class NormalizeRowsState(NamedTuple):
     nu: Updates  # per leaf, float32: EMA of the mean square of each row; shape (out, 1, ...), or
     #              (..., out, 1) under the "experts" view; C instead of 1 for C column blocks
 
-    state_keys = {"nu": "row_variance"}
+    state_keys = {"nu": "row_variance"}  # noqa: RUF012  NamedTuple: annotated, it would be a field
 
 
 def normalize_rows(beta2: float = 0.95, eps: float = 1e-8, *, view: View = "flatten") -> GradientTransformation:

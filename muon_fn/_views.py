@@ -27,13 +27,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Union
 from collections.abc import Callable
 
 import torch
 
 VIEWS = ("flatten", "experts")
-Blocks = Union[int, tuple[int, ...], None]  # n equal blocks, or their sizes
+Blocks = int | tuple[int, ...] | None  # n equal blocks, or their sizes
 
 
 @dataclass(frozen=True)
@@ -50,7 +49,7 @@ class Heads:
         return f"heads({', '.join(parts + (['experts=True'] if self.experts else []))})"
 
 
-View = Union[str, Heads, Callable[[torch.Tensor], str | Heads]]
+View = str | Heads | Callable[[torch.Tensor], str | Heads]
 
 
 def _blocks(name: str, value) -> Blocks:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import numbers
-from typing import Union
 from collections.abc import Callable, Sequence
 
 import torch
@@ -18,7 +17,7 @@ import torch
 from .. import _checks
 
 Coefficients = tuple[float, ...]  # (c0, c1, ..., cd): p(σ) = σ·Σ cᵢ σ^{2i}; (a, b, c) for quintics
-Method = Union[str, Callable[[torch.Tensor], torch.Tensor]]
+Method = str | Callable[[torch.Tensor], torch.Tensor]
 
 # Keller Jordan's quintic: steep at 0, lands σ in about [0.68, 1.13] after 5 steps.
 KELLER_COEFFICIENTS: tuple[Coefficients, ...] = ((3.4445, -4.7750, 2.0315),)
@@ -281,7 +280,7 @@ def gemm_flops(shape: Sequence[int], schedule: Sequence[Coefficients]) -> int:
     ``QX`` (2s²l) at the end.
     """
     m, n = int(shape[-2]), int(shape[-1])
-    s, l = min(m, n), max(m, n)
+    s, l = min(m, n), max(m, n)  # noqa: E741  the docstring's s and l
     products = [gram_products(row) for row in schedule]
     if getattr(schedule, "form", "standard") != "gram" or m == n:
         return sum(4 * s * s * l + 2 * s**3 * k for k in products)

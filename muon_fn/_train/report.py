@@ -3,6 +3,7 @@ over seeds, the steps each run needs to reach AdamW's final validation loss, and
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 def steps_to_reach(val: list[list[float]], target: float) -> float | None:
     """The first step at which the validation curve ``[[step, loss], ...]`` reaches ``target``,
     interpolated linearly between evaluations; ``None`` if it never does."""
-    for (s0, v0), (s1, v1) in zip(val, val[1:]):
+    for (s0, v0), (s1, v1) in itertools.pairwise(val):
         if v1 <= target:
             if v0 <= target:
                 return float(s0)

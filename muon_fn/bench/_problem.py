@@ -28,6 +28,7 @@ from __future__ import annotations
 import glob
 import math
 import os
+import pathlib
 from typing import NamedTuple
 
 import torch
@@ -136,7 +137,7 @@ def _corpus() -> torch.Tensor:
     """Bytes of the first 40 modules of Python's standard library (not of this project, whose
     edits would change the gradients)."""
     files = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))[:40]
-    text = b"".join(open(f, "rb").read() for f in files)
+    text = b"".join(pathlib.Path(f).read_bytes() for f in files)
     return torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
 
 

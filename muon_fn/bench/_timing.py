@@ -10,14 +10,14 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Union
+from typing import Any
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
 from .._device import synchronize
 
-Threads = Union[int, str]  # a count, or "default": the count torch picks when nothing sets one
+Threads = int | str  # a count, or "default": the count torch picks when nothing sets one
 
 
 def check_device(device: torch.device | str | None) -> torch.device:

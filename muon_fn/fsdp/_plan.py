@@ -76,7 +76,7 @@ def ns_flops(shape: Sequence[int], steps: int | Sequence[Sequence[float]]) -> in
     products, 0 cubic, 1 quintic, 2 degree 7/9; the Gram form's own count).
     """
     m, n = flat_shape(shape)
-    s, l = min(m, n), max(m, n)
+    s, l = min(m, n), max(m, n)  # noqa: E741  the docstring's s and l
     if isinstance(steps, int):
         return steps * (4 * s * s * l + 2 * s**3)
     return gemm_flops((m, n), steps)

@@ -334,7 +334,7 @@ def _workspace(shape: tuple[int, ...], view: str | _views.Heads, ns_bytes: int) 
     """Bytes of a parameter's Newton–Schulz workspace: X, XXᵀ, its square and the new X of each
     of its matrices, (2sl + 2s²) elements."""
     m, n = _views.matrix_shape(shape, view)
-    s, l = min(m, n), max(m, n)
+    s, l = min(m, n), max(m, n)  # noqa: E741  the docstring's s and l
     return _views.count(shape, view) * (2 * s * l + 2 * s * s) * ns_bytes
 
 

@@ -269,7 +269,7 @@ class AdapterStep(FSDPTelemetry):
         if all(matrices[j].piece is None for j in batch):
             return batch, mats, [None] * len(batch)
         gi = matrices[batch[0]].group
-        given = {j: x for j, x in zip(batch, mats)}
+        given = dict(zip(batch, mats))
         by_position: dict[int, list[int]] = {}
         for j in sorted(batch, key=lambda j: matrices[j].piece):
             by_position.setdefault(matrices[j].position, []).append(j)

@@ -118,7 +118,7 @@ class Checkpointing:
                 for key, value in (entry or {}).items():
                     if isinstance(value, torch.Tensor):
                         self.state[p][key] = value.detach().to(device=p.device, copy=True)
-            for index, group in enumerate(self.param_groups):
+            for index in range(len(self.param_groups)):
                 self._check_window(index)
                 self._check_loaded_state(index)
         except Exception:

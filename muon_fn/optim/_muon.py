@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 from collections.abc import Callable
 
 import torch
@@ -37,7 +37,7 @@ class HybridOptimizer(Optimizer):
     _extra_scalar_keys = ("adamw_lr",)
     # Group keys added after the first checkpoints, with the value that reproduces those:
     # before adamw_decay_1d existed the AdamW half decayed every parameter.
-    _later_keys: dict[str, Any] = {"adamw_decay_1d": True}
+    _later_keys: ClassVar[dict[str, Any]] = {"adamw_decay_1d": True}
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's ``add_param_group``; warns once about parameters of ndim ≥ 3 whose matrix
@@ -236,9 +236,10 @@ class MuonOptimizer(HybridOptimizer):
         Its weights must be parameters of this optimizer. Not saved in ``state_dict``.
       gradient_accumulation_steps, nonfinite, compile, bucket_size, metrics: see :class:`muon_fn.Optimizer`.
 
-    Keywords of other torch optimizers (``maximize``, ``foreach``, ``fused``, ``capturable``,
-    ``differentiable``) and former names (``ns_eps``, ``split``) are refused with a ``TypeError`` that says
-    what to use.
+    Keywords of other torch optimizers are accepted for drop-in use: ``foreach`` and ``fused`` with
+    any value (the step batches and compiles its own kernels), ``maximize``, ``capturable`` and
+    ``differentiable`` as False (True raises a ``ValueError`` that says why). Former names
+    (``ns_eps``, ``split``) are refused with a ``TypeError`` that says what to use.
     """
 
     def __init__(
@@ -329,8 +330,9 @@ class MuonOptimizer(HybridOptimizer):
         super().load_state_dict(_torch_state.upgrade_eps_keys(state_dict), allow_missing_state=allow_missing_state)
 
     # Checkpoints saved before these keys existed ran plain Muon with plain decay.
-    _later_keys = {**HybridOptimizer._later_keys, "state_bits": 32, "layerwise_norm": False, "adamuon_beta2": None,
-                   "adamuon_eps": 1e-8, "adamuon_sign": True, "cautious_weight_decay": False}
+    _later_keys: ClassVar[dict[str, Any]] = {
+        **HybridOptimizer._later_keys, "state_bits": 32, "layerwise_norm": False, "adamuon_beta2": None,
+        "adamuon_eps": 1e-8, "adamuon_sign": True, "cautious_weight_decay": False}
 
 
 # Group keys that say how this optimizer stores its state, not what it computes: a loaded

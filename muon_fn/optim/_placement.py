@@ -177,7 +177,7 @@ def state_moves(optimizer: Any, previous: list[list[torch.Tensor | None]]) -> li
             raise ValueError(f"param group {index} now holds {len(params)} parameters, but it held {len(old)} "
                              "with optimizer state: the state cannot follow them by position; swap in one "
                              "parameter for each, in the same order")
-        for position, (was, new) in enumerate(zip(old, params)):
+        for was, new in zip(old, params):
             if was is None or was is new or not optimizer.state.get(was):
                 continue
             if tuple(was.shape) != tuple(new.shape):
