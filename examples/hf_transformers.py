@@ -44,7 +44,7 @@ try:
 
     from muon_fn.integrations.hf import HybridFactory
 except ImportError as e:  # pragma: no cover - depends on the environment
-    raise SystemExit(f"this example needs transformers: pip install 'muon-fn[hf]' ({e})")
+    raise SystemExit(f"this example needs transformers: pip install 'muon-fn[hf]' ({e})") from e
 
 
 class LMDataset(torch.utils.data.Dataset):

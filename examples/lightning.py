@@ -48,7 +48,9 @@ except ImportError:
     try:
         import pytorch_lightning as pl
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise SystemExit(f"this example needs Lightning: pip install 'muon-fn[lightning]' ({e})")
+        raise SystemExit(
+            f"this example needs Lightning: pip install 'muon-fn[lightning]' ({e})"
+        ) from e
 
 
 class LitGPT(pl.LightningModule):

@@ -29,8 +29,8 @@ from muon_fn._newton_schulz import (
 def measure(
     G: torch.Tensor, method: str, steps: int, dtype: torch.dtype
 ) -> tuple[float, float, float]:
-    O = mf.newton_schulz(G, method, steps, dtype=dtype).double()
-    s = torch.linalg.svdvals(O)
+    Q = mf.newton_schulz(G, method, steps, dtype=dtype).double()
+    s = torch.linalg.svdvals(Q)
     return s.min().item(), s.max().item(), (s - 1).pow(2).mean().sqrt().item()
 
 

@@ -46,7 +46,7 @@ def start_ranks(script: str, w: int, args: list[str], logs: Path, timeout_s: flo
         MASTER_PORT=str(free_port()),
         PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     )
-    files = [open(logs / f"rank{r}.log", "w") for r in range(w)]
+    files = [open(logs / f"rank{r}.log", "w") for r in range(w)]  # noqa: SIM115  closed when the ranks end
     procs = [
         subprocess.Popen(
             [sys.executable, script, str(w), str(r), *args],

@@ -376,6 +376,7 @@ def _pair(compile_option, **extra):
     )
 
 
+@pytest.mark.slow
 def test_compiled_equals_eager():
     model, eager, other, compiled = _pair({"backend": "eager"})
     train(model, eager, 3)
@@ -383,6 +384,7 @@ def test_compiled_equals_eager():
     assert_same(model, eager, other, compiled)
 
 
+@pytest.mark.slow
 def test_inductor_equals_eager():
     model, eager, other, compiled = _pair({}, adjust_lr_fn="match_rms_adamw")
     train(model, eager, 2)

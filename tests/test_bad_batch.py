@@ -96,9 +96,7 @@ def set_grads(
 def snapshot(net: nn.Module, opt: torch.optim.Optimizer) -> dict:
     return {
         "params": {n: p.detach().clone() for n, p in net.named_parameters()},
-        "state": copy.deepcopy(
-            {k: {s: v for s, v in st.items()} for k, st in opt.state_dict()["state"].items()}
-        ),
+        "state": copy.deepcopy({k: dict(st) for k, st in opt.state_dict()["state"].items()}),
     }
 
 
@@ -238,6 +236,7 @@ def test_error_and_none_eager(name, monkeypatch):
 
 @pytest.mark.inductor
 @pytest.mark.parametrize("name", CLASSES)
+@pytest.mark.slow
 def test_compiled(name, monkeypatch):
     """The compiled default (inductor): every policy, an optimizer fault and an error midway
     (atomic=True), in one optimizer's graphs per policy."""
@@ -398,6 +397,7 @@ def test_skip_keeps_a_schedules_count():
 
 
 @pytest.mark.parametrize("options", [EAGER, COMPILED], ids=["eager", "compiled"])
+@pytest.mark.slow
 def test_sso_operator_error_inside_a_compiled_graph_changes_nothing(options, monkeypatch):
     """SSO's per-chunk operator raises on its second chunk (inside the graph when compiled);
     ``atomic=True``."""

@@ -25,6 +25,7 @@ ONE_LAYER = dict(model_size="tiny", layers=1, rounds=1, quality_layers=1, gaussi
 
 
 # ----------------------------------------------------------------------------- the Muon step benchmark
+@pytest.mark.slow
 def test_benchmark_smoke_with_torch_reference():
     rows = ["muon_fn", "muon_fn[eager]", "torch.optim.Muon", "replay[quintic5]"]
     res = bench.benchmark_muon_optimizers(rows=rows, **ONE_LAYER)
@@ -112,6 +113,7 @@ def test_ratios_and_quality_need_their_reference_rows():
 
 
 @pytest.mark.inductor
+@pytest.mark.slow
 def test_default_row_compiles_on_its_first_step(compiled_default):
     res = bench.benchmark_muon_optimizers(
         rows=["muon_fn", "muon_fn[eager]"], quality=False, memory=False, **ONE_LAYER
@@ -298,6 +300,7 @@ def test_resident_step_bytes_counts_the_peak_resident_set_of_a_fresh_process():
     assert bench.resident_step_bytes(lambda: None, torch.device("meta")) is None
 
 
+@pytest.mark.slow
 def test_memory_table_measures_every_row_the_same_way(tmp_path, capsys):
     """``muon-fn bench --memory``: torch's rows and muon_fn's, each in a fresh process; the
     hybrid against torch.optim.Muon + AdamW on the same split of the set's GPT model."""
@@ -534,6 +537,7 @@ def test_main_reports_bad_arguments_as_usage_errors(argv, message, capsys):
 
 
 # ----------------------------------------------------------------------------- SSO and FSDP benchmarks
+@pytest.mark.slow
 def test_sso_command_reports_ratios_and_warmup_times(tmp_path, capsys):
     path = tmp_path / "sso.json"
     assert (
@@ -578,6 +582,7 @@ def test_fsdp_benchmark_is_importable_without_running_ranks():
     assert callable(bench.benchmark_fsdp) and callable(bench.format_fsdp_result)
 
 
+@pytest.mark.slow
 def test_fsdp_command_has_torch_muon_on_the_same_dtensors(tmp_path, capsys):
     """One W=2 job on one tiny layer (64-wide): every row with its step times, ratio to
     torch.optim.Muon's step and per-rank memory; torch.optim.Muon on the FSDP2 DTensors and
@@ -803,7 +808,7 @@ def test_gemm_flops_equal_the_profilers_count(method, steps):
     for shape in ((48, 80), (80, 48), (40, 40)):
         x = torch.randn(shape)
         assert _gemm_flops(
-            lambda: O.newton_schulz(x, method, steps, dtype=torch.float32)
+            lambda: O.newton_schulz(x, method, steps, dtype=torch.float32)  # noqa: B023  called at once, in this iteration
         ) == O.gemm_flops(shape, schedule), shape
 
 
@@ -815,7 +820,7 @@ def test_step_gemm_flops_of_the_sets_and_their_sizes_cost_no_memory():
     def flops(size, layers=None):
         return step_gemm_flops([s for _, s in bench.matrix_shapes(size, layers)], quintic5)
 
-    def it(s, l):  # one quintic iteration of a wide (s, l)
+    def it(s, l):  # noqa: E741  one quintic iteration of a wide (s, l)
         return 4 * s * s * l + 2 * s**3
 
     assert flops("gpt2-small") == 3600 * 768**3 == 1_630_745_395_200  # 12·5·(4·6 + 2·18)·768³
@@ -947,6 +952,7 @@ def test_compile_time_runs_cold_then_warm_in_one_new_cache_directory(tmp_path, c
     assert "compile time: first step of a fresh process" in out and out.count("tiny ") == 4
 
 
+@pytest.mark.slow
 def test_compile_time_first_step_counts_graphs_and_cache_lookups(compiled_default, monkeypatch):
     """The measured process's own part, with Dynamo's eager backend (no code generation)."""
     from muon_fn import _compile

@@ -245,6 +245,7 @@ def _assert_close_models(a, b, **tol):
         torch.testing.assert_close(p, q, msg=name, **tol)
 
 
+@pytest.mark.slow
 def test_compiled_equals_eager():
     model, eager, other, compiled = _pair({"backend": "eager"})
     train(model, eager, 3)
@@ -252,6 +253,7 @@ def test_compiled_equals_eager():
     _assert_close_models(model, other, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_inductor_equals_eager():
     model, eager, other, compiled = _pair({})
     train(model, eager, 2)
@@ -320,7 +322,7 @@ def test_torch_conversion_refuses_cautious_decay():
         to_torch_state_dict(opt)
     adam_only = mf.MuonOptimizer(model.parameters(), algorithm="adamw", cautious_weight_decay=True)
     with pytest.raises(
-        ValueError, match="cannot be written as torch.optim.AdamW: cautious_weight_decay=True"
+        ValueError, match=r"cannot be written as torch\.optim\.AdamW: cautious_weight_decay=True"
     ):
         to_torch_state_dict(adam_only)
 

@@ -385,6 +385,7 @@ def test_unknown_command_prints_usage():
     )
 
 
+@pytest.mark.slow
 def test_python_dash_m_muon_fn_runs_the_command():
     """``python -m muon_fn`` is ``muon-fn`` (as users try it); a bad command exits with status 2."""
     ok = subprocess.run(

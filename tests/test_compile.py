@@ -159,6 +159,7 @@ def test_dynamic_compiles_are_refused_with_the_reason(dynamic):
         mf.MuonOptimizer(_small_model(False).parameters(), compile={"dynamic": dynamic})
 
 
+@pytest.mark.slow
 def test_per_step_scalars_enter_the_graph_as_0d_tensors(device):
     """lr and momentum are graph inputs (0-d tensors refreshed in place), never constants: a
     scheduler changes them without a recompile and the graph reads the new values."""
@@ -278,6 +279,7 @@ def _run_scheduled(opt, params, steps, seed=10):
         sched.step()
 
 
+@pytest.mark.slow
 def test_muon_optimizer_compiles_one_graph_per_bucket_signature_no_recompiles():
     """One fullgraph graph per bucket signature (up to BUCKET_SIZE parameters of one shape),
     none more over an LR schedule, and the result equals the eager step."""
@@ -301,6 +303,7 @@ def test_muon_optimizer_compiles_one_graph_per_bucket_signature_no_recompiles():
         )
 
 
+@pytest.mark.slow
 def test_muon_optimizer_compiled_adamw_half_and_normuon():
     """Biases (AdamW) and NorMuon go through the same compiled apply."""
     torch.manual_seed(0)
@@ -387,6 +390,7 @@ def test_probe_counts_host_reads():
 
 @pytest.mark.parametrize("compile", [False, {"backend": "eager"}], ids=["eager", "compiled"])
 @pytest.mark.parametrize("bias", [False, True], ids=["muon", "hybrid"])
+@pytest.mark.slow
 def test_step_reads_nothing_back(compile, bias):
     """No .item()/float()/bool() of a device tensor in a step, eager or compiled, Muon-only or
     hybrid (torch.optim.AdamW itself reads its step count back every step), nonfinite="skip"."""
@@ -413,6 +417,7 @@ def test_inductor_step_reads_nothing_back(device, compiled_default):
     assert _host_reads(opt.step) == 0
 
 
+@pytest.mark.slow
 def test_no_recompiles_over_100_steps_with_lr_and_momentum_schedules(device):
     counter = CompileCounterWithBackend("eager")
     model = _small_model(True, device)
@@ -434,6 +439,7 @@ def test_no_recompiles_over_100_steps_with_lr_and_momentum_schedules(device):
     assert len(seen) > 50 and counter.frame_count == first
 
 
+@pytest.mark.slow
 def test_adding_a_param_group_compiles_that_group_once():
     counter = CompileCounterWithBackend("eager")
     model = _small_model(False)
@@ -517,6 +523,7 @@ class _SmallLM(torch.nn.Module):
 
 
 @pytest.mark.inductor
+@pytest.mark.slow
 def test_compiled_hybrid_does_not_reuse_another_betas_graph(
     device, compiled_default, monkeypatch, tmp_path
 ):

@@ -50,7 +50,7 @@ SHARES = (
 )
 TIMEOUT_S = 600
 
-pytestmark = [pytest.mark.inductor]
+pytestmark = [pytest.mark.inductor, pytest.mark.slow]  # subprocesses compiling cold and warm
 
 
 def test_importing_the_child_changes_nothing_in_the_suite():
@@ -72,7 +72,7 @@ def _run_round(round_: str, cache: Path, out: Path, device: torch.device) -> dic
     procs = []
     for i, cases in enumerate(SHARES):
         path = out / f"{round_}{i}.json"
-        log = open(out / f"{round_}{i}.log", "w")
+        log = open(out / f"{round_}{i}.log", "w")  # noqa: SIM115  closed when the process ends
         procs.append(
             (
                 path,

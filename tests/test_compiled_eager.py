@@ -48,7 +48,7 @@ from muon_fn import _verify
 sys.path.insert(0, str(Path(__file__).parent))
 from _ranks import assert_check, rank_main, start_job
 
-pytestmark = pytest.mark.inductor
+pytestmark = [pytest.mark.inductor, pytest.mark.slow]  # the per-configuration compiled sweep
 
 COMPILED = {"compile": {"backend": "inductor"}, "verify": False}  # conftest turns compile=True off
 EAGER = {"compile": False}

@@ -247,6 +247,7 @@ def test_checkpoint_moves_between_devices(device):
     assert_params_close(back, ref, **tol(device))
 
 
+@pytest.mark.slow
 def test_compile_of_opt_step(device):
     """torch.compile(opt.step) runs the optimizer's own compiled graphs (inductor on GPUs; the
     eager backend on the CPU, where inductor is tested by the compile suite) and gives the eager
@@ -354,6 +355,7 @@ def test_cuda_graphs_capture_the_compiled_step(device):
     assert_params_close(a, b, **tol(device))
 
 
+@pytest.mark.slow
 def test_gpu_lane_script_keeps_to_its_budget(tmp_path):
     """``.ci/gpu-lane`` with a spent budget skips every step, names each one in OUT/summary.txt
     (to run next with MUON_FN_LANE_STEPS), exits 1 and leaves only the summary and the packed logs:

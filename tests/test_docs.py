@@ -27,8 +27,6 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
-
-
 from _ranks import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,11 +76,15 @@ def test_train_synopses_list_every_preset_and_optimizer():
     from muon_fn._train.optimizers import OPTIMIZERS
 
     doc = muon_fn.cli.__doc__
-    synopsis = doc[doc.index("muon-fn train [--quick]"):].split("muon-fn bench")[0]
+    synopsis = doc[doc.index("muon-fn train [--quick]") :].split("muon-fn bench")[0]
     assert set(re.search(r"--model ([\w|-]+)", synopsis).group(1).split("|")) == set(PRESETS)
     assert set(re.search(r"--optimizer ([\w|-]+)", synopsis).group(1).split("|")) == set(OPTIMIZERS)
-    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `(--[\w-]+)`[^|]*\|[^|]*\|(.*)$",
-                                                        (DOCS / "index.md").read_text(), re.M)}
+    rows = {
+        m.group(1): m.group(2)
+        for m in re.finditer(
+            r"^\| `(--[\w-]+)`[^|]*\|[^|]*\|(.*)$", (DOCS / "index.md").read_text(), re.M
+        )
+    }
     for option, names in (("--model", PRESETS), ("--optimizer", OPTIMIZERS)):
         missing = [n for n in names if f"`{n}`" not in rows[option]]
         assert not missing, f"index.md's {option} row does not name {missing}"
@@ -118,16 +120,28 @@ def test_readme_commands_match_ci():
     # CI installs the dev set-up plus the docs extra and the extras the HF and Lightning example tests need.
     assert 'pip install -e ".[dev,docs,hf,lightning]"' in ci and "MUON_FN_REQUIRE_EXTRAS=1" in ci
     assert "muon-fn train --quick" in readme
-    assert "OMP_NUM_THREADS=1 python -m pytest -q  " in readme  # the fast tier, as the README's test command
+    assert (
+        "OMP_NUM_THREADS=1 python -m pytest -q  " in readme
+    )  # the fast tier, as the README's test command
     assert "OMP_NUM_THREADS=1 python -m pytest -q --tier full" in readme
     # .ci/run: lint, types and the docs build, `export OMP_NUM_THREADS=1`, then the README's command
     # exactly, `"$PY" -m pytest -q`, then the rest of the full tier (then the oldest-torch tests).
-    commands = [ln.strip() for ln in ci.splitlines() if ln.strip() and not ln.strip().startswith("#")]
-    order = ['"$PY" -m ruff check .', '"$PY" -m ruff format --check .', '"$PY" -m mypy',
-             "export OMP_NUM_THREADS=1", '"$PY" -m pytest -q', '"$PY" -m pytest -q --tier slow']
+    commands = [
+        ln.strip() for ln in ci.splitlines() if ln.strip() and not ln.strip().startswith("#")
+    ]
+    order = [
+        '"$PY" -m ruff check .',
+        '"$PY" -m ruff format --check .',
+        '"$PY" -m mypy',
+        "export OMP_NUM_THREADS=1",
+        '"$PY" -m pytest -q',
+        '"$PY" -m pytest -q --tier slow',
+    ]
     assert all(c in commands for c in order), commands
     assert [commands.index(c) for c in order] == sorted(commands.index(c) for c in order), commands
-    assert any(c.endswith("mkdocs build --strict --quiet --site-dir \"$(mktemp -d)\"") for c in commands), commands
+    assert any(
+        c.endswith('mkdocs build --strict --quiet --site-dir "$(mktemp -d)"') for c in commands
+    ), commands
 
 
 def test_readme_ten_line_example_runs(capsys):
@@ -151,7 +165,9 @@ def test_transformers_md_examples_run_and_print_what_it_shows(capsys):
     assert len(shown) >= 2  # the toy MoE block's split and the demo GPT's
     for line in "".join(shown).splitlines():
         if line.strip() != "...":
-            assert line in out.splitlines(), f"transformers.md shows {line!r}, the example printed:\n{out}"
+            assert line in out.splitlines(), (
+                f"transformers.md shows {line!r}, the example printed:\n{out}"
+            )
 
 
 # --------------------------------------------------------------------------------------------
@@ -166,7 +182,9 @@ class Block(NamedTuple):
     lang: str  # the fence's language ("" for none)
     text: str
     line: int  # the line of the opening fence
-    given: tuple[str, ...] | None  # standalone: the names it may take from the page; None: not marked
+    given: (
+        tuple[str, ...] | None
+    )  # standalone: the names it may take from the page; None: not marked
 
 
 _STANDALONE = re.compile(r"^\s*<!--\s*standalone(?:\s*:\s*([\w\s,]*?))?\s*-->\s*$")
@@ -186,7 +204,7 @@ def _fenced(path: Path) -> list[Block]:
             blocks.append(Block(lang, "\n".join(body) + "\n", start, given))
             lang = None
         elif lang is not None:
-            body.append(line[len(indent):] if line.startswith(indent) else line.lstrip())
+            body.append(line[len(indent) :] if line.startswith(indent) else line.lstrip())
         previous = line
     return blocks
 
@@ -204,7 +222,9 @@ def _run_blocks(path: Path, namespace: dict) -> None:
             exec(code, namespace)
             continue
         missing = [name for name in block.given if name not in namespace]
-        assert not missing, f"{path.name}:{block.line}: no earlier block defines the given {missing}"
+        assert not missing, (
+            f"{path.name}:{block.line}: no earlier block defines the given {missing}"
+        )
         alone = {"__name__": namespace.get("__name__", "__main__")}
         alone.update({name: namespace[name] for name in block.given})
         exec(code, alone)
@@ -267,11 +287,16 @@ def test_muon_fn_commands_parse(page, monkeypatch):
         try:
             _check_command(argv)
         except SystemExit as e:
-            raise AssertionError(f"{page}: `muon-fn {' '.join(argv)}` does not parse: {e}") from None
+            raise AssertionError(
+                f"{page}: `muon-fn {' '.join(argv)}` does not parse: {e}"
+            ) from None
 
 
 # transformers.md has its own test (above), which also checks what its blocks print.
-@pytest.mark.parametrize("page", [p.name for p in _pages() if p.name != "transformers.md" and _python_blocks(p)])
+@pytest.mark.parametrize(
+    "page", [p.name for p in _pages() if p.name != "transformers.md" and _python_blocks(p)]
+)
+@pytest.mark.slow
 def test_python_blocks_run(page, monkeypatch, tmp_path):
     """A page's python blocks run in order in one namespace, as a reader would paste them, and
     each standalone block in a namespace of its own (see the top of this file); the distributed
@@ -280,8 +305,14 @@ def test_python_blocks_run(page, monkeypatch, tmp_path):
 
     path = README if page == "README.md" else DOCS / page
     monkeypatch.chdir(tmp_path)
-    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-                           LOCAL_RANK="0", MUON_FN_COMPILE="0").items():  # eager: compiling is tested elsewhere
+    for key, value in dict(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        MUON_FN_COMPILE="0",
+    ).items():  # eager: compiling is tested elsewhere
         monkeypatch.setenv(key, value)
     try:
         _run_blocks(path, {"__name__": "__docs__"})
@@ -298,13 +329,20 @@ def _free_names(text: str) -> set[str]:
     """The global names a block reads without importing, assigning or defining them anywhere in
     it (builtins aside)."""
     top = symtable.symtable(text, "block", "exec")
-    defined = {s.get_name() for s in top.get_symbols() if s.is_assigned() or s.is_imported() or s.is_namespace()}
+    defined = {
+        s.get_name()
+        for s in top.get_symbols()
+        if s.is_assigned() or s.is_imported() or s.is_namespace()
+    }
     read: set[str] = set()
 
     def visit(table: symtable.SymbolTable) -> None:
         for s in table.get_symbols():
-            if s.is_referenced() and (table is top or s.is_global()) and not (
-                    s.is_assigned() or s.is_imported() or s.is_parameter()):
+            if (
+                s.is_referenced()
+                and (table is top or s.is_global())
+                and not (s.is_assigned() or s.is_imported() or s.is_parameter())
+            ):
                 read.add(s.get_name())
         for child in table.get_children():
             visit(child)
@@ -320,8 +358,10 @@ def test_standalone_blocks_use_only_what_they_define():
             if block.given is not None:
                 extra = sorted(_free_names(block.text) - set(block.given))
                 if extra:
-                    problems.append(f"{path.name}:{block.line}: a standalone block reads {extra} without "
-                                    "importing or defining them (or naming them: <!-- standalone: name, ... -->)")
+                    problems.append(
+                        f"{path.name}:{block.line}: a standalone block reads {extra} without "
+                        "importing or defining them (or naming them: <!-- standalone: name, ... -->)"
+                    )
     assert not problems, "\n".join(problems)
 
 
@@ -333,13 +373,18 @@ def test_standalone_markers_sit_on_python_blocks_and_mark_every_script():
         lines = path.read_text().splitlines()
         for number, line in enumerate(lines, 1):
             if re.match(r"\s*<!--\s*standalone", line):
-                assert _STANDALONE.match(line), f"{path.name}:{number}: malformed marker {line.strip()!r}"
+                assert _STANDALONE.match(line), (
+                    f"{path.name}:{number}: malformed marker {line.strip()!r}"
+                )
                 after = lines[number] if number < len(lines) else ""
-                assert re.match(r"^\s*```python\s*$", after), \
+                assert re.match(r"^\s*```python\s*$", after), (
                     f"{path.name}:{number}: marker not on the line before a ```python fence"
+                )
                 marked += 1
         for block in _python_blocks(path):
             first = (block.text.strip().splitlines() or [""])[0]
             if re.match(r"#\s*[\w./-]+\.py\b", first):
-                assert block.given is not None, f"{path.name}:{block.line}: {first!r} is not marked <!-- standalone -->"
+                assert block.given is not None, (
+                    f"{path.name}:{block.line}: {first!r} is not marked <!-- standalone -->"
+                )
     assert marked >= 10

@@ -389,6 +389,7 @@ def test_step_does_not_modify_grads(device, cls):
 
 @pytest.mark.parametrize("compile", [False, {"backend": "eager"}], ids=["eager", "compiled"])
 @pytest.mark.parametrize("cls", [mf.TritonMuon, mf.TritonMuonW], ids=lambda c: c.__name__)
+@pytest.mark.slow
 def test_step_reads_nothing_back_and_schedules_do_not_recompile(device, cls, compile):
     counter = CompileCounterWithBackend("eager")
     params = [p.clone().requires_grad_() for p in make_params(device=device)]
@@ -417,6 +418,7 @@ def test_step_reads_nothing_back_and_schedules_do_not_recompile(device, cls, com
 
 @pytest.mark.inductor
 @pytest.mark.parametrize("cls", [mf.TritonMuon, mf.TritonMuonW], ids=lambda c: c.__name__)
+@pytest.mark.slow
 def test_compiled_default_matches_the_plain_loop(device, cls, compiled_default):
     """The real default: ``compile=True`` with inductor (no ``compile=`` given)."""
     shapes = [(8, 6), (8,)]
@@ -473,25 +475,28 @@ class TestValidation(expecttest.TestCase):
         p = [torch.nn.Parameter(torch.zeros(2, 2))]
         for cls in (mf.TritonMuon, mf.TritonMuonW):
             self.assertExpectedInline(
-                self.msg(lambda: cls(p, lr=-1.0)), """Invalid learning rate: -1.0"""
+                self.msg(lambda: cls(p, lr=-1.0)),  # noqa: B023  called at once, in this iteration
+                """Invalid learning rate: -1.0""",
             )
             self.assertExpectedInline(
-                self.msg(lambda: cls(p, momentum=1.0)),
+                self.msg(lambda: cls(p, momentum=1.0)),  # noqa: B023  called at once, in this iteration
                 """Invalid momentum value: 1.0 (expected 0 <= momentum < 1)""",
             )
             self.assertExpectedInline(
-                self.msg(lambda: cls(p, velocity=1.0)),
+                self.msg(lambda: cls(p, velocity=1.0)),  # noqa: B023  called at once, in this iteration
                 """Invalid velocity value: 1.0 (expected 0 <= velocity < 1)""",
             )
             self.assertExpectedInline(
-                self.msg(lambda: cls(p, velocity=-0.5)),
+                self.msg(lambda: cls(p, velocity=-0.5)),  # noqa: B023  called at once, in this iteration
                 """Invalid velocity value: -0.5 (expected 0 <= velocity < 1)""",
             )
             self.assertExpectedInline(
-                self.msg(lambda: cls(p, weight_decay=-0.1)), """Invalid weight_decay value: -0.1"""
+                self.msg(lambda: cls(p, weight_decay=-0.1)),  # noqa: B023  called at once, in this iteration
+                """Invalid weight_decay value: -0.1""",
             )
             self.assertExpectedInline(
-                self.msg(lambda: cls(p, eps=0.0)), """Invalid eps value: 0.0 (expected > 0)"""
+                self.msg(lambda: cls(p, eps=0.0)),  # noqa: B023  called at once, in this iteration
+                """Invalid eps value: 0.0 (expected > 0)""",
             )
         self.assertExpectedInline(
             self.msg(lambda: mf.TritonMuon(p, nesterov=1), TypeError),

@@ -37,9 +37,11 @@ def test_policy_by_device_and_forced():
     with _execution.forced("batched"):
         assert _execution.policy("cpu") is _execution.BATCHED
     assert _execution.policy("cpu") is _execution.CPU
-    with pytest.raises(ValueError, match=r"Invalid policy: 'gpu' \(valid: 'cpu', 'batched'\)"):
-        with _execution.forced("gpu"):
-            pass
+    with (
+        pytest.raises(ValueError, match=r"Invalid policy: 'gpu' \(valid: 'cpu', 'batched'\)"),
+        _execution.forced("gpu"),
+    ):
+        pass
 
 
 def test_bucket_limit_per_policy():
@@ -149,6 +151,7 @@ def test_cpu_policy_loops_over_large_matrices_and_batched_does_not():
 
 
 @pytest.mark.parametrize("policy,opaque", [("cpu", True), ("batched", False)])
+@pytest.mark.slow
 def test_compiled_iteration_is_opaque_on_cpu_and_inline_when_batched(policy, opaque):
     """Under torch.compile the CPU policy keeps the iteration one custom operator; the batched
     policy traces it inline (inductor fuses around its GEMMs; CUDA graphs can capture it)."""
@@ -191,6 +194,7 @@ def test_optimizer_results_agree_across_policies():
 
 
 @pytest.mark.parametrize("policy,static", [("cpu", False), ("batched", True)])
+@pytest.mark.slow
 def test_compiled_batched_steps_mark_parameters_and_state_static(policy, static):
     """What lets compile={"mode": "reduce-overhead"} capture the step as CUDA graphs: the tensors
     the step writes in place are static addresses (unguarded: a moved one re-records, it does not
@@ -218,6 +222,7 @@ def test_compiled_batched_steps_mark_parameters_and_state_static(policy, static)
 
 
 @pytest.mark.inductor
+@pytest.mark.slow
 def test_batched_policy_compiles_with_inductor_as_one_graph_per_shape(
     compiled_default, method="quintic"
 ):

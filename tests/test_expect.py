@@ -6,6 +6,8 @@ here was checked by hand to name the argument and its value (and to list the val
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import expecttest
 import optree
 import torch
@@ -162,7 +164,7 @@ group 1: 5 params in 3 buckets, chain(
 
 
 class TestStateStructure(expecttest.TestCase):
-    params = {
+    params: ClassVar[dict[str, torch.Tensor]] = {
         "w_in": torch.zeros(8, 4),
         "w_out": torch.zeros(4, 8),
         "conv": torch.zeros(4, 2, 3, 3),

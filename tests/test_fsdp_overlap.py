@@ -223,7 +223,8 @@ def check_state_and_hooks():
         for key, v in opt.state[p].items():
             w = opt2.state[q][key]
             assert torch.equal(
-                getattr(v, "to_local", lambda: v)(), getattr(w, "to_local", lambda: w)()
+                getattr(v, "to_local", lambda: v)(),  # noqa: B023  called at once, in this iteration
+                getattr(w, "to_local", lambda: w)(),  # noqa: B023  called at once, in this iteration
             )
     # Hooks go with the optimizer, or with overlap=False.
     hooked = model.l1.weight

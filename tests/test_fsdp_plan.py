@@ -186,7 +186,7 @@ def test_units_share_an_owner_and_a_bucket_and_keep_their_order(world_size):
 
 
 def test_units_must_cover_every_matrix_once():
-    with pytest.raises(ValueError, match="units must hold every matrix index 0..2 once"):
+    with pytest.raises(ValueError, match=r"units must hold every matrix index 0\.\.2 once"):
         make_plan([(2, 2)] * 3, 2, units=[[0, 1], [1, 2]])
     with pytest.raises(ValueError, match="units must hold"):
         make_plan([(2, 2)] * 2, 2, units=[[0, 1], []])
@@ -293,7 +293,7 @@ def test_head_views_set_the_cost_of_their_blocks():
     from muon_fn import heads
 
     def flops(m, n):  # one quintic iteration of an (m, n) block: 4s²l + 2s³
-        s, l = min(m, n), max(m, n)
+        s, l = min(m, n), max(m, n)  # noqa: E741  the formula's s and l
         return 4 * s * s * l + 2 * s**3
 
     assert ns_cost((18, 6), heads(rows=3)) == 3 * flops(6, 6)

@@ -307,6 +307,7 @@ def test_cli_bad_arguments_exit_2_naming_the_value():
     assert code == 2 and "Invalid model spec: 'gpt5'" in err
 
 
+@pytest.mark.slow
 def test_docs_table_is_the_commands_output():
     """docs/distributed.md shows `muon-fn plan --bucket-size 1` on the three specs at W = 8 … 1,024
     verbatim."""

@@ -356,7 +356,7 @@ def test_errors_name_argument_and_value(kwargs, match):
 
 def test_errors_model_groups_and_options():
     model = Net()
-    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got list"):
+    with pytest.raises(TypeError, match=r"model must be a torch\.nn\.Module, got list"):
         FSDPMuonOptimizer(list(model.parameters()))
     with pytest.raises(ValueError, match="differentiable=True is not supported"):
         FSDPMuonOptimizer(model, differentiable=True)
@@ -575,6 +575,7 @@ def test_fsdp2_one_rank_hybrid_keeps_frozen_parameters(device, one_rank):
 
 
 @pytest.mark.parametrize("kind", ["muon", "sso"])
+@pytest.mark.slow
 def test_fsdp2_one_rank_state_dict_round_trip(device, one_rank, kind):
     """The sharded model's and optimizer's state, gathered to full CPU tensors and through
     torch.save, loads into a fresh sharded model and optimizer on the device, which continue as
@@ -617,6 +618,7 @@ def test_fsdp2_one_rank_state_dict_round_trip(device, one_rank, kind):
     assert_same(resumed, ropt, ref, ref_opt, parity(device, tol))
 
 
+@pytest.mark.slow
 def test_fsdp2_one_rank_sso_equals_spectral_sphere_optimizer(device, one_rank):
     """FSDPSpectralSphereOptimizer on the sharded model equals SpectralSphereOptimizer on its copy
     (bit for bit on the CPU, PARITY on CUDA), the λ solver's statistics included."""
@@ -708,7 +710,7 @@ def test_fsdp_state_dict_records_the_layout_and_refuses_another():
     other = FSDPMuonOptimizer(renamed, **KW)
     with pytest.raises(
         ValueError,
-        match="parameter 4 is 'fc2.weight' of shape \\(10, 10\\) in the state dict "
-        "but 'head.weight' of shape \\(3, 10\\) in this optimizer",
+        match=r"parameter 4 is 'fc2\.weight' of shape \(10, 10\) in the state dict "
+        r"but 'head\.weight' of shape \(3, 10\) in this optimizer",
     ):
         other.load_state_dict(copy.deepcopy(sd))

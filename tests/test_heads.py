@@ -302,6 +302,7 @@ def test_spectral_sphere_optimizer_heads_per_parameter():
     ]
 
 
+@pytest.mark.slow
 def test_compiled_step_equals_eager_with_heads():
     torch.manual_seed(0)
     models = [Attention() for _ in range(2)]

@@ -59,6 +59,7 @@ def test_import_muon_fn_and_cli_help_load_no_compiler():
     assert seen == {(" ".join(a) or "import muon_fn"): [] for a in steps}
 
 
+@pytest.mark.slow
 def test_a_compile_loads_dynamo_and_a_fullgraph_compile_of_the_step_names_the_reason():
     """The lazy ``torch.compiler.disable`` still disables: an outer ``fullgraph=True`` compile of
     ``opt.step`` fails with the adapters' reason, the first time and after a step has run."""

@@ -123,7 +123,8 @@ def test_lightning_callback_logs_every_measured_step(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Lightning's own (few workers, deprecations)
         trainer.fit(Lit(), loader)
-    rows = list(csv.DictReader(open(f"{trainer.logger.log_dir}/metrics.csv")))
+    with open(f"{trainer.logger.log_dir}/metrics.csv") as f:
+        rows = list(csv.DictReader(f))
     measured = [r for r in rows if r.get("optim/step")]
     assert [float(r["optim/step"]) for r in measured] == [1.0, 3.0]  # metrics=2: steps 1 and 3
     for r in measured:
@@ -208,6 +209,7 @@ def test_hf_callback_adds_figures_to_the_logs(tmp_path):
         )
 
 
+@pytest.mark.slow
 def test_callbacks_name_the_extra_and_stay_out_of_import_muon_fn():
     """``import muon_fn`` (and its integrations package) imports no framework; a callback whose
     framework is missing raises ImportError naming the extra to install."""
@@ -268,6 +270,7 @@ def test_reader_reads_each_measured_step_once():
         _common.Reader("optim/", [])
 
 
+@pytest.mark.slow
 def test_train_metrics_series_and_plot(tmp_path, capsys):
     """``--metrics 2``: the muon row's metrics.json history holds optimizer.metrics() of steps 1
     and 3; the adamw row (torch.optim) none, and the log says so; loss.png gets the figures' panels."""

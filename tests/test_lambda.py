@@ -150,6 +150,7 @@ def test_batched_solver_mixes_fallback_and_convergence_and_matches_fixed_iterati
     assert torch.equal(st_f.iterations, st.iterations) and torch.equal(st_f.fallback, st.fallback)
 
 
+@pytest.mark.slow
 def test_solver_traces_as_one_graph():
     m_hat, u, v = _problem(8, 12, 10)
     batch = (m_hat[None], u[None], v[None])
@@ -366,7 +367,7 @@ def test_sso_on_rectangular_matrices_uses_one_msign_with_the_krylov_model():
 
     _lambda_model.krylov_lambda_model = counting
     try:
-        for step in range(3):
+        for _ in range(3):
             grads = [torch.randn(p.shape, generator=g) + 3 * p for p in params]
             updates, state = tx.update(grads, state, params)
             params = muon_fn.apply_updates(params, updates)
@@ -404,6 +405,7 @@ def test_model_steps_then_bracket_when_the_model_is_off():
         assert int(st.iterations) >= 2
 
 
+@pytest.mark.slow
 def test_model_solver_fixed_schedule_matches_early_exit_and_traces():
     a = _problem(12, 20, 8)  # λ* ≈ −0.14: the model finds it in one msign (the bracket from 0: 11)
     g = torch.Generator().manual_seed(9)

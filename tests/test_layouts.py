@@ -120,7 +120,7 @@ def test_model_names_parameters_and_gives_module_views():
     train(model, opt, 2)
     train(ref_model, ref, 2)
     assert same(model, ref_model)
-    with pytest.raises(TypeError, match="model must be a torch.nn.Module or None, got list"):
+    with pytest.raises(TypeError, match=r"model must be a torch\.nn\.Module or None, got list"):
         mf.MuonOptimizer(model.parameters(), model=[])
 
 
@@ -147,8 +147,8 @@ def test_state_dict_loads_through_another_module_root():
     other = mf.MuonOptimizer(reordered.parameters(), model=reordered, compile=False)
     with pytest.raises(
         ValueError,
-        match="parameter 1 is 'fc1.weight' of shape \\(10, 6\\) in the state dict but "
-        "'fc2.weight' of shape \\(4, 10\\) in this optimizer",
+        match=r"parameter 1 is 'fc1\.weight' of shape \(10, 6\) in the state dict but "
+        r"'fc2\.weight' of shape \(4, 10\) in this optimizer",
     ):
         other.load_state_dict(saved.state_dict())
 
@@ -199,9 +199,9 @@ def test_accumulation_on_dtensors_needs_the_model(one_rank, device):  # noqa: F8
     model, _ = sharded_twins(one_rank, device, Net)
     with pytest.raises(
         ValueError,
-        match="gradient_accumulation_steps=2 needs a model wrapped with "
-        "torch.distributed.fsdp.fully_shard \\(FSDP2\\), whose gradient sync it "
-        "pauses, but the optimizer was given no model; pass model=",
+        match=r"gradient_accumulation_steps=2 needs a model wrapped with "
+        r"torch\.distributed\.fsdp\.fully_shard \(FSDP2\), whose gradient sync it "
+        r"pauses, but the optimizer was given no model; pass model=",
     ):
         muon(model.parameters(), gradient_accumulation_steps=2)
     opt = muon(model.parameters(), gradient_accumulation_steps=2, model=model)

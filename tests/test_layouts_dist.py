@@ -277,10 +277,10 @@ def check_accelerate_checkpoint(tmp: Path):
         for name, cls in (("hybrid", Lm), ("muon_named_normuon", Toy)):
 
             def prepared(seed=0):
-                model = make(cls, seed=seed)
-                opt = AcceleratedOptimizer(builders()[name](model))
+                model = make(cls, seed=seed)  # noqa: B023  called at once, in this iteration
+                opt = AcceleratedOptimizer(builders()[name](model))  # noqa: B023  called at once, in this iteration
                 assert not opt.state, (
-                    f"{name}: {len(opt.state)} state entries after AcceleratedOptimizer"
+                    f"{name}: {len(opt.state)} state entries after AcceleratedOptimizer"  # noqa: B023  called at once, in this iteration
                 )
                 accelerate_swap(model, opt)
                 return model, opt

@@ -222,6 +222,7 @@ def _graphs(opt_factory, steps: int = 4):
     return codes, opt, net
 
 
+@pytest.mark.slow
 def test_off_is_the_same_graphs_and_every_k_reuses_them():
     plain, _, net_a = _graphs(lambda n, c: mf.MuonOptimizer(n.parameters(), compile=c, beta2=B2))
     off, _, net_b = _graphs(
@@ -239,6 +240,7 @@ def test_off_is_the_same_graphs_and_every_k_reuses_them():
     assert opt.metrics()["step"] == 4.0
 
 
+@pytest.mark.slow
 def test_compiled_step_reads_nothing_back_and_never_recompiles():
     counter = CompileCounterWithBackend("eager")
     net = model()
@@ -296,7 +298,7 @@ def assert_same_figures(got: dict[str, float], want: dict[str, float]) -> None:
 
     assert names(got) == names(want)
     for k in names(want):
-        if k.endswith("sso_residual") or k.endswith("sso_residual_max"):
+        if k.endswith(("sso_residual", "sso_residual_max")):
             assert max(got[k], want[k]) <= SSO_TOL, k
         elif k.endswith("sso_iterations"):
             assert abs(got[k] - want[k]) <= 1, k
@@ -307,6 +309,7 @@ def assert_same_figures(got: dict[str, float], want: dict[str, float]) -> None:
 
 
 @pytest.mark.parametrize("name", BUILDS)
+@pytest.mark.slow
 def test_every_class(name):
     """Every class measures every parameter, eagerly and compiled (Dynamo with the eager
     backend, no fallback), and the compiled figures equal the eager ones."""
@@ -322,6 +325,7 @@ def test_every_class(name):
 
 
 @pytest.mark.inductor
+@pytest.mark.slow
 def test_sso_metrics_compile_with_inductor(compiled_default):
     """SSO's telemetry reads its configuration outside the traced code, so the default
     compiled (inductor) step measures too, and its figures equal eager's."""
@@ -434,13 +438,15 @@ class _CountedReads(torch.Tensor):
     a synchronizing copy."""
 
     reads = 0
-    READS = {
-        torch.Tensor.cpu,
-        torch.Tensor.tolist,
-        torch.Tensor.item,
-        torch.Tensor.numpy,
-        torch.Tensor.__float__,
-    }
+    READS = frozenset(
+        {
+            torch.Tensor.cpu,
+            torch.Tensor.tolist,
+            torch.Tensor.item,
+            torch.Tensor.numpy,
+            torch.Tensor.__float__,
+        }
+    )
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):

@@ -351,7 +351,7 @@ def test_hybrid_matches_torch_muon_and_adamw_fp32(device, torch_muon_fp32, decay
             torch.testing.assert_close(
                 pb, pa, atol=TOL[device.type]["param"], rtol=0, msg=f"{name} after step {step + 1}"
             )
-    for (name, p), final in zip(ref.named_parameters(), expected[-1]):
+    for (name, _), final in zip(ref.named_parameters(), expected[-1]):
         assert not torch.equal(final, start[name].detach()), name
 
 

@@ -365,9 +365,7 @@ def test_auto_group_adamw_half_matches_torch_adamw(device, fp32_torch_muon):
     torch.optim.AdamW(lr=adamw_lr, betas=adamw_betas, eps=adamw_eps, weight_decay=adamw_weight_decay)
     when 0-/1-D parameters decay too (adamw_decay_1d=True; without it they get no decay)."""
     ref, ours = make_gpt(device=device), make_gpt(device=device)
-    names = [
-        n for n, p in ref.named_parameters() if n.startswith("blocks.") or n.startswith("ln_f")
-    ]
+    names = [n for n, p in ref.named_parameters() if n.startswith(("blocks.", "ln_f"))]
     ref_params, our_params = freeze_all_but(ref, names), freeze_all_but(ours, names)
     mats = [p for p in ref_params if p.ndim >= 2]
     vecs = [p for p in ref_params if p.ndim < 2]
@@ -540,6 +538,7 @@ SCHEDULERS = {
 
 
 @pytest.mark.parametrize("name", list(SCHEDULERS))
+@pytest.mark.slow
 def test_scheduler_changes_lr_without_recompiling(fp32_torch_muon, name):
     cnt = CompileCounterWithBackend("eager")
     model, seen = _scheduled_run(SCHEDULERS[name], compile_backend=cnt)
@@ -1057,7 +1056,7 @@ def test_bf16_model_trains_and_keeps_dtypes(device):
     model = make_gpt(dtype=torch.bfloat16, device=device)
     opt = mf.MuonOptimizer(model.parameters())
     losses = []
-    for step in range(8):
+    for _ in range(8):
         opt.zero_grad()
         losses.append(backward(model, 0).item())  # same batch: the loss must go down
         opt.step()
@@ -1665,8 +1664,8 @@ def test_accumulation_resumes_through_distributed_checkpoint():
         st.pop("grad_accumulator", None)  # what a fresh optimizer's template would load
     with pytest.raises(
         ValueError,
-        match="inside a gradient accumulation window .micro_step 1 of 2. but the "
-        "state_dict holds no 'grad_accumulator'",
+        match=r"inside a gradient accumulation window \(micro_step 1 of 2\) but the "
+        r"state_dict holds no 'grad_accumulator'",
     ):
         set_optimizer_state_dict(b, opt_b, mid)
 

@@ -548,11 +548,11 @@ def test_zeropower_is_keller_quintic_in_bf16(device):
 def test_polar_express_8_steps_fp32_orthogonal(device, shape):
     torch.manual_seed(0)
     G = torch.randn(*shape).to(device)
-    O = muon_fn.polar_express(G, steps=8)
-    assert O.dtype == torch.float32
-    o = O.double().cpu() if shape[0] <= shape[1] else O.double().cpu().T
+    Q = muon_fn.polar_express(G, steps=8)
+    assert Q.dtype == torch.float32
+    o = Q.double().cpu() if shape[0] <= shape[1] else Q.double().cpu().T
     assert torch.linalg.matrix_norm(o @ o.T - torch.eye(o.shape[0], dtype=torch.float64)) < 0.1
-    assert orth_error(O) < 1e-3
+    assert orth_error(Q) < 1e-3
 
 
 @pytest.mark.parametrize("shape", [(50, 100), (100, 50)])
@@ -567,14 +567,14 @@ def test_notes_section_4_five_step_numbers(device, shape):
         ("polar_express", (0.8, 1.2), 0.11),
         ("you", (0.95, 1.05), 0.03),
     ]:
-        O = newton_schulz(G.to(device), method, 5, dtype=torch.float32)
-        s = svdvals(O)
+        Q = newton_schulz(G.to(device), method, 5, dtype=torch.float32)
+        s = svdvals(Q)
         assert lo <= s.min() and s.max() <= hi, method
         assert (
-            torch.linalg.matrix_norm(O.double().cpu() - polar) / math.sqrt(50)
+            torch.linalg.matrix_norm(Q.double().cpu() - polar) / math.sqrt(50)
         ).item() < rms_max, method
         # And 5 steps are *not* exact (the reason exact mode exists).
-        assert orth_error(O) > 1e-2, method
+        assert orth_error(Q) > 1e-2, method
 
 
 # --------------------------------------------------------------------------------------------
@@ -912,7 +912,7 @@ def test_batched_operator_result_does_not_depend_on_batch_mates(m, n, method, bf
     g = torch.Generator().manual_seed(seed)
     xs = [torch.randn(m, n, generator=g) for _ in range(3)]
     schedule = orth.coefficient_schedule(method, None)
-    run = lambda batch: orth.orthogonalize_batch(
+    run = lambda batch: orth.orthogonalize_batch(  # noqa: E731
         batch,
         schedule,
         dtype=dtype,

@@ -17,6 +17,7 @@ scaled by a factor computed the same way on the same device) stays bit for bit.
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import math
 import os
@@ -103,7 +104,8 @@ def test_scale_head_rows_by_shards(device, n, d, first, extra, cuts, seed):
     assert torch.equal(whole, _rows_reference(w, first, d, factor, clipped))
     bounds = sorted({0, rows, *(min(c, rows) for c in cuts)})
     parts = [
-        mf.scale_head_rows(w[a:b], a, first, d, factor, clipped) for a, b in zip(bounds, bounds[1:])
+        mf.scale_head_rows(w[a:b], a, first, d, factor, clipped)
+        for a, b in itertools.pairwise(bounds)
     ]
     assert torch.equal(torch.cat(parts), whole)
 
@@ -484,7 +486,7 @@ class TestErrors(expecttest.TestCase):
     def test_tau(self):
         model = forced_gpt(n_layer=1)
         for tau in (0.0, -1.0, math.inf, math.nan):
-            assert f"Invalid tau: {tau}" in self.message(lambda: mf.QKClip(model, tau))
+            assert f"Invalid tau: {tau}" in self.message(lambda: mf.QKClip(model, tau))  # noqa: B023  called at once, in this iteration
         self.assertExpectedInline(
             self.message(lambda: mf.QKClip(model, 0.0)),
             """Invalid tau: 0.0 (expected a finite value > 0)""",

@@ -322,7 +322,7 @@ def test_state_structure():
         ValueError, match=r"Invalid state_bits: 12 \(expected one of 32, 16, 8, 4\)"
     ):
         mf.momentum(state_bits=12)
-    with pytest.raises(ValueError, match="mu_dtype=torch.bfloat16 and state_bits=8"):
+    with pytest.raises(ValueError, match=r"mu_dtype=torch\.bfloat16 and state_bits=8"):
         mf.momentum(mu_dtype=torch.bfloat16, state_bits=8)
 
 
@@ -339,7 +339,7 @@ def test_compiled_matches_eager():
     ]:
         step = mf.compile_update(tx, backend="inductor").update
         st_e = st_c = tx.init(params)
-        for t in range(3):
+        for _ in range(3):
             grads = {k: torch.randn_like(v) for k, v in params.items()}
             ue, st_e = tx.update(grads, st_e, params)
             uc, st_c = step(grads, st_c, params)
@@ -418,7 +418,7 @@ def test_checkpoints_across_widths():
     opt8.load_state_dict(opt32.state_dict())
     assert (
         opt8.param_groups[0]["state_bits"] == 8
-        and "momentum_buffer" not in opt8.state[list(opt8.state)[0]]
+        and "momentum_buffer" not in opt8.state[next(iter(opt8.state))]
     )
     q8 = entry(opt8, "momentum_buffer_codes", (40, 300))
     value8 = Q.decode(
@@ -471,7 +471,7 @@ def test_torch_muon_export_and_import():
     torch.manual_seed(0)
     ws = [torch.nn.Parameter(torch.randn(24, 300)), torch.nn.Parameter(torch.randn(300, 24))]
     opt = mf.MuonOptimizer(ws, state_bits=8)
-    for t in range(2):
+    for _ in range(2):
         for w in ws:
             w.grad = torch.randn_like(w)
         opt.step()
@@ -534,7 +534,7 @@ def test_every_class(build):
 
 
 def test_momentum_dtype_with_state_bits_refused():
-    with pytest.raises(ValueError, match="momentum_dtype=torch.float32 and state_bits=8"):
+    with pytest.raises(ValueError, match=r"momentum_dtype=torch\.float32 and state_bits=8"):
         mf.MuonOptimizer(Net().parameters(), state_bits=8, momentum_dtype=torch.float32)
 
 
@@ -557,7 +557,7 @@ def test_state_bytes_targets():
     muon = lambda bits: 12 * sum(Q.nbytes(s, bits, Q.LINEAR) for s in matrices)  # noqa: E731
     assert muon(8) / muon(32) <= 0.27 and muon(4) / muon(32) <= 0.15
     adamw_shapes = [(vocab, d), (1024, d)] + [(d,)] * (12 * 13 + 2)
-    adam = lambda bits: sum(
+    adam = lambda bits: sum(  # noqa: E731
         Q.nbytes(s, bits, Q.LINEAR) + Q.nbytes(s, bits, Q.UNSIGNED) + 4 for s in adamw_shapes
     )
     assert (muon(8) + adam(8)) / (muon(32) + adam(32)) <= 0.30

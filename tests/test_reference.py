@@ -89,9 +89,14 @@ def _attribute_docstring(modname: str, name: str) -> str | None:
 
 def _own_docstring(obj) -> str:
     doc = obj.__doc__ if inspect.isclass(obj) else inspect.getdoc(obj)
-    if inspect.isclass(obj) and doc and issubclass(obj, tuple) and hasattr(obj, "_fields"):
-        if doc == f"{obj.__name__}({', '.join(obj._fields)})":  # NamedTuple's generated one
-            return ""
+    if (
+        inspect.isclass(obj)
+        and doc
+        and issubclass(obj, tuple)
+        and hasattr(obj, "_fields")
+        and doc == f"{obj.__name__}({', '.join(obj._fields)})"  # NamedTuple's generated one
+    ):
+        return ""
     return (doc or "").strip()
 
 

@@ -63,7 +63,7 @@ def test_gram_float32_close_to_standard(device):
 
 
 def test_gram_rejects_bfloat16_with_a_clear_error():
-    with pytest.raises(ValueError, match="method 'gram'.*bfloat16"):
+    with pytest.raises(ValueError, match=r"method 'gram'.*bfloat16"):
         O.newton_schulz(torch.randn(8, 16), "gram", 5, dtype=torch.bfloat16)
 
 

@@ -29,6 +29,7 @@ inputs.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import expecttest
@@ -222,7 +223,7 @@ def test_dynamic_retraction_approaches_the_sphere_geometrically():
             ratios[-1], rel=1e-4
         )  # σ before this step
         ratios.append(float(torch.linalg.matrix_norm(W.double(), ord=2)) / R)
-    far = [(a, b) for a, b in zip(ratios, ratios[1:]) if a > 1.5]
+    far = [(a, b) for a, b in itertools.pairwise(ratios) if a > 1.5]
     assert len(far) >= 15 and all(abs(b / a - (1 - alpha * lr)) <= 1e-3 for a, b in far)
     assert max(abs(r - 1) for r in ratios[-15:]) <= 0.08
 

@@ -225,7 +225,7 @@ def _job(w):
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, 9)  # the job's own process group: its ranks only
         log, _ = proc.communicate()
-    result = json.load(open(out)) if os.path.exists(out) else log
+    result = json.loads(Path(out).read_text()) if os.path.exists(out) else log
     _CACHE[w] = result
     return result
 

@@ -294,7 +294,7 @@ class TestRefusedKeywords(expecttest.TestCase):
         """torch's implementation keywords: refused only where their meaning does not hold."""
         lin = nn.Linear(4, 3)
         msgs = [
-            self.message(ValueError, lambda: mf.MuonOptimizer(lin.parameters(), **{k: v}))
+            self.message(ValueError, lambda: mf.MuonOptimizer(lin.parameters(), **{k: v}))  # noqa: B023  called at once, in this iteration
             for k, v in (
                 ("capturable", True),
                 ("differentiable", True),

@@ -286,7 +286,7 @@ def test_llama3_roles(capsys):
     import muon_fn as mf
 
     model = llama3_debugmodel()
-    names = {n: p for n, p in model.named_parameters()}
+    names = dict(model.named_parameters())
     matrices = [n for n, p in names.items() if p.ndim == 2 and n.startswith("layers.")]
     norms = [n for n, p in names.items() if p.ndim == 1]
     assert len(matrices) == 30 and len(norms) == 13 and names["lm_head.weight"].shape == (2048, 256)

@@ -534,7 +534,7 @@ def test_adamw_decay_1d_false_equals_torch_adamw_with_a_no_decay_group(device):
     tx = mf.adamw(0.1, weight_decay=0.5, decay_1d=False)
     tree = {"w": w.clone(), "b": b.clone()}
     state = tx.init(tree)
-    for step in range(5):
+    for _ in range(5):
         g = {"w": torch.randn(4, 3).to(device), "b": torch.randn(3).to(device)}
         ref[0].grad, ref[1].grad = g["w"].clone(), g["b"].clone()
         opt.step()

@@ -262,8 +262,8 @@ def expert_twins(stacks):
 def step_both(stacks, opt, twins, twin_opt, steps=3):
     for t in range(steps):
         set_grads(stacks, t)
-        for twin, (s, e) in zip(twins, [(s, e) for s in stacks for e in range(s.shape[0])]):
-            twin.grad = s.grad[e].clone()
+        for twin, (stack, e) in zip(twins, [(s, e) for s in stacks for e in range(s.shape[0])]):
+            twin.grad = stack.grad[e].clone()
         opt.step()
         twin_opt.step()
 
