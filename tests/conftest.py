@@ -10,11 +10,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Tests of the compiled default use the ``compiled_default`` fixture (or pass compile options).
 os.environ.setdefault("MUON_FN_COMPILE", "0")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from hypothesis import HealthCheck, settings  # noqa: E402
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
 
-from muon_fn._train.optimizers import torch_zeropower  # noqa: E402
+from muon_fn._train.optimizers import torch_zeropower
 
 torch.set_num_threads(1)
 
@@ -60,10 +60,14 @@ TIERS = ("fast", "full", "slow")
 
 
 def pytest_addoption(parser):
-    parser.addoption("--tier", choices=TIERS, default=None,
-                     help="fast (the default): the quick tier; full: everything; slow: the full tier "
-                          "less the fast one. Default: MUON_FN_TIER, else full when test files or "
-                          "node ids are named, else fast")
+    parser.addoption(
+        "--tier",
+        choices=TIERS,
+        default=None,
+        help="fast (the default): the quick tier; full: everything; slow: the full tier "
+        "less the fast one. Default: MUON_FN_TIER, else full when test files or "
+        "node ids are named, else fast",
+    )
 
 
 def _tier(config) -> str:
@@ -76,8 +80,22 @@ def _tier(config) -> str:
     return "full" if named else "fast"
 
 
+# Cases of a parametrized test that compile, where the test's other cases are quick: full tier.
+SLOW_CASES = frozenset(
+    {
+        "tests/test_optim.py::test_step_never_modifies_grads[cpu-compiled]",
+        "tests/test_optim.py::test_copied_optimizer_steps_like_the_original[deepcopy-normuon-compiled]",
+        "tests/test_optim.py::test_copied_optimizer_steps_like_the_original[pickle-normuon-compiled]",
+    }
+)
+
+
 def _full_tier_only(item) -> bool:
-    return item.get_closest_marker("slow") is not None or item.get_closest_marker("distributed") is not None
+    return (
+        item.get_closest_marker("slow") is not None
+        or item.get_closest_marker("distributed") is not None
+        or item.nodeid in SLOW_CASES
+    )
 
 
 def _select_tier(config, items) -> None:
@@ -156,5 +174,9 @@ def read_on_cpu(obj):
 
 # Hypothesis settings for a @given test that takes the ``device`` fixture (function-scoped, but a
 # torch.device: the same, immutable value for every example).
-lane_examples = settings(suppress_health_check=[*settings.default.suppress_health_check,
-                                                HealthCheck.function_scoped_fixture])
+lane_examples = settings(
+    suppress_health_check=[
+        *settings.default.suppress_health_check,
+        HealthCheck.function_scoped_fixture,
+    ]
+)

@@ -13,6 +13,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 HEAVY = (
     "torch._dynamo",
     "torch._inductor",

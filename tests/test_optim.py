@@ -568,6 +568,7 @@ def test_scheduler_changes_lr_without_recompiling(fp32_torch_muon, name):
     assert max_abs_diff(ref, model) <= 1e-5
 
 
+@pytest.mark.slow
 def test_tensor_lr_scheduler_no_recompile():
     cnt = CompileCounterWithBackend("eager")
     model = make_gpt()
@@ -1670,6 +1671,7 @@ def test_accumulation_resumes_through_distributed_checkpoint():
         set_optimizer_state_dict(b, opt_b, mid)
 
 
+@pytest.mark.slow
 def test_nonfinite_skip_compiled(device):
     model = make_gpt(device=device)
     opt = mf.MuonOptimizer(model.parameters(), nonfinite="skip", compile={"backend": "eager"})
@@ -1717,6 +1719,7 @@ def test_nonfinite_error_under_accumulation_refuses_the_micro_batch():
     assert opt.nonfinite_steps == 2 and opt.param_groups[0]["micro_step"] == 0
 
 
+@pytest.mark.slow
 def test_auto_group_scheduler_no_recompile_and_adamw_follows():
     """A mixed "auto" group (Muon + AdamW halves, derived AdamW lr) under StepLR: no recompiles
     (one graph per bucket: the 8×8 and 2×8 matrices, the three 8-vectors, the 2-vector)."""
@@ -1743,6 +1746,7 @@ def test_auto_group_scheduler_no_recompile_and_adamw_follows():
     torch.testing.assert_close(model[2].bias.detach(), ref_bias.detach(), atol=1e-6, rtol=0)
 
 
+@pytest.mark.slow
 def test_compiled_matches_eager_and_survives_load_without_recompiling():
     cnt = CompileCounterWithBackend("eager")
     torch.manual_seed(0)

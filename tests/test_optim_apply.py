@@ -71,6 +71,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.slow
 def test_compiled_equals_eager_bitwise(case):
     a, compiled, b, eager = pair(**CASES[case])
     for t in range(3):
