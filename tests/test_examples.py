@@ -62,6 +62,7 @@ def _run(metrics: dict, label: str, seed: int = 0) -> dict:
     return next(r for r in metrics["runs"] if r["label"] == label and r["seed"] == seed)
 
 
+@pytest.mark.slow
 def test_train_compare_writes_table_metrics_and_plot(tmp_path, capsys):
     out = tmp_path / "run"
     assert (
@@ -88,6 +89,7 @@ def test_train_compare_writes_table_metrics_and_plot(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_train_moe_tiny(tmp_path, capsys):
     """--model moe-tiny: Muon with each expert as its own matrix, the per-stack reading
     (matrix_view=flatten, routers in AdamW) and AdamW train."""
@@ -126,6 +128,7 @@ def test_train_moe_tiny(tmp_path, capsys):
         assert run["history"]["val"][-1][1] < run["history"]["val"][0][1] - 0.3, run["label"]
 
 
+@pytest.mark.slow
 def test_train_rows_at_identical_settings_step_alike(tmp_path, capsys):
     """torch-muon and muon with the same spec options (Muon weight decay, AdamW β₂ and weight
     decay, the no-decay rule, fp32 iteration) are the same optimizer: after 4 steps their
@@ -163,6 +166,7 @@ def test_train_rows_at_identical_settings_step_alike(tmp_path, capsys):
     assert abs(decay_1d - ours) > 1e-4, (decay_1d, ours)
 
 
+@pytest.mark.slow
 def test_train_compare_torch_muon_over_seeds(tmp_path, capsys):
     """The quality comparison: torch.optim.Muon (+ AdamW, muon's split) as a row, several seeds,
     mean and spread per optimizer, steps to AdamW's final loss; runs of one seed share the
@@ -261,6 +265,7 @@ def test_optimizer_specs_set_the_adamw_beta2():
     assert torch_muon.optimizers[1].param_groups[0]["betas"] == (0.9, 0.99)
 
 
+@pytest.mark.slow
 def test_train_resume_continues_exactly(tmp_path):
     """Stopping at step 2 and resuming gives the uninterrupted run's losses bit for bit."""
     straight, split = tmp_path / "straight", tmp_path / "split"
@@ -293,6 +298,7 @@ def test_train_rejects_bad_options(tmp_path, capsys):
         assert re.search(f"muon-fn train: error: .*{message}", capsys.readouterr().err)
 
 
+@pytest.mark.slow
 def test_train_data_path_text_file(tmp_path):
     text = tmp_path / "corpus.txt"
     text.write_text("def f(x):\n    return x + 1\n" * 2000)
@@ -378,6 +384,7 @@ def test_example_train_sso(capsys):
     assert "solver iterations" in out and "σ(W) vs target radius" in out
 
 
+@pytest.mark.slow
 def test_example_bench_sso(tmp_path, capsys):
     """The SSO benchmark called from Python: ratios, the solver, the σ estimate (not timed)."""
     out = tmp_path / "sso.json"
@@ -417,6 +424,7 @@ def _require_extra(extra: str, *modules: str) -> None:
         pytest.skip(reason)
 
 
+@pytest.mark.slow
 def test_example_hf_transformers_resumes_bit_for_bit(tmp_path, capsys):
     """The Trainer builds the hybrid through HybridFactory (embeddings and the tied head to
     AdamW); 4 steps saving at 2, then a resume from step 2: the same parameters, bit for bit (a
@@ -437,6 +445,7 @@ def test_example_hf_transformers_resumes_bit_for_bit(tmp_path, capsys):
     ]
 
 
+@pytest.mark.slow
 def test_example_lightning(capsys):
     """One process, both optimizers (DDP and FSDP2: tests/test_lightning.py)."""
     _require_extra("lightning", "lightning")
@@ -473,6 +482,7 @@ def test_train_gpt_fsdp_torchrun(tmp_path):
     assert (out / "muon" / "checkpoint" / "dcp" / ".metadata").exists()
 
 
+@pytest.mark.slow
 def test_train_reports_the_optimizers_share_of_a_step(tmp_path, capsys):
     """``optimizer.step`` time over the whole step (device-synchronized; on the CPU as on CUDA),
     per step in the history, as medians in the run record, the log and the table."""
