@@ -372,12 +372,14 @@ def test_example_mixed_adamw(capsys):
     assert "checkpoint round trip OK" in out
 
 
+@pytest.mark.slow
 def test_example_functional_loop(capsys):
     assert load_example("functional_loop").main(["--steps", "2", "--backend", "eager"]) == 0
     out = capsys.readouterr().out
     assert "step   2" in out and "compiled graphs" in out
 
 
+@pytest.mark.slow
 def test_example_train_sso(capsys):
     assert load_example("train_sso").main(["--steps", "2"]) == 0
     out = capsys.readouterr().out
