@@ -86,6 +86,7 @@ SLOW_CASES = frozenset(
         "tests/test_optim.py::test_step_never_modifies_grads[cpu-compiled]",
         "tests/test_optim.py::test_copied_optimizer_steps_like_the_original[deepcopy-normuon-compiled]",
         "tests/test_optim.py::test_copied_optimizer_steps_like_the_original[pickle-normuon-compiled]",
+        "tests/test_optim_apply.py::test_bf16_params[momentum_dtype1]",
     }
 )
 

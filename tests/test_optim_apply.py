@@ -139,6 +139,7 @@ def test_bf16_params(momentum_dtype):
             assert compiled.state[p]["momentum_buffer"].dtype == (momentum_dtype or torch.bfloat16)
 
 
+@pytest.mark.slow
 def test_channels_last_conv():
     """A non-contiguous (channels_last) conv weight gets the same update as a contiguous one."""
     a, opt_a, b, opt_b = pair()

@@ -382,6 +382,7 @@ def test_step_reads_nothing_back(device, compile, hybrid):
 
 
 @pytest.mark.inductor
+@pytest.mark.slow
 def test_inductor_default(device, compiled_default, monkeypatch):
     """The real compiled default: no host read with qk_clip on, and the same parameters as the
     eager step (the clip runs eagerly after the compiled update; lr = 0 makes the update exact)."""

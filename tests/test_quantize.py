@@ -327,6 +327,7 @@ def test_state_structure():
 
 
 @pytest.mark.inductor
+@pytest.mark.slow
 def test_compiled_matches_eager():
     """A 4-bit momentum and 8-bit Adam moments in one partition, compiled (inductor, fullgraph)
     and eager: the same state codes up to one step of a code, the same update to fp tolerance."""

@@ -806,6 +806,7 @@ def test_an_empty_parameter_gets_no_update_like_muon():
 
 
 @pytest.mark.inductor
+@pytest.mark.slow
 def test_compiled_default_equals_eager(compiled_default):
     """The default (inductor around the eager sphere operator) against ``compile=False``: the
     operator is the same eager code; inductor's fused Nesterov momentum rounds M differently from
@@ -831,6 +832,7 @@ def test_compiled_default_equals_eager(compiled_default):
     assert torch.equal(sc.iterations, se.iterations) and torch.equal(sc.fallbacks, se.fallbacks)
 
 
+@pytest.mark.slow
 def test_update_traces_as_one_graph_around_the_sphere_operator():
     """``tx.update`` compiles with ``fullgraph=True`` (no graph break): the per-chunk math is one
     opaque operator; the result equals eager's."""

@@ -189,6 +189,7 @@ def test_a_refused_group_is_not_added():
     assert len(opt.param_groups) == 2
 
 
+@pytest.mark.slow
 def test_the_first_compile_says_what_it_does(monkeypatch, capsys, caplog):
     """One line at the first compile of the process, naming what compiles and the cache; through
     the 'muon_fn' logger where logging is configured, else on stderr; silenced by its level."""

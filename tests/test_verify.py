@@ -93,6 +93,7 @@ CLASSES = [mf.MuonOptimizer, mf.TritonMuonW, mf.SpectralSphereOptimizer]
 
 @pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
 @pytest.mark.parametrize("value", [float("nan"), 1e3], ids=["nan", "garbage"])
+@pytest.mark.slow
 def test_a_wrong_graph_is_caught_and_training_goes_on_at_eager(cls, value):
     eager, _, _ = train(cls, compile=False)
     got, opt, notes = train(cls, compile={"backend": corrupting(value)})
@@ -120,6 +121,7 @@ def test_a_wrong_returned_value_is_caught(cls):
     )
 
 
+@pytest.mark.slow
 def test_verify_false_trusts_the_graph():
     """The opt-out: no check, no warning; the corrupted graph's result is what the parameters get."""
     got, _, notes = train(mf.MuonOptimizer, compile={"backend": corrupting()}, verify=False)
@@ -127,6 +129,7 @@ def test_verify_false_trusts_the_graph():
     assert not all(bool(p.isfinite().all()) for p in got)
 
 
+@pytest.mark.slow
 def test_the_check_runs_once_per_signature(monkeypatch):
     calls = []
     real = _verify.first_run
@@ -136,6 +139,7 @@ def test_the_check_runs_once_per_signature(monkeypatch):
     assert len(calls) == buckets and not [n for n in notes if "wrong result" in n]
 
 
+@pytest.mark.slow
 def test_a_skipped_first_step_is_checked_at_the_next():
     """A step skipped for a non-finite gradient writes nothing, so it compares nothing: the
     signature is checked at its next (applied) run, which catches the wrong graph."""
@@ -182,6 +186,7 @@ def test_the_bound_separates_rounding_from_a_fault():
 
 
 @pytest.mark.inductor
+@pytest.mark.slow
 def test_a_failed_inductor_graph_is_recompiled_with_safe_options(monkeypatch):
     """Inductor: the first failure recompiles with SAFE_CPU_OPTIONS and checks that graph too."""
     real = _verify.first_run
