@@ -168,6 +168,7 @@ def test_bit_exact_with_bf16_params(device, beta2):
     assert opt.state[model.fc1.weight]["momentum_buffer"].dtype == torch.bfloat16
 
 
+@pytest.mark.slow
 def test_compiled_phases_match_compiled_muon_optimizer_without_graph_breaks(device):
     from torch._dynamo.utils import counters
 

@@ -83,6 +83,7 @@ def test_compiled_equals_eager_bitwise(case):
     assert_bitwise(a, compiled, b, eager)
 
 
+@pytest.mark.slow
 def test_matrix_only_group_compiled_equals_eager():
     torch.manual_seed(0)
     a = Net()
@@ -183,6 +184,7 @@ def test_resume_is_bit_exact():
         assert torch.equal(p, q)
 
 
+@pytest.mark.slow
 def test_persistent_state_is_torchs():
     """Muon matrices keep only torch.optim.Muon's momentum_buffer; AdamW params torch.optim.AdamW's."""
     a, opt, _, _ = pair()
