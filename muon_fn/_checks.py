@@ -83,7 +83,6 @@ def zero_dim(name: str, value: Any) -> None:
                          f"tensor, e.g. torch.tensor(0.02), not torch.tensor([0.02]))")
 
 
-
 def dtype(name: str, value: Any, valid: Iterable[torch.dtype]) -> None:
     """``value`` is one of the torch dtypes ``valid`` (a string such as ``"bf16"`` is a TypeError)."""
     valid = tuple(valid)

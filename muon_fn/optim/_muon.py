@@ -5,9 +5,8 @@ ndim ≥ 2, AdamW for the rest)."""
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar
-from collections.abc import Callable
 
 import torch
 
@@ -21,9 +20,9 @@ from .._qk_clip import QKClip, check_tracked
 from .. import _quantize
 from .._quantize import check_state_bits as check_state_bits_value
 from .._transforms import MOMENTUM_KINDS
-from . import _torch_state, _views
+from . import _layout, _torch_state, _views
 from ._adapter import Optimizer, step_not_traced
-from ._placement import caller_level
+from ._views import caller_level
 
 ALGORITHMS = ("auto", "muon", "adamw")
 
@@ -375,7 +374,7 @@ def _with_later_keys(state_dict: Any, later: dict[str, Any]) -> Any:
 # Group keys that are not hyperparameters a checkpoint must carry: their absence means what torch
 # makes of it (no LR scheduler had set initial_lr; a checkpoint at an accumulation window's
 # boundary; no recorded layout), so none is taken from the loading optimizer.
-_NOT_FILLED = frozenset({"params", "param_names", "initial_lr", "micro_step", "param_layout", "params_without_state"})
+_NOT_FILLED = frozenset({"params", "param_names", "initial_lr", "micro_step", _layout.KEY, _layout.STATELESS})
 
 
 def _with_current_keys(state_dict: Any, groups: list[dict[str, Any]], owner: str) -> Any:

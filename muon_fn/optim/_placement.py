@@ -17,7 +17,6 @@ compared by reference, costs well under a microsecond per parameter.
 
 from __future__ import annotations
 
-import os
 import sys
 import warnings
 import weakref
@@ -28,6 +27,7 @@ import torch
 from torch import nn
 
 from . import _views
+from ._views import caller_level
 from ._step import step_not_traced
 
 _DISTRIBUTE: list[Callable[..., None]] = []
@@ -131,15 +131,6 @@ class Placed:
                                for k, v in self.state.pop(old).items()}
         for index in range(len(self.param_groups)):
             self._rebuild_group(index)
-
-
-def caller_level() -> int:
-    """The ``stacklevel`` of the first frame outside muon_fn and torch (the user's ``step()`` call)."""
-    inside = (os.path.dirname(os.path.dirname(__file__)), os.path.dirname(torch.__file__))
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(inside):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 class Placement:

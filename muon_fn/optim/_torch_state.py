@@ -29,6 +29,7 @@ import torch
 from .. import _quantize
 from .._newton_schulz import DEFAULT_METHOD, KELLER_COEFFICIENTS, TORCH_NS_STEPS, validate_coefficients
 from .._views import Heads
+from . import _layout
 
 TORCH_MUON_KEYS = ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps",
                    "adjust_lr_fn")
@@ -61,7 +62,7 @@ def is_torch_muon_state_dict(state_dict: Any) -> bool:
 
 
 # Group keys that every muon_fn optimizer's state_dict holds (and no torch optimizer's).
-_OWN_GROUP_KEYS = ("gradient_accumulation_steps", "micro_step", "param_layout", "algorithm")
+_OWN_GROUP_KEYS = ("gradient_accumulation_steps", "micro_step", _layout.KEY, "algorithm")
 
 
 def foreign_optimizer(state_dict: dict[str, Any]) -> str | None:

@@ -19,9 +19,8 @@ import fnmatch
 import os
 import sys
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -156,10 +155,16 @@ def guess_warning(owner: str, guessed: list[tuple[str, tuple[int, ...]]]) -> str
         "Given the model (model=model, or muon_fn.create_hybrid_optimizer(model)) the optimizer chooses by module.")
 
 
-def warn(message: str) -> None:
-    """Warn at the first caller outside muon_fn and torch (the line that built the optimizer)."""
+def caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside muon_fn and torch, for a ``warnings.warn``
+    in the calling function: the user's line (that built the optimizer, or called ``step()``)."""
     inside = (os.path.dirname(os.path.dirname(__file__)), os.path.dirname(torch.__file__))
-    frame, level = sys._getframe(0), 1
+    frame, level = sys._getframe(1), 1
     while frame is not None and frame.f_code.co_filename.startswith(inside):
         frame, level = frame.f_back, level + 1
-    warnings.warn(message, UserWarning, stacklevel=level)
+    return level
+
+
+def warn(message: str) -> None:
+    """Warn at the first caller outside muon_fn and torch (the line that built the optimizer)."""
+    warnings.warn(message, UserWarning, stacklevel=caller_level())
