@@ -18,9 +18,8 @@ import os
 import sys
 import types
 import warnings
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any, cast
-from collections.abc import Callable
 
 import torch
 

@@ -4,9 +4,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
-from collections.abc import Callable
 
 import torch
 

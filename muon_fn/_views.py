@@ -25,9 +25,8 @@ A view is given as a name, a :class:`Heads`, or a function ``leaf -> view``.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from collections.abc import Callable
 
 import torch
 
