@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import copy
 import inspect
+import warnings
+from pathlib import Path
 
 import expecttest
 import pytest
@@ -651,3 +653,193 @@ class TestConversionErrors(expecttest.TestCase):
             self.message(TypeError, lambda: to_torch_state_dict(opt)),
             """expected a muon_fn.MuonOptimizer (or a hybrid built on it), got SpectralSphereOptimizer""",
         )
+
+
+# --------------------------------------------------------------------------- DCP checkpoint directories
+def _matrices(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 6, bias=False), nn.Linear(6, 4, bias=False))
+
+
+def _steps(model, opt, steps, start=0):
+    for step in range(start, start + steps):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+def _dcp_save(path, model, opt):
+    """What Lightning's ModelParallelStrategy and torchtitan write, in one process."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming ... a single process"
+        dcp.save(
+            {"model": model.state_dict(), "optimizer_0": get_optimizer_state_dict(model, opt)},
+            checkpoint_id=str(path),
+            no_dist=True,
+        )
+
+
+def _dcp_resume(path, model, opt):
+    """Lightning's sharded-checkpoint load: DCP fills the optimizer's own state_dict, strictly."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    template = {"model": model.state_dict(), "optimizer_0": get_optimizer_state_dict(model, opt)}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*in a single process")
+        dcp.load(template, checkpoint_id=str(path), no_dist=True)
+    model.load_state_dict(template["model"])
+    set_optimizer_state_dict(model, opt, template["optimizer_0"])
+
+
+def test_torch_muon_dcp_checkpoint_resumes_with_muon_optimizer_after_conversion(tmp_path):
+    """A torch.optim.Muon DCP checkpoint fails DCP's strict load into a MuonOptimizer (its groups
+    lack muon_fn's keys); from_torch_checkpoint's copy loads, with one warning naming the keys kept
+    at this optimizer's values, and continues exactly as the same checkpoint loaded through
+    torch.save (from_torch_state_dict's conversion); torch.optim.Muon loads the copy as its own."""
+    from muon_fn.optim import from_torch_checkpoint
+
+    model = _matrices()
+    topt = torch.optim.Muon(model.parameters(), lr=0.03, **TORCH_SETTINGS)
+    _steps(model, topt, 2)
+    _dcp_save(tmp_path / "torch", model, topt)
+    plain = _matrices(1)
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with pytest.raises(
+        CheckpointException,
+        match=r"Missing key in checkpoint state_dict: optimizer_0\.param_groups",
+    ):
+        _dcp_resume(tmp_path / "torch", plain, mf.MuonOptimizer(plain.parameters(), compile=False))
+    assert from_torch_checkpoint(tmp_path / "torch", tmp_path / "conv") == [
+        "optimizer_0.param_groups.0"
+    ]
+
+    via_dcp, via_save = _matrices(1), copy.deepcopy(model)
+    opt = mf.MuonOptimizer(via_dcp.parameters(), lr=0.5, ns_dtype=torch.float32, compile=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _dcp_resume(tmp_path / "conv", via_dcp, opt)
+    told = [str(w.message) for w in caught if "does not save these keys" in str(w.message)]
+    assert told == [
+        "MuonOptimizer.load_state_dict: a torch.optim.Muon checkpoint does not save these keys; they keep this "
+        "optimizer's values: group 0: ns_dtype='torch.float32', normuon_eps=1e-08, adamuon_eps=1e-08, "
+        "adamuon_sign=True, momentum_dtype=None, state_bits=32, matrix_view=None, adamw_lr=0.0003, "
+        "adamw_betas=(0.9, 0.999), adamw_eps=1e-08, adamw_weight_decay=0.0, adamw_decay_1d=False, "
+        "algorithm='auto', gradient_accumulation_steps=1"
+    ], told  # base_lr, method, ...: set from torch's
+    group = opt.param_groups[0]
+    assert {k: group[k] for k in TORCH_SETTINGS} == TORCH_SETTINGS and group["lr"] == 0.03
+    assert (group["method"], group["momentum_kind"], group["base_lr"]) == (None, "ema", 0.03)
+    for p, q in zip(model.parameters(), via_dcp.parameters()):
+        assert torch.equal(opt.state[q]["momentum_buffer"], topt.state[p]["momentum_buffer"])
+    ref = mf.MuonOptimizer(via_save.parameters(), ns_dtype=torch.float32, compile=False)
+    ref.load_state_dict(copy.deepcopy(topt.state_dict()))
+    _steps(via_dcp, opt, 2, start=2)
+    _steps(via_save, ref, 2, start=2)
+    assert_models_equal(via_save, via_dcp)
+
+    theirs = _matrices(1)
+    again = torch.optim.Muon(theirs.parameters(), lr=0.5)
+    _dcp_resume(tmp_path / "conv", theirs, again)
+    _steps(theirs, again, 2, start=2)
+    _steps(model, topt, 2, start=2)
+    assert_models_equal(model, theirs)
+
+
+def test_muon_optimizer_dcp_checkpoint_resumes_with_torch_muon_after_conversion(tmp_path):
+    """The other way: torch.optim.Muon takes only its own keys from a MuonOptimizer DCP checkpoint,
+    and muon_fn writes ns_steps=None there; to_torch_checkpoint's copy has torch's values and
+    continues as to_torch_state_dict's conversion does, bit for bit; a MuonOptimizer loads it too."""
+    from muon_fn.optim import to_torch_checkpoint
+
+    model = _matrices()
+    opt = mf.MuonOptimizer(model.parameters(), lr=0.03, **TORCH_SETTINGS, compile=False)
+    opt.param_groups[0]["ns_steps"] = None  # muon_fn's own term for the method's steps
+    _steps(model, opt, 2)
+    _dcp_save(tmp_path / "muon", model, opt)
+    assert to_torch_checkpoint(tmp_path / "muon", tmp_path / "conv") == [
+        "optimizer_0.param_groups.0"
+    ]
+    via_dcp, via_save = _matrices(1), copy.deepcopy(model)
+    topt = torch.optim.Muon(via_dcp.parameters(), lr=0.5)
+    _dcp_resume(tmp_path / "conv", via_dcp, topt)
+    assert topt.param_groups[0]["ns_steps"] == 5 and topt.param_groups[0]["lr"] == 0.03
+    ref = torch.optim.Muon(via_save.parameters())
+    ref.load_state_dict(to_torch_state_dict(opt)[0])
+    _steps(via_dcp, topt, 2, start=2)
+    _steps(via_save, ref, 2, start=2)
+    assert_models_equal(via_save, via_dcp)
+    ours = _matrices(1)
+    back = mf.MuonOptimizer(ours.parameters(), compile=False)
+    _dcp_resume(tmp_path / "conv", ours, back)
+    assert back.param_groups[0]["ns_steps"] == 5 and back.param_groups[0]["algorithm"] == "auto"
+
+
+class TestCheckpointConversionErrors(expecttest.TestCase):
+    def message(self, exc_type, fn) -> str:
+        with self.assertRaises(exc_type) as ctx:
+            fn()
+        return str(ctx.exception).replace(self.root, "TMP")
+
+    def setUp(self):
+        import tempfile
+
+        self.root = tempfile.mkdtemp()
+        self.tmp = Path(self.root)
+
+    def test_not_a_dcp_directory(self):
+        from muon_fn.optim import from_torch_checkpoint
+
+        self.assertExpectedInline(
+            self.message(ValueError, lambda: from_torch_checkpoint(self.tmp, self.tmp / "out")),
+            """from_torch_checkpoint: 'TMP' is not a torch.distributed.checkpoint directory (it has no .metadata file)""",  # noqa: E501
+        )
+
+    def test_no_group_to_convert_and_out_exists(self):
+        from muon_fn.optim import from_torch_checkpoint, to_torch_checkpoint
+
+        model = _matrices()
+        _dcp_save(self.tmp / "muon", model, mf.MuonOptimizer(model.parameters(), compile=False))
+        self.assertExpectedInline(
+            self.message(
+                ValueError, lambda: from_torch_checkpoint(self.tmp / "muon", self.tmp / "out")
+            ),
+            """from_torch_checkpoint: 'TMP/muon' holds no torch.optim.Muon param group (a group with lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn and no 'algorithm')""",  # noqa: E501
+        )
+        self.assertExpectedInline(
+            self.message(
+                FileExistsError, lambda: to_torch_checkpoint(self.tmp / "muon", self.tmp / "muon")
+            ),
+            """to_torch_checkpoint: out='TMP/muon' exists; give a new directory""",
+        )
+
+    def test_what_torch_cannot_run_is_refused_before_writing(self):
+        from muon_fn.optim import to_torch_checkpoint
+
+        model = _matrices()
+        for name, kw in (("pe", dict(method="polar_express")), ("q8", dict(state_bits=8))):
+            opt = mf.MuonOptimizer(model.parameters(), compile=False, **kw)
+            _steps(model, opt, 1)
+            _dcp_save(self.tmp / name, model, opt)
+        self.assertExpectedInline(
+            self.message(
+                ValueError, lambda: to_torch_checkpoint(self.tmp / "pe", self.tmp / "out")
+            ),
+            """param group 0 cannot be written as torch.optim.Muon: method='polar_express' (torch.optim.Muon runs one quintic: pass ns_coefficients=(a, b, c) or method='quintic')""",  # noqa: E501
+        )
+        self.assertExpectedInline(
+            self.message(
+                ValueError, lambda: to_torch_checkpoint(self.tmp / "q8", self.tmp / "out")
+            ),
+            """to_torch_checkpoint: optimizer_0.param_groups.0 has algorithm='auto', state_bits=8: torch.optim.Muon holds Muon parameters with fp32 momentum only (algorithm 'auto' or 'muon', state_bits=32)""",  # noqa: E501
+        )
+        self.assertFalse((self.tmp / "out").exists())

@@ -7,7 +7,8 @@ classes are configuration only: :class:`MuonOptimizer` (Muon + AdamW),
 parameters split by role); :class:`TritonMuon` and :class:`TritonMuonW` (the elementwise rule
 :func:`muon_fn.triton_muon`, which does not orthogonalize). :func:`from_torch_state_dict` and
 :func:`to_torch_state_dict` move checkpoints between ``torch.optim.Muon`` (+ ``torch.optim.AdamW``)
-and :class:`MuonOptimizer`.
+and :class:`MuonOptimizer`; :func:`from_torch_checkpoint` and
+:func:`to_torch_checkpoint` do the same for ``torch.distributed.checkpoint`` directories.
 """
 
 from ._adapter import BUCKET_SIZE, NONFINITE_POLICIES, Optimizer, StepReport
@@ -16,7 +17,9 @@ from ._hybrid import HybridSplit, create_hybrid_optimizer, split_parameters
 from ._muon import HybridOptimizer, MuonOptimizer
 from ._sso import SolverReport, SpectralSphereOptimizer
 from ._torch_compat import from_torch_state_dict, to_torch_state_dict
+from ._torch_dcp import from_torch_checkpoint, to_torch_checkpoint
 
 __all__ = ["Optimizer", "MuonOptimizer", "SpectralSphereOptimizer", "HybridOptimizer", "SolverReport",
            "TritonMuon", "TritonMuonW", "StepReport", "create_hybrid_optimizer", "split_parameters", "HybridSplit",
-           "BUCKET_SIZE", "NONFINITE_POLICIES", "from_torch_state_dict", "to_torch_state_dict"]
+           "BUCKET_SIZE", "NONFINITE_POLICIES", "from_torch_state_dict", "to_torch_state_dict",
+           "from_torch_checkpoint", "to_torch_checkpoint"]

@@ -323,9 +323,17 @@ class MuonOptimizer(HybridOptimizer):
         """torch's ``load_state_dict`` (see :meth:`muon_fn.Optimizer.load_state_dict`); a
         ``torch.optim.Muon`` state_dict loads directly when this optimizer's parameters are
         exactly that optimizer's (its matrices, group by group), through
-        :func:`muon_fn.optim.from_torch_state_dict`."""
+        :func:`muon_fn.optim.from_torch_state_dict`; so does one that
+        :func:`muon_fn.optim.from_torch_checkpoint` converted, with one warning naming the keys
+        that keep this optimizer's values."""
+        state_dict, unset = _torch_state.drop_unset(state_dict)
         if _torch_state.is_torch_muon_state_dict(state_dict):
             state_dict = _torch_state.from_torch(self, state_dict)
+            kept = _torch_state.kept_values(unset, state_dict["param_groups"])
+            if kept:
+                warnings.warn(f"{type(self).__name__}.load_state_dict: a torch.optim.Muon checkpoint does not "
+                              f"save these keys; they keep this optimizer's values: {'; '.join(kept)}",
+                              UserWarning, stacklevel=caller_level())
         super().load_state_dict(_torch_state.upgrade_eps_keys(state_dict), allow_missing_state=allow_missing_state)
 
     # Checkpoints saved before these keys existed ran plain Muon with plain decay.

@@ -54,6 +54,38 @@ class _Entry(NamedTuple):
     name: str | None
 
 
+# What muon_fn.optim.from_torch_checkpoint writes for a group key that a torch.optim.Muon group
+# lacks: "not saved". A string, so that any unpickler (weights_only included) reads it.
+UNSET = "<muon_fn: not in the torch.optim.Muon checkpoint>"
+# Keys a torch.optim.Muon checkpoint sets on load besides its own (torch's algorithm, the AdamW
+# scale's base) or that record no choice (the accumulation window, the layout, a scheduler's).
+_SET_ON_LOAD = frozenset({*_TORCH_ALGORITHM, "base_lr", "initial_lr", "micro_step", _layout.KEY, _layout.STATELESS})
+
+
+def drop_unset(state_dict: Any) -> tuple[Any, list[tuple[int, str]]]:
+    """``state_dict`` without the group keys set to :data:`UNSET`, and those (group, key) pairs."""
+    groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+    if not isinstance(groups, list):
+        return state_dict, []
+    dropped = [(i, k) for i, g in enumerate(groups) if isinstance(g, dict) for k, v in g.items()
+               if isinstance(v, str) and v == UNSET]
+    if not dropped:
+        return state_dict, []
+    kept = [{k: v for k, v in g.items() if not (isinstance(v, str) and v == UNSET)} if isinstance(g, dict) else g
+            for g in groups]
+    return {**state_dict, "param_groups": kept}, dropped
+
+
+def kept_values(dropped: list[tuple[int, str]], groups: list[dict[str, Any]]) -> list[str]:
+    """``"group i: key=value, ..."`` per group, of the dropped keys that a converted torch
+    checkpoint leaves at the loading optimizer's values (``groups``: the converted state_dict's)."""
+    kept: dict[int, list[str]] = {}
+    for i, k in dropped:
+        if k not in _SET_ON_LOAD and k in groups[i]:
+            kept.setdefault(i, []).append(f"{k}={groups[i][k]!r}")
+    return [f"group {i}: {', '.join(pairs)}" for i, pairs in kept.items()]
+
+
 def is_torch_muon_state_dict(state_dict: Any) -> bool:
     """Whether ``state_dict`` looks like ``torch.optim.Muon``'s (its keys, no muon_fn ``algorithm``)."""
     groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
@@ -296,10 +328,10 @@ def _torch_side(ours: dict[str, Any], routes: list[_Route], keys: tuple[str, ...
 
 
 def _torch_muon_group(g: int, group: dict[str, Any], members: list[_Route]) -> list[tuple[list[_Route], dict]]:
-    return [(members, _torch_muon_hyper(g, group))]
+    return [(members, torch_muon_hyper(g, group))]
 
 
-def _torch_muon_hyper(g: int, group: dict[str, Any]) -> dict[str, Any]:
+def torch_muon_hyper(g: int, group: dict[str, Any]) -> dict[str, Any]:
     problems, rows = [], KELLER_COEFFICIENTS
     if group["ns_coefficients"] is not None:
         rows = validate_coefficients(group["ns_coefficients"])
