@@ -70,14 +70,32 @@ def pytest_addoption(parser):
     )
 
 
+def _named(config) -> bool:
+    """Whether the command line names test files or node ids (not only directories)."""
+    return any("::" in arg or arg.split("::")[0].endswith(".py") for arg in config.args)
+
+
 def _tier(config) -> str:
     chosen = config.getoption("--tier") or os.environ.get("MUON_FN_TIER")
     if chosen:
         if chosen not in TIERS:
             raise pytest.UsageError(f"MUON_FN_TIER={chosen!r}: expected one of {', '.join(TIERS)}")
         return chosen
-    named = any("::" in arg or arg.split("::")[0].endswith(".py") for arg in config.args)
-    return "full" if named else "fast"
+    return "full" if _named(config) else "fast"
+
+
+MAX_WORKERS = 8
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (pyproject's addopts): one pytest-xdist worker per usable CPU, at most
+    MAX_WORKERS (each runs one thread: OMP_NUM_THREADS=1); none when test files or node ids are
+    named, where starting workers costs more than it saves. PYTEST_XDIST_AUTO_NUM_WORKERS (or
+    ``-n N``) chooses otherwise."""
+    chosen = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS")
+    if chosen:
+        return int(chosen)
+    return 0 if _named(config) else min(MAX_WORKERS, len(os.sched_getaffinity(0)))
 
 
 # Cases of a parametrized test that cost seconds (a compile, SSO's solver, bf16 on a CPU without bf16
@@ -127,7 +145,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "device" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.lane)
+        _group(item)
     _select_tier(config, items)
+
+
+def _group(item) -> None:
+    """The pytest-xdist group of a full-tier test (``--dist loadgroup``): every spawned process
+    group in one worker, one after another (two at once would oversubscribe the CPUs that each
+    already fills, against its timeouts), and each other slow module's tests in one worker, so
+    that its module-scoped fixture (an example's training, a compiled sweep) runs once."""
+    if item.get_closest_marker("distributed") is not None:
+        item.add_marker(pytest.mark.xdist_group("spawn"))
+    elif _full_tier_only(item):
+        item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
 
 @pytest.fixture(params=DEVICES)
