@@ -42,7 +42,7 @@ def muon(
     cautious_weight_decay: bool = False,
     beta2: float | None = None,
     normuon_eps: float = 1e-8,
-    adamuon_beta2: float | None = None,
+    adamuon_beta2: Scalar | None = None,
     adamuon_eps: float = 1e-8,
     adamuon_sign: bool = True,
     view: View = "flatten",
@@ -105,7 +105,8 @@ def muon(
     parts.append(orthogonalize(method, ns_steps, coefficients=ns_coefficients, dtype=ns_dtype, eps=eps,
                                stepsize=ns_stepsize, view=view))
     parts += [normalize_rows(beta2, normuon_eps, view=view)] if beta2 is not None else []
-    parts += [scale_by_second_moment(adamuon_beta2, adamuon_eps), align_rms(view=view)] if adamuon else []
+    if adamuon_beta2 is not None:
+        parts += [scale_by_second_moment(adamuon_beta2, adamuon_eps), align_rms(view=view)]
     parts += [
         scale_by_shape(rule, view=view),
         add_decoupled_weight_decay(weight_decay, cautious=cautious_weight_decay),

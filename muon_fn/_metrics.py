@@ -48,6 +48,7 @@ of this runs, so an unmeasured step is the same graph as one without telemetry.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -111,7 +112,7 @@ class Collector:
         value = value.detach().float().reshape(-1)
         self.raw[index][name] = value.expand(unit_count(leaf)) if value.numel() == 1 else value
 
-    def each(self, name: str, tree: Any, fn) -> None:
+    def each(self, name: str, tree: Any, fn: Callable[[torch.Tensor, int], torch.Tensor]) -> None:
         """Record ``fn(leaf_tensor, index)`` as ``name`` for every non-None leaf of ``tree``."""
         for i, x in enumerate(_tree.tree_leaves(tree)):
             if x is not None and self.leaves[i] is not None:
@@ -119,7 +120,12 @@ class Collector:
 
     def sumsq(self, name: str, tree: Any) -> None:
         """Record Σx² of every unit of every leaf of ``tree`` (rows a leaf holds only)."""
-        self.each(name, tree, lambda x, i: unit_sumsq(x, self.leaves[i]))
+        def one(x: torch.Tensor, i: int) -> torch.Tensor:
+            leaf = self.leaves[i]
+            assert leaf is not None  # each calls fn only for a leaf with a Leaf
+            return unit_sumsq(x, leaf)
+
+        self.each(name, tree, one)
 
     def scalar(self, name: str, tree: Any, value: Any) -> None:
         """Record the same scalar (a float or a 0-d tensor) for every non-None leaf of ``tree``."""
