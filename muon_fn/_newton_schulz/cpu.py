@@ -181,16 +181,15 @@ class CPUProducts(Products):
                 out[cols, rows].copy_(block.mT)
         return out
 
-    def split_symmetric(self, m: int, k: int, *tensors: torch.Tensor | None) -> bool:
+    def split_symmetric(self, m: int, k: int, a: torch.Tensor, *others: torch.Tensor | None) -> bool:
         """Whether to split an ``m × m`` product with inner dimension ``k``: eager, big enough,
         worth it for the dtype (see ``AMX_SPLIT_MIN_RATIO``), and no autograd graph to record and
         no torch.func wrapper (the blocks are written with ``out=``, which neither supports)."""
-        a = tensors[0]
         if m < 2 * SYMMETRIC_MIN_BLOCK or not self.policy.split_symmetric or torch.compiler.is_compiling():
             return False
         if a.dtype in _amx_dtypes() and k < AMX_SPLIT_MIN_RATIO * m:
             return False
-        return all(untracked(t) for t in tensors if t is not None)
+        return all(untracked(t) for t in (a, *others) if t is not None)
 
     def loops(self, m: int, dtype: torch.dtype) -> bool:
         """Whether an eager batch of ``dtype`` matrices whose smaller dimension is ``m`` runs one
@@ -246,6 +245,7 @@ class CPUProducts(Products):
             slot = ring_input(len(schedule), out, self, out)
             return torch.empty(out.shape, dtype=out.dtype, device=out.device) if slot is None else slot
         like = out if out is not None else like
+        assert like is not None  # without out the caller passes like
         slot = self.scratch("input", tuple(like.shape[-2:]) if out is None else tuple(like.shape), like)
         return torch.empty(like.shape if out is not None else like.shape[-2:], dtype=like.dtype,
                            device=like.device) if slot is None else slot

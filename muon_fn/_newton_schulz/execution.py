@@ -24,11 +24,13 @@ from .schedules import GRAM_RESTARTS, Coefficients, Schedule, check_dtype, coeff
 from .schedules import norm_scale as method_norm_scale
 
 
-def for_device(device: torch.device, buffers: Buffers | None = None) -> Products:
+def for_device(device: torch.device, buffers: Buffers | None = None) -> cpu.CPUProducts | batched.BatchedProducts:
     """The products of ``device``'s execution policy (scratch kept in ``buffers`` where the
     policy reuses scratch)."""
     policy = _execution.policy(device)
-    return {"cpu": cpu.CPUProducts, "batched": batched.BatchedProducts}[policy.name](policy, buffers)
+    executions: dict[str, type[cpu.CPUProducts | batched.BatchedProducts]] = {
+        "cpu": cpu.CPUProducts, "batched": batched.BatchedProducts}
+    return executions[policy.name](policy, buffers)
 
 
 def gram_matrix(x: torch.Tensor, ops: Products | None = None) -> torch.Tensor:
@@ -186,8 +188,8 @@ def msign_batch(xs: Sequence[torch.Tensor], schedule: Sequence[Coefficients], *,
     if not _execution.policy(xs[0].device).opaque or (
             torch.is_grad_enabled() and any(x.requires_grad for x in xs)):
         return orthogonalize_batch(xs, schedule, dtype=dtype, eps=eps, norm_scale=norm_scale)
+    fold_from = getattr(schedule, "fold_from", None)  # a Schedule's; None for a plain sequence
     return _orthogonalize_batch_op(
         list(xs), [float(c) for row in schedule for c in row], [len(row) for row in schedule],
         getattr(schedule, "precondition", "frobenius"), getattr(schedule, "form", "standard"),
-        -1 if getattr(schedule, "fold_from", None) is None else schedule.fold_from, float(eps),
-        float(norm_scale), dtype)
+        -1 if fold_from is None else fold_from, float(eps), float(norm_scale), dtype)

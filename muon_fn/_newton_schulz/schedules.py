@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import numbers
 from collections.abc import Callable, Sequence
+from typing import Any, TypeGuard
 
 import torch
 
@@ -163,7 +164,8 @@ _METHOD_OPTIONS = {"aol": {"precondition": "aol"}, "aol9": {"precondition": "aol
 _FOLD_FROM = {"aol9": 1}
 
 
-def default_steps(method: Method | None, coefficients: Sequence[Sequence[float]] | None = None) -> int:
+def default_steps(method: Method | None,
+                  coefficients: Sequence[Sequence[float]] | Sequence[float] | None = None) -> int:
     """Iterations run when none are given: with ``coefficients`` (a user schedule) its length, or
     5 for a single triple (torch.optim.Muon's ``ns_steps``); else what ``method`` is designed
     for: 4 for ``"aol"`` and ``"aol9"``, else 5 (``None``: :data:`DEFAULT_METHOD`)."""
@@ -183,20 +185,21 @@ def validate_coefficients(coefficients: Sequence[Sequence[float]] | Sequence[flo
     expected = "expected an (a, b, c) triple or a sequence of (a, b, c) triples"
     if isinstance(coefficients, (str, bytes)) or not isinstance(coefficients, Sequence):
         raise ValueError(f"Invalid {name}: {coefficients!r} ({expected})")
+    given: Sequence[Any] = coefficients  # user input: its rows are checked below
     if coefficients and all(_is_real(v) for v in coefficients):  # torch's flat triple
-        coefficients = (coefficients,)
+        given = (coefficients,)
     try:
-        rows = tuple(tuple(_real(v) for v in row) for row in coefficients)
+        rows = tuple(tuple(_real(v) for v in row) for row in given)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"Invalid {name}: {coefficients!r} ({expected})") from e
+        raise ValueError(f"Invalid {name}: {given!r} ({expected})") from e
     if not rows or any(len(r) != 3 for r in rows):
-        raise ValueError(f"Invalid {name}: {coefficients!r} ({expected})")
+        raise ValueError(f"Invalid {name}: {given!r} ({expected})")
     if any(v != v or v in (float("inf"), float("-inf")) for r in rows for v in r):
-        raise ValueError(f"Invalid {name}: {coefficients!r} (values must be finite)")
+        raise ValueError(f"Invalid {name}: {given!r} (values must be finite)")
     return rows
 
 
-def _is_real(v: object) -> bool:
+def _is_real(v: object) -> TypeGuard[numbers.Real]:
     return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
@@ -230,11 +233,14 @@ def coefficient_schedule(
         steps = default_steps(method, coefficients)
     _checks.positive_int("steps", steps)
     _checks.positive("stepsize", stepsize)
+    fold_from = None  # measured for the method's own rows only
     if coefficients is not None:
         base, extend = validate_coefficients(coefficients), "repeat_last"
     else:
+        assert method is not None  # DEFAULT_METHOD when neither is given
         _checks.one_of("method", method, METHODS)
         base, extend = _SCHEDULES[method]
+        fold_from = _FOLD_FROM.get(method)
     if extend == "cycle":
         rows = list(itertools.islice(itertools.cycle(base), steps))
     else:
@@ -242,9 +248,7 @@ def coefficient_schedule(
     if stepsize != 1.0:
         rows = [(1.0 - stepsize + stepsize * r[0], *(stepsize * c for c in r[1:])) for r in rows]
     options = dict(_METHOD_OPTIONS.get(method, {})) if isinstance(method, str) else {}
-    if coefficients is None:  # measured for the method's own rows only
-        options["fold_from"] = _FOLD_FROM.get(method)
-    return Schedule(rows, **options)
+    return Schedule(rows, fold_from=fold_from, **options)
 
 
 def norm_scale(method: str | None) -> float:
