@@ -185,8 +185,10 @@ def _lambda_and_direction(sp: Sphere, m_hat, u, v, lam0):
     groups = _model_groups(sp, m_hat, u, v)
     if len(groups) == 1 and groups[0][0] is None:
         return _solve(sp, m_hat, u, v, lam0, groups[0][1])
-    solved = [(rows, _solve(sp, m_hat[rows], u[rows], v[rows], None if lam0 is None else lam0[rows], model))
-              for rows, model in groups]
+    solved = []
+    for rows, model in groups:
+        assert rows is not None  # only a lone group spans the whole batch (rows None)
+        solved.append((rows, _solve(sp, m_hat[rows], u[rows], v[rows], None if lam0 is None else lam0[rows], model)))
     return _merge(m_hat.shape[0], solved)
 
 
@@ -220,8 +222,9 @@ def _model_groups(sp: Sphere, m_hat, u, v) -> list[tuple[torch.Tensor | None, An
             rest.append(i)
         else:
             by_size.setdefault(models[i].eig.shape[-1], []).append(i)
-    groups = [(torch.tensor(idx, device=m_hat.device), _lambda_model.cat_models([models[i] for i in idx]))
-              for idx in by_size.values()]
+    groups: list[tuple[torch.Tensor | None, Any]] = [
+        (torch.tensor(idx, device=m_hat.device), _lambda_model.cat_models([models[i] for i in idx]))
+        for idx in by_size.values()]
     if rest:
         idx = torch.tensor(rest, device=m_hat.device)
         groups.append((idx, full_model(idx)))
