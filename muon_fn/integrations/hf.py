@@ -34,16 +34,19 @@ Needs the ``hf`` extra (``pip install 'muon-fn[hf]'``).
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from collections.abc import Sequence
 
 from ._common import Reader, no_measuring_hint
 
-try:
+_MISSING: ImportError | None = None
+if TYPE_CHECKING:  # mypy checks the callback against the real base class
     from transformers import TrainerCallback as _Callback
-    _MISSING: ImportError | None = None
-except ImportError as e:  # pragma: no cover - depends on the environment
-    _Callback, _MISSING = object, e
+else:
+    try:
+        from transformers import TrainerCallback as _Callback
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        _Callback, _MISSING = object, e
 
 __all__ = ["HybridFactory", "MuonMetricsCallback"]
 

@@ -17,20 +17,22 @@ extra (``pip install 'muon-fn[lightning]'``); ``pytorch_lightning`` works too.
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from collections.abc import Sequence
 
 from ._common import Reader, no_measuring_hint
 
-try:
+_MISSING: ImportError | None = None
+if TYPE_CHECKING:  # mypy checks the callback against lightning's base class
     from lightning.pytorch import Callback as _Callback
-    _MISSING: ImportError | None = None
-except ImportError as first:  # pragma: no cover - depends on the environment
+else:
     try:
-        from pytorch_lightning import Callback as _Callback
-        _MISSING = None
-    except ImportError:
-        _Callback, _MISSING = object, first
+        from lightning.pytorch import Callback as _Callback
+    except ImportError as first:  # pragma: no cover - depends on the environment
+        try:
+            from pytorch_lightning import Callback as _Callback
+        except ImportError:
+            _Callback, _MISSING = object, first
 
 __all__ = ["MuonMetricsCallback"]
 

@@ -160,7 +160,8 @@ class MuonOptimizersContainer(OptimizersContainer):
         """Where each parameter of ``optimizer`` went, with split_parameters' reason, or its group's
         pattern where that pinned it against the rule."""
         roles = _role_split(self.model_parts[part_idx])
-        muon, adamw = [], []
+        muon: list[tuple[str, nn.Parameter, str]] = []  # (name, param, why), as split_parameters gives
+        adamw: list[tuple[str, nn.Parameter, str]] = []
         for group, pattern in zip(optimizer.param_groups, patterns):
             for name, p in zip(group["param_names"], group["params"]):
                 algorithm = group["algorithm"]
