@@ -18,7 +18,7 @@ from ._sso import SpectralSphereState, spectral_sphere, sso
 from .optim import (MuonOptimizer, Optimizer, SolverReport, SpectralSphereOptimizer, TritonMuon, TritonMuonW,
                     create_hybrid_optimizer, split_parameters)
 from . import spectral
-from .optim import _placement
+from .optim import engine as _engine
 from ._views import Heads, heads
 from ._transforms import (
     MomentumState,
@@ -131,12 +131,12 @@ _LAZY = {
 def _distribute(optimizer, previous=None) -> None:
     """An optimizer holding DTensor parameters runs the FSDP adapter's step (imported on first use:
     muon_fn.fsdp loads torch.distributed)."""
-    import importlib
+    from .fsdp import distribute
 
-    importlib.import_module("muon_fn.fsdp._adopt").adopt(optimizer, previous)
+    distribute(optimizer, previous)
 
 
-_placement.register(_distribute)
+_engine.register_distributed(_distribute)
 
 
 def __getattr__(name: str):

@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return int(bench.main(rest if command == "bench" else ["sso", *rest]) or 0)
     if command == "plan":
-        from muon_fn.fsdp._plan_cli import main as plan_main
+        from muon_fn.fsdp.plan_cli import main as plan_main
 
         return int(plan_main(rest) or 0)
     print(f"muon-fn: unknown command {command!r}\n\n{USAGE}", end="", file=sys.stderr)

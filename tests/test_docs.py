@@ -269,7 +269,7 @@ def _check_command(argv: list[str]) -> None:
         command = rest.pop(0) if rest and rest[0] in COMMANDS else "muon"
         parser(command).parse_args(rest)
     elif argv[0] == "plan":
-        from muon_fn.fsdp._plan_cli import _parser
+        from muon_fn.fsdp.plan_cli import _parser
 
         _parser("muon-fn plan").parse_args(argv[1:])
     else:

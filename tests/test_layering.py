@@ -230,3 +230,73 @@ def test_modules_are_at_most_600_lines():
             f"now at most {MAX_LINES} lines or gone (remove from LONG_MODULES): {stale}",
             stacklevel=1,
         )
+
+
+def private_reach(graph: dict[str, set[str]], names: dict[str, set[tuple[str, str]]]) -> list[str]:
+    """Imports that reach into another part's privates: a private module of another subpackage
+    (``muon_fn.optim._state`` from ``muon_fn.fsdp``), or a private name from one of its modules
+    (``from muon_fn.optim.engine import _x``). Top-level modules (``muon_fn._quantize``) and a
+    subpackage's public modules are open to every part. ``names``: per module, the ``(module,
+    name)`` pairs of its ``from module import name`` where ``name`` is not a module."""
+    seen = set(graph).union(*graph.values(), *({s for s, _ in pairs} for pairs in names.values()))
+    packages = {part_of(m) for m in seen if m.count(".") >= 2}
+    found = []
+    for importer, targets in graph.items():
+        mine = part_of(importer)
+        for target in sorted(targets):
+            inner = target.split(".")[2:]
+            if part_of(target) != mine and any(part.startswith("_") for part in inner):
+                found.append(f"{importer} imports {target}")
+        for source, name in sorted(names.get(importer, ())):
+            theirs = part_of(source)
+            if (
+                theirs != mine
+                and theirs in packages
+                and name.startswith("_")
+                and not name.startswith("__")
+            ):
+                found.append(f"{importer} imports {name} from {source}")
+    return found
+
+
+def imported_names() -> dict[str, set[tuple[str, str]]]:
+    mods = modules()
+    out: dict[str, set[tuple[str, str]]] = {}
+    for name, path in mods.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom):
+                source = _resolve(name, path.name == "__init__.py", node.level, node.module)
+                if source in mods:
+                    out.setdefault(name, set()).update(
+                        (source, a.name) for a in node.names if f"{source}.{a.name}" not in mods
+                    )
+    return out
+
+
+def test_private_reach_sees_modules_and_names():
+    toy = {
+        "muon_fn.fsdp._step": {"muon_fn.optim._state", "muon_fn.optim.engine", "muon_fn._quantize"},
+        "muon_fn.fsdp._rows": {"muon_fn.fsdp._plan", "muon_fn._newton_schulz.execution"},
+        "muon_fn.cli": {"muon_fn.fsdp._plan"},
+        "muon_fn._sso": {"muon_fn._muon"},
+    }
+    names = {
+        "muon_fn.fsdp._step": {
+            ("muon_fn.optim.engine", "_secret"),
+            ("muon_fn.optim.engine", "commit"),
+        },
+        "muon_fn._sso": {("muon_fn._muon", "_not_matrix")},  # a top-level module's: open to all
+    }
+    assert private_reach(toy, names) == [
+        "muon_fn.fsdp._step imports muon_fn.optim._state",
+        "muon_fn.fsdp._step imports _secret from muon_fn.optim.engine",
+        "muon_fn.cli imports muon_fn.fsdp._plan",
+    ]
+
+
+def test_no_part_imports_another_subpackages_privates(graph):
+    """design.md §2: the distributed executor uses the engine's public interface
+    (``muon_fn.optim.engine``), never the engine's private modules; no module of one part imports
+    a private module or name of another subpackage."""
+    reach = private_reach(graph, imported_names())
+    assert not reach, "imports of another subpackage's privates:\n" + "\n".join(reach)

@@ -270,7 +270,7 @@ def build_fsdp(name: str, options: dict[str, Any], model: nn.Module, lr: float, 
         return opt, f"muon_fn.FSDPSpectralSphereOptimizer(lr={lr}, adamw_lr={adamw_lr}, world={world})"
     from muon_fn.fsdp import FSDPMuonOptimizer
 
-    from muon_fn.optim._hybrid import NORMUON_BETA2
+    from muon_fn.optim import NORMUON_BETA2
 
     # muon and normuon: the hybrid's default, NorMuon, unless the spec asks for AdaMuon (as the hybrid)
     beta2 = options.pop("beta2", None if options.get("adamuon_beta2") is not None else NORMUON_BETA2)

@@ -27,7 +27,7 @@ from torch import nn
 
 from .. import _compile
 from .._device import synchronize
-from ..integrations._common import Reader, measures
+from ..integrations import MetricsReader
 from . import logits, optimizers, report, telemetry
 from .args import DEFAULT_STEPS, UsageError, build_parser, check_corpus, resolve, schedule_error
 from .data import Batcher, Corpus, load_corpus, val_starts, windows
@@ -280,7 +280,7 @@ def run_one(label: str, name: str, options: dict, args, corpus: Corpus, ctx: Dis
               f"{args.batch_size * ctx.world}×{args.seq_len} tokens; {opt_desc}")
     if getattr(opt, "split", None) is not None and args.verbose:
         _log(ctx, _indent(str(opt.split)))
-    if getattr(args, "metrics", 0) and not measures(opt):
+    if getattr(args, "metrics", 0) and not getattr(opt, "metrics_every", 0):
         _log(ctx, f"[{label}] --metrics: a torch.optim row, without telemetry: nothing recorded")
     stop = steps if args.stop_at is None else max(start, min(args.stop_at, steps))
     t_run, cpu_run = time.perf_counter(), time.process_time()
@@ -326,7 +326,7 @@ def _train_loop(label, model, opt, sched, batcher, history, steps_range, total, 
     on CUDA one more wait per step, before the optimizer, since reading the loss waits anyway).
     ``compiles``: the first ``optimizer.step`` compiles; the progress bar says so until it returns."""
     starts = val_starts(corpus.val, args.eval_windows, args.seq_len)
-    figures = Reader("", None)  # optimizer.metrics() of each measured step -> history["metrics"]
+    figures = MetricsReader("", None)  # optimizer.metrics() of each measured step -> history["metrics"]
     tokens_per_step = args.batch_size * args.seq_len * ctx.world
     bar = _progress(args, ctx, total, steps_range.start, label)
     t_last, tok_last, tok_s = time.perf_counter(), 0, 0.0

@@ -57,7 +57,7 @@ import torch
 
 from .. import _newton_schulz
 from .._device import synchronize
-from ..optim._placement import is_dtensor
+from ..optim.engine import is_dtensor
 
 PEAK_METHODS = {"cuda": "torch.cuda.max_memory_allocated", "cpu": "torch.profiler CPU allocator events"}
 RESIDENT_METHOD = ("peak resident set (VmHWM after clear_refs) less VmRSS; glibc: mmap threshold 64 KiB, "

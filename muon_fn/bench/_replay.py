@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from .. import _execution, _newton_schulz
-from ..optim._adapter import buckets
+from ..optim.engine import buckets
 
 AUTO = "auto"  # bucket_size: the optimizers' buckets (the device policy's count and byte bound)
 

@@ -13,7 +13,7 @@ size without a process group (``muon-fn plan``).
 from typing import Any
 
 from ._plan import Plan, chunk_rows, make_plan
-from ._plan_cli import format_plan
+from .plan_cli import format_plan
 from ._predict import Mesh, PlanReport, parse_mesh, plan_model
 from .specs import SPECS
 
@@ -28,6 +28,16 @@ _LAZY = {
 
 __all__ = ["FSDPMuonOptimizer", "FSDPSpectralSphereOptimizer", "STRATEGIES", "Plan", "chunk_rows", "make_plan",
            "plan_model", "PlanReport", "Mesh", "parse_mesh", "format_plan", "SPECS"]
+
+
+def distribute(optimizer: Any, previous: Any = None) -> None:
+    """Run ``optimizer``, a :mod:`muon_fn.optim` optimizer holding DTensor parameters, on the
+    owner-computes step from now on (collective: every rank calls it). The optimizers call it
+    themselves, at construction and after a swap (``previous``: the parameters held before it,
+    per group and position); it is the entry :mod:`muon_fn.optim.engine` hands them to."""
+    from ._adopt import adopt
+
+    adopt(optimizer, previous)
 
 
 def __getattr__(name: str) -> Any:

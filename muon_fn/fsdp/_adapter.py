@@ -34,8 +34,8 @@ import torch.nn as nn
 
 from .. import _checks, _execution, _quantize, _tree, _views
 from .._muon import group_by
-from ..optim import _placement, _state
-from ..optim._adapter import BUCKET_SIZE
+from ..optim import engine
+from ..optim.engine import BUCKET_SIZE
 from . import _exchange, _overlap, _params, _plan, _rows
 from ._routes import Bucket, Route, group_routes
 from ._step import AdapterStep, Matrix
@@ -154,7 +154,7 @@ class FSDPAdapter(AdapterStep):
     def _relayout(self, previous: list[list[torch.Tensor | None]]) -> None:
         """After parameters were swapped into ``param_groups``: planned again (collective), their
         state carried over (:mod:`._adopt`)."""
-        _placement.distribute(self, previous)
+        engine.distribute(self, previous)
 
     def _matrix_algorithm(self) -> str:
         """The algorithm of a hybrid's matrices (``algorithms[1]``: "muon", "sso")."""
@@ -209,11 +209,11 @@ class FSDPAdapter(AdapterStep):
                 self._check_blocks(ps, bucket, self.param_groups[index].get("state_bits"))
                 states = [self.state[p] for p in ps]
                 fresh, whole = self._fresh_leaves(route, bucket, ps)
-                if whole and not _state.complete(bucket.phase_layouts[1], states):
+                if whole and not engine.state_complete(bucket.phase_layouts[1], states):
                     self._pending_init.append((index, route, bucket))
                 leaves = [None if leaf is None else self._state_leaf(ps[slot.index or 0], slot, leaf, rows)
                           for slot, rows, leaf in zip(bucket.layout.slots, bucket.rows, fresh)]
-                _state.scatter(bucket.layout, _tree.tree_unflatten(bucket.layout.spec, leaves), states,
+                engine.scatter_state(bucket.layout, _tree.tree_unflatten(bucket.layout.spec, leaves), states,
                                overwrite=False)
                 for p, st in zip(ps, states):
                     if not st:  # a parameter without state gets no entry (as torch's optimizers)
@@ -274,7 +274,7 @@ class FSDPAdapter(AdapterStep):
         super().load_state_dict(state_dict, allow_missing_state=allow_missing_state)
         self._pending_init = []  # the loaded state is the state
 
-    def _state_leaf(self, p: torch.Tensor, slot: _state.Slot, local: torch.Tensor,
+    def _state_leaf(self, p: torch.Tensor, slot: engine.Slot, local: torch.Tensor,
                     rows: bool) -> torch.Tensor:
         if rows:
             return _params.rows_like(p, local, slot.shape)
@@ -286,7 +286,7 @@ class FSDPAdapter(AdapterStep):
 
     def _local_state(self, bucket: Bucket, params: list[torch.Tensor]) -> Any:
         """The bucket's state as this rank's tensors (views of the stored ones)."""
-        stored = _state.gather(bucket.layout, [self.state.get(params[i], {}) for i in bucket.indices])
+        stored = engine.gather_state(bucket.layout, [self.state.get(params[i], {}) for i in bucket.indices])
         return _tree.tree_map(lambda t: None if t is None else _params.local(t), stored)
 
     # ------------------------------------------------------------------ the plan

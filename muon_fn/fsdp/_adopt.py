@@ -20,9 +20,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ..optim import _placement
-from ..optim._adapter import Optimizer, _GroupRuntime
-from ..optim._muon import MuonOptimizer
+from ..optim import MuonOptimizer, engine
+from ..optim.engine import GroupRuntime, Optimizer
 from ._adapter import FSDPAdapter
 from ._optimizer import MuonFlops
 
@@ -70,7 +69,7 @@ def adopt(optimizer: Optimizer, previous: list[list[torch.Tensor | None]] | None
         optimizer.__class__ = distributed_class(type(optimizer))
         optimizer._options("owner", None, 4, False)
         process_group, overlap = None, False
-    optimizer._runtimes = [_GroupRuntime() for _ in optimizer.param_groups]
+    optimizer._runtimes = [GroupRuntime() for _ in optimizer.param_groups]
     optimizer._overlap_wanted = overlap
     optimizer._distribute(process_group, k)
     _carry(optimizer, carried)
@@ -90,7 +89,7 @@ def _take_state(optimizer: Optimizer, previous: list[list[torch.Tensor | None]])
     """``(new parameter, state of the one it replaced)`` for every replaced parameter with state,
     the state as whole tensors (a DTensor's gathered: collective, in the same order on every
     rank); removed from the optimizer. A replacement of another shape is refused first."""
-    pairs = _placement.state_moves(optimizer, previous)
+    pairs = engine.state_moves(optimizer, previous)
     return [(new, {key: _whole(value) for key, value in sorted(optimizer.state.pop(was).items())})
             for was, new in pairs]
 

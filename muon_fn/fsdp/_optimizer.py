@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from .._muon import resolve_method
 from .._newton_schulz import default_steps
-from ..optim._muon import MuonOptimizer
+from ..optim import MuonOptimizer
 from . import _plan
 from ._adapter import FSDPAdapter
 

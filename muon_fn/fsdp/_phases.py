@@ -26,8 +26,8 @@ import torch
 from .. import _compile, _metrics, _tree
 from .._base import ELEMENTWISE, MATRIX, GradientTransformation, info
 from .._combine import chain
-from ..optim import _state
-from ..optim._apply import compute_bucket, finite_flags, guarded, masked
+from ..optim import engine
+from ..optim.engine import compute_bucket, finite_flags, guarded, masked
 
 
 class Phases(NamedTuple):
@@ -66,15 +66,15 @@ def split(tx: GradientTransformation, name: str) -> Phases:
                   all(info(p).per_matrix or info(p).scope == ELEMENTWISE for p in parts[a:b]))
 
 
-def layouts(phases: Phases, meta: tuple[torch.Tensor, ...]) -> tuple[_state.StateLayout, tuple]:
+def layouts(phases: Phases, meta: tuple[torch.Tensor, ...]) -> tuple[engine.StateLayout, tuple]:
     """The state layout of :attr:`Phases.whole` over the (meta) parameters ``meta``, and its
     pre, mid and post slices."""
     state = phases.whole.init(meta)
-    full = _state.build_layout(state, len(meta))
+    full = engine.build_layout(state, len(meta))
     sliced, start = [], 0
     for part in phases.states(state):
         n = len(_tree.tree_leaves(part))
-        sliced.append(_state.StateLayout(_tree.tree_structure(part), full.slots[start:start + n]))
+        sliced.append(engine.StateLayout(_tree.tree_structure(part), full.slots[start:start + n]))
         start += n
     return full, tuple(sliced)
 

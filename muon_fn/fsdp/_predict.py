@@ -49,7 +49,7 @@ from collections.abc import Iterable, Sequence
 
 from .. import _quantize, _views
 from .._muon import group_by
-from ..optim._adapter import BUCKET_SIZE  # FSDPMuonOptimizer's default, as MuonOptimizer's
+from ..optim import BUCKET_SIZE  # FSDPMuonOptimizer's default, as MuonOptimizer's
 from . import specs as _specs
 from ._plan import Plan, _nonzero, chunk_rows, cut_expert_stacks, make_plan, ns_flops, pieces_held
 

@@ -16,8 +16,8 @@ from collections.abc import Callable
 import torch
 
 from .._base import GradientTransformation
-from ..optim import _state
-from ..optim._adapter import buckets, meta_scalars, variants
+from ..optim import engine
+from ..optim.engine import buckets, meta_scalars, variants
 from . import _phases, _rows
 
 # params -> meta tensors of their global shapes
@@ -29,9 +29,9 @@ class Bucket(NamedTuple):
     buckets them (the owner computes a bucket's matrices together)."""
 
     indices: tuple[int, ...]  # positions in group["params"]
-    layout: _state.StateLayout  # of the route's whole transform: keys in torch's state dicts
+    layout: engine.StateLayout  # of the route's whole transform: keys in torch's state dicts
     rows: tuple[bool, ...]  # per slot of ``layout``: the leaf has one row per parameter row
-    phase_layouts: tuple[_state.StateLayout, ...]  # the layout's pre, mid and post slices
+    phase_layouts: tuple[engine.StateLayout, ...]  # the layout's pre, mid and post slices
 
 
 class Route:

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..optim._state import Slot
+from ..optim.engine import Slot
 
 
 class Leaf(NamedTuple):

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..optim._sso import SpectralSphereOptimizer
+from ..optim import SpectralSphereOptimizer
 from ._adapter import FSDPAdapter
 
 

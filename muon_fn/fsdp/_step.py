@@ -17,9 +17,8 @@ import torch
 
 from .. import _views
 from .._muon import group_by
-from ..optim import _state
-from ..optim._apply import Staged, commit, finite_flags, guarded
-from ..optim._step import StepReport, step_not_traced
+from ..optim import engine
+from ..optim.engine import Staged, StepReport, commit, finite_flags, guarded, step_not_traced
 from . import _exchange, _overlap, _params, _phases, _rows
 from ._routes import Bucket, Route
 from ._telemetry import FSDPTelemetry
@@ -242,7 +241,7 @@ class AdapterStep(FSDPTelemetry):
                 for leaf in matrices[j].fmt.replicated:
                     states[leaf.key] = _params.local(self.state[matrices[j].param][leaf.key])
             layout = bucket.phase_layouts[1]
-            state = _state.gather(layout, [states for _, _, states in sent])
+            state = engine.gather_state(layout, [states for _, _, states in sent])
             updates = tuple(u for u, _, _ in sent)
             params = tuple(p for _, p, _ in sent) if route.phases.mid_needs_params else None
             args = (params, updates, state, finite)
@@ -253,7 +252,7 @@ class AdapterStep(FSDPTelemetry):
                 out, new_state, raw = route.steps.mid_measured(_phases.signature(*args), *args, leaves)
                 self._note(figs, matrices[batch[0]].group, tuple(matrices[j].position for j in batch), leaves, raw)
             new = [{} for _ in batch]
-            _state.scatter(layout, new_state, new)
+            engine.scatter_state(layout, new_state, new)
             for j, u, n, own in zip(batch, out, new, pieces):
                 result = _rows.pack_result(matrices[j].fmt, u, n, self._wire_in)
                 for k, piece in zip(own, result.split([rows[k] for k in own])) if own is not None else [(j, result)]:

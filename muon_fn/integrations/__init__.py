@@ -5,7 +5,13 @@
 - :mod:`muon_fn.integrations.hf`: ``MuonMetricsCallback``, a ``transformers.TrainerCallback``
   (extra ``hf``).
 
-Importing this package (or ``muon_fn``) imports neither framework; each module imports its own
+A loop of one's own reads the same figures with :class:`MetricsReader` (each measured step's
+``optimizer.metrics()`` once, filtered by name). Importing this package (or ``muon_fn``) imports
+neither framework; each module imports its own
 when imported, and its callback raises ``ImportError`` naming the extra when the framework is
 missing.
 """
+
+from ._common import Reader as MetricsReader
+
+__all__ = ["MetricsReader"]

@@ -13,7 +13,7 @@ and :class:`MuonOptimizer`; :func:`from_torch_checkpoint` and
 
 from ._adapter import BUCKET_SIZE, NONFINITE_POLICIES, Optimizer, StepReport
 from ._elementwise import TritonMuon, TritonMuonW
-from ._hybrid import HybridSplit, create_hybrid_optimizer, split_parameters
+from ._hybrid import NORMUON_BETA2, HybridSplit, create_hybrid_optimizer, split_parameters
 from ._muon import HybridOptimizer, MuonOptimizer
 from ._sso import SolverReport, SpectralSphereOptimizer
 from ._torch_compat import from_torch_state_dict, to_torch_state_dict
@@ -21,5 +21,6 @@ from ._torch_dcp import from_torch_checkpoint, to_torch_checkpoint
 
 __all__ = ["Optimizer", "MuonOptimizer", "SpectralSphereOptimizer", "HybridOptimizer", "SolverReport",
            "TritonMuon", "TritonMuonW", "StepReport", "create_hybrid_optimizer", "split_parameters", "HybridSplit",
+           "NORMUON_BETA2",
            "BUCKET_SIZE", "NONFINITE_POLICIES", "from_torch_state_dict", "to_torch_state_dict",
            "from_torch_checkpoint", "to_torch_checkpoint"]

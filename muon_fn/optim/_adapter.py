@@ -90,7 +90,7 @@ class _Bucket(NamedTuple):
     leaves: tuple[_metrics.Leaf, ...]  # what telemetry reads as each parameter's units
 
 
-class _GroupRuntime:
+class GroupRuntime:
     """Per-group cache: the transforms (one per variant), their buckets and steps, the scalar tensors."""
 
     def __init__(self) -> None:
@@ -274,7 +274,7 @@ class Optimizer(Checkpointing, Placed, StagedStep, Telemetry, torch.optim.Optimi
         self._compile_options = _compile.resolve(compile)
         self._bucket_size = bucket_size
         self._scalar_keys = SCALAR_KEYS | frozenset(self._extra_scalar_keys)
-        self._runtimes: list[_GroupRuntime] = []
+        self._runtimes: list[GroupRuntime] = []
         self._nonfinite_count: torch.Tensor | None = None
         self.last_step: StepReport | None = None
         defaults = dict(defaults or {})
@@ -308,7 +308,7 @@ class Optimizer(Checkpointing, Placed, StagedStep, Telemetry, torch.optim.Optimi
         if torch_added:
             self.defaults.pop("differentiable", None)
         if len(self.__dict__.get("_runtimes", ())) != len(self.param_groups):
-            self._runtimes = [_GroupRuntime() for _ in self.param_groups]
+            self._runtimes = [GroupRuntime() for _ in self.param_groups]
         if "_placement" not in self.__dict__:  # a copy: parameter identities are its own
             self._know_model(self.__dict__.get("_model"))
             self._placement = _placement.Placement(self.param_groups)
@@ -346,14 +346,14 @@ class Optimizer(Checkpointing, Placed, StagedStep, Telemetry, torch.optim.Optimi
         group.setdefault("micro_step", 0)
         self._check_param_types(group)
         self._validate_group(group)
-        self._runtimes.append(_GroupRuntime())
+        self._runtimes.append(GroupRuntime())
         self._dry_run(len(self.param_groups) - 1)
         if group["gradient_accumulation_steps"] > 1:
             self._initial_state(len(self.param_groups) - 1)
 
     def _rebuild_group(self, index: int) -> None:
         """Group ``index``'s transforms and buckets made anew (its parameters were swapped)."""
-        self._runtimes[index] = _GroupRuntime()
+        self._runtimes[index] = GroupRuntime()
         self._dry_run(index)
 
     def _check_param_types(self, group: dict[str, Any]) -> None:
@@ -426,7 +426,7 @@ class Optimizer(Checkpointing, Placed, StagedStep, Telemetry, torch.optim.Optimi
                 static[k] = v
         return scalars, tuple(sorted((k, repr(v)) for k, v in static.items()))
 
-    def _runtime(self, index: int) -> _GroupRuntime:
+    def _runtime(self, index: int) -> GroupRuntime:
         """The group's runtime with its scalars refreshed (rebuilt if a static value changed)."""
         group, rt = self.param_groups[index], self._runtimes[index]
         scalars, static_key = self._hyper(group)
@@ -445,7 +445,7 @@ class Optimizer(Checkpointing, Placed, StagedStep, Telemetry, torch.optim.Optimi
             self._build(group, rt, static_key)
         return rt
 
-    def _build(self, group: dict[str, Any], rt: _GroupRuntime, static_key: Any) -> None:
+    def _build(self, group: dict[str, Any], rt: GroupRuntime, static_key: Any) -> None:
         hyper, params = self._group_hyper(group, rt), group["params"]
         per_param = self._param_options(group)
         options = variants(per_param)
@@ -473,7 +473,7 @@ class Optimizer(Checkpointing, Placed, StagedStep, Telemetry, torch.optim.Optimi
                 rt.buckets.append(_Bucket(indices, _state.build_layout(tx.init(meta), len(indices)), v, leaves))
 
     @staticmethod
-    def _group_hyper(group: dict[str, Any], rt: _GroupRuntime) -> dict[str, Any]:
+    def _group_hyper(group: dict[str, Any], rt: GroupRuntime) -> dict[str, Any]:
         """What the factory is called with: the group's hyperparameters, per-step scalars as the
         runtime's 0-d tensors."""
         hyper = {k: v for k, v in group.items() if k not in ADAPTER_KEYS}

@@ -218,6 +218,7 @@ def refuse_torch_style(owner: str, model: Any, kwargs: dict[str, Any]) -> None:
 # loss than torch.optim.Muon at its best lr on every seed of both sizes measured, at most 1.10x
 # the step (docs/performance.md, "Variants against torch.optim.Muon").
 NORMUON_BETA2 = 0.95
+"""The hybrid's default ``beta2``: NorMuon's neuron-wise second moment (``beta2=None``: plain Muon)."""
 
 
 def create_hybrid_optimizer(

@@ -1,0 +1,37 @@
+"""The torch.optim engine's interface for the step's executors: what the distributed step of
+:mod:`muon_fn.fsdp` (and the tools) use of :mod:`muon_fn.optim`'s machinery, under public names.
+
+Only this module of :mod:`muon_fn.optim` may be imported for its machinery from outside the
+package: no other subpackage imports a private module of another (``tests/test_layering.py``).
+
+- **Buckets** of same-shape parameters that one compiled call updates: :func:`buckets`,
+  :data:`BUCKET_SIZE`; a group's distinct per-parameter options (:func:`variants`) and the meta
+  scalars a construction-time trace builds its transform from (:func:`meta_scalars`);
+  :class:`GroupRuntime`, what a group built for its step.
+- **State** as pytrees and back: :class:`StateLayout` (built by :func:`build_layout`) and its
+  :class:`Slot` entries; :func:`gather_state`, :func:`scatter_state`, :func:`state_complete`.
+- **The guard**: :func:`finite_flags` (the gradients' non-finite flag, on the device),
+  :func:`guarded` (a bucket's result kept only where its update is finite), :func:`masked`,
+  :func:`compute_bucket` (one bucket's update, staged).
+- **The commit**: :class:`Staged` results written in place by :func:`commit`.
+- **The step**: :class:`StepReport`, :func:`step_not_traced`; where parameters live:
+  :func:`is_dtensor`, :func:`distribute` and :func:`register_distributed` (the distributed step
+  that takes over an optimizer holding DTensors), :func:`state_moves`.
+"""
+
+from __future__ import annotations
+
+from ._adapter import BUCKET_SIZE, GroupRuntime, Optimizer, buckets, meta_scalars, variants
+from ._apply import Staged, commit, compute_bucket, finite_flags, guarded, masked
+from ._placement import distribute, is_dtensor, state_moves
+from ._placement import register as register_distributed
+from ._state import Slot, StateLayout, build_layout
+from ._state import complete as state_complete
+from ._state import gather as gather_state
+from ._state import scatter as scatter_state
+from ._step import StepReport, step_not_traced
+
+__all__ = ["BUCKET_SIZE", "GroupRuntime", "Optimizer", "buckets", "meta_scalars", "variants", "StateLayout", "Slot",
+           "build_layout", "gather_state", "scatter_state", "state_complete", "finite_flags", "guarded", "masked",
+           "compute_bucket", "Staged", "commit", "StepReport", "step_not_traced", "is_dtensor", "distribute",
+           "register_distributed", "state_moves"]
