@@ -139,6 +139,7 @@ def pytest_report_header(config):
     return f"muon_fn test tier: {_tier(config)} (--tier fast|full|slow)"
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's worker reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     """Every test that takes the ``device`` fixture is in the lane: ``pytest -m lane`` selects
     them (.ci/gpu-lane runs them with MUON_FN_DEVICES=cuda). Then the tier's tests are kept."""

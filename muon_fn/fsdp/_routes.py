@@ -17,7 +17,7 @@ import torch
 
 from .._base import GradientTransformation
 from ..optim import engine
-from ..optim.engine import buckets, meta_scalars, variants
+from ..optim.engine import auto_halves, auto_label, buckets, meta_scalars, variants
 from . import _phases, _rows
 
 # params -> meta tensors of their global shapes
@@ -101,8 +101,8 @@ def group_routes(group: dict[str, Any], hyper: dict[str, Any], options: list[dic
         halves = {algorithm: hyper}
         labels = [algorithm] * len(params)
     else:
-        halves = {label: auto_half(hyper, label) for label in (matrix_algorithm, "adamw")}
-        labels = [matrix_algorithm if p.ndim >= 2 else "adamw" for p in params]
+        halves = auto_halves(hyper, matrix_algorithm)
+        labels = [auto_label(p, matrix_algorithm) for p in params]
     distinct = variants(options)
     routes = []
     for label, half in halves.items():
@@ -112,14 +112,3 @@ def group_routes(group: dict[str, Any], hyper: dict[str, Any], options: list[dic
                 routes.append(Route(label, factory({**half, **opts}), indices, params, meta, bucket_size,
                                     compile_options, opts, factory(meta_scalars({**half, **opts})), verify))
     return routes
-
-
-def auto_half(hyper: dict[str, Any], label: str) -> dict[str, Any]:
-    """The hyperparameters of one half of an ``algorithm="auto"`` group of a hybrid optimizer
-    (:class:`muon_fn.optim._muon.HybridOptimizer`) as a one-algorithm group: the matrices'
-    algorithm as is, and AdamW with ``adamw_lr_effective`` (``adamw_lr·lr/base_lr``) and
-    ``adamw_weight_decay``: the two halves its factory's partition holds."""
-    if label != "adamw":
-        return {**hyper, "algorithm": label}
-    return {**hyper, "algorithm": "adamw", "lr": hyper["adamw_lr_effective"],
-            "weight_decay": hyper["adamw_weight_decay"]}

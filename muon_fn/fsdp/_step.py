@@ -18,7 +18,8 @@ import torch
 from .. import _views
 from .._muon import group_by
 from ..optim import engine
-from ..optim.engine import Staged, StepReport, commit, finite_flags, guarded, step_not_traced
+from ..optim.engine import (Staged, StepReport, commit, finite_flags, guarded, nonfinite_error, refuse_sparse,
+                            step_not_traced)
 from . import _exchange, _overlap, _params, _phases, _rows
 from ._routes import Bucket, Route
 from ._telemetry import FSDPTelemetry
@@ -82,9 +83,7 @@ class AdapterStep(FSDPTelemetry):
 
     def _local_grad(self, group: dict[str, Any], p: torch.Tensor, k: int) -> torch.Tensor | None:
         g = p.grad
-        if g is not None and g.is_sparse:
-            raise RuntimeError("muon_fn does not support sparse gradients "
-                               f"(parameter {self._name(group, p)})")
+        refuse_sparse(g, self._name(group, p))
         g = None if g is None else _params.local(_params.placed_like(g.detach(), p))
         return g / k if g is not None and k > 1 else g
 
@@ -99,11 +98,7 @@ class AdapterStep(FSDPTelemetry):
         finite = _exchange.all_ranks_finite(flag, self.topology.group, self.topology.world_size)
         if self.nonfinite == "error" and not bool(finite):
             self._count_nonfinite(finite)
-            bad = self._nonfinite_params(list(enumerate(grads)))
-            raise RuntimeError(
-                f"non-finite gradient (inf or nan) in {', '.join(bad) or 'parameters of another rank'}; "
-                "parameters and optimizer state were left unchanged. Pass nonfinite='skip' to skip "
-                "such steps.")
+            raise nonfinite_error(self._nonfinite_params(list(enumerate(grads))))
 
         def names() -> list[str]:
             return [self._name(self.param_groups[gi], self.param_groups[gi]["params"][i]) for gi, i, _ in pairs]

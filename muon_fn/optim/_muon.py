@@ -471,16 +471,27 @@ def hybrid_transform(h: dict[str, Any], name: str, matrix_tx: Callable[[], Gradi
     through :func:`muon_fn.partition` (``"auto"``: ``labels`` sends each leaf to ``name`` or
     ``"adamw"``; AdamW with the ``adamw_*`` settings)."""
     algorithm = h["algorithm"]
+    if algorithm == "auto":
+        halves = auto_halves(h, name)
+        return partition({name: matrix_tx(), "adamw": hybrid_transform(halves["adamw"], name, matrix_tx, labels)},
+                         labels)
     # cautious_weight_decay: MuonOptimizer's key (both halves); other hybrids decay plainly
     decay = {"decay_1d": h["adamw_decay_1d"], "cautious_weight_decay": h.get("cautious_weight_decay", False),
              "state_bits": h.get("state_bits", 32)}
     if algorithm == "adamw":
         return adamw(h["lr"], h["adamw_betas"], h["adamw_eps"], h["weight_decay"], **decay)
-    if algorithm != "auto":
-        return matrix_tx()
-    return partition(
-        {name: matrix_tx(),
-         "adamw": adamw(h["adamw_lr_effective"], h["adamw_betas"], h["adamw_eps"], h["adamw_weight_decay"],
-                        **decay)},
-        labels,
-    )
+    return matrix_tx()
+
+
+def auto_label(p: torch.Tensor, name: str) -> str:
+    """Which half of an ``algorithm="auto"`` group runs ``p``: ``name`` (the hybrid's matrix
+    algorithm) for ndim ≥ 2, ``"adamw"`` for the rest."""
+    return name if p.ndim >= 2 else "adamw"
+
+
+def auto_halves(h: dict[str, Any], name: str) -> dict[str, dict[str, Any]]:
+    """The two halves of an ``algorithm="auto"`` group's hyperparameters ``h``, each as a
+    one-algorithm group: ``name`` on the matrices as is, and AdamW at ``adamw_lr_effective``
+    (``adamw_lr·lr/base_lr``) with ``adamw_weight_decay``."""
+    adamw_half = {"algorithm": "adamw", "lr": h["adamw_lr_effective"], "weight_decay": h["adamw_weight_decay"]}
+    return {name: {**h, "algorithm": name}, "adamw": {**h, **adamw_half}}

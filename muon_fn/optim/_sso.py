@@ -12,7 +12,7 @@ from .. import _compile
 from .._base import GradientTransformation
 from .._combine import leafwise_labels
 from .._sso import VALIDATED_KEYS, check_options, sso
-from ._muon import HybridOptimizer, check_state_bits, hybrid_transform
+from ._muon import HybridOptimizer, auto_label, check_state_bits, hybrid_transform
 
 # "muon" is accepted as an alias of "sso" so groups built for MuonOptimizer (e.g. by
 # muon_fn.split_parameters / create_hybrid_optimizer) work unchanged.
@@ -221,7 +221,7 @@ def sso_factory(h: dict[str, Any]) -> GradientTransformation:
 
 
 def _sso_label(p: torch.Tensor) -> str:
-    return "sso" if p.ndim >= 2 else "adamw"
+    return auto_label(p, "sso")
 
 
 _sso_labels = leafwise_labels(_sso_label)

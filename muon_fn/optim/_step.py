@@ -25,6 +25,19 @@ step_not_traced = _compile.not_traced(
     "torch.compile(opt.step) leaves the step to those graphs, so use it with fullgraph=False")
 
 
+def refuse_sparse(g: torch.Tensor | None, name: str) -> None:
+    """Raise if ``g``, the gradient of the parameter called ``name``, is sparse."""
+    if g is not None and g.is_sparse:
+        raise RuntimeError(f"muon_fn does not support sparse gradients (parameter {name})")
+
+
+def nonfinite_error(bad: list[str]) -> RuntimeError:
+    """The error of ``nonfinite="error"`` for the parameters named ``bad`` (none: another rank's)."""
+    return RuntimeError(
+        f"non-finite gradient (inf or nan) in {', '.join(bad) or 'parameters of another rank'}; parameters and "
+        "optimizer state were left unchanged. Pass nonfinite='skip' to skip such steps, or use torch.amp.GradScaler.")
+
+
 class StepReport(NamedTuple):
     """What the last ``step()`` did (reading ``finite`` as a bool syncs with the device)."""
 
@@ -123,8 +136,7 @@ class StagedStep:
         grads = []
         for p in group["params"]:
             g = p.grad
-            if g is not None and g.is_sparse:
-                raise RuntimeError(f"muon_fn does not support sparse gradients (parameter {self._name(group, p)})")
+            refuse_sparse(g, self._name(group, p))
             if g is not None and (g.shape != p.shape or g.device != p.device):
                 raise RuntimeError(
                     f"gradient of parameter {self._name(group, p)} has shape {tuple(g.shape)} on {g.device}, but the "
@@ -241,10 +253,7 @@ class StagedStep:
 
         if self.nonfinite == "error" and not bool(finite):
             self._count_nonfinite(finite)
-            bad = [n for n, ok in zip(names(), flags.tolist()) if not ok]
-            raise RuntimeError(
-                f"non-finite gradient (inf or nan) in {', '.join(bad)}; parameters and optimizer state were left "
-                "unchanged. Pass nonfinite='skip' to skip such steps, or use torch.amp.GradScaler.")
+            raise nonfinite_error([n for n, ok in zip(names(), flags.tolist()) if not ok])
         self._skip_notice().watch(flags, names, type(self).__name__)
         return finite
 

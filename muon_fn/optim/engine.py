@@ -7,14 +7,16 @@ package: no other subpackage imports a private module of another (``tests/test_l
 - **Buckets** of same-shape parameters that one compiled call updates: :func:`buckets`,
   :data:`BUCKET_SIZE`; a group's distinct per-parameter options (:func:`variants`) and the meta
   scalars a construction-time trace builds its transform from (:func:`meta_scalars`);
-  :class:`GroupRuntime`, what a group built for its step.
+  :class:`GroupRuntime`, what a group built for its step; a hybrid's ``algorithm="auto"`` group
+  split in two (:func:`auto_label`, :func:`auto_halves`).
 - **State** as pytrees and back: :class:`StateLayout` (built by :func:`build_layout`) and its
   :class:`Slot` entries; :func:`gather_state`, :func:`scatter_state`, :func:`state_complete`.
 - **The guard**: :func:`finite_flags` (the gradients' non-finite flag, on the device),
   :func:`guarded` (a bucket's result kept only where its update is finite), :func:`masked`,
   :func:`compute_bucket` (one bucket's update, staged).
 - **The commit**: :class:`Staged` results written in place by :func:`commit`.
-- **The step**: :class:`StepReport`, :func:`step_not_traced`; where parameters live:
+- **The step**: :class:`StepReport`, :func:`step_not_traced`; the gradient checks and their
+  messages (:func:`refuse_sparse`, :func:`nonfinite_error`); where parameters live:
   :func:`is_dtensor`, :func:`distribute` and :func:`register_distributed` (the distributed step
   that takes over an optimizer holding DTensors), :func:`state_moves`.
 """
@@ -29,9 +31,14 @@ from ._state import Slot, StateLayout, build_layout
 from ._state import complete as state_complete
 from ._state import gather as gather_state
 from ._state import scatter as scatter_state
-from ._step import StepReport, step_not_traced
+from ._muon import auto_halves, auto_label
+from ._step import StepReport, nonfinite_error, refuse_sparse, step_not_traced
 
-__all__ = ["BUCKET_SIZE", "GroupRuntime", "Optimizer", "buckets", "meta_scalars", "variants", "StateLayout", "Slot",
-           "build_layout", "gather_state", "scatter_state", "state_complete", "finite_flags", "guarded", "masked",
-           "compute_bucket", "Staged", "commit", "StepReport", "step_not_traced", "is_dtensor", "distribute",
-           "register_distributed", "state_moves"]
+__all__ = [
+    "BUCKET_SIZE", "GroupRuntime", "Optimizer", "buckets", "meta_scalars", "variants",  # buckets
+    "auto_label", "auto_halves",  # the hybrid's split
+    "StateLayout", "Slot", "build_layout", "gather_state", "scatter_state", "state_complete",  # state
+    "finite_flags", "guarded", "masked", "compute_bucket", "Staged", "commit",  # the guard and the commit
+    "StepReport", "step_not_traced", "refuse_sparse", "nonfinite_error",  # the step
+    "is_dtensor", "distribute", "register_distributed", "state_moves",  # placement
+]
