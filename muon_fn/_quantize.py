@@ -1,8 +1,9 @@
 """Low-bit optimizer state: blockwise quantization within rows (``state_bits=16|8|4``).
 
 A state tensor shaped like its parameter is stored as **codes** and per-block **scales**; the
-transform that owns it dequantizes it at the start of its update, computes in fp32 and
-requantizes the new value, so what persists between steps is only the codes and the scales.
+wrapper that stores a transform's state (:func:`muon_fn._storage.stored`) dequantizes it at the
+start of each update, the transform computes in fp32, and the wrapper requantizes the new value,
+so what persists between steps is only the codes and the scales.
 
 **Blocks lie within rows.** A tensor is read as ``(rows, n)`` with ``rows = shape[0]`` and
 ``n = prod(shape[1:])`` (a conv kernel folded into its row, an expert stack ``(E, out, in)`` one
@@ -97,9 +98,14 @@ class Storage(NamedTuple):
     bits: int = 32
     kind: str = LINEAR
 
+    def has_codes(self) -> bool:
+        """Whether matrices are stored as codes and scales at this width (not at 32 bits, nor
+        :data:`LINEAR` at 16: bf16)."""
+        return self.bits < 32 and not (self.bits == 16 and self.kind == LINEAR)
+
     def quantizes(self, shape: tuple[int, ...] | torch.Size) -> bool:
         """Whether a tensor of ``shape`` is stored as codes and scales."""
-        return self.bits < 32 and len(shape) >= 2 and not (self.bits == 16 and self.kind == LINEAR)
+        return self.has_codes() and len(shape) >= 2
 
     def plain_dtype(self, dtype: torch.dtype, ndim: int = 2) -> torch.dtype:
         """The dtype of an unquantized tensor of ``ndim`` for a parameter of ``dtype``: bf16 for a

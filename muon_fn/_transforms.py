@@ -29,6 +29,7 @@ from ._base import (
     with_info,
 )
 from ._metrics import collector_of
+from ._storage import Layout, stored
 from ._views import View
 
 MOMENTUM_KINDS = ("sgd", "ema")
@@ -48,8 +49,9 @@ class MomentumState(NamedTuple):
 
 
 class QuantizedMomentumState(NamedTuple):
-    """State of :func:`momentum` with ``state_bits`` 8 or 4: each matrix's buffer as codes and
-    per-block scales (:mod:`muon_fn._quantize`); a leaf of ndim < 2 keeps its buffer in ``mu``.
+    """State of :func:`momentum` with ``state_bits`` 8 or 4 (:func:`muon_fn._storage.stored` over
+    :class:`MomentumState`): each matrix's buffer as codes and per-block scales
+    (:mod:`muon_fn._quantize`); a leaf of ndim < 2 keeps its buffer in ``mu``.
     ``codes``: int8 ``(rows, n)``, or ``(rows, ⌈n/2⌉)`` uint8 with two 4-bit codes a byte;
     ``scales``: fp32 ``(rows, blocks)``, each block's absolute maximum. Keys in torch's state
     dicts: ``momentum_buffer_codes``, ``momentum_buffer_scales`` (``momentum_buffer`` for ``mu``)."""
@@ -59,6 +61,9 @@ class QuantizedMomentumState(NamedTuple):
     scales: Updates  # per matrix (rows, blocks) fp32: each block's absolute maximum; else None
 
     state_keys = {"mu": "momentum_buffer", "codes": "momentum_buffer_codes", "scales": "momentum_buffer_scales"}  # noqa: RUF012  NamedTuple: annotated, it would be a field
+
+
+MOMENTUM_STORAGE = Layout(MomentumState, QuantizedMomentumState, {"mu": _quantize.LINEAR})
 
 
 def momentum(
@@ -81,6 +86,7 @@ def momentum(
     absmax codes within rows (:class:`QuantizedMomentumState`, :mod:`muon_fn._quantize`); the
     buffer is dequantized, updated in fp32 and requantized in the same update, and the output is
     fp32. Leaves of ndim < 2 keep an fp32 buffer at every width. ``mu_dtype`` only with 32.
+    Below 32 bits this is :func:`muon_fn._storage.stored` around the 32-bit transform.
     """
     _checks.in_unit_interval("momentum", momentum)
     _checks.one_of("kind", kind, MOMENTUM_KINDS)
@@ -88,19 +94,12 @@ def momentum(
     if mu_dtype is not None and state_bits != 32:
         raise ValueError(f"momentum: mu_dtype={mu_dtype} and state_bits={state_bits} both set the buffer's "
                          "storage; pass one of them")
-    storage = _quantize.Storage(state_bits, _quantize.LINEAR)
 
     def init(params):
-        if state_bits == 32:
-            return MomentumState(mu=_tree.zeros_like(params, dtype=mu_dtype))
-        plain, codes, scales = _quantize.stored_zeros(storage, params)
-        return MomentumState(mu=plain) if state_bits == 16 else QuantizedMomentumState(plain, codes, scales)
+        return MomentumState(mu=_tree.zeros_like(params, dtype=mu_dtype))
 
-    def step(b: Any, g: torch.Tensor) -> tuple[torch.Tensor, Any, torch.Tensor]:
-        """``(output, new stored buffer, new buffer)``; ``b`` a tensor, or a stored triple."""
-        stored = b if state_bits != 32 else None
-        if stored is not None:
-            b = storage.load(stored, g.shape, _quantize.compute_dtype(g))
+    def step(b: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(output, new buffer)``."""
         g = g.to(b.dtype)
         if kind == "ema":
             b = b.lerp(g, 1 - momentum)
@@ -108,26 +107,22 @@ def momentum(
         else:
             b = scaled_add(g, b, momentum)
             out = scaled_add(g, b, momentum) if nesterov else b
-        return out, (b if stored is None else storage.store(b, stored)), b
+        return out, b
 
     def update(updates, state, params=None, **extra):
         del params
-        held = state.mu if state_bits == 32 else _quantize.stored_triples(*state)
-        res = _tree.tree_map(lambda g, b: (None, b, None) if g is None else step(b, g), updates, held)
+        res = _tree.tree_map(lambda g, b: (None, b) if g is None else step(b, g), updates, state.mu)
         out = _tree.tree_map(lambda _, r: r[0], updates, res)
         mu = _tree.tree_map(lambda _, r: r[1], updates, res)
         collector = collector_of(extra)
-        if collector is not None:
-            collector.sumsq("momentum_sumsq", _tree.tree_map(lambda _, r: r[2], updates, res))
-        if state_bits == 32:
-            return out, MomentumState(mu=mu)
-        plain, codes, scales = _quantize.split_triples(updates, mu)
-        return out, MomentumState(mu=plain) if state_bits == 16 else QuantizedMomentumState(plain, codes, scales)
+        if collector is not None:  # the new buffers of the leaves updated
+            collector.sumsq("momentum_sumsq", _tree.tree_map(lambda g, b: None if g is None else b, updates, mu))
+        return out, MomentumState(mu=mu)
 
     config = {"state_bits": state_bits} if state_bits != 32 else {}
-    tx = named(GradientTransformation(init, update), "momentum", momentum=momentum, nesterov=nesterov, kind=kind,
-               **config)
-    return with_info(tx, leafwise=True, scope=ELEMENTWISE)
+    tx = with_info(GradientTransformation(init, update), leafwise=True, scope=ELEMENTWISE)
+    return named(stored(tx, state_bits, MOMENTUM_STORAGE), "momentum", momentum=momentum, nesterov=nesterov,
+                 kind=kind, **config)
 
 
 def scaled_add(g: torch.Tensor, b: torch.Tensor, mu: Scalar, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -341,6 +336,9 @@ class QuantizedAdamState(NamedTuple):
                   "nu": "exp_avg_sq", "nu_codes": "exp_avg_sq_codes", "nu_scales": "exp_avg_sq_scales"}
 
 
+ADAM_STORAGE = Layout(ScaleByAdamState, QuantizedAdamState, {"mu": _quantize.LINEAR, "nu": _quantize.UNSIGNED})
+
+
 def scale_by_adam(
     betas: tuple[Scalar, Scalar] = (0.9, 0.999),
     eps: float = 1e-8,
@@ -362,11 +360,10 @@ def scale_by_adam(
     blockwise within rows (:mod:`muon_fn._quantize`): ``m`` linear absmax (bf16 at 16 bits),
     ``v`` as a small float relative to each block's maximum (no ``v > 0`` is stored as 0); the
     moments are dequantized, updated in fp32 and requantized in the same update, and the
-    direction is fp32. Leaves of ndim < 2 keep fp32 moments at every width.
+    direction is fp32. Leaves of ndim < 2 keep fp32 moments at every width. Below 32 bits this
+    is :func:`muon_fn._storage.stored` around the 32-bit transform.
     """
     _quantize.check_state_bits(state_bits)
-    m_storage = _quantize.Storage(state_bits, _quantize.LINEAR)
-    v_storage = _quantize.Storage(state_bits, _quantize.UNSIGNED)
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"Invalid betas: {betas!r} (expected a pair (beta1, beta2))")
     _checks.in_unit_interval("beta1", betas[0])
@@ -380,21 +377,10 @@ def scale_by_adam(
         count = _tree.tree_map(
             lambda p: None if p is None else torch.zeros((), dtype=torch.float32, device=p.device), params
         )
-        if state_bits != 32:
-            return QuantizedAdamState(count, *_quantize.stored_zeros(m_storage, params),
-                                      *_quantize.stored_zeros(v_storage, params))
         return ScaleByAdamState(count, _tree.zeros_like(params), _tree.zeros_like(params))
 
-    def step(g, count, m, v):
-        """``(direction, count, new m, new v, m's value)``: ``m``, ``v`` tensors, or stored triples."""
-        if state_bits == 32:
-            out, count, m, v = moments(g, count, m, v)
-            return out, count, m, v, m
-        cd = _quantize.compute_dtype(g)
-        out, count, m_new, v_new = moments(g, count, m_storage.load(m, g.shape, cd), v_storage.load(v, g.shape, cd))
-        return out, count, m_storage.store(m_new, m), v_storage.store(v_new, v), m_new
-
     def moments(g, count, m, v):
+        """``(direction, count, new m, new v)``."""
         g = g.to(m.dtype)
         count = count + 1
         m = m.lerp(g, 1 - b1)
@@ -411,29 +397,21 @@ def scale_by_adam(
 
     def update(updates, state, params=None, **extra):
         del params
-        if state_bits == 32:
-            held_m, held_v = state.mu, state.nu
-        else:
-            held_m = _quantize.stored_triples(state.mu, state.mu_codes, state.mu_scales)
-            held_v = _quantize.stored_triples(state.nu, state.nu_codes, state.nu_scales)
         res = _tree.tree_map(
-            lambda g, c, m, v: (None, c, m, v, None) if g is None else step(g, c, m, v),
-            updates, state.count, held_m, held_v,
+            lambda g, c, m, v: (None, c, m, v) if g is None else moments(g, c, m, v),
+            updates, state.count, state.mu, state.nu,
         )
         pick = lambda i: _tree.tree_map(lambda _, r: r[i], updates, res)  # noqa: E731
         collector = collector_of(extra)
-        if collector is not None:  # the first moment is Adam's momentum
-            collector.sumsq("momentum_sumsq", pick(4))
-        if state_bits == 32:
-            return pick(0), ScaleByAdamState(pick(1), pick(2), pick(3))
-        m, v = _quantize.split_triples(updates, pick(2)), _quantize.split_triples(updates, pick(3))
-        return pick(0), QuantizedAdamState(pick(1), *m, *v)
+        if collector is not None:  # the first moment is Adam's momentum (of the leaves updated)
+            collector.sumsq("momentum_sumsq", _tree.tree_map(lambda g, r: None if g is None else r[2], updates, res))
+        return pick(0), ScaleByAdamState(pick(1), pick(2), pick(3))
 
     options = {} if bias_correction and not nesterov else {"bias_correction": bias_correction, "nesterov": nesterov}
     options.update({"state_bits": state_bits} if state_bits != 32 else {})
     shown_betas = tuple(shown(b) for b in betas)
-    tx = named(GradientTransformation(init, update), "scale_by_adam", betas=shown_betas, eps=eps, **options)
-    return with_info(tx, leafwise=True, scope=ELEMENTWISE)
+    tx = with_info(GradientTransformation(init, update), leafwise=True, scope=ELEMENTWISE)
+    return named(stored(tx, state_bits, ADAM_STORAGE), "scale_by_adam", betas=shown_betas, eps=eps, **options)
 
 
 def normalize_layerwise(eps: float = 1e-8, *, add_eps: bool = False) -> GradientTransformation:
