@@ -435,11 +435,11 @@ def check_generic_mid_state(w):
 
     class Custom(FSDPAdapter, mf.Optimizer):
         def __init__(self, model):
-            self._setup(model, "owner", None, 4)
+            self._setup(model)
             super().__init__(
                 list(model.parameters()), custom_factory, {"lr": 0.02, "momentum": 0.95}
             )
-            self._distribute(None, 1)
+            self._distribute(1)
 
     def single(ref):
         return ref, mf.Optimizer(ref.parameters(), custom_factory, {"lr": 0.02, "momentum": 0.95})

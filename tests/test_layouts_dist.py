@@ -551,6 +551,51 @@ def check_other_view_refused(tmp: Path):
     return run
 
 
+def check_distributed_options():
+    """The distributed options given to MuonOptimizer (built on DTensors) act as on
+    FSDPMuonOptimizer: the same options give the same result bit for bit, and a bf16 wire
+    another than the default fp32 one."""
+    import muon_fn as mf
+    from muon_fn.fsdp import FSDPMuonOptimizer
+
+    def trained(build):
+        model = shard(make(Toy))
+        opt = build(model)
+        train([(model, opt)], STEPS)
+        return opt, {n: full(p) for n, p in model.named_parameters()}
+
+    def run():
+        finals = {}
+        for label, kw in (
+            ("bf16_wire", {"wire_dtype": torch.bfloat16, "num_buckets": 2}),
+            ("replicate", {"strategy": "replicate"}),
+        ):
+            ours, finals[label] = trained(
+                lambda m, kw=kw: mf.MuonOptimizer(
+                    m.parameters(), weight_decay=0.01, compile=False, **kw
+                )
+            )
+            _, theirs = trained(lambda m, kw=kw: FSDPMuonOptimizer(m, compile=False, **kw))
+            assert type(ours) is not FSDPMuonOptimizer
+            assert ours.distributed_options._asdict().items() >= kw.items()
+            assert (ours.strategy, ours.wire_dtype) == (
+                kw.get("strategy", "owner"),
+                kw.get("wire_dtype"),
+            )
+            assert ours.last_step_stats["strategy"] == kw.get("strategy", "owner")
+            different = [k for k in theirs if not torch.equal(theirs[k], finals[label][k])]
+            assert not different, (
+                f"{label}: MuonOptimizer and FSDPMuonOptimizer differ on {different}"
+            )
+        _, fp32_wire = trained(
+            lambda m: mf.MuonOptimizer(m.parameters(), weight_decay=0.01, compile=False)
+        )
+        assert any(not torch.equal(fp32_wire[k], finals["bf16_wire"][k]) for k in fp32_wire)
+        return {"options": sorted(finals)}
+
+    return run
+
+
 def checks_for(w: int, tmp: str) -> dict:
     tmp = Path(tmp)
     out = {f"construct_{name}": check_construction(name) for name in builders() if name != "hybrid"}
@@ -561,6 +606,7 @@ def checks_for(w: int, tmp: str) -> dict:
     out["swap_hybrid_with_state"] = check_swap("hybrid", 1, Lm)
     out["swap_refused"] = check_swap_refused()
     if w == 2:
+        out["distributed_options"] = check_distributed_options()
         out["hf_trainer_fsdp2"] = check_hf_trainer_fsdp2()
         out["transformers_tp_plan"] = check_transformers_tp_plan(tmp)
         out["accelerate_checkpoint"] = check_accelerate_checkpoint(tmp)

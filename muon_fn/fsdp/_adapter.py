@@ -40,10 +40,9 @@ from . import _exchange, _overlap, _params, _plan, _rows
 from ._routes import Bucket, Route, group_routes
 from ._step import AdapterStep, Matrix
 
-STRATEGIES = ("owner", "replicate")
+STRATEGIES = engine.STRATEGIES
 """What ``strategy=`` accepts: ``"owner"`` (each matrix computed once, on its owner rank) or
 ``"replicate"`` (every rank all-gathers and computes every matrix; the baseline)."""
-WIRE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 
 
 class FSDPAdapter(AdapterStep):
@@ -58,32 +57,27 @@ class FSDPAdapter(AdapterStep):
 
     _distributes_itself = True  # muon_fn.optim.Optimizer leaves the layout to _distribute
 
-    def _setup(self, model: nn.Module, strategy: str, wire_dtype: torch.dtype | None,
-               num_buckets: int, overlap: bool = False) -> None:
-        """Check the model and keep the adapter's own options, before the optimizer adds its
+    def _setup(self, model: nn.Module) -> None:
+        """Check the model and start the adapter's bookkeeping, before the optimizer adds its
         groups (the optimizer keeps the model: pass it on as ``model=``)."""
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        self._options(strategy, wire_dtype, num_buckets, overlap)
+        self._prepare()
 
-    def _options(self, strategy: str, wire_dtype: torch.dtype | None, num_buckets: int, overlap: bool) -> None:
-        """Check and keep the adapter's own options (an optimizer handed over after construction,
-        :mod:`._adopt`, takes the defaults)."""
-        _checks.one_of("strategy", strategy, STRATEGIES)
-        _checks.one_of("wire_dtype", wire_dtype, WIRE_DTYPES)
-        _checks.positive_int("num_buckets", num_buckets)
-        _checks.one_of("overlap", overlap, (True, False))
-        if overlap and strategy != "owner":
-            raise ValueError(f"overlap=True needs strategy='owner' (the exchange it starts during "
-                             f"backward), got strategy={strategy!r}")
-        self._overlap_wanted, self._overlap = overlap, None
-        self.strategy, self.wire_dtype = strategy, wire_dtype
-        self._num_buckets = num_buckets
+    def _prepare(self) -> None:
+        """The adapter's bookkeeping before the groups are distributed."""
+        self._overlap_wanted, self._overlap = False, None
         self._distributed = False
         self._builds = itertools.count()
 
-    def _distribute(self, process_group: Any, k: int) -> None:
-        """Where every parameter lives, its state, and the plan (once all groups are in)."""
+    def _distribute(self, k: int, overlap: bool | None = None) -> None:
+        """Where every parameter lives, its state, and the plan (once all groups are in), run as
+        the optimizer's :attr:`distributed_options` say (checked where they were given);
+        ``overlap``: whether to overlap instead (a copy: no; a swap: as it was)."""
+        options = self.distributed_options
+        self.strategy, self.wire_dtype, self._num_buckets = options.strategy, options.wire_dtype, options.num_buckets
+        self._overlap_wanted = options.overlap if overlap is None else overlap
+        process_group = options.process_group
         self._process_group, self._fqns = process_group, None
         named = [(self._fqn(p), p) for g in self.param_groups for p in g["params"]]
         self.topology = _params.resolve_topology(named, process_group)
@@ -113,20 +107,16 @@ class FSDPAdapter(AdapterStep):
     _FSDP_CONFIG = ("strategy", "wire_dtype", "_num_buckets", "_accumulation_steps", "_micro_step")
 
     def __getstate__(self) -> dict[str, Any]:
-        if getattr(self, "_process_group", None) is not None:
-            raise TypeError(f"cannot copy a {type(self).__name__} built with process_group=: a process "
-                            "group cannot be copied; build a new optimizer instead")
-        state = super().__getstate__()
+        state = super().__getstate__()  # refuses an optimizer built with process_group=
         state.update({k: self.__dict__[k] for k in self._FSDP_CONFIG if k in self.__dict__})
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)  # torch's load_state_dict calls it too: nothing to rebuild then
         if "_layouts" not in self.__dict__ and "strategy" in self.__dict__:
-            self._distributed, self._builds = False, itertools.count()
-            self._overlap_wanted, self._overlap = False, None
+            self._prepare()
             micro = self._micro_step
-            self._distribute(None, self._accumulation_steps)
+            self._distribute(self._accumulation_steps, overlap=False)
             self._micro_step = micro
             self._set_gradient_sync(self._accumulation_steps == 1 or micro == self._accumulation_steps - 1)
 

@@ -62,16 +62,15 @@ def adopt(optimizer: Optimizer, previous: list[list[torch.Tensor | None]] | None
                            "window; swap them at a window boundary (after the window's last step())")
     carried = _take_state(optimizer, previous or [])
     if isinstance(optimizer, FSDPAdapter):
-        optimizer.overlap = False  # its hooks were registered on the former parameters
-        process_group, k, overlap = optimizer._process_group, optimizer._accumulation_steps, optimizer._overlap_wanted
+        overlap = optimizer.overlap  # as set last; its hooks were registered on the former parameters
+        optimizer.overlap = False
+        k = optimizer._accumulation_steps
     else:
-        k = _accumulation_steps(optimizer)
+        k, overlap = _accumulation_steps(optimizer), None  # the distributed options'
         optimizer.__class__ = distributed_class(type(optimizer))
-        optimizer._options("owner", None, 4, False)
-        process_group, overlap = None, False
+        optimizer._prepare()
     optimizer._runtimes = [GroupRuntime() for _ in optimizer.param_groups]
-    optimizer._overlap_wanted = overlap
-    optimizer._distribute(process_group, k)
+    optimizer._distribute(k, overlap=overlap)
     _carry(optimizer, carried)
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-import torch
 import torch.nn as nn
 
 from .._muon import resolve_method
@@ -56,7 +55,9 @@ class FSDPMuonOptimizer(MuonFlops, FSDPAdapter, MuonOptimizer):
       gradient_accumulation_steps: ``k``; call ``step()`` after every micro-batch: FSDP2 gradient
         sync is off for the first ``k − 1`` backward passes and on for the last, whose reduced
         gradient (divided by ``k``) is applied. Requires a ``fully_shard`` model when ``k > 1``.
-      strategy: ``"owner"`` (each matrix computed once, on its owner) or ``"replicate"`` (every
+      strategy, wire_dtype, num_buckets, overlap, process_group: the distributed options, which
+        every optimizer class takes (:class:`muon_fn.Optimizer`), with the same defaults:
+      strategy: ``"owner"`` (default: each matrix computed once, on its owner) or ``"replicate"`` (every
         rank all-gathers and computes every matrix; the baseline).
       wire_dtype: dtype of the rows on the wire (``torch.bfloat16`` halves the bytes; rounds them).
       num_buckets: exchanges per step (communication of later buckets overlaps computation).
@@ -120,18 +121,12 @@ class FSDPMuonOptimizer(MuonFlops, FSDPAdapter, MuonOptimizer):
         beta2: float | None = None,
         eps: float = 1e-7,
         gradient_accumulation_steps: int = 1,
-        *,
-        strategy: str = "owner",
-        wire_dtype: torch.dtype | None = None,
-        num_buckets: int = 4,
-        overlap: bool = False,
-        process_group: Any = None,
         **muon_options: Any,
     ) -> None:
-        self._setup(model, strategy, wire_dtype, num_buckets, overlap)
+        self._setup(model)
         if params is None:  # frozen parameters never get gradients: leave them out of the plan
             params = [p for p in model.parameters() if p.requires_grad]
         super().__init__(params, lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov,
                          ns_steps=ns_steps, ns_stepsize=ns_stepsize, beta2=beta2, eps=eps,
                          gradient_accumulation_steps=gradient_accumulation_steps, model=model, **muon_options)
-        self._distribute(process_group, gradient_accumulation_steps)
+        self._distribute(gradient_accumulation_steps)

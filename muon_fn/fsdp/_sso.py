@@ -53,17 +53,12 @@ class FSDPSpectralSphereOptimizer(FSDPAdapter, SpectralSphereOptimizer):
         momentum: float = 0.95,
         nesterov: bool = True,
         *,
-        strategy: str = "owner",
-        wire_dtype: torch.dtype | None = None,
-        num_buckets: int = 4,
-        overlap: bool = False,
-        process_group: Any = None,
         gradient_accumulation_steps: int = 1,
         **sso_options: Any,
     ) -> None:
-        self._setup(model, strategy, wire_dtype, num_buckets, overlap)
+        self._setup(model)
         if params is None:  # frozen parameters never get gradients: leave them out of the plan
             params = [p for p in model.parameters() if p.requires_grad]
         super().__init__(params, lr, momentum, nesterov,
                          gradient_accumulation_steps=gradient_accumulation_steps, model=model, **sso_options)
-        self._distribute(process_group, gradient_accumulation_steps)
+        self._distribute(gradient_accumulation_steps)

@@ -34,6 +34,7 @@ from .._muon import group_by
 from . import _placement, _state
 from ._apply import bucket_step, without_figures
 from ._checkpoint import ADAPTER_KEYS, Checkpointing
+from ._distributed import DEFAULTS, DistributedOptions
 from ._placement import Placed
 from ._step import StagedStep, StepReport, signature, step_not_traced  # noqa: F401 (re-exported)
 from ._telemetry import Telemetry, check_metrics
@@ -149,6 +150,13 @@ class Optimizer(Checkpointing, Placed, StagedStep, Telemetry, torch.optim.Optimi
         checkpoints where ``params`` does not, gives parameters of ndim ≥ 3 their module's matrix
         view (conv weights flattened, any other a stack of matrices), and, on DTensor parameters,
         lets ``gradient_accumulation_steps > 1`` pause FSDP2's gradient sync.
+      strategy, wire_dtype, num_buckets, overlap, process_group: the distributed options, which
+        act once the optimizer holds DTensors (see below and
+        :class:`muon_fn.fsdp.FSDPMuonOptimizer`): ``strategy`` ``"owner"`` (default) or
+        ``"replicate"``; ``wire_dtype`` of the rows on the wire (``None``: the parameters');
+        ``num_buckets`` exchanges per step (default 4); ``overlap`` (default ``False``) starts
+        each bucket's exchange during backward; ``process_group`` for plain (replicated)
+        parameters. Kept in :attr:`distributed_options` (:mod:`muon_fn.optim._distributed`).
 
     Parameters may be plain tensors or DTensors (FSDP2, HSDP, tensor- and expert-parallel
     meshes), given at construction or swapped into ``param_groups`` later: an optimizer holding
@@ -247,8 +255,15 @@ class Optimizer(Checkpointing, Placed, StagedStep, Telemetry, torch.optim.Optimi
         atomic: bool = False,
         verify: bool = True,
         model: nn.Module | None = None,
+        strategy: str = DEFAULTS.strategy,
+        wire_dtype: torch.dtype | None = DEFAULTS.wire_dtype,
+        num_buckets: int = DEFAULTS.num_buckets,
+        overlap: bool = DEFAULTS.overlap,
+        process_group: Any = DEFAULTS.process_group,
         **kwargs: Any,
     ) -> None:
+        options = DistributedOptions(strategy, wire_dtype, num_buckets, overlap, process_group)
+        self.distributed_options = options.checked()
         _checks.not_a_module(params, takes_model=not self._distributes_itself)
         implementation = _checks.implementation_keywords(kwargs)
         _checks.unexpected_keywords(type(self).__name__, kwargs)
@@ -289,11 +304,14 @@ class Optimizer(Checkpointing, Placed, StagedStep, Telemetry, torch.optim.Optimi
     # torch's Optimizer pickles only defaults, state and param_groups; the configuration below
     # travels too, so copy.deepcopy and pickle give an optimizer that steps like the original.
     # Compiled steps, scalar tensors and transforms are caches, rebuilt on the copy's first use.
-    _CONFIG = ("nonfinite", "_factory", "_compile_options", "_bucket_size", "_scalar_keys",
+    _CONFIG = ("distributed_options", "nonfinite", "_factory", "_compile_options", "_bucket_size", "_scalar_keys",
                "_nonfinite_count", "last_step", "split", "_built", "_metrics_every", "_applied_steps",
                "atomic", "verify", "_fault_count", "_model")
 
     def __getstate__(self) -> dict[str, Any]:
+        if getattr(self, "distributed_options", DEFAULTS).process_group is not None:
+            raise TypeError(f"cannot copy a {type(self).__name__} built with process_group=: a process "
+                            "group cannot be copied; build a new optimizer instead")
         state = super().__getstate__()
         state.update({k: self.__dict__[k] for k in self._CONFIG if k in self.__dict__})
         return state

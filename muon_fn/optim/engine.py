@@ -18,12 +18,16 @@ package: no other subpackage imports a private module of another (``tests/test_l
 - **The step**: :class:`StepReport`, :func:`step_not_traced`; the gradient checks and their
   messages (:func:`refuse_sparse`, :func:`nonfinite_error`); where parameters live:
   :func:`is_dtensor`, :func:`distribute` and :func:`register_distributed` (the distributed step
-  that takes over an optimizer holding DTensors), :func:`state_moves`.
+  that takes over an optimizer holding DTensors), :func:`state_moves`; the distributed options
+  every optimizer takes (:class:`DistributedOptions`, :data:`DISTRIBUTED_DEFAULTS`,
+  :data:`STRATEGIES`, :data:`WIRE_DTYPES`).
 """
 
 from __future__ import annotations
 
 from ._adapter import BUCKET_SIZE, GroupRuntime, Optimizer, buckets, meta_scalars, variants
+from ._distributed import DEFAULTS as DISTRIBUTED_DEFAULTS
+from ._distributed import STRATEGIES, WIRE_DTYPES, DistributedOptions
 from ._apply import Staged, commit, compute_bucket, finite_flags, guarded, masked
 from ._placement import distribute, is_dtensor, state_moves
 from ._placement import register as register_distributed
@@ -41,4 +45,5 @@ __all__ = [
     "finite_flags", "guarded", "masked", "compute_bucket", "Staged", "commit",  # the guard and the commit
     "StepReport", "step_not_traced", "refuse_sparse", "nonfinite_error",  # the step
     "is_dtensor", "distribute", "register_distributed", "state_moves",  # placement
+    "DistributedOptions", "DISTRIBUTED_DEFAULTS", "STRATEGIES", "WIRE_DTYPES",  # the distributed options
 ]

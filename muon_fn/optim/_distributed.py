@@ -1,0 +1,41 @@
+"""The distributed options: how an optimizer holding DTensor parameters runs the owner-computes
+step of :mod:`muon_fn.fsdp`. Every optimizer class takes them (they act once DTensors arrive, at
+construction or swapped in later); they are defined, defaulted and checked here, once.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from .. import _checks
+
+STRATEGIES = ("owner", "replicate")
+"""What ``strategy=`` accepts: ``"owner"`` (each matrix computed once, on its owner rank) or
+``"replicate"`` (every rank all-gathers and computes every matrix; the baseline)."""
+WIRE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
+
+
+class DistributedOptions(NamedTuple):
+    """The distributed options of an optimizer (see :class:`muon_fn.Optimizer`)."""
+
+    strategy: str = "owner"
+    wire_dtype: torch.dtype | None = None
+    num_buckets: int = 4
+    overlap: bool = False
+    process_group: Any = None
+
+    def checked(self) -> DistributedOptions:
+        """These options, or a ``ValueError`` naming the first invalid one and its value."""
+        _checks.one_of("strategy", self.strategy, STRATEGIES)
+        _checks.one_of("wire_dtype", self.wire_dtype, WIRE_DTYPES)
+        _checks.positive_int("num_buckets", self.num_buckets)
+        _checks.one_of("overlap", self.overlap, (True, False))
+        if self.overlap and self.strategy != "owner":
+            raise ValueError(f"overlap=True needs strategy='owner' (the exchange it starts during "
+                             f"backward), got strategy={self.strategy!r}")
+        return self
+
+
+DEFAULTS = DistributedOptions()
