@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .. import _checks, _execution, _quantize, _tree, _views
+from .. import _execution, _quantize, _tree, _views
 from .._muon import group_by
 from ..optim import engine
 from ..optim.engine import BUCKET_SIZE
@@ -77,10 +77,9 @@ class FSDPAdapter(AdapterStep):
         options = self.distributed_options
         self.strategy, self.wire_dtype, self._num_buckets = options.strategy, options.wire_dtype, options.num_buckets
         self._overlap_wanted = options.overlap if overlap is None else overlap
-        process_group = options.process_group
-        self._process_group, self._fqns = process_group, None
+        self._process_group, self._fqns = options.process_group, None
         named = [(self._fqn(p), p) for g in self.param_groups for p in g["params"]]
-        self.topology = _params.resolve_topology(named, process_group)
+        self.topology = _params.resolve_topology(named, options.process_group)
         self._layouts = _params.layouts(named, self.topology)
         self._fsdp_modules = [] if self._model is None else _fsdp_modules(self._model)
         if k > 1 and not self._fsdp_modules:
@@ -399,9 +398,7 @@ class FSDPAdapter(AdapterStep):
 
     @overlap.setter
     def overlap(self, on: bool) -> None:
-        _checks.one_of("overlap", on, (True, False))
-        if on and self.strategy != "owner":
-            raise ValueError(f"overlap=True needs strategy='owner', got strategy={self.strategy!r}")
+        self.distributed_options._replace(overlap=on).checked()  # the constructor's checks and messages
         if on and self._overlap is None and self.topology.world_size > 1:
             self._overlap = _overlap.Overlap(self)
         elif not on and self._overlap is not None:
