@@ -22,8 +22,11 @@ from muon_fn._transforms import ADAM_STORAGE, MOMENTUM_STORAGE
 
 def params_of(rows: int, n: int, seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(rows, n, generator=gen), "conv": torch.randn(rows, 2, 3, 3, generator=gen),
-            "b": torch.randn(rows, generator=gen)}
+    return {
+        "w": torch.randn(rows, n, generator=gen),
+        "conv": torch.randn(rows, 2, 3, 3, generator=gen),
+        "b": torch.randn(rows, generator=gen),
+    }
 
 
 def grads_of(params: dict[str, torch.Tensor], t: int) -> dict[str, torch.Tensor]:
@@ -40,8 +43,14 @@ def value(storage: Q.Storage, x: torch.Tensor) -> torch.Tensor:
 
 
 @settings(max_examples=12, deadline=None)
-@given(bits=st.sampled_from((16, 8, 4)), rows=st.integers(1, 5), n=st.integers(1, 600),
-       kind=st.sampled_from(("sgd", "ema")), nesterov=st.booleans(), seed=st.integers(0, 2**16))
+@given(
+    bits=st.sampled_from((16, 8, 4)),
+    rows=st.integers(1, 5),
+    n=st.integers(1, 600),
+    kind=st.sampled_from(("sgd", "ema")),
+    nesterov=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
 def test_momentum_is_decode_step_encode(bits, rows, n, kind, nesterov, seed):
     """``momentum(state_bits=k)`` is the 32-bit momentum between a decode and an encode: its
     codes, scales and outputs equal those of the steps written out by hand, bit for bit."""
@@ -78,7 +87,9 @@ def test_scale_by_adam_is_the_wrapper():
             ub, sb = b.update(g, sb, params)
         assert type(sa) is type(sb) is mf.QuantizedAdamState
         la, lb = _tree.tree_leaves((ua, sa)), _tree.tree_leaves((ub, sb))
-        assert all((x is None and y is None) or torch.equal(x, y) for x, y in zip(la, lb, strict=True))
+        assert all(
+            (x is None and y is None) or torch.equal(x, y) for x, y in zip(la, lb, strict=True)
+        )
     assert stored(mf.momentum(), 16, MOMENTUM_STORAGE).init(params).mu["w"].dtype == torch.bfloat16
 
 
@@ -99,8 +110,12 @@ class QuantizedSquareState(NamedTuple):
     nu_codes: Any
     nu_scales: Any
 
-    state_keys = {"count": "square_count", "nu": "square_avg", "nu_codes": "square_avg_codes",  # noqa: RUF012  NamedTuple: annotated, it would be a field
-                  "nu_scales": "square_avg_scales"}
+    state_keys = {  # noqa: RUF012  NamedTuple: annotated, it would be a field
+        "count": "square_count",
+        "nu": "square_avg",
+        "nu_codes": "square_avg_codes",
+        "nu_scales": "square_avg_scales",
+    }
 
 
 SQUARE_STORAGE = Layout(SquareState, QuantizedSquareState, {"nu": Q.UNSIGNED})
@@ -113,11 +128,15 @@ def square_ema(beta: float = 0.9) -> mf.GradientTransformation:
         return SquareState(torch.zeros((), dtype=torch.int64), _tree.zeros_like(params))
 
     def update(updates, state, params=None, **extra):
-        nu = _tree.tree_map(lambda g, v: v if g is None else beta * v + (1 - beta) * g * g, updates, state.nu)
+        nu = _tree.tree_map(
+            lambda g, v: v if g is None else beta * v + (1 - beta) * g * g, updates, state.nu
+        )
         out = _tree.tree_map(lambda g, v: None if g is None else g / (v.sqrt() + 1e-8), updates, nu)
         return out, SquareState(state.count + 1, nu)
 
-    return _base.with_info(mf.GradientTransformation(init, update), leafwise=True, scope=_base.ELEMENTWISE)
+    return _base.with_info(
+        mf.GradientTransformation(init, update), leafwise=True, scope=_base.ELEMENTWISE
+    )
 
 
 @pytest.mark.parametrize("bits", (16, 8, 4))
@@ -130,23 +149,42 @@ def test_custom_transform(bits):
     tx = stored(inner, bits, SQUARE_STORAGE)
     storage = Q.Storage(bits, Q.UNSIGNED)
     state = tx.init(params)
-    assert type(state) is QuantizedSquareState and state.nu["w"] is None and state.nu["b"].dtype == torch.float32
+    assert (
+        type(state) is QuantizedSquareState
+        and state.nu["w"] is None
+        and state.nu["b"].dtype == torch.float32
+    )
     assert state.nu_codes["w"].dtype == Q.CODE_DTYPES[bits] and state.nu_codes["b"] is None
     for t in range(3):
         g = grads_of(params, t)
         if t == 2:
             g["w"] = None
         before = state
-        decoded = {k: None if g[k] is None else (before.nu[k] if before.nu[k] is not None else Q.decode(
-            before.nu_codes[k], before.nu_scales[k], tuple(params[k].shape), storage)) for k in params}
+        decoded = {
+            k: None
+            if g[k] is None
+            else (
+                before.nu[k]
+                if before.nu[k] is not None
+                else Q.decode(
+                    before.nu_codes[k], before.nu_scales[k], tuple(params[k].shape), storage
+                )
+            )
+            for k in params
+        }
         out, state = tx.update(g, state, params)
         want, new = inner.update(g, SquareState(before.count, decoded), params)
         for k in params:
             assert (out[k] is None and want[k] is None) or torch.equal(out[k], want[k]), k
         assert int(state.count) == t + 1
-    assert torch.equal(state.nu_codes["w"], before.nu_codes["w"]) and state.nu_scales["w"] is before.nu_scales["w"]
+    assert (
+        torch.equal(state.nu_codes["w"], before.nu_codes["w"])
+        and state.nu_scales["w"] is before.nu_scales["w"]
+    )
     codes, scales = Q.encode(new.nu["conv"], storage)
-    assert torch.equal(state.nu_codes["conv"], codes) and torch.equal(state.nu_scales["conv"], scales)
+    assert torch.equal(state.nu_codes["conv"], codes) and torch.equal(
+        state.nu_scales["conv"], scales
+    )
     assert _base.info(tx) == _base.info(inner) and stored(inner, 32, SQUARE_STORAGE) is inner
     assert repr(tx).startswith("stored(inner=") and f"state_bits={bits}" in repr(tx)
 
@@ -155,8 +193,13 @@ def test_custom_transform_in_an_optimizer_state_dict():
     """The wrapped custom transform's state in a torch state dict: the inner keys with
     ``_codes`` and ``_scales`` where a matrix is quantized, nothing in full precision."""
     w, b = torch.nn.Parameter(torch.randn(6, 40)), torch.nn.Parameter(torch.randn(6))
-    opt = mf.Optimizer([w, b], lambda group: mf.chain(stored(square_ema(), 8, SQUARE_STORAGE),
-                                                      mf.scale_by_learning_rate(0.1)), compile=False)
+    opt = mf.Optimizer(
+        [w, b],
+        lambda group: mf.chain(
+            stored(square_ema(), 8, SQUARE_STORAGE), mf.scale_by_learning_rate(0.1)
+        ),
+        compile=False,
+    )
     (w.sum() + b.square().sum()).backward()
     opt.step()
     assert sorted(opt.state[w]) == ["square_avg_codes", "square_avg_scales", "square_count"]
@@ -183,8 +226,10 @@ def test_one_graph_no_breaks():
 def test_layout_checked():
     """A layout whose quantized class does not hold the stored fields' codes and scales, or that
     names an unknown field or format, is refused at construction."""
-    for layout in (Layout(SquareState, SquareState, {"nu": Q.UNSIGNED}),
-                   Layout(SquareState, QuantizedSquareState, {"mu": Q.UNSIGNED}),
-                   Layout(SquareState, QuantizedSquareState, {"nu": "log"})):
+    for layout in (
+        Layout(SquareState, SquareState, {"nu": Q.UNSIGNED}),
+        Layout(SquareState, QuantizedSquareState, {"mu": Q.UNSIGNED}),
+        Layout(SquareState, QuantizedSquareState, {"nu": "log"}),
+    ):
         with pytest.raises(ValueError, match=r"stored\(\): .* does not store SquareState's fields"):
             stored(square_ema(), 8, layout)
