@@ -1,6 +1,6 @@
 """Benchmark SSO against Muon from Python (the same as ``muon-fn bench sso``, as a library call).
 
-:func:`muon_fn.bench.benchmark_sso` times ``SpectralSphereOptimizer`` and ``MuonOptimizer`` steps
+:func:`muon_fn.tools.bench.benchmark_sso` times ``SpectralSphereOptimizer`` and ``MuonOptimizer`` steps
 in paired rounds on the first layers of the gpt2-small matrix set (real gradients plus fresh
 noise every round) and reports the λ solver's statistics; ``sigma=True`` also checks SSO's
 warm-started σ(W) estimate against an exact SVD.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from muon_fn import bench
+from muon_fn.tools import bench
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,7 +37,7 @@ try:
     import muon_fn  # noqa: F401
 except ImportError:  # a source checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from muon_fn._train.data import WindowDataset, load_corpus
+from muon_fn.tools.train.data import WindowDataset, load_corpus
 
 try:
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments

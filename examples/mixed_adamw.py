@@ -22,8 +22,8 @@ try:
 except ImportError:  # a source checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import muon_fn as mf
-from muon_fn._train.data import Batcher, load_corpus
-from muon_fn._train.model import GPT, config_for
+from muon_fn.tools.train.data import Batcher, load_corpus
+from muon_fn.tools.train.model import GPT, config_for
 
 
 def main(argv=None) -> int:

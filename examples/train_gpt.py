@@ -12,8 +12,8 @@ split into train/validation by a hash of each file's path. Outputs in ``--out`` 
 checkpoint per optimizer (``torch.distributed.checkpoint`` under ``--fsdp``).
 
 The pieces are importable for your own loop (private module, names may change):
-``muon_fn._train.model.GPT`` (the model), ``muon_fn._train.data`` (corpus and batches) and
-``muon_fn._train.train`` (this loop: model → ``muon_fn.create_hybrid_optimizer`` → LambdaLR
+``muon_fn.tools.train.model.GPT`` (the model), ``muon_fn.tools.train.data`` (corpus and batches) and
+``muon_fn.tools.train.train`` (this loop: model → ``muon_fn.create_hybrid_optimizer`` → LambdaLR
 warmup+cosine → forward/backward/step → validation → checkpoint).
 """
 
@@ -25,7 +25,7 @@ try:
 except ImportError:  # running from a source checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from muon_fn._train.train import main
+from muon_fn.tools.train.train import main
 
 if __name__ == "__main__":
     sys.exit(main(prog="train_gpt.py"))

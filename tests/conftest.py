@@ -14,8 +14,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-from muon_fn._train.optimizers import torch_zeropower
-
 torch.set_num_threads(1)
 
 # "ci" is the default (and what .ci/run uses): bounded, derandomized, no deadline (CPU jitter).
@@ -180,19 +178,6 @@ def _reset_dynamo():
 def compiled_default(monkeypatch):
     """The adapters' real default: compiled with inductor."""
     monkeypatch.setenv("MUON_FN_COMPILE", "1")
-
-
-# torch.optim._muon._zeropower_via_newtonschulz, line by line, in fp32 instead of bf16 (checked
-# bit-identical to torch's function when run in bf16: test_muon_reference.py).
-ns_fp32_twin = torch_zeropower(torch.float32)
-
-
-@pytest.fixture
-def fp32_torch_muon(monkeypatch):
-    """torch.optim.Muon with its Newton–Schulz function run in fp32 (torch's math, no bf16)."""
-    import torch.optim._muon as torch_muon_module
-
-    monkeypatch.setattr(torch_muon_module, "_zeropower_via_newtonschulz", ns_fp32_twin)
 
 
 def roundtrip(obj, map_location=None):

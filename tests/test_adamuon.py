@@ -507,7 +507,7 @@ def test_create_hybrid_optimizer_runs_adamuon_and_says_so():
 def test_nosign_variant_by_name_in_the_hybrid_and_in_train_specs():
     """``adamuon_sign=False`` through ``create_hybrid_optimizer`` and ``muon-fn train``'s spec
     ``muon[adamuon_beta2=0.95,adamuon_sign=false]``: the split names it, no sign transform runs."""
-    from muon_fn._train import optimizers
+    from muon_fn.tools.train import optimizers
 
     torch.manual_seed(0)
     opt = mf.create_hybrid_optimizer(

@@ -1,4 +1,4 @@
-"""muon_fn.bench: structure of the results, the shared pieces, and the command line.
+"""muon_fn.tools.bench: structure of the results, the shared pieces, and the command line.
 
 No timing is asserted anywhere (shared CPUs swing 2x). Runs use the tiny set's first layer;
 conftest sets ``MUON_FN_COMPILE=0``, so the default row runs eagerly unless a test asks for the
@@ -17,9 +17,10 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from muon_fn import MuonOptimizer, bench
+from muon_fn import MuonOptimizer
 from muon_fn import _newton_schulz as O
-from muon_fn.bench import _muon, _replay, _timing
+from muon_fn.tools import bench
+from muon_fn.tools.bench import _muon, _replay, _timing
 
 ONE_LAYER = dict(model_size="tiny", layers=1, rounds=1, quality_layers=1, gaussian=False)
 
@@ -249,7 +250,7 @@ def test_peak_step_bytes_counts_what_a_step_allocates_at_its_highest():
 
 _RESIDENT_CHILD = """
 import json, torch
-from muon_fn.bench import _memory
+from muon_fn.tools.bench import _memory
 x = torch.ones(1000, 1000)
 
 def step():
@@ -277,7 +278,7 @@ def test_resident_step_bytes_counts_the_peak_resident_set_of_a_fresh_process():
     the step's peak is 8 MB as torch's allocator counts it, a buffer written only after the peak
     included; nothing for an in-place step. Without that environment (this process) it is not
     measured."""
-    from muon_fn.bench import _memory
+    from muon_fn.tools.bench import _memory
 
     env = {**os.environ, **_memory.RESIDENT_ENV}
     proc = subprocess.run(
@@ -680,7 +681,7 @@ def test_fsdp_table_without_the_torch_rows():
 
 
 def test_fsdp_torch_dtype_resolves_by_cpu(monkeypatch):
-    from muon_fn.bench import _fsdp
+    from muon_fn.tools.bench import _fsdp
 
     assert (
         _fsdp.resolve_torch_dtype("bf16") == "bf16" and _fsdp.resolve_torch_dtype("fp32") == "fp32"
@@ -747,7 +748,7 @@ sso: msigns per matrix-step {1: 143, 2: 1} (mean 1.01), max |h| 1.1e-05, fallbac
 def test_quality_leak_separates_preconditioned_iterations():
     """``leak``: polynomial iterations in XXᵀ keep the gradient's singular basis (0 up to
     rounding); AOL's row rescaling does not (its fixed point is msign(D·X), not msign(X))."""
-    from muon_fn.bench import _quality as Q
+    from muon_fn.tools.bench import _quality as Q
 
     gen = torch.Generator().manual_seed(0)
     basis = torch.linalg.qr(torch.randn(32, 32, generator=gen))[0]
@@ -813,7 +814,7 @@ def test_gemm_flops_equal_the_profilers_count(method, steps):
 
 
 def test_step_gemm_flops_of_the_sets_and_their_sizes_cost_no_memory():
-    from muon_fn.bench._bound import step_gemm_flops
+    from muon_fn.tools.bench._bound import step_gemm_flops
 
     quintic5 = O.coefficient_schedule("quintic", 5)
 
@@ -899,7 +900,7 @@ def test_replay_of_expert_stacks_runs_the_gemms_of_the_step():
 
 
 def test_replays_built_together_share_their_prepared_inputs():
-    from muon_fn.bench import _replay
+    from muon_fn.tools.bench import _replay
 
     params = [torch.randn(32, 48), torch.randn(3, 32, 48)]
     with _replay.shared_inputs():
@@ -915,7 +916,7 @@ def test_replays_built_together_share_their_prepared_inputs():
 def test_compile_time_runs_cold_then_warm_in_one_new_cache_directory(tmp_path, capsys, monkeypatch):
     """Each set, policy and optimizer: a cold process on a new cache directory, then a warm one on
     the same directory; the ratio is warm over cold."""
-    from muon_fn.bench import _compile_time
+    from muon_fn.tools.bench import _compile_time
 
     calls = []
 
@@ -956,7 +957,7 @@ def test_compile_time_runs_cold_then_warm_in_one_new_cache_directory(tmp_path, c
 def test_compile_time_first_step_counts_graphs_and_cache_lookups(compiled_default, monkeypatch):
     """The measured process's own part, with Dynamo's eager backend (no code generation)."""
     from muon_fn import _compile
-    from muon_fn.bench import _compile_time
+    from muon_fn.tools.bench import _compile_time
 
     monkeypatch.setattr(_compile, "DEFAULTS", {**_compile.DEFAULTS, "backend": "eager"})
     result = _compile_time.first_step("tiny", "hybrid", "batched")
@@ -980,7 +981,7 @@ def test_compile_time_refuses_sets_it_does_not_measure(capsys):
         "--compile-time measures the GPT sets (tiny, gpt2-small), not llama3-1b"
         in capsys.readouterr().err
     )
-    from muon_fn.bench import _compile_time
+    from muon_fn.tools.bench import _compile_time
 
     with pytest.raises(
         ValueError, match=r"Invalid policy: 'gpu' \(expected one of \['cpu', 'batched'\]\)"

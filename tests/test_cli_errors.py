@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from muon_fn import cli
-from muon_fn._train import data, train
-from muon_fn._train.model import GPT, PRESETS, config_for
+from muon_fn.tools import cli
+from muon_fn.tools.train import data, train
+from muon_fn.tools.train.model import GPT, PRESETS, config_for
 
 TORCH = torch.__version__
 _REAL_READ = Path.read_bytes

@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import muon_fn as mf
-from muon_fn._train.model import GPT, config_for
+from muon_fn.tools.train.model import GPT, config_for
 
 
 class MetaMixes(TorchDispatchMode):

@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import io
 
+import _torch_muon
 import pytest
 import torch
 import torch.nn as nn
 
 import muon_fn as mf
-from muon_fn._train.model import GPT, GPTConfig
+from muon_fn.tools.train.model import GPT, GPTConfig
+
+fp32_torch_muon = pytest.fixture(_torch_muon.fp32_torch_muon)  # torch.optim.Muon's math in fp32
 
 TOL = {"cpu": dict(rtol=0, atol=1e-6), "cuda": dict(rtol=0, atol=2e-5)}
 TAU = 5.0

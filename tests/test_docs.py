@@ -69,13 +69,13 @@ def test_api_md_links_name_real_objects():
 
 
 def test_train_synopses_list_every_preset_and_optimizer():
-    """The ``muon-fn train`` synopsis of muon_fn.cli's docstring (the reference's command page)
+    """The ``muon-fn train`` synopsis of muon_fn.tools.cli's docstring (the reference's command page)
     and index.md's options table name every ``--model`` preset and every ``--optimizer``."""
-    import muon_fn.cli
-    from muon_fn._train.model import PRESETS
-    from muon_fn._train.optimizers import OPTIMIZERS
+    import muon_fn.tools.cli
+    from muon_fn.tools.train.model import PRESETS
+    from muon_fn.tools.train.optimizers import OPTIMIZERS
 
-    doc = muon_fn.cli.__doc__
+    doc = muon_fn.tools.cli.__doc__
     synopsis = doc[doc.index("muon-fn train [--quick]") :].split("muon-fn bench")[0]
     assert set(re.search(r"--model ([\w|-]+)", synopsis).group(1).split("|")) == set(PRESETS)
     assert set(re.search(r"--optimizer ([\w|-]+)", synopsis).group(1).split("|")) == set(OPTIMIZERS)
@@ -91,7 +91,7 @@ def test_train_synopses_list_every_preset_and_optimizer():
 
 
 def test_bench_entry_points_exist():
-    from muon_fn import bench
+    from muon_fn.tools import bench
 
     assert callable(bench.main)
     assert callable(bench.benchmark_muon_optimizers)
@@ -258,18 +258,18 @@ def _muon_fn_commands(path: Path) -> list[list[str]]:
 def _check_command(argv: list[str]) -> None:
     """Parse ``muon-fn argv`` as the CLI would, without running it (SystemExit on a bad option)."""
     if argv[0] == "train":
-        from muon_fn._train.train import build_parser, resolve
+        from muon_fn.tools.train.train import build_parser, resolve
 
         parser = build_parser("muon-fn train")
         resolve(parser.parse_args(argv[1:]), parser)
     elif argv[0] in ("bench", "bench-sso"):
-        from muon_fn.bench._cli import COMMANDS, parser
+        from muon_fn.tools.bench._cli import COMMANDS, parser
 
         rest = argv[1:] if argv[0] == "bench" else ["sso", *argv[1:]]
         command = rest.pop(0) if rest and rest[0] in COMMANDS else "muon"
         parser(command).parse_args(rest)
     elif argv[0] == "plan":
-        from muon_fn.fsdp.plan_cli import _parser
+        from muon_fn.tools.plan import _parser
 
         _parser("muon-fn plan").parse_args(argv[1:])
     else:
@@ -278,7 +278,7 @@ def _check_command(argv: list[str]) -> None:
 
 @pytest.mark.parametrize("page", [p.name for p in _pages()])
 def test_muon_fn_commands_parse(page, monkeypatch):
-    from muon_fn import _argtypes
+    from muon_fn.tools import _argtypes
 
     # The docs show GPU commands (--device cuda): whether this machine has a GPU is not theirs to pass.
     monkeypatch.setattr(_argtypes, "_check_cuda", lambda *args: None)

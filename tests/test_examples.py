@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from muon_fn import cli
+from muon_fn.tools import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -217,7 +217,7 @@ def test_train_compare_torch_muon_over_seeds(tmp_path, capsys):
 
 
 def test_steps_to_reach_interpolates():
-    from muon_fn._train.report import steps_to_reach
+    from muon_fn.tools.train.report import steps_to_reach
 
     val = [[0, 5.5], [10, 4.0], [20, 3.0], [30, 2.5]]
     assert steps_to_reach(val, 3.5) == pytest.approx(15.0)
@@ -227,7 +227,7 @@ def test_steps_to_reach_interpolates():
 
 
 def test_optimizer_specs():
-    from muon_fn._train.optimizers import parse_spec, split_specs
+    from muon_fn.tools.train.optimizers import parse_spec, split_specs
 
     assert split_specs("torch-muon, muon[method=quintic,ns_steps=5],adamw") == [
         "torch-muon",
@@ -245,7 +245,7 @@ def test_optimizer_specs():
 
 
 def test_optimizer_specs_set_the_adamw_beta2():
-    from muon_fn._train.optimizers import build_single
+    from muon_fn.tools.train.optimizers import build_single
 
     model = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 4), nn.Linear(4, 8))
     betas = lambda opt: {g["adamw_betas"] for g in opt.param_groups}  # noqa: E731
@@ -324,7 +324,7 @@ def test_train_data_path_text_file(tmp_path):
 
 
 def test_stdlib_split_is_deterministic_and_disjoint():
-    from muon_fn._train import data
+    from muon_fn.tools.train import data
 
     root, files = data.stdlib_files()
     assert files == sorted(files, key=lambda f: f.relative_to(root).as_posix())
@@ -345,7 +345,7 @@ def test_cli_usage_and_unknown_command(capsys):
 
 
 def test_cli_bench_delegates(monkeypatch):
-    from muon_fn import bench
+    from muon_fn.tools import bench
 
     seen = []
     monkeypatch.setattr(bench, "main", lambda argv: seen.append(argv) or 0)
@@ -520,7 +520,7 @@ def test_train_reports_the_optimizers_share_of_a_step(tmp_path, capsys):
 
 
 def test_optimizer_share_uses_medians():
-    from muon_fn._train.report import optimizer_share
+    from muon_fn.tools.train.report import optimizer_share
 
     share = optimizer_share(
         [[1, 9.0, 10.0], [2, 0.1, 0.4], [3, 0.2, 0.5], [4, 0.1, 0.5]]

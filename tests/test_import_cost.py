@@ -41,7 +41,7 @@ def test_import_muon_fn_and_cli_help_load_no_compiler():
     steps = [[], ["--help"], ["train", "--help"], ["bench", "--help"], ["plan", "--help"]]
     code = [
         "import muon_fn, contextlib, io, json, sys",
-        "from muon_fn.cli import main",
+        "from muon_fn.tools.cli import main",
         "seen = {}",
     ]
     for argv in steps:

@@ -22,8 +22,8 @@ from test_examples import _require_extra
 from torch import nn
 
 import muon_fn as mf
-from muon_fn import cli
 from muon_fn.integrations import _common
+from muon_fn.tools import cli
 
 GROUP_TOTALS = (
     "muon/grad_norm",
@@ -336,7 +336,7 @@ def test_train_metrics_series_and_plot(tmp_path, capsys):
 
 
 def test_train_metrics_option_is_validated(capsys):
-    from muon_fn._train.train import build_parser
+    from muon_fn.tools.train.train import build_parser
 
     parser = build_parser("muon-fn train")
     assert parser.parse_args([]).metrics == 0

@@ -168,8 +168,8 @@ def test_no_import_cycles_in_muon_fn(graph):
 
 
 def part_of(module: str) -> str:
-    """The top-level part of muon_fn that ``module`` belongs to: ``muon_fn.bench._timing`` ->
-    ``muon_fn.bench``; a top-level module is its own part (``muon_fn._base``), as is ``muon_fn``."""
+    """The top-level part of muon_fn that ``module`` belongs to: ``muon_fn.tools.bench._timing`` ->
+    ``muon_fn.tools``; a top-level module is its own part (``muon_fn._base``), as is ``muon_fn``."""
     return ".".join(module.split(".")[:2])
 
 
@@ -277,7 +277,7 @@ def test_private_reach_sees_modules_and_names():
     toy = {
         "muon_fn.fsdp._step": {"muon_fn.optim._state", "muon_fn.optim.engine", "muon_fn._quantize"},
         "muon_fn.fsdp._rows": {"muon_fn.fsdp._plan", "muon_fn._newton_schulz.execution"},
-        "muon_fn.cli": {"muon_fn.fsdp._plan"},
+        "muon_fn.tools.cli": {"muon_fn.fsdp._plan"},
         "muon_fn._sso": {"muon_fn._muon"},
     }
     names = {
@@ -290,7 +290,7 @@ def test_private_reach_sees_modules_and_names():
     assert private_reach(toy, names) == [
         "muon_fn.fsdp._step imports muon_fn.optim._state",
         "muon_fn.fsdp._step imports _secret from muon_fn.optim.engine",
-        "muon_fn.cli imports muon_fn.fsdp._plan",
+        "muon_fn.tools.cli imports muon_fn.fsdp._plan",
     ]
 
 

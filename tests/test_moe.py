@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from muon_fn._train.model import GPT, GPTConfig, config_for
-from muon_fn._train.moe import MoE, capacity, route
+from muon_fn.tools.train.model import GPT, GPTConfig, config_for
+from muon_fn.tools.train.moe import MoE, capacity, route
 
 SMALL = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16, n_experts=4)
 
@@ -172,7 +172,7 @@ def test_trainer_optimizer_steps_each_expert_as_its_own_matrix():
     (one step of an expert equals MuonOptimizer(beta2=0.95) on that expert alone as a 2-D weight,
     fp32 bit for bit), routers in Muon."""
     import muon_fn as mf
-    from muon_fn._train.optimizers import build_single
+    from muon_fn.tools.train.optimizers import build_single
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(**SMALL))
@@ -200,7 +200,7 @@ def test_trainer_optimizer_steps_each_expert_as_its_own_matrix():
 
 
 def test_trainer_router_option():
-    from muon_fn._train.optimizers import build_single
+    from muon_fn.tools.train.optimizers import build_single
 
     model = GPT(GPTConfig(**SMALL))
     opt, _ = build_single("muon", {"router": "adamw"}, model, 0.02, 3e-3, 0.0, compile=False)

@@ -40,7 +40,7 @@ BACKWARD_ATOL = 2e-6
 
 
 def _model():
-    from muon_fn._train.model import GPT, GPTConfig
+    from muon_fn.tools.train.model import GPT, GPTConfig
 
     torch.manual_seed(0)
     return GPT(GPTConfig(**CONFIG))
@@ -55,7 +55,7 @@ def _shard(model):
 
 
 def _optimizers(model, ref, **options):
-    from muon_fn._train import optimizers
+    from muon_fn.tools.train import optimizers
 
     opt, _ = optimizers.build_fsdp("muon", options, model, 0.02, 3e-3, 0.01, WORLD)
     ref_opt, _ = optimizers.build_single("muon", options, ref, 0.02, 3e-3, 0.01, compile=False)

@@ -50,7 +50,7 @@ import torch
 import torch.optim._muon as torch_muon
 
 import muon_fn as mf
-from muon_fn._train.optimizers import torch_zeropower
+from muon_fn.tools.train.optimizers import torch_zeropower
 
 SHAPES = [(32, 16), (16, 48), (24, 24), (64, 8), (8, 64)]
 STEPS = 20
@@ -127,7 +127,7 @@ def run_muon_fn(
 
 def _fp32_twin(dtype):
     """torch.optim._muon._zeropower_via_newtonschulz with the bf16 cast replaced by ``dtype``
-    (``muon_fn._train.optimizers.torch_zeropower``, what ``torch-muon[ns_dtype=...]`` runs),
+    (``muon_fn.tools.train.optimizers.torch_zeropower``, what ``torch-muon[ns_dtype=...]`` runs),
     recording the shapes it is called with."""
     calls = []
     inner = torch_zeropower(dtype)

@@ -45,6 +45,7 @@ from __future__ import annotations
 import copy
 import io
 
+import _torch_muon
 import pytest
 import torch
 import torch.nn.functional as F
@@ -53,6 +54,8 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import muon_fn as mf
+
+fp32_torch_muon = pytest.fixture(_torch_muon.fp32_torch_muon)  # torch.optim.Muon's math in fp32
 
 CPU = torch.device("cpu")
 # Per device (module docstring): fp32 parity with torch.optim on parameters ("fp32"), optimizer

@@ -38,7 +38,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import muon_fn as mf
-from muon_fn._train.model import GPT, GPTConfig
+from muon_fn.tools.train.model import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = {
@@ -426,7 +426,7 @@ def test_standalone_and_copies(device):
 def test_trainer_qk_clip(tmp_path, capsys):
     """``muon-fn train --qk-clip TAU``: every row logs the step's max logit; a Muon row (in its step)
     and an AdamW row (after it) are clipped, ``qk_clip=none`` turns one row's clip off."""
-    from muon_fn import cli
+    from muon_fn.tools import cli
 
     out = tmp_path / "run"
     small = [

@@ -24,7 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from muon_fn import _newton_schulz as O
-from muon_fn import bench
+from muon_fn.tools import bench
 
 TOL = {  # max-abs of the transpose checks (module docstring)
     "cpu": {"aol_transpose": 1e-5, "aol9_transpose64": 1e-6},

@@ -33,6 +33,7 @@ import inspect
 import warnings
 from pathlib import Path
 
+import _torch_muon
 import expecttest
 import pytest
 import torch
@@ -41,6 +42,8 @@ from torch import nn
 
 import muon_fn as mf
 from muon_fn.optim import from_torch_state_dict, to_torch_state_dict
+
+fp32_torch_muon = pytest.fixture(_torch_muon.fp32_torch_muon)  # torch.optim.Muon's math in fp32
 
 KELLER = (3.4445, -4.775, 2.0315)
 TOL = {
@@ -216,7 +219,7 @@ def test_ns_coefficients_select_exactly_that_iteration(device, fp32_torch_muon):
     function's (fp32), a per-iteration list of the same triple is the flat triple, and the
     default method (Keller's quintic, 5 steps) is that iteration, while another method gives
     another matrix."""
-    from conftest import ns_fp32_twin
+    from _torch_muon import ns_fp32_twin
 
     g = torch.Generator().manual_seed(0)
     x = {"w": torch.randn(24, 40, generator=g).to(device)}
@@ -237,7 +240,7 @@ def test_ns_coefficients_select_exactly_that_iteration(device, fp32_torch_muon):
 def test_small_momenta_are_normalized_like_torch(device, scale):
     """X / max(‖X‖, eps), torch's normalization: exactly scale-invariant above eps (an added eps
     was 7e-4 off at ‖X‖ = 1e-4 and 6e-2 at 1e-6)."""
-    from conftest import ns_fp32_twin
+    from _torch_muon import ns_fp32_twin
 
     x = torch.randn(32, 64, generator=torch.Generator().manual_seed(1))
     x = (x * scale / x.norm()).to(device)

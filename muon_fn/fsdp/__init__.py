@@ -13,8 +13,8 @@ size without a process group (``muon-fn plan``).
 from typing import Any
 
 from ._plan import Plan, chunk_rows, make_plan
-from .plan_cli import format_plan
-from ._predict import Mesh, PlanReport, parse_mesh, plan_model
+from ._plan_table import format_plan
+from ._predict import DEFAULT_GEMM_TFLOPS, DEFAULT_LINK_GBPS, Mesh, PlanReport, parse_mesh, plan_model
 from .specs import SPECS
 
 # The optimizers and their strategies are imported on first use: their modules load
@@ -27,7 +27,8 @@ _LAZY = {
 }
 
 __all__ = ["FSDPMuonOptimizer", "FSDPSpectralSphereOptimizer", "STRATEGIES", "Plan", "chunk_rows", "make_plan",
-           "plan_model", "PlanReport", "Mesh", "parse_mesh", "format_plan", "SPECS"]
+           "plan_model", "PlanReport", "Mesh", "parse_mesh", "format_plan", "DEFAULT_GEMM_TFLOPS", "DEFAULT_LINK_GBPS",
+           "SPECS"]
 
 
 def distribute(optimizer: Any, previous: Any = None) -> None:

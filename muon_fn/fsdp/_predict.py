@@ -53,8 +53,10 @@ from ..optim import BUCKET_SIZE  # FSDPMuonOptimizer's default, as MuonOptimizer
 from . import specs as _specs
 from ._plan import Plan, _nonzero, chunk_rows, cut_expert_stacks, make_plan, ns_flops, pieces_held
 
-DEFAULT_GEMM_TFLOPS = 400.0  # achieved dense bf16 GEMM rate of an H100 (of ~990 peak)
-DEFAULT_LINK_GBPS = 50.0  # GB/s per rank between nodes (one 400 Gb/s NIC per GPU)
+DEFAULT_GEMM_TFLOPS = 400.0
+""":func:`plan_model`'s GEMM rate per rank, TFLOP/s: an H100's achieved dense bf16 rate (of ~990 peak)."""
+DEFAULT_LINK_GBPS = 50.0
+""":func:`plan_model`'s link bandwidth per rank, GB/s: between nodes, one 400 Gb/s NIC per GPU."""
 
 
 class Mesh(NamedTuple):

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .. import _newton_schulz, _views
+from muon_fn import _newton_schulz, _views
 from .._device import synchronize
 
 

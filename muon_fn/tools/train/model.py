@@ -6,7 +6,7 @@ separate ``nn.Linear`` layers so that Muon orthogonalizes each projection on its
 QKV matrix would need a head view, ``matrix_view={name: muon_fn.heads(rows=3)}``). Byte-level by
 default (vocabulary 256).
 With ``n_experts > 0`` (the ``moe-*`` presets) every block's MLP is a routed mixture of experts
-(:class:`~muon_fn._train.moe.MoE`) whose expert weights are 3-D stacks ``(E, out, in)``.
+(:class:`~muon_fn.tools.train.moe.MoE`) whose expert weights are 3-D stacks ``(E, out, in)``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._qk_clip import AttentionHeads, record_max_logits
+from muon_fn._qk_clip import AttentionHeads, record_max_logits
 from .moe import MoE
 
 __all__ = ["GPT", "GPTConfig", "PRESETS", "config_for"]

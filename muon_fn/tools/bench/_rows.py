@@ -13,9 +13,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .. import _compile, _newton_schulz
-from .._newton_schulz import DEFAULT_METHOD
-from ..optim import MuonOptimizer, TritonMuon, TritonMuonW, create_hybrid_optimizer, split_parameters
+from muon_fn import _compile, _newton_schulz
+from muon_fn._newton_schulz import DEFAULT_METHOD
+from muon_fn.optim import MuonOptimizer, TritonMuon, TritonMuonW, create_hybrid_optimizer, split_parameters
 from ._problem import SETS
 from ._quality import TORCH, TORCH_ORTHO, Ortho
 from ._replay import AUTO, replay

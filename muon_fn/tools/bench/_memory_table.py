@@ -1,20 +1,20 @@
 """The memory table (``muon-fn bench --memory``): each row's persistent state and the peak of one
 step, every row, torch's included, measured the same way in a fresh process of its own.
 
-A row's process is started with :data:`~muon_fn.bench._memory.RESIDENT_ENV` (glibc's mmap
+A row's process is started with :data:`~muon_fn.tools.bench._memory.RESIDENT_ENV` (glibc's mmap
 threshold fixed at 64 KiB and its trim threshold set, so freed buffers leave the resident set;
 every block filled when allocated, so it is resident from its allocation on) and the run's
 thread count. It builds the set's parameters and their real gradients (for a model row,
 ``hybrid`` or ``torch.optim.Muon+AdamW[fused]``, the set's GPT model and one backward pass:
-:func:`~muon_fn.bench._problem.gpt_model`) and the row's optimizer, then runs three steps:
+:func:`~muon_fn.tools.bench._problem.gpt_model`) and the row's optimizer, then runs three steps:
 
 1. a first step, not measured: it allocates the state and, for a compiled row, compiles;
 2. the resident step: on the CPU the peak resident set during the step less the resident set
    before it (the kernel's ``VmHWM``, reset by writing ``5`` to ``/proc/self/clear_refs``, less
-   ``VmRSS``): :func:`~muon_fn.bench._memory.resident_step_bytes`;
+   ``VmRSS``): :func:`~muon_fn.tools.bench._memory.resident_step_bytes`;
 3. the allocator step: the peak of torch's allocator above what it held before the step (CPU:
    torch.profiler's allocator events; CUDA: ``torch.cuda.max_memory_allocated`` after
-   ``torch.cuda.reset_peak_memory_stats``): :func:`~muon_fn.bench._memory.peak_step_bytes`, the
+   ``torch.cuda.reset_peak_memory_stats``): :func:`~muon_fn.tools.bench._memory.peak_step_bytes`, the
    same measure as the ``peak MiB`` column of the timed benchmark.
 
 Before each measured step Python's garbage is collected, glibc's free pages are returned and
@@ -63,7 +63,7 @@ _MIB = 2**20
 def benchmark_memory(model_size: str = "tiny", rows: Sequence[str] | None = None, *, layers: int | None = None,
                      lr: float = 0.02, threads: Threads = 1, seed: int = 0, device: torch.device | str | None = None,
                      force: bool = False, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Measure every row of ``rows`` (default :func:`~muon_fn.bench._rows.memory_rows`) on
+    """Measure every row of ``rows`` (default :func:`~muon_fn.tools.bench._rows.memory_rows`) on
     ``model_size`` (its first ``layers`` layers), each in a fresh process (module docstring).
 
     Returns a JSON-serializable dict: ``config`` and ``rows`` (per row the fields the module
@@ -106,7 +106,7 @@ def measure_row(row: str, model_size: str, *, layers: int | None = None, lr: flo
                 device: torch.device | str | None = None) -> dict[str, Any]:
     """This process's measures of ``row``: parameters, state, and the peaks of its second
     (resident) and third (allocator) steps. Run it in a fresh process started with
-    :data:`~muon_fn.bench._memory.RESIDENT_ENV` (:func:`benchmark_memory` does)."""
+    :data:`~muon_fn.tools.bench._memory.RESIDENT_ENV` (:func:`benchmark_memory` does)."""
     device = check_device(device)
     spec = ROW_SPECS[row]
     if spec.model:

@@ -8,8 +8,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from .. import _execution, _newton_schulz
-from ..optim.engine import buckets
+from muon_fn import _execution, _newton_schulz
+from muon_fn.optim.engine import buckets
 
 AUTO = "auto"  # bucket_size: the optimizers' buckets (the device policy's count and byte bound)
 

@@ -22,7 +22,7 @@ import sys
 from typing import Any
 from collections.abc import Sequence
 
-from .. import _newton_schulz
+from muon_fn import _newton_schulz
 from .._argtypes import device_arg, float_arg, int_arg
 from ._compile_time import GPT_SETS, benchmark_compile_time, format_compile_table
 from ._fsdp import TORCH_DTYPES, benchmark_fsdp, benchmark_overlap, format_fsdp_result, format_overlap_result

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .. import _execution
+from muon_fn import _execution
 from .._device import synchronize
 from ._problem import SETS, gpt_model
 from ._timing import Threads, check_device, check_threads, threads_env, using_threads
@@ -56,7 +56,7 @@ def first_step(model_size: str, optimizer: str, policy: str, device: torch.devic
     seconds, graphs compiled and cache hits/misses (run it in a fresh process)."""
     from torch._dynamo.utils import counters
 
-    from ..optim import MuonOptimizer, create_hybrid_optimizer
+    from muon_fn.optim import MuonOptimizer, create_hybrid_optimizer
 
     device = check_device(device)
     model = model_for(model_size, device)

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .. import _compile, _newton_schulz
+from muon_fn import _compile, _newton_schulz
 from .._device import synchronize
 from ._bound import bound_seconds, matmul_rate, representative_shape, step_gemm_flops
 from ._memory import PEAK_METHODS, peak_step_bytes, state_bytes
@@ -49,7 +49,7 @@ def benchmark_muon_optimizers(
     """Time every row for ``rounds`` paired rounds of ``num_steps`` steps on ``model_size``.
 
     Args:
-      model_size: a set of :data:`muon_fn.bench._problem.SETS`: ``"tiny"`` (4 layers, d=256),
+      model_size: a set of :data:`muon_fn.tools.bench._problem.SETS`: ``"tiny"`` (4 layers, d=256),
         ``"gpt2-small"`` (12 layers, d=768), ``"llama3-1b"``, ``"llama3-8b"`` (8 of its 32 layers
         unless ``layers`` says otherwise) or ``"deepseek-moe"`` (expert stacks; 2 of 27 layers).
       num_steps: optimizer steps per row per round (seconds per step = round time / num_steps).
@@ -65,20 +65,20 @@ def benchmark_muon_optimizers(
       gaussian: also measure quality on rectangular Gaussian 768×3072 and 3072×768 inputs
         (or on the ``(m, n)`` given).
       memory: measure each optimizer row's peak transient memory in one more step (see
-        :mod:`muon_fn.bench._memory` for how, per device).
+        :mod:`muon_fn.tools.bench._memory` for how, per device).
       threads: ``torch.set_num_threads`` for the run; ``"default"``: the count torch picks
         when nothing sets one.
       seed: parameters and the data batch.
       device: where the parameters live and every row runs (default CPU). On an accelerator each
         timed row ends with :func:`synchronize`; the quality SVDs run on the CPU.
-      force: time a selection of more than :data:`~muon_fn.bench._problem.CPU_MAX_PARAMS`
+      force: time a selection of more than :data:`~muon_fn.tools.bench._problem.CPU_MAX_PARAMS`
         parameters on the CPU (refused otherwise: hours of GEMMs).
       progress: called with a line after each row's first step and after each round (the CLI
         prints them to stderr, so a run stopped early still shows how far it got).
 
     Returns:
       A JSON-serializable dict: ``config`` (with ``matmul_rates``: per compute dtype of the
-      rows, the measured FLOP/s of a representative GEMM, :mod:`muon_fn.bench._bound`), ``rows``
+      rows, the measured FLOP/s of a representative GEMM, :mod:`muon_fn.tools.bench._bound`), ``rows``
       (per row: seconds per step per round, min/median/max, the first step's seconds, whether it
       compiled, its Newton–Schulz ``gemm_flops``, ``bound_s`` (those FLOPs at the measured rate)
       and ``ratio_to_bound`` (median / bound), state and peak step bytes,
@@ -252,7 +252,7 @@ def compile_check(model_size: str = "tiny", *, steps: int = 100, lr: float = 0.0
     steps, on ``device`` (default CPU); compiled whatever ``MUON_FN_COMPILE`` says."""
     from torch._dynamo.utils import counters
 
-    from ..optim import MuonOptimizer
+    from muon_fn.optim import MuonOptimizer
 
     device = check_device(device)
     torch._dynamo.reset()

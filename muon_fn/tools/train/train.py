@@ -25,9 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import _compile
+from muon_fn import _compile
 from .._device import synchronize
-from ..integrations import MetricsReader
+from muon_fn.integrations import MetricsReader
 from . import logits, optimizers, report, telemetry
 from .args import DEFAULT_STEPS, UsageError, build_parser, check_corpus, resolve, schedule_error
 from .data import Batcher, Corpus, load_corpus, val_starts, windows

@@ -34,7 +34,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .._newton_schulz import DEFAULT_METHOD, coefficient_schedule
+from muon_fn._newton_schulz import DEFAULT_METHOD, coefficient_schedule
 from ._bound import step_gemm_flops
 
 
@@ -182,12 +182,12 @@ def real_gradients(model_size: str, *, layers: int | None = None, seed: int = 0,
 
 def gpt_model(model_size: str, *, layers: int | None = None, seed: int = 0, device: torch.device | str | None = None,
               gradients: bool = True) -> torch.nn.Module:
-    """A byte-level GPT (:class:`muon_fn._train.model.GPT`) of a "gpt" set's first ``layers``
+    """A byte-level GPT (:class:`muon_fn.tools.train.model.GPT`) of a "gpt" set's first ``layers``
     layers, width and heads: the set's hidden matrices, plus token and position embeddings,
     LayerNorms, biases and a head: what :func:`muon_fn.create_hybrid_optimizer` splits. Its
     parameters are seeded; with ``gradients``, ``.grad`` is set by one forward/backward on a
     batch of the same source bytes as :func:`real_gradients`, on the CPU, then moved to ``device``."""
-    from .._train.model import GPT, GPTConfig
+    from ..train.model import GPT, GPTConfig
 
     used = check_size(model_size, layers)
     spec = SETS[model_size]

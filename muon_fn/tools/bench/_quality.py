@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from .. import _newton_schulz
+from muon_fn import _newton_schulz
 
 TORCH = "torch.optim.Muon"
 TORCH_QUINTIC = (3.4445, -4.7750, 2.0315)

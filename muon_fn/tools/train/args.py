@@ -1,6 +1,6 @@
 """The options of ``muon-fn train`` (and ``examples/train_gpt.py``), checked before any work.
 
-Every number and the device have an argparse type (:mod:`muon_fn._argtypes`), so a bad value stops the
+Every number and the device have an argparse type (:mod:`muon_fn.tools._argtypes`), so a bad value stops the
 command with status 2 and one line such as ``muon-fn train: error: argument --steps: expected an
 integer >= 1, got 0``; the checks between options (``--warmup`` below the steps, ``--seq-len``
 within the preset's block size, one spec per ``--compare`` row) go through the same

@@ -1,13 +1,13 @@
 """The ``muon-fn`` console command.
 
     muon-fn train [options]            train a byte-level GPT with muon_fn (``muon-fn train --quick``)
-    muon-fn bench [options]            time the Muon step against torch.optim.Muon (muon_fn.bench)
+    muon-fn bench [options]            time the Muon step against torch.optim.Muon (muon_fn.tools.bench)
     muon-fn bench sso|fsdp [options]   the SSO and FSDP benchmarks (``bench-sso``: alias of ``bench sso``)
     muon-fn plan --model SPEC --mesh dp=W   the FSDP owner-computes plan of a model spec, predicted
 
 ``muon-fn <command> --help`` lists a command's options. A mistake in the options exits with
 status 2 and one ``muon-fn <command>: error: ...`` line naming the option, the value and what is
-allowed (argparse's error path; the commands share the argument types of :mod:`muon_fn._argtypes`).
+allowed (argparse's error path; the commands share the argument types of :mod:`muon_fn.tools._argtypes`).
 
 Synopses (every option: ``--help``):
 
@@ -34,17 +34,17 @@ telemetry), keeps ``optimizer.metrics()`` of each measured step in ``metrics.jso
 a training step (median ``optimizer.step`` time over the median step, clocks read after a device
 synchronize): ``optimizer_step_s``, ``step_s``, ``optimizer_share`` and ``history["step_time"]``.
 
-``muon-fn bench`` is :func:`muon_fn.bench.main` (also ``python -m muon_fn.bench``); the first
-argument names the benchmark, ``muon`` by default. ``--model-size`` takes sets of
-``muon_fn.bench.SETS`` (``tiny``, ``gpt2-small``, both: ``all``, the default; the LLM-size
-``llama3-1b``, ``llama3-8b``, ``deepseek-moe``, refused on the CPU above 100 M parameters unless
-``--force``). ``--elementwise`` times TritonMuon and TritonMuonW against torch's fused Adam, AdamW
-and SGD; the rows ``muon_fn[state_bits=16|8|4]`` and ``TritonMuonW[state_bits=8]`` time low-bit
-state against their fp32 peers. ``--memory`` measures each row's persistent state and one
-step's peak, each row in a fresh process. ``bench fsdp --overlap`` runs ``overlap=False``
-against ``overlap=True`` through real forward and backward passes. ``muon-fn plan`` prints
-:func:`muon_fn.fsdp.format_plan` of :func:`muon_fn.fsdp.plan_model` for every model and mesh.
-``python -m muon_fn`` and ``python -m muon_fn.cli`` run the same command.
+``muon-fn bench`` is :func:`muon_fn.tools.bench.main`; the first argument names the benchmark,
+``muon`` by default. ``--model-size`` takes sets of ``muon_fn.tools.bench.SETS`` (``tiny``,
+``gpt2-small``, both: ``all``, the default; the LLM-size ``llama3-1b``, ``llama3-8b``,
+``deepseek-moe``, refused on the CPU above 100 M parameters unless ``--force``). ``--elementwise``
+times TritonMuon and TritonMuonW against torch's fused Adam, AdamW and SGD; the rows
+``muon_fn[state_bits=16|8|4]`` and ``TritonMuonW[state_bits=8]`` time low-bit state against their
+fp32 peers. ``--memory`` measures each row's persistent state and one step's peak, each row in a
+fresh process. ``bench fsdp --overlap`` runs ``overlap=False`` against ``overlap=True`` through real
+forward and backward passes. ``muon-fn plan`` prints :func:`muon_fn.fsdp.format_plan` of
+:func:`muon_fn.fsdp.plan_model` for every model and mesh. ``python -m muon_fn`` runs the same
+command without the console script.
 """
 
 from __future__ import annotations
@@ -79,23 +79,20 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     if command == "train":
-        from muon_fn._train.train import main as train_main
+        from muon_fn.tools.train.train import main as train_main
 
         return int(train_main(rest, prog="muon-fn train") or 0)
     if command in ("bench", "bench-sso"):
         try:
-            from muon_fn import bench
+            from muon_fn.tools import bench
         except ImportError as e:
-            print(f"muon-fn {command}: muon_fn.bench is not available in this installation ({e})", file=sys.stderr)
+            print(f"muon-fn {command}: muon_fn.tools.bench is not available in this installation ({e})",
+                  file=sys.stderr)
             return 2
         return int(bench.main(rest if command == "bench" else ["sso", *rest]) or 0)
     if command == "plan":
-        from muon_fn.fsdp.plan_cli import main as plan_main
+        from muon_fn.tools.plan import main as plan_main
 
         return int(plan_main(rest) or 0)
     print(f"muon-fn: unknown command {command!r}\n\n{USAGE}", end="", file=sys.stderr)
     return 2
-
-
-if __name__ == "__main__":  # python -m muon_fn.cli
-    sys.exit(main())

@@ -39,7 +39,7 @@ so the peak includes them.
 
 Measured so, the two agree on the CPU: the resident peak is the allocator's plus what torch's
 allocator does not see, Python objects and small heap blocks, a fraction of a MiB
-(:mod:`muon_fn.bench._memory_table`).
+(:mod:`muon_fn.tools.bench._memory_table`).
 """
 
 from __future__ import annotations
@@ -55,9 +55,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from .. import _newton_schulz
+from muon_fn import _newton_schulz
 from .._device import synchronize
-from ..optim.engine import is_dtensor
+from muon_fn.optim.engine import is_dtensor
 
 PEAK_METHODS = {"cuda": "torch.cuda.max_memory_allocated", "cpu": "torch.profiler CPU allocator events"}
 RESIDENT_METHOD = ("peak resident set (VmHWM after clear_refs) less VmRSS; glibc: mmap threshold 64 KiB, "

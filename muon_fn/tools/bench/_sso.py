@@ -16,7 +16,7 @@ Rows (each its own optimizer over its own copy of the same matrices):
 - ``sso_spectral``: ``SpectralSphereOptimizer(direction="spectral")`` (λ* and Φ from an
   eigendecomposition, no Newton–Schulz iteration).
 
-Parameters and a base gradient come from :func:`muon_fn.bench.real_gradients`; each round every
+Parameters and a base gradient come from :func:`muon_fn.tools.bench.real_gradients`; each round every
 row gets the same gradient ``g_real + ξ`` with fresh Gaussian ξ of the same Frobenius norm
 (stochastic-gradient-like, so M̂ changes every step). Warm-up rounds (the first compiles the
 compiled rows) are timed apart; the ratios are paired over the timed rounds.
@@ -32,8 +32,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .. import MuonOptimizer, SpectralSphereOptimizer, spectral
-from .._newton_schulz import DEFAULT_METHOD, default_steps
+from muon_fn import MuonOptimizer, SpectralSphereOptimizer, spectral
+from muon_fn._newton_schulz import DEFAULT_METHOD, default_steps
 from ._problem import MATRIX_NAMES, check_size, real_gradients
 from ._timing import Threads, check_threads, paired_ratio, paired_rounds, using_threads
 

@@ -22,7 +22,7 @@ same gradients), with torch.optim.Muon's settings (:data:`TORCH_SETTINGS`: its d
 
 Both iterate in ``torch_dtype``: ``"bf16"`` (torch.optim.Muon as shipped, ``ns_dtype=torch.bfloat16``)
 or ``"fp32"`` (torch's own iteration with its bf16 cast replaced by fp32,
-:func:`muon_fn._train.optimizers.torch_zeropower`, and ``ns_dtype=torch.float32``); ``"auto"``:
+:func:`muon_fn.tools.train.optimizers.torch_zeropower`, and ``ns_dtype=torch.float32``); ``"auto"``:
 bf16 where the CPU has bf16 GEMMs, else fp32 (on an AVX2-only CPU bf16 is emulated and a bf16
 timing says nothing). Every row gets its per-repeat ratio to the torch row's step
 (``ratio_to_torch``). Each step is also timed in CPU seconds (``cpu_s``: the process's user and
@@ -37,7 +37,7 @@ tests/test_torch_compat.py; 4e-3 in bf16, where two faithful implementations rou
 Memory per rank and row (every row): ``state_bytes``, this rank's bytes of ``optimizer.state``
 (local shards of DTensor state), and ``peak_bytes``, the step's transient: the peak of torch's CPU
 allocator during one more step above what it held before (torch.profiler allocator events,
-:func:`muon_fn.bench._memory.peak_step_bytes`; BLAS buffers, Python objects and memory an optimizer
+:func:`muon_fn.tools.bench._memory.peak_step_bytes`; BLAS buffers, Python objects and memory an optimizer
 keeps outside ``state`` between steps are not counted). The torch row's profiled step also counts
 its collectives (``collectives_per_step``, DTensor's ``CommDebugMode``).
 
@@ -253,7 +253,7 @@ def _torch_rows(cfg: dict[str, Any], grads: list) -> tuple[dict[str, tuple], lis
 
     import muon_fn
 
-    from .._train.optimizers import torch_iteration
+    from ..train.optimizers import torch_iteration
 
     settings = {**TORCH_SETTINGS, "ns_steps": cfg["ns_steps"]}
     models = [_with_grads(_sharded(cfg), grads) for _ in (TORCH_ROW, LIKE_TORCH_ROW)]
@@ -371,7 +371,7 @@ def resolve_torch_dtype(torch_dtype: str) -> str:
         raise ValueError(f"Invalid torch_dtype: {torch_dtype!r} (expected one of {list(TORCH_DTYPES)})")
     if torch_dtype != "auto":
         return torch_dtype
-    from .._newton_schulz import CPU_HAS_BF16_GEMM
+    from muon_fn._newton_schulz import CPU_HAS_BF16_GEMM
 
     return "bf16" if CPU_HAS_BF16_GEMM else "fp32"
 
