@@ -47,6 +47,7 @@ import torch
 from . import _tree
 
 STATE_BITS = (32, 16, 8, 4)
+"""The widths every optimizer's ``state_bits=`` takes: 32 (fp32 state) and the blockwise codes at 16, 8, 4."""
 LINEAR, UNSIGNED = "linear", "unsigned"
 KINDS = (LINEAR, UNSIGNED)
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from muon_fn import MuonOptimizer
+from muon_fn import MuonOptimizer, orthogonalization
 from muon_fn import _newton_schulz as O
 from muon_fn.tools import bench
 from muon_fn.tools.bench import _muon, _replay, _timing
@@ -183,9 +183,9 @@ def test_rows_name_their_own_replay_with_the_same_orthogonalization():
 
 def test_default_rows_leave_out_emulated_bf16(monkeypatch):
     cpu = torch.device("cpu")
-    monkeypatch.setattr(O, "CPU_HAS_BF16_GEMM", True)
+    monkeypatch.setattr(orthogonalization, "CPU_HAS_BF16_GEMM", True)
     assert bench.default_rows("gpt2-small", cpu) == list(bench.ROWS)
-    monkeypatch.setattr(O, "CPU_HAS_BF16_GEMM", False)
+    monkeypatch.setattr(orthogonalization, "CPU_HAS_BF16_GEMM", False)
     tiny, gpt2 = bench.default_rows("tiny", cpu), bench.default_rows("gpt2-small", cpu)
     assert "torch.optim.Muon" in tiny and "torch.optim.Muon" not in gpt2
     assert not {"muon_fn[like_torch]", "replay[torch_quintic5]"} & (set(tiny) | set(gpt2))
@@ -686,9 +686,9 @@ def test_fsdp_torch_dtype_resolves_by_cpu(monkeypatch):
     assert (
         _fsdp.resolve_torch_dtype("bf16") == "bf16" and _fsdp.resolve_torch_dtype("fp32") == "fp32"
     )
-    monkeypatch.setattr(O, "CPU_HAS_BF16_GEMM", False)
+    monkeypatch.setattr(orthogonalization, "CPU_HAS_BF16_GEMM", False)
     assert _fsdp.resolve_torch_dtype("auto") == "fp32"  # emulated bf16 would time nothing real
-    monkeypatch.setattr(O, "CPU_HAS_BF16_GEMM", True)
+    monkeypatch.setattr(orthogonalization, "CPU_HAS_BF16_GEMM", True)
     assert _fsdp.resolve_torch_dtype("auto") == "bf16"
     with pytest.raises(ValueError, match="Invalid torch_dtype: 'fp16'"):
         _fsdp.resolve_torch_dtype("fp16")

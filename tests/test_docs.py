@@ -43,7 +43,13 @@ def test_api_md_lists_every_public_name():
     """api.md is an overview: every public name appears in its table (the reference pages hold
     their docstrings: tests/test_reference.py)."""
     listed = _overview_names()
-    for modname in ("muon_fn", "muon_fn.optim", "muon_fn.spectral", "muon_fn.fsdp"):
+    for modname in (
+        "muon_fn",
+        "muon_fn.optim",
+        "muon_fn.spectral",
+        "muon_fn.orthogonalization",
+        "muon_fn.fsdp",
+    ):
         mod = importlib.import_module(modname)
         missing = sorted(n for n in mod.__all__ if n not in listed)
         assert not missing, f"docs/api.md's table does not list {modname}.{missing}"

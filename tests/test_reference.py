@@ -2,10 +2,11 @@
 documents every public name, and every public name has a docstring to render.
 
 A name is public when it is in the ``__all__`` of ``muon_fn``, ``muon_fn.optim``, ``muon_fn.fsdp``,
-``muon_fn.spectral`` or a module of ``muon_fn.integrations``. A page documents an object with a
-``::: dotted.path`` line; the path may be the object's defining module (``muon_fn.fsdp`` loads its
-optimizers lazily, so the reference names them where they are defined). A constant's docstring
-is the string literal on the line after its assignment, which is what mkdocstrings renders.
+``muon_fn.spectral``, ``muon_fn.orthogonalization`` or a module of ``muon_fn.integrations``. A page
+documents an object with a ``::: dotted.path`` line; the path may be the object's defining module
+(``muon_fn.fsdp`` loads its optimizers lazily, so the reference names them where they are defined).
+A constant's docstring is the string literal on the line after its assignment, which is what
+mkdocstrings renders.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ MODULES = (
     "muon_fn.optim",
     "muon_fn.fsdp",
     "muon_fn.spectral",
+    "muon_fn.orthogonalization",
     "muon_fn.integrations.hf",
     "muon_fn.integrations.lightning",
     "muon_fn.integrations.torchtitan",

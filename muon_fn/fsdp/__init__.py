@@ -5,9 +5,11 @@ matrix orthogonalized whole on one owner rank (planned by :mod:`muon_fn.fsdp._pl
 :mod:`muon_fn.fsdp._exchange`) and the elementwise parts on each rank's rows; its results equal
 MuonOptimizer's bit for bit. :class:`muon_fn.fsdp._adapter.FSDPAdapter` runs another optimizer's
 recipe the same way: :class:`FSDPSpectralSphereOptimizer` runs SpectralSphereOptimizer's.
-``python -m muon_fn.fsdp.bench`` measures it against the replicate baseline. :func:`plan_model`
-predicts the plan's per-rank cost for real model shapes (:mod:`muon_fn.fsdp.specs`) at any world
-size without a process group (``muon-fn plan``).
+``muon-fn bench fsdp`` measures it against the replicate baseline. :func:`plan_model` predicts
+the plan's per-rank cost for real model shapes (:mod:`muon_fn.fsdp.specs`) at any world size
+without a process group, at a GEMM rate and link bandwidth (default :data:`DEFAULT_GEMM_TFLOPS`,
+:data:`DEFAULT_LINK_GBPS`); :func:`format_plan` lays its reports out as the table ``muon-fn plan``
+prints.
 """
 
 from typing import Any

@@ -8,7 +8,9 @@ parameters split by role); :class:`TritonMuon` and :class:`TritonMuonW` (the ele
 :func:`muon_fn.triton_muon`, which does not orthogonalize). :func:`from_torch_state_dict` and
 :func:`to_torch_state_dict` move checkpoints between ``torch.optim.Muon`` (+ ``torch.optim.AdamW``)
 and :class:`MuonOptimizer`; :func:`from_torch_checkpoint` and
-:func:`to_torch_checkpoint` do the same for ``torch.distributed.checkpoint`` directories.
+:func:`to_torch_checkpoint` do the same for ``torch.distributed.checkpoint`` directories. Option
+values every optimizer shares: :data:`BUCKET_SIZE`, :data:`NONFINITE_POLICIES`, :data:`STATE_BITS`
+(the widths ``state_bits=`` takes).
 """
 
 from ._adapter import BUCKET_SIZE, NONFINITE_POLICIES, Optimizer, StepReport
@@ -18,9 +20,10 @@ from ._muon import HybridOptimizer, MuonOptimizer
 from ._sso import SolverReport, SpectralSphereOptimizer
 from ._torch_compat import from_torch_state_dict, to_torch_state_dict
 from ._torch_dcp import from_torch_checkpoint, to_torch_checkpoint
+from .._quantize import STATE_BITS
 
 __all__ = ["Optimizer", "MuonOptimizer", "SpectralSphereOptimizer", "HybridOptimizer", "SolverReport",
            "TritonMuon", "TritonMuonW", "StepReport", "create_hybrid_optimizer", "split_parameters", "HybridSplit",
            "NORMUON_BETA2",
-           "BUCKET_SIZE", "NONFINITE_POLICIES", "from_torch_state_dict", "to_torch_state_dict",
+           "BUCKET_SIZE", "NONFINITE_POLICIES", "STATE_BITS", "from_torch_state_dict", "to_torch_state_dict",
            "from_torch_checkpoint", "to_torch_checkpoint"]

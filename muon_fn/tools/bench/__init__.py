@@ -34,7 +34,7 @@ torch). ``muon-fn bench --help`` lists every row. On a CPU without bf16 instruct
 rows leave out the bf16 ones (emulated there), except torch.optim.Muon on the tiny set.
 
 **Columns.** The first step (``1st step``; ``c``: it compiled), ms per step over the paired rounds
-(min, median, max), ``bound ms`` (the row's GEMM FLOPs, ``muon_fn._newton_schulz.gemm_flops``, at
+(min, median, max), ``bound ms`` (the row's GEMM FLOPs, ``muon_fn.orthogonalization.gemm_flops``, at
 the rate of one representative GEMM timed in the same run; muon_fn's blocked symmetric products
 can come in under it on the CPU) and ``/bound``, ``/torch`` and ``/own`` (medians of the per-round
 ratios to torch.optim.Muon and to the row's own replay), ``state MiB``, and ``peak MiB`` (what one

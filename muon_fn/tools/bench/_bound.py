@@ -17,24 +17,29 @@ from collections.abc import Sequence
 
 import torch
 
-from muon_fn import _newton_schulz, _views
+from muon_fn.orthogonalization import gemm_flops
 from .._device import synchronize
 
 
 def step_gemm_flops(shapes: Sequence[Sequence[int]], schedule: Sequence[Sequence[float]]) -> int:
     """Dense GEMM FLOPs of orthogonalizing every matrix of ``shapes`` once with ``schedule``
-    (:func:`muon_fn._newton_schulz.gemm_flops`); a shape ``(E, out, in)`` is an expert stack of
+    (:func:`muon_fn.orthogonalization.gemm_flops`); a shape ``(E, out, in)`` is an expert stack of
     E matrices. Quintic ×5 on gpt2-small: 3600·768³ = 1.63 TFLOP."""
-    return sum(_views.count(s, "experts") * _newton_schulz.gemm_flops(_views.matrix_shape(s, "experts"), schedule)
-               for s in shapes)
+    return sum(_count(s) * gemm_flops(s, schedule) for s in shapes)
+
+
+def _count(shape: Sequence[int]) -> int:
+    """The matrices a tensor of ``shape`` holds: E for an expert stack ``(E, out, in)``, else 1."""
+    return math.prod(int(d) for d in shape[:-2])
 
 
 def representative_shape(shapes: Sequence[Sequence[int]]) -> tuple[int, int]:
     """The wide ``(m, n)`` that carries the most of a quintic step's FLOPs over ``shapes``."""
     totals: dict[tuple[int, int], int] = {}
     for s in shapes:
-        wide = _newton_schulz.wide_shape(s)
-        totals[wide] = totals.get(wide, 0) + _views.count(s, "experts") * _newton_schulz.gemm_flops(wide, ((1, 1, 1),))
+        m, n = int(s[-2]), int(s[-1])
+        wide = (min(m, n), max(m, n))
+        totals[wide] = totals.get(wide, 0) + _count(s) * gemm_flops(wide, ((1, 1, 1),))
     return max(totals, key=totals.__getitem__)
 
 

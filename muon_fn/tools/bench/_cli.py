@@ -22,7 +22,7 @@ import sys
 from typing import Any
 from collections.abc import Sequence
 
-from muon_fn import _newton_schulz
+from muon_fn import orthogonalization
 from .._argtypes import device_arg, float_arg, int_arg
 from ._compile_time import GPT_SETS, benchmark_compile_time, format_compile_table
 from ._fsdp import TORCH_DTYPES, benchmark_fsdp, benchmark_overlap, format_fsdp_result, format_overlap_result
@@ -142,7 +142,7 @@ def _muon_main(argv: list[str], prog: str) -> int:
         if args.rows is not None:
             ap.error("--elementwise chooses the rows: give it or --rows, not both")
         args.rows, args.no_quality = list(ELEMENTWISE_ROWS), True
-    emulated = device.type == "cpu" and not _newton_schulz.CPU_HAS_BF16_GEMM
+    emulated = device.type == "cpu" and not orthogonalization.CPU_HAS_BF16_GEMM
     if emulated and args.rows is None:
         left_out = sorted({r for s in sizes for r in ROWS if r not in default_rows(s, device)})
         print(_EMULATED_BF16.format(", ".join(left_out)), file=sys.stderr, flush=True)

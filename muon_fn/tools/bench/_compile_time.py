@@ -31,13 +31,13 @@ from collections.abc import Sequence
 
 import torch
 
-from muon_fn import _execution
+from muon_fn import orthogonalization
 from .._device import synchronize
 from ._problem import SETS, gpt_model
 from ._timing import Threads, check_device, check_threads, threads_env, using_threads
 
 OPTIMIZERS = ("muon", "hybrid")  # MuonOptimizer(model.parameters()), create_hybrid_optimizer(model)
-POLICIES = tuple(_execution.POLICIES)
+POLICIES = tuple(orthogonalization.POLICIES)
 _SEQ = 64
 
 
@@ -62,7 +62,7 @@ def first_step(model_size: str, optimizer: str, policy: str, device: torch.devic
     model = model_for(model_size, device)
     tokens = torch.randint(0, 256, (2, _SEQ + 1), generator=torch.Generator().manual_seed(0)).to(device)
     model(tokens[:, :-1], tokens[:, 1:])[1].backward()
-    with _execution.forced(policy):
+    with orthogonalization.forced(policy):
         if optimizer == "muon":
             opt = MuonOptimizer(model.parameters(), compile=True)
         else:
@@ -128,7 +128,7 @@ def check_args(model_size: str, optimizer: str, policy: str, threads: Threads) -
 
 def default_policies(device: torch.device) -> tuple[str, ...]:
     """Both policies on the CPU (``"batched"`` forced: the GPU's graphs); a GPU's own elsewhere."""
-    return POLICIES if device.type == "cpu" else (_execution.policy(device).name,)
+    return POLICIES if device.type == "cpu" else (orthogonalization.policy(device).name,)
 
 
 def benchmark_compile_time(sizes: Sequence[str], *, optimizers: Sequence[str] = OPTIMIZERS,

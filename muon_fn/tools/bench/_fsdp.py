@@ -371,7 +371,7 @@ def resolve_torch_dtype(torch_dtype: str) -> str:
         raise ValueError(f"Invalid torch_dtype: {torch_dtype!r} (expected one of {list(TORCH_DTYPES)})")
     if torch_dtype != "auto":
         return torch_dtype
-    from muon_fn._newton_schulz import CPU_HAS_BF16_GEMM
+    from muon_fn.orthogonalization import CPU_HAS_BF16_GEMM
 
     return "bf16" if CPU_HAS_BF16_GEMM else "fp32"
 

@@ -7,7 +7,7 @@ and their scales).
 
 **Peak of a step**: what the step holds at its highest point on top of what existed before it
 (parameters, gradients, state). muon_fn keeps scratch tensors for its CPU iteration between
-steps; both measures free them before the step (:func:`muon_fn._newton_schulz.clear_scratch`),
+steps; both measures free them before the step (:func:`muon_fn.orthogonalization.clear_scratch`),
 so the peak includes them.
 
 - :func:`peak_step_bytes`, torch's allocator: on CUDA ``torch.cuda.max_memory_allocated`` over
@@ -55,7 +55,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from muon_fn import _newton_schulz
+from muon_fn.orthogonalization import clear_scratch
 from .._device import synchronize
 from muon_fn.optim.engine import is_dtensor
 
@@ -82,7 +82,7 @@ def peak_step_bytes(step: Callable[[], Any], device: torch.device) -> int | None
     """Peak bytes ``step()`` allocates above what was allocated before it, by torch's allocator
     (see the module docstring for how), or ``None`` on a device where it is not measured. Runs
     ``step`` once."""
-    _newton_schulz.clear_scratch()
+    clear_scratch()
     if device.type == "cuda":
         synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -119,7 +119,7 @@ def resident_step_bytes(step: Callable[[], Any], device: torch.device) -> int | 
     :func:`resident_measurable` is false). Runs ``step`` once."""
     if device.type != "cpu" or not resident_measurable():
         return None
-    _newton_schulz.clear_scratch()
+    clear_scratch()
     _release_freed()
     with open(_CLEAR_REFS, "w") as f:
         f.write("5")  # VmHWM := VmRSS

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from muon_fn import _compile, _newton_schulz
+from muon_fn import orthogonalization
 from .._device import synchronize
 from ._bound import bound_seconds, matmul_rate, representative_shape, step_gemm_flops
 from ._memory import PEAK_METHODS, peak_step_bytes, state_bytes
@@ -134,7 +134,7 @@ def _row_flops(row: str, params: list[torch.Tensor], device: torch.device) -> in
     if ortho is None:
         return None
     method = "quintic" if ortho.method == TORCH else ortho.method  # torch.optim.Muon: Keller's quintic
-    return step_gemm_flops([p.shape for p in params], _newton_schulz.coefficient_schedule(method, ortho.steps))
+    return step_gemm_flops([p.shape for p in params], orthogonalization.coefficient_schedule(method, ortho.steps))
 
 
 def _add_bounds(rows: dict[str, dict[str, Any]], params: list[torch.Tensor], rates: dict[str, Any],
@@ -218,9 +218,9 @@ def _config(model_size: str, layers: int | None, params: list[torch.Tensor], num
         "rounds": rounds, "threads": n_threads, "threads_requested": threads, "device": str(device),
         "torch": torch.__version__, "matrices": set_size(model_size, layers)[0],
         "params": sum(p.numel() for p in params),
-        "compute_dtype": str(_newton_schulz.default_compute_dtype(device)).removeprefix("torch."),
-        "cpu_bf16_gemm": _newton_schulz.CPU_HAS_BF16_GEMM,
-        "compile_default": _compile.resolve(True) is not None,
+        "compute_dtype": str(orthogonalization.default_compute_dtype(device)).removeprefix("torch."),
+        "cpu_bf16_gemm": orthogonalization.CPU_HAS_BF16_GEMM,
+        "compile_default": orthogonalization.compiles(True),
         "peak_memory_method": PEAK_METHODS.get(device.type),
     }
 

@@ -34,7 +34,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from muon_fn._newton_schulz import DEFAULT_METHOD, coefficient_schedule
+from muon_fn.orthogonalization import DEFAULT_METHOD, coefficient_schedule
 from ._bound import step_gemm_flops
 
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from muon_fn import _newton_schulz
+from muon_fn import newton_schulz
 
 TORCH = "torch.optim.Muon"
 TORCH_QUINTIC = (3.4445, -4.7750, 2.0315)
@@ -36,7 +36,7 @@ def orthogonalizer(spec: Ortho) -> Callable[[torch.Tensor], torch.Tensor]:
         from torch.optim._muon import _zeropower_via_newtonschulz
 
         return lambda g: _zeropower_via_newtonschulz(g, TORCH_QUINTIC, spec.steps, 1e-7)
-    return lambda g: _newton_schulz.newton_schulz(g, spec.method, spec.steps, dtype=spec.dtype)
+    return lambda g: newton_schulz(g, spec.method, spec.steps, dtype=spec.dtype)
 
 
 def orthogonality(g: torch.Tensor, out: torch.Tensor,

@@ -8,8 +8,9 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from muon_fn import _execution, _newton_schulz
 from muon_fn.optim.engine import buckets
+from muon_fn.orthogonalization import (bucket_limit, coefficient_schedule, default_compute_dtype, for_device,
+                                        gram_matrix, iterate, norm_scale)
 
 AUTO = "auto"  # bucket_size: the optimizers' buckets (the device policy's count and byte bound)
 
@@ -18,35 +19,35 @@ def replay(params: Sequence[torch.Tensor], method: str, steps: int | None, *, bu
            dtype: torch.dtype | None = None) -> Callable[[], None]:
     """A function running the GEMMs of ``method``'s schedule on ``params``' shapes, in ``dtype``
     (default: the device's compute dtype, as the optimizer picks it), through
-    :func:`muon_fn._newton_schulz.iterate`, the iteration the op runs.
+    :func:`muon_fn.orthogonalization.iterate`, the iteration the op runs.
 
     Batching follows the op: parameters of one shape in buckets of at most ``bucket_size``
-    (:data:`AUTO`: the buckets the optimizers make, :func:`muon_fn._execution.bucket_limit`, so
+    (:data:`AUTO`: the buckets the optimizers make, :func:`muon_fn.orthogonalization.bucket_limit`, so
     the replay runs exactly the step's GEMMs; ``None``: one matrix per call, as
     torch.optim.Muon runs), each bucket's matrices (an expert
     stack ``(E, out, in)`` brings E) one batched call, or one matrix at a time where the CPU's
-    products loop (:meth:`~muon_fn._newton_schulz.cpu.CPUProducts.loops`).
+    products loop (their ``loops``).
 
     The inputs are prepared once, outside the returned function, as the real path prepares them
     (in their own orientation, Frobenius-normalized, then AOL-rescaled for an AOL schedule: a tall
     matrix iterates on ``XᵀX``, from the right, as the op runs it), so the GEMMs
     run on the values they would see: unnormalized weights make every schedule overflow to
-    inf/NaN within a few steps. Products are the device's (:func:`muon_fn._newton_schulz.for_device`):
+    inf/NaN within a few steps. Products are the device's (:func:`muon_fn.orthogonalization.for_device`):
     on the CPU they go into reused scratch, as the op's do.
     Inside :func:`shared_inputs`, replays of the same parameters with the same normalization and
     dtype share one prepared copy.
     """
-    schedule = _newton_schulz.coefficient_schedule(method, steps)
+    schedule = coefficient_schedule(method, steps)
     aol = getattr(schedule, "precondition", "frobenius") == "aol"
-    dtype = dtype or _newton_schulz.default_compute_dtype(params[0].device)
-    scale = _newton_schulz.norm_scale(method)
+    dtype = dtype or default_compute_dtype(params[0].device)
+    scale = norm_scale(method)
     key = (tuple(id(p) for p in params), scale, aol, dtype)
     wides = None if _SHARED is None else _SHARED.get(key)
     if wides is None:
         wides = [[_prepared(m, scale, aol).to(dtype) for m in (p.unbind(0) if p.ndim == 3 else (p,))] for p in params]
         if _SHARED is not None:
             _SHARED[key] = wides
-    ops = _newton_schulz.for_device(params[0].device, buffers={})
+    ops = for_device(params[0].device, buffers={})
     loops = getattr(ops, "loops", lambda m, dtype: False)
     calls: list[torch.Tensor] = []
     for members in _buckets(params, bucket_size):
@@ -58,18 +59,18 @@ def replay(params: Sequence[torch.Tensor], method: str, steps: int | None, *, bu
 
     def run() -> None:
         for x in calls:
-            gram = _newton_schulz.gram_matrix(x, ops) if aol else None  # AOL's Gram feeds step 1
-            _newton_schulz.iterate(x, schedule, gram, ops)
+            gram = gram_matrix(x, ops) if aol else None  # AOL's Gram feeds step 1
+            iterate(x, schedule, gram, ops)
     return run
 
 
 def _buckets(params: Sequence[torch.Tensor], bucket_size: int | str | None) -> list[tuple[int, ...]]:
     """Positions of ``params`` in the replay's buckets (:func:`replay`'s ``bucket_size``): with
-    :data:`AUTO`, the optimizers' own rule (:func:`muon_fn.optim._adapter.buckets` cut by
-    :func:`muon_fn._execution.bucket_limit`)."""
+    :data:`AUTO`, the optimizers' own rule (:func:`muon_fn.optim.engine.buckets` cut by
+    :func:`muon_fn.orthogonalization.bucket_limit`)."""
     if bucket_size != AUTO:
         return buckets(list(params), bucket_size or 1)
-    return buckets(list(params), lambda same, among: _execution.bucket_limit(same, None, among))
+    return buckets(list(params), lambda same, among: bucket_limit(same, None, among))
 
 
 _SHARED: dict | None = None  # prepared inputs by (parameters, norm scale, AOL, dtype), in shared_inputs()

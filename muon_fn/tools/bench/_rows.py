@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from muon_fn import _compile, _newton_schulz
-from muon_fn._newton_schulz import DEFAULT_METHOD
+from muon_fn import orthogonalization
+from muon_fn.orthogonalization import DEFAULT_METHOD
 from muon_fn.optim import MuonOptimizer, TritonMuon, TritonMuonW, create_hybrid_optimizer, split_parameters
 from ._problem import SETS
 from ._quality import TORCH, TORCH_ORTHO, Ortho
@@ -41,14 +41,14 @@ class Row(NamedTuple):
             return None
         if self.method == TORCH:
             return TORCH_ORTHO
-        steps = self.steps or _newton_schulz.default_steps(self.method)
-        schedule = _newton_schulz.coefficient_schedule(self.method, steps)
-        return Ortho(self.method, steps, self.dtype or _newton_schulz.default_compute_dtype(device, schedule))
+        steps = self.steps or orthogonalization.default_steps(self.method)
+        schedule = orthogonalization.coefficient_schedule(self.method, steps)
+        return Ortho(self.method, steps, self.dtype or orthogonalization.default_compute_dtype(device, schedule))
 
     def compiled(self) -> bool | None:
         """Whether the row runs compiled here (``MUON_FN_COMPILE=0`` turns the default off); None
         for rows that are not muon_fn optimizers."""
-        return None if self.compile is None else _compile.resolve(self.compile) is not None
+        return None if self.compile is None else orthogonalization.compiles(self.compile)
 
 
 def _muon_fn(compile: Any = True, **kwargs: Any) -> Callable[[list[torch.Tensor], float], Built]:
@@ -264,7 +264,7 @@ def _left_out(row: str, model_size: str, device: torch.device) -> bool:
     """Whether ``row`` iterates in bf16 where bf16 GEMMs are emulated (a CPU without bf16
     instructions), except torch.optim.Muon on the tiny set: there it takes about 10 s a tiny
     step, over 15 minutes a gpt2-small step."""
-    emulated = device.type == "cpu" and not _newton_schulz.CPU_HAS_BF16_GEMM
+    emulated = device.type == "cpu" and not orthogonalization.CPU_HAS_BF16_GEMM
     return emulated and row in BF16_ROWS and not (row == REFERENCE and model_size == "tiny")
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from muon_fn._qk_clip import QKClip, track_max_logits
+from muon_fn import QKClip, track_max_logits
 
 IN_STEP = ("muon", "normuon")  # optimizers that take qk_clip= themselves
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from muon_fn._qk_clip import AttentionHeads, record_max_logits
+from muon_fn import AttentionHeads, record_max_logits
 from .moe import MoE
 
 __all__ = ["GPT", "GPTConfig", "PRESETS", "config_for"]

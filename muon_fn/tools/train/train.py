@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from muon_fn import _compile
+from muon_fn import orthogonalization
 from .._device import synchronize
 from muon_fn.integrations import MetricsReader
 from . import logits, optimizers, report, telemetry
@@ -379,7 +379,7 @@ def _compiles(name: str, args: argparse.Namespace) -> bool:
     """Whether the run's first step compiles: a muon_fn row (the torch.optim rows run eager)
     without --no-compile or ``MUON_FN_COMPILE=0``."""
     muon_fn_row = args.fsdp or name not in ("adamw", "torch-muon")
-    return muon_fn_row and not args.no_compile and _compile.resolve(True) is not None
+    return muon_fn_row and not args.no_compile and orthogonalization.compiles(True)
 
 
 def _tail_mean(points: list, n: int) -> float:
