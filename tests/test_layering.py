@@ -200,8 +200,8 @@ def test_the_part_graph_merges_subpackages():
 
 def test_no_import_cycles_between_subpackages(graph):
     """Imports point down between muon_fn's parts too: a subpackage never imports a module of one
-    that imports it (e.g. bench's compile-time model comes from _train, so _train takes nothing
-    from bench; what both need lives below both)."""
+    that imports it (e.g. the FSDP adapter runs muon_fn.optim's engine, so muon_fn.optim takes
+    nothing from muon_fn.fsdp; what both need lives below both)."""
     cycles = elementary_cycles(part_graph(graph))
     edges = {
         c: [
@@ -300,3 +300,140 @@ def test_no_part_imports_another_subpackages_privates(graph):
     a private module or name of another subpackage."""
     reach = private_reach(graph, imported_names())
     assert not reach, "imports of another subpackage's privates:\n" + "\n".join(reach)
+
+
+# ----------------------------------------------------------------------------- tools apart
+TOOLS = "muon_fn.tools"
+# Entry points, as the console script in pyproject.toml is: run, never imported by the library.
+ENTRY_POINTS = {"muon_fn.__main__"}  # python -m muon_fn
+
+
+def in_tools(module: str) -> bool:
+    return module == TOOLS or module.startswith(TOOLS + ".")
+
+
+def is_private(module: str) -> bool:
+    """Whether ``module`` is private to the library: a component after ``muon_fn`` starts with ``_``
+    (``muon_fn._newton_schulz``, ``muon_fn.optim._state``; ``muon_fn.__main__`` too)."""
+    return any(part.startswith("_") for part in module.split(".")[1:])
+
+
+def private_attributes(name: str, path: pathlib.Path, known: set[str]) -> list[str]:
+    """``alias._x`` in ``name``'s source where ``alias`` is a library module it imported (``import
+    muon_fn as mf`` ... ``mf._engine``; ``from muon_fn import optim`` ... ``optim._step``)."""
+    tree = ast.parse(path.read_text(), str(path))
+    aliases: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == PACKAGE:
+                    aliases[a.asname or a.name.split(".")[0]] = a.name if a.asname else PACKAGE
+        elif isinstance(node, ast.ImportFrom):
+            source = _resolve(name, path.name == "__init__.py", node.level, node.module)
+            for a in node.names:
+                if f"{source}.{a.name}" in known:
+                    aliases[a.asname or a.name] = f"{source}.{a.name}"
+    return [
+        f"{name} reads {aliases[node.value.id]}.{node.attr}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id in aliases
+        and not in_tools(aliases[node.value.id])
+        and node.attr.startswith("_")
+        and not node.attr.startswith("__")
+    ]
+
+
+def tools_reach(graph: dict[str, set[str]], names: dict[str, set[tuple[str, str]]]) -> list[str]:
+    """What a module of muon_fn.tools takes from the library other than its public API: a private
+    module (any part of its name after ``muon_fn`` starting with ``_``) or a private name
+    (``from muon_fn.optim.engine import _x``). The tools' own modules are theirs to share."""
+    found = [
+        f"{importer} imports {target}"
+        for importer, targets in graph.items()
+        if in_tools(importer)
+        for target in sorted(targets)
+        if not in_tools(target) and is_private(target)
+    ]
+    found += [
+        f"{importer} imports {name} from {source}"
+        for importer, pairs in names.items()
+        if in_tools(importer)
+        for source, name in sorted(pairs)
+        if not in_tools(source) and name.startswith("_") and not name.startswith("__")
+    ]
+    return found
+
+
+def library_reach(graph: dict[str, set[str]]) -> list[str]:
+    """Imports of muon_fn.tools from outside it (entry points aside)."""
+    return [
+        f"{importer} imports {target}"
+        for importer, targets in sorted(graph.items())
+        if not in_tools(importer) and importer not in ENTRY_POINTS
+        for target in sorted(targets)
+        if in_tools(target)
+    ]
+
+
+def test_the_tools_checks_see_private_modules_names_and_attributes(tmp_path):
+    toy = {
+        "muon_fn.tools.bench._replay": {
+            "muon_fn._newton_schulz",  # a private module of the library
+            "muon_fn.optim._adapter",  # a private module of a subpackage
+            "muon_fn.optim.engine",
+            "muon_fn.orthogonalization",
+            "muon_fn.tools._device",  # the tools' own private module: theirs
+        },
+        "muon_fn.tools.train.train": {"muon_fn", "muon_fn.tools.train.model"},
+        "muon_fn.optim._muon": {"muon_fn.tools.train.optimizers", "muon_fn._base"},
+        "muon_fn.__main__": {"muon_fn.tools.cli"},
+    }
+    names = {
+        "muon_fn.tools.bench._replay": {
+            ("muon_fn.optim.engine", "_secret"),
+            ("muon_fn.optim.engine", "buckets"),
+            ("muon_fn.tools.bench._timing", "_helper"),
+        },
+        "muon_fn.tools.cli": {("muon_fn", "__version__")},
+    }
+    assert tools_reach(toy, names) == [
+        "muon_fn.tools.bench._replay imports muon_fn._newton_schulz",
+        "muon_fn.tools.bench._replay imports muon_fn.optim._adapter",
+        "muon_fn.tools.bench._replay imports _secret from muon_fn.optim.engine",
+    ]
+    assert library_reach(toy) == ["muon_fn.optim._muon imports muon_fn.tools.train.optimizers"]
+    src = tmp_path / "x.py"
+    src.write_text(
+        "import muon_fn as mf\nfrom muon_fn import optim\nfrom . import _own\n"
+        "mf._engine; optim._step; optim.engine; mf.__version__; _own._x\n"
+    )
+    known = {"muon_fn", "muon_fn.optim", "muon_fn.tools.bench._own"}
+    assert private_attributes("muon_fn.tools.bench.x", src, known) == [
+        "muon_fn.tools.bench.x reads muon_fn._engine",
+        "muon_fn.tools.bench.x reads muon_fn.optim._step",
+    ]
+
+
+def test_tools_import_only_the_public_api(graph):
+    """design.md §2: the benchmark, the demo trainer and the planner CLI (muon_fn.tools) use
+    muon_fn as a user does, through its public API: no private module, no ``_name`` of a public
+    one, no ``module._attribute``."""
+    mods = modules()
+    reach = tools_reach(graph, imported_names())
+    reach += [
+        line
+        for name, path in mods.items()
+        if in_tools(name)
+        for line in private_attributes(name, path, set(mods))
+    ]
+    assert not reach, "muon_fn.tools reaches past the public API:\n" + "\n".join(reach)
+
+
+def test_the_library_never_imports_the_tools(graph):
+    """Nothing outside muon_fn.tools imports it (the console script of pyproject.toml and
+    ``python -m muon_fn`` are entry points that run it)."""
+    reach = library_reach(graph)
+    assert not reach, "the library imports muon_fn.tools:\n" + "\n".join(reach)
+    assert any(in_tools(m) for m in graph), "no muon_fn.tools modules found"
