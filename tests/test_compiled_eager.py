@@ -26,7 +26,8 @@ and the current code passes. On a CPU without bf16 instructions the Muon classes
 default there), so the bf16 paths are not compiled.
 
 Cost: compiling dominates, a few seconds a graph (GCC), about 15 s more for a process's first.
-The FSDP job compiles in the background while this process compiles the single-device table.
+The FSDP job compiles in the background while this process compiles the single-device table
+(on pytest-xdist workers the two run on two workers).
 Measured on the 2-core development machine, shared with other work (load 2 to 2.5),
 ``OMP_NUM_THREADS=1``: 155–190 s for the file with a cold inductor cache (the FSDP job alone:
 57 s), 71 s with a warm one.
@@ -35,6 +36,7 @@ Measured on the 2-core development machine, shared with other work (load 2 to 2.
 from __future__ import annotations
 
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -232,24 +234,31 @@ def checks() -> dict:
     }
 
 
+def _start(tmp_path_factory):
+    return start_job(__file__, 2, tmp_path_factory.mktemp("compiled_eager_fsdp"), JOB_TIMEOUT_S)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def fsdp_job(request, tmp_path_factory):
-    """The W = 2 job, started now if any of its tests is selected (stopped at the end if its
-    results were never read)."""
-    if not any(
+    """The W = 2 job, started with the module's first test if any of its tests is selected
+    (stopped at the end if its results were never read). On a pytest-xdist worker it starts with
+    its first test instead: every worker collects every test, the job's tests run on the spawned
+    process groups' worker (conftest's ``--dist loadgroup``), and a job started beside the table
+    on another worker would run twice."""
+    if os.environ.get("PYTEST_XDIST_WORKER") or not any(
         item.module is request.module and "fsdp_results" in item.fixturenames
         for item in request.session.items
     ):
         yield None
         return
-    results = start_job(__file__, 2, tmp_path_factory.mktemp("compiled_eager_fsdp"), JOB_TIMEOUT_S)
+    results = _start(tmp_path_factory)
     yield results
     results(stop=True)
 
 
 @pytest.fixture(scope="module")
-def fsdp_results(fsdp_job):
-    return fsdp_job()
+def fsdp_results(fsdp_job, tmp_path_factory):
+    return (fsdp_job or _start(tmp_path_factory))()
 
 
 @pytest.mark.distributed
