@@ -1,5 +1,2 @@
-"""Tools apart from the library: the ``muon-fn`` command (:mod:`.cli`), its benchmarks (:mod:`.bench`),
-demo trainer (:mod:`.train`) and planner table (:mod:`.plan`).
-
-They import only muon_fn's public API (no ``muon_fn._x`` module, no ``_name``), and nothing in the
-library imports them (``tests/test_layering.py``)."""
+"""Tools apart from the library: the ``muon-fn`` command (cli), benchmarks, demo trainer, planner.
+They use only muon_fn's public API (no ``_module``, no ``_name``); the library never imports them."""

@@ -1,5 +1,8 @@
 """Benchmarks of muon_fn's optimizers, and their command line (``muon-fn bench``).
 
+A tool: it reads the library through its public API only, what it times inside Newton–Schulz
+(schedules, FLOPs, the device's products and policy) through :mod:`muon_fn.orthogonalization`.
+
 - The Muon step (:func:`benchmark_muon_optimizers`, ``muon-fn bench``): paired step times of
   muon_fn's compiled default, its eager form, torch.optim.Muon, fused AdamW and GEMM replays;
   each row's first (compiling) step, persistent state and peak step memory; orthogonality

@@ -1,6 +1,7 @@
-"""Private: the model, corpus and training loop behind ``muon-fn train`` and ``examples/``.
+"""The demo trainer: the model, corpus and training loop behind ``muon-fn train`` and ``examples/``.
 
-Not part of the public API (names may change); ``examples/train_gpt.py`` is the readable entry.
+A tool, not part of the library's API (names may change); like every tool it uses muon_fn through
+its public API only. ``examples/train_gpt.py`` is the readable entry.
 """
 
 from .args import UsageError, build_parser
