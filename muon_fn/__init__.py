@@ -18,7 +18,7 @@ from ._sso import SpectralSphereState, spectral_sphere, sso
 from .optim import (MuonOptimizer, Optimizer, SolverReport, SpectralSphereOptimizer, TritonMuon, TritonMuonW,
                     create_hybrid_optimizer, split_parameters)
 from . import spectral
-from .optim import engine as _engine
+from . import fsdp  # noqa: F401  registers the distributed executor with the engine (torch.distributed: on first use)
 from ._views import Heads, heads
 from ._transforms import (
     MomentumState,
@@ -128,15 +128,6 @@ _LAZY = {
 }
 
 
-def _distribute(optimizer, previous=None) -> None:
-    """An optimizer holding DTensor parameters runs the FSDP adapter's step (imported on first use:
-    muon_fn.fsdp loads torch.distributed)."""
-    from .fsdp import distribute
-
-    distribute(optimizer, previous)
-
-
-_engine.register_distributed(_distribute)
 
 
 def __getattr__(name: str):

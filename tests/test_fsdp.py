@@ -427,19 +427,13 @@ def custom_factory(h):
 
 
 def check_generic_mid_state(w):
-    """Any recipe through the adapter (FSDPAdapter over muon_fn.Optimizer): mid-phase state off
-    the rows (replicated, shared from the owner) and a mid phase that reads params equal the
-    single-device Optimizer running the same recipe."""
+    """Any recipe through the distributed executor (muon_fn.Optimizer on DTensors): mid-phase
+    state off the rows (replicated, shared from the owner) and a mid phase that reads params
+    equal the single-device Optimizer running the same recipe."""
     import muon_fn as mf
-    from muon_fn.fsdp._adapter import FSDPAdapter
 
-    class Custom(FSDPAdapter, mf.Optimizer):
-        def __init__(self, model):
-            self._setup(model)
-            super().__init__(
-                list(model.parameters()), custom_factory, {"lr": 0.02, "momentum": 0.95}
-            )
-            self._distribute(1)
+    def Custom(model):  # the generic optimizer on DTensors: the distributed executor runs it
+        return mf.Optimizer(list(model.parameters()), custom_factory, {"lr": 0.02, "momentum": 0.95}, model=model)
 
     def single(ref):
         return ref, mf.Optimizer(ref.parameters(), custom_factory, {"lr": 0.02, "momentum": 0.95})

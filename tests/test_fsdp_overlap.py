@@ -155,7 +155,7 @@ def check_nonfinite():
         assert "non-finite" in str(e), e
     else:
         raise AssertionError("no error")
-    assert opt._overlap.posted is None  # drained
+    assert opt._executor._overlap.posted is None  # drained
     opt.zero_grad()
     backward(model, 1)
     opt.step()  # the next step runs

@@ -178,7 +178,7 @@ def test_compiled_phases_match_compiled_muon_optimizer_without_graph_breaks(devi
     train(ref, ref_opt, 2)
     assert_same(model, opt, ref, ref_opt, parity(device))
     assert not counters["graph_break"], dict(counters["graph_break"])
-    routes = {r.label: r for r in opt._routes(0)}
+    routes = {r.label: r for r in opt._executor._routes(0)}
     assert routes["muon"].steps.mid.compiled and routes["muon"].steps.post.compiled
     assert routes["adamw"].steps.whole.compiled and not routes["adamw"].steps.pre.compiled
 
@@ -189,7 +189,7 @@ def test_the_default_compiles(compiled_default, monkeypatch):
     model, opt, _, _ = pair()
     train(model, opt, 1)
     assert opt._compile_options == {"fullgraph": True, "dynamic": False}
-    assert opt._routes(0)[0].steps.pre.compiled
+    assert opt._executor._routes(0)[0].steps.pre.compiled
 
 
 def test_frozen_parameters_are_left_out():
@@ -643,7 +643,7 @@ class TestPlanAgreement(expecttest.TestCase):
         model = Net()
         opt = FSDPMuonOptimizer(model)
         description = [
-            (k, re.sub("^[0-9a-f]{16}$", "<hash>", v)) for k, v in opt._plan_description(opt.plan)
+            (k, re.sub("^[0-9a-f]{16}$", "<hash>", v)) for k, v in opt._executor._plan_description(opt.plan)
         ]
         self.assertExpectedInline(
             "\n".join(f"{k}: {v}" for k, v in description),
@@ -665,7 +665,7 @@ the plan's owners and buckets: <hash>""",  # noqa: E501
     def test_first_difference(self):
         def describe(model, **kw):
             opt = FSDPMuonOptimizer(model, **kw)
-            return opt._plan_description(opt.plan)
+            return opt._executor._plan_description(opt.plan)
 
         torch.manual_seed(0)
         base = describe(Net())

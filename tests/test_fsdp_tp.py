@@ -133,7 +133,7 @@ def check_tp(build=block_tp, strategy="owner", **kw):
             t.reference(t.muon_single(Block, compile=False, **kw), STEPS),
             what=f"TP {strategy} {kw}: ",
         )
-        layout = opt._layouts[id(model.down.weight)]
+        layout = opt._executor._layouts[id(model.down.weight)]
         return {
             "down_rows": layout.rows,
             "down_placements": str(tuple(model.down.weight.placements)),
@@ -339,7 +339,7 @@ def check_experts(split: bool):
         opt = FSDPMuonOptimizer(model, **t.muon_kwargs(compile=False))
         kinds = [
             "piece" if m.piece is not None else "local" if mp.local else "owned"
-            for m, mp in zip(opt._matrices(), opt.plan.matrices)
+            for m, mp in zip(opt._executor._matrices(), opt.plan.matrices)
         ]
         # 2 experts on 4 ranks are cut into one-expert pieces with owners of their own
         assert kinds == (["piece"] * 4 if split else ["local"] * 2) + ["owned"], opt.plan.describe()

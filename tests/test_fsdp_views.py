@@ -175,7 +175,7 @@ def check_experts_mixed(w):
         opt = FSDPMuonOptimizer(model, **t.muon_kwargs(compile=False))
         names = [n for n, _ in model.named_parameters()]
         local = {
-            names[opt._matrices()[j].position]: mp.local for j, mp in enumerate(opt.plan.matrices)
+            names[opt._executor._matrices()[j].position]: mp.local for j, mp in enumerate(opt.plan.matrices)
         }
         assert local == {
             "w_up": True,
@@ -215,7 +215,7 @@ def check_expert_pieces(w, **kw):
         model = t.shard(t.make(FewExperts))
         opt = FSDPMuonOptimizer(model, **t.muon_kwargs(**kw))
         kinds = {}
-        for m, mp in zip(opt._matrices(), opt.plan.matrices):
+        for m, mp in zip(opt._executor._matrices(), opt.plan.matrices):
             kinds.setdefault(m.position, set()).add(
                 "piece" if m.piece is not None else "local" if mp.local else "owned"
             )
@@ -271,7 +271,7 @@ def check_expert_pieces_overlap(w):
         (a, _), (b, ob) = pairs
         for (name, p), q in zip(a.named_parameters(), b.parameters()):
             assert torch.equal(p.to_local(), q.to_local()), name
-        assert any(m.piece is not None for m in ob._matrices()) == (w > 2)
+        assert any(m.piece is not None for m in ob._executor._matrices()) == (w > 2)
         return {"describe": ob.describe()}
 
     return run

@@ -170,7 +170,7 @@ def test_dtensors_at_construction_keep_the_users_class(one_rank, device):  # noq
     model, ref = sharded_twins(one_rank, device, Net)
     opt = muon(model.parameters())
     plain = muon(ref.parameters())
-    assert type(opt).__name__ == "MuonOptimizer" and isinstance(opt, mf.MuonOptimizer)
+    assert type(opt) is mf.MuonOptimizer and opt._executor.distributed  # its class, its executor
     assert repr(opt).startswith("MuonOptimizer (") and "owner=0" in opt.describe()
     for t in range(2):
         set_grads(model, t)
@@ -181,7 +181,7 @@ def test_dtensors_at_construction_keep_the_users_class(one_rank, device):  # noq
         copy.deepcopy(opt),
         pickle.loads(pickle.dumps(opt)),
     ]  # FSDP2 modules do not copy: the optimizer alone
-    assert all(type(c).__name__ == "MuonOptimizer" and c.last_step_stats == {} for c in copies)
+    assert all(type(c) is mf.MuonOptimizer and c._executor.distributed and c.last_step_stats == {} for c in copies)
     holders = [Holder(c.param_groups[0]["params"]) for c in copies]
     for t in range(2, 4):
         for m, o in [(model, opt), (ref, plain), *zip(holders, copies)]:
@@ -221,6 +221,7 @@ def test_swap_to_dtensors_after_steps(one_rank, device):  # noqa: F811
         opt.step()
         plain.step()
     names = [n for n, _ in model.named_parameters()]
+    assert type(opt._executor) is mf.optim.engine.LocalExecutor
     shard(model, mesh=one_rank)
     opt.param_groups[0]["params"] = [dict(model.named_parameters())[n] for n in names]
     for t in range(2, 4):
@@ -229,6 +230,7 @@ def test_swap_to_dtensors_after_steps(one_rank, device):  # noqa: F811
         opt.step()
         plain.step()
     assert "matrices_computed" in opt.last_step_stats
+    assert type(opt) is mf.MuonOptimizer and opt._executor.distributed  # the executor switched, not the class
     assert all(
         torch.equal(p.full_tensor().cpu(), q.cpu())
         for p, q in zip(model.parameters(), ref.parameters())

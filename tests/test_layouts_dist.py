@@ -23,6 +23,7 @@ is tests/test_fsdp.py's.
 
 from __future__ import annotations
 
+import copy
 import sys
 from pathlib import Path
 
@@ -122,7 +123,10 @@ def check_construction(name, cls=Toy):
         model = shard(make(cls))
         opt = builders()[name](model)
         train([(model, opt)], STEPS)
-        assert type(opt).__name__ == type(builders()[name](make(cls))).__name__
+        assert type(opt) is type(builders()[name](make(cls)))  # its own class, no other made for it
+        assert opt._executor.distributed
+        if opt._model is None:  # a copy carries the model, and FSDP2 modules do not copy
+            assert type(copy.deepcopy(opt)) is type(opt)
         assert_same(model, opt, single(name, cls), what=f"{name}: ")
         return {
             "class": type(opt).__name__,
@@ -195,6 +199,7 @@ def check_swap(name, before=0, cls=Toy):
         accelerate_swap(model, opt)
         train([(model, opt)], STEPS - before, first=before)
         assert_same(model, opt, single(name, cls), what=f"{name} swapped after {before} steps: ")
+        assert type(opt) is type(builders()[name](make(cls))) and opt._executor.distributed
         return {"class": type(opt).__name__}
 
     return run
@@ -576,7 +581,7 @@ def check_distributed_options():
                 )
             )
             _, theirs = trained(lambda m, kw=kw: FSDPMuonOptimizer(m, compile=False, **kw))
-            assert type(ours) is not FSDPMuonOptimizer
+            assert type(ours) is mf.MuonOptimizer
             assert ours.distributed_options._asdict().items() >= kw.items()
             assert (ours.strategy, ours.wire_dtype) == (
                 kw.get("strategy", "owner"),

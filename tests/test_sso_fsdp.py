@@ -9,7 +9,6 @@ single-device optimizer's transform on the same buckets of whole matrices. Colle
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import subprocess
@@ -88,15 +87,14 @@ def _check_parity(strategy, rescale=None, cls=Net, views=None, heads=False, **ss
     checkpoint into the model would): the warm-start block must come from the weights of the
     first step, as single-device SSO makes it. ``views``: the single-device optimizer's
     ``matrix_view`` (the FSDP one reads the model). ``heads``: both get a head view for the
-    12-row matrices."""
+    12-row matrices. The single-device run is rank 0's, sent to every rank (:func:`_reference`)."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from muon_fn import FSDPSpectralSphereOptimizer, SpectralSphereOptimizer
+    from muon_fn import FSDPSpectralSphereOptimizer
 
     torch.manual_seed(0)
-    ref_model = cls()
-    model = copy.deepcopy(ref_model)
+    model = cls()
     for layer in model.children():
         fully_shard(layer)
     fully_shard(model)
@@ -106,35 +104,64 @@ def _check_parity(strategy, rescale=None, cls=Net, views=None, heads=False, **ss
         views = sso_kwargs["matrix_view"] = {"l[123].weight": mf.heads(rows=(4, 4, 4))}
     opt = FSDPSpectralSphereOptimizer(model, strategy=strategy, **sso_kwargs)
     sso_kwargs.pop("matrix_view", None)
-    ref = SpectralSphereOptimizer(ref_model.named_parameters(), matrix_view=views, **sso_kwargs)
-    if rescale is not None:
-        with torch.no_grad():
-            for p, q in zip(model.parameters(), ref_model.parameters()):
-                p.mul_(rescale)
-                q.mul_(rescale)
+    _rescale(model, rescale)
     for step in range(STEPS):
         _set_grads(model, step)
-        _set_grads(ref_model, step)
         opt.step()
-        ref.step()
+    expected, ref_lam, ref_iterations = _reference(cls, views, rescale, sso_kwargs)
     diffs = {}
-    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+    for (name, p), q in zip(model.named_parameters(), expected):
         full = p.full_tensor() if hasattr(p, "full_tensor") else p
-        diffs[name] = float((full.detach() - q.detach()).abs().max())
+        diffs[name] = float((full.detach() - q).abs().max())
     stats = opt.solver_stats()
     lam = [float(x) for x in stats.lam.reshape(-1)]
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, lam)
-    ref_stats = ref.solver_stats()
     return {
         "max_diff": max(diffs.values()),
         "diffs": diffs,
         "ranks_agree": all(x == everyone[0] for x in everyone),
         "lam": lam,
-        "ref_lam": [float(x) for x in ref_stats.lam],
+        "ref_lam": ref_lam,
         "iterations": [int(x) for x in stats.iterations.reshape(-1)],
-        "ref_iterations": [int(x) for x in ref_stats.iterations],
+        "ref_iterations": ref_iterations,
     }
+
+
+def _rescale(model, rescale):
+    if rescale is not None:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(rescale)
+
+
+def _reference(cls, views, rescale, sso_kwargs):
+    """Single-device SpectralSphereOptimizer from the same start (seed 0, then ``rescale``) after
+    STEPS steps of the same gradients, run on rank 0 only (each rank running it cost as much
+    again): its parameters, λ* and solver iterations, sent to every rank."""
+    import torch.distributed as dist
+
+    from muon_fn import SpectralSphereOptimizer
+
+    out = [None]
+    if dist.get_rank() == 0:
+        torch.manual_seed(0)
+        ref_model = cls()
+        ref = SpectralSphereOptimizer(ref_model.named_parameters(), matrix_view=views, **sso_kwargs)
+        _rescale(ref_model, rescale)
+        for step in range(STEPS):
+            _set_grads(ref_model, step)
+            ref.step()
+        stats = ref.solver_stats()
+        out = [
+            (
+                [q.detach().clone() for q in ref_model.parameters()],
+                [float(x) for x in stats.lam],
+                [int(x) for x in stats.iterations],
+            )
+        ]
+    dist.broadcast_object_list(out, src=0)
+    return out[0]
 
 
 def _check_bytes():

@@ -3,7 +3,7 @@
 ``FSDPMuonOptimizer`` runs single-device ``muon_fn.MuonOptimizer``'s recipe with each weight
 matrix orthogonalized whole on one owner rank (planned by :mod:`muon_fn.fsdp._plan`, exchanged by
 :mod:`muon_fn.fsdp._exchange`) and the elementwise parts on each rank's rows; its results equal
-MuonOptimizer's bit for bit. :class:`muon_fn.fsdp._adapter.FSDPAdapter` runs another optimizer's
+MuonOptimizer's bit for bit. Every optimizer of :mod:`muon_fn.optim` on DTensors runs its
 recipe the same way: :class:`FSDPSpectralSphereOptimizer` runs SpectralSphereOptimizer's.
 ``muon-fn bench fsdp`` measures it against the replicate baseline. :func:`plan_model` predicts
 the plan's per-rank cost for real model shapes (:mod:`muon_fn.fsdp.specs`) at any world size
@@ -13,6 +13,8 @@ prints.
 """
 
 from typing import Any
+
+from ..optim import engine
 
 from ._plan import Plan, chunk_rows, make_plan
 from ._plan_table import format_plan
@@ -25,7 +27,7 @@ from .specs import SPECS
 _LAZY = {
     "FSDPMuonOptimizer": "muon_fn.fsdp._optimizer",
     "FSDPSpectralSphereOptimizer": "muon_fn.fsdp._sso",
-    "STRATEGIES": "muon_fn.fsdp._adapter",
+    "STRATEGIES": "muon_fn.fsdp._executor",
 }
 
 __all__ = ["FSDPMuonOptimizer", "FSDPSpectralSphereOptimizer", "STRATEGIES", "Plan", "chunk_rows", "make_plan",
@@ -33,14 +35,18 @@ __all__ = ["FSDPMuonOptimizer", "FSDPSpectralSphereOptimizer", "STRATEGIES", "Pl
            "SPECS"]
 
 
-def distribute(optimizer: Any, previous: Any = None) -> None:
+def distribute(optimizer: Any, previous: Any = None, copied: Any = None) -> None:
     """Run ``optimizer``, a :mod:`muon_fn.optim` optimizer holding DTensor parameters, on the
-    owner-computes step from now on (collective: every rank calls it). The optimizers call it
-    themselves, at construction and after a swap (``previous``: the parameters held before it,
-    per group and position); it is the entry :mod:`muon_fn.optim.engine` hands them to."""
+    distributed (owner-computes) executor from now on (collective: every rank calls it). The
+    optimizers call it themselves, through :func:`muon_fn.optim.engine.distribute`, with which this
+    package registers it: at construction, after a swap (``previous``: the parameters held
+    before it, per group and position) and for a copy (``copied``)."""
     from ._adopt import adopt
 
-    adopt(optimizer, previous)
+    adopt(optimizer, previous, copied)
+
+
+engine.register_distributed(distribute)
 
 
 def __getattr__(name: str) -> Any:

@@ -1,13 +1,13 @@
-"""Any optimizer of :mod:`muon_fn.optim` on DTensor parameters: handed to the FSDP adapter's step.
+"""Any optimizer of :mod:`muon_fn.optim` on DTensor parameters: run by the distributed executor.
 
 ``MuonOptimizer(model.parameters())`` on a ``fully_shard``-ed model (Lightning's
 ``ModelParallelStrategy``, transformers' DTensor loading, torchtitan), or one whose parameters a
 trainer swaps for DTensors after building it (accelerate's FSDP2 ``prepare``), runs the
-owner-computes step of :class:`~._adapter.FSDPAdapter`, as :class:`~._optimizer.FSDPMuonOptimizer`
-does: :func:`adopt` gives the optimizer the class ``cls`` with the adapter mixed in (made once per
-class, named as ``cls``; FSDP2's ``fully_shard`` does the same to modules), the adapter's default
-options, and a plan. ``muon_fn/__init__.py`` registers :func:`adopt` with
-:mod:`muon_fn.optim._placement`, which calls it at construction and after a swap.
+owner-computes step of :class:`~._executor.DistributedExecutor`, as
+:class:`~._optimizer.FSDPMuonOptimizer` does: :func:`adopt` gives the optimizer that executor (its
+class stays what it is) and a plan. :mod:`muon_fn.fsdp` registers :func:`adopt` with
+:func:`muon_fn.optim.engine.register_distributed`; the engine calls it at construction, after a
+swap and for a copy.
 
 State made before a swap is carried over: each state tensor of a parameter that was replaced is
 laid out like its replacement (:func:`_carry`); a replacement of another shape is refused first.
@@ -20,57 +20,36 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ..optim import MuonOptimizer, engine
+from ..optim import engine
 from ..optim.engine import GroupRuntime, Optimizer
-from ._adapter import FSDPAdapter
-from ._optimizer import MuonFlops
-
-_CLASSES: dict[type, type] = {}
+from ._executor import DistributedExecutor
 
 
-def distributed_class(cls: type) -> type:
-    """``cls`` with the FSDP adapter's step (and Muon's FLOP count where ``cls`` is a Muon
-    optimizer): made once per class, with ``cls``'s name, so messages and ``repr`` read as the
-    user's class; ``cls`` itself if it runs the adapter already."""
-    if issubclass(cls, FSDPAdapter):
-        return cls
-    made = _CLASSES.get(cls)
-    if made is None:
-        bases = (MuonFlops, FSDPAdapter, cls) if issubclass(cls, MuonOptimizer) else (FSDPAdapter, cls)
-        made = _CLASSES[cls] = type(cls.__name__, bases, {
-            "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__,
-            "_single_device_class": cls, "__reduce_ex__": _reduce_ex})
-    return made
-
-
-def _reduce_ex(self: Any, protocol: int) -> tuple:
-    """Pickle (and ``copy.deepcopy``) by the user's class: a made class cannot be found by name."""
-    return _rebuild, (self._single_device_class,), self.__getstate__()
-
-
-def _rebuild(cls: type) -> Any:
-    made = distributed_class(cls)
-    return made.__new__(made)
-
-
-def adopt(optimizer: Optimizer, previous: list[list[torch.Tensor | None]] | None = None) -> None:
-    """Run ``optimizer`` on the FSDP adapter's step from now on (collective: every rank calls it,
-    as every rank builds the optimizer and steps it). ``previous``: the parameters it held before
-    a swap, per group and position (their state is carried over); None at construction."""
+def adopt(optimizer: Optimizer, previous: list[list[torch.Tensor | None]] | None = None,
+          copied: dict[str, Any] | None = None) -> None:
+    """Run ``optimizer`` on the distributed executor from now on (collective: every rank calls
+    it, as every rank builds the optimizer and steps it). ``previous``: the parameters it held
+    before a swap, per group and position (their state is carried over); ``copied``: for a copy,
+    what the original's executor kept (:meth:`DistributedExecutor.getstate`); both None at
+    construction."""
     if any(g.get("micro_step", 0) for g in optimizer.param_groups):
         raise RuntimeError(f"{type(optimizer).__name__}: parameters were swapped inside a gradient accumulation "
                            "window; swap them at a window boundary (after the window's last step())")
     carried = _take_state(optimizer, previous or [])
-    if isinstance(optimizer, FSDPAdapter):
-        overlap = optimizer.overlap  # as set last; its hooks were registered on the former parameters
-        optimizer.overlap = False
-        k = optimizer._accumulation_steps
+    ex = optimizer._executor
+    if isinstance(ex, DistributedExecutor):
+        overlap = ex.overlap  # as set last; its hooks were registered on the former parameters
+        ex.overlap = False
+        k = ex._accumulation_steps
     else:
         k, overlap = _accumulation_steps(optimizer), None  # the distributed options'
-        optimizer.__class__ = distributed_class(type(optimizer))
-        optimizer._prepare()
+        ex = optimizer._executor = DistributedExecutor(optimizer)
+    if copied is not None:  # a copy runs without overlap (its hooks are made collectively)
+        overlap = False
     optimizer._runtimes = [GroupRuntime() for _ in optimizer.param_groups]
-    optimizer._distribute(k, overlap=overlap)
+    ex.distribute(k, overlap=overlap)
+    if copied is not None:
+        ex.resume(copied)
     _carry(optimizer, carried)
 
 
@@ -112,6 +91,6 @@ def _carry(optimizer: Optimizer, carried: list[tuple[torch.Tensor, dict]]) -> No
             else:
                 new.copy_(value)
     done = {id(p) for p, _ in carried}
-    optimizer._pending_init = [(index, route, bucket) for index, route, bucket in optimizer._pending_init
-                               if not all(id(optimizer.param_groups[index]["params"][i]) in done
-                                          for i in bucket.indices)]
+    ex = optimizer._executor
+    ex._pending_init = [(index, route, bucket) for index, route, bucket in ex._pending_init
+                        if not all(id(optimizer.param_groups[index]["params"][i]) in done for i in bucket.indices)]

@@ -1,23 +1,24 @@
-"""The FSDP2 adapter: a :class:`muon_fn.Optimizer`'s recipe run on sharded parameters, each
-matrix computed whole by one owner.
+"""The distributed executor: an optimizer's recipe run on sharded parameters, each matrix
+computed whole by one owner.
 
-:class:`FSDPAdapter` is a mixin for an optimizer class of :mod:`muon_fn.optim` (before it in the
-bases, e.g. ``class FSDPMuonOptimizer(FSDPAdapter, MuonOptimizer)``): the groups, their checks
-and their transforms stay the optimizer's (the same factory on the same hyperparameters); the
-adapter changes where each part of a transform runs. Each group's routes (:mod:`._routes`) split
-their transforms into phases (:mod:`._phases`); per step:
+:class:`DistributedExecutor` is what an optimizer of :mod:`muon_fn.optim` runs its step through
+once it holds DTensors (:mod:`._adopt`; the FSDP classes from construction): the groups, their
+checks and their transforms stay the optimizer's (the same factory on the same hyperparameters);
+the executor changes where each part of a transform runs. Each group's routes (:mod:`._routes`)
+split their transforms into phases (:mod:`._phases`); per step:
 
 1. **pre** on every rank's local rows (Muon: momentum), in place;
 2. the rows of every matrix travel to its owner (:mod:`._rows`, :mod:`._plan`, :mod:`._exchange`),
    which runs the **mid** phase on the whole matrices (Muon: orthogonalize … scale_by_shape), one
    call per bucket of the single-device optimizer, and returns each rank's rows of the result;
    an expert stack sharded on its expert dim does not travel: each rank runs the mid phase on
-   the whole experts it holds (:meth:`FSDPAdapter._is_local`);
+   the whole experts it holds (:meth:`DistributedExecutor._is_local`);
 3. **post** on local rows (Muon: weight decay and learning rate), then ``p += u`` in place.
 
 Transforms without a matrix part (AdamW) run whole on local rows with no communication. This
 module builds what the step reads (routes, the plan, the state layout, the exchange topology);
-the step itself is :class:`._step.AdapterStep`.
+the step itself is :class:`._step.AdapterStep`. Of its optimizer the executor uses what
+:class:`muon_fn.optim.engine.Executor` lists.
 """
 
 from __future__ import annotations
@@ -45,53 +46,48 @@ STRATEGIES = engine.STRATEGIES
 ``"replicate"`` (every rank all-gathers and computes every matrix; the baseline)."""
 
 
-class FSDPAdapter(AdapterStep):
-    """Runs the step of the :class:`muon_fn.Optimizer` subclass it is mixed into on FSDP2-sharded
-    (or DDP-replicated) parameters; see the module docstring. A subclass's ``__init__`` calls
-    :meth:`_setup`, then the optimizer's ``__init__``, then :meth:`_distribute`.
+class DistributedExecutor(AdapterStep, engine.Executor):
+    """The step of an optimizer of :mod:`muon_fn.optim` on FSDP2-sharded (or DDP-replicated)
+    parameters; see the module docstring. The optimizer holds it as its executor
+    (:class:`muon_fn.optim.engine.Executor`) from the first DTensor on (:func:`~._adopt.adopt`),
+    or from construction for the FSDP classes; its class never changes.
 
-    After each step ``last_step_stats`` holds this rank's figures: ``bytes_sent``,
-    ``bytes_received``, ``ns_flops`` (see :meth:`_matrix_flops`), ``matrices_computed``,
-    ``comm_wait_s``, ``compute_s``, ``step_s``, ``applied``.
+    After each step the optimizer's ``last_step_stats`` holds this rank's figures:
+    ``bytes_sent``, ``bytes_received``, ``ns_flops`` (the optimizer's ``_matrix_flops``),
+    ``matrices_computed``, ``comm_wait_s``, ``compute_s``, ``step_s``, ``applied``.
     """
 
-    _distributes_itself = True  # muon_fn.optim.Optimizer leaves the layout to _distribute
+    distributed = True
 
-    def _setup(self, model: nn.Module) -> None:
-        """Check the model and start the adapter's bookkeeping, before the optimizer adds its
-        groups (the optimizer keeps the model: pass it on as ``model=``)."""
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        self._prepare()
-
-    def _prepare(self) -> None:
-        """The adapter's bookkeeping before the groups are distributed."""
+    def __init__(self, opt: Any) -> None:
+        super().__init__(opt)
         self._overlap_wanted, self._overlap = False, None
         self._distributed = False
         self._builds = itertools.count()
 
-    def _distribute(self, k: int, overlap: bool | None = None) -> None:
+    def distribute(self, k: int, overlap: bool | None = None) -> None:
         """Where every parameter lives, its state, and the plan (once all groups are in), run as
         the optimizer's :attr:`distributed_options` say (checked where they were given);
-        ``overlap``: whether to overlap instead (a copy: no; a swap: as it was)."""
-        options = self.distributed_options
+        ``k``: the gradient accumulation steps; ``overlap``: whether to overlap instead (a copy:
+        no; a swap: as it was)."""
+        opt, options = self.opt, self.opt.distributed_options
         self.strategy, self.wire_dtype, self._num_buckets = options.strategy, options.wire_dtype, options.num_buckets
         self._overlap_wanted = options.overlap if overlap is None else overlap
         self._process_group, self._fqns = options.process_group, None
-        named = [(self._fqn(p), p) for g in self.param_groups for p in g["params"]]
+        named = [(self._fqn(p), p) for g in opt.param_groups for p in g["params"]]
         self.topology = _params.resolve_topology(named, options.process_group)
         self._layouts = _params.layouts(named, self.topology)
-        self._fsdp_modules = [] if self._model is None else _fsdp_modules(self._model)
+        self._fsdp_modules = [] if opt._model is None else _fsdp_modules(opt._model)
         if k > 1 and not self._fsdp_modules:
             raise ValueError(
                 f"gradient_accumulation_steps={k} needs a model wrapped with torch.distributed.fsdp.fully_shard "
-                f"(FSDP2), whose gradient sync it pauses, but {_model_name(self._model)}; pass model= (the "
+                f"(FSDP2), whose gradient sync it pauses, but {_model_name(opt._model)}; pass model= (the "
                 "fully_shard-ed model), or let the trainer accumulate with gradient_accumulation_steps=1")
         self._accumulation_steps, self._micro_step = k, 0
         self._device = _params.local(named[0][1]).device if named else torch.device("cpu")
         self._plan_key: Any = None
         self._pending_init: list[tuple[int, Route, Bucket]] = []
-        self.last_step_stats: dict[str, Any] = {}
+        opt.last_step_stats = {}
         self._matrices()
         self._set_gradient_sync(k == 1)
         self._distributed = True
@@ -103,21 +99,38 @@ class FSDPAdapter(AdapterStep):
     # DTensor parameters' group, else the default one).
     # A copy runs without overlap (the hooks and their process group are made collectively):
     # set ``overlap = True`` on the copies of every rank.
-    _FSDP_CONFIG = ("strategy", "wire_dtype", "_num_buckets", "_accumulation_steps", "_micro_step")
+    def getstate(self) -> dict[str, Any]:
+        """What a copy of the optimizer needs to continue where this one is (:meth:`resume`)."""
+        return {"micro_step": self._micro_step}
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()  # refuses an optimizer built with process_group=
-        state.update({k: self.__dict__[k] for k in self._FSDP_CONFIG if k in self.__dict__})
-        return state
+    def resume(self, state: dict[str, Any]) -> None:
+        """Continue, as a copy, at the original's place in its accumulation window (:meth:`getstate`)."""
+        k, self._micro_step = self._accumulation_steps, state["micro_step"]
+        self._set_gradient_sync(k == 1 or self._micro_step == k - 1)
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)  # torch's load_state_dict calls it too: nothing to rebuild then
-        if "_layouts" not in self.__dict__ and "strategy" in self.__dict__:
-            self._prepare()
-            micro = self._micro_step
-            self._distribute(self._accumulation_steps, overlap=False)
-            self._micro_step = micro
-            self._set_gradient_sync(self._accumulation_steps == 1 or micro == self._accumulation_steps - 1)
+    # ------------------------------------------------------------------ the optimizer's hooks
+    def check_new_group(self) -> None:
+        """``add_param_group`` before the plan is made (refused after)."""
+        if self._distributed:
+            raise RuntimeError(f"{type(self.opt).__name__} cannot add parameter groups after construction "
+                               "(the communication plan is fixed); pass every group to __init__")
+
+    def initial_state(self, index: int) -> None:
+        """Nothing here: the plan creates every group's state (:meth:`distribute`)."""
+
+    def built(self, rt: Any) -> None:
+        """A group's transforms were built: its routes are built on first use, after the dry run."""
+        rt.routes, rt.build = None, next(self._builds)
+
+    def before_load(self) -> None:
+        self._drop_overlap()
+
+    def after_load(self) -> None:
+        self._pending_init = []  # the loaded state is the state
+
+    def before_zero_grad(self) -> None:
+        """First drain an exchange started by a backward without a step."""
+        self._drop_overlap()
 
     # ------------------------------------------------------------------ groups and state
     def _fqn(self, p: torch.Tensor) -> str:
@@ -126,44 +139,17 @@ class FSDPAdapter(AdapterStep):
         names = self.__dict__.get("_fqns")
         if names is None or id(p) not in names:
             names = self._fqns = {id(q): f"#{i} of group {gi}" if n is None else n
-                                  for gi, g in enumerate(self.param_groups)
-                                  for i, (q, n) in enumerate(zip(g["params"], self._param_names(g)))}
+                                  for gi, g in enumerate(self.opt.param_groups)
+                                  for i, (q, n) in enumerate(zip(g["params"], self.opt._param_names(g)))}
         return names.get(id(p), f"<parameter of shape {tuple(p.shape)} not in the optimizer>")
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """The optimizer's ``add_param_group`` before the plan is made (refused after)."""
-        if self._distributed:
-            raise RuntimeError(f"{type(self).__name__} cannot add parameter groups after construction "
-                               "(the communication plan is fixed); pass every group to __init__")
-        super().add_param_group(param_group)
-
-    def _initial_state(self, index: int) -> None:
-        """Nothing here: the plan creates every group's state at construction (``_distribute``)."""
-
-    def _relayout(self, previous: list[list[torch.Tensor | None]]) -> None:
-        """After parameters were swapped into ``param_groups``: planned again (collective), their
-        state carried over (:mod:`._adopt`)."""
-        engine.distribute(self, previous)
 
     def _matrix_algorithm(self) -> str:
         """The algorithm of a hybrid's matrices (``algorithms[1]``: "muon", "sso")."""
-        return getattr(self, "algorithms", ("auto", "matrix"))[1]
-
-    def _matrix_flops(self, group: dict[str, Any], shape: tuple[int, ...]) -> int:
-        """FLOPs of one matrix's mid phase, for ``last_step_stats`` (0 unless a subclass knows)."""
-        return 0
+        return getattr(self.opt, "algorithms", ("auto", "matrix"))[1]
 
     def _param_flops(self, group: dict[str, Any], shape: tuple[int, ...], view: str | _views.Heads) -> int:
         """FLOPs of a parameter's mid phase: its matrices' (or head blocks') under ``view``."""
-        return sum(self._matrix_flops(group, s) for s in _views.unit_shapes(shape, view))
-
-    @staticmethod
-    def _meta(params: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        return tuple(torch.empty(tuple(p.shape), dtype=p.dtype, device="meta") for p in params)
-
-    def _build(self, group: dict[str, Any], rt: Any, static_key: Any) -> None:
-        super()._build(group, rt, static_key)
-        rt.routes, rt.build = None, next(self._builds)  # built on first use, after the dry run
+        return sum(self.opt._matrix_flops(group, s) for s in _views.unit_shapes(shape, view))
 
     def _owner_bucket_size(self) -> Callable[..., int]:
         """Same-shape matrices one owner computes together, a function of the matrices of one
@@ -171,17 +157,18 @@ class FSDPAdapter(AdapterStep):
         the execution policy's byte bound), at most :data:`BUCKET_SIZE` on every other device
         unless given (the planner balances owners in such buckets; an unbounded GPU bucket would
         give every same-shape matrix to one owner)."""
-        if self._bucket_size is not None:
-            return lambda same, among: self._bucket_size
+        if self.opt._bucket_size is not None:
+            return lambda same, among: self.opt._bucket_size
         return lambda same, among: min(BUCKET_SIZE, _execution.bucket_limit(same, None, among))
 
     def _routes(self, index: int) -> list[Route]:
-        rt = self._runtimes[index]
+        rt = self.opt._runtimes[index]
         if rt.routes is None:
-            group = self.param_groups[index]
-            rt.routes = group_routes(group, self._group_hyper(group, rt), self._param_options(group), self._factory,
-                                     self._matrix_algorithm(), self._meta, self._owner_bucket_size(),
-                                     self._compile_options, self.__dict__.get("verify", True))
+            opt = self.opt
+            group = opt.param_groups[index]
+            rt.routes = group_routes(group, opt._group_hyper(group, rt), opt._param_options(group), opt._factory,
+                                     self._matrix_algorithm(), self.meta, self._owner_bucket_size(),
+                                     opt._compile_options, opt.verify)
         return rt.routes
 
     def _init_state(self, index: int) -> None:
@@ -191,12 +178,12 @@ class FSDPAdapter(AdapterStep):
         The state of a mid phase that reads parameters (SSO's warm-start block) is made from the
         whole matrices, as single-device optimizers make it, on the first step
         (:meth:`_init_from_whole`); until then it holds zeros of its shape."""
-        params = self.param_groups[index]["params"]
+        params = self.opt.param_groups[index]["params"]
         for route in self._routes(index):
             for bucket in route.buckets:
                 ps = [params[i] for i in bucket.indices]
-                self._check_blocks(ps, bucket, self.param_groups[index].get("state_bits"))
-                states = [self.state[p] for p in ps]
+                self._check_blocks(ps, bucket, self.opt.param_groups[index].get("state_bits"))
+                states = [self.opt.state[p] for p in ps]
                 fresh, whole = self._fresh_leaves(route, bucket, ps)
                 if whole and not engine.state_complete(bucket.phase_layouts[1], states):
                     self._pending_init.append((index, route, bucket))
@@ -206,7 +193,7 @@ class FSDPAdapter(AdapterStep):
                                overwrite=False)
                 for p, st in zip(ps, states):
                     if not st:  # a parameter without state gets no entry (as torch's optimizers)
-                        self.state.pop(p, None)
+                        self.opt.state.pop(p, None)
 
     def _check_blocks(self, ps: list[torch.Tensor], bucket: Bucket, bits: Any) -> None:
         """Quantized state (``state_bits`` 16, 8, 4) keeps its blocks within rows: a parameter
@@ -247,7 +234,7 @@ class FSDPAdapter(AdapterStep):
                                   for gi, _, bucket in pending], topo.group, topo.world_size)
         self._pending_init = [entry for entry, now in zip(pending, due) if not now]
         for index, route, bucket in (entry for entry, now in zip(pending, due) if now):
-            ps = [self.param_groups[index]["params"][i] for i in bucket.indices]
+            ps = [self.opt.param_groups[index]["params"][i] for i in bucket.indices]
             whole = tuple(p.full_tensor() if isinstance(p, _params.DTensor) else p for p in ps)
             pre, mid, _ = bucket.phase_layouts
             made = _tree.tree_leaves(route.phases.mid.init(tuple(w.detach() for w in whole)))
@@ -256,12 +243,7 @@ class FSDPAdapter(AdapterStep):
                     continue
                 for k in ([slot.index] if slot.index is not None else range(len(ps))):
                     a, b = self._layouts[id(ps[k])].rows if bucket.rows[len(pre.slots) + n] else (None, None)
-                    _params.local(self.state[ps[k]][slot.key]).copy_(value if a is None else value[a:b])
-
-    def load_state_dict(self, state_dict: dict[str, Any], *, allow_missing_state: bool = False) -> None:
-        self._drop_overlap()
-        super().load_state_dict(state_dict, allow_missing_state=allow_missing_state)
-        self._pending_init = []  # the loaded state is the state
+                    _params.local(self.opt.state[ps[k]][slot.key]).copy_(value if a is None else value[a:b])
 
     def _state_leaf(self, p: torch.Tensor, slot: engine.Slot, local: torch.Tensor,
                     rows: bool) -> torch.Tensor:
@@ -275,17 +257,17 @@ class FSDPAdapter(AdapterStep):
 
     def _local_state(self, bucket: Bucket, params: list[torch.Tensor]) -> Any:
         """The bucket's state as this rank's tensors (views of the stored ones)."""
-        stored = engine.gather_state(bucket.layout, [self.state.get(params[i], {}) for i in bucket.indices])
+        stored = engine.gather_state(bucket.layout, [self.opt.state.get(params[i], {}) for i in bucket.indices])
         return _tree.tree_map(lambda t: None if t is None else _params.local(t), stored)
 
     # ------------------------------------------------------------------ the plan
     def _matrices(self) -> list[Matrix]:
         """Every matrix with a mid phase, in group order; the plan is rebuilt when they change."""
-        key = tuple(self._runtime(i).build for i in range(len(self.param_groups)))
+        key = tuple(self.opt._runtime(i).build for i in range(len(self.opt.param_groups)))
         if key == self._plan_key:
             return self._matrix_list
         matrices = []
-        for gi, group in enumerate(self.param_groups):
+        for gi, group in enumerate(self.opt.param_groups):
             buckets = {i: (r, b) for r in self._routes(gi) for b in r.buckets for i in b.indices}
             for i, p in enumerate(group["params"]):
                 route, bucket = buckets[i]
@@ -294,7 +276,7 @@ class FSDPAdapter(AdapterStep):
                     view = route.options.get("matrix_view", "flatten")
                     matrices.append(Matrix(gi, route, bucket, i, p, route.formats[i],
                                             self._param_flops(group, tuple(p.shape), view), view))
-        for index in range(len(self.param_groups)):  # the state a rebuilt transform adds
+        for index in range(len(self.opt.param_groups)):  # the state a rebuilt transform adds
             self._init_state(index)
         matrices = self._set_plan(matrices)
         self._plan_key, self._matrix_list = key, matrices
@@ -364,9 +346,9 @@ class FSDPAdapter(AdapterStep):
         where = topo.describe()
         out = [("the options", f"strategy={self.strategy!r}, wire_dtype={self.wire_dtype}, "
                                f"num_buckets={self._num_buckets}, gradient_accumulation_steps="
-                               f"{self._accumulation_steps}, nonfinite={self.nonfinite!r}, "
+                               f"{self._accumulation_steps}, nonfinite={self.opt.nonfinite!r}, "
                                f"overlap={self._overlap_wanted}, {topo.world_size} ranks, {where}")]
-        for gi, group in enumerate(self.param_groups):
+        for gi, group in enumerate(self.opt.param_groups):
             routes = {i: route for route in self._routes(gi) for i in route.indices}
             for i, p in enumerate(group["params"]):
                 placed = (f"placements {tuple(p.placements)}" if isinstance(p, _params.DTensor)
@@ -379,12 +361,12 @@ class FSDPAdapter(AdapterStep):
         return out
 
     # ------------------------------------------------------------------ QK-Clip
-    def _qk_rows(self, p: torch.Tensor) -> tuple[torch.Tensor, int]:
+    def qk_rows(self, p: torch.Tensor) -> tuple[torch.Tensor, int]:
         """This rank's rows of ``p`` and the global index of the first (the shard's offset), so
         QK-Clip finds the head of every local row, also of a head split across ranks."""
         return _params.local(p), self._layouts[id(p)].offset
 
-    def _qk_reduce(self, logits: list[torch.Tensor]) -> None:
+    def qk_reduce(self, logits: list[torch.Tensor]) -> None:
         """Each layer's max logits, the max over every rank (each saw its own batch)."""
         _exchange.all_ranks_max(logits)
 
@@ -398,7 +380,7 @@ class FSDPAdapter(AdapterStep):
 
     @overlap.setter
     def overlap(self, on: bool) -> None:
-        self.distributed_options._replace(overlap=on).checked()  # the constructor's checks and messages
+        self.opt.distributed_options._replace(overlap=on).checked()  # the constructor's checks and messages
         if on and self._overlap is None and self.topology.world_size > 1:
             self._overlap = _overlap.Overlap(self)
         elif not on and self._overlap is not None:
@@ -430,46 +412,34 @@ class FSDPAdapter(AdapterStep):
         if not getattr(self, "_overlap_warned", False):
             self._overlap_warned = True
             warnings.warn(
-                f"{type(self).__name__}(overlap=True): a gradient read during backward was replaced "
+                f"{type(self.opt).__name__}(overlap=True): a gradient read during backward was replaced "
                 "or changed before step() on some rank (or a parameter without gradient in the last "
                 "backward got one), so the exchange started during backward was dropped and this "
                 "step ran without overlap. Gradients must not change between backward and step() "
                 "with overlap=True (use overlap=False to clip or edit them).",
                 stacklevel=4)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """torch's ``zero_grad``; first drains an exchange started by a backward without a step."""
-        self._drop_overlap()
-        super().zero_grad(set_to_none)
-
     # ------------------------------------------------------------------ FSDP2 helpers
     def _set_gradient_sync(self, enabled: bool) -> None:
         for m in self._fsdp_modules:
             m.set_requires_gradient_sync(enabled, recurse=False)
 
-    @contextlib.contextmanager
-    def unshard_params(self) -> Iterator[nn.Module]:
+    def unshard_params(self) -> contextlib.AbstractContextManager[nn.Module]:
         """Inside, every FSDP2 module holds its full (unsharded) parameters; resharded on exit."""
         if not self._fsdp_modules:
             raise ValueError(
-                f"unshard_params() needs a model wrapped with fully_shard (FSDP2), but {_model_name(self._model)}"
+                f"unshard_params() needs a model wrapped with fully_shard (FSDP2), but {_model_name(self.opt._model)}"
             )
-        for m in self._fsdp_modules:
-            m.unshard()
-        try:
-            yield self._model
-        finally:
-            for m in self._fsdp_modules:
-                m.reshard()
+        return _unsharded(self.opt._model, self._fsdp_modules)  # holds the model, not the optimizer
 
     def describe(self) -> str:
         """Which transform each parameter gets, and who computes each matrix (``local``: each
         rank its own rows, nothing exchanged; ``per expert``: a stack cut into one-expert pieces,
         each computed by its owner or ``here``, where it lies)."""
         more = ", overlap=True" if self._overlap_wanted else ""
-        lines = [f"{type(self).__name__}(strategy={self.strategy!r}, world_size={self.topology.world_size}{more})"]
+        lines = [f"{type(self.opt).__name__}(strategy={self.strategy!r}, world_size={self.topology.world_size}{more})"]
         self._matrices()
-        for gi, group in enumerate(self.param_groups):
+        for gi, group in enumerate(self.opt.param_groups):
             for route in self._routes(gi):
                 for i in route.indices:
                     p, js = group["params"][i], self._index.get((gi, i), [])
@@ -485,6 +455,23 @@ class FSDPAdapter(AdapterStep):
                         where += f" view={view}"
                     lines.append(f"  {route.label:<5} {self._fqn(p)} {tuple(p.shape)}{where}")
         return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def _unsharded(model: nn.Module, modules: list[nn.Module]) -> Iterator[nn.Module]:
+    for m in modules:
+        m.unshard()
+    try:
+        yield model
+    finally:
+        for m in modules:
+            m.reshard()
+
+
+def check_model(model: Any) -> None:
+    """The FSDP classes' ``model`` must be a module (their parameters' default and their sync)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
 
 
 def _model_name(model: nn.Module | None) -> str:

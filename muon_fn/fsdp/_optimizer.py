@@ -1,6 +1,6 @@
 """``FSDPMuonOptimizer``: :class:`muon_fn.MuonOptimizer` on FSDP2 (``fully_shard``) models, run by
-the FSDP adapter (:mod:`._adapter`). Configuration only: MuonOptimizer's groups, checks and
-factory, the adapter's options, and what ``last_step_stats`` counts as FLOPs (:class:`MuonFlops`)."""
+the distributed executor (:mod:`._executor`). Configuration only: MuonOptimizer's groups, checks,
+factory and options, the model, and the distributed executor from construction."""
 
 from __future__ import annotations
 
@@ -9,29 +9,11 @@ from typing import Any
 
 import torch.nn as nn
 
-from .._muon import resolve_method
-from .._newton_schulz import default_steps
 from ..optim import MuonOptimizer
-from . import _plan
-from ._adapter import FSDPAdapter
+from ._executor import check_model
 
 
-class MuonFlops:
-    """What ``last_step_stats`` counts as one Muon matrix's FLOPs (a base of the FSDP adapter's
-    Muon optimizers, this module's and those handed over after construction, :mod:`._adopt`)."""
-
-    def _matrix_flops(self, group: dict[str, Any], shape: tuple[int, ...]) -> int:
-        """Newton–Schulz FLOPs of one matrix under the group's orthogonalization settings."""
-        method = group["method"]
-        steps = group["ns_steps"] or default_steps(method, None if callable(method) else group["ns_coefficients"])
-        if callable(method):
-            return _plan.ns_flops(shape, steps)
-        schedule, _ = resolve_method(method, steps, coefficients=group["ns_coefficients"],
-                                     stepsize=group["ns_stepsize"])
-        return _plan.ns_flops(shape, schedule)
-
-
-class FSDPMuonOptimizer(MuonFlops, FSDPAdapter, MuonOptimizer):
+class FSDPMuonOptimizer(MuonOptimizer):
     """:class:`muon_fn.MuonOptimizer` for FSDP2-sharded (or DDP-replicated) models.
 
     Results equal single-device :class:`muon_fn.MuonOptimizer` with the same settings bit for bit
@@ -123,10 +105,11 @@ class FSDPMuonOptimizer(MuonFlops, FSDPAdapter, MuonOptimizer):
         gradient_accumulation_steps: int = 1,
         **muon_options: Any,
     ) -> None:
-        self._setup(model)
+        check_model(model)
         if params is None:  # frozen parameters never get gradients: leave them out of the plan
             params = [p for p in model.parameters() if p.requires_grad]
         super().__init__(params, lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov,
                          ns_steps=ns_steps, ns_stepsize=ns_stepsize, beta2=beta2, eps=eps,
                          gradient_accumulation_steps=gradient_accumulation_steps, model=model, **muon_options)
-        self._distribute(gradient_accumulation_steps)
+
+    _always_distributed = True  # plain tensors are replicated parameters of the plan

@@ -56,18 +56,18 @@ class Ready(NamedTuple):
 
 
 class Overlap:
-    """The hooks and the round in flight of one FSDP optimizer (``opt``, held weakly)."""
+    """The hooks and the round in flight of one optimizer's distributed executor (``ex``, held weakly)."""
 
-    def __init__(self, opt: Any) -> None:
-        self._opt = weakref.ref(opt)
-        self.group = _exchange.dedicated_group(opt.topology.group)
+    def __init__(self, ex: Any) -> None:
+        self._ex = weakref.ref(ex)
+        self.group = _exchange.dedicated_group(ex.topology.group)
         self.handles: list[Any] = []
         me = weakref.ref(self)
         # FSDP2 calls these hooks after its reduce-scatter: only its parameters' gradients are
         # final then (a plain or a DTensor parameter outside fully_shard is reduced later, if at all).
-        managed = {id(p) for module in opt._fsdp_modules for p in module.parameters()}
-        hooked = list({id(m.param): m.param for m in opt._matrices()
-                       if opt._layouts[id(m.param)].sharded and id(m.param) in managed}.values())
+        managed = {id(p) for module in ex._fsdp_modules for p in module.parameters()}
+        hooked = list({id(m.param): m.param for m in ex._matrices()
+                       if ex._layouts[id(m.param)].sharded and id(m.param) in managed}.values())
         for p in hooked:
             self.handles.append(p.register_post_accumulate_grad_hook(_hook(me)))
         weakref.finalize(self, _remove, self.handles)
@@ -96,24 +96,24 @@ class Overlap:
 
     # ------------------------------------------------------------------ during backward
     def on_grad(self, p: torch.Tensor) -> None:
-        opt = self._opt()
-        if opt is None or not opt._overlap_armed():
+        ex = self._ex()
+        if ex is None or not ex._overlap_armed():
             return
         t0 = time.perf_counter()
         if id(p) in self.ready:  # a new backward, and no step since the last one
             self.drop()
         self.ready.add(id(p))
-        matrices = opt._matrix_list
+        matrices = ex._matrix_list
         if self.matrices is None:
             self.matrices = matrices
-            self.posted = _exchange.Posted(opt.plan, opt.topology.rank, group=self.group,
-                                           wire_dtype=opt.wire_dtype)
+            self.posted = _exchange.Posted(ex.plan, ex.topology.rank, group=self.group,
+                                           wire_dtype=ex.wire_dtype)
         elif self.matrices is not matrices:  # the plan was rebuilt: the step reposts
             return
-        pending = {id(bucket) for _, _, bucket in opt._pending_init}
-        while self.posted.next_bucket < len(opt.plan.buckets) and all(
-                self._final(m.param) and id(m.bucket) not in pending for m in _members(opt, self.posted.next_bucket)):
-            self._post(opt, None)
+        pending = {id(bucket) for _, _, bucket in ex._pending_init}
+        while self.posted.next_bucket < len(ex.plan.buckets) and all(
+                self._final(m.param) and id(m.bucket) not in pending for m in _members(ex, self.posted.next_bucket)):
+            self._post(ex, None)
             self.in_backward += 1
         self.backward_s += time.perf_counter() - t0
 
@@ -123,51 +123,51 @@ class Overlap:
         after all, the step sees a changed gradient)."""
         return id(p) in self.ready or (id(p) in self.hooked and id(p) not in self.expected)
 
-    def _post(self, opt: Any, grads: list | None) -> None:
+    def _post(self, ex: Any, grads: list | None) -> None:
         """Run the pre phase of the next bucket's matrices and post its gather; ``grads``: the
         step's local gradients (None: read them now, recording what was read)."""
         b = self.posted.next_bucket  # type: ignore[union-attr]
-        members = _members(opt, b)
+        members = _members(ex, b)
         if grads is None:
-            grads = [[None] * len(g["params"]) for g in opt.param_groups]
+            grads = [[None] * len(g["params"]) for g in ex.opt.param_groups]
             for m in members:
-                group = opt.param_groups[m.group]
-                grads[m.group][m.position] = opt._local_grad(group, m.param, opt._accumulation_steps)
+                group = ex.opt.param_groups[m.group]
+                grads[m.group][m.position] = ex._local_grad(group, m.param, ex._accumulation_steps)
                 g = m.param.grad
                 self.consumed.append((m.param, g, -1 if g is None else g._version))
         units = {id(m.bucket) for m in members}
-        held = opt._pre(self.matrices, grads, None, only=units, deferred=self.deferred)
-        self.posted.post(b, {j: held[j] for j in opt.plan.buckets[b].matrices})  # type: ignore[union-attr]
+        held = ex._pre(self.matrices, grads, None, only=units, deferred=self.deferred)
+        self.posted.post(b, {j: held[j] for j in ex.plan.buckets[b].matrices})  # type: ignore[union-attr]
 
     # ------------------------------------------------------------------ in step()
     def complete(self, grads: list[tuple]) -> Ready | None:
         """Post every bucket not posted yet (from the step's gradients ``grads``), in plan order,
         then agree with every rank whether the gradients read during backward are still the
         step's; returns the round, or None (drained) if they are not on some rank."""
-        opt = self._opt()
-        matrices = opt._matrices()
+        ex = self._ex()
+        matrices = ex._matrices()
         if self.matrices is not matrices:  # nothing posted, or for another plan (every rank alike)
             self.drop()
             self.matrices = matrices
-            self.posted = _exchange.Posted(opt.plan, opt.topology.rank, group=self.group,
-                                           wire_dtype=opt.wire_dtype)
-        while self.posted.next_bucket < len(opt.plan.buckets):  # type: ignore[union-attr]
-            self._post(opt, grads)
+            self.posted = _exchange.Posted(ex.plan, ex.topology.rank, group=self.group,
+                                           wire_dtype=ex.wire_dtype)
+        while self.posted.next_bucket < len(ex.plan.buckets):  # type: ignore[union-attr]
+            self._post(ex, grads)
         changed = any(p.grad is not g or (g is not None and g._version != v) for p, g, v in self.consumed)
         if self.ready:
             self.expected = set(self.ready)
         ready = Ready(self.posted, self.deferred, self.in_backward, self.backward_s)  # type: ignore[arg-type]
-        if _exchange.any_rank_flag(changed, self.group, opt._device):
+        if _exchange.any_rank_flag(changed, self.group, ex._device):
             self.drop()
-            opt._warn_overlap_stale()
+            ex._warn_overlap_stale()
             return None
         self._reset()
         return ready
 
 
-def _members(opt: Any, b: int) -> list:
+def _members(ex: Any, b: int) -> list:
     """The matrices (``_Matrix``) of the plan's bucket ``b``."""
-    return [opt._matrix_list[j] for j in opt.plan.buckets[b].matrices]
+    return [ex._matrix_list[j] for j in ex.plan.buckets[b].matrices]
 
 
 def _hook(me: weakref.ref) -> Any:

@@ -1,5 +1,5 @@
 """``FSDPSpectralSphereOptimizer``: :class:`muon_fn.SpectralSphereOptimizer` on FSDP2
-(``fully_shard``) models, run by the FSDP adapter (:mod:`._adapter`). Configuration only."""
+(``fully_shard``) models, run by the distributed executor (:mod:`._executor`). Configuration only."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import torch
 import torch.nn as nn
 
 from ..optim import SpectralSphereOptimizer
-from ._adapter import FSDPAdapter
+from ._executor import check_model
 
 
-class FSDPSpectralSphereOptimizer(FSDPAdapter, SpectralSphereOptimizer):
+class FSDPSpectralSphereOptimizer(SpectralSphereOptimizer):
     """:class:`muon_fn.SpectralSphereOptimizer` for FSDP2-sharded (or DDP-replicated) models.
 
     The recipe is SpectralSphereOptimizer's (:func:`muon_fn.sso`: EMA momentum, then
@@ -56,9 +56,10 @@ class FSDPSpectralSphereOptimizer(FSDPAdapter, SpectralSphereOptimizer):
         gradient_accumulation_steps: int = 1,
         **sso_options: Any,
     ) -> None:
-        self._setup(model)
+        check_model(model)
         if params is None:  # frozen parameters never get gradients: leave them out of the plan
             params = [p for p in model.parameters() if p.requires_grad]
         super().__init__(params, lr, momentum, nesterov,
                          gradient_accumulation_steps=gradient_accumulation_steps, model=model, **sso_options)
-        self._distribute(gradient_accumulation_steps)
+
+    _always_distributed = True  # plain tensors are replicated parameters of the plan

@@ -1,9 +1,9 @@
-"""The FSDP2 adapter's step (:class:`AdapterStep`, a base of :class:`~._adapter.FSDPAdapter`):
+"""The FSDP2 adapter's step (:class:`AdapterStep`, a base of :class:`~._executor.DistributedExecutor`):
 per step, the **pre** phase on every rank's local rows, the rows of every matrix to its owner
 and the **mid** phase there on whole matrices (:mod:`._exchange`), the results back, and the
 **post** phase on local rows, then ``p += u`` in place; transforms without a matrix part run
 whole on local rows. What it runs (routes, phases, the plan, the state layout) is built at
-construction by :class:`~._adapter.FSDPAdapter`.
+construction by :class:`~._executor.DistributedExecutor`.
 """
 
 from __future__ import annotations
@@ -40,15 +40,15 @@ class Matrix(NamedTuple):
 
 
 class AdapterStep(FSDPTelemetry):
-    """The step of :class:`~._adapter.FSDPAdapter`, which builds everything it reads."""
+    """The step of :class:`~._executor.DistributedExecutor`, which builds everything it reads."""
 
     @step_not_traced
-    def _step(self) -> None:
+    def step(self) -> None:
         start = time.perf_counter()
         k = self._accumulation_steps
         if k > 1 and not self._last_micro_batch(k):
             return
-        grads = [self._local_grads(group, k) for group in self.param_groups]
+        grads = [self._local_grads(group, k) for group in self.opt.param_groups]
         ready = self._overlap_complete(grads)
         try:
             finite = self._finite(grads)
@@ -59,12 +59,12 @@ class AdapterStep(FSDPTelemetry):
         self._writes: list[Staged] = []  # atomic=True: the step's writes, committed at its end
         self._faults: list[tuple[torch.Tensor, tuple]] = []  # each bucket's guard
         stats = self._apply(grads, finite, ready)
-        self._applied_steps = self.__dict__.get("_applied_steps", 0) + 1
+        self.opt._applied_steps += 1
         if finite is not None:
-            self._count_nonfinite(finite)
-            self._count_faults(self._faults)
-        self.last_step = StepReport(torch.ones((), dtype=torch.bool) if finite is None else finite, True)
-        self.last_step_stats = {**stats, "step_s": time.perf_counter() - start, "applied": True}
+            self.opt._count_nonfinite(finite)
+            self.opt._count_faults(self._faults)
+        self.opt.last_step = StepReport(torch.ones((), dtype=torch.bool) if finite is None else finite, True)
+        self.opt.last_step_stats = {**stats, "step_s": time.perf_counter() - start, "applied": True}
 
     def _last_micro_batch(self, k: int) -> bool:
         """Count a micro-step; sync the next backward only if it is the last of a step."""
@@ -74,8 +74,8 @@ class AdapterStep(FSDPTelemetry):
             self._micro_step = 0
         self._set_gradient_sync(self._micro_step == k - 1)
         if not final:
-            self.last_step = StepReport(torch.ones((), dtype=torch.bool), False)
-            self.last_step_stats = {"applied": False, "micro_step": self._micro_step}
+            self.opt.last_step = StepReport(torch.ones((), dtype=torch.bool), False)
+            self.opt.last_step_stats = {"applied": False, "micro_step": self._micro_step}
         return final
 
     def _local_grads(self, group: dict[str, Any], k: int) -> tuple[torch.Tensor | None, ...]:
@@ -83,33 +83,34 @@ class AdapterStep(FSDPTelemetry):
 
     def _local_grad(self, group: dict[str, Any], p: torch.Tensor, k: int) -> torch.Tensor | None:
         g = p.grad
-        refuse_sparse(g, self._name(group, p))
+        refuse_sparse(g, self.opt._name(group, p))
         g = None if g is None else _params.local(_params.placed_like(g.detach(), p))
         return g / k if g is not None and k > 1 else g
 
     def _finite(self, grads: list[tuple]) -> torch.Tensor | None:
         """Whether every rank's gradients are finite (agreed by all ranks, decided on the device)."""
-        if self.nonfinite is None:
+        if self.opt.nonfinite is None:
             return None
         pairs = [(gi, i, g) for gi, gs in enumerate(grads) for i, g in enumerate(gs) if g is not None]
         flags = (finite_flags([g for _, _, g in pairs]) if pairs
                  else torch.ones(0, dtype=torch.bool, device=self._device))
         flag = flags.all() if pairs else torch.ones((), dtype=torch.bool, device=self._device)
         finite = _exchange.all_ranks_finite(flag, self.topology.group, self.topology.world_size)
-        if self.nonfinite == "error" and not bool(finite):
-            self._count_nonfinite(finite)
-            raise nonfinite_error(self._nonfinite_params(list(enumerate(grads))))
+        if self.opt.nonfinite == "error" and not bool(finite):
+            self.opt._count_nonfinite(finite)
+            raise nonfinite_error(self.opt._nonfinite_params(list(enumerate(grads))))
 
         def names() -> list[str]:
-            return [self._name(self.param_groups[gi], self.param_groups[gi]["params"][i]) for gi, i, _ in pairs]
+            groups = self.opt.param_groups
+            return [self.opt._name(groups[gi], groups[gi]["params"][i]) for gi, i, _ in pairs]
 
-        self._skip_notice().watch(flags, names, type(self).__name__, everywhere=finite)
+        self.opt._skip_notice().watch(flags, names, type(self.opt).__name__, everywhere=finite)
         return finite
 
     def _apply(self, grads: list[tuple], finite: torch.Tensor | None,
                ready: _overlap.Ready | None = None) -> dict[str, Any]:
         matrices, topo = self._matrices(), self.topology
-        figs: dict | None = {} if self._measure_now() else None  # telemetry (._telemetry)
+        figs: dict | None = {} if self.opt._measure_now() else None  # telemetry (._telemetry)
         if figs is not None and ready is not None:  # a measured step runs without overlap
             ready.posted.drain()
             ready = None
@@ -149,7 +150,7 @@ class AdapterStep(FSDPTelemetry):
 
     def _mid_buckets(self) -> Iterator[tuple[int, Route, Bucket, list[torch.Tensor]]]:
         """(group index, route, bucket, group params) of every route with a mid phase."""
-        for gi, group in enumerate(self.param_groups):
+        for gi, group in enumerate(self.opt.param_groups):
             for route in self._routes(gi):
                 if route.phases.mid is not None:
                     for bucket in route.buckets:
@@ -172,7 +173,7 @@ class AdapterStep(FSDPTelemetry):
             if all(x is None for x in g):
                 updates = (None,) * len(g)
             else:
-                if finite is None and self.nonfinite is not None:
+                if finite is None and self.opt.nonfinite is not None:
                     updates, new_state = route.steps.pre_update(_phases.signature(local, g, state), local, g, state)
                     deferred.append((state, new_state, tuple(params[i] for i in bucket.indices)))
                 elif figs is not None:
@@ -188,7 +189,7 @@ class AdapterStep(FSDPTelemetry):
             for i, p, u in zip(bucket.indices, local, updates):
                 js = self._index[(gi, i)]
                 fmt = matrices[js[0]].fmt
-                rows = [_params.local(self.state[params[i]][leaf.key]) for leaf in fmt.row_states]
+                rows = [_params.local(self.opt.state[params[i]][leaf.key]) for leaf in fmt.row_states]
                 packed = _rows.pack(fmt, *self._as_rows(fmt, params[i], u, p), rows, self._wire_in)
                 start = self._layouts[id(params[i])].rows[0]
                 for j in js:  # a stack cut into pieces: each piece's row, if this rank holds it
@@ -234,7 +235,7 @@ class AdapterStep(FSDPTelemetry):
             sent = [_rows.unpack_sent(matrices[j].fmt, x) for j, x in zip(batch, inputs)]
             for j, (_, _, states) in zip(batch, sent):
                 for leaf in matrices[j].fmt.replicated:
-                    states[leaf.key] = _params.local(self.state[matrices[j].param][leaf.key])
+                    states[leaf.key] = _params.local(self.opt.state[matrices[j].param][leaf.key])
             layout = bucket.phase_layouts[1]
             state = engine.gather_state(layout, [states for _, _, states in sent])
             updates = tuple(u for u, _, _ in sent)
@@ -284,7 +285,7 @@ class AdapterStep(FSDPTelemetry):
         with_state = [j for j, m in enumerate(matrices) if m.fmt.replicated and not self.plan.matrices[j].local]
         if not with_state or self.strategy == "replicate" or topo.world_size == 1:
             return new
-        like = [_params.local(self.state[matrices[j].param][leaf.key]) for j in with_state
+        like = [_params.local(self.opt.state[matrices[j].param][leaf.key]) for j in with_state
                 for leaf in matrices[j].fmt.replicated]
         values = [v for j in with_state for v in new.get(j, [None] * len(matrices[j].fmt.replicated))]
         flat = iter(_exchange.share_from_owners(values, like, topo.group))
@@ -306,7 +307,7 @@ class AdapterStep(FSDPTelemetry):
                 if grads[gi][i] is None:  # this rank leaves the parameter and its state alone
                     u = old = new = None
                 else:
-                    old = tuple(_params.local(self.state[params[i]][leaf.key])
+                    old = tuple(_params.local(self.opt.state[params[i]][leaf.key])
                                 for leaf in fmt.row_states + fmt.replicated)
                     new = tuple(rows) + tuple(shared.get(j, ()))
                 updates.append(u)
@@ -326,7 +327,7 @@ class AdapterStep(FSDPTelemetry):
 
     def _elementwise(self, grads: list[tuple], finite: torch.Tensor | None, figs: dict | None = None) -> None:
         """Transforms without a mid phase (AdamW), whole on local rows."""
-        for gi, group in enumerate(self.param_groups):
+        for gi, group in enumerate(self.opt.param_groups):
             for route in self._routes(gi):
                 if route.phases.mid is not None:
                     continue
@@ -350,7 +351,7 @@ class AdapterStep(FSDPTelemetry):
     def _write(self, item: Staged, fault: torch.Tensor | None = None, params: tuple = ()) -> None:
         """Write ``item`` now (or hold it for the step's commit, ``atomic=True``) and note its
         bucket's guard ``fault`` with its parameters."""
-        self._stage(self._writes, item)
+        self.opt._stage(self._writes, item)
         if fault is not None:
             self._faults.append((fault, params))
 

@@ -45,8 +45,8 @@ class FSDPTelemetry:
     def _views_of(self, gi: int) -> dict[int, Any]:
         cache = self.__dict__.setdefault("_leaf_views", {})
         if gi not in cache:
-            group = self.param_groups[gi]
-            views = [o.get("matrix_view", "flatten") for o in self._param_options(group)]
+            group = self.opt.param_groups[gi]
+            views = [o.get("matrix_view", "flatten") for o in self.opt._param_options(group)]
             cache[gi] = {id(p): v for p, v in zip(group["params"], views)}
         return cache[gi]
 
@@ -92,7 +92,7 @@ class FSDPTelemetry:
         if topo.world_size > 1:
             torch.distributed.all_reduce(sums, group=topo.group)
             torch.distributed.all_reduce(highs, op=torch.distributed.ReduceOp.MAX, group=topo.group)
-        self._keep_figures(self._unpack(layout, sums, highs, size), finite)
+        self.opt._keep_figures(self._unpack(layout, sums, highs, size), finite)
 
     @staticmethod
     def _place(sums, highs, size, name, start, n, leaf, value) -> None:
@@ -121,8 +121,8 @@ class FSDPTelemetry:
             by_param.setdefault((gi, i), {})[name] = value
         out = []
         for (gi, i), raw in by_param.items():
-            p = self.param_groups[gi]["params"][i]
-            out.append(((gi, "fsdp", i), self._labels(gi, (i,), (self._leaf(gi, p),)), (raw,)))
+            p = self.opt.param_groups[gi]["params"][i]
+            out.append(((gi, "fsdp", i), self.opt._labels(gi, (i,), (self._leaf(gi, p),)), (raw,)))
         return out
 
     def _figure_layout(self) -> list[tuple[int, int, str, int, int]]:
@@ -133,7 +133,7 @@ class FSDPTelemetry:
         if cached is not None and cached[0] == key:
             return cached[1]
         layout, start = [], 0
-        for gi, group in enumerate(self.param_groups):
+        for gi, group in enumerate(self.opt.param_groups):
             for route in self._routes(gi):
                 for bucket in route.buckets:
                     ps = [group["params"][i] for i in bucket.indices]

@@ -35,6 +35,7 @@ from . import _placement, _state
 from ._apply import bucket_step, without_figures
 from ._checkpoint import ADAPTER_KEYS, Checkpointing
 from ._distributed import DEFAULTS, DistributedOptions
+from ._executor import Executor, LocalExecutor
 from ._placement import Placed
 from ._step import StagedStep, StepReport, signature, step_not_traced  # noqa: F401 (re-exported)
 from ._telemetry import Telemetry, check_metrics
@@ -237,9 +238,9 @@ class Optimizer(Checkpointing, Placed, StagedStep, Telemetry, torch.optim.Optimi
     """
 
     _extra_scalar_keys: tuple[str, ...] = ()
-    # True for classes that run the distributed step themselves (muon_fn.fsdp's), whose
-    # constructor lays the parameters out; others hand an optimizer holding DTensors to it.
-    _distributes_itself = False
+    # True for classes that run the distributed executor on any parameters (muon_fn.fsdp's: plain
+    # tensors are replicated ones); the others run it once they hold a DTensor.
+    _always_distributed = False
 
     def __init__(
         self,
@@ -264,7 +265,7 @@ class Optimizer(Checkpointing, Placed, StagedStep, Telemetry, torch.optim.Optimi
     ) -> None:
         options = DistributedOptions(strategy, wire_dtype, num_buckets, overlap, process_group)
         self.distributed_options = options.checked()
-        _checks.not_a_module(params, takes_model=not self._distributes_itself)
+        _checks.not_a_module(params, takes_model=not self._always_distributed)
         implementation = _checks.implementation_keywords(kwargs)
         _checks.unexpected_keywords(type(self).__name__, kwargs)
         self._know_model(model)
@@ -295,10 +296,11 @@ class Optimizer(Checkpointing, Placed, StagedStep, Telemetry, torch.optim.Optimi
         defaults = dict(defaults or {})
         defaults.setdefault("gradient_accumulation_steps", gradient_accumulation_steps)
         defaults.update(implementation)  # kept in every group, as torch's optimizers keep them
+        self._executor: Executor = LocalExecutor(self)
         super().__init__(params, defaults)
         self._check_groups()
-        if not self._distributes_itself and _placement.holds_dtensors(self.param_groups):
-            _placement.distribute(self)  # the owner-computes step of muon_fn.fsdp
+        if self._always_distributed or _placement.holds_dtensors(self.param_groups):
+            _placement.distribute(self)  # the owner-computes executor of muon_fn.fsdp
 
     # ----------------------------------------------------------------------- copies
     # torch's Optimizer pickles only defaults, state and param_groups; the configuration below
@@ -314,6 +316,9 @@ class Optimizer(Checkpointing, Placed, StagedStep, Telemetry, torch.optim.Optimi
                             "group cannot be copied; build a new optimizer instead")
         state = super().__getstate__()
         state.update({k: self.__dict__[k] for k in self._CONFIG if k in self.__dict__})
+        executor = self._executor.getstate()
+        if executor is not None:  # a copy runs on an executor like this one's (see __setstate__)
+            state["_executor_state"] = executor
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -330,6 +335,73 @@ class Optimizer(Checkpointing, Placed, StagedStep, Telemetry, torch.optim.Optimi
         if "_placement" not in self.__dict__:  # a copy: parameter identities are its own
             self._know_model(self.__dict__.get("_model"))
             self._placement = _placement.Placement(self.param_groups)
+        if "_executor" not in self.__dict__:  # a copy: laid out again, as the original was
+            self._executor = LocalExecutor(self)
+            executor = self.__dict__.pop("_executor_state", None)
+            if executor is not None:
+                _placement.distribute(self, None, executor)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's ``zero_grad`` (after the executor's hook: the distributed one first drains an
+        exchange started by a backward without a step)."""
+        self._executor.before_zero_grad()
+        super().zero_grad(set_to_none)
+
+    # ----------------------------------------------------------------------- distributed
+    # What the distributed executor (muon_fn.fsdp) exposes, on every class: it runs once the
+    # optimizer holds DTensors (the FSDP classes: always).
+    @property
+    def overlap(self) -> bool:
+        """Whether each bucket's exchange starts during backward (``overlap=``). Setting it on
+        DTensor parameters is collective (turning it on makes a process group): set it on every
+        rank; turning it off removes the hooks."""
+        ex: Any = self._executor
+        return ex.overlap if ex.distributed else self.distributed_options.overlap
+
+    @overlap.setter
+    def overlap(self, on: bool) -> None:
+        checked = self.distributed_options._replace(overlap=on).checked()  # the constructor's checks
+        ex: Any = self._executor
+        if ex.distributed:
+            ex.overlap = on
+        else:
+            self.distributed_options = checked
+
+    @property
+    def strategy(self) -> str:
+        """``strategy=`` of the distributed step: ``"owner"`` or ``"replicate"``."""
+        ex: Any = self._executor
+        return ex.strategy if ex.distributed else self.distributed_options.strategy
+
+    @property
+    def wire_dtype(self) -> torch.dtype | None:
+        """``wire_dtype=`` of the distributed step (None: the parameters' dtype)."""
+        ex: Any = self._executor
+        return ex.wire_dtype if ex.distributed else self.distributed_options.wire_dtype
+
+    @property
+    def topology(self) -> Any:
+        """Where the distributed step runs: ranks, mesh, groups (only on DTensor parameters)."""
+        return self._distributed_attribute("topology")
+
+    @property
+    def plan(self) -> Any:
+        """The distributed step's plan: each matrix's owner and bucket (only on DTensor parameters)."""
+        return self._distributed_attribute("plan")
+
+    def unshard_params(self) -> Any:
+        """A context manager inside which every FSDP2 module of ``model=`` holds its full
+        (unsharded) parameters; resharded on exit (only on DTensor parameters)."""
+        if not self._executor.distributed:
+            raise ValueError(f"unshard_params() needs a model wrapped with fully_shard (FSDP2), but "
+                             f"{type(self).__name__}'s parameters are plain tensors")
+        return self._distributed_attribute("unshard_params")()
+
+    def _distributed_attribute(self, name: str) -> Any:
+        if not self._executor.distributed:
+            raise AttributeError(f"{type(self).__name__}.{name}: the optimizer holds no DTensor parameters "
+                                 "(it exists on the distributed step)")
+        return getattr(self._executor, name)
 
     # ----------------------------------------------------------------------- groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -337,6 +409,7 @@ class Optimizer(Checkpointing, Placed, StagedStep, Telemetry, torch.optim.Optimi
         another group), a key that looks like a misspelled hyperparameter, complex or integer
         parameters and invalid hyperparameters, each naming the parameter or key. A refused
         group is not added."""
+        self._executor.check_new_group()
         if isinstance(param_group, dict) and "params" in param_group:
             _checks.listed_once(param_group, self.param_groups)
             _checks.misspelled_keys(param_group, self._hyperparameters(), type(self).__name__, ADAPTER_KEYS)
@@ -383,6 +456,10 @@ class Optimizer(Checkpointing, Placed, StagedStep, Telemetry, torch.optim.Optimi
                                  f"with dtype {p.dtype}")
 
     def _initial_state(self, index: int) -> None:
+        """Group ``index``'s state now (see :meth:`_local_initial_state`), as the executor makes it."""
+        self._executor.initial_state(index)
+
+    def _local_initial_state(self, index: int) -> None:
         """Create the transforms' state of group ``index`` now, not at its first update. Done for
         groups with gradient accumulation: torch.distributed.checkpoint initializes an optimizer
         that has no state by a step with zero gradients at lr = 0, which would count as the
@@ -486,9 +563,10 @@ class Optimizer(Checkpointing, Placed, StagedStep, Telemetry, torch.optim.Optimi
 
             for b in buckets(mine, limit if info(tx).leafwise else None):
                 indices = tuple(members[k] for k in b)
-                meta = self._meta([params[i] for i in indices])
+                meta = self._executor.meta([params[i] for i in indices])
                 leaves = tuple(_metrics.leaf_of(params[i], opts.get("matrix_view", "flatten")) for i in indices)
                 rt.buckets.append(_Bucket(indices, _state.build_layout(tx.init(meta), len(indices)), v, leaves))
+        self._executor.built(rt)
 
     @staticmethod
     def _group_hyper(group: dict[str, Any], rt: GroupRuntime) -> dict[str, Any]:
@@ -499,11 +577,10 @@ class Optimizer(Checkpointing, Placed, StagedStep, Telemetry, torch.optim.Optimi
         hyper["_names"] = group.get("param_names")
         return hyper
 
-    @staticmethod
-    def _meta(params: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """Meta tensors like ``params``: a DTensor's of its global shape."""
-        return tuple(torch.empty(tuple(p.shape), dtype=p.dtype, device="meta") if _placement.is_dtensor(p)
-                     else torch.empty_like(p, device="meta") for p in params)
+    def _matrix_flops(self, group: dict[str, Any], shape: tuple[int, ...]) -> int:
+        """GEMM FLOPs of one matrix's matrix step in ``group``, for the distributed step's
+        ``last_step_stats["ns_flops"]`` (0 unless the class knows its algorithm's count)."""
+        return 0
 
     def _dry_run(self, index: int) -> None:
         """Trace one update of the whole group on meta tensors (each variant's transform on its
@@ -513,7 +590,7 @@ class Optimizer(Checkpointing, Placed, StagedStep, Telemetry, torch.optim.Optimi
         not a CUDA one)."""
         rt = self._runtime(index)
         group = self.param_groups[index]
-        params = self._meta(group["params"])
+        params = self._executor.meta(group["params"])
         hyper = meta_scalars(self._group_hyper(group, rt))
         with torch.no_grad():
             for v, variant in enumerate(rt.variants):
@@ -538,7 +615,10 @@ class Optimizer(Checkpointing, Placed, StagedStep, Telemetry, torch.optim.Optimi
 
     # ----------------------------------------------------------------------- checkpoints
     def describe(self) -> str:
-        """A table of the parameter groups, their transforms and buckets."""
+        """A table of the parameter groups, their transforms and buckets (on DTensors: which
+        transform each parameter gets and who computes each matrix)."""
+        if self._executor.distributed:
+            return self._distributed_attribute("describe")()
         lines = []
         for index, group in enumerate(self.param_groups):
             rt = self._runtime(index)

@@ -1,7 +1,7 @@
 """The adapter's checkpoints: ``state_dict`` with each group's layout record, and a
 ``load_state_dict`` that checks a state_dict against the optimizer before anything changes.
 
-:class:`Checkpointing` is a mixin of :class:`~muon_fn.optim._adapter.Optimizer`, first among its
+:class:`Checkpointing` is a base of :class:`~muon_fn.optim._adapter.Optimizer`, first among its
 bases, so these methods resolve right after the class's own (as when the class defined them).
 """
 
@@ -25,6 +25,7 @@ class Checkpointing:
 
     param_groups: list[dict[str, Any]]  # torch.optim.Optimizer's, as the class it is mixed into has them
     state: Any
+    _executor: Any
 
     def state_dict(self) -> dict[str, Any]:
         """torch's ``state_dict``; every param group also records its parameters' layout under
@@ -90,6 +91,7 @@ class Checkpointing:
         checkpoint, load it at its own width, then ``load_state_dict(opt.state_dict())`` into an
         optimizer of the new width. Setting a group's ``state_bits`` between steps converts its
         state the same way."""
+        self._executor.before_load()  # the distributed one drains an exchange in flight
         self._follow_params()
         try:
             self._check_saved_groups(state_dict)
@@ -126,6 +128,7 @@ class Checkpointing:
             for index in range(len(self.param_groups)):
                 self._runtime(index)
             raise
+        self._executor.after_load()
 
     def _check_window(self, index: int) -> None:
         """A group loaded inside an accumulation window holds the window's accumulated gradients

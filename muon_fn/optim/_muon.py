@@ -4,6 +4,7 @@ ndim ≥ 2, AdamW for the rest)."""
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar
@@ -14,8 +15,8 @@ from .. import _checks, _compile
 from .._alias import adamw, check_one_normalization, matrix_labels, muon
 from .._base import GradientTransformation
 from .._combine import partition
-from .._muon import ADJUST_LR_FNS
-from .._newton_schulz import COMPUTE_DTYPES, METHODS, validate_coefficients
+from .._muon import ADJUST_LR_FNS, resolve_method
+from .._newton_schulz import COMPUTE_DTYPES, METHODS, default_steps, gemm_flops, validate_coefficients
 from .._qk_clip import QKClip, check_tracked
 from .. import _quantize
 from .._quantize import check_state_bits as check_state_bits_value
@@ -307,13 +308,21 @@ class MuonOptimizer(HybridOptimizer):
         clip, last = getattr(self, "qk_clip", None), self.last_step
         if clip is None or last is None or not last.applied:
             return
-        clip.step(self._qk_rows, enabled=None if self.nonfinite is None else last.finite, reduce=self._qk_reduce)
+        ex = self._executor  # this rank's rows of each weight, and how the ranks' max logits combine
+        clip.step(ex.qk_rows, enabled=None if self.nonfinite is None else last.finite, reduce=ex.qk_reduce)
 
-    def _qk_rows(self, p: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """The tensor QK-Clip scales for ``p`` and the global index of its first row."""
-        return p, 0
-
-    _qk_reduce = None  # how the FSDP adapter combines the ranks' max logits
+    def _matrix_flops(self, group: dict[str, Any], shape: tuple[int, ...]) -> int:
+        """Newton–Schulz GEMM FLOPs of one matrix under the group's orthogonalization settings (a
+        callable ``method``: ``ns_steps`` quintic iterations)."""
+        method = group["method"]
+        steps = group["ns_steps"] or default_steps(method, None if callable(method) else group["ns_coefficients"])
+        m, n = shape[0], math.prod(shape[1:])
+        if callable(method):
+            s, l = min(m, n), max(m, n)  # noqa: E741  the formula's s and l
+            return steps * (4 * s * s * l + 2 * s**3)
+        schedule, _ = resolve_method(method, steps, coefficients=group["ns_coefficients"],
+                                     stepsize=group["ns_stepsize"])
+        return gemm_flops((m, n), schedule)
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         super()._validate_group(group)

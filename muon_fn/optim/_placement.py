@@ -7,9 +7,10 @@ orthogonalized whole by one rank (DTensor has no sharding rule for a Newton–Sc
 running it through DTensor's ops would make every rank take part in every matrix).
 
 This module only tells the two apart and hands the optimizer over: :func:`distribute` calls the
-function that the package registers (:func:`register`; ``muon_fn/__init__.py`` registers
-:func:`muon_fn.fsdp._adopt.adopt`, imported on first use), so the ``torch.optim`` adapter never
-imports the FSDP adapter that is built on it.
+function that :mod:`muon_fn.fsdp` registers when it is imported (:func:`register`;
+``import muon_fn`` imports it), so the ``torch.optim`` engine never imports the distributed
+executor that is built on it. That function gives the optimizer its distributed executor
+(:class:`~._executor.Executor`); the optimizer's class never changes.
 
 A swap is noticed at the next step by :class:`Placement`: the identity of every parameter,
 compared by reference, costs well under a microsecond per parameter.
@@ -34,18 +35,20 @@ _DISTRIBUTE: list[Callable[..., None]] = []
 
 
 def register(distribute: Callable[..., None]) -> None:
-    """Set the function that runs an optimizer holding DTensors on the distributed step:
-    ``distribute(optimizer, previous)`` (``previous``: the parameters it held before, per group,
-    for a swap after construction; None at construction)."""
+    """Set the function that runs an optimizer on the distributed executor:
+    ``distribute(optimizer, previous, copied)`` (``previous``: the parameters it held before, per
+    group, for a swap after construction; ``copied``: for a copy, what the original's executor
+    kept (``Executor.getstate``); both None at construction)."""
     _DISTRIBUTE[:] = [distribute]
 
 
-def distribute(optimizer: Any, previous: list[list[torch.Tensor | None]] | None = None) -> None:
-    """Hand ``optimizer`` to the registered distributed step (see :func:`register`)."""
-    if not _DISTRIBUTE:  # only when muon_fn/__init__.py did not run: an import of a submodule alone
-        raise RuntimeError(f"{type(optimizer).__name__} holds DTensor parameters but the distributed step is not "
-                           "registered: import muon_fn (its __init__ registers muon_fn.fsdp)")
-    _DISTRIBUTE[0](optimizer, previous)
+def distribute(optimizer: Any, previous: list[list[torch.Tensor | None]] | None = None,
+               copied: dict[str, Any] | None = None) -> None:
+    """Hand ``optimizer`` to the registered distributed executor (see :func:`register`)."""
+    if not _DISTRIBUTE:  # only if muon_fn.fsdp failed to import
+        raise RuntimeError(f"{type(optimizer).__name__} holds DTensor parameters but the distributed executor is not "
+                           "registered: import muon_fn.fsdp (importing muon_fn does)")
+    _DISTRIBUTE[0](optimizer, previous, copied)
 
 
 def is_dtensor(t: Any) -> bool:
@@ -121,7 +124,7 @@ class Placed:
         held = {id(p) for g in self.param_groups for p in g["params"]}
         for p in [p for p, st in self.state.items() if not st and id(p) not in held]:
             del self.state[p]
-        if holds_dtensors(self.param_groups):
+        if self._executor.distributed or holds_dtensors(self.param_groups):
             distribute(self, previous)
             return
         for group in self.param_groups:  # a bad swap is refused before anything changes

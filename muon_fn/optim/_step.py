@@ -84,7 +84,7 @@ class StagedStep:
                 loss = closure()
         self._follow_params()  # parameters swapped in since the last step: laid out again first
         self._check_model_holds_params()
-        self._step()
+        self._executor.step()
         self._post_step()
         return loss
 
@@ -92,7 +92,8 @@ class StagedStep:
         """Hook for subclasses: what changes the parameters after the update (e.g. QK-Clip)."""
 
     @step_not_traced
-    def _step(self) -> None:
+    def _local_step(self) -> None:
+        """The step of :class:`~._executor.LocalExecutor`."""
         work = self._work()
         applied = [w for w in work if w.last]
         self._refuse_bad_micro_batch([w for w in work if not w.last])

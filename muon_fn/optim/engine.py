@@ -15,10 +15,12 @@ package: no other subpackage imports a private module of another (``tests/test_l
   :func:`guarded` (a bucket's result kept only where its update is finite), :func:`masked`,
   :func:`compute_bucket` (one bucket's update, staged).
 - **The commit**: :class:`Staged` results written in place by :func:`commit`.
+- **The executor** an optimizer runs its step through: :class:`Executor` (the interface, and what
+  an executor may use of its optimizer), :class:`LocalExecutor` (local tensors).
 - **The step**: :class:`StepReport`, :func:`step_not_traced`; the gradient checks and their
   messages (:func:`refuse_sparse`, :func:`nonfinite_error`); where parameters live:
-  :func:`is_dtensor`, :func:`distribute` and :func:`register_distributed` (the distributed step
-  that takes over an optimizer holding DTensors), :func:`state_moves`; the distributed options
+  :func:`is_dtensor`, :func:`distribute` and :func:`register_distributed` (the distributed
+  executor that takes over an optimizer holding DTensors), :func:`state_moves`; the distributed options
   every optimizer takes (:class:`DistributedOptions`, :data:`DISTRIBUTED_DEFAULTS`,
   :data:`STRATEGIES`, :data:`WIRE_DTYPES`).
 """
@@ -28,6 +30,7 @@ from __future__ import annotations
 from ._adapter import BUCKET_SIZE, GroupRuntime, Optimizer, buckets, meta_scalars, variants
 from ._distributed import DEFAULTS as DISTRIBUTED_DEFAULTS
 from ._distributed import STRATEGIES, WIRE_DTYPES, DistributedOptions
+from ._executor import Executor, LocalExecutor
 from ._apply import Staged, commit, compute_bucket, finite_flags, guarded, masked
 from ._placement import distribute, is_dtensor, state_moves
 from ._placement import register as register_distributed
@@ -43,6 +46,7 @@ __all__ = [
     "auto_label", "auto_halves",  # the hybrid's split
     "StateLayout", "Slot", "build_layout", "gather_state", "scatter_state", "state_complete",  # state
     "finite_flags", "guarded", "masked", "compute_bucket", "Staged", "commit",  # the guard and the commit
+    "Executor", "LocalExecutor",  # the executors
     "StepReport", "step_not_traced", "refuse_sparse", "nonfinite_error",  # the step
     "is_dtensor", "distribute", "register_distributed", "state_moves",  # placement
     "DistributedOptions", "DISTRIBUTED_DEFAULTS", "STRATEGIES", "WIRE_DTYPES",  # the distributed options
