@@ -3,7 +3,7 @@
 ``python tests/_compile_cache_child.py ROUND OUT DEVICE CASE [CASE ...]``
 
 Each case compiles one update twice in a row, each time with another value of one float
-hyperparameter (``ROUND`` "first": values 0 then 1 of its three; "second": 2 then 0), and this
+hyperparameter (``ROUND`` "first": values 0 then 1; "second": 1 then 0), and this
 writes to ``OUT`` (JSON), per case and value, the compiled update's distance from eager,
 ``max|compiled − eager| / max|eager|`` over the update of a state one eager step old (a transform)
 or over two steps (an optimizer), and the AOTAutograd cache's hits and misses. The caller runs
@@ -39,20 +39,24 @@ from torch import nn
 import muon_fn as mf
 
 F64 = torch.float64
-ROUNDS = {"first": (0, 1), "second": (2, 0)}
+# The second process compiles the first's two values in the other order: with dynamic=False both
+# are warm (an FX graph and AOTAutograd cache hit each, no cold compile); with automatic dynamic
+# its second compile turns the float symbolic and is served the first process's symbolic graph,
+# which burned in value 1, for value 0 (measured on torch 2.13: the legacy case's distance 0.86).
+ROUNDS = {"first": (0, 1), "second": (1, 0)}
 
-# Three values of each float, chosen so that each changes the update visibly.
-MOMENTUM = (0.9, 0.5, 0.8)
-BETA1 = (0.9, 0.8, 0.5)
-BETA2 = (0.95, 0.999, 0.9)
-EPS = (1e-3, 3e-3, 1e-2)  # large enough to matter next to the gradients below
-DECAY = (0.1, 0.3, 0.05)
-LR = (0.1, 0.05, 0.2)
-STEPSIZE = (1.0, 0.7, 0.85)
-COEFFICIENTS = ((3.4445, -4.7750, 2.0315), (1.875, -1.25, 0.375), (2.0, -1.5, 0.5))
-RADIUS = (2.0, 1.5, 3.0)
-ALPHA = (0.05, 0.2, 0.1)
-TOL = (2e-4, 1e-3, 5e-4)
+# Two values of each float, chosen so that each changes the update visibly.
+MOMENTUM = (0.9, 0.5)
+BETA1 = (0.9, 0.8)
+BETA2 = (0.95, 0.999)
+EPS = (1e-3, 3e-3)  # large enough to matter next to the gradients below
+DECAY = (0.1, 0.3)
+LR = (0.1, 0.05)
+STEPSIZE = (1.0, 0.7)
+COEFFICIENTS = ((3.4445, -4.7750, 2.0315), (1.875, -1.25, 0.375))
+RADIUS = (2.0, 1.5)
+ALPHA = (0.05, 0.2)
+TOL = (2e-4, 1e-3)
 ORTH = {"dtype": F64}
 SPHERE = {"retract_mode": "dynamic", "msign_dtype": F64}
 

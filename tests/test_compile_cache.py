@@ -9,7 +9,8 @@ float is a constant of the Dynamo graph and part of the cache key.
 
 Two processes share one cache directory (tests/_compile_cache_child.py); for every compile entry
 point and every float hyperparameter of the public transforms, each compiles two values in a row
-("first": values 0, 1; "second": 2, 0), and every compiled update must equal eager to 1e-6
+("first": values 0, 1; "second": the same two in the other order, all warm), and every compiled
+update must equal eager to 1e-6
 (relative; float64, where the two agree to rounding). The legacy case compiles with torch's
 default ``dynamic`` and must come out stale where this torch has the bug: proof that the harness
 would have caught it.
@@ -48,7 +49,7 @@ SHARES = (
     list(child.TRANSFORMS) + [LEGACY] + list(_WITH_TRANSFORMS),
     [case for case in child.OPTIMIZERS if case not in _WITH_TRANSFORMS],
 )
-TIMEOUT_S = 600
+TIMEOUT_S = 900  # a hang guard: a cold first round ran past 600 s on 2 cores at load 7
 
 pytestmark = [pytest.mark.inductor, pytest.mark.slow]  # subprocesses compiling cold and warm
 
@@ -140,11 +141,17 @@ def test_compiled_optimizer_equals_eager_in_a_second_process(rounds, case):
 
 
 def test_second_process_starts_warm(rounds):
-    """The caches are on: every graph the first process compiled for value 0 (a cache miss
+    """The caches are on: every graph the first process compiled for either value (a cache miss
     there) comes from torch's AOTAutograd and FX graph caches in the second (a hit, no miss)."""
     for case in [*child.TRANSFORMS, *child.OPTIMIZERS]:
-        first, second = rounds["first"][case]["0"]["cache"], rounds["second"][case]["0"]["cache"]
-        assert second["miss"] == 0 and second["hit"] >= min(first["miss"], 1), (case, first, second)
+        for v in rounds["first"][case]:
+            first, second = rounds["first"][case][v]["cache"], rounds["second"][case][v]["cache"]
+            assert second["miss"] == 0 and second["hit"] >= min(first["miss"], 1), (
+                case,
+                v,
+                first,
+                second,
+            )
 
 
 def test_harness_sees_the_stale_graph_of_torchs_default_dynamic(rounds):
