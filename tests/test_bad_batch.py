@@ -19,7 +19,10 @@
 - Gradient accumulation: under ``"error"`` a bad micro-batch is refused wherever it falls in the
   window; under ``"skip"`` it is accumulated and the window's step is skipped whole.
 
-The FSDP optimizers run the same checks in one spawned job at W = 2 (gloo), the NaN on one rank.
+The FSDP optimizers run the same checks in one spawned job at W = 2 (gloo), the NaN on one rank,
+eagerly and in their Dynamo graphs (the eager backend: the same traced graphs, with the checks
+decided on the device, without inductor's code generation, which the single-device compiled test
+and tests/test_compiled_eager.py's FSDP job exercise; inductor here cost 200 s of the job's 215).
 """
 
 from __future__ import annotations
@@ -238,14 +241,17 @@ def test_error_and_none_eager(name, monkeypatch):
 @pytest.mark.parametrize("name", CLASSES)
 @pytest.mark.slow
 def test_compiled(name, monkeypatch):
-    """The compiled default (inductor): every policy, an optimizer fault and an error midway
-    (atomic=True), in one optimizer's graphs per policy."""
+    """The compiled default (inductor): the default policy (a NaN in a matrix, an inf in a bias)
+    and an optimizer fault, decided on the device by inductor's code for the guard. The other
+    policies and an error midway (atomic=True) in their Dynamo graphs, run by the eager backend:
+    what they add is what the host does with the guard's flag (raise, ignore, commit staged
+    writes), and compiling each with inductor too cost half of this test."""
     for where, value in (("matrix", float("nan")), ("vector", float("inf"))):
         skipped_step_leaves_everything(name, where, value, COMPILED)
-    error_raises_before_anything(name, COMPILED)
-    none_applies_the_whole_step(name, COMPILED)
     fault_keeps_the_bucket(name, COMPILED)
-    error_midway_changes_nothing(name, COMPILED, monkeypatch)
+    error_raises_before_anything(name, GRAPHS)
+    none_applies_the_whole_step(name, GRAPHS)
+    error_midway_changes_nothing(name, GRAPHS, monkeypatch)
 
 
 OVERFLOW = 2e38  # finite, but its square overflows fp32: AdamW's second moment becomes inf
@@ -622,19 +628,26 @@ def _fsdp_check(cls_name: str, compile_option):
         opt.step()
         before = (local(net), states(opt, net))
         fsdp_grads(net, 1)
-        real = type(opt)._elementwise
+        # the class that runs the step's elementwise phase: the distributed executor's (the
+        # optimizer's own where the FSDP step is mixed into it)
+        runner = next(
+            type(x)
+            for x in (getattr(opt, "_executor", None), opt)
+            if hasattr(type(x), "_elementwise")
+        )
+        real = runner._elementwise
 
         def failing(self, *args):
             real(self, *args)
             raise Injected("after the exchange")
 
-        type(opt)._elementwise = failing
+        runner._elementwise = failing
         try:
             opt.step()
         except Injected:
             out["injected"] = True
         finally:
-            type(opt)._elementwise = real
+            runner._elementwise = real
         assert out.get("injected") and same(
             {"a": local(net), "b": states(opt, net)}, {"a": before[0], "b": before[1]}
         )
@@ -647,7 +660,7 @@ def checks() -> dict:
     return {
         f"{name}_{mode}": _fsdp_check(name, option)
         for name in ("muon", "sso")
-        for mode, option in (("eager", False), ("compiled", COMPILED["compile"]))
+        for mode, option in (("eager", False), ("graphs", GRAPHS["compile"]))
     }
 
 
