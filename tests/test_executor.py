@@ -28,7 +28,9 @@ def test_no_module_changes_an_objects_class_or_makes_one():
     for path in sorted(PACKAGE.rglob("*.py")):
         text = path.read_text()
         for pattern in (r"\.__class__\s*=[^=]", r"\btype\(\s*[\w.]+\s*,\s*\(", r"__reduce_ex__"):
-            found += [f"{path.relative_to(PACKAGE)}: {m.group(0)!r}" for m in re.finditer(pattern, text)]
+            found += [
+                f"{path.relative_to(PACKAGE)}: {m.group(0)!r}" for m in re.finditer(pattern, text)
+            ]
     assert not found, found
 
 
@@ -49,7 +51,9 @@ def test_local_tensors_run_the_local_executor(build):
     assert type(opt._executor) is engine.LocalExecutor and not opt._executor.distributed
     assert opt._executor.opt is opt
     clones = [copy.deepcopy(opt)]
-    if type(opt) is not mf.Optimizer:  # the generic one holds its tx in a lambda, which does not pickle
+    if (
+        type(opt) is not mf.Optimizer
+    ):  # the generic one holds its tx in a lambda, which does not pickle
         clones.append(pickle.loads(pickle.dumps(opt)))
     for clone in clones:
         assert type(clone) is type(opt) and type(clone._executor) is engine.LocalExecutor
@@ -66,7 +70,9 @@ def test_distributed_attributes_on_local_tensors():
     with pytest.raises(ValueError, match="overlap"):
         opt.overlap = "yes"
     for name in ("topology", "plan"):
-        with pytest.raises(AttributeError, match=f"MuonOptimizer.{name}: the optimizer holds no DTensor"):
+        with pytest.raises(
+            AttributeError, match=f"MuonOptimizer.{name}: the optimizer holds no DTensor"
+        ):
             getattr(opt, name)
     assert not hasattr(opt, "topology")
     with pytest.raises(ValueError, match="unshard_params"):

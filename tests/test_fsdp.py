@@ -433,7 +433,9 @@ def check_generic_mid_state(w):
     import muon_fn as mf
 
     def Custom(model):  # the generic optimizer on DTensors: the distributed executor runs it
-        return mf.Optimizer(list(model.parameters()), custom_factory, {"lr": 0.02, "momentum": 0.95}, model=model)
+        return mf.Optimizer(
+            list(model.parameters()), custom_factory, {"lr": 0.02, "momentum": 0.95}, model=model
+        )
 
     def single(ref):
         return ref, mf.Optimizer(ref.parameters(), custom_factory, {"lr": 0.02, "momentum": 0.95})

@@ -643,7 +643,8 @@ class TestPlanAgreement(expecttest.TestCase):
         model = Net()
         opt = FSDPMuonOptimizer(model)
         description = [
-            (k, re.sub("^[0-9a-f]{16}$", "<hash>", v)) for k, v in opt._executor._plan_description(opt.plan)
+            (k, re.sub("^[0-9a-f]{16}$", "<hash>", v))
+            for k, v in opt._executor._plan_description(opt.plan)
         ]
         self.assertExpectedInline(
             "\n".join(f"{k}: {v}" for k, v in description),

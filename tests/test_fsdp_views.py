@@ -175,7 +175,8 @@ def check_experts_mixed(w):
         opt = FSDPMuonOptimizer(model, **t.muon_kwargs(compile=False))
         names = [n for n, _ in model.named_parameters()]
         local = {
-            names[opt._executor._matrices()[j].position]: mp.local for j, mp in enumerate(opt.plan.matrices)
+            names[opt._executor._matrices()[j].position]: mp.local
+            for j, mp in enumerate(opt.plan.matrices)
         }
         assert local == {
             "w_up": True,

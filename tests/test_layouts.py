@@ -181,7 +181,10 @@ def test_dtensors_at_construction_keep_the_users_class(one_rank, device):  # noq
         copy.deepcopy(opt),
         pickle.loads(pickle.dumps(opt)),
     ]  # FSDP2 modules do not copy: the optimizer alone
-    assert all(type(c) is mf.MuonOptimizer and c._executor.distributed and c.last_step_stats == {} for c in copies)
+    assert all(
+        type(c) is mf.MuonOptimizer and c._executor.distributed and c.last_step_stats == {}
+        for c in copies
+    )
     holders = [Holder(c.param_groups[0]["params"]) for c in copies]
     for t in range(2, 4):
         for m, o in [(model, opt), (ref, plain), *zip(holders, copies)]:
@@ -230,7 +233,9 @@ def test_swap_to_dtensors_after_steps(one_rank, device):  # noqa: F811
         opt.step()
         plain.step()
     assert "matrices_computed" in opt.last_step_stats
-    assert type(opt) is mf.MuonOptimizer and opt._executor.distributed  # the executor switched, not the class
+    assert (
+        type(opt) is mf.MuonOptimizer and opt._executor.distributed
+    )  # the executor switched, not the class
     assert all(
         torch.equal(p.full_tensor().cpu(), q.cpu())
         for p, q in zip(model.parameters(), ref.parameters())
