@@ -11,7 +11,7 @@ import math
 import expecttest
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from muon_fn import _lambda, _lambda_model, spectral
@@ -250,6 +250,7 @@ def _bisect_model(model, offset, reach, steps=80):
     pull=st.floats(-0.5, 0.5),
     offset=st.floats(-0.3, 0.3),
 )
+@example(shape=(8, 8), seed=763, pull=0.5, offset=-0.25)
 def test_model_root_matches_bisection_in_few_evaluations(shape, seed, pull, offset):
     """Illinois false position with a bisection guard: the bisection's root to fp32 resolution,
     in a handful of model evaluations; rows without a sign change are reported, not solved."""
@@ -267,10 +268,15 @@ def test_model_root_matches_bisection_in_few_evaluations(shape, seed, pull, offs
     ref = _bisect_model(model, off, 1.023)
     assert ok.tolist()[2] is False
     h = residual(model, lam.double()) + off
+    # fp32 resolution: |h| ≤ 1e-5, or h changes sign within one fp32 step either side of the
+    # root (a steep residual: seed 763 of (8, 8) has h = -1.8e-5 at the root and +4.6e-5 one
+    # step up)
+    h_up = residual(model, torch.nextafter(lam, torch.full_like(lam, torch.inf)).double()) + off
+    h_dn = residual(model, torch.nextafter(lam, torch.full_like(lam, -torch.inf)).double()) + off
     for i in (0, 1):
         if bool(ok[i]):
             assert abs(float(lam[i]) - float(ref[i])) <= 1e-6 * max(1.0, abs(float(ref[i])))
-            assert abs(float(h[i])) <= 1e-5
+            assert abs(float(h[i])) <= 1e-5 or float(h_up[i]) * float(h_dn[i]) <= 0
     assert (
         len(calls) <= 30
     )  # 2 ends + the steps: measured ≈ 12 on gpt2-small gradients (50 for bisection)
