@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from . import _views
+from ._distributed import DistributedOptions
 from ._views import caller_level
 from ._step import step_not_traced
 
@@ -65,7 +66,11 @@ def holds_dtensors(groups: Iterable[dict[str, Any]]) -> bool:
 
 class Placed:
     """The part of :class:`muon_fn.Optimizer` that follows where its parameters are: the model
-    they belong to (``model=``), and a swap noticed at the next step."""
+    they belong to (``model=``), a swap noticed at the next step, and what the distributed
+    executor exposes (its options and plan)."""
+
+    distributed_options: DistributedOptions
+    _executor: Any
 
     def _know_model(self, model: nn.Module | None) -> None:
         """Keep ``model`` (see ``model=``): its parameters' names and their modules' views."""
@@ -134,6 +139,62 @@ class Placed:
                                for k, v in self.state.pop(old).items()}
         for index in range(len(self.param_groups)):
             self._rebuild_group(index)
+
+    # ----------------------------------------------------------------------- distributed
+    # What the distributed executor (muon_fn.fsdp) exposes, on every class: it runs once the
+    # optimizer holds DTensors (the FSDP classes: always).
+    @property
+    def overlap(self) -> bool:
+        """Whether each bucket's exchange starts during backward (``overlap=``). Setting it on
+        DTensor parameters is collective (turning it on makes a process group): set it on every
+        rank; turning it off removes the hooks."""
+        ex: Any = self._executor
+        return ex.overlap if ex.distributed else self.distributed_options.overlap
+
+    @overlap.setter
+    def overlap(self, on: bool) -> None:
+        checked = self.distributed_options._replace(overlap=on).checked()  # the constructor's checks
+        ex: Any = self._executor
+        if ex.distributed:
+            ex.overlap = on
+        else:
+            self.distributed_options = checked
+
+    @property
+    def strategy(self) -> str:
+        """``strategy=`` of the distributed step: ``"owner"`` or ``"replicate"``."""
+        ex: Any = self._executor
+        return ex.strategy if ex.distributed else self.distributed_options.strategy
+
+    @property
+    def wire_dtype(self) -> torch.dtype | None:
+        """``wire_dtype=`` of the distributed step (None: the parameters' dtype)."""
+        ex: Any = self._executor
+        return ex.wire_dtype if ex.distributed else self.distributed_options.wire_dtype
+
+    @property
+    def topology(self) -> Any:
+        """Where the distributed step runs: ranks, mesh, groups (only on DTensor parameters)."""
+        return self._distributed_attribute("topology")
+
+    @property
+    def plan(self) -> Any:
+        """The distributed step's plan: each matrix's owner and bucket (only on DTensor parameters)."""
+        return self._distributed_attribute("plan")
+
+    def unshard_params(self) -> Any:
+        """A context manager inside which every FSDP2 module of ``model=`` holds its full
+        (unsharded) parameters; resharded on exit (only on DTensor parameters)."""
+        if not self._executor.distributed:
+            raise ValueError(f"unshard_params() needs a model wrapped with fully_shard (FSDP2), but "
+                             f"{type(self).__name__}'s parameters are plain tensors")
+        return self._distributed_attribute("unshard_params")()
+
+    def _distributed_attribute(self, name: str) -> Any:
+        if not self._executor.distributed:
+            raise AttributeError(f"{type(self).__name__}.{name}: the optimizer holds no DTensor parameters "
+                                 "(it exists on the distributed step)")
+        return getattr(self._executor, name)
 
 
 class Placement:
