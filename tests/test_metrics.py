@@ -115,7 +115,13 @@ def _one_step(rule: str, beta2: float | None):
     torch.manual_seed(0)
     params = {"tall": nn.Parameter(torch.randn(24, 16)), "wide": nn.Parameter(torch.randn(16, 40))}
     opt = mf.MuonOptimizer(
-        list(params.items()), lr=LR, adjust_lr_fn=rule, beta2=beta2, compile=False, metrics=True
+        list(params.items()),
+        lr=LR,
+        adjust_lr_fn=rule,
+        beta2=beta2,
+        weight_decay=0.0,
+        compile=False,
+        metrics=True,
     )
     for p in params.values():
         p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(p.shape[1]))
@@ -407,7 +413,18 @@ def test_a_skipped_step_is_marked():
         opt.step()
     m = opt.metrics()
     assert m["group0/skipped"] == 1.0 and math.isnan(m["0.weight/grad_rms"])
-    assert m["group0/update_norm"] == 0.0
+    assert m["group0/update_norm"] == 0.0  # weight decay (0.01) computed an update: not applied
+    backward(net, 1)
+    opt.step()
+    assert opt.metrics()["group0/update_norm"] > 0.0
+    backward(net, 2)
+    net[0].weight.grad[0, 0] = float("inf")
+    before = [p.detach().clone() for p in net.parameters()]
+    opt.step()  # a non-zero momentum would move the weights: the step is skipped, so none moved
+    m = opt.metrics()
+    assert m["group0/skipped"] == 1.0 and m["group0/update_norm"] == 0.0
+    assert all(m[f"{n}/update_rms"] == 0.0 for n, _ in net.named_parameters())
+    assert all(torch.equal(a, p) for a, p in zip(before, net.parameters()))
 
 
 def test_metrics_keyword_is_checked():

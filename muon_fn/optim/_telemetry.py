@@ -15,7 +15,8 @@ telemetry is not state). ``metrics()`` reads them all back at once, when called,
   ``momentum_norm``, ``update_norm``, ``weight_norm`` (L2 over the group; under gradient
   accumulation the gradient figures are the window's mean gradient's), ``skipped`` (only with
   a non-finite check, ``nonfinite`` not None: 1.0 if the measured step was skipped as
-  non-finite, its other figures then describe the zeroed step), and
+  non-finite, its other figures then describe the zeroed step, and its update figures are 0:
+  nothing was applied), and
   for the figures where a worst matrix matters, ``<figure>_max`` and the same value under
   ``<figure>_max@<param>``, naming it;
 - QK-Clip, with ``qk_clip=``: ``qk_clip/max_logit`` and ``qk_clip/clipped_heads`` of its last step;
@@ -119,12 +120,15 @@ class Telemetry:
                       *([faults] if faults is not None else [])])
         out: dict[str, float] = {}
         groups: dict[str, list] = {}
-        for label, name, leaf, raw in entries:
-            values = {k: [next(host) for _ in range(v.numel())] for k, v in raw.items()}
+        read = [(label, name, leaf, {k: [next(host) for _ in range(v.numel())] for k, v in raw.items()})
+                for label, name, leaf, raw in entries]
+        skipped = None if finite is None else 0.0 if next(host) else 1.0
+        for label, name, leaf, values in read:
+            if skipped:  # nothing was applied: the step's update is zero, whatever it computed
+                values = {k: [0.0] * len(v) if k.startswith("update_") else v for k, v in values.items()}
             figs = _metrics.figures(values, leaf)
             out.update(_metrics.flat_names(name, figs))
             groups.setdefault(label, []).append((name, values, figs))
-        skipped = None if finite is None else 0.0 if next(host) else 1.0
         for label, members in groups.items():
             out.update(_summary(label, members, skipped))
         out.update(self._qk_figures(clip, host))
