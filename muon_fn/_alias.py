@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from . import _checks
+from . import _checks, _defaults
 from ._base import GradientTransformation, Scalar, ScalarOrSchedule
 from ._combine import chain, leafwise_labels, partition
 from ._newton_schulz import validate_coefficients
@@ -26,8 +26,8 @@ from ._transforms import (
 
 
 def muon(
-    lr: ScalarOrSchedule = 0.02,
-    momentum: Scalar = 0.95,
+    lr: ScalarOrSchedule = _defaults.LR,
+    momentum: Scalar = _defaults.MOMENTUM,
     *,
     nesterov: bool = True,
     kind: str = "sgd",
@@ -38,7 +38,7 @@ def muon(
     eps: float = 1e-7,
     ns_stepsize: float = 1.0,
     adjust_lr_fn: str | None = "keller",
-    weight_decay: Scalar = 0.0,
+    weight_decay: Scalar = _defaults.WEIGHT_DECAY,
     cautious_weight_decay: bool = False,
     beta2: float | None = None,
     normuon_eps: float = 1e-8,
@@ -311,13 +311,13 @@ matrix_labels.__doc__ = """``"muon"`` for leaves with ndim ≥ 2, ``"adamw"`` fo
 
 
 def hybrid(
-    lr: ScalarOrSchedule = 0.02,
-    momentum: Scalar = 0.95,
+    lr: ScalarOrSchedule = _defaults.LR,
+    momentum: Scalar = _defaults.MOMENTUM,
     *,
-    adamw_lr: ScalarOrSchedule = 3e-4,
-    adamw_betas: tuple[Scalar, Scalar] = (0.9, 0.999),
-    adamw_eps: float = 1e-8,
-    adamw_weight_decay: Scalar = 0.0,
+    adamw_lr: ScalarOrSchedule = _defaults.ADAMW_LR,
+    adamw_betas: tuple[Scalar, Scalar] = _defaults.ADAMW_BETAS,
+    adamw_eps: float = _defaults.ADAMW_EPS,
+    adamw_weight_decay: Scalar = _defaults.ADAMW_WEIGHT_DECAY,
     adamw_decay_1d: bool = False,
     cautious_weight_decay: bool = False,
     labels: Any = None,

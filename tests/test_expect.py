@@ -55,12 +55,12 @@ partition({
     momentum(momentum=0.95, nesterov=True, kind='ema'),
     orthogonalize(method='quintic', steps=5, dtype=torch.bfloat16, eps=1e-07, stepsize=1.0, view='flatten'),
     scale_by_shape(rule='keller', view='flatten'),
-    add_decoupled_weight_decay(weight_decay=0.0),
+    add_decoupled_weight_decay(weight_decay=0.01),
     scale_by_learning_rate(lr=0.02),
   ),
   'adamw': chain(
-    scale_by_adam(betas=(0.9, 0.999), eps=1e-08),
-    add_decoupled_weight_decay(weight_decay=0.0, min_ndim=2),
+    scale_by_adam(betas=(0.9, 0.95), eps=1e-08),
+    add_decoupled_weight_decay(weight_decay=0.01, min_ndim=2),
     scale_by_learning_rate(lr=0.0003),
   ),
 }, labels=matrix_labels)""",
@@ -135,9 +135,9 @@ group 0: 6 params in 4 buckets, partition({
     scale_by_learning_rate(lr=0.03),
   ),
   'adamw': chain(
-    scale_by_adam(betas=(0.9, 0.999), eps=1e-08),
-    add_decoupled_weight_decay(weight_decay=0.0, min_ndim=2),
-    scale_by_learning_rate(lr=0.0003),
+    scale_by_adam(betas=(0.9, 0.95), eps=1e-08),
+    add_decoupled_weight_decay(weight_decay=0.01, min_ndim=2),
+    scale_by_learning_rate(lr=0.001),
   ),
 }, labels=matrix_labels)""",
         )

@@ -730,7 +730,9 @@ def test_closure(device, fp32_torch_muon):
     topt = torch.optim.Muon(
         freeze_all_but(ref, names), lr=0.02, weight_decay=0.0, adjust_lr_fn="original"
     )
-    opt = mf.MuonOptimizer(freeze_all_but(ours, names), ns_dtype=torch.float32, **TORCH_LIKE)
+    opt = mf.MuonOptimizer(
+        freeze_all_but(ours, names), ns_dtype=torch.float32, weight_decay=0.0, **TORCH_LIKE
+    )
     calls = []
 
     def closure_for(model, o, step):
@@ -757,7 +759,12 @@ def test_add_param_group(device, fp32_torch_muon):
     ours = [nn.Parameter(w1.clone()), nn.Parameter(w2.clone())]
     ref = [nn.Parameter(w1.clone()), nn.Parameter(w2.clone())]
     opt = mf.MuonOptimizer(
-        [ours[0]], lr=0.02, ns_dtype=torch.float32, adjust_lr_fn="original", **TORCH_LIKE
+        [ours[0]],
+        lr=0.02,
+        ns_dtype=torch.float32,
+        adjust_lr_fn="original",
+        weight_decay=0.0,
+        **TORCH_LIKE,
     )
     topt = torch.optim.Muon([ref[0]], lr=0.02, weight_decay=0.0, adjust_lr_fn="original")
     opt.add_param_group({"params": [ours[1]], "lr": 0.05, "weight_decay": 0.1})
@@ -985,6 +992,7 @@ def test_gradient_accumulation_equals_mean_gradient_step(device, fp32_torch_muon
         ns_dtype=torch.float32,
         adamw_lr=1e-3,
         adamw_weight_decay=0.01,
+        adamw_betas=(0.9, 0.999),
         adamw_decay_1d=True,
         gradient_accumulation_steps=k,
         **TORCH_LIKE,
@@ -1154,7 +1162,9 @@ def test_grad_scaler_step_equals_unscaled_step(device, fp32_torch_muon):
     torch.manual_seed(0)
     w = torch.randn(12, 10).to(device)
     p, q = nn.Parameter(w.clone()), nn.Parameter(w.clone())
-    opt = mf.MuonOptimizer([p], ns_dtype=torch.float32, adjust_lr_fn="original", **TORCH_LIKE)
+    opt = mf.MuonOptimizer(
+        [p], ns_dtype=torch.float32, adjust_lr_fn="original", weight_decay=0.0, **TORCH_LIKE
+    )
     topt = torch.optim.Muon([q], lr=0.02, weight_decay=0.0, adjust_lr_fn="original")
     scaler = torch.amp.GradScaler(device.type, init_scale=256.0)
     x = torch.randn(5, 10).to(device)
@@ -1567,7 +1577,12 @@ def test_inductor_smoke(device, fp32_torch_muon):
     w = torch.randn(16, 8).to(device)
     p, q = nn.Parameter(w.clone()), nn.Parameter(w.clone())
     opt = mf.MuonOptimizer(
-        [p], ns_dtype=torch.float32, adjust_lr_fn="original", compile=True, **TORCH_LIKE
+        [p],
+        ns_dtype=torch.float32,
+        adjust_lr_fn="original",
+        compile=True,
+        weight_decay=0.0,
+        **TORCH_LIKE,
     )
     topt = torch.optim.Muon([q], lr=0.02, weight_decay=0.0, adjust_lr_fn="original")
     for step in range(3):
@@ -1587,7 +1602,9 @@ def test_static_and_scalar_hyperparameters_changed_mid_training(device, fp32_tor
     torch.manual_seed(0)
     w = torch.randn(6, 5).to(device)
     p, q = nn.Parameter(w.clone()), nn.Parameter(w.clone())
-    opt = mf.MuonOptimizer([p], ns_dtype=torch.float32, adjust_lr_fn="original", **TORCH_LIKE)
+    opt = mf.MuonOptimizer(
+        [p], ns_dtype=torch.float32, adjust_lr_fn="original", weight_decay=0.0, **TORCH_LIKE
+    )
     topt = torch.optim.Muon([q], lr=0.02, weight_decay=0.0, adjust_lr_fn="original")
     for step in range(6):
         if step == 3:
@@ -1730,7 +1747,9 @@ def test_auto_group_scheduler_no_recompile_and_adamw_follows():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 2))
     ref_bias = model[2].bias.detach().clone().requires_grad_()
-    opt = mf.MuonOptimizer(model.parameters(), adamw_lr=1e-2, compile={"backend": cnt})
+    opt = mf.MuonOptimizer(
+        model.parameters(), adamw_lr=1e-2, adamw_betas=(0.9, 0.999), compile={"backend": cnt}
+    )
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     topt = torch.optim.AdamW([ref_bias], lr=1e-2, betas=(0.9, 0.999), weight_decay=0.0)
     tsched = torch.optim.lr_scheduler.StepLR(topt, step_size=2, gamma=0.5)

@@ -690,7 +690,14 @@ def test_optimizer_is_the_recipe_applied_by_hand():
         nn.Linear(24, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16)
     )
     params = tuple(p.detach().clone() for p in model.parameters())
-    opt = SpectralSphereOptimizer(model.parameters(), lr=0.02, adamw_lr=1e-3, bucket_size=1)
+    opt = SpectralSphereOptimizer(
+        model.parameters(),
+        lr=0.02,
+        adamw_lr=1e-3,
+        adamw_betas=(0.9, 0.999),
+        adamw_weight_decay=0.0,
+        bucket_size=1,
+    )
     lr, mu, adamw_lr = torch.tensor(0.02), torch.tensor(0.95), torch.tensor(1e-3)
     tx = muon_fn.partition(
         {"sso": sso(lr, mu), "adamw": muon_fn.adamw(adamw_lr, (0.9, 0.999), 1e-8, 0.0)},

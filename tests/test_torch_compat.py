@@ -735,8 +735,8 @@ def test_torch_muon_dcp_checkpoint_resumes_with_muon_optimizer_after_conversion(
     assert told == [
         "MuonOptimizer.load_state_dict: a torch.optim.Muon checkpoint does not save these keys; they keep this "
         "optimizer's values: group 0: ns_dtype='torch.float32', normuon_eps=1e-08, adamuon_eps=1e-08, "
-        "adamuon_sign=True, momentum_dtype=None, state_bits=32, matrix_view=None, adamw_lr=0.0003, "
-        "adamw_betas=(0.9, 0.999), adamw_eps=1e-08, adamw_weight_decay=0.0, adamw_decay_1d=False, "
+        "adamuon_sign=True, momentum_dtype=None, state_bits=32, matrix_view=None, adamw_lr=0.001, "
+        "adamw_betas=(0.9, 0.95), adamw_eps=1e-08, adamw_weight_decay=0.01, adamw_decay_1d=False, "
         "algorithm='auto', gradient_accumulation_steps=1"
     ], told  # base_lr, method, ...: set from torch's
     group = opt.param_groups[0]

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch.nn as nn
 
+from .. import _defaults
 from ..optim import MuonOptimizer
 from ._executor import check_model
 
@@ -20,7 +21,7 @@ class FSDPMuonOptimizer(MuonOptimizer):
     (``strategy="owner"`` or ``"replicate"``, eager or compiled alike): the transforms are
     MuonOptimizer's, each bucket of same-shape matrices is orthogonalized whole on one rank, as
     single-device MuonOptimizer batches it, and the elementwise parts run on each rank's rows.
-    Defaults are MuonOptimizer's except ``weight_decay=0.01``.
+    Defaults are MuonOptimizer's (:mod:`muon_fn._defaults`: one value per hyperparameter).
 
     Args:
       model: the module whose parameters are optimized (wrapped with ``fully_shard``, any
@@ -94,9 +95,9 @@ class FSDPMuonOptimizer(MuonOptimizer):
         self,
         model: nn.Module,
         params: Iterable[Any] | None = None,
-        lr: float = 0.02,
-        weight_decay: float = 0.01,
-        momentum: float = 0.95,
+        lr: float = _defaults.LR,
+        weight_decay: float = _defaults.WEIGHT_DECAY,
+        momentum: float = _defaults.MOMENTUM,
         nesterov: bool = True,
         ns_steps: int | None = None,
         ns_stepsize: float = 1.0,

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import _checks
+from .. import _checks, _defaults
 from .._views import Heads, count, matrix_shape, unit_shapes
 from ._adapter import Optimizer
 from ._muon import MuonOptimizer
@@ -223,14 +223,14 @@ NORMUON_BETA2 = 0.95
 
 def create_hybrid_optimizer(
     model: nn.Module,
-    muon_lr: float = 0.02,
-    adamw_lr: float = 1e-3,
-    adamw_weight_decay: float = 0.01,
+    muon_lr: float = _defaults.LR,
+    adamw_lr: float = _defaults.ADAMW_LR,
+    adamw_weight_decay: float = _defaults.ADAMW_WEIGHT_DECAY,
     *,
-    muon_weight_decay: float = 0.01,
-    momentum: float = 0.95,
-    adamw_betas: tuple[float, float] = (0.9, 0.95),
-    adamw_eps: float = 1e-8,
+    muon_weight_decay: float = _defaults.WEIGHT_DECAY,
+    momentum: float = _defaults.MOMENTUM,
+    adamw_betas: tuple[float, float] = _defaults.ADAMW_BETAS,
+    adamw_eps: float = _defaults.ADAMW_EPS,
     adamw_decay_1d: bool = False,
     cautious_weight_decay: bool = False,
     adamw_names: Sequence[str] = (),

@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from .. import _checks, _compile
+from .. import _checks, _compile, _defaults
 from .._alias import adamw, check_one_normalization, matrix_labels, muon
 from .._base import GradientTransformation
 from .._combine import partition
@@ -141,7 +141,7 @@ class MuonOptimizer(HybridOptimizer):
     ``momentum``, ``nesterov``, ``ns_coefficients``, ``eps``, ``ns_steps``, ``adjust_lr_fn``), so a
     call spelling out torch's settings — ``ns_coefficients=(3.4445, -4.775, 2.0315), eps=1e-7,
     ns_steps=5, adjust_lr_fn=None, ns_dtype=torch.bfloat16`` — runs torch.optim.Muon's algorithm;
-    the defaults differ: ``lr`` (0.02 here, 1e-3 there), ``weight_decay`` (0.0, 0.1) and, on CPUs
+    the defaults differ: ``lr`` (0.02 here, 1e-3 there), ``weight_decay`` (0.01, 0.1) and, on CPUs
     without bf16 GEMMs, the iteration dtype (fp32 here, always bf16 there), so spell out the ones
     you rely on (tested against torch in fp32 to 1e-5, in bf16 to 4e-3 after 5 steps: torch
     casts to bf16 before taking the norm, muon_fn after). ``momentum`` must be < 1 and
@@ -245,10 +245,10 @@ class MuonOptimizer(HybridOptimizer):
     def __init__(
         self,
         params: Iterable[Any],
-        lr: float | torch.Tensor = 0.02,
+        lr: float | torch.Tensor = _defaults.LR,
         *,
-        momentum: float = 0.95,
-        weight_decay: float = 0.0,
+        momentum: float = _defaults.MOMENTUM,
+        weight_decay: float = _defaults.WEIGHT_DECAY,
         nesterov: bool = True,
         ns_coefficients: Any = None,
         eps: float = 1e-7,
@@ -268,10 +268,10 @@ class MuonOptimizer(HybridOptimizer):
         state_bits: int = 32,
         layerwise_norm: bool = False,
         matrix_view: Any = None,
-        adamw_lr: float = 3e-4,
-        adamw_betas: tuple[float, float] = (0.9, 0.999),
-        adamw_eps: float = 1e-8,
-        adamw_weight_decay: float = 0.0,
+        adamw_lr: float = _defaults.ADAMW_LR,
+        adamw_betas: tuple[float, float] = _defaults.ADAMW_BETAS,
+        adamw_eps: float = _defaults.ADAMW_EPS,
+        adamw_weight_decay: float = _defaults.ADAMW_WEIGHT_DECAY,
         adamw_decay_1d: bool = False,
         algorithm: str = "auto",
         qk_clip: QKClip | None = None,

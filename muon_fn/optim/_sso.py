@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from .. import _compile
+from .. import _compile, _defaults
 from .._base import GradientTransformation
 from .._combine import leafwise_labels
 from .._sso import VALIDATED_KEYS, check_options, sso
@@ -97,11 +97,11 @@ class SpectralSphereOptimizer(HybridOptimizer):
     def __init__(
         self,
         params: Iterable[Any],
-        lr: float | torch.Tensor = 0.02,
-        momentum: float = 0.95,
+        lr: float | torch.Tensor = _defaults.LR,
+        momentum: float = _defaults.MOMENTUM,
         nesterov: bool = True,
         *,
-        weight_decay: float = 0.0,
+        weight_decay: float = _defaults.WEIGHT_DECAY,
         radius_scale: float = 2.0,
         scale_mode: str = "radius",
         retract_mode: str = "hard",
@@ -125,10 +125,10 @@ class SpectralSphereOptimizer(HybridOptimizer):
         momentum_dtype: torch.dtype | None = None,
         state_bits: int = 32,
         matrix_view: Any = None,
-        adamw_lr: float = 3e-4,
-        adamw_betas: tuple[float, float] = (0.9, 0.999),
-        adamw_eps: float = 1e-8,
-        adamw_weight_decay: float = 0.0,
+        adamw_lr: float = _defaults.ADAMW_LR,
+        adamw_betas: tuple[float, float] = _defaults.ADAMW_BETAS,
+        adamw_eps: float = _defaults.ADAMW_EPS,
+        adamw_weight_decay: float = _defaults.ADAMW_WEIGHT_DECAY,
         adamw_decay_1d: bool = False,
         algorithm: str = "auto",
         gradient_accumulation_steps: int = 1,
@@ -157,8 +157,8 @@ class SpectralSphereOptimizer(HybridOptimizer):
                          nonfinite=nonfinite, compile=compile, bucket_size=bucket_size, metrics=metrics, **kwargs)
 
     @classmethod
-    def from_model(cls, model: nn.Module, lr: float = 0.02, adamw_lr: float = 1e-3,
-                   adamw_weight_decay: float = 0.01, **kwargs: Any) -> SpectralSphereOptimizer:
+    def from_model(cls, model: nn.Module, lr: float = _defaults.LR, adamw_lr: float = _defaults.ADAMW_LR,
+                   adamw_weight_decay: float = _defaults.ADAMW_WEIGHT_DECAY, **kwargs: Any) -> SpectralSphereOptimizer:
         """Hidden matrices → SSO, embeddings / output head / 0-/1-D → AdamW, one optimizer:
         :func:`muon_fn.create_hybrid_optimizer` with ``optimizer_cls=SpectralSphereOptimizer``
         (the split is kept as ``optimizer.split``)."""
