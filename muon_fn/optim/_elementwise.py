@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .. import _checks, _compile
+from .. import _checks
 from .._alias import TRITON_MUON_EPS, triton_muon
 from .._base import GradientTransformation
 from .._quantize import check_state_bits
@@ -28,16 +28,14 @@ class _ElementwiseOptimizer(Optimizer):
 
     def __init__(self, params: Iterable[Any], lr: float | torch.Tensor, momentum: float, velocity: float,
                  weight_decay: float, nesterov: bool, layerwise_norm: bool, *, eps: float, state_bits: int,
-                 gradient_accumulation_steps: int, nonfinite: str | None, compile: _compile.CompileOption,
-                 bucket_size: int | None, metrics: bool | int = False, **kwargs: Any) -> None:
-        if "betas" in kwargs:
+                 **options: Any) -> None:
+        if "betas" in options:
             raise TypeError(f"{type(self).__name__}() got an unexpected keyword argument 'betas': "
                             "use momentum (beta1) and velocity (beta2)")
         defaults = dict(lr=lr, momentum=momentum, velocity=velocity, weight_decay=weight_decay,
                         nesterov=nesterov, layerwise_norm=layerwise_norm, eps=eps, state_bits=state_bits)
-        super().__init__(params, functools.partial(elementwise_factory, decoupled=self._decoupled), defaults,
-                         gradient_accumulation_steps=gradient_accumulation_steps, nonfinite=nonfinite,
-                         compile=compile, bucket_size=bucket_size, metrics=metrics, **kwargs)
+        # the adapter's options (gradient_accumulation_steps, nonfinite, compile, ...): Optimizer's
+        super().__init__(params, functools.partial(elementwise_factory, decoupled=self._decoupled), defaults, **options)
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         super()._validate_group(group)  # lr and momentum, in torch's wording
@@ -114,16 +112,10 @@ class TritonMuon(_ElementwiseOptimizer):
         *,
         eps: float = TRITON_MUON_EPS,
         state_bits: int = 32,
-        gradient_accumulation_steps: int = 1,
-        nonfinite: str | None = "skip",
-        compile: _compile.CompileOption = True,
-        bucket_size: int | None = None,
-        metrics: bool | int = False,
-        **kwargs: Any,
+        **options: Any,
     ) -> None:
         super().__init__(params, lr, momentum, velocity, weight_decay, nesterov, layerwise_norm, eps=eps,
-                         state_bits=state_bits, gradient_accumulation_steps=gradient_accumulation_steps,
-                         nonfinite=nonfinite, compile=compile, bucket_size=bucket_size, metrics=metrics, **kwargs)
+                         state_bits=state_bits, **options)
 
 
 class TritonMuonW(_ElementwiseOptimizer):
@@ -152,13 +144,7 @@ class TritonMuonW(_ElementwiseOptimizer):
         *,
         eps: float = TRITON_MUON_EPS,
         state_bits: int = 32,
-        gradient_accumulation_steps: int = 1,
-        nonfinite: str | None = "skip",
-        compile: _compile.CompileOption = True,
-        bucket_size: int | None = None,
-        metrics: bool | int = False,
-        **kwargs: Any,
+        **options: Any,
     ) -> None:
         super().__init__(params, lr, momentum, velocity, weight_decay, nesterov, layerwise_norm, eps=eps,
-                         state_bits=state_bits, gradient_accumulation_steps=gradient_accumulation_steps,
-                         nonfinite=nonfinite, compile=compile, bucket_size=bucket_size, metrics=metrics, **kwargs)
+                         state_bits=state_bits, **options)

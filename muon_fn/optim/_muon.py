@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from .. import _checks, _compile, _defaults
+from .. import _checks, _defaults
 from .._alias import adamw, check_one_normalization, matrix_labels, muon
 from .._base import GradientTransformation
 from .._combine import partition
@@ -275,12 +275,7 @@ class MuonOptimizer(HybridOptimizer):
         adamw_decay_1d: bool = False,
         algorithm: str = "auto",
         qk_clip: QKClip | None = None,
-        gradient_accumulation_steps: int = 1,
-        nonfinite: str | None = "skip",
-        compile: _compile.CompileOption = True,
-        bucket_size: int | None = None,
-        metrics: bool | int = False,
-        **kwargs: Any,
+        **options: Any,
     ) -> None:
         defaults = dict(
             lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov,
@@ -293,9 +288,7 @@ class MuonOptimizer(HybridOptimizer):
             adamw_betas=adamw_betas, adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay,
             adamw_decay_1d=adamw_decay_1d, algorithm=algorithm,
         )
-        super().__init__(params, muon_factory, defaults,
-                         gradient_accumulation_steps=gradient_accumulation_steps,
-                         nonfinite=nonfinite, compile=compile, bucket_size=bucket_size, metrics=metrics, **kwargs)
+        super().__init__(params, muon_factory, defaults, **options)  # the adapter's options: Optimizer's
         check_tracked(qk_clip, [p for g in self.param_groups for p in g["params"]], type(self).__name__)
         self.qk_clip = qk_clip
 

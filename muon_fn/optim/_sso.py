@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from .. import _compile, _defaults
+from .. import _defaults
 from .._base import GradientTransformation
 from .._combine import leafwise_labels
 from .._sso import VALIDATED_KEYS, check_options, sso
@@ -131,12 +131,7 @@ class SpectralSphereOptimizer(HybridOptimizer):
         adamw_weight_decay: float = _defaults.ADAMW_WEIGHT_DECAY,
         adamw_decay_1d: bool = False,
         algorithm: str = "auto",
-        gradient_accumulation_steps: int = 1,
-        nonfinite: str | None = "skip",
-        compile: _compile.CompileOption = True,
-        bucket_size: int | None = None,
-        metrics: bool | int = False,
-        **kwargs: Any,
+        **options: Any,
     ) -> None:
         defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
@@ -152,9 +147,7 @@ class SpectralSphereOptimizer(HybridOptimizer):
             adamw_betas=tuple(adamw_betas), adamw_eps=adamw_eps,
             adamw_weight_decay=adamw_weight_decay, adamw_decay_1d=adamw_decay_1d, algorithm=algorithm,
         )
-        super().__init__(params, sso_factory, defaults,
-                         gradient_accumulation_steps=gradient_accumulation_steps,
-                         nonfinite=nonfinite, compile=compile, bucket_size=bucket_size, metrics=metrics, **kwargs)
+        super().__init__(params, sso_factory, defaults, **options)  # the adapter's options: Optimizer's
 
     @classmethod
     def from_model(cls, model: nn.Module, lr: float = _defaults.LR, adamw_lr: float = _defaults.ADAMW_LR,
