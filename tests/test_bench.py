@@ -621,6 +621,7 @@ def test_fsdp_command_has_torch_muon_on_the_same_dtensors(tmp_path, capsys):
         "replicate/fp32",
         "torch.optim.Muon",
         "MuonOptimizer[like_torch]",
+        "MuonOptimizer[like_torch, inflight_bytes=16 MiB]",
     ]
     measured = [name for name in rows if name != "replicate/fp32"]  # each in fresh processes
     for name, row in rows.items():

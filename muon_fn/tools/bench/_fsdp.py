@@ -18,7 +18,9 @@ same gradients), with torch.optim.Muon's settings (:data:`TORCH_SETTINGS`: its d
   rank taking part in every matrix (all-gathers and all-reduces inside each product);
 - ``MuonOptimizer[like_torch]``: ``muon_fn.MuonOptimizer(model.parameters(), **TORCH_SETTINGS,
   ns_dtype=..., momentum_kind="ema")`` on the same kind of DTensors, which runs the owner-computes
-  step by itself: the same algorithm as the torch row.
+  step by itself: the same algorithm as the torch row;
+- ``MuonOptimizer[like_torch, inflight_bytes=16 MiB]``: the same with that budget of gathered
+  matrices (:data:`SMALL_INFLIGHT`; the default is 8 MiB).
 
 Both iterate in ``torch_dtype``: ``"bf16"`` (torch.optim.Muon as shipped, ``ns_dtype=torch.bfloat16``)
 or ``"fp32"`` (torch's own iteration with its bf16 cast replaced by fp32,
@@ -72,8 +74,10 @@ GPT2_LAYER = [(768, 768)] * 4 + [(3072, 768), (768, 3072)]
 VARIANTS = (("owner", None, 32), ("owner", "bf16", 32), ("owner", None, 8), ("replicate", None, 32))
 TORCH_ROW = "torch.optim.Muon"
 LIKE_TORCH_ROW = "MuonOptimizer[like_torch]"
+SMALL_INFLIGHT = 16 * 2**20
+SMALL_ROW = "MuonOptimizer[like_torch, inflight_bytes=16 MiB]"
 # The rows whose step transient is measured, each in a fresh set of processes (fresh RSS).
-MEMORY_ROWS = ("owner/fp32", "owner/bf16", "owner/fp32/state8", TORCH_ROW, LIKE_TORCH_ROW)
+MEMORY_ROWS = ("owner/fp32", "owner/bf16", "owner/fp32/state8", TORCH_ROW, LIKE_TORCH_ROW, SMALL_ROW)
 # torch.optim.Muon's settings spelled out: its defaults, except lr (the pair's; Keller's scale).
 TORCH_SETTINGS = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, ns_coefficients=(3.4445, -4.775, 2.0315),
                       eps=1e-7, ns_steps=5, adjust_lr_fn=None)
@@ -276,21 +280,23 @@ def _torch_row(cfg: dict[str, Any], name: str, model: Any) -> tuple:
                 _opt.step()
 
         return topt, torch_step
-    mopt = muon_fn.MuonOptimizer(model.parameters(), **settings, ns_dtype=ns_dtype, momentum_kind="ema")
+    small: dict[str, Any] = {"inflight_bytes": SMALL_INFLIGHT} if name == SMALL_ROW else {}
+    mopt = muon_fn.MuonOptimizer(model.parameters(), **settings, ns_dtype=ns_dtype, momentum_kind="ema", **small)
     return mopt, mopt.step
 
 
 def _torch_rows(cfg: dict[str, Any], grads: list) -> tuple[dict[str, tuple], list]:
     """torch.optim.Muon and ``MuonOptimizer[like_torch]``, each on its own sharded copy of the
     model with the same gradients: row -> (optimizer, step); and the two models."""
-    models = [_with_grads(_sharded(cfg), grads) for _ in (TORCH_ROW, LIKE_TORCH_ROW)]
-    return {name: _torch_row(cfg, name, m) for name, m in zip((TORCH_ROW, LIKE_TORCH_ROW), models)}, models
+    names = (TORCH_ROW, LIKE_TORCH_ROW, SMALL_ROW)
+    models = [_with_grads(_sharded(cfg), grads) for _ in names]
+    return {name: _torch_row(cfg, name, m) for name, m in zip(names, models)}, models
 
 
 def _one_row(cfg: dict[str, Any], name: str, grads: list) -> tuple:
     """Row ``name`` alone on its own sharded model with ``grads``: (optimizer, step)."""
     model = _with_grads(_sharded(cfg), grads)
-    if name in (TORCH_ROW, LIKE_TORCH_ROW):
+    if name in (TORCH_ROW, LIKE_TORCH_ROW, SMALL_ROW):
         return _torch_row(cfg, name, model)
     (v,) = [v for v in VARIANTS if _variant_name(*v) == name]
     return _muon_fn_row(model, cfg, *v)
