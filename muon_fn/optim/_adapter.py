@@ -155,11 +155,10 @@ class Optimizer(Checkpointing, Placed, StagedStep, Telemetry, torch.optim.Optimi
         options, which act once the optimizer holds DTensors (see below and
         :class:`muon_fn.fsdp.FSDPMuonOptimizer`): ``strategy`` ``"owner"`` (default) or
         ``"replicate"``; ``wire_dtype`` of the rows on the wire (``None``: the parameters');
-        ``num_buckets`` exchanges per step (default 4; at least); ``overlap`` (default
-        ``False``) starts each bucket's exchange during backward; ``process_group`` for plain
-        (replicated) parameters; ``inflight_bytes`` the bytes of gathered matrices a rank holds
-        at once (default 8 MiB; ``None``: no bound). Kept in :attr:`distributed_options`
-        (:mod:`muon_fn.optim._distributed`).
+        ``num_buckets`` exchanges per step (at least; default 4); ``overlap`` (default ``False``)
+        starts each bucket's exchange during backward; ``process_group`` for plain parameters;
+        ``inflight_bytes`` the bytes of gathered matrices a rank holds at once (default 8 MiB;
+        ``None``: no bound). Kept in :attr:`distributed_options` (:mod:`muon_fn.optim._distributed`).
 
     Parameters may be plain tensors or DTensors (FSDP2, HSDP, tensor- and expert-parallel
     meshes), given at construction or swapped into ``param_groups`` later: an optimizer holding
