@@ -649,7 +649,7 @@ class TestPlanAgreement(expecttest.TestCase):
         self.assertExpectedInline(
             "\n".join(f"{k}: {v}" for k, v in description),
             """\
-the options: strategy='owner', wire_dtype=None, num_buckets=4, gradient_accumulation_steps=1, nonfinite='skip', overlap=False, 1 ranks, no device mesh
+the options: strategy='owner', wire_dtype=None, num_buckets=4, inflight_bytes=8388608, gradient_accumulation_steps=1, nonfinite='skip', overlap=False, 1 ranks, no device mesh
 parameter 0 of group 0: 'conv.weight' of shape (4, 2, 3, 3), a plain (replicated) tensor, muon, view 'flatten'
 parameter 1 of group 0: 'conv.bias' of shape (4,), a plain (replicated) tensor, adamw
 parameter 2 of group 0: 'fc1.weight' of shape (10, 16), a plain (replicated) tensor, muon
@@ -687,7 +687,7 @@ at parameter 10 of group 0: none on rank 0, 'more.weight' of shape (3, 3), a pla
         )
         self.assertExpectedInline(
             first_difference(base, describe(Net(), num_buckets=1), 1),
-            """at the options: strategy='owner', wire_dtype=None, num_buckets=4, gradient_accumulation_steps=1, nonfinite='skip', overlap=False, 1 ranks, no device mesh on rank 0, strategy='owner', wire_dtype=None, num_buckets=1, gradient_accumulation_steps=1, nonfinite='skip', overlap=False, 1 ranks, no device mesh on rank 1""",  # noqa: E501
+            """at the options: strategy='owner', wire_dtype=None, num_buckets=4, inflight_bytes=8388608, gradient_accumulation_steps=1, nonfinite='skip', overlap=False, 1 ranks, no device mesh on rank 0, strategy='owner', wire_dtype=None, num_buckets=1, inflight_bytes=8388608, gradient_accumulation_steps=1, nonfinite='skip', overlap=False, 1 ranks, no device mesh on rank 1""",  # noqa: E501
         )
         twins = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
         # bucket_size changes only which matrices an owner computes together: the plan's hash

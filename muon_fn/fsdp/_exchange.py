@@ -308,7 +308,10 @@ def _compute_and_return(plan: Plan, g: _InFlight, compute: Compute, back_cols: l
     destination rank, then by the owned matrices)."""
     wire.wait(g)
     owned = _owned(plan, g.bucket, wire.rank)
-    results = wire.timed(compute, owned, _assemble(plan, owned, g.recv, wire))
+    mats = _assemble(plan, owned, g.recv, wire)
+    g.recv = g.send = None  # type: ignore[assignment]  # freed before the iteration allocates
+    results = wire.timed(compute, owned, mats)
+    del mats
     for j, r in zip(owned, results):
         if tuple(r.shape) != (plan.matrices[j].rows, back_cols[j]):
             raise ValueError(f"exchange: compute returned shape {tuple(r.shape)} for matrix {j}, "

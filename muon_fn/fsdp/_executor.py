@@ -72,6 +72,7 @@ class DistributedExecutor(AdapterStep, engine.Executor):
         no; a swap: as it was)."""
         opt, options = self.opt, self.opt.distributed_options
         self.strategy, self.wire_dtype, self._num_buckets = options.strategy, options.wire_dtype, options.num_buckets
+        self.inflight_bytes = options.inflight_bytes
         self._overlap_wanted = options.overlap if overlap is None else overlap
         self._process_group, self._fqns = options.process_group, None
         named = [(self._fqn(p), p) for g in opt.param_groups for p in g["params"]]
@@ -325,12 +326,15 @@ class DistributedExecutor(AdapterStep, engine.Executor):
             planned.append(m if e is None else m._replace(piece=e, flops=m.flops // m.param.shape[0]))
             shapes.append(tuple(m.param.shape) if e is None else (1,) + tuple(m.param.shape[1:]))
             held.append(self._layouts[id(m.param)].held if e is None else pieces[k][e])
+        wire_in = _rows.common_dtype([m.fmt for m in planned])
+        limit = None if self.inflight_bytes is None else max(self.inflight_bytes // 2, 1)
         plan = _plan.make_plan(
             shapes, topo.world_size, replicated=[not self._layouts[id(m.param)].sharded for m in planned],
             held=held, num_buckets=self._num_buckets, extra_cols=[m.fmt.sent_cols - m.fmt.cols for m in planned],
-            units=plan_units, views=[m.view for m in planned], local=local, split=split)
+            units=plan_units, views=[m.view for m in planned], local=local, split=split,
+            bucket_bytes=limit, item_bytes=torch.empty((), dtype=wire_in).element_size())
         _exchange.check_same(self._plan_description(plan), "the optimizer's plan", topo.group, topo.world_size)
-        self.plan, self._wire_in = plan, _rows.common_dtype([m.fmt for m in planned])
+        self.plan, self._wire_in = plan, wire_in
         return planned
 
     def _held_rows(self, m: Matrix) -> tuple[tuple[int, int], ...]:
@@ -345,7 +349,8 @@ class DistributedExecutor(AdapterStep, engine.Executor):
         topo = self.topology
         where = topo.describe()
         out = [("the options", f"strategy={self.strategy!r}, wire_dtype={self.wire_dtype}, "
-                               f"num_buckets={self._num_buckets}, gradient_accumulation_steps="
+                               f"num_buckets={self._num_buckets}, inflight_bytes={self.inflight_bytes}, "
+                               "gradient_accumulation_steps="
                                f"{self._accumulation_steps}, nonfinite={self.opt.nonfinite!r}, "
                                f"overlap={self._overlap_wanted}, {topo.world_size} ranks, {where}")]
         for gi, group in enumerate(self.opt.param_groups):

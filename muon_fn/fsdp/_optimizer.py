@@ -38,12 +38,19 @@ class FSDPMuonOptimizer(MuonOptimizer):
       gradient_accumulation_steps: ``k``; call ``step()`` after every micro-batch: FSDP2 gradient
         sync is off for the first ``k − 1`` backward passes and on for the last, whose reduced
         gradient (divided by ``k``) is applied. Requires a ``fully_shard`` model when ``k > 1``.
-      strategy, wire_dtype, num_buckets, overlap, process_group: the distributed options, which
-        every optimizer class takes (:class:`muon_fn.Optimizer`), with the same defaults:
+      strategy, wire_dtype, num_buckets, overlap, process_group, inflight_bytes: the distributed
+        options, which every optimizer class takes (:class:`muon_fn.Optimizer`), with the same defaults:
       strategy: ``"owner"`` (default: each matrix computed once, on its owner) or ``"replicate"`` (every
         rank all-gathers and computes every matrix; the baseline).
       wire_dtype: dtype of the rows on the wire (``torch.bfloat16`` halves the bytes; rounds them).
-      num_buckets: exchanges per step (communication of later buckets overlaps computation).
+      num_buckets: exchanges per step (communication of later buckets overlaps computation); the
+        least: ``inflight_bytes`` may cut more.
+      inflight_bytes: the bytes of whole (gathered) matrices a rank holds at once (default 8 MiB;
+        ``None``: no bound): the step runs bucket by bucket (:mod:`muon_fn.fsdp._stream`), each
+        bucket's whole matrices at most half of it on any owner; the next bucket travels while
+        one is computed where both fit, else one bucket at a time, each freed before the next is
+        gathered. A bucket is never less than one batch of the single-device optimizer, so
+        results stay the same bit for bit. With ``overlap=True`` every bucket is posted during backward (not bounded).
       overlap: start each bucket's exchange during backward, as soon as FSDP2 has reduced its
         gradients (its pre phase runs then, its gather is posted); ``step()`` posts what is left,
         waits and computes. Results are the same bit for bit. Needs ``strategy="owner"``; plain

@@ -268,6 +268,8 @@ def make_plan(
     local: bool | Sequence[bool] = False,
     held: Sequence[Sequence[Rows] | None] | None = None,
     split: bool | Sequence[bool] = False,
+    bucket_bytes: int | None = None,
+    item_bytes: int = 4,
 ) -> Plan:
     """Owners, row splits and buckets for matrices of global ``shapes`` on ``world_size`` ranks.
 
@@ -296,6 +298,10 @@ def make_plan(
       split: per unit (or one for all), True if its matrices may have different owners (the
         pieces of expert stacks, :func:`expert_pieces`): they stay in one exchange bucket, but LPT
         places each matrix on its own. The owner computes its matrices of the unit together.
+      bucket_bytes: at most this many bytes of whole matrices (``rows · cols · item_bytes``) per
+        owner in one exchange bucket: the ``num_buckets`` buckets are cut further, in order,
+        where an owner's would exceed it (a unit is never cut: a bucket holds at least one);
+        ``None``: no bound.
 
     Local matrices are planned first (their cost falls where their rows lie). Owners are assigned
     to the other units by LPT on :func:`ns_cost` (FLOPs) over all units at once, from the loads of
@@ -320,6 +326,13 @@ def make_plan(
     split = _per_matrix("split", split, len(units))
     holders = [(_nonzero(rows) or ((-1, 0),))[0][0] for rows in receives]
     owners, bucket_of = _assign_owners(costs, units, groups, world_size, seed, local, split, holders)
+    if bucket_bytes is not None:
+        groups = _cut_by_bytes(groups, units, owners, [item_bytes * m * (n + e) for (m, n), e in zip(flat, extra)],
+                               local, bucket_bytes)
+        for b, members in enumerate(groups):
+            for u in members:
+                for j in units[u]:
+                    bucket_of[j] = b
     for u, unit in enumerate(units):  # a piece its only holder keeps is computed where it lies
         for j in unit if split[u] else ():
             if owners[j] == holders[j] and len(_nonzero(receives[j])) == 1:
@@ -424,6 +437,31 @@ def _assign_owners(costs: list[int], units: list[list[int]], groups: list[list[i
         for j in members:
             owners[j] = r
     return owners, bucket_of
+
+
+def _cut_by_bytes(groups: list[list[int]], units: list[list[int]], owners: list[int], sizes: list[int],
+                  local: list[bool], limit: int) -> list[list[int]]:
+    """``groups`` (of units, in exchange order) cut where an owner's bytes of whole matrices
+    (``sizes``) in one group would exceed ``limit``; local matrices weigh nothing (they do not
+    travel)."""
+    out: list[list[int]] = []
+    for members in groups:
+        current: list[int] = []
+        held: dict[int, int] = {}
+        for u in members:
+            adds: dict[int, int] = {}
+            for j in units[u]:
+                if not local[j]:
+                    adds[owners[j]] = adds.get(owners[j], 0) + sizes[j]
+            if current and any(held.get(r, 0) + n > limit for r, n in adds.items()):
+                out.append(current)
+                current, held = [], {}
+            current.append(u)
+            for r, n in adds.items():
+                held[r] = held.get(r, 0) + n
+        if current:
+            out.append(current)
+    return out
 
 
 def _bucket_plan(b: int, members: list[int], matrices: list[MatrixPlan], world_size: int) -> BucketPlan:

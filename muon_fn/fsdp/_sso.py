@@ -31,7 +31,7 @@ class FSDPSpectralSphereOptimizer(SpectralSphereOptimizer):
     dict is kept as it is.
 
     Args:
-      model, params, strategy, wire_dtype, num_buckets, overlap, process_group: as
+      model, params, strategy, wire_dtype, num_buckets, overlap, process_group, inflight_bytes: as
         :class:`muon_fn.fsdp.FSDPMuonOptimizer` (``use_muon=True`` groups get SSO,
         ``use_muon=False`` AdamW at the group's ``adamw_lr`` and ``adamw_weight_decay``).
       lr, momentum, nesterov, **sso_options: SpectralSphereOptimizer's, with its meaning and

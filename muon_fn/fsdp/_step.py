@@ -20,7 +20,7 @@ from .._muon import group_by
 from ..optim import engine
 from ..optim.engine import (Staged, StepReport, commit, finite_flags, guarded, nonfinite_error, refuse_sparse,
                             step_not_traced)
-from . import _exchange, _overlap, _params, _phases, _rows
+from . import _exchange, _overlap, _params, _phases, _rows, _stream
 from ._routes import Bucket, Route
 from ._telemetry import FSDPTelemetry
 
@@ -119,17 +119,20 @@ class AdapterStep(FSDPTelemetry):
         new_replicated: dict[int, list[torch.Tensor]] = {}
         compute = functools.partial(self._mid, matrices, new_replicated, finite, figs)
         cols = [m.fmt.returned_cols for m in matrices]
-        if ready is None:
-            held = self._pre(matrices, grads, finite, deferred=[], figs=figs)
-            run = _exchange.exchange if self.strategy == "owner" else _exchange.exchange_replicated
-            mine, ex = run(self.plan, topo.rank, held, compute, group=topo.group, wire_dtype=self.wire_dtype,
-                           result_cols=cols)
-        else:  # every gather posted (overlap): the pre phase ran before the flag was known
-            for state, new_state, params in ready.deferred:
-                _, new_state, _, fault = guarded(state, (), new_state, finite)
-                self._write(Staged((), (), state, new_state), fault, params)
-            mine, ex = ready.posted.finish(compute, result_cols=cols)
-        self._post(matrices, grads, mine, self._share(matrices, new_replicated), finite, figs)
+        if ready is None and self.strategy == "owner" and topo.world_size > 1:  # bucket by bucket
+            ex = self._stream(matrices, grads, finite, figs, compute, cols, new_replicated)
+        else:
+            if ready is None:
+                held = self._pre(matrices, grads, finite, deferred=[], figs=figs)
+                run = _exchange.exchange if self.strategy == "owner" else _exchange.exchange_replicated
+                mine, ex = run(self.plan, topo.rank, held, compute, group=topo.group, wire_dtype=self.wire_dtype,
+                               result_cols=cols)
+            else:  # every gather posted (overlap): the pre phase ran before the flag was known
+                for state, new_state, params in ready.deferred:
+                    _, new_state, _, fault = guarded(state, (), new_state, finite)
+                    self._write(Staged((), (), state, new_state), fault, params)
+                mine, ex = ready.posted.finish(compute, result_cols=cols)
+            self._post(matrices, grads, mine, self._share(matrices, new_replicated), finite, figs)
         self._elementwise(grads, finite, figs)
         commit(self._writes)  # atomic=False: written already, bucket by bucket
         if figs is not None:
@@ -147,6 +150,30 @@ class AdapterStep(FSDPTelemetry):
             stats.update(overlapped_buckets=0 if ready is None else ready.in_backward,
                          overlap_backward_s=0.0 if ready is None else ready.backward_s)
         return stats
+
+    def _stream(self, matrices: list[Matrix], grads: list[tuple], finite: torch.Tensor | None, figs: dict | None,
+                compute: Any, cols: list[int], new_replicated: dict) -> _exchange.ExchangeStats:
+        """The pre phase, the exchange and the post phase bucket by bucket of the plan
+        (:mod:`._stream`): a bucket's rows are packed just before they travel and its results
+        applied as soon as they are back (its replicated mid state shared then, one all-reduce)."""
+        def buckets_of(b: Any) -> set[int]:
+            return {id(matrices[j].bucket) for j in b.matrices}
+
+        def pre(b: Any) -> dict[int, torch.Tensor]:
+            held = self._pre(matrices, grads, finite, buckets_of(b), deferred=[], figs=figs)
+            return {j: held[j] for j in b.matrices}
+
+        def post(b: Any, mine: dict[int, torch.Tensor]) -> None:
+            rows: list[Any] = [None] * len(matrices)
+            for j, r in mine.items():
+                rows[j] = r
+            new = {j: new_replicated.pop(j) for j in b.matrices if j in new_replicated}
+            self._post(matrices, grads, rows, self._share(matrices, new, b.matrices), finite, figs, buckets_of(b))
+
+        topo = self.topology
+        return _stream.stream(self.plan, topo.rank, pre, compute, post, group=topo.group, wire_dtype=self.wire_dtype,
+                              result_cols=cols, inflight_bytes=self.inflight_bytes,
+                              item_bytes=torch.empty((), dtype=self._wire_in).element_size())
 
     def _mid_buckets(self) -> Iterator[tuple[int, Route, Bucket, list[torch.Tensor]]]:
         """(group index, route, bucket, group params) of every route with a mid phase."""
@@ -247,6 +274,9 @@ class AdapterStep(FSDPTelemetry):
                 leaves = self._owner_leaves(matrices, batch, pieces)
                 out, new_state, raw = route.steps.mid_measured(_phases.signature(*args), *args, leaves)
                 self._note(figs, matrices[batch[0]].group, tuple(matrices[j].position for j in batch), leaves, raw)
+            for q in members:  # the whole inputs are freed before the results are packed
+                mats[q] = None  # type: ignore[call-overload]
+            del args, updates, params, sent, inputs
             new = [{} for _ in batch]
             engine.scatter_state(layout, new_state, new)
             for j, u, n, own in zip(batch, out, new, pieces):
@@ -277,12 +307,14 @@ class AdapterStep(FSDPTelemetry):
             pieces.append(own)
         return out, inputs, pieces
 
-    def _share(self, matrices: list[Matrix],
-               new: dict[int, list[torch.Tensor]]) -> dict[int, list[torch.Tensor]]:
-        """Every rank's copy of the replicated mid state each owner computed (one all-reduce); a
-        local matrix's (counters) each rank computed itself."""
+    def _share(self, matrices: list[Matrix], new: dict[int, list[torch.Tensor]],
+               among: Any = None) -> dict[int, list[torch.Tensor]]:
+        """Every rank's copy of the replicated mid state each owner computed (one all-reduce; of
+        the plan's matrices ``among``, default all); a local matrix's (counters) each rank
+        computed itself."""
         topo = self.topology
-        with_state = [j for j, m in enumerate(matrices) if m.fmt.replicated and not self.plan.matrices[j].local]
+        among = range(len(matrices)) if among is None else among
+        with_state = [j for j in among if matrices[j].fmt.replicated and not self.plan.matrices[j].local]
         if not with_state or self.strategy == "replicate" or topo.world_size == 1:
             return new
         like = [_params.local(self.opt.state[matrices[j].param][leaf.key]) for j in with_state
@@ -293,9 +325,13 @@ class AdapterStep(FSDPTelemetry):
         return {**{j: v for j, v in new.items() if self.plan.matrices[j].local}, **shared}
 
     def _post(self, matrices: list[Matrix], grads: list[tuple], mine: list[torch.Tensor],
-              shared: dict[int, list[torch.Tensor]], finite: torch.Tensor | None, figs: dict | None = None) -> None:
-        """The post phase on local rows: the updates, the new post state and mid state written."""
+              shared: dict[int, list[torch.Tensor]], finite: torch.Tensor | None, figs: dict | None = None,
+              only: set[int] | None = None) -> None:
+        """The post phase on local rows: the updates, the new post state and mid state written
+        (``only``: the ids of the buckets to run, default all)."""
         for gi, route, bucket, params in self._mid_buckets():
+            if only is not None and id(bucket) not in only:
+                continue
             local = tuple(_params.local(params[i]) for i in bucket.indices)
             _, _, state = route.phases.states(self._local_state(bucket, params))
             updates, old_mid, new_mid = [], [], []

@@ -151,13 +151,14 @@ class Optimizer(Checkpointing, Placed, StagedStep, Telemetry, torch.optim.Optimi
         checkpoints where ``params`` does not, gives parameters of ndim ≥ 3 their module's matrix
         view (conv weights flattened, any other a stack of matrices), and, on DTensor parameters,
         lets ``gradient_accumulation_steps > 1`` pause FSDP2's gradient sync.
-      strategy, wire_dtype, num_buckets, overlap, process_group: the distributed options, which
-        act once the optimizer holds DTensors (see below and
+      strategy, wire_dtype, num_buckets, overlap, process_group, inflight_bytes: the distributed
+        options, which act once the optimizer holds DTensors (see below and
         :class:`muon_fn.fsdp.FSDPMuonOptimizer`): ``strategy`` ``"owner"`` (default) or
         ``"replicate"``; ``wire_dtype`` of the rows on the wire (``None``: the parameters');
-        ``num_buckets`` exchanges per step (default 4); ``overlap`` (default ``False``) starts
-        each bucket's exchange during backward; ``process_group`` for plain (replicated)
-        parameters. Kept in :attr:`distributed_options` (:mod:`muon_fn.optim._distributed`).
+        ``num_buckets`` exchanges per step (at least; default 4); ``overlap`` (default ``False``)
+        starts each bucket's exchange during backward; ``process_group`` for plain parameters;
+        ``inflight_bytes`` the bytes of gathered matrices a rank holds at once (default 8 MiB;
+        ``None``: no bound). Kept in :attr:`distributed_options` (:mod:`muon_fn.optim._distributed`).
 
     Parameters may be plain tensors or DTensors (FSDP2, HSDP, tensor- and expert-parallel
     meshes), given at construction or swapped into ``param_groups`` later: an optimizer holding
@@ -261,9 +262,10 @@ class Optimizer(Checkpointing, Placed, StagedStep, Telemetry, torch.optim.Optimi
         num_buckets: int = DEFAULTS.num_buckets,
         overlap: bool = DEFAULTS.overlap,
         process_group: Any = DEFAULTS.process_group,
+        inflight_bytes: int | None = DEFAULTS.inflight_bytes,
         **kwargs: Any,
     ) -> None:
-        options = DistributedOptions(strategy, wire_dtype, num_buckets, overlap, process_group)
+        options = DistributedOptions(strategy, wire_dtype, num_buckets, overlap, process_group, inflight_bytes)
         self.distributed_options = options.checked()
         _checks.not_a_module(params, takes_model=not self._always_distributed)
         implementation = _checks.implementation_keywords(kwargs)

@@ -15,6 +15,10 @@ STRATEGIES = ("owner", "replicate")
 """What ``strategy=`` accepts: ``"owner"`` (each matrix computed once, on its owner rank) or
 ``"replicate"`` (every rank all-gathers and computes every matrix; the baseline)."""
 WIRE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
+INFLIGHT_BYTES = 8 * 2**20
+"""``inflight_bytes=``'s default: the bytes of gathered (whole) matrices a rank holds at once in
+the owner-computes step (exchange buckets of at most half of it per owner; the next travels while
+one is computed where both fit)."""
 
 
 class DistributedOptions(NamedTuple):
@@ -25,6 +29,7 @@ class DistributedOptions(NamedTuple):
     num_buckets: int = 4
     overlap: bool = False
     process_group: Any = None
+    inflight_bytes: int | None = INFLIGHT_BYTES
 
     def checked(self) -> DistributedOptions:
         """These options, or a ``ValueError`` naming the first invalid one and its value."""
@@ -32,6 +37,10 @@ class DistributedOptions(NamedTuple):
         _checks.one_of("wire_dtype", self.wire_dtype, WIRE_DTYPES)
         _checks.positive_int("num_buckets", self.num_buckets)
         _checks.one_of("overlap", self.overlap, (True, False))
+        if self.inflight_bytes is not None and (isinstance(self.inflight_bytes, bool)
+                                                or not isinstance(self.inflight_bytes, int) or self.inflight_bytes < 1):
+            raise ValueError(f"Invalid inflight_bytes: {self.inflight_bytes!r} (expected an integer >= 1, the bytes "
+                             "of gathered matrices a rank holds at once, or None: no bound)")
         if self.overlap and self.strategy != "owner":
             raise ValueError(f"overlap=True needs strategy='owner' (the exchange it starts during "
                              f"backward), got strategy={self.strategy!r}")

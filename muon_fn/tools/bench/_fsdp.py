@@ -18,7 +18,9 @@ same gradients), with torch.optim.Muon's settings (:data:`TORCH_SETTINGS`: its d
   rank taking part in every matrix (all-gathers and all-reduces inside each product);
 - ``MuonOptimizer[like_torch]``: ``muon_fn.MuonOptimizer(model.parameters(), **TORCH_SETTINGS,
   ns_dtype=..., momentum_kind="ema")`` on the same kind of DTensors, which runs the owner-computes
-  step by itself: the same algorithm as the torch row.
+  step by itself: the same algorithm as the torch row;
+- ``MuonOptimizer[like_torch, inflight_bytes=16 MiB]``: the same with that budget of gathered
+  matrices (:data:`SMALL_INFLIGHT`; the default is 8 MiB).
 
 Both iterate in ``torch_dtype``: ``"bf16"`` (torch.optim.Muon as shipped, ``ns_dtype=torch.bfloat16``)
 or ``"fp32"`` (torch's own iteration with its bf16 cast replaced by fp32,
@@ -34,12 +36,17 @@ steps and one step per row under torch's profiler (below) the pair's parameters 
 (``pair``: the largest difference over all ranks, and the tolerance: 1e-5 in fp32, as
 tests/test_torch_compat.py; 4e-3 in bf16, where two faithful implementations round apart).
 
-Memory per rank and row (every row): ``state_bytes``, this rank's bytes of ``optimizer.state``
-(local shards of DTensor state), and ``peak_bytes``, the step's transient: the peak of torch's CPU
-allocator during one more step above what it held before (torch.profiler allocator events,
-:func:`muon_fn.tools.bench._memory.peak_step_bytes`; BLAS buffers, Python objects and memory an optimizer
-keeps outside ``state`` between steps are not counted). The torch row's profiled step also counts
-its collectives (``collectives_per_step``, DTensor's ``CommDebugMode``).
+Memory per rank and row (:data:`MEMORY_ROWS`), each row in **a fresh set of W processes** of its
+own, started with glibc's allocator set so that freed tensors leave the resident set
+(:data:`muon_fn.tools.bench._memory.RESIDENT_ENV`: blocks of 64 KiB or more are their own
+``mmap``): the model, the gradients and that row's optimizer alone, two warm-up steps, then one
+step measured by the kernel: its peak resident set (``VmHWM`` after writing ``5`` to
+``/proc/self/clear_refs``) less the resident set before it
+(:func:`muon_fn.tools.bench._memory.resident_step_bytes`): ``peak_bytes``, the step's transient,
+everything it allocates (torch's tensors, BLAS buffers, gloo's, Python objects) in one number
+that a reviewer can check with ``/proc`` alone. ``state_bytes`` is this rank's bytes of
+``optimizer.state`` (local shards of DTensor state). The torch row's collectives are counted in
+the timing job (``collectives_per_step``, DTensor's ``CommDebugMode``, one more step).
 
 :func:`benchmark_overlap` (``--overlap``) trains the same matrices through real forward and
 backward passes (a residual MLP-style block per layer, ``tokens`` rows per rank) and compares
@@ -64,9 +71,13 @@ from typing import Any
 from ._timing import paired_ratio
 
 GPT2_LAYER = [(768, 768)] * 4 + [(3072, 768), (768, 3072)]
-VARIANTS = (("owner", None), ("owner", "bf16"), ("replicate", None))
+VARIANTS = (("owner", None, 32), ("owner", "bf16", 32), ("owner", None, 8), ("replicate", None, 32))
 TORCH_ROW = "torch.optim.Muon"
 LIKE_TORCH_ROW = "MuonOptimizer[like_torch]"
+SMALL_INFLIGHT = 16 * 2**20
+SMALL_ROW = "MuonOptimizer[like_torch, inflight_bytes=16 MiB]"
+# The rows whose step transient is measured, each in a fresh set of processes (fresh RSS).
+MEMORY_ROWS = ("owner/fp32", "owner/bf16", "owner/fp32/state8", TORCH_ROW, LIKE_TORCH_ROW, SMALL_ROW)
 # torch.optim.Muon's settings spelled out: its defaults, except lr (the pair's; Keller's scale).
 TORCH_SETTINGS = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, ns_coefficients=(3.4445, -4.775, 2.0315),
                       eps=1e-7, ns_steps=5, adjust_lr_fn=None)
@@ -230,25 +241,29 @@ def _with_grads(model: Any, grads: list) -> Any:
     return model
 
 
-def _muon_fn_rows(model: Any, cfg: dict[str, Any]) -> dict[str, tuple]:
-    """``FSDPMuonOptimizer`` per :data:`VARIANTS`, on ``model``: row -> (optimizer, step)."""
+def _variant_name(strategy: str, wire: str | None, bits: int) -> str:
+    return f"{strategy}/{wire or 'fp32'}" + ("" if bits == 32 else f"/state{bits}")
+
+
+def _muon_fn_row(model: Any, cfg: dict[str, Any], strategy: str, wire: str | None, bits: int) -> tuple:
+    """One ``FSDPMuonOptimizer`` of :data:`VARIANTS` on ``model``: (optimizer, step)."""
     import torch
 
     from muon_fn.fsdp import FSDPMuonOptimizer
 
-    wire = {None: None, "bf16": torch.bfloat16}
-    rows = {}
-    for s, wd in VARIANTS:
-        opt = FSDPMuonOptimizer(model, lr=1e-4, strategy=s, wire_dtype=wire[wd],
-                                method="polar_express", ns_steps=cfg["ns_steps"],  # as documented
-                                num_buckets=cfg["buckets"])
-        rows[f"{s}/{wd or 'fp32'}"] = (opt, opt.step)
-    return rows
+    opt = FSDPMuonOptimizer(model, lr=1e-4, strategy=strategy, wire_dtype={None: None, "bf16": torch.bfloat16}[wire],
+                            method="polar_express", ns_steps=cfg["ns_steps"],  # as documented
+                            num_buckets=cfg["buckets"], state_bits=bits)
+    return opt, opt.step
 
 
-def _torch_rows(cfg: dict[str, Any], grads: list) -> tuple[dict[str, tuple], list]:
-    """torch.optim.Muon and ``MuonOptimizer[like_torch]``, each on its own sharded copy of the
-    model with the same gradients: row -> (optimizer, step); and the two models."""
+def _muon_fn_rows(model: Any, cfg: dict[str, Any]) -> dict[str, tuple]:
+    """``FSDPMuonOptimizer`` per :data:`VARIANTS`, on ``model``: row -> (optimizer, step)."""
+    return {_variant_name(*v): _muon_fn_row(model, cfg, *v) for v in VARIANTS}
+
+
+def _torch_row(cfg: dict[str, Any], name: str, model: Any) -> tuple:
+    """torch.optim.Muon or ``MuonOptimizer[like_torch]`` (``name``) on ``model``: (optimizer, step)."""
     import torch
 
     import muon_fn
@@ -256,17 +271,35 @@ def _torch_rows(cfg: dict[str, Any], grads: list) -> tuple[dict[str, tuple], lis
     from ..train.optimizers import torch_iteration
 
     settings = {**TORCH_SETTINGS, "ns_steps": cfg["ns_steps"]}
-    models = [_with_grads(_sharded(cfg), grads) for _ in (TORCH_ROW, LIKE_TORCH_ROW)]
-    topt = torch.optim.Muon(list(models[0].parameters()), **settings)
-
     ns_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg["torch_dtype"]]
+    if name == TORCH_ROW:
+        topt = torch.optim.Muon(list(model.parameters()), **settings)
 
-    def torch_step(_opt=topt, _dtype=None if ns_dtype == torch.bfloat16 else ns_dtype):  # None: as shipped
-        with torch_iteration(_dtype):
-            _opt.step()
+        def torch_step(_opt=topt, _dtype=None if ns_dtype == torch.bfloat16 else ns_dtype):  # None: as shipped
+            with torch_iteration(_dtype):
+                _opt.step()
 
-    mopt = muon_fn.MuonOptimizer(models[1].parameters(), **settings, ns_dtype=ns_dtype, momentum_kind="ema")
-    return {TORCH_ROW: (topt, torch_step), LIKE_TORCH_ROW: (mopt, mopt.step)}, models
+        return topt, torch_step
+    small: dict[str, Any] = {"inflight_bytes": SMALL_INFLIGHT} if name == SMALL_ROW else {}
+    mopt = muon_fn.MuonOptimizer(model.parameters(), **settings, ns_dtype=ns_dtype, momentum_kind="ema", **small)
+    return mopt, mopt.step
+
+
+def _torch_rows(cfg: dict[str, Any], grads: list) -> tuple[dict[str, tuple], list]:
+    """torch.optim.Muon and ``MuonOptimizer[like_torch]``, each on its own sharded copy of the
+    model with the same gradients: row -> (optimizer, step); and the two models."""
+    names = (TORCH_ROW, LIKE_TORCH_ROW, SMALL_ROW)
+    models = [_with_grads(_sharded(cfg), grads) for _ in names]
+    return {name: _torch_row(cfg, name, m) for name, m in zip(names, models)}, models
+
+
+def _one_row(cfg: dict[str, Any], name: str, grads: list) -> tuple:
+    """Row ``name`` alone on its own sharded model with ``grads``: (optimizer, step)."""
+    model = _with_grads(_sharded(cfg), grads)
+    if name in (TORCH_ROW, LIKE_TORCH_ROW, SMALL_ROW):
+        return _torch_row(cfg, name, model)
+    (v,) = [v for v in VARIANTS if _variant_name(*v) == name]
+    return _muon_fn_row(model, cfg, *v)
 
 
 def _timed(steps: dict[str, tuple], repeats: int) -> tuple[dict, dict, dict]:
@@ -295,24 +328,77 @@ def _timed(steps: dict[str, tuple], repeats: int) -> tuple[dict, dict, dict]:
     return times, cpu, stats
 
 
-def _memory(steps: dict[str, tuple], stats: dict[str, dict]) -> None:
-    """One more step per row under torch's profiler (every rank at once: it is collective): its
-    peak and the state's bytes into ``stats``; the torch row's collectives too."""
-    import torch
+def _collectives(steps: dict[str, tuple], stats: dict[str, dict]) -> None:
+    """One more step of every row (the pair stays in step), the torch row's under DTensor's
+    ``CommDebugMode``: its collectives."""
     import torch.distributed as dist
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from ._memory import peak_step_bytes, state_bytes
-
-    for name, (opt, step) in steps.items():
+    for name, (_, step) in steps.items():
         dist.barrier()
-        comm = CommDebugMode() if name == TORCH_ROW else contextlib.nullcontext()
-        with comm:
-            peak = peak_step_bytes(step, torch.device("cpu"))
-        stats[name] = {**stats[name], "peak_bytes": peak, "state_bytes": state_bytes(opt)}
+        with CommDebugMode() if name == TORCH_ROW else contextlib.nullcontext() as comm:
+            step()
         if name == TORCH_ROW:
             stats[name]["collectives_per_step"] = {str(op).rsplit(".", 1)[-1]: n
                                                    for op, n in comm.get_comm_counts().items()}
+
+
+def _memory_worker(rank: int, w: int, port: int, cfg: dict[str, Any], name: str, out: str) -> None:
+    """A fresh rank measuring row ``name``'s step transient by its resident set (module docstring)."""
+    import torch
+    import torch.distributed as dist
+
+    from ._memory import resident_step_bytes, state_bytes
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=w, timeout=timedelta(seconds=600))
+    torch.manual_seed(0)
+    grads = [torch.randn(p.to_local().shape) for p in _sharded(cfg).parameters()]
+    opt, step = _one_row(cfg, name, grads)
+    for _ in range(2):  # warm-up: state, plan, scratch and the backend's buffers exist
+        step()
+    dist.barrier()
+    peak = resident_step_bytes(step, torch.device("cpu"))
+    mine = {"peak_bytes": peak, "state_bytes": state_bytes(opt)}
+    gathered: list[Any] = [None] * w
+    dist.all_gather_object(gathered, mine)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(gathered, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]):
+    """``os.environ`` with ``values`` set inside (what spawned processes inherit)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _measure_memory(world_size: int, cfg: dict[str, Any], names: list[str]) -> dict[str, list[dict]]:
+    """Every row of ``names``: its per-rank step transient and state, each row in fresh processes."""
+    import torch.multiprocessing as mp
+
+    from ._memory import RESIDENT_ENV
+
+    out: dict[str, list[dict]] = {}
+    with tempfile.TemporaryDirectory() as d, _environment(RESIDENT_ENV):
+        for name in names:
+            path = os.path.join(d, "memory.json")
+            mp.spawn(_memory_worker, args=(world_size, _free_port(), cfg, name, path), nprocs=world_size, join=True)
+            with open(path) as f:
+                out[name] = json.load(f)
+    return out
 
 
 def _pair(models: list, start: list, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -346,7 +432,7 @@ def _worker(rank: int, w: int, port: int, cfg: dict[str, Any], out: str) -> None
         steps.update(torch_steps)
         start = [p.to_local().clone() for p in models[0].parameters()]
     times, cpu, stats = _timed(steps, cfg["repeats"])
-    _memory(steps, stats)
+    _collectives(steps, stats)
     pair = _pair(models, start, cfg) if cfg["torch"] else {}
     gathered = [None] * w
     dist.all_gather_object(gathered, stats)
@@ -391,6 +477,10 @@ def benchmark_fsdp(world_size: int, *, repeats: int = 3, ns_steps: int = 5, laye
         mp.spawn(_worker, args=(world_size, _free_port(), cfg, out), nprocs=world_size, join=True)
         with open(out) as f:
             raw = json.load(f)
+    memory = _measure_memory(world_size, cfg, [n for n in MEMORY_ROWS if n in raw["times"]])
+    for name, per_rank in memory.items():
+        for st, m in zip(raw["stats"], per_rank):
+            st[name].update(m)
     w, s = world_size, raw["S_bytes"]
     result: dict[str, Any] = {"world_size": w, "S_bytes": s, "config": cfg, "variants": {}}
     for name, ts in raw["times"].items():
@@ -400,9 +490,10 @@ def benchmark_fsdp(world_size: int, *, repeats: int = 3, ns_steps: int = 5, laye
             "step_s": ts,
             "median_cpu_s": statistics.median(raw["cpu"][name]),
             "cpu_s": raw["cpu"][name],
-            "state_bytes_per_rank": [st["state_bytes"] for st in per_rank],
-            "peak_bytes_per_rank": [st["peak_bytes"] for st in per_rank],
         }
+        if name in memory:
+            row["state_bytes_per_rank"] = [st["state_bytes"] for st in per_rank]
+            row["peak_bytes_per_rank"] = [st["peak_bytes"] for st in per_rank]
         if "ns_flops" in per_rank[0]:  # muon_fn's rows (the distributed step's figures)
             flops = [st["ns_flops"] for st in per_rank]
             row.update({
@@ -424,6 +515,11 @@ def benchmark_fsdp(world_size: int, *, repeats: int = 3, ns_steps: int = 5, laye
     result["owner_over_replicate"] = v["owner/fp32"]["median_step_s"] / v["replicate/fp32"]["median_step_s"]
     # Paired: owner and replicate of the same repeat ran back to back under the same load.
     result["paired_ratios"] = paired_ratio(v["owner/fp32"]["step_s"], v["replicate/fp32"]["step_s"])["per_round"]
+    if TORCH_ROW in memory:
+        ref = max(v[TORCH_ROW]["peak_bytes_per_rank"])
+        for row in v.values():
+            if "peak_bytes_per_rank" in row:
+                row["peak_ratio_to_torch"] = max(row["peak_bytes_per_rank"]) / max(ref, 1)
     if raw["pair"]:
         result["pair"] = raw["pair"]
     return result
@@ -448,8 +544,11 @@ def format_fsdp_result(r: dict[str, Any]) -> str:
         line += f"  CPU {x['median_cpu_s']:.3f} s"
         if torch_ran:
             line += f" (/torch {x['cpu_ratio_to_torch']['median']:.3f})"
-        line += (f"  state/rank {_span([b / mib for b in x['state_bytes_per_rank']], '.1f')} MiB"
-                 f"  step peak/rank {_span([b / mib for b in x['peak_bytes_per_rank']], '.1f')} MiB")
+        if "peak_bytes_per_rank" in x:
+            line += (f"  state/rank {_span([b / mib for b in x['state_bytes_per_rank']], '.1f')} MiB"
+                     f"  step peak/rank {_span([b / mib for b in x['peak_bytes_per_rank']], '.1f')} MiB")
+            if "peak_ratio_to_torch" in x:
+                line += f" (/torch {x['peak_ratio_to_torch']:.2f})"
         if "bytes_sent_per_rank" in x:
             b = x["bytes_sent_per_rank"]
             line += (f"  sent/rank {min(b) / mb:.1f}–{max(b) / mb:.1f} MB"

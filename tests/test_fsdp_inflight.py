@@ -1,0 +1,152 @@
+"""``inflight_bytes=``: the owner-computes step holds at most that many bytes of gathered matrices
+at once, plus a stated allowance, and its results do not depend on it (bit for bit).
+
+One spawned job (this file as a script, W = 2 gloo ranks, collective timeout 60 s, job timeout
+300 s), its ranks started with glibc's allocator set so that freed tensors leave the resident set
+(``muon_fn.tools.bench._memory.RESIDENT_ENV``): a step's transient is the kernel's peak resident
+set during it less the resident set before it (``resident_step_bytes``), after two warm-up steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+W = 2
+JOB_TIMEOUT_S = 300
+ROWS, COLS, MATRICES = 1024, 512, 32  # 2 MiB fp32 each, 64 MiB in all
+MATRIX_BYTES = ROWS * COLS * 4
+INFLIGHT = 4 * 2**20
+# What a rank holds besides the gathered matrices of the buckets in flight (the allowance of
+# the bound), counted in matrices of the largest size: per bucket in flight its rows (the pre
+# phase's update), their copy on the wire, the received rows; on the owner the iteration's
+# working set (the iterate, its Gram products), the result and its copy on the wire back; the
+# post phase's update. Measured: 7.0 of them (4 MiB + 14.7 MB); stated: 8.
+ALLOWANCE = 8 * MATRIX_BYTES
+
+
+def _model() -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(COLS, ROWS, bias=False) for _ in range(MATRICES)])
+    for layer in model:
+        fully_shard(layer)
+    return fully_shard(model)
+
+
+def _grads(model: nn.Module) -> None:
+    from torch.distributed.tensor import DTensor
+
+    gen = torch.Generator().manual_seed(1 + int(os.environ.get("RANK_ID", "0")))
+    for p in model.parameters():
+        local = torch.randn(p.to_local().shape, generator=gen)
+        p.grad = DTensor.from_local(
+            local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+        )
+
+
+def _run(inflight: int | None, steps: int = 3) -> tuple[nn.Module, int]:
+    from muon_fn.fsdp import FSDPMuonOptimizer
+    from muon_fn.tools.bench._memory import resident_step_bytes
+
+    model = _model()
+    _grads(model)
+    opt = FSDPMuonOptimizer(model, lr=0.02, inflight_bytes=inflight, num_buckets=1, compile=False)
+    for _ in range(steps - 1):
+        opt.step()
+    transient = resident_step_bytes(opt.step, torch.device("cpu"))
+    assert transient is not None, "the ranks were not started with RESIDENT_ENV"
+    return model, transient
+
+
+def check_bound():
+    _, bounded = _run(INFLIGHT)
+    _, unbounded = _run(None)
+    return {"bounded": bounded, "unbounded": unbounded}
+
+
+def check_bit_exact():
+    a, _ = _run(None)
+    b, _ = _run(1)  # one bucket per batch of the single-device optimizer
+    return all(
+        torch.equal(p.to_local(), q.to_local()) for p, q in zip(a.parameters(), b.parameters())
+    )
+
+
+def checks() -> dict:
+    return {"bound": check_bound, "bit_exact": check_bit_exact}
+
+
+_DONE: list = []
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    from _ranks import run_ranks
+
+    from muon_fn.tools.bench._memory import RESIDENT_ENV
+
+    if not _DONE:
+        logs = tmp_path_factory.mktemp("fsdp_inflight")
+        out = logs / "results.json"
+        saved = {k: os.environ.get(k) for k in RESIDENT_ENV}
+        os.environ.update(RESIDENT_ENV)  # read by glibc as each rank starts
+        try:
+            log = run_ranks(__file__, W, [str(out)], logs, JOB_TIMEOUT_S)
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        _DONE.append((json.loads(out.read_text()) if out.exists() else None, log[-4000:]))
+    return _DONE[0]
+
+
+def _values(results, name):
+    ranks, log = results
+    assert ranks, f"the job wrote no results; its output:\n{log}"
+    bad = [f"rank {r}: {res[name]['error']}" for r, res in enumerate(ranks) if not res[name]["ok"]]
+    assert not bad, "\n".join(bad)
+    return [res[name]["value"] for res in ranks]
+
+
+@pytest.mark.slow
+def test_step_transient_stays_under_inflight_bytes_plus_the_allowance(results):
+    for r, v in enumerate(_values(results, "bound")):
+        assert v["bounded"] <= INFLIGHT + ALLOWANCE, (r, v)
+        # the same step unbounded holds every owned matrix at once: the bound is what holds it
+        assert v["unbounded"] > INFLIGHT + ALLOWANCE, (r, v)
+
+
+@pytest.mark.slow
+def test_results_do_not_depend_on_inflight_bytes(results):
+    assert _values(results, "bit_exact") == [True] * W
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "16MiB"])
+def test_invalid_inflight_bytes_is_refused(bad):
+    import muon_fn
+
+    with pytest.raises(ValueError, match=f"Invalid inflight_bytes: {bad!r}"):
+        muon_fn.MuonOptimizer([nn.Parameter(torch.zeros(2, 2))], inflight_bytes=bad)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _ranks import run_checks
+
+    if len(sys.argv) == 4:  # one rank of the job: W RANK OUT
+        os.environ["RANK_ID"] = sys.argv[2]
+        run_checks(checks(), int(sys.argv[2]), int(sys.argv[1]), sys.argv[3])
+        sys.stdout.flush()
+        os._exit(0)
+    from _ranks import run_ranks
+
+    logs_dir = Path(tempfile.mkdtemp(prefix="muon_fn_fsdp_inflight_"))
+    print(run_ranks(__file__, W, [str(logs_dir / "results.json")], logs_dir, JOB_TIMEOUT_S))
