@@ -54,11 +54,14 @@ except ImportError:
 
 
 class LitGPT(pl.LightningModule):
-    def __init__(self, data, batch_size: int, total_steps: int, optimizer: str = "hybrid"):
+    def __init__(
+        self, data, batch_size: int, total_steps: int, optimizer: str = "hybrid", ns_dtype=None
+    ):
         super().__init__()
         self.model = GPT(config_for("tiny", n_layer=2))
         self.data, self.batch_size = data, batch_size
         self.total_steps, self.optimizer_name = total_steps, optimizer
+        self.ns_dtype = ns_dtype  # the Newton–Schulz iteration's dtype (None: the default)
 
     def configure_model(self):
         if self.device_mesh is None:  # not under ModelParallelStrategy
@@ -87,10 +90,14 @@ class LitGPT(pl.LightningModule):
 
     def configure_optimizers(self):
         if self.optimizer_name == "muon":  # torch.optim.Muon's call with the class changed
-            optimizer = mf.MuonOptimizer(self.parameters(), lr=0.02)
+            optimizer = mf.MuonOptimizer(self.parameters(), lr=0.02, ns_dtype=self.ns_dtype)
         else:
             optimizer = mf.create_hybrid_optimizer(
-                self.model, muon_lr=0.02, adamw_lr=3e-3, adamw_weight_decay=0.0
+                self.model,
+                muon_lr=0.02,
+                adamw_lr=3e-3,
+                adamw_weight_decay=0.0,
+                ns_dtype=self.ns_dtype,
             )
         warmup = max(1, self.total_steps // 10)
 
@@ -127,6 +134,12 @@ def main(argv=None) -> int:
     ap.add_argument("--strategy", choices=["auto", "ddp", "fsdp2"], default="auto")
     ap.add_argument("--devices", type=int, default=1)
     ap.add_argument("--optimizer", choices=["hybrid", "muon"], default="hybrid")
+    ap.add_argument(
+        "--ns-dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="the Newton–Schulz iteration's dtype (auto: the optimizer's default)",
+    )
     ap.add_argument("--ckpt-dir", help="save a checkpoint at the end of every epoch here")
     ap.add_argument("--resume", help="a checkpoint to continue from")
     ap.add_argument("--save-params", help="write the final full parameters here (rank 0)")
@@ -142,6 +155,7 @@ def main(argv=None) -> int:
         args.batch_size,
         args.steps,
         args.optimizer,
+        None if args.ns_dtype == "auto" else getattr(torch, args.ns_dtype),
     )
     if args.strategy == "fsdp2":  # its default mesh on one machine is all tensor-parallel: say FSDP
         strategy = pl.strategies.ModelParallelStrategy(
