@@ -50,9 +50,10 @@ def in_unit_interval(name: str, value: Any) -> None:
         raise ValueError(f"Invalid {name}: {value} (expected 0 <= {name} < 1)")
 
 
-def positive_int(name: str, value: Any) -> None:
+def positive_int(name: str, value: Any, also: str = "") -> None:
+    """``value`` is an int ≥ 1 (not a bool); ``also`` ends the message (what else is accepted)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"Invalid {name}: {value!r} (expected an integer >= 1)")
+        raise ValueError(f"Invalid {name}: {value!r} (expected an integer >= 1{also})")
 
 
 def boolean(name: str, value: Any) -> None:

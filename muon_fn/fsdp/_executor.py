@@ -332,7 +332,7 @@ class DistributedExecutor(AdapterStep, engine.Executor):
             shapes, topo.world_size, replicated=[not self._layouts[id(m.param)].sharded for m in planned],
             held=held, num_buckets=self._num_buckets, extra_cols=[m.fmt.sent_cols - m.fmt.cols for m in planned],
             units=plan_units, views=[m.view for m in planned], local=local, split=split,
-            bucket_bytes=limit, item_bytes=torch.empty((), dtype=wire_in).element_size())
+            bucket_bytes=limit, item_bytes=wire_in.itemsize)
         _exchange.check_same(self._plan_description(plan), "the optimizer's plan", topo.group, topo.world_size)
         self.plan, self._wire_in = plan, wire_in
         return planned

@@ -173,7 +173,7 @@ class AdapterStep(FSDPTelemetry):
         topo = self.topology
         return _stream.stream(self.plan, topo.rank, pre, compute, post, group=topo.group, wire_dtype=self.wire_dtype,
                               result_cols=cols, inflight_bytes=self.inflight_bytes,
-                              item_bytes=torch.empty((), dtype=self._wire_in).element_size())
+                              item_bytes=self._wire_in.itemsize)
 
     def _mid_buckets(self) -> Iterator[tuple[int, Route, Bucket, list[torch.Tensor]]]:
         """(group index, route, bucket, group params) of every route with a mid phase."""

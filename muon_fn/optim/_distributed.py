@@ -37,10 +37,9 @@ class DistributedOptions(NamedTuple):
         _checks.one_of("wire_dtype", self.wire_dtype, WIRE_DTYPES)
         _checks.positive_int("num_buckets", self.num_buckets)
         _checks.one_of("overlap", self.overlap, (True, False))
-        if self.inflight_bytes is not None and (isinstance(self.inflight_bytes, bool)
-                                                or not isinstance(self.inflight_bytes, int) or self.inflight_bytes < 1):
-            raise ValueError(f"Invalid inflight_bytes: {self.inflight_bytes!r} (expected an integer >= 1, the bytes "
-                             "of gathered matrices a rank holds at once, or None: no bound)")
+        if self.inflight_bytes is not None:
+            _checks.positive_int("inflight_bytes", self.inflight_bytes,
+                                 ", the bytes of gathered matrices a rank holds at once, or None: no bound")
         if self.overlap and self.strategy != "owner":
             raise ValueError(f"overlap=True needs strategy='owner' (the exchange it starts during "
                              f"backward), got strategy={self.strategy!r}")
