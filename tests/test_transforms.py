@@ -678,3 +678,10 @@ def test_zero_size_matrix_through_muon(device):
     updates, _ = tx.update(p, tx.init(p), p)
     assert updates["w"].shape == (0, 5)
     assert updates["v"].shape == (4, 5) and bool(torch.isfinite(updates["v"]).all())
+
+
+@pytest.mark.parametrize("make", [lambda: mf.momentum(nesterov=2), lambda: mf.muon(nesterov="yes")])
+def test_a_non_boolean_nesterov_is_refused(make):
+    # the functional boundary checks it as MuonOptimizer does (2 or "yes" would run as Nesterov)
+    with pytest.raises(TypeError, match=r"^Invalid nesterov: .* \(expected True or False\)$"):
+        make()

@@ -78,6 +78,7 @@ def momentum(
     """
     _checks.in_unit_interval("momentum", momentum)
     _checks.one_of("kind", kind, MOMENTUM_KINDS)
+    _checks.boolean("nesterov", nesterov)
     _quantize.check_state_bits(state_bits)
     if mu_dtype is not None and state_bits != 32:
         raise ValueError(f"momentum: mu_dtype={mu_dtype} and state_bits={state_bits} both set the buffer's "
