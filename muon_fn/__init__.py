@@ -18,6 +18,7 @@ from .core.sso import SpectralSphereState, spectral_sphere, sso
 from .optim import (MuonOptimizer, Optimizer, SolverReport, SpectralSphereOptimizer, TritonMuon, TritonMuonW,
                     create_hybrid_optimizer, split_parameters)
 from . import spectral
+from . import optimizers
 from . import fsdp  # noqa: F401  registers the distributed executor with the engine (torch.distributed: on first use)
 from .core.views import Heads, heads
 from .core.transforms import (MomentumState, NormalizeRowsState, QuantizedAdamState, QuantizedMomentumState,
@@ -108,18 +109,11 @@ __all__ = [
     "FSDPSpectralSphereOptimizer",
 ]
 
-_LAZY = {
-    "FSDPMuonOptimizer": ("muon_fn.fsdp", "FSDPMuonOptimizer"),
-    "FSDPSpectralSphereOptimizer": ("muon_fn.fsdp", "FSDPSpectralSphereOptimizer"),
-}
-
-
+# The FSDP classes on first use: their modules load torch.distributed.tensor (about a second).
+_LAZY = ("FSDPMuonOptimizer", "FSDPSpectralSphereOptimizer")
 
 
 def __getattr__(name: str):
     if name in _LAZY:
-        import importlib
-
-        module, attr = _LAZY[name]
-        return getattr(importlib.import_module(module), attr)
+        return getattr(optimizers, name)
     raise AttributeError(f"module 'muon_fn' has no attribute {name!r}")
