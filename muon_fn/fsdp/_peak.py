@@ -102,22 +102,90 @@ class _Sizes:
         return max(((h[k - 1] if k else 0) + POST_COPIES * h[k] for k in range(len(h))), default=0)
 
 
-def _sizes(plan: Plan, b: BucketPlan, rank: int, unit_of: Sequence[int], views: Sequence) -> _Sizes:
+def _sizes(plan: Plan, b: BucketPlan, rank: int, unit_of: Sequence[int], views: Sequence,
+           copies: dict[int, int]) -> _Sizes:
+    """``b``'s sizes on ``rank``, from its matrices (the plan's split sizes summed, without
+    reading the W × W tables: fast at W = 1,024). ``copies``: rows returned per row layout."""
     rows: dict[int, int] = {}
     owned: dict[int, list[int]] = {}
+    sent = gathered = returned = back = 0
     for j in b.matrices:
-        rows[unit_of[j]] = rows.get(unit_of[j], 0) + plan.matrices[j].receive_numel(rank)
-        if plan.matrices[j].owner == rank:
+        mp = plan.matrices[j]
+        rows[unit_of[j]] = rows.get(unit_of[j], 0) + mp.receive_numel(rank)
+        if mp.local:  # computed where it lies: nothing travels
+            continue
+        sent += mp.contrib_numel(rank)
+        back += mp.receive_numel(rank)
+        if mp.owner == rank:
             owned.setdefault(unit_of[j], []).append(j)
+            gathered += mp.numel
+            if id(mp.receive) not in copies:  # m rows (sharded) or W·m (replicated)
+                copies[id(mp.receive)] = sum(stop - start for start, stop in mp.receive)
+            returned += copies[id(mp.receive)] * mp.cols
     units = []
     for u in sorted(owned):
-        members = owned[u]
-        m, n = _views.matrix_shape(plan.matrices[members[0]].shape, views[members[0]])
-        count = sum(_views.count(plan.matrices[j].shape, views[j]) for j in members)
+        first = owned[u][0]
+        m, n = _views.matrix_shape(plan.matrices[first].shape, views[first])
+        count = sum(_views.count(plan.matrices[j].shape, views[j]) for j in owned[u])
         units.append((count, min(m, n), max(m, n)))
     largest = max((plan.matrices[j].numel for js in owned.values() for j in js), default=0)
-    return _Sizes(tuple(rows[u] for u in sorted(rows)), sum(b.gather_send(rank)), sum(b.gather_recv(rank)),
-                  sum(b.scatter_send(rank)), sum(b.scatter_recv(rank)), tuple(units), largest)
+    return _Sizes(tuple(rows[u] for u in sorted(rows)), sent, gathered, returned, back, tuple(units), largest)
+
+
+@dataclass
+class _Walk:
+    """One rank's step, phase by phase (:func:`step_transient`): what each phase allocates and
+    frees, in bytes, into ``live``."""
+
+    sizes: list[_Sizes]
+    param_bytes: int
+    wire_bytes: int
+    ns_bytes: int
+    loops: Loops
+    scratch: _Scratch
+    live: _Live = field(default_factory=_Live)
+    bound: int = -1  # the bucket whose return the stream's ``returned`` names
+    done: set[int] = field(default_factory=set)  # the buckets applied
+
+    @property
+    def cast(self) -> bool:
+        return self.wire_bytes != self.param_bytes
+
+    def start(self, i: int) -> None:
+        """The pre phase, then the gather posted."""
+        s, p, w, live = self.sizes[i], self.param_bytes, self.wire_bytes, self.live
+        live.note(s.pre() * p)
+        live.add(("rows", i), sum(s.unit_rows) * p)
+        live.note(s.sent * (p + w) if self.cast else 0)  # concatenated, then cast
+        live.add(("gather", i), (s.sent + s.gathered) * w)
+        live.drop(("rows", i))
+
+    def compute_and_return(self, i: int) -> None:
+        """The owned matrices assembled, computed unit by unit, their rows posted back."""
+        s, p, w, live = self.sizes[i], self.param_bytes, self.wire_bytes, self.live
+        live.add(("whole", i), s.gathered * p)
+        live.note(s.largest * w if self.cast else 0)  # a matrix concatenated on the wire, then cast
+        live.drop(("gather", i))
+        for count, m, n in s.units:
+            self.scratch.run(1 if self.loops(m) else count, m, n)
+            live.held["scratch"] = self.scratch.total() * self.ns_bytes
+            live.note(count * m * n * (self.ns_bytes + p))  # the result in N, then in P
+            if not self.scratch.kept:
+                live.held["scratch"] = 0
+        live.note(s.returned * (p + w) if self.cast else 0)
+        live.add(("return", i), (s.returned + s.back) * w)
+        live.drop(("whole", i))
+        if self.bound in self.done:  # ``returned`` now names this bucket's return
+            live.drop(("return", self.bound))
+        self.bound = i
+
+    def finish(self, i: int) -> None:
+        """The post phase; the return freed unless ``returned`` still names it."""
+        s = self.sizes[i]
+        self.live.note((s.post() + (s.back if self.cast else 0)) * self.param_bytes)
+        self.done.add(i)
+        if self.bound != i:
+            self.live.drop(("return", i))
 
 
 def step_transient(plan: Plan, rank: int, units: Sequence[Sequence[int]], views: Sequence, *,
@@ -145,76 +213,51 @@ def step_transient(plan: Plan, rank: int, units: Sequence[Sequence[int]], views:
     - the **post phase**, unit by unit: the final update, ``p + u`` and the guarded
       ``where(ok, p + u, p)`` as it is written (3 × the unit's rows × P, :data:`POST_COPIES`),
       the previous unit's final update still bound (:meth:`_Sizes.post`), plus the bucket's
-      rows cast back to P when the wire is narrower. A bucket's return is freed once it is applied and the next bucket's
-      results are posted (the stream's ``returned`` holds it until then).
+      rows cast back to P when the wire is narrower. A bucket's return is freed once it is
+      applied and the next bucket's results are posted (the stream's ``returned`` holds it).
 
     The next bucket is gathered before one is computed only when both fit ``inflight_bytes``
     (:func:`~muon_fn.fsdp._stream.gathered_bytes`, on P); a bucket's results are applied after
     the next bucket is computed then, and before the next is gathered otherwise."""
+    buckets = [b for b in plan.buckets if b.matrices]
+    sizes = [_sizes(plan, b, rank, _unit_of(plan, units), views, {}) for b in buckets]
+    fits = [gathered_bytes(plan, b, param_bytes) for b in buckets]
+    return _schedule(sizes, fits, inflight_bytes, _Walk(sizes, param_bytes, wire_bytes, ns_bytes, loops,
+                                                        _Scratch(scratch_kept)))
+
+
+def _schedule(sizes: Sequence[_Sizes], fits: Sequence[int], inflight_bytes: int | None, walk: _Walk) -> int:
+    """The stream's loop over the buckets (``fits``: each one's gathered bytes), phase by phase
+    into ``walk``; its peak."""
+    if not sizes:
+        return 0
+    walk.start(0)
+    previous = None
+    for i in range(len(sizes)):
+        last = i + 1 == len(sizes)
+        ahead = not last and (inflight_bytes is None or fits[i] + fits[i + 1] <= inflight_bytes)
+        if ahead:
+            walk.start(i + 1)
+        walk.compute_and_return(i)
+        if previous is not None:
+            walk.finish(previous)
+        previous = i
+        if not ahead and not last:
+            walk.finish(i)
+            previous = None
+            walk.start(i + 1)
+    if previous is not None:
+        walk.finish(previous)
+    return walk.live.peak
+
+
+def _unit_of(plan: Plan, units: Sequence[Sequence[int]]) -> list[int]:
+    """The unit of each of the plan's matrices."""
     unit_of = [0] * len(plan.matrices)
     for u, members in enumerate(units):
         for j in members:
             unit_of[j] = u
-    buckets = [b for b in plan.buckets if b.matrices]
-    sizes = [_sizes(plan, b, rank, unit_of, views) for b in buckets]
-    fits = [gathered_bytes(plan, b, param_bytes) for b in buckets]
-    live, scratch = _Live(), _Scratch(scratch_kept)
-    bound, done = [-1], set()  # the bucket whose return the stream's ``returned`` holds; those finished
-    cast = wire_bytes != param_bytes
-
-    def start(i: int) -> None:
-        s = sizes[i]
-        live.note(s.pre() * param_bytes)
-        live.add(("rows", i), sum(s.unit_rows) * param_bytes)
-        live.note(s.sent * (param_bytes + wire_bytes) if cast else 0)  # concatenated, then cast
-        live.add(("gather", i), s.sent * wire_bytes)
-        live.add(("gather", i), s.gathered * wire_bytes)
-        live.drop(("rows", i))
-
-    def compute_and_return(i: int) -> None:
-        s = sizes[i]
-        live.add(("whole", i), s.gathered * param_bytes)
-        live.note(s.largest * wire_bytes if cast else 0)  # a matrix concatenated on the wire, then cast
-        live.drop(("gather", i))
-        for count, m, n in s.units:
-            scratch.run(1 if loops(m) else count, m, n)
-            live.held["scratch"] = scratch.total() * ns_bytes
-            live.note(count * m * n * (ns_bytes + param_bytes))  # the result in N, then in P
-            if not scratch_kept:
-                live.held["scratch"] = 0
-        live.note(s.returned * (param_bytes + wire_bytes) if cast else 0)
-        live.add(("return", i), (s.returned + s.back) * wire_bytes)
-        live.drop(("whole", i))
-        if bound[0] in done:  # the stream's ``returned`` now names this bucket's return
-            live.drop(("return", bound[0]))
-        bound[0] = i
-
-    def finish(i: int) -> None:
-        live.note((sizes[i].post() + (sizes[i].back if cast else 0)) * param_bytes)
-        done.add(i)
-        if bound[0] != i:
-            live.drop(("return", i))
-
-    if not buckets:
-        return 0
-    start(0)
-    previous = None
-    for i in range(len(buckets)):
-        last = i + 1 == len(buckets)
-        ahead = not last and (inflight_bytes is None or fits[i] + fits[i + 1] <= inflight_bytes)
-        if ahead:
-            start(i + 1)
-        compute_and_return(i)
-        if previous is not None:
-            finish(previous)
-        previous = i
-        if not ahead and not last:
-            finish(i)
-            previous = None
-            start(i + 1)
-    if previous is not None:
-        finish(previous)
-    return live.peak
+    return unit_of
 
 
 POLICIES = ("batched", "cpu")
@@ -242,19 +285,28 @@ def rank_transients(plan: Plan, units: Sequence[Sequence[int]], views: Sequence,
     kept = policy == "cpu"
     if plan.world_size == 1:
         return (_one_rank(plan, units, views, ns_bytes=ns_bytes, loops=loops, scratch_kept=kept),)
-    return tuple(step_transient(plan, r, units, views, inflight_bytes=inflight_bytes, wire_bytes=wire_bytes,
-                                ns_bytes=ns_bytes, loops=loops, scratch_kept=kept) for r in range(plan.world_size))
+    # step_transient of each rank; ranks whose buckets have the same sizes walk once
+    buckets = [b for b in plan.buckets if b.matrices]
+    unit_of = _unit_of(plan, units)
+    copies: dict[int, int] = {}
+    walked: dict[tuple, int] = {}
+    fits = [gathered_bytes(plan, b, 4) for b in buckets]
+    out = []
+    for r in range(plan.world_size):
+        sizes = tuple(_sizes(plan, b, r, unit_of, views, copies) for b in buckets)
+        if sizes not in walked:
+            walked[sizes] = _schedule(sizes, fits, inflight_bytes, _Walk(list(sizes), 4, wire_bytes, ns_bytes, loops,
+                                                                        _Scratch(kept)))
+        out.append(walked[sizes])
+    return tuple(out)
 
 
 def _one_rank(plan: Plan, units: Sequence[Sequence[int]], views: Sequence, *, ns_bytes: int, loops: Loops,
               scratch_kept: bool, param_bytes: int = 4) -> int:
     """The transient of one rank's step (no exchange): the pre phase of every unit (its rows
     are the whole matrices), then each unit computed, its result kept, then every post phase."""
-    unit_of = [0] * len(plan.matrices)
-    for u, members in enumerate(units):
-        for j in members:
-            unit_of[j] = u
-    every = _sizes(plan, BucketPlan(0, tuple(range(len(plan.matrices))), ((0,),), ((0,),)), 0, unit_of, views)
+    every = _sizes(plan, BucketPlan(0, tuple(range(len(plan.matrices))), ((0,),), ((0,),)), 0,
+                   _unit_of(plan, units), views, {})
     live, scratch = _Live(), _Scratch(scratch_kept)
     live.note(every.pre() * param_bytes)
     live.add("rows", sum(every.unit_rows) * param_bytes)
