@@ -96,10 +96,11 @@ class _Sizes:
         return max((sum(h[:k]) + (h[k - 1] if k else 0) + 2 * h[k] for k in range(len(h))), default=0)
 
     def post(self) -> int:
-        """The post phase's most elements at once, unit by unit: the previous unit's final
-        update (still bound) and this unit's :data:`POST_COPIES`."""
+        """The post phase's most elements at once, unit by unit: while a unit's final update is
+        computed the previous unit's is still bound; then, the previous freed, this unit's
+        :data:`POST_COPIES` as it is written."""
         h = self.unit_rows
-        return max(((h[k - 1] if k else 0) + POST_COPIES * h[k] for k in range(len(h))), default=0)
+        return max((max((h[k - 1] if k else 0) + h[k], POST_COPIES * h[k]) for k in range(len(h))), default=0)
 
 
 def _sizes(plan: Plan, b: BucketPlan, rank: int, unit_of: Sequence[int], views: Sequence,
@@ -210,9 +211,9 @@ def step_transient(plan: Plan, rank: int, units: Sequence[Sequence[int]], views:
       freed after each unit); the results replace the inputs as each unit finishes;
     - the **return**: the send buffer of the results' rows for every rank (P, cast to W) and
       the receive buffer of its own rows back (W), held until the post phase has run;
-    - the **post phase**, unit by unit: the final update, ``p + u`` and the guarded
-      ``where(ok, p + u, p)`` as it is written (3 × the unit's rows × P, :data:`POST_COPIES`),
-      the previous unit's final update still bound (:meth:`_Sizes.post`), plus the bucket's
+    - the **post phase**, unit by unit: the final update (the previous unit's still bound while
+      it is computed), then ``p + u`` and the guarded ``where(ok, p + u, p)`` as it is written
+      (3 × the unit's rows × P, :data:`POST_COPIES`; :meth:`_Sizes.post`), plus the bucket's
       rows cast back to P when the wire is narrower. A bucket's return is freed once it is
       applied and the next bucket's results are posted (the stream's ``returned`` holds it).
 
