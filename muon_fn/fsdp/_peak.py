@@ -124,7 +124,7 @@ def _sizes(plan: Plan, b: BucketPlan, rank: int, unit_of: Sequence[int], views: 
                 copies[id(mp.receive)] = sum(stop - start for start, stop in mp.receive)
             returned += copies[id(mp.receive)] * mp.cols
     units = []
-    for u in sorted(owned):
+    for u in owned:  # in the bucket's order, as the owner computes them (not the units' order)
         first = owned[u][0]
         m, n = _views.matrix_shape(plan.matrices[first].shape, views[first])
         count = sum(_views.count(plan.matrices[j].shape, views[j]) for j in owned[u])
