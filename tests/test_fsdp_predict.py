@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from muon_fn.fsdp import FSDPMuonOptimizer, Mesh, format_plan, parse_mesh, plan_model, specs
+from muon_fn.fsdp._peak import _Scratch
 from muon_fn.fsdp._plan import chunk_rows, ns_flops
 from muon_fn.fsdp._predict import _least_capacity
 from muon_fn.tools import cli
@@ -130,6 +131,45 @@ def test_step_peak_one_rank():
     bf16 and fp32: 1024)."""
     r = plan_model([("a", (8, 8), "flatten")], "dp=1", inflight_bytes=None)
     assert r.step_peak == (256 + 256 + 3 * 256,)
+
+
+def test_kept_scratch_depends_on_the_order_of_the_units():
+    """The CPU products' scratch (X, XXᵀ, polynomial, elements): a buffer is made anew when too
+    small or more than twice too large. Three 768² matrices after one 768×3072 reuse the larger X
+    and grow the Gram buffers; in the other order the Gram buffers shrink back to one matrix's."""
+    square, wide = 3 * 768 * 768, 768 * 3072
+    scratch = _Scratch(kept=True)
+    scratch.run(1, 768, 3072)
+    scratch.run(3, 768, 768)
+    assert scratch.roles == {"x": wide, "gram": square, "poly": square}
+    scratch = _Scratch(kept=True)
+    scratch.run(3, 768, 768)
+    scratch.run(1, 768, 3072)
+    assert scratch.roles == {"x": wide, "gram": 768 * 768, "poly": 768 * 768}
+
+
+PERFORMANCE = DOC.with_name("performance.md")
+
+
+def test_performance_docs_show_the_predictions():
+    """docs/performance.md's predicted-against-measured table: each row's predicted step peak
+    per rank is plan_model's for that row (min–max over the ranks, MiB)."""
+    text = PERFORMANCE.read_text()
+    table = text[text.index("| W | row | `inflight_bytes` | predicted / rank") :].split("\n\n")[0]
+    rows = [line.split(" | ") for line in table.splitlines()[2:]]
+    assert len(rows) == 10
+    for w, row, budget, predicted, *_ in rows:
+        inflight = None if budget == "none" else int(budget.split()[0]) << 20
+        wire = 2 if "bf16 wire" in row else 4
+        peaks = plan_model(
+            BENCH_FSDP,
+            f"dp={w.strip('| ')}",
+            policy="cpu",
+            inflight_bytes=inflight,
+            wire_bytes=wire,
+        ).step_peak
+        lo, hi = (f"{x / 2**20:.1f}" for x in (min(peaks), max(peaks)))
+        assert predicted == (f"{lo} MiB" if lo == hi else f"{lo}–{hi} MiB"), (w, row, budget)
 
 
 def test_figures_by_hand():
@@ -419,6 +459,7 @@ class TestCLI(expecttest.TestCase):
             "32",
         )
         self.assertEqual((code, err), (0, ""))
+        self.assertIn(out, DOC.read_text())  # docs/distributed.md shows it
         self.assertExpectedInline(
             out,
             """\
