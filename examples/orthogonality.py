@@ -20,10 +20,10 @@ except ImportError:  # a source checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import muon_fn as mf
 
-from muon_fn._newton_schulz import (
+from muon_fn.core.newton_schulz import (  # every built-in method and its designed step count
     METHODS,
     default_steps,
-)  # every built-in method and its designed step count
+)
 
 
 def measure(

@@ -5,39 +5,25 @@ A pure functional core (``init``/``update`` transforms over pytrees, composed wi
 FSDP2. See ``docs/api.md`` and ``docs/reference/``.
 """
 
-from ._alias import adamuon, adamuon_nosign, adamw, hybrid, matrix_labels, muon, normuon, triton_muon
-from ._base import EmptyState, GradientTransformation, TransformInfo, identity, info, stateless
-from ._combine import PartitionState, chain, leafwise_labels, partition
-from ._compile import compile_update
-from ._metrics import MetricsState, read_metrics, with_metrics
-from ._muon import align_rms, orthogonalize, scale_by_shape, shape_scale
-from ._newton_schulz import newton_schulz, polar_express, zeropower_via_newtonschulz5
-from ._qk_clip import (AttentionHeads, QKClip, QKClipFactors, max_attention_logits, qk_clip_factors,
-                       record_max_logits, scale_head_rows, track_max_logits)
-from ._sso import SpectralSphereState, spectral_sphere, sso
+from .core.alias import adamuon, adamuon_nosign, adamw, hybrid, matrix_labels, muon, normuon, triton_muon
+from .core.base import EmptyState, GradientTransformation, TransformInfo, identity, info, stateless
+from .core.combine import PartitionState, chain, leafwise_labels, partition
+from .core.compile import compile_update
+from .core.metrics import MetricsState, read_metrics, with_metrics
+from .core.muon import align_rms, orthogonalize, scale_by_shape, shape_scale
+from .core.newton_schulz import newton_schulz, polar_express, zeropower_via_newtonschulz5
+from .core.qk_clip import (AttentionHeads, QKClip, QKClipFactors, max_attention_logits, qk_clip_factors,
+                           record_max_logits, scale_head_rows, track_max_logits)
+from .core.sso import SpectralSphereState, spectral_sphere, sso
 from .optim import (MuonOptimizer, Optimizer, SolverReport, SpectralSphereOptimizer, TritonMuon, TritonMuonW,
                     create_hybrid_optimizer, split_parameters)
 from . import spectral
 from . import fsdp  # noqa: F401  registers the distributed executor with the engine (torch.distributed: on first use)
-from ._views import Heads, heads
-from ._transforms import (
-    MomentumState,
-    NormalizeRowsState,
-    QuantizedAdamState,
-    QuantizedMomentumState,
-    ScaleByAdamState,
-    ScaleByScheduleState,
-    ScaleBySecondMomentState,
-    add_decoupled_weight_decay,
-    apply_updates,
-    momentum,
-    normalize_layerwise,
-    normalize_rows,
-    scale_by_adam,
-    scale_by_learning_rate,
-    scale_by_second_moment,
-    scale_by_sign,
-)
+from .core.views import Heads, heads
+from .core.transforms import (MomentumState, NormalizeRowsState, QuantizedAdamState, QuantizedMomentumState,
+                              ScaleByAdamState, ScaleByScheduleState, ScaleBySecondMomentState,
+                              add_decoupled_weight_decay, apply_updates, momentum, normalize_layerwise, normalize_rows,
+                              scale_by_adam, scale_by_learning_rate, scale_by_second_moment, scale_by_sign)
 
 __version__ = "0.1.0"
 

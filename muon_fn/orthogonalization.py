@@ -1,6 +1,6 @@
 """Newton–Schulz orthogonalization as muon_fn runs it, under public names: what a tool that measures
 it (the benchmarks of :mod:`muon_fn.tools.bench`) or a user who inspects it reads, without the
-private modules that implement it (``muon_fn._newton_schulz``, ``muon_fn._execution``).
+private modules that implement it (``muon_fn.core.newton_schulz``, ``muon_fn.core.execution``).
 
 - **Schedules**: :func:`coefficient_schedule` (a method's polynomial rows, one per iteration),
   :func:`default_steps`, :data:`DEFAULT_METHOD`, :func:`norm_scale` (the pre-normalization's
@@ -21,10 +21,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import _compile, _execution, _newton_schulz
-from ._execution import ExecutionPolicy, bucket_limit, forced, policy
-from ._newton_schulz import (clear_scratch, coefficient_schedule, default_compute_dtype, default_steps, for_device,
-                             gemm_flops, gram_matrix, iterate, norm_scale)
+from .core import compile as _compile, execution as _execution, newton_schulz as _newton_schulz
+from .core.execution import ExecutionPolicy, bucket_limit, forced, policy
+from .core.newton_schulz import (clear_scratch, coefficient_schedule, default_compute_dtype, default_steps, for_device,
+                                 gemm_flops, gram_matrix, iterate, norm_scale)
 
 __all__ = [
     "coefficient_schedule", "default_steps", "DEFAULT_METHOD", "norm_scale",  # schedules

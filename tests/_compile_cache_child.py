@@ -226,7 +226,7 @@ def optimizer(name: str, v: int) -> dict[str, float]:
 
 # ----------------------------------------------------------------------------- driver
 def _distance(compiled: Any, eager: Any) -> float:
-    pairs = zip(mf._tree.tree_leaves(compiled), mf._tree.tree_leaves(eager))
+    pairs = zip(mf.core.tree.tree_leaves(compiled), mf.core.tree.tree_leaves(eager))
     return max(float((c - e).abs().max() / e.abs().max().clamp_min(1e-300)) for c, e in pairs)
 
 

@@ -37,7 +37,9 @@ from _ranks import assert_check, job_results, rank_main
 from torch import nn
 
 import muon_fn as mf
-from muon_fn import _base, _compile, _sso_step
+from muon_fn.core import base as _base
+from muon_fn.core import compile as _compile
+from muon_fn.core import sso_step as _sso_step
 
 COMPILED = {
     "compile": {"backend": "inductor"}

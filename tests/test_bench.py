@@ -18,7 +18,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from muon_fn import MuonOptimizer, orthogonalization
-from muon_fn import _newton_schulz as O
+from muon_fn.core import newton_schulz as O
 from muon_fn.tools import bench
 from muon_fn.tools.bench import _muon, _replay, _timing
 
@@ -965,7 +965,7 @@ def test_compile_time_runs_cold_then_warm_in_one_new_cache_directory(tmp_path, c
 @pytest.mark.slow
 def test_compile_time_first_step_counts_graphs_and_cache_lookups(compiled_default, monkeypatch):
     """The measured process's own part, with Dynamo's eager backend (no code generation)."""
-    from muon_fn import _compile
+    from muon_fn.core import compile as _compile
     from muon_fn.tools.bench import _compile_time
 
     monkeypatch.setattr(_compile, "DEFAULTS", {**_compile.DEFAULTS, "backend": "eager"})

@@ -24,7 +24,7 @@ from conftest import read_on_cpu, roundtrip
 from torch import nn
 
 import muon_fn as mf
-from muon_fn.optim import _layout
+from muon_fn.engine import layout as _layout
 
 # Moe built without a matrix_view on purpose: the guessed view is what gets recorded.
 pytestmark = pytest.mark.filterwarnings("ignore:MuonOptimizer. no matrix_view")

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import muon_fn as mf
-from muon_fn import _tree
-from muon_fn._newton_schulz import default_compute_dtype
+from muon_fn.core import tree as _tree
+from muon_fn.core.newton_schulz import default_compute_dtype
 
 
 def rand_tree(seed, shapes):

@@ -14,7 +14,7 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import muon_fn as mf
-from muon_fn import _compile
+from muon_fn.core import compile as _compile
 
 
 def tree(seed=0, with_vectors=False):
@@ -44,8 +44,8 @@ def recipe(lr, **kw):
 
 
 def assert_trees_close(a, b, **tol):
-    la, sa = mf._tree.tree_flatten(a)
-    lb, sb = mf._tree.tree_flatten(b)
+    la, sa = mf.core.tree.tree_flatten(a)
+    lb, sb = mf.core.tree.tree_flatten(b)
     assert sa == sb
     for x, y in zip(la, lb):
         if x is None or y is None:
@@ -98,7 +98,7 @@ def test_one_compile_across_ten_learning_rates(via):
         assert_trees_close(state_c, state_e, atol=1e-6, rtol=1e-6)
         params_c, params_e = mf.apply_updates(params_c, upd_c), mf.apply_updates(params_e, upd_e)
         if value == 0.0:  # lr = 0 (with decoupled decay scaled by lr): no movement at all
-            assert all(torch.equal(u, torch.zeros_like(u)) for u in mf._tree.tree_leaves(upd_c))
+            assert all(torch.equal(u, torch.zeros_like(u)) for u in mf.core.tree.tree_leaves(upd_c))
     assert counter.frame_count == 1
     assert_trees_close(params_c, params_e, atol=1e-5, rtol=1e-5)
 
@@ -343,7 +343,7 @@ def test_per_signature_one_graph_per_signature_beyond_the_recompile_limit():
     """PerSignature: a fresh code object per signature, so more distinct bucket signatures than
     Dynamo's recompile limit (8) still compile each once, with fullgraph=True."""
     counter = CompileCounterWithBackend("eager")
-    fn = mf._compile.PerSignature(
+    fn = mf.core.compile.PerSignature(
         lambda x: (x @ x.mT) @ x * 0.5, {"backend": counter, "fullgraph": True}
     )
     shapes = [(2, n, n + 1) for n in range(1, 13)]
@@ -494,7 +494,7 @@ def test_compiling_impossible_falls_back_to_eager_with_one_warning(compiled_defa
     steps with the eager results."""
     import torch._inductor.config as inductor_config
 
-    monkeypatch.setattr(mf._compile, "_UNUSABLE", None)
+    monkeypatch.setattr(mf.core.compile, "_UNUSABLE", None)
     a, b = _small_model(False), _small_model(False)
     opt_a = mf.MuonOptimizer(a.parameters())
     opt_b = mf.MuonOptimizer(b.parameters(), compile=False)

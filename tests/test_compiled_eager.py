@@ -2,8 +2,8 @@
 
 Each class runs twice on the same model from the same start with the same gradients for
 ``STEPS`` steps: compiled with the real default compiler (inductor, with ``verify=False`` so that
-what is compared is the compiled graph itself, not :mod:`muon_fn._verify`'s fallback) and eagerly
-(``compile=False``). Every parameter and every state tensor must then meet :mod:`muon_fn._verify`'s
+what is compared is the compiled graph itself, not :mod:`muon_fn.core.verify`'s fallback) and eagerly
+(``compile=False``). Every parameter and every state tensor must then meet :mod:`muon_fn.core.verify`'s
 bound, per tensor, ``‖compiled − eager‖ ≤ RELATIVE·‖eager − before‖ + ULPS·eps(dtype)·‖eager‖``
 (0-d solver figures and counters: finite where eager's are; see :func:`deviations` for SSO's
 power-iteration block), and the telemetry figures must agree loosely (:data:`FIGURE_RTOL`).
@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 import muon_fn as mf
-from muon_fn import _verify
+from muon_fn.core import verify as _verify
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _ranks import assert_check, rank_main, start_job
@@ -189,7 +189,7 @@ def deviations(name: str, config: str, shard=None) -> list[str]:
 def unbounded(
     what: str, got: torch.Tensor, expected: torch.Tensor, before: torch.Tensor | None = None
 ) -> list[str]:
-    """``[what and how]`` if ``got`` is outside :func:`muon_fn._verify.compare`'s bound, else ``[]``."""
+    """``[what and how]`` if ``got`` is outside :func:`muon_fn.core.verify.compare`'s bound, else ``[]``."""
     verdict = _verify.compare(got, expected, before)
     return [] if verdict.ok else [f"{what}: {verdict.detail} ({verdict.worst:.3g}x the tolerance)"]
 

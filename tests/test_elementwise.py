@@ -431,8 +431,8 @@ def test_compiled_default_matches_the_plain_loop(device, cls, compiled_default):
         opt.step()
     (variant,) = opt._runtimes[0].variants
     in_place = variant.steps[(True, False)]  # the default: written in the graph, no telemetry
-    scope = mf._base.info(variant.tx).scope  # layerwise_norm makes it a matrix transform
-    expected = mf._compile.for_scope(
+    scope = mf.core.base.info(variant.tx).scope  # layerwise_norm makes it a matrix transform
+    expected = mf.core.compile.for_scope(
         {"fullgraph": True, "dynamic": False}, scope, params[0].device
     )  # inductor
     assert in_place.options == expected and len(in_place.compiled) == len(shapes)

@@ -1,4 +1,4 @@
-"""Execution policies (muon_fn._execution): one math, run per device. The GPU's batched policy is
+"""Execution policies (muon_fn.core.execution): one math, run per device. The GPU's batched policy is
 forced on CPU tensors here, so its results, GEMM counts and compiled graphs are tested without a
 GPU; the CPU policy keeps the tuned per-matrix path."""
 
@@ -10,8 +10,9 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import muon_fn as mf
-from muon_fn import _execution, _newton_schulz
-from muon_fn.optim._adapter import BUCKET_SIZE
+from muon_fn.core import execution as _execution
+from muon_fn.core import newton_schulz as _newton_schulz
+from muon_fn.engine._adapter import BUCKET_SIZE
 
 GEMMS = {"mm", "bmm", "addmm", "baddbmm", "addmm_", "baddbmm_"}  # ATen packet names (any overload)
 

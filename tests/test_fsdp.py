@@ -144,7 +144,7 @@ def set_grads(model: nn.Module, step: int) -> None:
     """The same global gradients on every rank; a DTensor parameter gets its exact shard."""
     from torch.distributed.tensor import DTensor
 
-    from muon_fn.fsdp._plan import chunk_rows
+    from muon_fn.distributed._plan import chunk_rows
 
     for i, p in enumerate(model.parameters()):
         g = synthetic_grad(tuple(p.shape), step, i)
@@ -382,8 +382,9 @@ class ColumnScaleState(NamedTuple):
 def column_scale(decay: float = 0.5):
     """A MATRIX transform with per-matrix state that does not follow the rows (a vector of the
     columns and a counter): the FSDP owner computes it and shares it with every rank."""
-    from muon_fn import GradientTransformation, _tree
-    from muon_fn._base import MATRIX, with_info
+    from muon_fn import GradientTransformation
+    from muon_fn.core import tree as _tree
+    from muon_fn.core.base import MATRIX, with_info
 
     def init(params):
         return ColumnScaleState(
@@ -460,9 +461,9 @@ def check_generic_mid_state(w):
 def check_bytes_formula(w):
     """Shapes divisible by W: mean bytes per rank = 2(W-1)/W^2 * S (half with bf16 on the wire),
     and each rank's figures are those plan_model predicts from the shapes alone."""
-    from muon_fn._newton_schulz import coefficient_schedule
+    from muon_fn.core.newton_schulz import coefficient_schedule
+    from muon_fn.distributed._plan import ns_flops
     from muon_fn.fsdp import FSDPMuonOptimizer, plan_model
-    from muon_fn.fsdp._plan import ns_flops
 
     def run():
         out = {}

@@ -5,7 +5,7 @@ exception", SIGABRT, exit code -6. Gloo's worker thread holds a collective's ten
 after the work completes, and ``wait()`` may return before that. When the worker drops the
 reference that takes a tensor's count to 1 (its Python object's own), or to 0, torch >= 2.10 makes
 the worker take the GIL. If the interpreter is finalizing by then, Python ends the thread with
-``pthread_exit``, and the unwind aborts the process. Two fixes in ``muon_fn.fsdp._exchange``:
+``pthread_exit``, and the unwind aborts the process. Two fixes in ``muon_fn.distributed._exchange``:
 ``_Kept`` keeps one more reference to each tensor of the optimizer's own collectives until the
 backend has let go of it, so their last reference is dropped on the main thread; and
 ``settle_at_exit`` (an atexit handler) waits for gloo's workers to let go of any other
@@ -156,7 +156,7 @@ def _launch(runs: int, workdir: Path) -> dict:
     import torch.distributed.checkpoint
     import torch.distributed.checkpoint.state_dict  # noqa: F401
 
-    import muon_fn.fsdp._adopt  # noqa: F401
+    import muon_fn.distributed._adopt  # noqa: F401
 
     gc.freeze()  # the ranks' final collections skip what they inherit: exit in 0.5 s, not 2 s
     codes: list[list[int | None]] = [[None] * W for _ in range(runs)]

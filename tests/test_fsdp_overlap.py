@@ -266,8 +266,8 @@ def checks() -> dict:
 def test_posted_refuses_out_of_order():
     """Buckets are posted in plan order only (checked before any collective), and finish needs
     them all."""
-    from muon_fn.fsdp._exchange import Posted
-    from muon_fn.fsdp._plan import make_plan
+    from muon_fn.distributed._exchange import Posted
+    from muon_fn.distributed._plan import make_plan
 
     plan = make_plan([(4, 3), (6, 2), (5, 5)], 2, num_buckets=3)
     posted = Posted(plan, 0)

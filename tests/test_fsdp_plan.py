@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from muon_fn.fsdp import _plan
-from muon_fn.fsdp._plan import chunk_rows, lpt_owners, make_buckets, make_plan, ns_cost
+from muon_fn.distributed import _plan
+from muon_fn.distributed._plan import chunk_rows, lpt_owners, make_buckets, make_plan, ns_cost
 
 GPT2_SMALL = [(768, 768)] * 4 + [(3072, 768), (768, 3072)]
 
@@ -165,7 +165,7 @@ def test_units_share_an_owner_and_a_bucket_and_keep_their_order(world_size):
     """The FSDP adapter's units are single-device buckets (same shape, at most 4): their matrices
     are computed together by one owner. On gpt2-small: the best any assignment of these units can
     do (FLOPs 192/180 at W = 4: 6 units of 72 and 12 of 24 in units of 768³ FLOPs per step)."""
-    from muon_fn._muon import group_by
+    from muon_fn.core.muon import group_by
 
     shapes = GPT2_SMALL * 12
     units = group_by(shapes, 4)

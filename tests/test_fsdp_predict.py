@@ -16,10 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from muon_fn.fsdp import FSDPMuonOptimizer, Mesh, format_plan, parse_mesh, plan_model, specs
-from muon_fn.fsdp._peak import _Scratch
-from muon_fn.fsdp._plan import chunk_rows, ns_flops
-from muon_fn.fsdp._predict import _least_capacity
+from muon_fn.distributed import specs
+from muon_fn.distributed._peak import _Scratch
+from muon_fn.distributed._plan import chunk_rows, ns_flops
+from muon_fn.distributed._predict import _least_capacity
+from muon_fn.fsdp import FSDPMuonOptimizer, Mesh, format_plan, parse_mesh, plan_model
 from muon_fn.tools import cli
 from muon_fn.tools.plan import BENCH_FSDP
 

@@ -23,12 +23,13 @@ from conftest import read_on_cpu
 from test_fsdp import full, shard
 
 import muon_fn as mf
-from muon_fn.fsdp import FSDPMuonOptimizer, FSDPSpectralSphereOptimizer, _phases, _rows
-from muon_fn.fsdp._exchange import first_difference
-from muon_fn.optim._state import Slot
+from muon_fn.distributed import _phases, _rows
+from muon_fn.distributed._exchange import first_difference
+from muon_fn.engine._state import Slot
+from muon_fn.fsdp import FSDPMuonOptimizer, FSDPSpectralSphereOptimizer
 
 # FSDP against single-device optimizers, per device. The CPU: bit for bit (the project's
-# contract: there a matrix's result does not depend on its batch mates, muon_fn._execution).
+# contract: there a matrix's result does not depend on its batch mates, muon_fn.core.execution).
 # CUDA: a batched GEMM library may pick its kernel by batch size and layout, so the two agree to
 # rounding, not bitwise:
 # - fp32 iteration: fp32 GEMMs reduced in another order, amplified by the first Newton–Schulz

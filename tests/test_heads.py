@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import muon_fn as mf
-from muon_fn import _views
+from muon_fn.core import views as _views
 
 BANDS_5 = {"quintic": (0.6, 1.2), "polar_express": (0.8, 1.2)}  # tests/test_orthogonalize.py
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import muon_fn as mf
-from muon_fn.optim._hybrid import NORMUON_BETA2
+from muon_fn.optimizers._hybrid import NORMUON_BETA2
 
 
 def _model() -> nn.Module:

@@ -1,4 +1,4 @@
-"""The λ model (``muon_fn._lambda_model``) and the λ solver (``muon_fn._lambda``) of SSO.
+"""The λ model (``muon_fn.core.sso_lambda_model``) and the λ solver (``muon_fn.core.sso_lambda``) of SSO.
 
 References are independent of the code under test: an SVD-based exact msign (``U Vᵀ``) for h(λ),
 a plain bisection on the model for its root.
@@ -14,8 +14,10 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from muon_fn import _lambda, _lambda_model, spectral
-from muon_fn._newton_schulz import coefficient_schedule, newton_schulz, norm_scale
+from muon_fn import spectral
+from muon_fn.core import sso_lambda as _lambda
+from muon_fn.core import sso_lambda_model as _lambda_model
+from muon_fn.core.newton_schulz import coefficient_schedule, newton_schulz, norm_scale
 
 
 def _exact_msign(x: torch.Tensor) -> torch.Tensor:
@@ -546,7 +548,7 @@ def test_sso_skips_the_eigh_model_with_a_half_precision_msign(dtype, uses_eigh_m
 def test_msign_with_the_rank_two_gram_equals_the_plain_one(shape):
     """The solver may hand the msign XXᵀ formed from M̂M̂ᵀ by a rank-two update instead of a
     product: the same h and Φ to fp32 rounding, for wide and tall batches and any λ."""
-    from muon_fn._newton_schulz import coefficient_schedule, orthogonalize_matrices
+    from muon_fn.core.newton_schulz import coefficient_schedule, orthogonalize_matrices
 
     schedule = coefficient_schedule("polar_express", 8)
 

@@ -124,29 +124,29 @@ def graph() -> dict[str, set[str]]:
 def test_the_graph_sees_function_level_and_relative_imports(graph):
     # a sanity check of the reader itself, on edges that exist for certain
     assert (
-        "muon_fn._execution" in graph["muon_fn._newton_schulz.execution"]
-    )  # from .. import _execution
+        "muon_fn.core.execution" in graph["muon_fn.core.newton_schulz.execution"]
+    )  # from .. import execution as _execution
     assert (
-        "muon_fn._newton_schulz.cpu" in graph["muon_fn._newton_schulz.execution"]
+        "muon_fn.core.newton_schulz.cpu" in graph["muon_fn.core.newton_schulz.execution"]
     )  # from . import cpu
-    assert "muon_fn._newton_schulz.products" in graph["muon_fn._newton_schulz.iteration"]
-    assert "muon_fn._newton_schulz" in graph["muon_fn"]
+    assert "muon_fn.core.newton_schulz.products" in graph["muon_fn.core.newton_schulz.iteration"]
+    assert "muon_fn.core.newton_schulz" in graph["muon_fn"]
     toy = {"a": {"b"}, "b": {"c", "a"}, "c": {"a"}, "d": {"d"}}
     assert elementary_cycles(toy) == {("a", "b"), ("a", "b", "c"), ("d",)}
     src = "def f():\n    from .cpu import x\n"
     tree_edges = [n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.ImportFrom)]
     assert (
         _resolve(
-            "muon_fn._newton_schulz.products", False, tree_edges[0].level, tree_edges[0].module
+            "muon_fn.core.newton_schulz.products", False, tree_edges[0].level, tree_edges[0].module
         )
-        == "muon_fn._newton_schulz.cpu"
+        == "muon_fn.core.newton_schulz.cpu"
     )
 
 
 def test_no_import_cycle_in_newton_schulz(graph):
     """The Newton–Schulz math (schedules, iteration, products) imports no execution module; the
     execution side (cpu, batched, execution) picks the products: no cycle touches the package."""
-    ns = "muon_fn._newton_schulz"
+    ns = "muon_fn.core.newton_schulz"
     touching = {
         c for c in elementary_cycles(graph) if any(m == ns or m.startswith(ns + ".") for m in c)
     }
@@ -154,8 +154,8 @@ def test_no_import_cycle_in_newton_schulz(graph):
 
 
 def test_newton_schulz_math_imports_no_execution(graph):
-    ns = "muon_fn._newton_schulz"
-    execution = {"muon_fn._execution", f"{ns}.cpu", f"{ns}.batched", f"{ns}.execution", ns}
+    ns = "muon_fn.core.newton_schulz"
+    execution = {"muon_fn.core.execution", f"{ns}.cpu", f"{ns}.batched", f"{ns}.execution", ns}
     for math in ("schedules", "iteration", "products"):
         assert not graph[f"{ns}.{math}"] & execution, (
             f"{ns}.{math} imports {graph[f'{ns}.{math}'] & execution}"
@@ -217,6 +217,40 @@ def test_no_import_cycles_between_subpackages(graph):
     )
 
 
+# The layers, bottom up (docs/design.md §2): a module imports only from its own part or a lower
+# layer. The public facades (muon_fn.optim, muon_fn.fsdp, muon_fn.spectral,
+# muon_fn.orthogonalization) sit above what they re-export.
+LAYERS = (
+    ("muon_fn.core",),
+    ("muon_fn.engine",),
+    ("muon_fn.distributed",),
+    ("muon_fn.optimizers",),
+    ("muon_fn.optim", "muon_fn.fsdp", "muon_fn.spectral", "muon_fn.orthogonalization"),
+    ("muon_fn",),
+    ("muon_fn.integrations",),
+    ("muon_fn.tools",),
+    ("muon_fn.__main__",),
+)
+
+
+def layer_of(module: str) -> int:
+    part = part_of(module)
+    for i, parts in enumerate(LAYERS):
+        if part in parts:
+            return i
+    raise AssertionError(f"{module} belongs to no layer of LAYERS (add its part, {part}, to one)")
+
+
+def test_imports_point_down_the_layers(graph):
+    up = [
+        f"{a} imports {b}"
+        for a, targets in sorted(graph.items())
+        for b in sorted(targets)
+        if part_of(a) != part_of(b) and layer_of(b) >= layer_of(a)
+    ]
+    assert not up, "imports that do not point down the layers:\n" + "\n".join(up)
+
+
 def test_modules_are_at_most_600_lines():
     lengths = {
         p.relative_to(ROOT.parent).as_posix(): len(p.read_text().splitlines())
@@ -234,8 +268,8 @@ def test_modules_are_at_most_600_lines():
 
 def private_reach(graph: dict[str, set[str]], names: dict[str, set[tuple[str, str]]]) -> list[str]:
     """Imports that reach into another part's privates: a private module of another subpackage
-    (``muon_fn.optim._state`` from ``muon_fn.fsdp``), or a private name from one of its modules
-    (``from muon_fn.optim.engine import _x``). Top-level modules (``muon_fn._quantize``) and a
+    (``muon_fn.engine._state`` from ``muon_fn.distributed``), or a private name from one of its
+    modules (``from muon_fn.engine import _x``). Top-level modules (``muon_fn._x``) and a
     subpackage's public modules are open to every part. ``names``: per module, the ``(module,
     name)`` pairs of its ``from module import name`` where ``name`` is not a module."""
     seen = set(graph).union(*graph.values(), *({s for s, _ in pairs} for pairs in names.values()))
@@ -296,7 +330,7 @@ def test_private_reach_sees_modules_and_names():
 
 def test_no_part_imports_another_subpackages_privates(graph):
     """design.md §2: the distributed executor uses the engine's public interface
-    (``muon_fn.optim.engine``), never the engine's private modules; no module of one part imports
+    (``muon_fn.engine``), never the engine's private modules; no module of one part imports
     a private module or name of another subpackage."""
     reach = private_reach(graph, imported_names())
     assert not reach, "imports of another subpackage's privates:\n" + "\n".join(reach)

@@ -16,7 +16,7 @@ from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import muon_fn as mf
-from muon_fn import _metrics
+from muon_fn.core import metrics as _metrics
 
 LR, WD, B2, EPS = 0.02, 0.01, 0.95, 1e-8
 
@@ -336,7 +336,7 @@ def test_sso_metrics_compile_with_inductor(compiled_default):
     """SSO's telemetry reads its configuration outside the traced code, so the default
     compiled (inductor) step measures too, and its figures equal eager's."""
     assert_same_figures(_figures_of(BUILDS["sso"], True), _figures_of(BUILDS["sso"], False))
-    assert mf._compile._UNUSABLE is None  # inductor compiled: it did not fall back to eager
+    assert mf.core.compile._UNUSABLE is None  # inductor compiled: it did not fall back to eager
 
 
 def test_names_of_groups_and_unnamed_parameters():

@@ -70,7 +70,7 @@ def _set_grads(model, step):
     """The same global gradients on both models; a DTensor parameter gets its rows."""
     from torch.distributed.tensor import DTensor
 
-    from muon_fn.fsdp._plan import chunk_rows
+    from muon_fn.distributed._plan import chunk_rows
 
     for i, p in enumerate(model.parameters()):
         g = _grad(tuple(p.shape), step, i)

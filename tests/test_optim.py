@@ -506,7 +506,7 @@ def graph_count(params):
     return len(
         {
             tuple(tuple(params[i].shape) for i in b)
-            for b in mf.optim._adapter.buckets(params, mf.optim.BUCKET_SIZE)
+            for b in mf.engine.buckets(params, mf.optim.BUCKET_SIZE)
         }
     )
 

@@ -172,7 +172,7 @@ class TestHyperparameters(expecttest.TestCase):
     def test_unknown_method(self):
         # The method list grows (other engineers add methods), so the list is spelled from the
         # registry; the wording and the design-contract methods are pinned.
-        from muon_fn._newton_schulz import METHODS
+        from muon_fn.core.newton_schulz import METHODS
 
         lin = _linear()
         msg = self.message(ValueError, lambda: mf.MuonOptimizer(lin.parameters(), method="newton"))

@@ -1,4 +1,4 @@
-"""Properties of the Newton–Schulz family (muon_fn._newton_schulz), checked against independent
+"""Properties of the Newton–Schulz family (muon_fn.core.newton_schulz), checked against independent
 references: the SVD, the scalar polynomial each iteration applies to every singular value, and a
 plain float64 re-implementation of the iteration written from docs/algorithms.md §2 (coefficients
 typed in from the notes, not imported from the package).
@@ -53,8 +53,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import muon_fn
-from muon_fn import _newton_schulz as orth
-from muon_fn._newton_schulz import coefficient_schedule, newton_schulz
+from muon_fn.core import newton_schulz as orth
+from muon_fn.core.newton_schulz import coefficient_schedule, newton_schulz
 
 METHODS4 = ("polar_express", "quintic", "you", "cubic")
 
@@ -692,7 +692,7 @@ def test_reused_buffers_give_bitwise_the_same_iteration(method, steps, shape):
     """The eager in-place step writes every product into buffers it keeps across steps (no fresh
     allocation to page-fault); values must be exactly those of the allocating iteration, also on
     a second call that overwrites the first call's buffers."""
-    from muon_fn import _newton_schulz as O
+    from muon_fn.core import newton_schulz as O
 
     schedule = O.coefficient_schedule(method, steps)
     gen = torch.Generator().manual_seed(2)
@@ -710,7 +710,7 @@ def test_reused_buffers_give_bitwise_the_same_iteration(method, steps, shape):
 def _split_symmetric_products(min_block: int):
     """Split symmetric products down to ``min_block`` rows for every dtype (also where bf16 runs
     on AMX and only long Gram products are split), or never with a huge ``min_block``."""
-    from muon_fn import _newton_schulz as O
+    from muon_fn.core import newton_schulz as O
 
     old = O.cpu.SYMMETRIC_MIN_BLOCK, O.cpu._amx_dtypes
     O.cpu.SYMMETRIC_MIN_BLOCK, O.cpu._amx_dtypes = min_block, frozenset
@@ -731,7 +731,7 @@ def _split_symmetric_products(min_block: int):
 def test_symmetric_products_computed_blockwise(m, k, dtype, beta, alpha, seed):
     """XXᵀ (XᵀX of a tall X) and βA + αA² from the blocks on and above the diagonal (split down
     to 4-row blocks here, several levels deep) equal one GEMM's result to rounding."""
-    from muon_fn import _newton_schulz as O
+    from muon_fn.core import newton_schulz as O
 
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=gen).to(dtype)
@@ -756,7 +756,7 @@ def test_blockwise_symmetric_products_leave_bf16_iterations_bitwise_unchanged(me
     """On CPU, matrices with ≥ 384 rows compute XXᵀ and A² blockwise (a quarter fewer FLOPs per
     split); in bf16 the whole iteration must be bitwise what one GEMM per product gives, including
     AOL's first step, whose rescaled Gram matrix is not exactly symmetric (its square stays one GEMM)."""
-    from muon_fn import _newton_schulz as O
+    from muon_fn.core import newton_schulz as O
 
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(400, 520, generator=gen)
@@ -768,7 +768,7 @@ def test_blockwise_symmetric_products_leave_bf16_iterations_bitwise_unchanged(me
 
 
 def test_symmetric_products_of_a_batch_are_split_per_matrix():
-    from muon_fn import _newton_schulz as O
+    from muon_fn.core import newton_schulz as O
 
     x = torch.randn(3, 20, 30, generator=torch.Generator().manual_seed(8))
     with _split_symmetric_products(4):
@@ -780,7 +780,7 @@ def test_symmetric_products_of_a_batch_are_split_per_matrix():
 @given(m=st.integers(1, 3000), min_block=st.integers(1, 400))
 def test_symmetric_block_plan_tiles_the_matrix_once(m, min_block):
     """Leaves on the diagonal plus each corner and its mirror cover every entry exactly once."""
-    from muon_fn import _newton_schulz as O
+    from muon_fn.core import newton_schulz as O
 
     blocks = O.cpu._symmetric_blocks(m, min_block)
     covered = torch.zeros(m, m, dtype=torch.int32)
@@ -802,7 +802,7 @@ def test_symmetric_block_plan_tiles_the_matrix_once(m, min_block):
 def test_symmetric_split_policy_follows_the_gemm_hardware(monkeypatch):
     """Where a dtype's GEMMs run on AMX only Gram products with a long inner dimension are split
     (k ≥ AMX_SPLIT_MIN_RATIO·m); elsewhere every symmetric product from 2·SYMMETRIC_MIN_BLOCK rows."""
-    from muon_fn import _newton_schulz as O
+    from muon_fn.core import newton_schulz as O
 
     bf16, fp32 = torch.empty(1, dtype=torch.bfloat16), torch.empty(1)
     monkeypatch.setattr(O.cpu, "_amx_dtypes", lambda: frozenset({torch.bfloat16}))
@@ -848,7 +848,7 @@ def test_folding_c0_into_the_diagonal_is_the_same_iteration(device):
     """``Schedule.fold_from``: from that iteration on ``X ← (c₀I + P)X`` instead of ``c₀X + PX``
     (no m×n bias pass); the same map, so equal in fp64 to rounding. Only aol9's own schedule
     folds, from its second step (the first one rounds coarser that way, see ``_FOLD_FROM``)."""
-    from muon_fn import _newton_schulz as O
+    from muon_fn.core import newton_schulz as O
 
     base = O.coefficient_schedule("aol9", 6)  # three quintics, the degree-9 step, two more quintics
     x = torch.randn(40, 70, dtype=torch.float64, generator=torch.Generator().manual_seed(11)).to(
@@ -878,7 +878,7 @@ def test_degree9_step_accumulates_into_its_scratch_gram(batch):
     """The degree-9 polynomial ``c₁A + A²(…)`` is accumulated into ``A`` itself when the caller
     says ``A`` is scratch (no copy of ``c₁A`` into the output first): bitwise the same values.
     Where autograd recorded ``A`` it must not be overwritten (backward needs it)."""
-    from muon_fn import _newton_schulz as O
+    from muon_fn.core import newton_schulz as O
 
     row = O.AOL9_COEFFICIENTS[3]
     x = torch.randn(*batch, 30, 50, generator=torch.Generator().manual_seed(12)).to(torch.bfloat16)

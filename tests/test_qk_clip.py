@@ -127,7 +127,7 @@ def test_max_attention_logits(device, n_head, n_kv, causal, monkeypatch):
     q, k, kw = q.to(device), k.to(device), TOL[device.type]["logits"]
     torch.testing.assert_close(mf.max_attention_logits(q, k, causal=causal).cpu(), expected, **kw)
     monkeypatch.setattr(
-        "muon_fn._qk_clip._CHUNK_ELEMENTS", 2 * n_head * 7 * 2
+        "muon_fn.core.qk_clip._CHUNK_ELEMENTS", 2 * n_head * 7 * 2
     )  # blocks of 2 queries
     torch.testing.assert_close(mf.max_attention_logits(q, k, causal=causal).cpu(), expected, **kw)
 

@@ -11,8 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import muon_fn as mf
-from muon_fn import _quantize as Q
-from muon_fn import _tree
+from muon_fn.core import quantize as Q
+from muon_fn.core import tree as _tree
 from muon_fn.optim import from_torch_state_dict, to_torch_state_dict
 
 # (mantissa bits, octaves) of the small-float formats, as the module defines them.

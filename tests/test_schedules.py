@@ -23,7 +23,7 @@ from conftest import lane_examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from muon_fn import _newton_schulz as O
+from muon_fn.core import newton_schulz as O
 from muon_fn.tools import bench
 
 TOL = {  # max-abs of the transpose checks (module docstring)

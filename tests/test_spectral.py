@@ -22,7 +22,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from muon_fn import spectral
+from muon_fn.core import spectral  # the public muon_fn.spectral's home, its helpers too
 
 
 def _with_spectrum(m: int, n: int, s: torch.Tensor, seed: int) -> torch.Tensor:

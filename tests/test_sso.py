@@ -38,10 +38,10 @@ import torch
 from torch import nn
 
 import muon_fn
-from muon_fn import _tree
-from muon_fn._newton_schulz import newton_schulz
-from muon_fn._sso import SpectralSphereState, spectral_sphere, sso
-from muon_fn.optim._sso import SpectralSphereOptimizer
+from muon_fn.core import tree as _tree
+from muon_fn.core.newton_schulz import newton_schulz
+from muon_fn.core.sso import SpectralSphereState, spectral_sphere, sso
+from muon_fn.optimizers._sso import SpectralSphereOptimizer
 
 # max |ΔW| against the exact reference, and between two msigns of the same matrix (module docstring)
 TOL = {"cpu": dict(exact=2e-5, msign=1e-5), "cuda": dict(exact=5e-5, msign=5e-5)}
@@ -358,7 +358,7 @@ def test_large_groups_run_in_chunks_with_the_same_result(monkeypatch):
     """Equal shapes are batched in chunks of ≤ _CHUNK_ELEMENTS elements (memory locality, measured
     1.59 → 1.32× Muon-same-msign on the full gpt2-small set); chunks of 2 over 5 units (one of them
     a block of a head view) must give the same updates and state as one batch."""
-    from muon_fn import _sso
+    from muon_fn.core import sso as _sso
 
     gen = torch.Generator().manual_seed(11)
     params = {f"w{i}": torch.randn(8, 12, generator=gen) / 3 for i in range(3)}
@@ -737,7 +737,7 @@ def test_a_matrix_update_does_not_depend_on_its_batch_mates(shape, kw, monkeypat
     alone, with same-shape mates (first or last in the batch), or in chunks of other
     compositions (``_CHUNK_ELEMENTS`` cut). The mates' gradients differ in scale and structure,
     so they need other numbers of solver evaluations (the bracketing case: 5–10 per step)."""
-    from muon_fn import _sso
+    from muon_fn.core import sso as _sso
 
     gen = torch.Generator().manual_seed(sum(shape))
     n = 3 if shape[0] >= 256 else 4

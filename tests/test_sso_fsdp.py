@@ -63,7 +63,7 @@ def _grad(shape, step, index):
 def _set_grads(model, step):
     from torch.distributed.tensor import DTensor
 
-    from muon_fn.fsdp._plan import chunk_rows
+    from muon_fn.distributed._plan import chunk_rows
 
     for i, p in enumerate(model.parameters()):
         g = _grad(tuple(p.shape), step, i)

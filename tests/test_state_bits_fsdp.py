@@ -2,7 +2,7 @@
 bit-exact against the single-device optimizers at the same ``state_bits``.
 
 Blocks lie within rows and every rank holds whole rows, so each rank quantizes its rows exactly as
-one device does. The jobs shrink the block to 4 elements (``muon_fn._quantize.BLOCK``), so the
+one device does. The jobs shrink the block to 4 elements (``muon_fn.core.quantize.BLOCK``), so the
 toy models' rows hold several blocks, one of them short. The W = 4 job saves a DCP checkpoint of
 8-bit state that the W = 2 job loads (resharding). The harness is ``tests/test_fsdp.py``'s.
 """
@@ -242,7 +242,7 @@ def checks_for(w: int, ckpt_dir: str) -> dict:
 
 
 def _worker(rank: int, w: int, out: str, ckpt_dir: str) -> None:
-    from muon_fn import _quantize
+    from muon_fn.core import quantize as _quantize
 
     _quantize.BLOCK = BLOCK
     run_checks(checks_for(w, ckpt_dir), rank, w, out)

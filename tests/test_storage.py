@@ -1,4 +1,4 @@
-"""Low-bit state as a wrapper (``muon_fn._storage.stored``): over momentum and Adam it gives the
+"""Low-bit state as a wrapper (``muon_fn.core.storage.stored``): over momentum and Adam it gives the
 codes of a hand-written decode → fp32 step → encode, bit for bit; over a custom transform it stores
 the fields its layout names, keeps a leaf without a gradient, traces as one graph and keeps its
 inner transform's info."""
@@ -14,10 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import muon_fn as mf
-from muon_fn import _base, _tree
-from muon_fn import _quantize as Q
-from muon_fn._storage import Layout, stored
-from muon_fn._transforms import ADAM_STORAGE, MOMENTUM_STORAGE
+from muon_fn.core import base as _base
+from muon_fn.core import quantize as Q
+from muon_fn.core import tree as _tree
+from muon_fn.core.storage import Layout, stored
+from muon_fn.core.transforms import ADAM_STORAGE, MOMENTUM_STORAGE
 
 
 def params_of(rows: int, n: int, seed: int) -> dict[str, torch.Tensor]:

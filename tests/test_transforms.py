@@ -25,8 +25,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import muon_fn as mf
-from muon_fn import _tree
-from muon_fn._newton_schulz import newton_schulz
+from muon_fn.core import tree as _tree
+from muon_fn.core.newton_schulz import newton_schulz
 
 TOL = {
     "cpu": {"ns": 2e-5},
@@ -289,7 +289,7 @@ def test_momentum_off_cpu_takes_a_cpu_scalar(mu):
     """Off CPU the heavy-ball step takes the multiply-and-add form, which accepts a CPU 0-d μ next
     to device tensors (run here on meta tensors: shapes and devices only; no GPU to run it on); on
     CPU the fused form agrees with it to one rounding."""
-    from muon_fn._transforms import scaled_add
+    from muon_fn.core.transforms import scaled_add
 
     g, b = torch.randn(4, 6), torch.randn(4, 6)
     meta = scaled_add(g.to("meta"), b.to("meta"), mu)
@@ -678,3 +678,10 @@ def test_zero_size_matrix_through_muon(device):
     updates, _ = tx.update(p, tx.init(p), p)
     assert updates["w"].shape == (0, 5)
     assert updates["v"].shape == (4, 5) and bool(torch.isfinite(updates["v"]).all())
+
+
+@pytest.mark.parametrize("make", [lambda: mf.momentum(nesterov=2), lambda: mf.muon(nesterov="yes")])
+def test_a_non_boolean_nesterov_is_refused(make):
+    # the functional boundary checks it as MuonOptimizer does (2 or "yes" would run as Nesterov)
+    with pytest.raises(TypeError, match=r"^Invalid nesterov: .* \(expected True or False\)$"):
+        make()

@@ -195,7 +195,8 @@ def test_the_first_compile_says_what_it_does(monkeypatch, capsys, caplog):
     the 'muon_fn' logger where logging is configured, else on stderr; silenced by its level."""
     import logging
 
-    from muon_fn import _compile, _log
+    from muon_fn.core import compile as _compile
+    from muon_fn.core import log as _log
 
     def first_steps():
         monkeypatch.setattr(_compile, "_ANNOUNCED", False)

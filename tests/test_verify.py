@@ -1,4 +1,4 @@
-"""A compiled graph is checked where it runs (``verify=True``, the default; muon_fn._verify).
+"""A compiled graph is checked where it runs (``verify=True``, the default; muon_fn.core.verify).
 
 Tested by injection, on any CPU: a compiler backend that writes NaN (or garbage) into what the
 graph writes in place, as the GCC 12 miscompile did, or into what it returns (``atomic=True``).
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import muon_fn as mf
-from muon_fn import _verify
+from muon_fn.core import verify as _verify
 
 
 def corrupting(value: float = float("nan")):
@@ -226,7 +226,7 @@ def test_a_failed_inductor_graph_is_recompiled_with_safe_options(monkeypatch):
 
 _REAL_FAULT = textwrap.dedent("""
     import os, warnings, torch
-    from muon_fn import _compile
+    from muon_fn.core import compile as _compile
     torch.set_num_threads(1)
     def f(x, out):                      # the known bad kernel: bf16 read transposed, two nests
         for t, o in zip(x.unbind(0), out):

@@ -2,7 +2,7 @@
 update that expert gets alone as a 2-D weight.
 
 Bit-exact (``torch.equal``) in fp32 and bf16 iterations alike: the orthogonalization operator is
-batch-invariant (``muon_fn._newton_schulz.orthogonalize_batch`` computes every step per matrix,
+batch-invariant (``muon_fn.core.newton_schulz.orthogonalize_batch`` computes every step per matrix,
 ``test_orthogonalize.test_batched_operator_result_does_not_depend_on_batch_mates``), the experts
 of a stack are contiguous row blocks of it (the same memory layout as a 2-D expert alone), and
 every other part is elementwise or, for NorMuon, reduces each expert's rows as a 2-D weight's.
@@ -20,8 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import muon_fn as mf
-from muon_fn import _views
-from muon_fn._newton_schulz import METHODS
+from muon_fn.core import views as _views
+from muon_fn.core.newton_schulz import METHODS
 
 
 @st.composite

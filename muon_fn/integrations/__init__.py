@@ -1,4 +1,7 @@
-"""Callbacks that log ``optimizer.metrics()`` in training frameworks, one module per framework:
+"""Callbacks and hooks for training frameworks (Lightning, Hugging Face, torchtitan), one module
+per framework; they import muon_fn's public names only, and their framework when imported.
+
+Callbacks that log ``optimizer.metrics()``:
 
 - :mod:`muon_fn.integrations.lightning`: ``MuonMetricsCallback``, a ``lightning.pytorch.Callback``
   (extra ``lightning``);

@@ -1,4 +1,5 @@
-"""The ``torch.optim`` adapter and the optimizers built on it.
+"""The ``torch.optim`` adapter and the optimizers built on it: the public names of
+:mod:`muon_fn.engine` (the :class:`Optimizer` class) and :mod:`muon_fn.optimizers` (the classes).
 
 :class:`Optimizer` runs any functional transform behind torch's optimizer interface (the generic
 apply: ``tx.update`` per bucket, written back in place, compiled by default). The optimizer
@@ -13,14 +14,13 @@ values every optimizer shares: :data:`BUCKET_SIZE`, :data:`NONFINITE_POLICIES`, 
 (the widths ``state_bits=`` takes).
 """
 
-from ._adapter import BUCKET_SIZE, NONFINITE_POLICIES, Optimizer, StepReport
-from ._elementwise import TritonMuon, TritonMuonW
-from ._hybrid import NORMUON_BETA2, HybridSplit, create_hybrid_optimizer, split_parameters
-from ._muon import HybridOptimizer, MuonOptimizer
-from ._sso import SolverReport, SpectralSphereOptimizer
-from ._torch_compat import from_torch_state_dict, to_torch_state_dict
-from ._torch_dcp import from_torch_checkpoint, to_torch_checkpoint
-from .._quantize import STATE_BITS
+from ..core.quantize import STATE_BITS
+from . import engine  # noqa: F401  muon_fn.optim.engine: the engine's interface under its earlier name
+from ..engine import BUCKET_SIZE, NONFINITE_POLICIES, Optimizer, StepReport
+from ..optimizers import (NORMUON_BETA2, HybridOptimizer, HybridSplit, MuonOptimizer, SolverReport,
+                          SpectralSphereOptimizer, TritonMuon, TritonMuonW, create_hybrid_optimizer,
+                          from_torch_checkpoint, from_torch_state_dict, split_parameters, to_torch_checkpoint,
+                          to_torch_state_dict)
 
 __all__ = ["Optimizer", "MuonOptimizer", "SpectralSphereOptimizer", "HybridOptimizer", "SolverReport",
            "TritonMuon", "TritonMuonW", "StepReport", "create_hybrid_optimizer", "split_parameters", "HybridSplit",

@@ -15,7 +15,8 @@ import argparse
 import dataclasses
 from collections.abc import Sequence
 
-from muon_fn.fsdp import DEFAULT_GEMM_TFLOPS, DEFAULT_LINK_GBPS, format_plan, parse_mesh, plan_model, specs
+from muon_fn.fsdp import DEFAULT_GEMM_TFLOPS, DEFAULT_LINK_GBPS, format_plan, parse_mesh, plan_model
+from muon_fn.distributed import specs
 from muon_fn.optim import BUCKET_SIZE, STATE_BITS
 from muon_fn.orthogonalization import POLICIES
 

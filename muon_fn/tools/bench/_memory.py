@@ -57,7 +57,7 @@ import torch
 
 from muon_fn.orthogonalization import clear_scratch
 from .._device import synchronize
-from muon_fn.optim.engine import is_dtensor
+from muon_fn.engine import is_dtensor
 
 PEAK_METHODS = {"cuda": "torch.cuda.max_memory_allocated", "cpu": "torch.profiler CPU allocator events"}
 RESIDENT_METHOD = ("peak resident set (VmHWM after clear_refs) less VmRSS; glibc: mmap threshold 64 KiB, "

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from muon_fn.optim.engine import buckets
+from muon_fn.engine import buckets
 from muon_fn.orthogonalization import (bucket_limit, coefficient_schedule, default_compute_dtype, for_device,
                                         gram_matrix, iterate, norm_scale)
 

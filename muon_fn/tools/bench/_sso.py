@@ -32,7 +32,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from muon_fn import MuonOptimizer, SpectralSphereOptimizer, spectral
+from muon_fn import MuonOptimizer, SpectralSphereOptimizer
+from muon_fn.core import spectral
 from muon_fn.orthogonalization import DEFAULT_METHOD, default_steps
 from ._problem import MATRIX_NAMES, check_size, real_gradients
 from ._timing import Threads, check_threads, paired_ratio, paired_rounds, using_threads

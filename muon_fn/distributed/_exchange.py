@@ -1,0 +1,580 @@
+"""Owner-computes exchange: the only module of muon_fn that calls collectives.
+
+Per bucket of a :class:`~muon_fn.distributed._plan.Plan`: one ``all_to_all_single`` with exact uneven
+split sizes sends every rank's rows of every matrix to its owner (no padding; empty shards are
+fine), the owner concatenates them into full matrices and runs ``compute`` on them, and a second
+``all_to_all_single`` returns to every rank the rows it holds. All gathers are posted
+asynchronously up front (in bucket order, identical on every rank), so the owner computes bucket
+``i`` while later buckets are still in flight, and each bucket's return is posted asynchronously as
+soon as it is computed. The plan's local matrices (expert stacks sharded on their expert dim) never
+travel: each rank computes its own rows of them while the gathers are in flight. With one rank
+nothing is communicated. :func:`exchange_replicated` is
+the all-gather baseline (every rank computes every matrix). :func:`all_ranks_finite`,
+:func:`share_from_owners`, :func:`check_same`, :func:`any_rank_flag` and :func:`all_ranks_max`
+(QK-Clip's logits) are the small collectives around a step. :class:`Posted` is :func:`exchange`
+posted bucket by bucket (the FSDP optimizers' ``overlap=True``), on a :func:`dedicated_group`.
+The CPU tensors of every collective are released by this thread, never by the backend's worker
+thread (:class:`_Kept`), and at exit the process waits for gloo's worker threads to let go of
+those of any other collective (:func:`~muon_fn.distributed._exit.settle_at_exit`), so that no process aborts at exit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ._exit import settle_at_exit  # noqa: F401  (importing it registers the wait at exit)
+from ._plan import BucketPlan, MatrixPlan, Plan
+
+# compute(matrix indices, full (rows, cols) matrices) -> results of the same shapes, same order.
+Compute = Callable[[list[int], list[torch.Tensor]], list[torch.Tensor]]
+
+
+@dataclass
+class ExchangeStats:
+    """Figures of one exchange on this rank."""
+
+    bytes_sent: int = 0  # to other ranks, both directions
+    bytes_received: int = 0
+    comm_wait_s: float = 0.0  # time blocked in wait() on collectives
+    compute_s: float = 0.0  # time inside ``compute``
+
+
+# Why a collective's tensors are kept (torch >= 2.10, gloo). A tensor's Python object owns one
+# reference to the C++ tensor, and every C++ holder owns one more. The thread that drops the count
+# from 2 to 1 (or to 0, once the Python object is gone) takes the GIL. Gloo's worker thread
+# (``pt_gloo_runloop``) holds a collective's tensors until just after it completes the work, and
+# ``wait()`` can return first. If the worker drops the last reference but one, it takes the GIL.
+# If the interpreter is finalizing by then, Python ends the thread (``pthread_exit``). The unwind
+# reaches a noexcept destructor, and std::terminate aborts the process ("terminate called without
+# an active exception", exit code -6). That happens after the user's ``destroy_process_group()``,
+# when the exit follows a step's last collective within milliseconds. So this thread keeps one
+# more reference to each tensor (a view of it), from before the collective is posted until the
+# backend has let go. The worker then never drops the last reference but one; this thread does.
+KEEP_TIMEOUT_S = 10.0  # a backend that holds the tensors longer: warn, and keep no more
+_keeping = hasattr(torch.Tensor, "_use_count")
+
+
+class _Kept:
+    """The CPU tensors about to be handed to one collective, each with an extra reference held
+    here (a view of it) until :meth:`release`. They must not be views themselves (a view of a
+    view references the first one's base, not it)."""
+
+    def __init__(self, *tensors: torch.Tensor) -> None:
+        assert not any(t._is_view() for t in tensors), "_Kept: a collective's tensor is a view"
+        self.tensors = [t for t in tensors if _keeping and t.device.type == "cpu"]
+        self.views = [t.view(t.shape) for t in self.tensors]
+        self.counts = [t._use_count() for t in self.tensors]  # with the view, before the collective
+
+    def release(self) -> None:
+        """After the collective completed and its work handle was dropped: wait until the backend
+        holds none of the tensors, then drop the views (on this thread). Sleeping releases the
+        GIL and the CPU to the worker thread that still holds them."""
+        global _keeping
+        # A count of 1 is a view without a reference to its base (inference mode): nothing kept.
+        held = [(t, c) for t, c in zip(self.tensors, self.counts) if c > 1]
+        deadline, pause = time.monotonic() + KEEP_TIMEOUT_S, 0.0
+        while any(t._use_count() > c for t, c in held):
+            if time.monotonic() > deadline:
+                _keeping = False
+                warnings.warn(f"muon_fn: the backend still held a collective's tensors {KEEP_TIMEOUT_S:.0f} s after "
+                              "it completed; no longer waiting for that (the process may abort at exit)",
+                              RuntimeWarning, stacklevel=3)
+                break
+            time.sleep(pause)
+            pause = min(2 * pause + 1e-5, 1e-3)
+        self.tensors, self.views = [], []
+
+
+
+
+class _Wire:
+    """One exchange's settings and figures: every ``all_to_all_single`` goes through :meth:`post`."""
+
+    def __init__(self, rank: int, like: torch.Tensor, wire_dtype: torch.dtype | None, group: Any) -> None:
+        self.rank, self.group = rank, group
+        self.dtype, self.device = like.dtype, like.device  # what compute sees and returns
+        self.wire = wire_dtype or like.dtype
+        self.item = torch.empty((), dtype=self.wire).element_size()
+        self.stats = ExchangeStats()
+
+    def post(self, parts: list[torch.Tensor], send_splits: list[int], recv_splits: list[int]):
+        """Start one ``all_to_all_single`` of ``parts`` (concatenated, in destination order)."""
+        send = (torch.cat(parts).to(self.wire) if parts
+                else torch.empty(0, dtype=self.wire, device=self.device))
+        recv = torch.empty(sum(recv_splits), dtype=self.wire, device=self.device)
+        kept = _Kept(recv, send)
+        work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.group, async_op=True)
+        self.stats.bytes_sent += self.item * (sum(send_splits) - send_splits[self.rank])
+        self.stats.bytes_received += self.item * (sum(recv_splits) - recv_splits[self.rank])
+        return work, recv, send, kept
+
+    def wait(self, flight: _InFlight) -> None:
+        t0 = time.perf_counter()
+        flight.complete()
+        self.stats.comm_wait_s += time.perf_counter() - t0
+
+    def timed(self, compute: Compute, idx: list[int], mats: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``compute(idx, mats)``, its time counted in the stats."""
+        t0 = time.perf_counter()
+        results = compute(idx, mats) if idx else []
+        self.stats.compute_s += time.perf_counter() - t0
+        return results
+
+
+@dataclass
+class _InFlight:
+    bucket: BucketPlan
+    work: Any  # the collective's handle (None once complete)
+    recv: torch.Tensor
+    send: torch.Tensor  # kept alive until the collective completes
+    kept: _Kept
+
+    def complete(self) -> None:
+        """Wait for the collective; drop its handle and release its tensors (:class:`_Kept`)."""
+        self.work.wait()
+        self.work = None
+        self.kept.release()
+
+
+def exchange(
+    plan: Plan,
+    rank: int,
+    held: Sequence[torch.Tensor],
+    compute: Compute,
+    *,
+    group: dist.ProcessGroup | None = None,
+    wire_dtype: torch.dtype | None = None,
+    result_cols: Sequence[int] | None = None,
+) -> tuple[list[torch.Tensor], ExchangeStats]:
+    """Run ``compute`` on every matrix at its owner; return this rank's rows of every result.
+
+    Args:
+      plan: the plan (identical on every rank).
+      rank: this rank's index in ``group``.
+      held: per matrix of the plan, the rows this rank holds (its ``receive`` rows) as a 2-D
+        ``(rows, cols)`` tensor; the rank contributes the plan's ``contrib`` rows out of them.
+        All share one dtype.
+      compute: called once per bucket on the matrices this rank owns (possibly none).
+      group: the process group (``None``: the default group); ignored when ``world_size == 1``.
+      wire_dtype: dtype on the wire (e.g. ``torch.bfloat16``); ``None`` keeps the input dtype.
+        Received matrices are cast back to the input dtype before ``compute``.
+      result_cols: per matrix, the columns of ``compute``'s result when they differ from the
+        plan's (e.g. the update without the parameter's rows that travelled beside it);
+        ``None``: the same.
+
+    Returns:
+      Per matrix, the ``(receive rows, result cols)`` block of the result this rank holds, and
+      the stats.
+    """
+    back_cols = _result_cols(plan, result_cols)
+    rows = _contributions(plan, rank, held)
+    if not rows:
+        return [], ExchangeStats()
+    if plan.world_size == 1:
+        wire = _Wire(rank, rows[0], wire_dtype, group)
+        return _compute_locally(plan, rows, compute, wire), wire.stats
+    posted = Posted(plan, rank, group=group, wire_dtype=wire_dtype)
+    for b in plan.buckets:
+        posted.post(b.index, {j: held[j] for j in b.matrices})
+    return posted.finish(compute, result_cols=back_cols)
+
+
+class Posted:
+    """An :func:`exchange` whose gathers are posted one bucket at a time, in plan order
+    (:meth:`post`, e.g. as each bucket's gradients become final during backward), and finished
+    by :meth:`finish` (the owners compute, the results come back), or dropped by :meth:`drain`.
+    :func:`exchange` is ``post`` of every bucket, then ``finish``: the same collectives and ops.
+    Every rank must post the same buckets in the same order (the plan's) before ``finish``.
+    """
+
+    def __init__(self, plan: Plan, rank: int, *, group: dist.ProcessGroup | None = None,
+                 wire_dtype: torch.dtype | None = None) -> None:
+        if plan.world_size == 1:
+            raise ValueError("Posted: a plan of one rank has nothing to exchange")
+        self.plan, self.rank, self.group, self.wire_dtype = plan, rank, group, wire_dtype
+        self.rows: list[torch.Tensor | None] = [None] * len(plan.matrices)
+        self.gathers: list[_InFlight] = []
+        self.wire: _Wire | None = None
+
+    @property
+    def next_bucket(self) -> int:
+        """The bucket :meth:`post` takes next (``len(plan.buckets)``: all are posted)."""
+        return len(self.gathers)
+
+    def post(self, bucket: int, held: dict[int, torch.Tensor]) -> None:
+        """Start the gather of ``bucket`` (the next in plan order): ``held[j]`` is this rank's
+        rows of each of its matrices ``j``, as :func:`exchange`'s ``held``."""
+        if bucket != self.next_bucket:
+            raise ValueError(f"Posted.post: bucket {bucket} posted out of order (next is {self.next_bucket})")
+        b = self.plan.buckets[bucket]
+        if sorted(held) != sorted(b.matrices):
+            raise ValueError(f"Posted.post: bucket {bucket} holds matrices {sorted(b.matrices)}, got {sorted(held)}")
+        for j in b.matrices:
+            self.rows[j] = _contribution(self.plan.matrices[j], self.rank, held[j])
+        if self.wire is None:
+            self.wire = _Wire(self.rank, self.rows[b.matrices[0]], self.wire_dtype, self.group)
+        self.gathers.append(_post_gather(self.plan, b, self.rows, self.wire))  # type: ignore[arg-type]
+
+    def finish(self, compute: Compute, *, result_cols: Sequence[int] | None = None
+               ) -> tuple[list[torch.Tensor], ExchangeStats]:
+        """Every bucket posted: compute the owned (and local) matrices and return the results;
+        as :func:`exchange`."""
+        plan, wire = self.plan, self.wire
+        if self.next_bucket != len(plan.buckets) or wire is None:
+            raise ValueError(f"Posted.finish: {self.next_bucket} of {len(plan.buckets)} buckets posted")
+        back_cols = _result_cols(plan, result_cols)
+        out: list[torch.Tensor | None] = [None] * len(plan.matrices)
+        for b in plan.buckets:
+            _compute_local(plan, b, self.rows, compute, back_cols, wire, out)  # type: ignore[arg-type]
+        returns = [_compute_and_return(plan, g, compute, back_cols, wire) for g in self.gathers]
+        for r in returns:
+            _collect(plan, r, back_cols, wire, out)
+        self.gathers = []
+        return out, wire.stats  # type: ignore[return-value]
+
+    def drain(self) -> float:
+        """Wait for every posted gather and drop it (every rank posted the same, so nothing is
+        left pending anywhere); returns the seconds waited."""
+        waited = 0.0
+        for g in self.gathers:
+            t0 = time.perf_counter()
+            g.complete()
+            waited += time.perf_counter() - t0
+        self.gathers, self.rows = [], [None] * len(self.plan.matrices)
+        return waited
+
+
+def _compute_locally(plan: Plan, rows: list[torch.Tensor], compute: Compute,
+                     wire: _Wire) -> list[torch.Tensor]:
+    """One rank: every matrix is whole here; ``compute`` runs bucket by bucket."""
+    out: list[torch.Tensor | None] = [None] * len(plan.matrices)
+    for b in plan.buckets:
+        idx = list(b.matrices)
+        for j, r in zip(idx, wire.timed(compute, idx, [rows[j] for j in idx])):
+            out[j] = r
+    return out  # type: ignore[return-value]
+
+
+def _compute_local(plan: Plan, b: BucketPlan, rows: list[torch.Tensor], compute: Compute,
+                   back_cols: list[int], wire: _Wire, out: list) -> None:
+    """A bucket's local matrices: this rank's rows of each, computed here (nothing travels)."""
+    here = [j for j in b.matrices if plan.matrices[j].local]
+    if not here:
+        return
+    for j, r in zip(here, wire.timed(compute, here, [rows[j] for j in here])):
+        start, stop = plan.matrices[j].receive[wire.rank]
+        if tuple(r.shape) != (stop - start, back_cols[j]):
+            raise ValueError(f"exchange: compute returned shape {tuple(r.shape)} for local matrix {j}, "
+                             f"expected {(stop - start, back_cols[j])}")
+        out[j] = r
+
+
+def _owned(plan: Plan, b: BucketPlan, owner: int) -> list[int]:
+    return [j for j in b.matrices if plan.matrices[j].owner == owner]
+
+
+def _post_gather(plan: Plan, b: BucketPlan, rows: list[torch.Tensor], wire: _Wire) -> _InFlight:
+    """Send every matrix's contributed rows to its owner: the send buffer is ordered by owner,
+    then by the bucket's matrix order."""
+    parts = [rows[j].reshape(-1) for d in range(plan.world_size) for j in _owned(plan, b, d)]
+    return _InFlight(b, *wire.post(parts, b.gather_send(wire.rank), b.gather_recv(wire.rank)))
+
+
+def _assemble(plan: Plan, owned: list[int], recv: torch.Tensor, wire: _Wire) -> list[torch.Tensor]:
+    """The owned matrices, whole: ``recv`` is ordered by source rank, then by the owned matrices;
+    each matrix's pieces are put in row order (ranks need not hold rows in rank order)."""
+    pieces: dict[int, list[tuple[int, torch.Tensor]]] = {j: [] for j in owned}
+    offset = 0
+    for s in range(plan.world_size):
+        for j in owned:
+            mp = plan.matrices[j]
+            k = mp.contrib_numel(s)
+            pieces[j].append((mp.contrib[s][0], recv[offset:offset + k].view(-1, mp.cols)))
+            offset += k
+    return [torch.cat([x for _, x in sorted(pieces[j], key=lambda e: e[0])]).to(wire.dtype) for j in owned]
+
+
+def _compute_and_return(plan: Plan, g: _InFlight, compute: Compute, back_cols: list[int],
+                        wire: _Wire) -> _InFlight:
+    """Wait for a bucket's gather, compute the owned matrices and post their rows back (ordered by
+    destination rank, then by the owned matrices)."""
+    wire.wait(g)
+    owned = _owned(plan, g.bucket, wire.rank)
+    mats = _assemble(plan, owned, g.recv, wire)
+    g.recv = g.send = None  # type: ignore[assignment]  # freed before the iteration allocates
+    results = wire.timed(compute, owned, mats)
+    del mats
+    for j, r in zip(owned, results):
+        if tuple(r.shape) != (plan.matrices[j].rows, back_cols[j]):
+            raise ValueError(f"exchange: compute returned shape {tuple(r.shape)} for matrix {j}, "
+                             f"expected {(plan.matrices[j].rows, back_cols[j])}")
+    parts = [r[slice(*plan.matrices[j].receive[d])].reshape(-1)
+             for d in range(plan.world_size) for j, r in zip(owned, results)]
+    w, b = plan.world_size, g.bucket
+    send_splits = [_returned(plan, b.matrices, wire.rank, d, back_cols) for d in range(w)]
+    recv_splits = [_returned(plan, b.matrices, s, wire.rank, back_cols) for s in range(w)]
+    return _InFlight(b, *wire.post(parts, send_splits, recv_splits))
+
+
+def _collect(plan: Plan, r: _InFlight, back_cols: list[int], wire: _Wire, out: list) -> None:
+    """This rank's rows of a bucket's results (ordered by owner, then bucket order)."""
+    wire.wait(r)
+    offset = 0
+    for s in range(plan.world_size):
+        for j in _owned(plan, r.bucket, s):
+            start, stop = plan.matrices[j].receive[wire.rank]
+            k = (stop - start) * back_cols[j]
+            out[j] = r.recv[offset:offset + k].view(-1, back_cols[j]).to(wire.dtype)
+            offset += k
+
+
+def _result_cols(plan: Plan, result_cols: Sequence[int] | None) -> list[int]:
+    """Columns of every matrix's result (the plan's ``cols`` unless ``result_cols`` says)."""
+    if result_cols is None:
+        return [mp.cols for mp in plan.matrices]
+    cols = [int(c) for c in result_cols]
+    if len(cols) != len(plan.matrices) or any(c < 0 for c in cols):
+        raise ValueError(f"exchange: invalid result_cols {list(result_cols)!r} (expected "
+                         f"{len(plan.matrices)} non-negative column counts)")
+    return cols
+
+
+def _returned(plan: Plan, matrices: Sequence[int], owner: int, dest: int, cols: Sequence[int]) -> int:
+    """Elements ``owner`` returns to ``dest`` for the bucket's ``matrices``."""
+    total = 0
+    for j in matrices:
+        mp = plan.matrices[j]
+        if mp.owner == owner:
+            start, stop = mp.receive[dest]
+            total += (stop - start) * cols[j]
+    return total
+
+
+def _contributions(plan: Plan, rank: int, held: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The rows each matrix's ``contrib`` asks of this rank, cut from the rows it holds."""
+    if len(held) != len(plan.matrices):
+        raise ValueError(f"exchange: got {len(held)} tensors for a plan of {len(plan.matrices)} matrices")
+    return [_contribution(mp, rank, x) for mp, x in zip(plan.matrices, held)]
+
+
+def _contribution(mp: MatrixPlan, rank: int, x: torch.Tensor) -> torch.Tensor:
+    """The rows of one matrix that its ``contrib`` asks of this rank, cut from the rows it holds."""
+    r0, r1 = mp.receive[rank]
+    if tuple(x.shape) != (r1 - r0, mp.cols):
+        raise ValueError(
+            f"exchange: matrix {mp.index} of global shape {mp.shape} has local rows of shape "
+            f"{tuple(x.shape)} on rank {rank}, the plan expects {(r1 - r0, mp.cols)}"
+        )
+    c0, c1 = mp.contrib[rank]
+    return x[c0 - r0:c1 - r0] if c1 > c0 else x[:0]
+
+
+def exchange_replicated(
+    plan: Plan,
+    rank: int,
+    held: Sequence[torch.Tensor],
+    compute: Compute,
+    *,
+    group: dist.ProcessGroup | None = None,
+    wire_dtype: torch.dtype | None = None,
+    result_cols: Sequence[int] | None = None,
+) -> tuple[list[torch.Tensor], ExchangeStats]:
+    """The baseline: every rank all-gathers every sharded matrix and computes all of them.
+
+    Per bucket, one ``all_gather_single`` of every rank's rows padded to ``ceil(m/W)`` (gloo
+    needs equal sizes); replicated matrices are already whole and are not sent. Same arguments
+    and result as :func:`exchange`; ``compute`` sees every matrix of each bucket.
+    """
+    _contributions(plan, rank, held)  # shape checks
+    back_cols = _result_cols(plan, result_cols)
+    if not held:
+        return [], ExchangeStats()
+    wire = _Wire(rank, held[0], wire_dtype, group)
+    pending = [_post_all_gather(plan, b, held, wire) for b in plan.buckets]
+    out: list[torch.Tensor | None] = [None] * len(plan.matrices)
+    for b, members, flight in pending:
+        if flight is not None:
+            wire.wait(flight)
+        full = _unpad(plan, members, flight.recv, wire) if flight is not None else {}
+        idx = list(b.matrices)
+        results = wire.timed(compute, idx, [full.get(j, held[j]) for j in idx])
+        for j, r in zip(idx, results):
+            out[j] = r[slice(*plan.matrices[j].receive[rank])] if j in full else r
+            if out[j].shape[1] != back_cols[j]:
+                raise ValueError(f"exchange: compute returned {r.shape[1]} columns for matrix {j}, "
+                                 f"expected {back_cols[j]}")
+    return out, wire.stats  # type: ignore[return-value]
+
+
+def _padded_rows(plan: Plan, j: int) -> int:
+    return max(b - a for a, b in plan.matrices[j].receive)
+
+
+def _post_all_gather(plan: Plan, b: BucketPlan, held: Sequence[torch.Tensor], wire: _Wire):
+    """Start the all-gather of this rank's rows of the bucket's sharded matrices (padded)."""
+    members = [j for j in b.matrices if _is_sharded(plan, j)] if plan.world_size > 1 else []
+    parts = []
+    for j in members:
+        x = held[j]
+        pad = _padded_rows(plan, j) - x.shape[0]
+        parts.append((torch.cat([x, x.new_zeros(pad, x.shape[1])]) if pad else x).reshape(-1))
+    if not parts:
+        return b, members, None
+    send = torch.cat(parts).to(wire.wire)
+    gathered = torch.empty(plan.world_size * send.numel(), dtype=wire.wire, device=wire.device)
+    kept = _Kept(gathered, send)
+    work = _all_gather(gathered, send, group=wire.group, async_op=True)
+    copies = wire.item * send.numel() * (plan.world_size - 1)  # as a ring/all-to-all: (W-1) copies
+    wire.stats.bytes_sent += copies
+    wire.stats.bytes_received += copies
+    return b, members, _InFlight(b, work, gathered, send, kept)
+
+
+def _unpad(plan: Plan, members: list[int], gathered: torch.Tensor, wire: _Wire) -> dict[int, torch.Tensor]:
+    """The gathered matrices, whole, from every rank's padded rows."""
+    w = plan.world_size
+    per_rank = gathered.numel() // w
+    full, offset = {}, 0
+    for j in members:
+        mp = plan.matrices[j]
+        rows = _padded_rows(plan, j)
+        k = rows * mp.cols
+        blocks = {mp.receive[s]: gathered[s * per_rank + offset:s * per_rank + offset + k].view(rows, mp.cols)[
+            : mp.receive[s][1] - mp.receive[s][0]] for s in reversed(range(w))}  # one per block (replicas)
+        full[j] = torch.cat([blocks[r] for r in sorted(blocks)]).to(wire.dtype)
+        offset += k
+    return full
+
+
+def _is_sharded(plan: Plan, j: int) -> bool:
+    """True if ranks hold different rows of matrix ``j`` (False for a replicated matrix)."""
+    mp = plan.matrices[j]
+    return any(r != (0, mp.rows) for r in mp.receive)
+
+
+# torch >= 2.13 names it all_gather_single (all_gather_into_tensor warns); older torch lacks it.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+# ----------------------------------------------------------------------------- around a step
+def all_ranks_finite(finite: torch.Tensor, group: dist.ProcessGroup | None, world_size: int) -> torch.Tensor:
+    """``finite`` (a 0-d bool tensor) AND-ed over the ranks of ``group``: one tiny all-reduce,
+    nothing read back to the host (none for W = 1)."""
+    if world_size == 1:
+        return finite
+    flag = finite.reshape(1).to(torch.int32, copy=True)  # not a view: _Kept keeps it
+    kept = _Kept(flag)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    kept.release()
+    return flag.reshape(()).bool()
+
+
+def all_ranks_max(tensors: list[torch.Tensor]) -> None:
+    """Every tensor becomes its elementwise max over all ranks of the default group, in place (one
+    all-reduce). The default group, not the shard group: HSDP replicas see other batches too."""
+    if not tensors or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    kept = _Kept(flat)
+    dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+    kept.release()
+    for t, v in zip(tensors, flat.split([t.numel() for t in tensors])):
+        t.copy_(v.view_as(t))
+
+
+def any_rank(flags: list[bool], group: dist.ProcessGroup | None, world_size: int) -> list[bool]:
+    """Each of the host-side ``flags`` OR-ed over the ranks of ``group`` (one object all-gather)."""
+    if world_size == 1:
+        return flags
+    every: list[Any] = [None] * world_size
+    dist.all_gather_object(every, flags, group=group)
+    return [any(column) for column in zip(*every)]
+
+
+def dedicated_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """A new process group of the ranks of ``group`` (``None``: the default group), for an
+    exchange posted during backward: its collectives then never interleave with those FSDP2 (or
+    the user) posts on ``group`` meanwhile, so ranks cannot match them in different orders, and
+    a big gather does not queue ahead of a reduce-scatter. Collective over the default group:
+    every rank creates every rank's group (as ``torch.distributed.new_group`` requires)."""
+    ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(dist.get_world_size()))
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, ranks)
+    mine = None
+    for members in dict.fromkeys(tuple(r) for r in every):  # each distinct group once, same order
+        made = dist.new_group(list(members))
+        if dist.get_rank() in members:
+            mine = made
+    assert mine is not None
+    return mine
+
+
+def any_rank_flag(flag: bool, group: dist.ProcessGroup | None, device: torch.device) -> bool:
+    """``flag`` OR-ed over the ranks of ``group`` (one tiny all-reduce, read back to the host)."""
+    t = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    kept = _Kept(t)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    kept.release()
+    return bool(t.item())
+
+
+def share_from_owners(values: list[torch.Tensor | None], like: list[torch.Tensor],
+                      group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+    """Every rank gets each owner's value: ``values[k]`` is the owner's (None elsewhere) and
+    ``like[k]`` gives its shape and dtype. One all-reduce (sum) of a flat fp64 buffer in which
+    the other ranks put −0.0, the exact identity of IEEE addition (−0 + x = x for every x)."""
+    parts = [torch.full((t.numel(),), -0.0, dtype=torch.float64, device=t.device) if v is None
+             else v.reshape(-1).to(torch.float64) for v, t in zip(values, like)]
+    if not parts:
+        return []
+    flat = torch.cat(parts)
+    kept = _Kept(flat)
+    dist.all_reduce(flat, group=group)
+    kept.release()
+    out, offset = [], 0
+    for t in like:
+        out.append(flat[offset:offset + t.numel()].view(t.shape).to(t.dtype))
+        offset += t.numel()
+    return out
+
+
+def check_same(description: Sequence[tuple[str, str]], what: str, group: dist.ProcessGroup | None,
+               world_size: int) -> None:
+    """Raise on every rank unless every rank of ``group`` has the same ``description`` (a list
+    of ``(entry, value)`` pairs). One all-gather of a hash; only when the hashes differ, a second
+    gathers the descriptions to name the first entry that differs (:func:`first_difference`)."""
+    if world_size == 1:
+        return
+    digest = hashlib.sha256(repr(list(description)).encode()).hexdigest()
+    every: list[Any] = [None] * world_size
+    dist.all_gather_object(every, digest, group=group)
+    differ = [r for r, d in enumerate(every) if d != every[0]]
+    if not differ:
+        return
+    descriptions: list[Any] = [None] * world_size
+    dist.all_gather_object(descriptions, list(description), group=group)
+    raise RuntimeError(f"the ranks disagree on {what}: rank {differ[0]} differs from rank 0 "
+                       f"{first_difference(descriptions[0], descriptions[differ[0]], differ[0])}; every "
+                       "rank must build the optimizer from the same model, parameters (in the same "
+                       "order) and options")
+
+
+def first_difference(first: Sequence[tuple[str, str]], other: Sequence[tuple[str, str]], rank: int) -> str:
+    """Where rank ``rank``'s description ``other`` first departs from rank 0's ``first``, in words.
+    Entries are matched by name; the last entry of a description (a summary, such as the plan's
+    hash) is compared after all the others."""
+    a, b = dict(first), dict(other)
+    names = [*list(a)[:-1], *(k for k in list(b)[:-1] if k not in a), *list(a)[-1:],
+             *(k for k in list(b)[-1:] if k not in a)]
+    for name in names:
+        if a.get(name) != b.get(name):
+            return f"at {name}: {a.get(name, 'none')} on rank 0, {b.get(name, 'none')} on rank {rank}"
+    return "in the order of its entries"
