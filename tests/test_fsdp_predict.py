@@ -17,10 +17,12 @@ from hypothesis import strategies as st
 from torch import nn
 
 from muon_fn.distributed import specs
+from muon_fn.distributed._peak import _Scratch
 from muon_fn.distributed._plan import chunk_rows, ns_flops
 from muon_fn.distributed._predict import _least_capacity
 from muon_fn.fsdp import FSDPMuonOptimizer, Mesh, format_plan, parse_mesh, plan_model
 from muon_fn.tools import cli
+from muon_fn.tools.plan import BENCH_FSDP
 
 SPECS = ("llama3-8b", "llama3-70b", "deepseek-v3")
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "distributed.md"
@@ -71,6 +73,104 @@ def test_plan_model_is_the_plan_the_optimizer_makes(bucket_size):
         bucket_size=bucket_size,
     )
     assert opt.plan == plan_model("tiny", "dp=1", bucket_size=bucket_size).plan
+
+
+@pytest.mark.parametrize("inflight", [8 << 20, None])
+def test_plan_model_on_the_cpu_is_the_plan_the_optimizer_makes_there(inflight):
+    """The CPU policy's owner units (same-shape matrices within its 8 MiB bound: 768² matrices by
+    three, 3072×768 alone) and the buckets cut for ``inflight_bytes``: the same Plan."""
+    mats = BENCH_FSDP[:12]  # two gpt2-small layers
+    model = nn.Module()
+    model.ps = nn.ParameterList(nn.Parameter(torch.zeros(shape)) for _, shape, _ in mats)
+    opt = FSDPMuonOptimizer(model, compile=False, inflight_bytes=inflight)
+    report = plan_model(mats, "dp=1", policy="cpu", inflight_bytes=inflight)
+    assert opt.plan == report.plan and report.units == 7  # squares by 3, 3 and 2; 4 rectangles
+
+
+def _two_matrices(inflight, policy="batched"):
+    """Two 8×8 fp32 matrices (256 B) on 2 ranks, one bucket each: rank 1 owns the first bucket's,
+    rank 0 the second's; each rank holds 4 rows (128 B) of each."""
+    mats = [("a", (8, 8), "flatten"), ("b", (8, 8), "flatten")]
+    r = plan_model(
+        mats, "dp=2", bucket_size=1, num_buckets=2, inflight_bytes=inflight, policy=policy
+    )
+    assert [[r.plan.matrices[j].owner for j in b.matrices] for b in r.plan.buckets] == [[1], [0]]
+    return r
+
+
+# An owner's compute of one 8×8 matrix, in bytes: the whole matrix (256), the bf16 iteration's X,
+# XXᵀ and polynomial (3 × 64 × 2 = 384), its result in bf16 and in fp32 (128 + 256).
+COMPUTE = 256 + 384 + 128 + 256
+
+
+def test_step_peak_one_bucket_at_a_time():
+    """300 bytes hold one bucket, not two: the owner of the first bucket peaks computing it; the
+    owner of the second also still holds its rows of the first's results (128)."""
+    r = _two_matrices(300)
+    assert r.inflight_bytes == 300 and r.step_peak == (COMPUTE + 128, COMPUTE) == (1152, 1024)
+
+
+def test_step_peak_two_buckets_in_flight():
+    """512 bytes hold both buckets: while the first is computed, the second's gather is in flight,
+    so its owner also holds its send buffer, its 4 rows of the second matrix (128)."""
+    assert _two_matrices(512).step_peak == (COMPUTE + 128, COMPUTE + 128)
+
+
+def test_step_peak_unbounded_and_scratch_kept():
+    """No bound: every next bucket travels while one is computed, as at 512 bytes here. The CPU
+    policy keeps the iteration's scratch (384) after the owner's compute: the first bucket's owner
+    then peaks applying its rows, scratch + its return's buffers (256 sent + 128 back) + the post
+    phase (final update, p + u, where: 3 × 128)."""
+    assert _two_matrices(None).step_peak == _two_matrices(512).step_peak
+    assert _two_matrices(300, "cpu").step_peak == (COMPUTE + 128, 384 + 384 + 3 * 128)
+    assert plan_model("tiny", "dp=2").step_peak == ()  # not asked: no prediction
+
+
+def test_step_peak_one_rank():
+    """One rank exchanges nothing: its rows are the whole matrix (256), the result is kept (256)
+    and the post phase comes last (3 × 256), above the compute (rows, workspace 384, result in
+    bf16 and fp32: 1024)."""
+    r = plan_model([("a", (8, 8), "flatten")], "dp=1", inflight_bytes=None)
+    assert r.step_peak == (256 + 256 + 3 * 256,)
+
+
+def test_kept_scratch_depends_on_the_order_of_the_units():
+    """The CPU products' scratch (X, XXᵀ, polynomial, elements): a buffer is made anew when too
+    small or more than twice too large. Three 768² matrices after one 768×3072 reuse the larger X
+    and grow the Gram buffers; in the other order the Gram buffers shrink back to one matrix's."""
+    square, wide = 3 * 768 * 768, 768 * 3072
+    scratch = _Scratch(kept=True)
+    scratch.run(1, 768, 3072)
+    scratch.run(3, 768, 768)
+    assert scratch.roles == {"x": wide, "gram": square, "poly": square}
+    scratch = _Scratch(kept=True)
+    scratch.run(3, 768, 768)
+    scratch.run(1, 768, 3072)
+    assert scratch.roles == {"x": wide, "gram": 768 * 768, "poly": 768 * 768}
+
+
+PERFORMANCE = DOC.with_name("performance.md")
+
+
+def test_performance_docs_show_the_predictions():
+    """docs/performance.md's predicted-against-measured table: each row's predicted step peak
+    per rank is plan_model's for that row (min–max over the ranks, MiB)."""
+    text = PERFORMANCE.read_text()
+    table = text[text.index("| W | row | `inflight_bytes` | predicted / rank") :].split("\n\n")[0]
+    rows = [line.split(" | ") for line in table.splitlines()[2:]]
+    assert len(rows) == 10
+    for w, row, budget, predicted, *_ in rows:
+        inflight = None if budget == "none" else int(budget.split()[0]) << 20
+        wire = 2 if "bf16 wire" in row else 4
+        peaks = plan_model(
+            BENCH_FSDP,
+            f"dp={w.strip('| ')}",
+            policy="cpu",
+            inflight_bytes=inflight,
+            wire_bytes=wire,
+        ).step_peak
+        lo, hi = (f"{x / 2**20:.1f}" for x in (min(peaks), max(peaks)))
+        assert predicted == (f"{lo} MiB" if lo == hi else f"{lo}–{hi} MiB"), (w, row, budget)
 
 
 def test_figures_by_hand():
@@ -269,6 +369,12 @@ def test_bad_meshes_name_the_value(mesh, message):
         ({"ns_steps": 2.5}, "Invalid ns_steps: 2.5 (expected an integer >= 1)"),
         ({"gemm_tflops": -1.0}, "Invalid gemm_tflops: -1.0 (expected a number > 0)"),
         ({"link_gbps": 0}, "Invalid link_gbps: 0 (expected a number > 0)"),
+        ({"inflight_bytes": 0}, "Invalid inflight_bytes: 0 (expected an integer >= 1)"),
+        (
+            {"inflight_bytes": "8MiB"},
+            "Invalid inflight_bytes: '8MiB' (expected an integer >= 1 or None)",
+        ),
+        ({"policy": "gpu"}, "Invalid policy: 'gpu' (valid: 'batched', 'cpu')"),
         (
             {"model": [("w", (4,), "flatten")]},
             "matrix 0 ('w') has shape (4,): Muon matrices need ndim >= 2",
@@ -301,6 +407,12 @@ def test_cli_bad_arguments_exit_2_naming_the_value():
         (["--mesh", "dp=8,tp=0"], "Invalid mesh: 'dp=8,tp=0' (tp=0, expected >= 1)"),
         (["--bucket-size", "0"], "argument --bucket-size: expected an integer >= 1, got 0"),
         (["--wire", "fp8"], "argument --wire: invalid choice: 'fp8'"),
+        (["--inflight-bytes", "0"], "argument --inflight-bytes: expected a byte count >= 1 (e.g."),
+        (
+            ["--inflight-bytes", "8 parsecs"],
+            "argument --inflight-bytes: expected a byte count >= 1",
+        ),
+        (["--policy", "gpu"], "argument --policy: invalid choice: 'gpu'"),
     ):
         code, out, err = _cli("plan", "--model", "tiny", *argv)
         assert code == 2 and message in err and not out
@@ -329,5 +441,32 @@ class TestCLI(expecttest.TestCase):
 |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|
 | tiny | dp=2 | 24 | 15 | 4 | 48.8 MFLOP | 1.007 | 1.000 | 99% | 0/2 | 98.8 kB | 98.8 kB | 98.8 kB | 98.8 kB | 525 kB | 0.122 µs | 1.98 µs | 2.47 µs |
 | tiny | replicate=2,dp=4 | 24 | 15 | 4 | 25.9 MFLOP | 1.067 | 1.067 | 94% | 0/4 | 74.1 kB | 74.1 kB | 78.1 kB | 78.1 kB | 328 kB | 0.0647 µs | 1.56 µs | 1.95 µs |
+""",  # noqa: E501
+        )
+
+    def test_prints_the_step_peak(self):
+        code, out, err = _cli(
+            "plan",
+            "--model",
+            "bench-fsdp",
+            "--mesh",
+            "dp=2",
+            "dp=4",
+            "--policy",
+            "cpu",
+            "--inflight-bytes",
+            "8MiB",
+            "--state-bits",
+            "32",
+        )
+        self.assertEqual((code, err), (0, ""))
+        self.assertIn(out, DOC.read_text())  # docs/distributed.md shows it
+        self.assertExpectedInline(
+            out,
+            """\
+| model | mesh | matrices | units | buckets | NS FLOPs/rank max | max/mean | lower bound | efficiency | idle ranks | sent/rank mean | 2(W−1)/W²·S | sent max | received max | extra peak max | state/rank max (32-bit) | step peak/rank max (inflight 8 MiB) | state + step peak max | compute | comm | step |
+|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|
+| bench-fsdp | dp=2 | 72 | 40 | 40 | 815 GFLOP | 1.000 | 1.000 | 100% | 0/2 | 170 MB | 170 MB | 170 MB | 170 MB | 713 MB | 170 MB | 40.1 MB | 210 MB | 2.04 ms | 3.4 ms | 3.48 ms |
+| bench-fsdp | dp=4 | 72 | 40 | 40 | 408 GFLOP | 1.000 | 1.000 | 100% | 0/4 | 127 MB | 127 MB | 127 MB | 127 MB | 373 MB | 84.9 MB | 34.8 MB | 120 MB | 1.02 ms | 2.55 ms | 2.61 ms |
 """,  # noqa: E501
         )

@@ -28,6 +28,10 @@ returns the plan with per-rank figures read off it:
   ``Shard(0)`` over the ``dp`` ranks; with TP, a dp shard's share divided by T) of every Muon
   matrix's momentum and, for a spec, every AdamW parameter's two moments and step
   (:func:`muon_fn.core.quantize.nbytes`: codes and scales at 16, 8 and 4 bits; fp32 parameters).
+- The **step peak** per rank for the optimizers' ``inflight_bytes`` (when given): the plan cut
+  into buckets as they cut it for that budget, and the most bytes each rank allocates and holds
+  at once in a step of it (:func:`muon_fn.distributed._peak.step_transient`: the buffers of the
+  buckets in flight, the owner's whole matrices and iteration workspace, the phases' updates).
 - A **predicted step time** for a GEMM rate and a per-rank link bandwidth: rank r computes for
   C = FLOPs/rate and communicates for X = max(sent, received)/bandwidth; buckets overlap the two
   except one exchange's worth, so t_r = max(C, X) + X/buckets, and the step is the slowest rank's.
@@ -41,15 +45,19 @@ optimizers do not run on it, and this planner predicts only what they run.
 from __future__ import annotations
 
 import bisect
+import enum
 import functools
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
 from collections.abc import Iterable, Sequence
 
-from ..core import quantize as _quantize, views as _views
+import torch
+
+from ..core import execution as _execution, quantize as _quantize, views as _views
 from ..core.muon import group_by
 from ..engine import BUCKET_SIZE  # FSDPMuonOptimizer's default, as MuonOptimizer's
+from . import _peak
 from . import specs as _specs
 from ._plan import Plan, _nonzero, chunk_rows, cut_expert_stacks, make_plan, ns_flops, pieces_held
 
@@ -145,11 +153,27 @@ def muon_matrices(model: str | dict | Sequence) -> tuple[str, list[Matrix]]:
     return "custom", matrices
 
 
-def owner_units(matrices: Sequence[Matrix], bucket_size: int | None) -> list[list[int]]:
+def owner_units(matrices: Sequence[Matrix], bucket_size: int | None, policy: str = "batched") -> list[list[int]]:
     """The units FSDPMuonOptimizer gives one owner: its single-device buckets (equal shape and
-    view, at most ``bucket_size``, in parameter order), ordered by their first parameter."""
-    units = group_by([(tuple(shape), view) for _, shape, view in matrices], bucket_size)
+    view, at most ``bucket_size``, in parameter order), ordered by their first parameter. Under
+    the ``"cpu"`` policy also no more fp32 bytes than its bound allows
+    (:func:`muon_fn.orthogonalization.bucket_limit`), as the optimizers' default makes them there."""
+    metas = [torch.empty(shape, device="meta") for _, shape, _ in matrices] if policy == "cpu" else []
+    units = []
+    for same in group_by([(tuple(shape), view) for _, shape, view in matrices]):
+        cap = len(same) if bucket_size is None else bucket_size
+        if metas:  # fp32 meta tensors: the CPU policy's bound (meta tensors plan as the CPU)
+            cap = min(cap, _execution.bucket_limit([metas[i] for i in same], None, metas))
+        units += [same[k:k + cap] for k in range(0, len(same), cap)]
     return sorted(units, key=lambda u: u[0])
+
+
+class _Unset(enum.Enum):
+    UNSET = "not given"
+
+
+NOT_GIVEN = _Unset.UNSET
+""":func:`plan_model`'s ``inflight_bytes`` when not given: no byte bound, no step peak reported."""
 
 
 @dataclass(frozen=True)
@@ -163,7 +187,9 @@ class PlanReport:
     (2(W−1)/W²·S), ``step_s`` (predicted), ``ideal_step_s`` and ``rank_step_s(rank)``. With
     ``plan_model(..., state_bits=b)``, ``state``: the optimizer state each rank of a shard group
     holds at that width (Muon momentum; for a spec, also AdamW's moments and step), a
-    ``state/rank max`` column in :func:`format_plan`."""
+    ``state/rank max`` column in :func:`format_plan`. With ``plan_model(..., inflight_bytes=n)``,
+    ``step_peak``: the bytes each rank allocates and holds at once in one step
+    (:func:`muon_fn.distributed._peak.step_transient`), a ``step peak/rank max`` column."""
 
     model: str
     mesh: Mesh
@@ -183,6 +209,8 @@ class PlanReport:
     matrix_flops: tuple[int, ...] = ()  # NS FLOPs of each of the plan's matrices
     state: tuple[int, ...] = ()  # optimizer state bytes each rank holds (module doc); () if not asked
     state_bits: int | None = None
+    step_peak: tuple[int, ...] = ()  # each rank's step transient at inflight_bytes; () if not asked
+    inflight_bytes: int | None = None
 
     @property
     def world_size(self) -> int:
@@ -247,7 +275,8 @@ class PlanReport:
 def plan_model(model: str | dict | Sequence[Matrix], mesh: str | int | Mesh = "dp=8", *,
                ns_steps: int = 5, bucket_size: int | None = BUCKET_SIZE, num_buckets: int = 4,
                wire_bytes: int = 4, ns_bytes: int = 2, gemm_tflops: float = DEFAULT_GEMM_TFLOPS,
-               link_gbps: float = DEFAULT_LINK_GBPS, state_bits: int | None = None) -> PlanReport:
+               link_gbps: float = DEFAULT_LINK_GBPS, state_bits: int | None = None,
+               inflight_bytes: int | _Unset | None = NOT_GIVEN, policy: str = "batched") -> PlanReport:
     """The FSDP optimizer's plan for ``model`` on ``mesh`` and its per-rank figures.
 
     Args:
@@ -265,22 +294,38 @@ def plan_model(model: str | dict | Sequence[Matrix], mesh: str | int | Mesh = "d
         (GB/s) of the predicted step time.
       state_bits: the optimizers' ``state_bits`` (32, 16, 8, 4): count the optimizer state each
         rank holds at that width (``PlanReport.state``); ``None`` (default): not counted.
+      inflight_bytes: the optimizers' ``inflight_bytes`` (bytes, or ``None``: no bound): plan the
+        buckets as they do for it and predict each rank's step transient
+        (``PlanReport.step_peak``, :func:`muon_fn.distributed._peak.step_transient`); not given
+        (default): buckets without a byte bound, no step peak.
+      policy: the execution policy of the owners' devices, ``"batched"`` (GPUs) or ``"cpu"``: on
+        the CPU the owner units also keep to its byte bound (:func:`owner_units`), and the step
+        peak counts its kept scratch and matrix-at-a-time iteration.
     """
     if state_bits is not None:
         _quantize.check_state_bits(state_bits)
     _check_positive(ns_steps=ns_steps, num_buckets=num_buckets, wire_bytes=wire_bytes, ns_bytes=ns_bytes,
                     gemm_tflops=gemm_tflops, link_gbps=link_gbps, **({} if bucket_size is None
                                                                    else {"bucket_size": bucket_size}))
+    given = inflight_bytes is not NOT_GIVEN
+    if isinstance(inflight_bytes, int):
+        _check_positive(inflight_bytes=inflight_bytes)
+    elif given and inflight_bytes is not None:
+        raise ValueError(f"Invalid inflight_bytes: {inflight_bytes!r} (expected an integer >= 1 or None)")
+    if policy not in _peak.POLICIES:
+        raise ValueError(f"Invalid policy: {policy!r} (valid: {', '.join(map(repr, _peak.POLICIES))})")
+    bound = inflight_bytes if isinstance(inflight_bytes, int) else None
+    limit = None if bound is None else max(bound // 2, 1)  # the bucket bound the optimizers plan with
     label, matrices = muon_matrices(model)
     mesh = parse_mesh(mesh)
     world = mesh.world_size if mesh.tp > 1 else mesh.dp
-    units = owner_units(matrices, bucket_size)
+    units = owner_units(matrices, bucket_size, policy)
     expanded = _expert_pieces(matrices, units, mesh, world)
     plan = make_plan([e.shape for e in expanded.matrices], world, num_buckets=num_buckets,
                      units=expanded.units, views=[e.view for e in expanded.matrices],
                      local=[e.local for e in expanded.matrices],
                      held=[e.held for e in expanded.matrices] if mesh.tp > 1 or any(expanded.split) else None,
-                     split=expanded.split)
+                     split=expanded.split, bucket_bytes=limit, item_bytes=4)
     flops = [_matrix_flops(e.shape, e.view, ns_steps) for e in expanded.matrices]
     per_rank = _rank_figures(plan, flops, expanded.units, [e.view for e in expanded.matrices], wire_bytes, ns_bytes)
     if mesh.tp > 1:
@@ -299,7 +344,10 @@ def plan_model(model: str | dict | Sequence[Matrix], mesh: str | int | Mesh = "d
                       placed_flops=tuple(placed), fixed_flops=tuple(fixed), matrix_flops=tuple(flops),
                       gemm_flops_per_s=gemm_tflops * 1e12, link_bytes_per_s=link_gbps * 1e9,
                       state=() if state_bits is None else state_per_rank(model, mesh, state_bits),
-                      state_bits=state_bits)
+                      state_bits=state_bits, inflight_bytes=bound,
+                      step_peak=() if not given else _peak.rank_transients(
+                          plan, expanded.units, [e.view for e in expanded.matrices], inflight_bytes=bound,
+                          wire_bytes=wire_bytes, ns_bytes=ns_bytes, policy=policy))
 
 
 def state_per_rank(model: str | dict | Sequence[Matrix], mesh: str | int | Mesh,

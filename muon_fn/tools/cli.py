@@ -23,7 +23,8 @@ Synopses (every option: ``--help``):
                   [--overlap] [--tokens N] [--json PATH]
     muon-fn plan --model SPEC [SPEC ...] [--mesh dp=W [replicate=R,dp=W ...]] [--gemm-tflops 400]
                   [--link-gbps 50] [--ns-steps 5] [--bucket-size 4] [--num-buckets 4]
-                  [--wire fp32|bf16] [--state-bits 32|16|8|4]
+                  [--wire fp32|bf16] [--state-bits 32|16|8|4] [--inflight-bytes 8MiB|N|none]
+                  [--policy batched|cpu] [--ns-dtype bf16|fp32]
 
 ``muon-fn train`` is ``examples/train_gpt.py``. ``--qk-clip TAU`` clips every row
 (``qk_clip=TAU`` or ``qk_clip=none`` in one row's spec overrides it) and logs each step's largest

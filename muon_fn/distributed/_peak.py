@@ -1,0 +1,320 @@
+"""The per-rank step transient of the owner-computes FSDP step, predicted from its plan.
+
+:func:`step_transient` walks the schedule :func:`~muon_fn.distributed._stream.stream` runs (the same
+buckets, the same decision to gather the next bucket while one is computed) and sums, at each
+moment, the bytes a rank allocates during the step and still holds then; the prediction is the
+largest sum. It counts tensors only: what the step allocates besides them (the backend's and
+Python's own buffers, the compiled graphs' small temporaries) is left out. A model, read off
+the code, not fitted to a measurement; docs/performance.md compares it with the resident set
+``muon-fn bench fsdp`` measures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from ..core import views as _views
+from ._plan import BucketPlan, Plan
+from ._stream import gathered_bytes
+
+# The Newton–Schulz scratch roles of m × m products (the others are m × n): the CPU products keep
+# one buffer per role between calls (muon_fn.core.newton_schulz.cpu.CPUProducts.scratch).
+GRAM_ROLES = ("gram", "poly")
+
+# The post phase's tensors of the rank's rows: the final update (the compiled post step's
+# output), then, as the guarded write applies it (muon_fn.engine._apply.commit), p + u and
+# where(ok, p + u, p).
+POST_COPIES = 3
+
+Loops = Callable[[int], bool]  # whether matrices whose smaller side is m iterate one at a time
+
+
+@dataclass
+class _Live:
+    """The bytes held at each moment: named blocks, and the largest sum seen (with a temporary)."""
+
+    held: dict[object, int] = field(default_factory=dict)
+    peak: int = 0
+
+    def add(self, key: object, nbytes: int) -> None:
+        self.held[key] = self.held.get(key, 0) + nbytes
+        self.note()
+
+    def drop(self, key: object) -> None:
+        self.held.pop(key, None)
+
+    def note(self, extra: int = 0) -> None:
+        self.peak = max(self.peak, sum(self.held.values()) + extra)
+
+
+@dataclass
+class _Scratch:
+    """The CPU products' scratch (elements per role), kept from one call to the next as
+    ``CPUProducts`` keeps it: a role's buffer is made anew when too small or more than twice too
+    large, and before a call every buffer more than twice what it can use is freed; ``kept`` is
+    False where the policy keeps none (each call's buffers are freed after it)."""
+
+    kept: bool
+    roles: dict[str, int] = field(default_factory=dict)
+
+    def run(self, batch: int, m: int, n: int) -> None:
+        """One call iterating ``batch`` wide ``m × n`` matrices at once."""
+        if not self.kept:
+            self.roles = {}
+        need = {"x": batch * m * n, **dict.fromkeys(GRAM_ROLES, batch * m * m)}
+        for role in list(self.roles):  # release_oversized
+            if self.roles[role] > 2 * need[role]:
+                del self.roles[role]
+        for role, numel in need.items():
+            if not numel <= self.roles.get(role, 0) <= 2 * numel:
+                self.roles[role] = numel
+
+    def total(self) -> int:
+        return sum(self.roles.values())
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    """One bucket on one rank, in elements: the rows it holds of the bucket's matrices per unit
+    (in unit order), the rows it sends in the gather, the whole matrices it receives (owns), the
+    rows it returns, the rows it gets back, its owned units as ``(matrices, m, n)`` (wide
+    shapes), and its largest owned matrix."""
+
+    unit_rows: tuple[int, ...]
+    sent: int
+    gathered: int
+    returned: int
+    back: int
+    units: tuple[tuple[int, int, int], ...]
+    largest: int
+
+    def pre(self) -> int:
+        """The pre phase's most elements at once, unit by unit: the updates of the units before,
+        the previous unit's new momentum (still bound), this unit's new momentum and update."""
+        h = self.unit_rows
+        return max((sum(h[:k]) + (h[k - 1] if k else 0) + 2 * h[k] for k in range(len(h))), default=0)
+
+    def post(self) -> int:
+        """The post phase's most elements at once, unit by unit: while a unit's final update is
+        computed the previous unit's is still bound; then, the previous freed, this unit's
+        :data:`POST_COPIES` as it is written."""
+        h = self.unit_rows
+        return max((max((h[k - 1] if k else 0) + h[k], POST_COPIES * h[k]) for k in range(len(h))), default=0)
+
+
+def _sizes(plan: Plan, b: BucketPlan, rank: int, unit_of: Sequence[int], views: Sequence,
+           copies: dict[int, int]) -> _Sizes:
+    """``b``'s sizes on ``rank``, from its matrices (the plan's split sizes summed, without
+    reading the W × W tables: fast at W = 1,024). ``copies``: rows returned per row layout."""
+    rows: dict[int, int] = {}
+    owned: dict[int, list[int]] = {}
+    sent = gathered = returned = back = 0
+    for j in b.matrices:
+        mp = plan.matrices[j]
+        rows[unit_of[j]] = rows.get(unit_of[j], 0) + mp.receive_numel(rank)
+        if mp.local:  # computed where it lies: nothing travels
+            continue
+        sent += mp.contrib_numel(rank)
+        back += mp.receive_numel(rank)
+        if mp.owner == rank:
+            owned.setdefault(unit_of[j], []).append(j)
+            gathered += mp.numel
+            if id(mp.receive) not in copies:  # m rows (sharded) or W·m (replicated)
+                copies[id(mp.receive)] = sum(stop - start for start, stop in mp.receive)
+            returned += copies[id(mp.receive)] * mp.cols
+    units = []
+    for u in owned:  # in the bucket's order, as the owner computes them (not the units' order)
+        first = owned[u][0]
+        m, n = _views.matrix_shape(plan.matrices[first].shape, views[first])
+        count = sum(_views.count(plan.matrices[j].shape, views[j]) for j in owned[u])
+        units.append((count, min(m, n), max(m, n)))
+    largest = max((plan.matrices[j].numel for js in owned.values() for j in js), default=0)
+    return _Sizes(tuple(rows[u] for u in sorted(rows)), sent, gathered, returned, back, tuple(units), largest)
+
+
+@dataclass
+class _Walk:
+    """One rank's step, phase by phase (:func:`step_transient`): what each phase allocates and
+    frees, in bytes, into ``live``."""
+
+    sizes: list[_Sizes]
+    param_bytes: int
+    wire_bytes: int
+    ns_bytes: int
+    loops: Loops
+    scratch: _Scratch
+    live: _Live = field(default_factory=_Live)
+    bound: int = -1  # the bucket whose return the stream's ``returned`` names
+    done: set[int] = field(default_factory=set)  # the buckets applied
+
+    @property
+    def cast(self) -> bool:
+        return self.wire_bytes != self.param_bytes
+
+    def start(self, i: int) -> None:
+        """The pre phase, then the gather posted."""
+        s, p, w, live = self.sizes[i], self.param_bytes, self.wire_bytes, self.live
+        live.note(s.pre() * p)
+        live.add(("rows", i), sum(s.unit_rows) * p)
+        live.note(s.sent * (p + w) if self.cast else 0)  # concatenated, then cast
+        live.add(("gather", i), (s.sent + s.gathered) * w)
+        live.drop(("rows", i))
+
+    def compute_and_return(self, i: int) -> None:
+        """The owned matrices assembled, computed unit by unit, their rows posted back."""
+        s, p, w, live = self.sizes[i], self.param_bytes, self.wire_bytes, self.live
+        live.add(("whole", i), s.gathered * p)
+        live.note(s.largest * w if self.cast else 0)  # a matrix concatenated on the wire, then cast
+        live.drop(("gather", i))
+        for count, m, n in s.units:
+            self.scratch.run(1 if self.loops(m) else count, m, n)
+            live.held["scratch"] = self.scratch.total() * self.ns_bytes
+            live.note(count * m * n * (self.ns_bytes + p))  # the result in N, then in P
+            if not self.scratch.kept:
+                live.held["scratch"] = 0
+        live.note(s.returned * (p + w) if self.cast else 0)
+        live.add(("return", i), (s.returned + s.back) * w)
+        live.drop(("whole", i))
+        if self.bound in self.done:  # ``returned`` now names this bucket's return
+            live.drop(("return", self.bound))
+        self.bound = i
+
+    def finish(self, i: int) -> None:
+        """The post phase; the return freed unless ``returned`` still names it."""
+        s = self.sizes[i]
+        self.live.note((s.post() + (s.back if self.cast else 0)) * self.param_bytes)
+        self.done.add(i)
+        if self.bound != i:
+            self.live.drop(("return", i))
+
+
+def step_transient(plan: Plan, rank: int, units: Sequence[Sequence[int]], views: Sequence, *,
+                   inflight_bytes: int | None, param_bytes: int = 4, wire_bytes: int = 4, ns_bytes: int = 2,
+                   loops: Loops = lambda m: False, scratch_kept: bool = True) -> int:
+    """The most bytes ``rank`` allocates and holds at once during one step of ``plan`` (of two
+    ranks or more), bucket by bucket as :func:`~muon_fn.distributed._stream.stream` runs it with
+    ``inflight_bytes`` (``units``: the owner units over the plan's matrices; ``views``: each
+    matrix's view). Per bucket, in the stream's order, it counts (P: parameter and update
+    dtype, ``param_bytes``; W: the wire's, ``wire_bytes``; N: the iteration's, ``ns_bytes``):
+
+    - the **pre phase**, unit by unit: a unit's new momentum and update (2 × its rows × P),
+      the previous unit's new momentum still bound, then the bucket's updates packed for the
+      gather (rows × P; :meth:`_Sizes.pre`);
+    - the **gather**: the send buffer of the rows it contributes (concatenated in P, cast to W
+      when they differ) and the receive buffer of the whole matrices it owns (W), held until
+      they are assembled;
+    - the **owner's compute**: its whole matrices (assembled in P) and, per unit, the result
+      in N and in P, and the Newton–Schulz scratch: X, XXᵀ and the polynomial in N for the
+      unit's batch, or for one matrix where ``loops(m)`` (the CPU's matrix-at-a-time loop),
+      kept from one call to the next as the CPU products keep it (``scratch_kept``; else
+      freed after each unit); the results replace the inputs as each unit finishes;
+    - the **return**: the send buffer of the results' rows for every rank (P, cast to W) and
+      the receive buffer of its own rows back (W), held until the post phase has run;
+    - the **post phase**, unit by unit: the final update (the previous unit's still bound while
+      it is computed), then ``p + u`` and the guarded ``where(ok, p + u, p)`` as it is written
+      (3 × the unit's rows × P, :data:`POST_COPIES`; :meth:`_Sizes.post`), plus the bucket's
+      rows cast back to P when the wire is narrower. A bucket's return is freed once it is
+      applied and the next bucket's results are posted (the stream's ``returned`` holds it).
+
+    The next bucket is gathered before one is computed only when both fit ``inflight_bytes``
+    (:func:`~muon_fn.distributed._stream.gathered_bytes`, on P); a bucket's results are applied after
+    the next bucket is computed then, and before the next is gathered otherwise."""
+    buckets = [b for b in plan.buckets if b.matrices]
+    sizes = [_sizes(plan, b, rank, _unit_of(plan, units), views, {}) for b in buckets]
+    fits = [gathered_bytes(plan, b, param_bytes) for b in buckets]
+    return _schedule(sizes, fits, inflight_bytes, _Walk(sizes, param_bytes, wire_bytes, ns_bytes, loops,
+                                                        _Scratch(scratch_kept)))
+
+
+def _schedule(sizes: Sequence[_Sizes], fits: Sequence[int], inflight_bytes: int | None, walk: _Walk) -> int:
+    """The stream's loop over the buckets (``fits``: each one's gathered bytes), phase by phase
+    into ``walk``; its peak."""
+    if not sizes:
+        return 0
+    walk.start(0)
+    previous = None
+    for i in range(len(sizes)):
+        last = i + 1 == len(sizes)
+        ahead = not last and (inflight_bytes is None or fits[i] + fits[i + 1] <= inflight_bytes)
+        if ahead:
+            walk.start(i + 1)
+        walk.compute_and_return(i)
+        if previous is not None:
+            walk.finish(previous)
+        previous = i
+        if not ahead and not last:
+            walk.finish(i)
+            previous = None
+            walk.start(i + 1)
+    if previous is not None:
+        walk.finish(previous)
+    return walk.live.peak
+
+
+def _unit_of(plan: Plan, units: Sequence[Sequence[int]]) -> list[int]:
+    """The unit of each of the plan's matrices."""
+    unit_of = [0] * len(plan.matrices)
+    for u, members in enumerate(units):
+        for j in members:
+            unit_of[j] = u
+    return unit_of
+
+
+POLICIES = ("batched", "cpu")
+"""The execution policies :func:`rank_transients` models (:data:`muon_fn.orthogonalization.POLICIES`)."""
+
+
+def rank_transients(plan: Plan, units: Sequence[Sequence[int]], views: Sequence, *, inflight_bytes: int | None,
+                    wire_bytes: int = 4, ns_bytes: int = 2, policy: str = "batched") -> tuple[int, ...]:
+    """:func:`step_transient` of every rank of ``plan`` (fp32 parameters), under the execution
+    policy ``policy``: ``"cpu"`` keeps the iteration's scratch between calls and iterates one
+    matrix at a time where this CPU's products do (:meth:`CPUProducts.loops`: from 384 rows, in
+    a dtype its GEMMs do not run on AMX tiles); ``"batched"`` (GPUs) iterates each unit as one
+    batch and keeps nothing. One rank runs no stream: every bucket's rows are packed first, the
+    results applied last (:func:`~muon_fn.distributed._exchange.exchange`)."""
+    if policy not in POLICIES:
+        raise ValueError(f"Invalid policy: {policy!r} (valid: {', '.join(map(repr, POLICIES))})")
+    loops: Loops = lambda m: False  # noqa: E731
+    if policy == "cpu":
+        import torch
+
+        from ..core.newton_schulz import CPUProducts
+
+        cpu, dtype = CPUProducts(), {2: torch.bfloat16, 4: torch.float32}.get(ns_bytes)
+        loops = lambda m: dtype is not None and cpu.loops(m, dtype)  # noqa: E731
+    kept = policy == "cpu"
+    if plan.world_size == 1:
+        return (_one_rank(plan, units, views, ns_bytes=ns_bytes, loops=loops, scratch_kept=kept),)
+    # step_transient of each rank; ranks whose buckets have the same sizes walk once
+    buckets = [b for b in plan.buckets if b.matrices]
+    unit_of = _unit_of(plan, units)
+    copies: dict[int, int] = {}
+    walked: dict[tuple, int] = {}
+    fits = [gathered_bytes(plan, b, 4) for b in buckets]
+    out = []
+    for r in range(plan.world_size):
+        sizes = tuple(_sizes(plan, b, r, unit_of, views, copies) for b in buckets)
+        if sizes not in walked:
+            walked[sizes] = _schedule(sizes, fits, inflight_bytes, _Walk(list(sizes), 4, wire_bytes, ns_bytes, loops,
+                                                                        _Scratch(kept)))
+        out.append(walked[sizes])
+    return tuple(out)
+
+
+def _one_rank(plan: Plan, units: Sequence[Sequence[int]], views: Sequence, *, ns_bytes: int, loops: Loops,
+              scratch_kept: bool, param_bytes: int = 4) -> int:
+    """The transient of one rank's step (no exchange): the pre phase of every unit (its rows
+    are the whole matrices), then each unit computed, its result kept, then every post phase."""
+    every = _sizes(plan, BucketPlan(0, tuple(range(len(plan.matrices))), ((0,),), ((0,),)), 0,
+                   _unit_of(plan, units), views, {})
+    live, scratch = _Live(), _Scratch(scratch_kept)
+    live.note(every.pre() * param_bytes)
+    live.add("rows", sum(every.unit_rows) * param_bytes)
+    for count, m, n in every.units:
+        scratch.run(1 if loops(m) else count, m, n)
+        live.held["scratch"] = scratch.total() * ns_bytes if scratch_kept else 0
+        live.note(count * m * n * (ns_bytes + param_bytes) + (0 if scratch_kept else scratch.total() * ns_bytes))
+        live.add("results", count * m * n * param_bytes)
+    live.note(every.post() * param_bytes)
+    return live.peak
