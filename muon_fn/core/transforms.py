@@ -100,9 +100,7 @@ def momentum(
 
     def update(updates, state, params=None, **extra):
         del params
-        res = _tree.tree_map(lambda g, b: (None, b) if g is None else step(b, g), updates, state.mu)
-        out = _tree.tree_map(lambda _, r: r[0], updates, res)
-        mu = _tree.tree_map(lambda _, r: r[1], updates, res)
+        out, mu = _tree.map_step(lambda g, b: step(b, g), updates, state.mu)
         collector = collector_of(extra)
         if collector is not None:  # the new buffers of the leaves updated
             collector.sumsq("momentum_sumsq", _tree.tree_map(lambda g, b: None if g is None else b, updates, mu))
@@ -287,9 +285,7 @@ def scale_by_second_moment(beta2: float = 0.999, eps: float = 1e-8) -> GradientT
 
     def update(updates, state, params=None, **extra):
         del params, extra
-        res = _tree.tree_map(lambda o, v: (None, v) if o is None else step(o, v), updates, state.nu)
-        out = _tree.tree_map(lambda _, r: r[0], updates, res)
-        nu = _tree.tree_map(lambda _, r: r[1], updates, res)
+        out, nu = _tree.map_step(step, updates, state.nu)
         return out, ScaleBySecondMomentState(nu)
 
     tx = named(GradientTransformation(init, update), "scale_by_second_moment", beta2=beta2, eps=eps)
@@ -480,9 +476,7 @@ def normalize_rows(beta2: float = 0.95, eps: float = 1e-8, *, view: View = "flat
 
     def update(updates, state, params=None, **extra):
         del params
-        res = _tree.tree_map(lambda u, v: (None, v) if u is None else step(u, v), updates, state.nu)
-        out = _tree.tree_map(lambda _, r: r[0], updates, res)
-        nu = _tree.tree_map(lambda _, r: r[1], updates, res)
+        out, nu = _tree.map_step(step, updates, state.nu)
         collector = collector_of(extra)
         if collector is not None:
             _record_row_scales(collector, updates, nu, view, eps)

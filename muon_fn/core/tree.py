@@ -21,6 +21,13 @@ def tree_map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
     return optree.tree_map(fn, tree, *rest, none_is_leaf=True, namespace=NAMESPACE)
 
 
+def map_step(step: Callable[[Any, Any], tuple[Any, Any]], updates: Any, state: Any) -> tuple[Any, Any]:
+    """``(out, new_state)``: ``step(u, s) -> (out leaf, new state leaf)`` on each leaf of ``updates``
+    and the matching leaf of ``state``; a ``None`` update (no gradient) keeps its state leaf."""
+    res = tree_map(lambda u, s: (None, s) if u is None else step(u, s), updates, state)
+    return tree_map(lambda _, r: r[0], updates, res), tree_map(lambda _, r: r[1], updates, res)
+
+
 def tree_leaves(tree: Any) -> list[Any]:
     return optree.tree_leaves(tree, none_is_leaf=True, namespace=NAMESPACE)
 
