@@ -1,12 +1,12 @@
-"""Any optimizer of :mod:`muon_fn.optim` on DTensor parameters: run by the distributed executor.
+"""Any optimizer of :mod:`muon_fn.optimizers` on DTensor parameters: run by the distributed executor.
 
 ``MuonOptimizer(model.parameters())`` on a ``fully_shard``-ed model (Lightning's
 ``ModelParallelStrategy``, transformers' DTensor loading, torchtitan), or one whose parameters a
 trainer swaps for DTensors after building it (accelerate's FSDP2 ``prepare``), runs the
 owner-computes step of :class:`~._executor.DistributedExecutor`, as
-:class:`~._optimizer.FSDPMuonOptimizer` does: :func:`adopt` gives the optimizer that executor (its
-class stays what it is) and a plan. :mod:`muon_fn.fsdp` registers :func:`adopt` with
-:func:`muon_fn.optim.engine.register_distributed`; the engine calls it at construction, after a
+:class:`muon_fn.fsdp.FSDPMuonOptimizer` does: :func:`adopt` gives the optimizer that executor (its
+class stays what it is) and a plan. :mod:`muon_fn.distributed` registers :func:`adopt` with
+:func:`muon_fn.engine.register_distributed`; the engine calls it at construction, after a
 swap and for a copy.
 
 State made before a swap is carried over: each state tensor of a parameter that was replaced is

@@ -18,7 +18,7 @@ split their transforms into phases (:mod:`._phases`); per step:
 Transforms without a matrix part (AdamW) run whole on local rows with no communication. This
 module builds what the step reads (routes, the plan, the state layout, the exchange topology);
 the step itself is :class:`._step.AdapterStep`. Of its optimizer the executor uses what
-:class:`muon_fn.optim.engine.Executor` lists.
+:class:`muon_fn.engine.Executor` lists.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ STRATEGIES = engine.STRATEGIES
 class DistributedExecutor(AdapterStep, engine.Executor):
     """The step of an optimizer of :mod:`muon_fn.optim` on FSDP2-sharded (or DDP-replicated)
     parameters; see the module docstring. The optimizer holds it as its executor
-    (:class:`muon_fn.optim.engine.Executor`) from the first DTensor on (:func:`~._adopt.adopt`),
+    (:class:`muon_fn.engine.Executor`) from the first DTensor on (:func:`~._adopt.adopt`),
     or from construction for the FSDP classes; its class never changes.
 
     After each step the optimizer's ``last_step_stats`` holds this rank's figures:

@@ -3,7 +3,7 @@
 Every :class:`muon_fn.Optimizer` holds one (``optimizer._executor``). :class:`LocalExecutor`
 runs the step on local tensors (:mod:`._step`); an optimizer that holds DTensors (at
 construction, or swapped in later) is handed to the distributed executor of :mod:`muon_fn.fsdp`
-(:func:`muon_fn.optim.engine.distribute`), which replaces it. The optimizer's class never
+(:func:`muon_fn.engine.distribute`), which replaces it. The optimizer's class never
 changes: the groups, their checks, their transforms and the state stay the optimizer's; the
 executor decides where each part of a transform runs.
 

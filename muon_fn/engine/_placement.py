@@ -7,7 +7,7 @@ orthogonalized whole by one rank (DTensor has no sharding rule for a Newton–Sc
 running it through DTensor's ops would make every rank take part in every matrix).
 
 This module only tells the two apart and hands the optimizer over: :func:`distribute` calls the
-function that :mod:`muon_fn.fsdp` registers when it is imported (:func:`register`;
+function that :mod:`muon_fn.distributed` registers when it is imported (:func:`register`;
 ``import muon_fn`` imports it), so the ``torch.optim`` engine never imports the distributed
 executor that is built on it. That function gives the optimizer its distributed executor
 (:class:`~._executor.Executor`); the optimizer's class never changes.
@@ -46,7 +46,7 @@ def register(distribute: Callable[..., None]) -> None:
 def distribute(optimizer: Any, previous: list[list[torch.Tensor | None]] | None = None,
                copied: dict[str, Any] | None = None) -> None:
     """Hand ``optimizer`` to the registered distributed executor (see :func:`register`)."""
-    if not _DISTRIBUTE:  # only if muon_fn.fsdp failed to import
+    if not _DISTRIBUTE:  # only if muon_fn.distributed failed to import
         raise RuntimeError(f"{type(optimizer).__name__} holds DTensor parameters but the distributed executor is not "
                            "registered: import muon_fn.fsdp (importing muon_fn does)")
     _DISTRIBUTE[0](optimizer, previous, copied)

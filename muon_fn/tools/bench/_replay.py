@@ -66,7 +66,7 @@ def replay(params: Sequence[torch.Tensor], method: str, steps: int | None, *, bu
 
 def _buckets(params: Sequence[torch.Tensor], bucket_size: int | str | None) -> list[tuple[int, ...]]:
     """Positions of ``params`` in the replay's buckets (:func:`replay`'s ``bucket_size``): with
-    :data:`AUTO`, the optimizers' own rule (:func:`muon_fn.optim.engine.buckets` cut by
+    :data:`AUTO`, the optimizers' own rule (:func:`muon_fn.engine.buckets` cut by
     :func:`muon_fn.orthogonalization.bucket_limit`)."""
     if bucket_size != AUTO:
         return buckets(list(params), bucket_size or 1)
