@@ -7,10 +7,7 @@ use. Pure functions of the plan's integers, as the plan.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from ._plan import BucketPlan, Plan
+from typing import Any
 
 Rows = tuple[int, int]  # [start, stop) rows of a matrix
 LOCAL = -1  # the owner of a local matrix: every rank computes its own rows
@@ -33,8 +30,9 @@ def held_bytes(owner: int, rows: int, cols: int, contrib: Sequence[Rows], receiv
     return out
 
 
-def bucket_held(plan: Plan, b: BucketPlan, item_bytes: int) -> list[int]:
-    """Per rank, the bytes bucket ``b`` of ``plan`` holds there (:func:`held_bytes` summed)."""
+def bucket_held(plan: Any, b: Any, item_bytes: int) -> list[int]:
+    """Per rank, the bytes bucket ``b`` (a :class:`~._plan.BucketPlan`) of ``plan`` (a
+    :class:`~._plan.Plan`, which imports this module) holds there (:func:`held_bytes` summed)."""
     total = [0] * plan.world_size
     for j in b.matrices:
         mp = plan.matrices[j]
