@@ -1,5 +1,7 @@
 """``inflight_bytes=``: the owner-computes step holds at most that many bytes of gathered matrices
-at once, plus a stated allowance, and its results do not depend on it (bit for bit).
+at once, plus a stated allowance, and its results do not depend on it (bit for bit); one bucket
+at a time, a bucket's buffers are freed before the next is packed; two at a time, a bucket's
+results arrive in the buffer of the previous bucket's.
 
 One spawned job (this file as a script, W = 2 gloo ranks, collective timeout 60 s, job timeout
 300 s), its ranks started with glibc's allocator set so that freed tensors leave the resident set
@@ -76,13 +78,91 @@ def check_bound():
 def check_bit_exact():
     a, _ = _run(None)
     b, _ = _run(1)  # one bucket per batch of the single-device optimizer
-    return all(
-        torch.equal(p.to_local(), q.to_local()) for p, q in zip(a.parameters(), b.parameters())
+    c, _ = _run(TWO_IN_FLIGHT)  # two buckets at a time, results buffers reused
+    return [
+        all(torch.equal(p.to_local(), q.to_local()) for p, q in zip(a.parameters(), m.parameters()))
+        for m in (b, c)
+    ]
+
+
+# Room for two buckets of 8 matrices (4 per owner) at once: the next travels while one is
+# computed. Such a bucket holds 24 MiB on each rank (``_budget.held_bytes``: its 4 owned matrices
+# twice whole, 16 MiB; the other owner's 4 by half both ways, 8 MiB), half of this budget, so the
+# plan cuts 4 equal buckets.
+TWO_IN_FLIGHT = 24 * MATRIX_BYTES
+
+
+class _Buffers:
+    """Every buffer of every collective of a step (weak references), by the bucket that posted
+    it; each bucket's pre phase checks that no buffer of an earlier bucket is alive."""
+
+    def __init__(self):
+        self.posted, self.alive_at_pre, self.reused, self.buckets = [], 0, 0, 0
+
+    def __enter__(self):
+        import weakref
+
+        from muon_fn.fsdp import _exchange, _stream
+
+        self.patched = [(_exchange.Wire, "post"), (_stream._Run, "start")]
+        self.saved = [getattr(cls, name) for cls, name in self.patched]
+        post, start = self.saved
+
+        def recorded_post(wire, *args):
+            work, recv, send, kept = post(wire, *args)
+            self.posted.append((weakref.ref(recv), weakref.ref(send)))
+            self.reused = max(self.reused, wire.reused)
+            return work, recv, send, kept
+
+        def checked_start(run, b):
+            self.buckets += 1
+            self.alive_at_pre += sum(r() is not None or s() is not None for r, s in self.posted)
+            self.posted = []
+            return start(run, b)
+
+        _exchange.Wire.post, _stream._Run.start = recorded_post, checked_start
+        return self
+
+    def __exit__(self, *exc):
+        for (cls, name), fn in zip(self.patched, self.saved):
+            setattr(cls, name, fn)
+
+
+def check_released():
+    """One bucket at a time: each bucket's buffers are all freed before the next is packed."""
+    model = _model()
+    _grads(model)
+    from muon_fn.fsdp import FSDPMuonOptimizer
+
+    opt = FSDPMuonOptimizer(model, lr=0.02, inflight_bytes=INFLIGHT, num_buckets=1, compile=False)
+    opt.step()
+    with _Buffers() as seen:
+        opt.step()
+    return {"buckets": seen.buckets, "alive_at_pre": seen.alive_at_pre}
+
+
+def check_reused():
+    """Two buckets at a time: a bucket's results arrive in the buffer of the previous bucket's."""
+    model = _model()
+    _grads(model)
+    from muon_fn.fsdp import FSDPMuonOptimizer
+
+    opt = FSDPMuonOptimizer(
+        model, lr=0.02, inflight_bytes=TWO_IN_FLIGHT, num_buckets=1, compile=False
     )
+    opt.step()
+    with _Buffers() as seen:
+        opt.step()
+    return {"buckets": seen.buckets, "reused": seen.reused}
 
 
 def checks() -> dict:
-    return {"bound": check_bound, "bit_exact": check_bit_exact}
+    return {
+        "bound": check_bound,
+        "bit_exact": check_bit_exact,
+        "released": check_released,
+        "reused": check_reused,
+    }
 
 
 _DONE: list = []
@@ -126,7 +206,19 @@ def test_step_transient_stays_under_inflight_bytes_plus_the_allowance(results):
 
 @pytest.mark.slow
 def test_results_do_not_depend_on_inflight_bytes(results):
-    assert _values(results, "bit_exact") == [True] * W
+    assert _values(results, "bit_exact") == [[True, True]] * W
+
+
+@pytest.mark.slow
+def test_a_bucket_is_released_before_the_next_is_packed(results):
+    for r, v in enumerate(_values(results, "released")):
+        assert v["buckets"] > 2 and v["alive_at_pre"] == 0, (r, v)
+
+
+@pytest.mark.slow
+def test_receive_buffers_are_reused_across_buckets_of_the_same_size(results):
+    for r, v in enumerate(_values(results, "reused")):
+        assert v["buckets"] > 2 and v["reused"] >= 1, (r, v)
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "16MiB"])

@@ -1,4 +1,4 @@
-"""The predicted step peak (``plan_model(..., inflight_bytes=)``, muon_fn.fsdp._peak) against the
+"""The predicted step peak (``plan_model(..., inflight_bytes=)``, muon_fn.distributed._peak) against the
 step transient ``muon-fn bench fsdp`` measures by the resident set, on a small configuration.
 
 One job in a subprocess (job timeout 600 s): ``bench fsdp``'s memory measurement of the

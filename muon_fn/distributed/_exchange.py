@@ -16,6 +16,13 @@ posted bucket by bucket (the FSDP optimizers' ``overlap=True``), on a :func:`ded
 The CPU tensors of every collective are released by this thread, never by the backend's worker
 thread (:class:`_Kept`), and at exit the process waits for gloo's worker threads to let go of
 those of any other collective (:func:`~muon_fn.distributed._exit.settle_at_exit`), so that no process aborts at exit.
+
+The steps of one bucket have public names, the interface that :mod:`._stream` (the bounded step,
+one or two buckets at a time) drives: :class:`Wire` (an exchange's settings, figures and spare
+receive buffer), :func:`post_gather`, :func:`compute_local`, :func:`compute_and_return` and
+:func:`collect`, each posted collective an :class:`InFlight`; where the rows lie in the buffers is
+:mod:`._pieces`'. An owner's own rows of a result stay on it (never sent to itself), and a matrix
+whose pieces arrive in row order is computed in its receive buffer (no copy).
 """
 
 from __future__ import annotations
@@ -31,7 +38,9 @@ import torch
 import torch.distributed as dist
 
 from ._exit import settle_at_exit  # noqa: F401  (importing it registers the wait at exit)
-from ._plan import BucketPlan, MatrixPlan, Plan
+from ._pieces import (assemble, contribution, contributions, is_sharded, own_rows, owned_by, padded_rows,
+                      result_cols_of, returned, sole, unpad)
+from ._plan import BucketPlan, Plan
 
 # compute(matrix indices, full (rows, cols) matrices) -> results of the same shapes, same order.
 Compute = Callable[[list[int], list[torch.Tensor]], list[torch.Tensor]]
@@ -93,10 +102,10 @@ class _Kept:
         self.tensors, self.views = [], []
 
 
-
-
-class _Wire:
-    """One exchange's settings and figures: every ``all_to_all_single`` goes through :meth:`post`."""
+class Wire:
+    """One exchange's settings and figures: every ``all_to_all_single`` goes through :meth:`post`.
+    A receive buffer handed back (:meth:`recycle`) is reused by the next post that receives as
+    many elements (:meth:`drop_spare` frees it instead)."""
 
     def __init__(self, rank: int, like: torch.Tensor, wire_dtype: torch.dtype | None, group: Any) -> None:
         self.rank, self.group = rank, group
@@ -104,19 +113,43 @@ class _Wire:
         self.wire = wire_dtype or like.dtype
         self.item = torch.empty((), dtype=self.wire).element_size()
         self.stats = ExchangeStats()
+        self.spare: torch.Tensor | None = None
+        self.reused = 0  # receive buffers taken from a spare (for tests)
+
+    def recycle(self, flight: InFlight) -> None:
+        """``flight``'s receive buffer becomes the spare if nothing else holds its memory (no
+        view of it is left: e.g. a result staged for an atomic step's commit)."""
+        recv, flight.recv = flight.recv, None  # type: ignore[assignment]
+        self.spare = recv if recv is not None and recv.numel() and sole(recv) else None
+
+    def drop_spare(self) -> None:
+        self.spare = None
 
     def post(self, parts: list[torch.Tensor], send_splits: list[int], recv_splits: list[int]):
-        """Start one ``all_to_all_single`` of ``parts`` (concatenated, in destination order)."""
-        send = (torch.cat(parts).to(self.wire) if parts
-                else torch.empty(0, dtype=self.wire, device=self.device))
-        recv = torch.empty(sum(recv_splits), dtype=self.wire, device=self.device)
+        """Start one ``all_to_all_single`` of ``parts`` (concatenated, in destination order).
+        ``parts`` is emptied once copied, so that what only it held is freed before the receive
+        buffer is made."""
+        send = torch.empty(sum(p.numel() for p in parts), dtype=self.wire, device=self.device)
+        offset = 0
+        for i in range(len(parts)):  # each part dropped as soon as it is copied
+            p, parts[i] = parts[i], None  # type: ignore[call-overload]
+            send[offset:offset + p.numel()].copy_(p.reshape(-1))
+            offset += p.numel()
+            del p
+        parts.clear()
+        n, spare, self.spare = sum(recv_splits), self.spare, None
+        if spare is not None and spare.numel() == n:
+            recv, self.reused = spare, self.reused + 1
+        else:
+            del spare  # freed before the new buffer is made
+            recv = torch.empty(n, dtype=self.wire, device=self.device)
         kept = _Kept(recv, send)
         work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.group, async_op=True)
         self.stats.bytes_sent += self.item * (sum(send_splits) - send_splits[self.rank])
         self.stats.bytes_received += self.item * (sum(recv_splits) - recv_splits[self.rank])
         return work, recv, send, kept
 
-    def wait(self, flight: _InFlight) -> None:
+    def wait(self, flight: InFlight) -> None:
         t0 = time.perf_counter()
         flight.complete()
         self.stats.comm_wait_s += time.perf_counter() - t0
@@ -130,18 +163,23 @@ class _Wire:
 
 
 @dataclass
-class _InFlight:
+class InFlight:
+    """One posted ``all_to_all_single`` of a bucket (:meth:`Wire.post`)."""
+
     bucket: BucketPlan
     work: Any  # the collective's handle (None once complete)
     recv: torch.Tensor
     send: torch.Tensor  # kept alive until the collective completes
     kept: _Kept
+    mine: dict[int, torch.Tensor] | None = None  # a return: the owner's own rows, never sent
 
     def complete(self) -> None:
-        """Wait for the collective; drop its handle and release its tensors (:class:`_Kept`)."""
+        """Wait for the collective; drop its handle, release its tensors (:class:`_Kept`) and
+        free the send buffer."""
         self.work.wait()
         self.work = None
         self.kept.release()
+        self.send = None  # type: ignore[assignment]
 
 
 def exchange(
@@ -174,12 +212,12 @@ def exchange(
       Per matrix, the ``(receive rows, result cols)`` block of the result this rank holds, and
       the stats.
     """
-    back_cols = _result_cols(plan, result_cols)
-    rows = _contributions(plan, rank, held)
+    back_cols = result_cols_of(plan, result_cols)
+    rows = contributions(plan, rank, held)
     if not rows:
         return [], ExchangeStats()
     if plan.world_size == 1:
-        wire = _Wire(rank, rows[0], wire_dtype, group)
+        wire = Wire(rank, rows[0], wire_dtype, group)
         return _compute_locally(plan, rows, compute, wire), wire.stats
     posted = Posted(plan, rank, group=group, wire_dtype=wire_dtype)
     for b in plan.buckets:
@@ -201,8 +239,8 @@ class Posted:
             raise ValueError("Posted: a plan of one rank has nothing to exchange")
         self.plan, self.rank, self.group, self.wire_dtype = plan, rank, group, wire_dtype
         self.rows: list[torch.Tensor | None] = [None] * len(plan.matrices)
-        self.gathers: list[_InFlight] = []
-        self.wire: _Wire | None = None
+        self.gathers: list[InFlight] = []
+        self.wire: Wire | None = None
 
     @property
     def next_bucket(self) -> int:
@@ -218,10 +256,10 @@ class Posted:
         if sorted(held) != sorted(b.matrices):
             raise ValueError(f"Posted.post: bucket {bucket} holds matrices {sorted(b.matrices)}, got {sorted(held)}")
         for j in b.matrices:
-            self.rows[j] = _contribution(self.plan.matrices[j], self.rank, held[j])
+            self.rows[j] = contribution(self.plan.matrices[j], self.rank, held[j])
         if self.wire is None:
-            self.wire = _Wire(self.rank, self.rows[b.matrices[0]], self.wire_dtype, self.group)
-        self.gathers.append(_post_gather(self.plan, b, self.rows, self.wire))  # type: ignore[arg-type]
+            self.wire = Wire(self.rank, self.rows[b.matrices[0]], self.wire_dtype, self.group)
+        self.gathers.append(post_gather(self.plan, b, self.rows, self.wire))  # type: ignore[arg-type]
 
     def finish(self, compute: Compute, *, result_cols: Sequence[int] | None = None
                ) -> tuple[list[torch.Tensor], ExchangeStats]:
@@ -230,13 +268,13 @@ class Posted:
         plan, wire = self.plan, self.wire
         if self.next_bucket != len(plan.buckets) or wire is None:
             raise ValueError(f"Posted.finish: {self.next_bucket} of {len(plan.buckets)} buckets posted")
-        back_cols = _result_cols(plan, result_cols)
+        back_cols = result_cols_of(plan, result_cols)
         out: list[torch.Tensor | None] = [None] * len(plan.matrices)
         for b in plan.buckets:
-            _compute_local(plan, b, self.rows, compute, back_cols, wire, out)  # type: ignore[arg-type]
-        returns = [_compute_and_return(plan, g, compute, back_cols, wire) for g in self.gathers]
+            compute_local(plan, b, self.rows, compute, back_cols, wire, out)  # type: ignore[arg-type]
+        returns = [compute_and_return(plan, g, compute, back_cols, wire) for g in self.gathers]
         for r in returns:
-            _collect(plan, r, back_cols, wire, out)
+            collect(plan, r, back_cols, wire, out)
         self.gathers = []
         return out, wire.stats  # type: ignore[return-value]
 
@@ -253,7 +291,7 @@ class Posted:
 
 
 def _compute_locally(plan: Plan, rows: list[torch.Tensor], compute: Compute,
-                     wire: _Wire) -> list[torch.Tensor]:
+                     wire: Wire) -> list[torch.Tensor]:
     """One rank: every matrix is whole here; ``compute`` runs bucket by bucket."""
     out: list[torch.Tensor | None] = [None] * len(plan.matrices)
     for b in plan.buckets:
@@ -263,8 +301,8 @@ def _compute_locally(plan: Plan, rows: list[torch.Tensor], compute: Compute,
     return out  # type: ignore[return-value]
 
 
-def _compute_local(plan: Plan, b: BucketPlan, rows: list[torch.Tensor], compute: Compute,
-                   back_cols: list[int], wire: _Wire, out: list) -> None:
+def compute_local(plan: Plan, b: BucketPlan, rows: list[torch.Tensor], compute: Compute,
+                   back_cols: list[int], wire: Wire, out: list) -> None:
     """A bucket's local matrices: this rank's rows of each, computed here (nothing travels)."""
     here = [j for j in b.matrices if plan.matrices[j].local]
     if not here:
@@ -277,104 +315,58 @@ def _compute_local(plan: Plan, b: BucketPlan, rows: list[torch.Tensor], compute:
         out[j] = r
 
 
-def _owned(plan: Plan, b: BucketPlan, owner: int) -> list[int]:
-    return [j for j in b.matrices if plan.matrices[j].owner == owner]
-
-
-def _post_gather(plan: Plan, b: BucketPlan, rows: list[torch.Tensor], wire: _Wire) -> _InFlight:
+def post_gather(plan: Plan, b: BucketPlan, rows: list[torch.Tensor], wire: Wire) -> InFlight:
     """Send every matrix's contributed rows to its owner: the send buffer is ordered by owner,
-    then by the bucket's matrix order."""
-    parts = [rows[j].reshape(-1) for d in range(plan.world_size) for j in _owned(plan, b, d)]
-    return _InFlight(b, *wire.post(parts, b.gather_send(wire.rank), b.gather_recv(wire.rank)))
+    then by the bucket's matrix order. The entries of ``rows`` (indexed by matrix) that are sent
+    become None (freed before the receive buffer is made, if nothing else holds them)."""
+    parts = [rows[j] for d in range(plan.world_size) for j in owned_by(plan, b, d)]
+    for j in b.matrices:
+        if not plan.matrices[j].local:
+            rows[j] = None  # type: ignore[call-overload]
+    return InFlight(b, *wire.post(parts, b.gather_send(wire.rank), b.gather_recv(wire.rank)))
 
 
-def _assemble(plan: Plan, owned: list[int], recv: torch.Tensor, wire: _Wire) -> list[torch.Tensor]:
-    """The owned matrices, whole: ``recv`` is ordered by source rank, then by the owned matrices;
-    each matrix's pieces are put in row order (ranks need not hold rows in rank order)."""
-    pieces: dict[int, list[tuple[int, torch.Tensor]]] = {j: [] for j in owned}
-    offset = 0
-    for s in range(plan.world_size):
-        for j in owned:
-            mp = plan.matrices[j]
-            k = mp.contrib_numel(s)
-            pieces[j].append((mp.contrib[s][0], recv[offset:offset + k].view(-1, mp.cols)))
-            offset += k
-    return [torch.cat([x for _, x in sorted(pieces[j], key=lambda e: e[0])]).to(wire.dtype) for j in owned]
-
-
-def _compute_and_return(plan: Plan, g: _InFlight, compute: Compute, back_cols: list[int],
-                        wire: _Wire) -> _InFlight:
-    """Wait for a bucket's gather, compute the owned matrices and post their rows back (ordered by
-    destination rank, then by the owned matrices)."""
+def compute_and_return(plan: Plan, g: InFlight, compute: Compute, back_cols: list[int], wire: Wire,
+                       before_post: Callable[[], None] | None = None) -> InFlight:
+    """Wait for a bucket's gather, compute the owned matrices and post their rows back to the
+    other ranks (ordered by destination rank, then by the owned matrices; the owner's own rows
+    stay here, in the returned flight's ``mine``); ``before_post`` runs just before the post."""
     wire.wait(g)
-    owned = _owned(plan, g.bucket, wire.rank)
-    mats = _assemble(plan, owned, g.recv, wire)
-    g.recv = g.send = None  # type: ignore[assignment]  # freed before the iteration allocates
+    owned = owned_by(plan, g.bucket, wire.rank)
+    mats = assemble(plan, owned, g.recv, wire)
+    g.recv = None  # type: ignore[assignment]  # freed before the iteration allocates (or the inputs' own)
     results = wire.timed(compute, owned, mats)
     del mats
-    for j, r in zip(owned, results):
-        if tuple(r.shape) != (plan.matrices[j].rows, back_cols[j]):
-            raise ValueError(f"exchange: compute returned shape {tuple(r.shape)} for matrix {j}, "
+    me, w, b = wire.rank, plan.world_size, g.bucket
+    for j, shape in zip(owned, [tuple(r.shape) for r in results]):  # no loop variable keeps a result
+        if shape != (plan.matrices[j].rows, back_cols[j]):
+            raise ValueError(f"exchange: compute returned shape {shape} for matrix {j}, "
                              f"expected {(plan.matrices[j].rows, back_cols[j])}")
-    parts = [r[slice(*plan.matrices[j].receive[d])].reshape(-1)
-             for d in range(plan.world_size) for j, r in zip(owned, results)]
-    w, b = plan.world_size, g.bucket
-    send_splits = [_returned(plan, b.matrices, wire.rank, d, back_cols) for d in range(w)]
-    recv_splits = [_returned(plan, b.matrices, s, wire.rank, back_cols) for s in range(w)]
-    return _InFlight(b, *wire.post(parts, send_splits, recv_splits))
+    mine = {j: own_rows(r, plan.matrices[j].receive[me], wire) for j, r in zip(owned, results)}
+    parts = [r[slice(*plan.matrices[j].receive[d])] for d in range(w) if d != me for j, r in zip(owned, results)]
+    del results
+    send_splits = [0 if d == me else returned(plan, b.matrices, me, d, back_cols) for d in range(w)]
+    recv_splits = [0 if s == me else returned(plan, b.matrices, s, me, back_cols) for s in range(w)]
+    if before_post is not None:
+        before_post()
+    flight = InFlight(b, *wire.post(parts, send_splits, recv_splits))
+    flight.mine = mine
+    return flight
 
 
-def _collect(plan: Plan, r: _InFlight, back_cols: list[int], wire: _Wire, out: list) -> None:
+def collect(plan: Plan, r: InFlight, back_cols: list[int], wire: Wire, out: list | dict) -> None:
     """This rank's rows of a bucket's results (ordered by owner, then bucket order)."""
     wire.wait(r)
     offset = 0
     for s in range(plan.world_size):
-        for j in _owned(plan, r.bucket, s):
+        for j in owned_by(plan, r.bucket, s):
+            if s == wire.rank:
+                out[j] = r.mine[j]  # type: ignore[index]
+                continue
             start, stop = plan.matrices[j].receive[wire.rank]
             k = (stop - start) * back_cols[j]
             out[j] = r.recv[offset:offset + k].view(-1, back_cols[j]).to(wire.dtype)
             offset += k
-
-
-def _result_cols(plan: Plan, result_cols: Sequence[int] | None) -> list[int]:
-    """Columns of every matrix's result (the plan's ``cols`` unless ``result_cols`` says)."""
-    if result_cols is None:
-        return [mp.cols for mp in plan.matrices]
-    cols = [int(c) for c in result_cols]
-    if len(cols) != len(plan.matrices) or any(c < 0 for c in cols):
-        raise ValueError(f"exchange: invalid result_cols {list(result_cols)!r} (expected "
-                         f"{len(plan.matrices)} non-negative column counts)")
-    return cols
-
-
-def _returned(plan: Plan, matrices: Sequence[int], owner: int, dest: int, cols: Sequence[int]) -> int:
-    """Elements ``owner`` returns to ``dest`` for the bucket's ``matrices``."""
-    total = 0
-    for j in matrices:
-        mp = plan.matrices[j]
-        if mp.owner == owner:
-            start, stop = mp.receive[dest]
-            total += (stop - start) * cols[j]
-    return total
-
-
-def _contributions(plan: Plan, rank: int, held: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The rows each matrix's ``contrib`` asks of this rank, cut from the rows it holds."""
-    if len(held) != len(plan.matrices):
-        raise ValueError(f"exchange: got {len(held)} tensors for a plan of {len(plan.matrices)} matrices")
-    return [_contribution(mp, rank, x) for mp, x in zip(plan.matrices, held)]
-
-
-def _contribution(mp: MatrixPlan, rank: int, x: torch.Tensor) -> torch.Tensor:
-    """The rows of one matrix that its ``contrib`` asks of this rank, cut from the rows it holds."""
-    r0, r1 = mp.receive[rank]
-    if tuple(x.shape) != (r1 - r0, mp.cols):
-        raise ValueError(
-            f"exchange: matrix {mp.index} of global shape {mp.shape} has local rows of shape "
-            f"{tuple(x.shape)} on rank {rank}, the plan expects {(r1 - r0, mp.cols)}"
-        )
-    c0, c1 = mp.contrib[rank]
-    return x[c0 - r0:c1 - r0] if c1 > c0 else x[:0]
 
 
 def exchange_replicated(
@@ -393,17 +385,17 @@ def exchange_replicated(
     needs equal sizes); replicated matrices are already whole and are not sent. Same arguments
     and result as :func:`exchange`; ``compute`` sees every matrix of each bucket.
     """
-    _contributions(plan, rank, held)  # shape checks
-    back_cols = _result_cols(plan, result_cols)
+    contributions(plan, rank, held)  # shape checks
+    back_cols = result_cols_of(plan, result_cols)
     if not held:
         return [], ExchangeStats()
-    wire = _Wire(rank, held[0], wire_dtype, group)
+    wire = Wire(rank, held[0], wire_dtype, group)
     pending = [_post_all_gather(plan, b, held, wire) for b in plan.buckets]
     out: list[torch.Tensor | None] = [None] * len(plan.matrices)
     for b, members, flight in pending:
         if flight is not None:
             wire.wait(flight)
-        full = _unpad(plan, members, flight.recv, wire) if flight is not None else {}
+        full = unpad(plan, members, flight.recv, wire) if flight is not None else {}
         idx = list(b.matrices)
         results = wire.timed(compute, idx, [full.get(j, held[j]) for j in idx])
         for j, r in zip(idx, results):
@@ -414,17 +406,13 @@ def exchange_replicated(
     return out, wire.stats  # type: ignore[return-value]
 
 
-def _padded_rows(plan: Plan, j: int) -> int:
-    return max(b - a for a, b in plan.matrices[j].receive)
-
-
-def _post_all_gather(plan: Plan, b: BucketPlan, held: Sequence[torch.Tensor], wire: _Wire):
+def _post_all_gather(plan: Plan, b: BucketPlan, held: Sequence[torch.Tensor], wire: Wire):
     """Start the all-gather of this rank's rows of the bucket's sharded matrices (padded)."""
-    members = [j for j in b.matrices if _is_sharded(plan, j)] if plan.world_size > 1 else []
+    members = [j for j in b.matrices if is_sharded(plan, j)] if plan.world_size > 1 else []
     parts = []
     for j in members:
         x = held[j]
-        pad = _padded_rows(plan, j) - x.shape[0]
+        pad = padded_rows(plan, j) - x.shape[0]
         parts.append((torch.cat([x, x.new_zeros(pad, x.shape[1])]) if pad else x).reshape(-1))
     if not parts:
         return b, members, None
@@ -435,29 +423,7 @@ def _post_all_gather(plan: Plan, b: BucketPlan, held: Sequence[torch.Tensor], wi
     copies = wire.item * send.numel() * (plan.world_size - 1)  # as a ring/all-to-all: (W-1) copies
     wire.stats.bytes_sent += copies
     wire.stats.bytes_received += copies
-    return b, members, _InFlight(b, work, gathered, send, kept)
-
-
-def _unpad(plan: Plan, members: list[int], gathered: torch.Tensor, wire: _Wire) -> dict[int, torch.Tensor]:
-    """The gathered matrices, whole, from every rank's padded rows."""
-    w = plan.world_size
-    per_rank = gathered.numel() // w
-    full, offset = {}, 0
-    for j in members:
-        mp = plan.matrices[j]
-        rows = _padded_rows(plan, j)
-        k = rows * mp.cols
-        blocks = {mp.receive[s]: gathered[s * per_rank + offset:s * per_rank + offset + k].view(rows, mp.cols)[
-            : mp.receive[s][1] - mp.receive[s][0]] for s in reversed(range(w))}  # one per block (replicas)
-        full[j] = torch.cat([blocks[r] for r in sorted(blocks)]).to(wire.dtype)
-        offset += k
-    return full
-
-
-def _is_sharded(plan: Plan, j: int) -> bool:
-    """True if ranks hold different rows of matrix ``j`` (False for a replicated matrix)."""
-    mp = plan.matrices[j]
-    return any(r != (0, mp.rows) for r in mp.receive)
+    return b, members, InFlight(b, work, gathered, send, kept)
 
 
 # torch >= 2.13 names it all_gather_single (all_gather_into_tensor warns); older torch lacks it.

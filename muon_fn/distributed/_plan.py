@@ -28,9 +28,9 @@ from collections.abc import Sequence
 
 from ..core import views as _views
 from ..core.newton_schulz import gemm_flops
+from ._budget import LOCAL, cut_by_bytes, held_bytes, unit_bytes
 
 Rows = tuple[int, int]  # [start, stop) rows of a matrix
-LOCAL = -1  # the owner of a local matrix: every rank computes its own rows
 
 
 @functools.lru_cache(maxsize=4096)
@@ -298,10 +298,12 @@ def make_plan(
       split: per unit (or one for all), True if its matrices may have different owners (the
         pieces of expert stacks, :func:`expert_pieces`): they stay in one exchange bucket, but LPT
         places each matrix on its own. The owner computes its matrices of the unit together.
-      bucket_bytes: at most this many bytes of whole matrices (``rows · cols · item_bytes``) per
-        owner in one exchange bucket: the ``num_buckets`` buckets are cut further, in order,
-        where an owner's would exceed it (a unit is never cut: a bucket holds at least one);
-        ``None``: no bound.
+      bucket_bytes: at most this many bytes held on any rank by one exchange bucket
+        (:func:`held_bytes`: twice its owned whole matrices, ``rows · cols · item_bytes``, and
+        twice the rows it sends of the others): the ``num_buckets`` buckets are cut further, a
+        unit that would not fit waiting for the next bucket of its group, except that every
+        owner gets at least one unit in each bucket (a unit is never cut), so the owners compute
+        side by side; ``None``: no bound.
 
     Local matrices are planned first (their cost falls where their rows lie). Owners are assigned
     to the other units by LPT on :func:`ns_cost` (FLOPs) over all units at once, from the loads of
@@ -326,20 +328,22 @@ def make_plan(
     split = _per_matrix("split", split, len(units))
     holders = [(_nonzero(rows) or ((-1, 0),))[0][0] for rows in receives]
     owners, bucket_of = _assign_owners(costs, units, groups, world_size, seed, local, split, holders)
-    if bucket_bytes is not None:
-        groups = _cut_by_bytes(groups, units, owners, [item_bytes * m * (n + e) for (m, n), e in zip(flat, extra)],
-                               local, bucket_bytes)
-        for b, members in enumerate(groups):
-            for u in members:
-                for j in units[u]:
-                    bucket_of[j] = b
     for u, unit in enumerate(units):  # a piece its only holder keeps is computed where it lies
         for j in unit if split[u] else ():
             if owners[j] == holders[j] and len(_nonzero(receives[j])) == 1:
                 owners[j], local[j] = LOCAL, True
-    matrices = [MatrixPlan(j, shape, m, n + extra[j], owners[j], bucket_of[j],
-                           _contributions(receives[j], held[j], local[j], replicated[j], owners[j], m),
-                           receives[j], costs[j])
+    contribs = [_contributions(receives[j], held[j], local[j], replicated[j], owners[j], m)
+                for j, (m, _) in enumerate(flat)]
+    if bucket_bytes is not None:
+        weights = [unit_bytes([held_bytes(owners[j], flat[j][0], flat[j][1] + extra[j], contribs[j], receives[j],
+                                           item_bytes) for j in unit]) for unit in units]
+        groups = cut_by_bytes(groups, weights, [{owners[j] for j in unit} - {LOCAL} for unit in units],
+                               bucket_bytes, world_size)
+        for b, members in enumerate(groups):
+            for u in members:
+                for j in units[u]:
+                    bucket_of[j] = b
+    matrices = [MatrixPlan(j, shape, m, n + extra[j], owners[j], bucket_of[j], contribs[j], receives[j], costs[j])
                 for j, (shape, (m, n)) in enumerate(zip(shapes, flat))]
     buckets = [_bucket_plan(b, [j for u in members for j in units[u]], matrices, world_size)
                for b, members in enumerate(groups)]
@@ -437,31 +441,6 @@ def _assign_owners(costs: list[int], units: list[list[int]], groups: list[list[i
         for j in members:
             owners[j] = r
     return owners, bucket_of
-
-
-def _cut_by_bytes(groups: list[list[int]], units: list[list[int]], owners: list[int], sizes: list[int],
-                  local: list[bool], limit: int) -> list[list[int]]:
-    """``groups`` (of units, in exchange order) cut where an owner's bytes of whole matrices
-    (``sizes``) in one group would exceed ``limit``; local matrices weigh nothing (they do not
-    travel)."""
-    out: list[list[int]] = []
-    for members in groups:
-        current: list[int] = []
-        held: dict[int, int] = {}
-        for u in members:
-            adds: dict[int, int] = {}
-            for j in units[u]:
-                if not local[j]:
-                    adds[owners[j]] = adds.get(owners[j], 0) + sizes[j]
-            if current and any(held.get(r, 0) + n > limit for r, n in adds.items()):
-                out.append(current)
-                current, held = [], {}
-            current.append(u)
-            for r, n in adds.items():
-                held[r] = held.get(r, 0) + n
-        if current:
-            out.append(current)
-    return out
 
 
 def _bucket_plan(b: int, members: list[int], matrices: list[MatrixPlan], world_size: int) -> BucketPlan:

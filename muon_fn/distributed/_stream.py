@@ -1,13 +1,24 @@
-"""The owner-computes exchange bucket by bucket (:func:`stream`): the plan's buckets are cut
-so that an owner's whole matrices of one bucket take at most half of ``inflight_bytes``
-(:func:`~muon_fn.distributed._plan.make_plan`'s ``bucket_bytes``), and a step holds two of them at a
-time: while the owners compute bucket ``i`` (its gather received), bucket ``i + 1``'s gather
-travels and bucket ``i − 1``'s results come back (one bucket at a time where two do not fit:
-a bucket is never less than one batch of the single-device optimizer). A bucket's rows are packed (the pre phase) just
-before its gather is posted, and its results are applied (the post phase) as soon as they are
-back; its buffers are freed then, before the bucket after next is gathered. The collectives and
-the calls of ``compute`` are those of :func:`~muon_fn.distributed._exchange.exchange`, bucket for
-bucket, so the owners' arithmetic is the same bit for bit; only their order in time changes.
+"""The owner-computes exchange bucket by bucket (:func:`stream`) under ``inflight_bytes``.
+
+The plan's buckets are cut (``bucket_bytes`` of :func:`~muon_fn.distributed._plan.make_plan`, half of
+``inflight_bytes``) so that each holds at most half the budget on every rank, counted by
+:func:`~muon_fn.distributed._budget.held_bytes` (an owner's gathered matrices and their results, every
+other rank's rows sent and returned), except that every owner has at least one unit (one batch
+of the single-device optimizer) in each bucket, so that the owners compute side by side. A
+bucket's rows are packed (the pre phase) just before its gather is posted, and its results are
+applied (the post phase) as soon as they are back. Where two consecutive buckets fit the budget
+together on every rank, the next one's gather travels while one is computed and its results
+come back while the next is computed; otherwise a bucket's buffers are all released before the
+next bucket is packed. The owner's own rows of a result never travel (they stay here), a
+matrix received in one piece per rank in row order is computed in its receive buffer, and a
+receive buffer of the results is reused for the next bucket's of the same size.
+
+It drives :mod:`._exchange`'s bucket interface (:class:`~._exchange.Wire`,
+:func:`~._exchange.contribution`, :func:`~._exchange.post_gather`,
+:func:`~._exchange.compute_local`, :func:`~._exchange.compute_and_return`,
+:func:`~._exchange.collect`): the collectives and the calls of ``compute`` are those of
+:func:`~muon_fn.distributed._exchange.exchange`, bucket for bucket, so the owners' arithmetic is the
+same bit for bit; only their order in time changes.
 """
 
 from __future__ import annotations
@@ -18,11 +29,14 @@ from typing import Any
 import torch
 
 from . import _exchange
+from ._pieces import contribution, result_cols_of
+from ._budget import bucket_held
 from ._plan import BucketPlan, Plan
 
 # pre(bucket) -> {matrix: this rank's rows}; post(bucket, {matrix: this rank's rows of its result})
 Pre = Callable[[BucketPlan], dict[int, torch.Tensor]]
 Post = Callable[[BucketPlan, dict[int, torch.Tensor]], None]
+Started = tuple[_exchange.InFlight, dict[int, torch.Tensor]]  # a gather in flight, the results so far
 
 
 def stream(plan: Plan, rank: int, pre: Pre, compute: _exchange.Compute, post: Post, *, group: Any = None,
@@ -31,59 +45,77 @@ def stream(plan: Plan, rank: int, pre: Pre, compute: _exchange.Compute, post: Po
     """Every bucket of ``plan`` (of two ranks or more) in order: ``pre`` gives this rank's rows of
     its matrices, the owners ``compute`` them, ``post`` takes this rank's rows of the results (as
     :func:`~muon_fn.distributed._exchange.exchange`'s). The next bucket is gathered while one is
-    computed only if both buckets' whole matrices (``item_bytes`` an element) fit
-    ``inflight_bytes`` on their owners; else one bucket at a time. Returns the stats."""
-    back_cols = _exchange._result_cols(plan, result_cols)
-    wire: _exchange._Wire | None = None
-
-    def start(b: BucketPlan) -> tuple[Any, dict[int, torch.Tensor]]:
-        nonlocal wire
-        held = pre(b)
-        rows = {j: _exchange._contribution(plan.matrices[j], rank, held[j]) for j in b.matrices}
-        del held
-        if wire is None:
-            wire = _exchange._Wire(rank, rows[b.matrices[0]], wire_dtype, group)
-        flight = _exchange._post_gather(plan, b, rows, wire)  # type: ignore[arg-type]
-        out: dict[int, torch.Tensor] = {}
-        _exchange._compute_local(plan, b, rows, compute, back_cols, wire, out)  # type: ignore[arg-type]
-        return flight, out
-
-    def finish(b: BucketPlan, returned: Any, out: dict[int, torch.Tensor]) -> None:
-        _exchange._collect(plan, returned, back_cols, wire, out)  # type: ignore[arg-type]
-        post(b, out)
-
+    computed only if both buckets fit ``inflight_bytes`` on every rank (``item_bytes`` an
+    element, :func:`~muon_fn.distributed._budget.bucket_held`); else one bucket at a time. Returns the
+    stats."""
     buckets = [b for b in plan.buckets if b.matrices]
     if not buckets:
         return _exchange.ExchangeStats()
-    held = [gathered_bytes(plan, b, item_bytes) for b in buckets]
-    pending: tuple[Any, dict[int, torch.Tensor]] | None = start(buckets[0])
-    previous = None
-    for i, b in enumerate(buckets):
+    run = _Run(plan, rank, pre, compute, post, group, wire_dtype, result_cols_of(plan, result_cols))
+    held = [max(bucket_held(plan, b, item_bytes)) for b in buckets]
+    pending: Started | None = run.start(buckets[0])
+    back: _exchange.InFlight | None = None  # the previous bucket's results on their way back
+    for i in range(len(buckets)):
         assert pending is not None
-        gathered, out = pending
-        last = i + 1 == len(buckets)
-        # the next bucket travels meanwhile if both fit the budget on every rank (the same
-        # decision everywhere: the ranks post their collectives in one order)
-        ahead = not last and (inflight_bytes is None or held[i] + held[i + 1] <= inflight_bytes)
-        pending = start(buckets[i + 1]) if ahead else None
-        returned = _exchange._compute_and_return(plan, gathered, compute, back_cols, wire)  # type: ignore[arg-type]
-        del gathered
-        if previous is not None:
-            finish(*previous)
-        previous = (b, returned, out)
-        if not ahead and not last:  # this bucket done and freed before the next is gathered
-            finish(*previous)
-            previous, pending = None, start(buckets[i + 1])
-    if previous is not None:
-        finish(*previous)
-    return wire.stats  # type: ignore[union-attr]
+        gathered = pending
+        # the same decision on every rank: the ranks post their collectives in one order
+        ahead = i + 1 < len(buckets) and (inflight_bytes is None or held[i] + held[i + 1] <= inflight_bytes)
+        pending = run.start(buckets[i + 1]) if ahead else None
+        run.wire.drop_spare()  # no spare lives through an iteration
+        previous, back = back, None
+
+        def before_post(previous: _exchange.InFlight | None = previous) -> None:
+            if previous is not None:  # applied first: its receive buffer can serve this bucket's
+                run.finish(previous)
+
+        returned = run.compute_and_return(gathered, before_post)
+        del gathered, previous
+        if ahead:
+            back = returned
+        else:  # this bucket done and released before the next is packed
+            run.finish(returned)
+            run.wire.drop_spare()
+            if i + 1 < len(buckets):
+                pending = run.start(buckets[i + 1])
+        del returned
+    if back is not None:
+        run.finish(back)
+    run.wire.drop_spare()
+    return run.wire.stats
 
 
-def gathered_bytes(plan: Plan, b: BucketPlan, item_bytes: int) -> int:
-    """The most bytes of whole matrices any one owner holds of bucket ``b``."""
-    per_owner: dict[int, int] = {}
-    for j in b.matrices:
-        mp = plan.matrices[j]
-        if not mp.local:
-            per_owner[mp.owner] = per_owner.get(mp.owner, 0) + mp.rows * mp.cols * item_bytes
-    return max(per_owner.values(), default=0)
+class _Run:
+    """One :func:`stream`: its exchange settings, and each bucket's results as they come back."""
+
+    def __init__(self, plan: Plan, rank: int, pre: Pre, compute: _exchange.Compute, post: Post, group: Any,
+                 wire_dtype: torch.dtype | None, back_cols: list[int]) -> None:
+        self.plan, self.rank, self.pre, self.compute, self.post = plan, rank, pre, compute, post
+        self.group, self.wire_dtype, self.back_cols = group, wire_dtype, back_cols
+        self.wire: _exchange.Wire = None  # type: ignore[assignment]  # made with the first rows
+        self.results: dict[int, dict[int, torch.Tensor]] = {}  # bucket -> this rank's rows so far
+
+    def start(self, b: BucketPlan) -> Started:
+        """Pack bucket ``b``'s rows and post its gather; its local matrices are computed now."""
+        held = self.pre(b)
+        rows = {j: contribution(self.plan.matrices[j], self.rank, held[j]) for j in b.matrices}
+        del held
+        if self.wire is None:
+            self.wire = _exchange.Wire(self.rank, rows[b.matrices[0]], self.wire_dtype, self.group)
+        flight = _exchange.post_gather(self.plan, b, rows, self.wire)  # type: ignore[arg-type]
+        out: dict[int, torch.Tensor] = {}
+        _exchange.compute_local(self.plan, b, rows, self.compute, self.back_cols, self.wire, out)  # type: ignore[arg-type]
+        return flight, out
+
+    def compute_and_return(self, gathered: Started, before_post: Callable[[], None]) -> _exchange.InFlight:
+        flight, out = gathered
+        self.results[flight.bucket.index] = out
+        return _exchange.compute_and_return(self.plan, flight, self.compute, self.back_cols, self.wire, before_post)
+
+    def finish(self, returned: _exchange.InFlight) -> None:
+        """Wait for a bucket's results, apply them, and keep the receive buffer as the spare."""
+        out = self.results.pop(returned.bucket.index)
+        _exchange.collect(self.plan, returned, self.back_cols, self.wire, out)
+        returned.mine = None
+        self.post(returned.bucket, out)
+        del out
+        self.wire.recycle(returned)

@@ -157,7 +157,7 @@ class Optimizer(Checkpointing, Placed, StagedStep, Telemetry, torch.optim.Optimi
         ``"replicate"``; ``wire_dtype`` of the rows on the wire (``None``: the parameters');
         ``num_buckets`` exchanges per step (at least; default 4); ``overlap`` (default ``False``)
         starts each bucket's exchange during backward; ``process_group`` for plain parameters;
-        ``inflight_bytes`` the bytes of gathered matrices a rank holds at once (default 8 MiB;
+        ``inflight_bytes`` the bytes a rank holds at once for the exchange (default 8 MiB;
         ``None``: no bound). Kept in :attr:`distributed_options` (:mod:`muon_fn.engine._distributed`).
 
     Parameters may be plain tensors or DTensors (FSDP2, HSDP, tensor- and expert-parallel

@@ -16,9 +16,9 @@ STRATEGIES = ("owner", "replicate")
 ``"replicate"`` (every rank all-gathers and computes every matrix; the baseline)."""
 WIRE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 INFLIGHT_BYTES = 8 * 2**20
-"""``inflight_bytes=``'s default: the bytes of gathered (whole) matrices a rank holds at once in
-the owner-computes step (exchange buckets of at most half of it per owner; the next travels while
-one is computed where both fit)."""
+"""``inflight_bytes=``'s default: the bytes a rank holds at once for the owner-computes exchange
+(exchange buckets of at most half of it per rank, counted by ``muon_fn.distributed._budget.held_bytes``,
+one unit per owner at least; the next travels while one is computed where both fit)."""
 
 
 class DistributedOptions(NamedTuple):

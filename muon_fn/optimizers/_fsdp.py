@@ -45,11 +45,11 @@ class FSDPMuonOptimizer(MuonOptimizer):
       wire_dtype: dtype of the rows on the wire (``torch.bfloat16`` halves the bytes; rounds them).
       num_buckets: exchanges per step (communication of later buckets overlaps computation); the
         least: ``inflight_bytes`` may cut more.
-      inflight_bytes: the bytes of whole (gathered) matrices a rank holds at once (default 8 MiB;
-        ``None``: no bound): the step runs bucket by bucket (:mod:`muon_fn.distributed._stream`), each
-        bucket's whole matrices at most half of it on any owner; the next bucket travels while
-        one is computed where both fit, else one bucket at a time, each freed before the next is
-        gathered. A bucket is never less than one batch of the single-device optimizer, so
+      inflight_bytes: the bytes a rank holds at once for the exchange (default 8 MiB; ``None``:
+        no bound): the step runs bucket by bucket (:mod:`muon_fn.distributed._stream`), each bucket at
+        most half of it on any rank (``_budget.held_bytes``) but one unit per owner at least; the
+        next bucket travels while one is computed where both fit, else one bucket at a time, each
+        freed before the next is packed. A bucket is never less than one batch of the single-device optimizer, so
         results stay the same bit for bit. With ``overlap=True`` every bucket is posted during backward (not bounded).
       overlap: start each bucket's exchange during backward, as soon as FSDP2 has reduced its
         gradients (its pre phase runs then, its gather is posted); ``step()`` posts what is left,
