@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from ..core import views as _views
 from ._plan import BucketPlan, Plan
-from ._stream import gathered_bytes
+from ._budget import bucket_held
 
 # The Newton–Schulz scratch roles of m × m products (the others are m × n): the CPU products keep
 # one buffer per role between calls (muon_fn.core.newton_schulz.cpu.CPUProducts.scratch).
@@ -218,17 +218,17 @@ def step_transient(plan: Plan, rank: int, units: Sequence[Sequence[int]], views:
       applied and the next bucket's results are posted (the stream's ``returned`` holds it).
 
     The next bucket is gathered before one is computed only when both fit ``inflight_bytes``
-    (:func:`~muon_fn.distributed._stream.gathered_bytes`, on P); a bucket's results are applied after
+    (:func:`~muon_fn.distributed._budget.bucket_held`, on P, its most on any rank); a bucket's results are applied after
     the next bucket is computed then, and before the next is gathered otherwise."""
     buckets = [b for b in plan.buckets if b.matrices]
     sizes = [_sizes(plan, b, rank, _unit_of(plan, units), views, {}) for b in buckets]
-    fits = [gathered_bytes(plan, b, param_bytes) for b in buckets]
+    fits = [max(bucket_held(plan, b, param_bytes)) for b in buckets]
     return _schedule(sizes, fits, inflight_bytes, _Walk(sizes, param_bytes, wire_bytes, ns_bytes, loops,
                                                         _Scratch(scratch_kept)))
 
 
 def _schedule(sizes: Sequence[_Sizes], fits: Sequence[int], inflight_bytes: int | None, walk: _Walk) -> int:
-    """The stream's loop over the buckets (``fits``: each one's gathered bytes), phase by phase
+    """The stream's loop over the buckets (``fits``: each one's most held bytes on a rank), phase by phase
     into ``walk``; its peak."""
     if not sizes:
         return 0
@@ -291,7 +291,7 @@ def rank_transients(plan: Plan, units: Sequence[Sequence[int]], views: Sequence,
     unit_of = _unit_of(plan, units)
     copies: dict[int, int] = {}
     walked: dict[tuple, int] = {}
-    fits = [gathered_bytes(plan, b, 4) for b in buckets]
+    fits = [max(bucket_held(plan, b, 4)) for b in buckets]
     out = []
     for r in range(plan.world_size):
         sizes = tuple(_sizes(plan, b, r, unit_of, views, copies) for b in buckets)
