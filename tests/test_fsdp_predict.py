@@ -104,25 +104,32 @@ COMPUTE = 256 + 384 + 128 + 256
 
 
 def test_step_peak_one_bucket_at_a_time():
-    """300 bytes hold one bucket, not two: the owner of the first bucket peaks computing it; the
-    owner of the second also still holds its rows of the first's results (128)."""
-    r = _two_matrices(300)
-    assert r.inflight_bytes == 300 and r.step_peak == (COMPUTE + 128, COMPUTE) == (1152, 1024)
+    """A bucket holds 512 bytes on its owner (its matrix gathered and its result: 2 × 256) and 256
+    elsewhere (4 rows sent, 4 back), so 300 and 512 bytes hold one bucket, not two: each bucket is
+    applied and released before the next is packed, and both owners peak computing theirs."""
+    for inflight in (300, 512):
+        r = _two_matrices(inflight)
+        assert r.inflight_bytes == inflight and r.step_peak == (COMPUTE, COMPUTE) == (1024, 1024)
 
 
 def test_step_peak_two_buckets_in_flight():
-    """512 bytes hold both buckets: while the first is computed, the second's gather is in flight,
-    so its owner also holds its send buffer, its 4 rows of the second matrix (128)."""
-    assert _two_matrices(512).step_peak == (COMPUTE + 128, COMPUTE + 128)
+    """1,024 bytes hold both buckets: while rank 1 computes the first, the second's gather is in
+    flight, so it also holds its send buffer (its 4 rows of the second matrix, 128); while rank 0
+    computes the second, it still holds the receive buffer of its rows of the first's result
+    (128; its gather's send buffer was freed at its wait)."""
+    assert _two_matrices(1024).step_peak == (COMPUTE + 128, COMPUTE + 128)
 
 
 def test_step_peak_unbounded_and_scratch_kept():
-    """No bound: every next bucket travels while one is computed, as at 512 bytes here. The CPU
-    policy keeps the iteration's scratch (384) after the owner's compute: the first bucket's owner
-    then peaks applying its rows, scratch + its return's buffers (256 sent + 128 back) + the post
-    phase (final update, p + u, where: 3 × 128)."""
-    assert _two_matrices(None).step_peak == _two_matrices(512).step_peak
-    assert _two_matrices(300, "cpu").step_peak == (COMPUTE + 128, 384 + 384 + 3 * 128)
+    """No bound: every next bucket travels while one is computed, as at 1,024 bytes here. The CPU
+    policy keeps the iteration's scratch (384) after the owner's compute: rank 0 then peaks in the
+    first bucket's post phase, which runs after it computed the second, just before the second's
+    return is posted: scratch + the second's results (256) + its own rows of them (128, never
+    sent) + the first's return receive buffer (128) + the post phase (final update, p + u, where:
+    3 × 128). Rank 1 peaks computing, as without the scratch kept."""
+    assert _two_matrices(None).step_peak == _two_matrices(1024).step_peak
+    assert _two_matrices(1024, "cpu").step_peak == (384 + 256 + 128 + 128 + 3 * 128, COMPUTE + 128)
+    assert _two_matrices(300, "cpu").step_peak == (COMPUTE, COMPUTE)
     assert plan_model("tiny", "dp=2").step_peak == ()  # not asked: no prediction
 
 
@@ -466,7 +473,7 @@ class TestCLI(expecttest.TestCase):
             """\
 | model | mesh | matrices | units | buckets | NS FLOPs/rank max | max/mean | lower bound | efficiency | idle ranks | sent/rank mean | 2(W−1)/W²·S | sent max | received max | extra peak max | state/rank max (32-bit) | step peak/rank max (inflight 8 MiB) | state + step peak max | compute | comm | step |
 |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|
-| bench-fsdp | dp=2 | 72 | 40 | 40 | 815 GFLOP | 1.000 | 1.000 | 100% | 0/2 | 170 MB | 170 MB | 170 MB | 170 MB | 713 MB | 170 MB | 40.1 MB | 210 MB | 2.04 ms | 3.4 ms | 3.48 ms |
-| bench-fsdp | dp=4 | 72 | 40 | 40 | 408 GFLOP | 1.000 | 1.000 | 100% | 0/4 | 127 MB | 127 MB | 127 MB | 127 MB | 373 MB | 84.9 MB | 34.8 MB | 120 MB | 1.02 ms | 2.55 ms | 2.61 ms |
+| bench-fsdp | dp=2 | 72 | 40 | 20 | 815 GFLOP | 1.000 | 1.000 | 100% | 0/2 | 170 MB | 170 MB | 170 MB | 170 MB | 713 MB | 170 MB | 34.2 MB | 204 MB | 2.04 ms | 3.4 ms | 3.57 ms |
+| bench-fsdp | dp=4 | 72 | 40 | 12 | 408 GFLOP | 1.000 | 1.000 | 100% | 0/4 | 127 MB | 127 MB | 127 MB | 127 MB | 373 MB | 84.9 MB | 30.7 MB | 116 MB | 1.02 ms | 2.55 ms | 2.76 ms |
 """,  # noqa: E501
         )

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from ..core import views as _views
 from ._plan import BucketPlan, Plan
-from ._stream import gathered_bytes
+from ._budget import bucket_held
 
 # The Newton–Schulz scratch roles of m × m products (the others are m × n): the CPU products keep
 # one buffer per role between calls (muon_fn.core.newton_schulz.cpu.CPUProducts.scratch).
@@ -77,15 +77,19 @@ class _Scratch:
 @dataclass(frozen=True)
 class _Sizes:
     """One bucket on one rank, in elements: the rows it holds of the bucket's matrices per unit
-    (in unit order), the rows it sends in the gather, the whole matrices it receives (owns), the
-    rows it returns, the rows it gets back, its owned units as ``(matrices, m, n)`` (wide
-    shapes), and its largest owned matrix."""
+    (in unit order), the rows it sends in the gather, the whole matrices it receives (owns), of
+    them those assembled by a copy (the others are computed in the receive buffer), the rows of
+    its results it returns to other ranks, the rows it gets back from other owners, its own rows
+    of its results (kept, never sent), its owned units as ``(matrices, m, n)`` (wide shapes),
+    and its largest owned matrix."""
 
     unit_rows: tuple[int, ...]
     sent: int
     gathered: int
+    copied: int
     returned: int
     back: int
+    own: int
     units: tuple[tuple[int, int, int], ...]
     largest: int
 
@@ -103,26 +107,50 @@ class _Sizes:
         return max((max((h[k - 1] if k else 0) + h[k], POST_COPIES * h[k]) for k in range(len(h))), default=0)
 
 
+def _copied(plan: Plan, owned: Sequence[int], same_dtype: bool, item_bytes: int) -> int:
+    """Elements of the ``owned`` matrices (in bucket order) that ``_pieces.assemble`` copies out of
+    the gather's receive buffer: all unless the wire is the parameters' dtype and a matrix's
+    pieces lie one after the other in row order from a 64-byte aligned offset (then a view)."""
+    pieces: dict[int, list[tuple[int, int, int]]] = {j: [] for j in owned}
+    offset = 0
+    for s in range(plan.world_size):  # the receive buffer: by source rank, then owned matrix
+        for j in owned:
+            k = plan.matrices[j].contrib_numel(s)
+            if k:
+                pieces[j].append((plan.matrices[j].contrib[s][0], offset, k))
+            offset += k
+    total = 0
+    for j in owned:
+        ps = sorted(pieces[j])
+        start = ps[0][1] if ps else 0
+        ends = [start] + [o + k for _, o, k in ps]
+        if not (same_dtype and (start * item_bytes) % 64 == 0 and all(o == e for (_, o, _), e in zip(ps, ends))):
+            total += plan.matrices[j].numel
+    return total
+
+
 def _sizes(plan: Plan, b: BucketPlan, rank: int, unit_of: Sequence[int], views: Sequence,
-           copies: dict[int, int]) -> _Sizes:
+           copies: dict[int, int], same_dtype: bool = True, item_bytes: int = 4) -> _Sizes:
     """``b``'s sizes on ``rank``, from its matrices (the plan's split sizes summed, without
     reading the W × W tables: fast at W = 1,024). ``copies``: rows returned per row layout."""
     rows: dict[int, int] = {}
     owned: dict[int, list[int]] = {}
-    sent = gathered = returned = back = 0
+    sent = gathered = returned = back = own = 0
     for j in b.matrices:
         mp = plan.matrices[j]
         rows[unit_of[j]] = rows.get(unit_of[j], 0) + mp.receive_numel(rank)
         if mp.local:  # computed where it lies: nothing travels
             continue
         sent += mp.contrib_numel(rank)
-        back += mp.receive_numel(rank)
-        if mp.owner == rank:
-            owned.setdefault(unit_of[j], []).append(j)
-            gathered += mp.numel
-            if id(mp.receive) not in copies:  # m rows (sharded) or W·m (replicated)
-                copies[id(mp.receive)] = sum(stop - start for start, stop in mp.receive)
-            returned += copies[id(mp.receive)] * mp.cols
+        if mp.owner != rank:
+            back += mp.receive_numel(rank)
+            continue
+        owned.setdefault(unit_of[j], []).append(j)
+        gathered += mp.numel
+        own += mp.receive_numel(rank)
+        if id(mp.receive) not in copies:  # m rows (sharded) or W·m (replicated)
+            copies[id(mp.receive)] = sum(stop - start for start, stop in mp.receive)
+        returned += copies[id(mp.receive)] * mp.cols - mp.receive_numel(rank)
     units = []
     for u in owned:  # in the bucket's order, as the owner computes them (not the units' order)
         first = owned[u][0]
@@ -130,13 +158,15 @@ def _sizes(plan: Plan, b: BucketPlan, rank: int, unit_of: Sequence[int], views: 
         count = sum(_views.count(plan.matrices[j].shape, views[j]) for j in owned[u])
         units.append((count, min(m, n), max(m, n)))
     largest = max((plan.matrices[j].numel for js in owned.values() for j in js), default=0)
-    return _Sizes(tuple(rows[u] for u in sorted(rows)), sent, gathered, returned, back, tuple(units), largest)
+    mine = [j for j in b.matrices if plan.matrices[j].owner == rank and not plan.matrices[j].local]
+    return _Sizes(tuple(rows[u] for u in sorted(rows)), sent, gathered, _copied(plan, mine, same_dtype, item_bytes),
+                  returned, back, own, tuple(units), largest)
 
 
 @dataclass
 class _Walk:
-    """One rank's step, phase by phase (:func:`step_transient`): what each phase allocates and
-    frees, in bytes, into ``live``."""
+    """One rank's step, phase by phase (:func:`step_transient`): what each step of the stream
+    allocates and frees, in bytes, into ``live`` (keys: the block and its bucket)."""
 
     sizes: list[_Sizes]
     param_bytes: int
@@ -145,48 +175,55 @@ class _Walk:
     loops: Loops
     scratch: _Scratch
     live: _Live = field(default_factory=_Live)
-    bound: int = -1  # the bucket whose return the stream's ``returned`` names
-    done: set[int] = field(default_factory=set)  # the buckets applied
 
     @property
     def cast(self) -> bool:
         return self.wire_bytes != self.param_bytes
 
     def start(self, i: int) -> None:
-        """The pre phase, then the gather posted."""
+        """The pre phase, then the gather posted: the send buffer is made while the packed rows
+        are held, the rows are freed as they are copied, then the receive buffer is made."""
         s, p, w, live = self.sizes[i], self.param_bytes, self.wire_bytes, self.live
         live.note(s.pre() * p)
         live.add(("rows", i), sum(s.unit_rows) * p)
-        live.note(s.sent * (p + w) if self.cast else 0)  # concatenated, then cast
-        live.add(("gather", i), (s.sent + s.gathered) * w)
+        live.add(("gather send", i), s.sent * w)
         live.drop(("rows", i))
+        live.add(("gather recv", i), s.gathered * w)
 
-    def compute_and_return(self, i: int) -> None:
-        """The owned matrices assembled, computed unit by unit, their rows posted back."""
+    def compute_and_return(self, i: int, previous: int | None) -> None:
+        """The gather waited for (its send buffer freed), the owned matrices assembled (copies,
+        or views of the receive buffer) and computed unit by unit, the owner's own rows kept,
+        ``previous`` bucket finished, then the results' rows posted back."""
         s, p, w, live = self.sizes[i], self.param_bytes, self.wire_bytes, self.live
-        live.add(("whole", i), s.gathered * p)
-        live.note(s.largest * w if self.cast else 0)  # a matrix concatenated on the wire, then cast
-        live.drop(("gather", i))
-        for count, m, n in s.units:
+        live.drop(("gather send", i))
+        live.note(s.largest * w if self.cast and s.copied else 0)  # a matrix concatenated on the wire, then cast
+        live.add(("whole", i), s.copied * p)
+        if s.copied == s.gathered:
+            live.drop(("gather recv", i))
+        for count, m, n in s.units:  # the results replace the inputs as each unit finishes
             self.scratch.run(1 if self.loops(m) else count, m, n)
             live.held["scratch"] = self.scratch.total() * self.ns_bytes
             live.note(count * m * n * (self.ns_bytes + p))  # the result in N, then in P
             if not self.scratch.kept:
                 live.held["scratch"] = 0
-        live.note(s.returned * (p + w) if self.cast else 0)
-        live.add(("return", i), (s.returned + s.back) * w)
-        live.drop(("whole", i))
-        if self.bound in self.done:  # ``returned`` now names this bucket's return
-            live.drop(("return", self.bound))
-        self.bound = i
+        live.drop(("gather recv", i))
+        live.held[("whole", i)] = s.gathered * p  # the results
+        live.note(s.own * w if self.cast else 0)  # the own rows rounded as the wire rounds them
+        live.add(("mine", i), s.own * p)
+        if previous is not None:
+            self.finish(previous)
+        live.add(("return send", i), s.returned * w)
+        live.drop(("whole", i))  # each result freed as its rows are copied
+        live.add(("return recv", i), s.back * w)  # a spare of the previous return's, or new
 
     def finish(self, i: int) -> None:
-        """The post phase; the return freed unless ``returned`` still names it."""
-        s = self.sizes[i]
-        self.live.note((s.post() + (s.back if self.cast else 0)) * self.param_bytes)
-        self.done.add(i)
-        if self.bound != i:
-            self.live.drop(("return", i))
+        """The return waited for (its send buffer freed), the rows cast back to P where the wire
+        is narrower, the post phase; then the bucket's own rows and receive buffer freed."""
+        s, live = self.sizes[i], self.live
+        live.drop(("return send", i))
+        live.note((s.post() + (s.back if self.cast else 0)) * self.param_bytes)
+        live.drop(("mine", i))
+        live.drop(("return recv", i))
 
 
 def step_transient(plan: Plan, rank: int, units: Sequence[Sequence[int]], views: Sequence, *,
@@ -199,56 +236,61 @@ def step_transient(plan: Plan, rank: int, units: Sequence[Sequence[int]], views:
     dtype, ``param_bytes``; W: the wire's, ``wire_bytes``; N: the iteration's, ``ns_bytes``):
 
     - the **pre phase**, unit by unit: a unit's new momentum and update (2 × its rows × P),
-      the previous unit's new momentum still bound, then the bucket's updates packed for the
+      the previous unit's new momentum still bound, then the bucket's rows packed for the
       gather (rows × P; :meth:`_Sizes.pre`);
-    - the **gather**: the send buffer of the rows it contributes (concatenated in P, cast to W
-      when they differ) and the receive buffer of the whole matrices it owns (W), held until
-      they are assembled;
-    - the **owner's compute**: its whole matrices (assembled in P) and, per unit, the result
-      in N and in P, and the Newton–Schulz scratch: X, XXᵀ and the polynomial in N for the
-      unit's batch, or for one matrix where ``loops(m)`` (the CPU's matrix-at-a-time loop),
-      kept from one call to the next as the CPU products keep it (``scratch_kept``; else
-      freed after each unit); the results replace the inputs as each unit finishes;
-    - the **return**: the send buffer of the results' rows for every rank (P, cast to W) and
-      the receive buffer of its own rows back (W), held until the post phase has run;
+    - the **gather**: the send buffer of the rows it contributes (W; made while the packed rows
+      are held, which are freed as they are copied into it), then the receive buffer of the
+      whole matrices it owns (W); the send buffer is freed once the gather is waited for;
+    - the **owner's compute**: its whole matrices, copied out of the receive buffer in P (the
+      receive buffer then freed; with a narrower wire, one matrix concatenated in W first), or
+      computed in it where the wire is P and a matrix's pieces lie there in row order
+      (:func:`_copied`); per unit, the result in N and in P, and the Newton–Schulz scratch: X,
+      XXᵀ and the polynomial in N for the unit's batch, or for one matrix where ``loops(m)``
+      (the CPU's matrix-at-a-time loop), kept from one call to the next as the CPU products
+      keep it (``scratch_kept``; else freed after each unit); the results replace the inputs
+      as each unit finishes;
+    - the **return**: its own rows of the results kept (P; rounded through W when it differs),
+      never sent; then (after the previous bucket's post phase, below) the send buffer of the
+      other ranks' rows (W, each result freed as its rows are copied) and the receive buffer
+      of its rows from the other owners (W, the previous return's reused when as large; freed
+      before otherwise); the send buffer is freed once the return is waited for;
     - the **post phase**, unit by unit: the final update (the previous unit's still bound while
       it is computed), then ``p + u`` and the guarded ``where(ok, p + u, p)`` as it is written
-      (3 × the unit's rows × P, :data:`POST_COPIES`; :meth:`_Sizes.post`), plus the bucket's
-      rows cast back to P when the wire is narrower. A bucket's return is freed once it is
-      applied and the next bucket's results are posted (the stream's ``returned`` holds it).
+      (3 × the unit's rows × P, :data:`POST_COPIES`; :meth:`_Sizes.post`), plus the rows from
+      other owners cast back to P when the wire is narrower; then its own rows and the
+      return's receive buffer are freed.
 
     The next bucket is gathered before one is computed only when both fit ``inflight_bytes``
-    (:func:`~muon_fn.distributed._stream.gathered_bytes`, on P); a bucket's results are applied after
-    the next bucket is computed then, and before the next is gathered otherwise."""
+    (:func:`~muon_fn.distributed._budget.bucket_held`, on P, the most on any rank); a bucket's
+    post phase then runs while the next bucket's results are held, just before their return
+    is posted, and before the next is gathered otherwise."""
     buckets = [b for b in plan.buckets if b.matrices]
-    sizes = [_sizes(plan, b, rank, _unit_of(plan, units), views, {}) for b in buckets]
-    fits = [gathered_bytes(plan, b, param_bytes) for b in buckets]
+    sizes = [_sizes(plan, b, rank, _unit_of(plan, units), views, {}, wire_bytes == param_bytes, wire_bytes)
+             for b in buckets]
+    fits = [max(bucket_held(plan, b, param_bytes)) for b in buckets]
     return _schedule(sizes, fits, inflight_bytes, _Walk(sizes, param_bytes, wire_bytes, ns_bytes, loops,
                                                         _Scratch(scratch_kept)))
 
 
 def _schedule(sizes: Sequence[_Sizes], fits: Sequence[int], inflight_bytes: int | None, walk: _Walk) -> int:
-    """The stream's loop over the buckets (``fits``: each one's gathered bytes), phase by phase
-    into ``walk``; its peak."""
+    """The stream's loop over the buckets (``fits``: each one's most held bytes on a rank), step
+    by step into ``walk``; its peak."""
     if not sizes:
         return 0
     walk.start(0)
-    previous = None
+    back = None  # the previous bucket, its results on their way back
     for i in range(len(sizes)):
-        last = i + 1 == len(sizes)
-        ahead = not last and (inflight_bytes is None or fits[i] + fits[i + 1] <= inflight_bytes)
+        ahead = i + 1 < len(sizes) and (inflight_bytes is None or fits[i] + fits[i + 1] <= inflight_bytes)
         if ahead:
             walk.start(i + 1)
-        walk.compute_and_return(i)
-        if previous is not None:
-            walk.finish(previous)
-        previous = i
-        if not ahead and not last:
+        walk.compute_and_return(i, back)
+        back = i if ahead else None
+        if not ahead:
             walk.finish(i)
-            previous = None
-            walk.start(i + 1)
-    if previous is not None:
-        walk.finish(previous)
+            if i + 1 < len(sizes):
+                walk.start(i + 1)
+    if back is not None:
+        walk.finish(back)
     return walk.live.peak
 
 
@@ -291,10 +333,10 @@ def rank_transients(plan: Plan, units: Sequence[Sequence[int]], views: Sequence,
     unit_of = _unit_of(plan, units)
     copies: dict[int, int] = {}
     walked: dict[tuple, int] = {}
-    fits = [gathered_bytes(plan, b, 4) for b in buckets]
+    fits = [max(bucket_held(plan, b, 4)) for b in buckets]
     out = []
     for r in range(plan.world_size):
-        sizes = tuple(_sizes(plan, b, r, unit_of, views, copies) for b in buckets)
+        sizes = tuple(_sizes(plan, b, r, unit_of, views, copies, wire_bytes == 4, wire_bytes) for b in buckets)
         if sizes not in walked:
             walked[sizes] = _schedule(sizes, fits, inflight_bytes, _Walk(list(sizes), 4, wire_bytes, ns_bytes, loops,
                                                                         _Scratch(kept)))
