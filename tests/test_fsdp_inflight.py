@@ -103,7 +103,7 @@ class _Buffers:
     def __enter__(self):
         import weakref
 
-        from muon_fn.fsdp import _exchange, _stream
+        from muon_fn.distributed import _exchange, _stream
 
         self.patched = [(_exchange.Wire, "post"), (_stream._Run, "start")]
         self.saved = [getattr(cls, name) for cls, name in self.patched]
