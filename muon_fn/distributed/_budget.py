@@ -41,6 +41,16 @@ def bucket_held(plan: Any, b: Any, item_bytes: int) -> list[int]:
     return total
 
 
+def travels_ahead(plan: Any, buckets: Sequence[Any], item_bytes: int, inflight_bytes: int | None) -> list[bool]:
+    """Per bucket of ``buckets``, whether the next one is gathered while it is computed: both fit
+    ``inflight_bytes`` (each counted by :func:`bucket_held`, the most on any rank). The same list
+    on every rank, so the ranks post their collectives in one order; the stream runs it and the
+    planner's step-peak model walks it."""
+    held = [max(bucket_held(plan, b, item_bytes)) for b in buckets]
+    return [i + 1 < len(buckets) and (inflight_bytes is None or held[i] + held[i + 1] <= inflight_bytes)
+            for i in range(len(buckets))]
+
+
 def unit_bytes(per_matrix: list[list[tuple[int, int]]]) -> dict[int, int]:
     """A unit's :func:`held_bytes` summed per rank."""
     out: dict[int, int] = {}

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from ..core import views as _views
 from ._plan import BucketPlan, Plan
-from ._budget import bucket_held
+from ._budget import travels_ahead
 
 # The Newton–Schulz scratch roles of m × m products (the others are m × n): the CPU products keep
 # one buffer per role between calls (muon_fn.core.newton_schulz.cpu.CPUProducts.scratch).
@@ -261,26 +261,26 @@ def step_transient(plan: Plan, rank: int, units: Sequence[Sequence[int]], views:
       return's receive buffer are freed.
 
     The next bucket is gathered before one is computed only when both fit ``inflight_bytes``
-    (:func:`~muon_fn.distributed._budget.bucket_held`, on P, the most on any rank); a bucket's
+    (:func:`~muon_fn.distributed._budget.travels_ahead`, on P, as the stream decides); a bucket's
     post phase then runs while the next bucket's results are held, just before their return
     is posted, and before the next is gathered otherwise."""
     buckets = [b for b in plan.buckets if b.matrices]
     sizes = [_sizes(plan, b, rank, _unit_of(plan, units), views, {}, wire_bytes == param_bytes, wire_bytes)
              for b in buckets]
-    fits = [max(bucket_held(plan, b, param_bytes)) for b in buckets]
-    return _schedule(sizes, fits, inflight_bytes, _Walk(sizes, param_bytes, wire_bytes, ns_bytes, loops,
+    ahead = travels_ahead(plan, buckets, param_bytes, inflight_bytes)
+    return _schedule(sizes, ahead, _Walk(sizes, param_bytes, wire_bytes, ns_bytes, loops,
                                                         _Scratch(scratch_kept)))
 
 
-def _schedule(sizes: Sequence[_Sizes], fits: Sequence[int], inflight_bytes: int | None, walk: _Walk) -> int:
-    """The stream's loop over the buckets (``fits``: each one's most held bytes on a rank), step
-    by step into ``walk``; its peak."""
+def _schedule(sizes: Sequence[_Sizes], travels: Sequence[bool], walk: _Walk) -> int:
+    """The stream's loop over the buckets (``travels``: :func:`~muon_fn.distributed._budget.travels_ahead`'s
+    flags), step by step into ``walk``; its peak."""
     if not sizes:
         return 0
     walk.start(0)
     back = None  # the previous bucket, its results on their way back
     for i in range(len(sizes)):
-        ahead = i + 1 < len(sizes) and (inflight_bytes is None or fits[i] + fits[i + 1] <= inflight_bytes)
+        ahead = travels[i]
         if ahead:
             walk.start(i + 1)
         walk.compute_and_return(i, back)
@@ -333,12 +333,12 @@ def rank_transients(plan: Plan, units: Sequence[Sequence[int]], views: Sequence,
     unit_of = _unit_of(plan, units)
     copies: dict[int, int] = {}
     walked: dict[tuple, int] = {}
-    fits = [max(bucket_held(plan, b, 4)) for b in buckets]
+    ahead = travels_ahead(plan, buckets, 4, inflight_bytes)
     out = []
     for r in range(plan.world_size):
         sizes = tuple(_sizes(plan, b, r, unit_of, views, copies, wire_bytes == 4, wire_bytes) for b in buckets)
         if sizes not in walked:
-            walked[sizes] = _schedule(sizes, fits, inflight_bytes, _Walk(list(sizes), 4, wire_bytes, ns_bytes, loops,
+            walked[sizes] = _schedule(sizes, ahead, _Walk(list(sizes), 4, wire_bytes, ns_bytes, loops,
                                                                         _Scratch(kept)))
         out.append(walked[sizes])
     return tuple(out)

@@ -30,7 +30,7 @@ import torch
 
 from . import _exchange
 from ._pieces import contribution, result_cols_of
-from ._budget import bucket_held
+from ._budget import travels_ahead
 from ._plan import BucketPlan, Plan
 
 # pre(bucket) -> {matrix: this rank's rows}; post(bucket, {matrix: this rank's rows of its result})
@@ -46,20 +46,19 @@ def stream(plan: Plan, rank: int, pre: Pre, compute: _exchange.Compute, post: Po
     its matrices, the owners ``compute`` them, ``post`` takes this rank's rows of the results (as
     :func:`~muon_fn.distributed._exchange.exchange`'s). The next bucket is gathered while one is
     computed only if both buckets fit ``inflight_bytes`` on every rank (``item_bytes`` an
-    element, :func:`~muon_fn.distributed._budget.bucket_held`); else one bucket at a time. Returns the
+    element, :func:`~muon_fn.distributed._budget.travels_ahead`); else one bucket at a time. Returns the
     stats."""
     buckets = [b for b in plan.buckets if b.matrices]
     if not buckets:
         return _exchange.ExchangeStats()
     run = _Run(plan, rank, pre, compute, post, group, wire_dtype, result_cols_of(plan, result_cols))
-    held = [max(bucket_held(plan, b, item_bytes)) for b in buckets]
+    travels = travels_ahead(plan, buckets, item_bytes, inflight_bytes)
     pending: Started | None = run.start(buckets[0])
     back: _exchange.InFlight | None = None  # the previous bucket's results on their way back
     for i in range(len(buckets)):
         assert pending is not None
         gathered = pending
-        # the same decision on every rank: the ranks post their collectives in one order
-        ahead = i + 1 < len(buckets) and (inflight_bytes is None or held[i] + held[i + 1] <= inflight_bytes)
+        ahead = travels[i]  # the same on every rank
         pending = run.start(buckets[i + 1]) if ahead else None
         run.wire.drop_spare()  # no spare lives through an iteration
         previous, back = back, None
