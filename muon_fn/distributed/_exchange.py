@@ -38,11 +38,15 @@ import torch
 import torch.distributed as dist
 
 from ._exit import settle_at_exit  # noqa: F401  (importing it registers the wait at exit)
+from ..engine import sole
 from ._pieces import (assemble, contribution, contributions, is_sharded, own_rows, owned_by, padded_rows,
-                      result_cols_of, returned, sole, unpad)
+                      result_cols_of, returned, unpad)
 from ._plan import BucketPlan, Plan
 
 # compute(matrix indices, full (rows, cols) matrices) -> results of the same shapes, same order.
+# The matrices an owner gets from a gather are this module's own buffers (views of the receive
+# buffer, or copies): compute may overwrite them, and its results may be them. Local matrices
+# (and one rank's, and the replicated baseline's unsharded ones) are the caller's ``held`` rows.
 Compute = Callable[[list[int], list[torch.Tensor]], list[torch.Tensor]]
 
 

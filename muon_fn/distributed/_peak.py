@@ -23,9 +23,9 @@ from ._budget import travels_ahead
 GRAM_ROLES = ("gram", "poly")
 
 # The post phase's tensors of the rank's rows: the final update (the compiled post step's
-# output), then, as the guarded write applies it (muon_fn.engine._apply.commit), p + u and
-# where(ok, p + u, p).
-POST_COPIES = 3
+# output), into which the guarded write (muon_fn.engine._apply.commit) computes p + u and
+# where(ok, p + u, p) before copying it into p.
+POST_COPIES = 1
 
 Loops = Callable[[int], bool]  # whether matrices whose smaller side is m iterate one at a time
 
@@ -174,6 +174,7 @@ class _Walk:
     ns_bytes: int
     loops: Loops
     scratch: _Scratch
+    release: bool = False  # the scratch freed after each owner's compute (under a byte bound)
     live: _Live = field(default_factory=_Live)
 
     @property
@@ -203,9 +204,14 @@ class _Walk:
         for count, m, n in s.units:  # the results replace the inputs as each unit finishes
             self.scratch.run(1 if self.loops(m) else count, m, n)
             live.held["scratch"] = self.scratch.total() * self.ns_bytes
-            live.note(count * m * n * (self.ns_bytes + p))  # the result in N, then in P
+            # the input cast to N where N is narrower (the iteration reads it), the result in N;
+            # then the result in P, written into its input
+            live.note(count * m * n * self.ns_bytes * (2 if self.ns_bytes < p else 1))
             if not self.scratch.kept:
                 live.held["scratch"] = 0
+        if self.release:
+            self.scratch.roles = {}
+            live.held["scratch"] = 0
         live.drop(("gather recv", i))
         live.held[("whole", i)] = s.gathered * p  # the results
         live.note(s.own * w if self.cast else 0)  # the own rows rounded as the wire rounds them
@@ -244,19 +250,21 @@ def step_transient(plan: Plan, rank: int, units: Sequence[Sequence[int]], views:
     - the **owner's compute**: its whole matrices, copied out of the receive buffer in P (the
       receive buffer then freed; with a narrower wire, one matrix concatenated in W first), or
       computed in it where the wire is P and a matrix's pieces lie there in row order
-      (:func:`_copied`); per unit, the result in N and in P, and the Newton–Schulz scratch: X,
+      (:func:`_copied`); per unit, the input cast to N where N is narrower than P, the result
+      in N, then in P written into its input (the owner's gathered matrices are the exchange's
+      to overwrite), and the Newton–Schulz scratch: X,
       XXᵀ and the polynomial in N for the unit's batch, or for one matrix where ``loops(m)``
       (the CPU's matrix-at-a-time loop), kept from one call to the next as the CPU products
-      keep it (``scratch_kept``; else freed after each unit); the results replace the inputs
-      as each unit finishes;
+      keep it (``scratch_kept``; else freed after each unit), and freed after the owner's compute
+      under a byte bound (``inflight_bytes`` not None); the results replace the inputs;
     - the **return**: its own rows of the results kept (P; rounded through W when it differs),
       never sent; then (after the previous bucket's post phase, below) the send buffer of the
       other ranks' rows (W, each result freed as its rows are copied) and the receive buffer
       of its rows from the other owners (W, the previous return's reused when as large; freed
       before otherwise); the send buffer is freed once the return is waited for;
     - the **post phase**, unit by unit: the final update (the previous unit's still bound while
-      it is computed), then ``p + u`` and the guarded ``where(ok, p + u, p)`` as it is written
-      (3 × the unit's rows × P, :data:`POST_COPIES`; :meth:`_Sizes.post`), plus the rows from
+      it is computed), into which ``p + u`` and the guarded ``where(ok, p + u, p)`` are computed
+      as it is written (:data:`POST_COPIES`; :meth:`_Sizes.post`), plus the rows from
       other owners cast back to P when the wire is narrower; then its own rows and the
       return's receive buffer are freed.
 
@@ -268,8 +276,8 @@ def step_transient(plan: Plan, rank: int, units: Sequence[Sequence[int]], views:
     sizes = [_sizes(plan, b, rank, _unit_of(plan, units), views, {}, wire_bytes == param_bytes, wire_bytes)
              for b in buckets]
     ahead = travels_ahead(plan, buckets, param_bytes, inflight_bytes)
-    return _schedule(sizes, ahead, _Walk(sizes, param_bytes, wire_bytes, ns_bytes, loops,
-                                                        _Scratch(scratch_kept)))
+    return _schedule(sizes, ahead, _Walk(sizes, param_bytes, wire_bytes, ns_bytes, loops, _Scratch(scratch_kept),
+                                         release=inflight_bytes is not None))
 
 
 def _schedule(sizes: Sequence[_Sizes], travels: Sequence[bool], walk: _Walk) -> int:
@@ -338,8 +346,8 @@ def rank_transients(plan: Plan, units: Sequence[Sequence[int]], views: Sequence,
     for r in range(plan.world_size):
         sizes = tuple(_sizes(plan, b, r, unit_of, views, copies, wire_bytes == 4, wire_bytes) for b in buckets)
         if sizes not in walked:
-            walked[sizes] = _schedule(sizes, ahead, _Walk(list(sizes), 4, wire_bytes, ns_bytes, loops,
-                                                                        _Scratch(kept)))
+            walked[sizes] = _schedule(sizes, ahead, _Walk(list(sizes), 4, wire_bytes, ns_bytes, loops, _Scratch(kept),
+                                                          release=inflight_bytes is not None))
         out.append(walked[sizes])
     return tuple(out)
 

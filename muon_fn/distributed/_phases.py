@@ -103,7 +103,9 @@ class Steps(NamedTuple):
     of their phase (:mod:`muon_fn.core.metrics`) for the ``Leaf`` of each parameter, their last argument."""
 
     pre: _compile.PerSignature  # (params, grads, state, finite) -> (updates, new state, fault)
-    mid: _compile.PerSignature  # (params, updates, state, finite) -> (updates, new state)
+    mid: _compile.PerSignature  # (params, updates, state, finite, into) -> (updates, new state); into:
+    # the updates are the caller's to overwrite, masked in place already (masked_in_place), and
+    # each result is written into its update (written_into)
     post: _compile.PerSignature  # (params, updates, state, mid state, new mid state, finite)
     # -> (updates, new state, new mid state, ok, fault)
     whole: _compile.PerSignature  # (params, grads, state, finite) -> (updates, new state, ok, fault): no mid
@@ -130,9 +132,9 @@ def steps(phases: Phases, options: dict[str, Any] | None, verify: bool = False) 
         _, new_state, _, fault = guarded(state, (), new_state, finite)
         return updates, new_state, fault
 
-    def mid_step(params, updates, state, finite):
-        out, new_state = mid.update(masked(updates, finite), state, params)
-        return poisoned(out, finite), new_state
+    def mid_step(params, updates, state, finite, into):
+        out, new_state = mid.update(updates if into else masked(updates, finite), state, params)
+        return written_into(updates, poisoned(out, finite), into), new_state
 
     def post_step(params, updates, state, mid_state, new_mid_state, finite):
         final, new_state = post.update(masked(updates, finite), state, params)
@@ -153,10 +155,10 @@ def steps(phases: Phases, options: dict[str, Any] | None, verify: bool = False) 
         _, new_state, _, fault = guarded(state, (), new_state, finite)
         return updates, new_state, fault, c.result()
 
-    def mid_measured(params, updates, state, finite, leaves):
+    def mid_measured(params, updates, state, finite, into, leaves):
         c = _metrics.Collector(leaves)
-        out, new_state = mid.update(masked(updates, finite), state, params, metrics=c)
-        return poisoned(out, finite), new_state, c.result()
+        out, new_state = mid.update(updates if into else masked(updates, finite), state, params, metrics=c)
+        return written_into(updates, poisoned(out, finite), into), new_state, c.result()
 
     def post_measured(params, updates, state, mid_state, new_mid_state, finite, leaves):
         c = _metrics.Collector(leaves)
@@ -183,6 +185,27 @@ def without_figures(result: tuple) -> tuple:
     """A measured phase's result without its telemetry, its last element (see
     :func:`muon_fn.engine._apply.without_figures`)."""
     return result[:-1]
+
+
+def masked_in_place(updates: tuple, finite: torch.Tensor | None) -> None:
+    """:func:`~muon_fn.engine.masked` in the updates' own memory, eagerly, before an ``into``
+    mid step: compiled, the masked copy would be a second copy of every matrix, held while the
+    iteration (one opaque operator) runs."""
+    if finite is not None:
+        for u in updates:
+            if u is not None:
+                u.masked_fill_(~finite, 0)
+
+
+def written_into(updates: tuple, out: tuple, into: bool) -> tuple:
+    """``out``, with ``into`` each result written into the update it was computed from where
+    they agree in shape and dtype (the caller's buffers to overwrite: the owner's gathered
+    matrices), so that a bucket's owner holds one copy of its matrices, not two (compiled, the
+    last kernel of a result stores into its input)."""
+    if not into:
+        return out
+    return tuple(o if o is None or u is None or o.shape != u.shape or o.dtype != u.dtype else u.copy_(o)
+                 for u, o in zip(updates, out))
 
 
 def poisoned(out: tuple, finite: torch.Tensor | None) -> tuple:

@@ -2,8 +2,7 @@
 the plan and of tensors, no collectives. A rank's contribution of a matrix (:func:`contribution`),
 the owned matrices whole out of a gather's receive buffer (:func:`assemble`), the owner's own rows
 of a result (:func:`own_rows`), the element counts of a bucket's return (:func:`returned`), the
-all-gather baseline's padding (:func:`padded_rows`, :func:`unpad`), and whether only a tensor holds
-its memory (:func:`sole`).
+all-gather baseline's padding (:func:`padded_rows`, :func:`unpad`).
 """
 
 from __future__ import annotations
@@ -16,12 +15,6 @@ import torch
 from ._plan import BucketPlan, MatrixPlan, Plan
 
 Wire = Any  # :class:`._exchange.Wire` (its ``rank``, ``item``, ``wire`` and ``dtype``)
-
-
-def sole(t: torch.Tensor) -> bool:
-    """Whether ``t`` alone holds its memory (no view of it is alive); False where torch cannot tell."""
-    count = getattr(torch._C, "_storage_Use_Count", None)
-    return count is not None and not t._is_view() and count(t.untyped_storage()._cdata) <= 2
 
 
 def owned_by(plan: Plan, b: BucketPlan, owner: int) -> list[int]:

@@ -17,6 +17,7 @@ import torch
 
 from ..core import views as _views
 from ..core.muon import group_by
+from ..core.newton_schulz import clear_scratch
 from .. import engine
 from ..engine import Staged, StepReport, commit, finite_flags, guarded, nonfinite_error, refuse_sparse, step_not_traced
 from . import _exchange, _overlap, _params, _phases, _rows, _stream
@@ -266,7 +267,10 @@ class AdapterStep(FSDPTelemetry):
             state = engine.gather_state(layout, [states for _, _, states in sent])
             updates = tuple(u for u, _, _ in sent)
             params = tuple(p for _, p, _ in sent) if route.phases.mid_needs_params else None
-            args = (params, updates, state, finite)
+            into = self._gathered(idx)
+            if into:
+                _phases.masked_in_place(updates, finite)
+            args = (params, updates, state, finite, into)
             if figs is None:
                 out, new_state = route.steps.mid(_phases.signature(*args), *args)
             else:
@@ -283,7 +287,16 @@ class AdapterStep(FSDPTelemetry):
                 for k, piece in zip(own, result.split([rows[k] for k in own])) if own is not None else [(j, result)]:
                     results[k] = piece
                     new_replicated[k] = [n[leaf.key] for leaf in matrices[j].fmt.replicated]
+        if self.inflight_bytes is not None:  # bounded: the iteration's scratch does not outlive its bucket
+            clear_scratch()
         return [results[j] for j in idx]
+
+    def _gathered(self, idx: list[int]) -> bool:
+        """Whether the matrices ``idx`` reached the mid phase through the owner-computes gather,
+        in its own buffers, which the results may then overwrite (a local matrix's rows, the
+        replicated baseline's and one rank's are the pre phase's: :mod:`._exchange`)."""
+        return (self.strategy == "owner" and self.topology.world_size > 1
+                and not any(self.plan.matrices[j].local for j in idx))
 
     def _whole_bucket(self, matrices: list[Matrix], batch: list[int],
                       mats: list[torch.Tensor]) -> tuple[list[int], list[torch.Tensor], list]:

@@ -21,7 +21,8 @@ format) are the optimizer classes' too.
 - **The guard**: :func:`finite_flags` (the gradients' non-finite flag, on the device),
   :func:`guarded` (a bucket's result kept only where its update is finite), :func:`masked`,
   :func:`compute_bucket` (one bucket's update, staged).
-- **The commit**: :class:`Staged` results written in place by :func:`commit`.
+- **The commit**: :class:`Staged` results written in place by :func:`commit`; whether a tensor
+  alone holds its memory, so it may be overwritten (:func:`sole`).
 - **The executor** an optimizer runs its step through: :class:`Executor` (the interface, and what
   an executor may use of its optimizer), :class:`LocalExecutor` (local tensors).
 - **The step's checks**: the gradient checks and their messages (:func:`refuse_sparse`,
@@ -38,7 +39,7 @@ from ._adapter import BUCKET_SIZE, NONFINITE_POLICIES, GroupRuntime, Optimizer, 
 from ._distributed import DEFAULTS as DISTRIBUTED_DEFAULTS
 from ._distributed import STRATEGIES, WIRE_DTYPES, DistributedOptions
 from ._executor import Executor, LocalExecutor
-from ._apply import Staged, commit, compute_bucket, finite_flags, guarded, masked
+from ._apply import Staged, commit, compute_bucket, finite_flags, guarded, masked, sole
 from ._placement import distribute, is_dtensor, state_moves
 from ._placement import register as register_distributed
 from ._state import Slot, StateLayout, build_layout
@@ -52,7 +53,7 @@ __all__ = [
     "Optimizer", "NONFINITE_POLICIES", "BUCKET_SIZE", "GroupRuntime", "buckets", "meta_scalars", "variants",  # buckets
     "auto_label", "auto_halves",  # the hybrid's split
     "StateLayout", "Slot", "build_layout", "gather_state", "scatter_state", "state_complete",  # state
-    "finite_flags", "guarded", "masked", "compute_bucket", "Staged", "commit",  # the guard and the commit
+    "finite_flags", "guarded", "masked", "compute_bucket", "Staged", "commit", "sole",  # the guard and the commit
     "Executor", "LocalExecutor",  # the executors
     "StepReport", "step_not_traced", "refuse_sparse", "nonfinite_error",  # the step
     "is_dtensor", "distribute", "register_distributed", "state_moves",  # placement

@@ -186,8 +186,26 @@ def commit(staged: Sequence[Staged]) -> None:
         torch._foreach_copy_(olds, news)
     if params:
         torch._foreach_add_(params, updates)
-    if flagged:  # p + 0 would turn a -0.0 into +0.0
+    if flagged and torch.compiler.is_compiling():  # traced: each p written by one fused kernel
         torch._foreach_copy_([p for p, _, _ in flagged], [torch.where(ok, p + u, p) for p, u, ok in flagged])
+    elif flagged:
+        for p, u, ok in flagged:
+            p.copy_(_guarded_sum(p, u, ok))
+
+
+def _guarded_sum(p: torch.Tensor, u: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+    """``where(ok, p + u, p)`` (``p + 0`` would turn a -0.0 into +0.0), eagerly: in ``u``'s
+    memory where ``u`` alone holds it (:func:`sole`), so a parameter's write holds no copy of it."""
+    if sole(u) and u.dtype == p.dtype and u.shape == p.shape:
+        return torch.where(ok, torch.add(p, u, out=u), p, out=u)
+    return torch.where(ok, p + u, p)
+
+
+def sole(t: torch.Tensor) -> bool:
+    """Whether ``t`` alone holds its memory (no view of it is alive), so it may be overwritten;
+    False where torch cannot tell."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return count is not None and not t._is_view() and count(t.untyped_storage()._cdata) <= 2
 
 
 def bucket_step(tx: GradientTransformation, *, write: bool, measure: bool) -> Callable[..., BucketResult]:
