@@ -563,3 +563,378 @@ def test_failed_foreign_load_leaves_optimizer_usable():
         assert torch.equal(opt.state[lin.bias][k], v), k
     assert "adamw_lr" in opt.param_groups[0]
     opt.step()
+
+
+# ----------------------------------------------------------------------------- each value checked once
+# A value is checked where a user gives it, once: a public transform or recipe checks its
+# arguments (a recipe all of its own, up front, then builds its parts unchecked); an optimizer
+# class checks its groups in torch's wording and builds its recipe unchecked. The fixture counts
+# the outermost call of every check that names the value it checks, by that name.
+# Names checked by the Schedule and fit constructors: the library's own constants (resolution).
+_LIBRARY_CONSTANTS = {"form", "precondition", "poles"}
+
+
+@pytest.fixture
+def checked_names(monkeypatch):
+    import collections
+    import functools
+    import inspect
+    import sys
+
+    from muon_fn.core import checks
+
+    counts: collections.Counter[str] = collections.Counter()
+    depth = [0]
+
+    def counting(f):
+        signature = inspect.signature(f)
+
+        @functools.wraps(f)
+        def wrapper(*args, **kwargs):
+            if depth[0] == 0:
+                bound = signature.bind(*args, **kwargs)
+                bound.apply_defaults()
+                counts[bound.arguments["name"]] += 1
+            depth[0] += 1
+            try:
+                return f(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+
+        return wrapper
+
+    for attr, f in vars(checks).copy().items():
+        if (
+            inspect.isfunction(f)
+            and f.__module__ == checks.__name__
+            and "name" in inspect.signature(f).parameters
+        ):
+            monkeypatch.setattr(checks, attr, counting(f))
+    # checks of other modules, patched where they are looked up (a module's name or an import)
+    elsewhere = {
+        "check_state_bits": ["muon_fn.core.quantize", "muon_fn.optimizers._elementwise"],
+        "check_state_bits_value": ["muon_fn.optimizers._muon"],
+        "check_view": ["muon_fn.core.views"],
+        "_check_flag": ["muon_fn.core.sso"],
+        "validate_coefficients": [
+            "muon_fn.core.newton_schulz",
+            "muon_fn.core.newton_schulz.schedules",
+            "muon_fn.core.alias",
+            "muon_fn.optimizers._muon",
+        ],
+    }
+    for attr, modules in elsewhere.items():
+        for module in modules:
+            monkeypatch.setattr(
+                sys.modules[module], attr, counting(getattr(sys.modules[module], attr))
+            )
+    counts.clear()
+    return counts
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.Linear(6, 3))
+
+
+def _names(spaced: str) -> set[str]:
+    return set(spaced.split())
+
+
+_MUON = _names(
+    "lr momentum nesterov kind eps ns_stepsize normuon_eps adjust_lr_fn weight_decay "
+    "cautious_weight_decay layerwise_norm adamuon_eps adamuon_sign state_bits view"
+)
+_ADAMW = _names("lr beta1 beta2 eps weight_decay decay_1d cautious_weight_decay state_bits")
+_SPHERE = _names(
+    "lr momentum radius_scale power_block msign_steps msign_method scale_mode "
+    "retract_mode retract_alpha tol bracket_step solver model_steps direction "
+    "msign_dtype state_bits view"
+)
+_GROUP = _names(
+    "lr momentum weight_decay adamw_weight_decay adamw_lr adamw_eps adamw_betas "
+    "adamw_decay_1d algorithm state_bits"
+)
+_MUON_GROUP = _GROUP | _names(
+    "adjust_lr_fn momentum_kind nesterov layerwise_norm adamuon_sign "
+    "cautious_weight_decay eps normuon_eps adamuon_eps ns_stepsize"
+)
+
+_CONSTRUCTIONS = {
+    "muon": (lambda: mf.muon(), _MUON),
+    "muon, every part": (
+        lambda: mf.muon(
+            beta2=0.9,
+            layerwise_norm=True,
+            ns_steps=5,
+            method="quintic",
+            ns_coefficients=(3.4445, -4.775, 2.0315),
+            ns_dtype=torch.float32,
+            state_bits=8,
+            cautious_weight_decay=True,
+        ),
+        _MUON | _names("beta2 ns_steps method ns_coefficients dtype"),
+    ),
+    "muon, AdaMuon": (
+        lambda: mf.muon(adamuon_beta2=0.95, mu_dtype=torch.float32),
+        _MUON | {"adamuon_beta2"},
+    ),
+    "adamw": (lambda: mf.adamw(), _ADAMW),
+    "triton_muon": (
+        lambda: mf.triton_muon(layerwise_norm=True),
+        _names(
+            "lr momentum velocity weight_decay eps decoupled nesterov layerwise_norm state_bits"
+        ),
+    ),
+    "hybrid": (lambda: mf.hybrid(), _MUON | {"adamw_lr", "beta1", "beta2", "decay_1d"}),
+    "sso": (
+        lambda: mf.sso(),
+        _SPHERE | _names("nesterov cold_start warm_lambda lambda_model muon_sphere"),
+    ),
+    "MuonOptimizer": (lambda: mf.MuonOptimizer(_model().parameters(), compile=False), _MUON_GROUP),
+    "MuonOptimizer, NorMuon": (
+        lambda: mf.MuonOptimizer(
+            _model().parameters(),
+            beta2=0.95,
+            method="quintic",
+            ns_coefficients=(3.4445, -4.775, 2.0315),
+            ns_steps=5,
+            ns_dtype=torch.float32,
+            compile=False,
+        ),
+        _MUON_GROUP | {"beta2", "method", "ns_coefficients", "ns_dtype"},
+    ),
+    "MuonOptimizer, one group per algorithm": (
+        lambda: mf.create_hybrid_optimizer(_model(), compile=False),
+        _MUON_GROUP | {"muon_lr"},
+    ),
+    "SpectralSphereOptimizer": (
+        lambda: mf.SpectralSphereOptimizer(_model().parameters(), compile=False),
+        (_GROUP | _SPHERE | {"nesterov", "cold_start", "muon_sphere"}) - {"view"},
+    ),
+    "TritonMuonW": (
+        lambda: mf.TritonMuonW(_model().parameters(), layerwise_norm=True, compile=False),
+        _names("lr momentum velocity weight_decay eps nesterov layerwise_norm state_bits"),
+    ),
+}
+
+
+@pytest.mark.parametrize("construct", list(_CONSTRUCTIONS))
+def test_each_value_is_checked_once(checked_names, construct):
+    build, expected = _CONSTRUCTIONS[construct]
+    build()
+    counts = {name: n for name, n in checked_names.items() if name not in _LIBRARY_CONSTANTS}
+    assert expected - counts.keys() == set()
+    once = dict.fromkeys(counts, 1)
+    if construct == "hybrid":  # each half's, in its part's words: two values of each name
+        once.update(eps=2, weight_decay=2)
+    if construct == "MuonOptimizer, one group per algorithm":
+        # two groups, each checked once; create_hybrid_optimizer checks the learning rates it takes
+        # first (its messages name muon_lr and adamw_lr), then gives them to the groups
+        # (beta2: create_hybrid_optimizer's NorMuon default, in both groups)
+        once.update(dict.fromkeys(_MUON_GROUP | {"beta2"}, 2), adamw_lr=3)
+    assert counts == once
+
+
+def test_a_checked_factory_keeps_its_name_docstring_and_signature():
+    import inspect
+
+    assert mf.momentum.__name__ == "momentum" and mf.momentum.__doc__.startswith(
+        "Heavy-ball momentum"
+    )
+    assert list(inspect.signature(mf.momentum).parameters) == [
+        "momentum",
+        "nesterov",
+        "kind",
+        "mu_dtype",
+        "state_bits",
+    ]
+    assert inspect.signature(mf.muon) == inspect.signature(mf.muon.build)
+    assert inspect.isfunction(mf.orthogonalize)
+    # the builder builds what the checked factory builds, without the check
+    assert repr(mf.muon.build()) == repr(mf.muon())
+    assert "momentum=1.5" in repr(mf.momentum.build(1.5))
+
+
+_CALLABLE_COEFFICIENTS = (
+    "Invalid coefficients: a callable method runs its own iteration; pass coefficients with "
+    "method=None (or a named method) instead"
+)
+_GRAM_BF16 = (
+    "Invalid dtype for method 'gram': torch.bfloat16 (Gram Newton-Schulz loses orthogonality in bf16; use "
+    "torch.float32, or torch.float16 on GPUs)"
+)
+_DTYPES = "torch.bfloat16, torch.float16, torch.float32, torch.float64"
+
+# Each public part and recipe still refuses a bad value itself, in the words it always used.
+_REFUSED = [
+    (ValueError, lambda: mf.momentum(2.0), "Invalid momentum: 2.0 (expected 0 <= momentum < 1)"),
+    (TypeError, lambda: mf.momentum(foo=1), "momentum() got an unexpected keyword argument 'foo'"),
+    (ValueError, lambda: mf.orthogonalize(steps=0), "Invalid steps: 0 (expected an integer >= 1)"),
+    (
+        ValueError,
+        lambda: mf.orthogonalize(lambda x: x, coefficients=(3.0, -4.0, 2.0)),
+        _CALLABLE_COEFFICIENTS,
+    ),
+    (ValueError, lambda: mf.orthogonalize("gram", dtype=torch.bfloat16), _GRAM_BF16),
+    (
+        ValueError,
+        lambda: mf.orthogonalize(steps=3, coefficients=[(1.0, float("nan"), 2.0)]),
+        "Invalid coefficients: [(1.0, nan, 2.0)] (values must be finite)",
+    ),
+    (
+        ValueError,
+        lambda: mf.scale_by_shape("x"),
+        "Invalid rule: 'x' (valid: 'keller', 'original', 'match_rms_adamw', 'spectral', 'legacy', 'none')",
+    ),
+    (ValueError, lambda: mf.align_rms(-1.0), "Invalid eps: -1.0 (expected a finite value > 0)"),
+    (ValueError, lambda: mf.normalize_rows(1.5), "Invalid beta2: 1.5 (expected 0 <= beta2 < 1)"),
+    (
+        ValueError,
+        lambda: mf.scale_by_second_moment(eps=0.0),
+        "Invalid eps: 0.0 (expected a finite value > 0)",
+    ),
+    (
+        ValueError,
+        lambda: mf.scale_by_adam((0.9,)),
+        "Invalid betas: (0.9,) (expected a pair (beta1, beta2))",
+    ),
+    (
+        ValueError,
+        lambda: mf.add_decoupled_weight_decay(min_ndim=-1),
+        "Invalid min_ndim: -1 (expected an integer >= 0)",
+    ),
+    (
+        ValueError,
+        lambda: mf.scale_by_learning_rate(-1.0),
+        "Invalid lr: -1.0 (expected a finite value >= 0)",
+    ),
+    (
+        TypeError,
+        lambda: mf.normalize_layerwise(add_eps=1),
+        "Invalid add_eps: 1 (expected True or False)",
+    ),
+    (
+        TypeError,
+        lambda: mf.spectral_sphere(msign_dtype="bf16"),
+        f"Invalid msign_dtype: 'bf16' (expected a torch.dtype: {_DTYPES})",
+    ),
+    (
+        ValueError,
+        lambda: mf.spectral_sphere(solver="newton"),
+        "Invalid solver: 'newton' (valid: 'bisection', 'illinois')",
+    ),
+    # the recipes: their parts' values, checked up front in the parts' words
+    (
+        ValueError,
+        lambda: mf.muon(momentum=2.0),
+        "Invalid momentum: 2.0 (expected 0 <= momentum < 1)",
+    ),
+    (ValueError, lambda: mf.muon(lr=-1.0), "Invalid lr: -1.0 (expected a finite value >= 0)"),
+    (
+        ValueError,
+        lambda: mf.muon(weight_decay=-1.0),
+        "Invalid weight_decay: -1.0 (expected a finite value >= 0)",
+    ),
+    (ValueError, lambda: mf.muon(beta2=1.0), "Invalid beta2: 1.0 (expected 0 <= beta2 < 1)"),
+    (
+        ValueError,
+        lambda: mf.muon(method="x"),
+        "Invalid method: 'x' (valid: 'polar_express', 'quintic', 'you', 'cubic', 'aol', 'aol9', 'gram')",
+    ),
+    (ValueError, lambda: mf.muon(method="gram", ns_dtype=torch.bfloat16), _GRAM_BF16),
+    (
+        ValueError,
+        lambda: mf.muon(method=lambda x: x, ns_coefficients=(3.0, -4.0, 2.0)),
+        _CALLABLE_COEFFICIENTS,
+    ),
+    (
+        ValueError,
+        lambda: mf.muon(ns_coefficients="abc"),
+        "Invalid ns_coefficients: 'abc' (expected an (a, b, c) triple or a sequence of (a, b, c) triples)",
+    ),
+    (TypeError, lambda: mf.muon(foo=1), "muon() got an unexpected keyword argument 'foo'"),
+    (
+        ValueError,
+        lambda: mf.adamw(betas=(2.0, 0.9)),
+        "Invalid beta1: 2.0 (expected 0 <= beta1 < 1)",
+    ),
+    (
+        ValueError,
+        lambda: mf.adamw(state_bits=5),
+        "Invalid state_bits: 5 (expected one of 32, 16, 8, 4)",
+    ),
+    (
+        ValueError,
+        lambda: mf.hybrid(adamw_lr=-1.0),
+        "Invalid adamw_lr: -1.0 (expected a finite value >= 0)",
+    ),
+    (
+        ValueError,
+        lambda: mf.hybrid(adamw_eps=-1.0),
+        "Invalid eps: -1.0 (expected a finite value >= 0)",
+    ),
+    (TypeError, lambda: mf.hybrid(foo=1), "muon() got an unexpected keyword argument 'foo'"),
+    (
+        ValueError,
+        lambda: mf.triton_muon(state_bits=3),
+        "Invalid state_bits: 3 (expected one of 32, 16, 8, 4)",
+    ),
+    (
+        ValueError,
+        lambda: mf.sso(momentum=1.0),
+        "Invalid momentum: 1.0 (expected 0 <= momentum < 1)",
+    ),
+    (ValueError, lambda: mf.sso(lr=-1.0), "Invalid lr: -1.0 (expected a finite value >= 0)"),
+    (
+        TypeError,
+        lambda: mf.sso(foo=1),
+        "spectral_sphere() got an unexpected keyword argument 'foo'",
+    ),
+    # the classes: what only their recipe's parts checked before, at the group, in the same words
+    (
+        ValueError,
+        lambda: mf.MuonOptimizer(
+            _linear().parameters(), method=lambda x: x, ns_coefficients=(3.0, -4.0, 2.0)
+        ),
+        _CALLABLE_COEFFICIENTS,
+    ),
+    (
+        ValueError,
+        lambda: mf.MuonOptimizer(_linear().parameters(), method="gram", ns_dtype=torch.bfloat16),
+        _GRAM_BF16,
+    ),
+    (
+        TypeError,
+        lambda: mf.SpectralSphereOptimizer(_linear().parameters(), msign_dtype="bf16"),
+        f"Invalid msign_dtype: 'bf16' (expected a torch.dtype: {_DTYPES})",
+    ),
+    (
+        TypeError,
+        lambda: mf.MuonOptimizer(_linear().parameters(), lr="x"),
+        "Invalid learning rate: 'x' (expected a float or a 0-d tensor)",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", range(len(_REFUSED)))
+def test_each_boundary_refuses_bad_values_in_its_words(case):
+    exc_type, call, message = _REFUSED[case]
+    with pytest.raises(exc_type) as info:
+        call()
+    assert str(info.value) == message
+
+
+def test_an_adamw_group_still_takes_matrix_settings_it_does_not_use():
+    # an "adamw" group builds no matrix recipe: as before, settings only the recipe refused pass
+    mf.MuonOptimizer(
+        [{"params": _linear().parameters(), "algorithm": "adamw"}],
+        method="gram",
+        ns_dtype=torch.bfloat16,
+        compile=False,
+    )
+    mf.SpectralSphereOptimizer(
+        [{"params": _linear().parameters(), "algorithm": "adamw"}],
+        msign_dtype="bf16",
+        compile=False,
+    )

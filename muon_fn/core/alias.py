@@ -7,16 +7,49 @@ from typing import Any
 
 import torch
 
-from . import checks as _checks, defaults as _defaults
+from . import checks as _checks, defaults as _defaults, quantize as _quantize
 from .base import GradientTransformation, Scalar, ScalarOrSchedule
 from .combine import chain, leafwise_labels, partition
-from .newton_schulz import validate_coefficients
-from .muon import align_rms, orthogonalize, refuse_split, scale_by_shape, shape_rule, view_argument
+from .newton_schulz import METHODS, validate_coefficients
+from .muon import (ADJUST_LR_FNS, align_rms, check_iteration_dtype, check_view_argument, orthogonalize,
+                   refuse_callable_coefficients, refuse_split, resolve_view, rule_of, scale_by_shape)
 from .views import View
-from .transforms import (add_decoupled_weight_decay, momentum as momentum_tx, normalize_layerwise, normalize_rows,
-                         scale_by_adam, scale_by_learning_rate, scale_by_second_moment, scale_by_sign)
+from .transforms import (add_decoupled_weight_decay, check_moments, momentum as momentum_tx, normalize_layerwise,
+                         normalize_rows, scale_by_adam, scale_by_learning_rate, scale_by_second_moment, scale_by_sign)
 
 
+def _check_muon(lr: Any, momentum: Any, *, nesterov: Any, kind: Any, method: Any, ns_steps: Any,
+                ns_coefficients: Any, ns_dtype: Any, eps: Any, ns_stepsize: Any, adjust_lr_fn: Any,
+                weight_decay: Any, cautious_weight_decay: Any, beta2: Any, normuon_eps: Any, adamuon_beta2: Any,
+                adamuon_eps: Any, adamuon_sign: Any, view: Any, split: Any, mu_dtype: Any, flatten: Any,
+                layerwise_norm: Any, state_bits: Any) -> None:
+    """:func:`muon`'s arguments, each once, in the order the recipe and then its parts checked them."""
+    check_view_argument(view, flatten)
+    refuse_split(split)
+    _checks.boolean("layerwise_norm", layerwise_norm)
+    if ns_steps is not None:
+        _checks.positive_int("ns_steps", ns_steps)
+    _checks.positive("eps", eps)
+    _checks.positive("normuon_eps", normuon_eps)
+    _checks.positive("ns_stepsize", ns_stepsize)
+    _checks.boolean("cautious_weight_decay", cautious_weight_decay)
+    _check_adamuon(beta2, adamuon_beta2, adamuon_eps, adamuon_sign)
+    _checks.one_of("adjust_lr_fn", adjust_lr_fn, ADJUST_LR_FNS)
+    if ns_coefficients is not None:
+        validate_coefficients(ns_coefficients, name="ns_coefficients")
+    # the parts' arguments that the recipe does not check above, in the parts' order and words
+    momentum_tx.check(momentum, nesterov=nesterov, kind=kind, mu_dtype=mu_dtype, state_bits=state_bits)
+    refuse_callable_coefficients(method, ns_coefficients)
+    if method is not None and not callable(method):
+        _checks.one_of("method", method, METHODS)
+    check_iteration_dtype(method, ns_steps, ns_coefficients, ns_dtype, ns_stepsize)
+    if beta2 is not None:
+        _checks.in_unit_interval("beta2", beta2)
+    _checks.non_negative("weight_decay", weight_decay)
+    _checks.scalar_or_schedule("lr", lr)
+
+
+@_checks.checked(_check_muon)
 def muon(
     lr: ScalarOrSchedule = _defaults.LR,
     momentum: Scalar = _defaults.MOMENTUM,
@@ -77,32 +110,20 @@ def muon(
     :func:`adamuon`). NorMuon (``beta2``) and AdaMuon both normalize the orthogonalized update:
     pass one.
     """
-    view = view_argument(view, flatten)
-    refuse_split(split)
-    _checks.boolean("layerwise_norm", layerwise_norm)
-    if ns_steps is not None:
-        _checks.positive_int("ns_steps", ns_steps)
-    _checks.positive("eps", eps)
-    _checks.positive("normuon_eps", normuon_eps)
-    _checks.positive("ns_stepsize", ns_stepsize)
-    _checks.boolean("cautious_weight_decay", cautious_weight_decay)
-    _check_adamuon(beta2, adamuon_beta2, adamuon_eps, adamuon_sign)
-    rule = shape_rule(adjust_lr_fn)
-    if ns_coefficients is not None:
-        validate_coefficients(ns_coefficients, name="ns_coefficients")
+    view = resolve_view(view, flatten)
     adamuon = adamuon_beta2 is not None
-    parts = [normalize_layerwise()] if layerwise_norm else []
-    parts.append(momentum_tx(momentum, nesterov=nesterov, kind=kind, mu_dtype=mu_dtype, state_bits=state_bits))
+    parts = [normalize_layerwise.build()] if layerwise_norm else []
+    parts.append(momentum_tx.build(momentum, nesterov=nesterov, kind=kind, mu_dtype=mu_dtype, state_bits=state_bits))
     parts += [scale_by_sign()] if adamuon and adamuon_sign else []
-    parts.append(orthogonalize(method, ns_steps, coefficients=ns_coefficients, dtype=ns_dtype, eps=eps,
-                               stepsize=ns_stepsize, view=view))
-    parts += [normalize_rows(beta2, normuon_eps, view=view)] if beta2 is not None else []
+    parts.append(orthogonalize.build(method, ns_steps, coefficients=ns_coefficients, dtype=ns_dtype, eps=eps,
+                                     stepsize=ns_stepsize, view=view))
+    parts += [normalize_rows.build(beta2, normuon_eps, view=view)] if beta2 is not None else []
     if adamuon_beta2 is not None:
-        parts += [scale_by_second_moment(adamuon_beta2, adamuon_eps), align_rms(view=view)]
+        parts += [scale_by_second_moment.build(adamuon_beta2, adamuon_eps), align_rms.build(view=view)]
     parts += [
-        scale_by_shape(rule, view=view),
-        add_decoupled_weight_decay(weight_decay, cautious=cautious_weight_decay),
-        scale_by_learning_rate(lr),
+        scale_by_shape.build(rule_of(adjust_lr_fn), view=view),
+        add_decoupled_weight_decay.build(weight_decay, cautious=cautious_weight_decay),
+        scale_by_learning_rate.build(lr),
     ]
     return chain(*parts)
 
@@ -219,6 +240,18 @@ def normuon(
                 weight_decay=weight_decay, beta2=beta2, normuon_eps=normuon_eps, **muon_kwargs)
 
 
+def _check_adamw(lr: Any, betas: Any, eps: Any, weight_decay: Any, *, decay_1d: Any, cautious_weight_decay: Any,
+                 state_bits: Any) -> None:
+    """:func:`adamw`'s arguments, in the order the recipe and then its parts checked them."""
+    _checks.boolean("decay_1d", decay_1d)
+    _checks.boolean("cautious_weight_decay", cautious_weight_decay)
+    _checks.non_negative("weight_decay", weight_decay)
+    _quantize.check_state_bits(state_bits)
+    check_moments(betas, eps)
+    _checks.scalar_or_schedule("lr", lr)
+
+
+@_checks.checked(_check_adamw)
 def adamw(
     lr: ScalarOrSchedule = 1e-3,
     betas: tuple[Scalar, Scalar] = (0.9, 0.999),
@@ -237,16 +270,29 @@ def adamw(
     agree in sign (:func:`add_decoupled_weight_decay` ``cautious=True``, arXiv:2510.12402).
     ``state_bits``: the moments' storage (:func:`scale_by_adam`; 32, 16, 8 or 4).
     """
-    _checks.boolean("decay_1d", decay_1d)
-    _checks.boolean("cautious_weight_decay", cautious_weight_decay)
-    decay = add_decoupled_weight_decay(weight_decay, min_ndim=0 if decay_1d else 2, cautious=cautious_weight_decay)
-    return chain(scale_by_adam(betas, eps, state_bits=state_bits), decay, scale_by_learning_rate(lr))
+    decay = add_decoupled_weight_decay.build(weight_decay, min_ndim=0 if decay_1d else 2,
+                                             cautious=cautious_weight_decay)
+    return chain(scale_by_adam.build(betas, eps, state_bits=state_bits), decay, scale_by_learning_rate.build(lr))
 
 
 # The epsilon of TritonMuon's denominator √v + ε (a keyword of triton_muon and the classes).
 TRITON_MUON_EPS = 1e-8
 
 
+def _check_triton_muon(lr: Any, momentum: Any, velocity: Any, *, weight_decay: Any, decoupled: Any, nesterov: Any,
+                       layerwise_norm: Any, eps: Any, state_bits: Any) -> None:
+    """:func:`triton_muon`'s arguments, in the order the recipe and then its parts checked them."""
+    _checks.in_unit_interval("momentum", momentum)
+    _checks.in_unit_interval("velocity", velocity)
+    _checks.non_negative("weight_decay", weight_decay)
+    _checks.positive("eps", eps)
+    for name, flag in (("decoupled", decoupled), ("nesterov", nesterov), ("layerwise_norm", layerwise_norm)):
+        _checks.boolean(name, flag)
+    _quantize.check_state_bits(state_bits)
+    _checks.scalar_or_schedule("lr", lr)
+
+
+@_checks.checked(_check_triton_muon)
 def triton_muon(
     lr: ScalarOrSchedule = 1e-3,
     momentum: Scalar = 0.9,
@@ -278,19 +324,13 @@ def triton_muon(
     the decay transform before the moments is L2 regularization, after them decoupled decay.
     ``state_bits``: the moments' storage (:func:`scale_by_adam`; 32, 16, 8 or 4).
     """
-    _checks.in_unit_interval("momentum", momentum)
-    _checks.in_unit_interval("velocity", velocity)
-    _checks.non_negative("weight_decay", weight_decay)
-    _checks.positive("eps", eps)
-    for name, flag in (("decoupled", decoupled), ("nesterov", nesterov), ("layerwise_norm", layerwise_norm)):
-        _checks.boolean(name, flag)
-    moments = scale_by_adam((momentum, velocity), eps, bias_correction=False, nesterov=nesterov,
-                            state_bits=state_bits)
-    decay = add_decoupled_weight_decay(weight_decay)
+    moments = scale_by_adam.build((momentum, velocity), eps, bias_correction=False, nesterov=nesterov,
+                                  state_bits=state_bits)
+    decay = add_decoupled_weight_decay.build(weight_decay)
     parts = [] if decoupled else [decay]
-    parts += [normalize_layerwise(add_eps=True)] if layerwise_norm else []
+    parts += [normalize_layerwise.build(add_eps=True)] if layerwise_norm else []
     parts += [moments, decay] if decoupled else [moments]
-    return chain(*parts, scale_by_learning_rate(lr))
+    return chain(*parts, scale_by_learning_rate.build(lr))
 
 
 def _matrix_label(p: torch.Tensor) -> str:
@@ -302,6 +342,19 @@ matrix_labels.__name__ = "matrix_labels"
 matrix_labels.__doc__ = """``"muon"`` for leaves with ndim ≥ 2, ``"adamw"`` for the rest (the default hybrid split)."""
 
 
+def _check_hybrid(lr: Any, momentum: Any, *, adamw_lr: Any, adamw_betas: Any, adamw_eps: Any, adamw_weight_decay: Any,
+                  adamw_decay_1d: Any, cautious_weight_decay: Any, labels: Any, state_bits: Any,
+                  muon_kwargs: dict[str, Any]) -> None:
+    """:func:`hybrid`'s arguments: ``adamw_lr``, the Muon half's (:func:`muon`'s check), then the
+    AdamW half's that the Muon half does not share, in its parts' words."""
+    _checks.scalar_or_schedule("adamw_lr", adamw_lr)
+    muon.check(lr, momentum, cautious_weight_decay=cautious_weight_decay, state_bits=state_bits, **muon_kwargs)
+    _checks.boolean("decay_1d", adamw_decay_1d)
+    _checks.non_negative("weight_decay", adamw_weight_decay)
+    check_moments(adamw_betas, adamw_eps)
+
+
+@_checks.checked(_check_hybrid)
 def hybrid(
     lr: ScalarOrSchedule = _defaults.LR,
     momentum: Scalar = _defaults.MOMENTUM,
@@ -325,11 +378,10 @@ def hybrid(
     makes both halves' decay cautious (see :func:`add_decoupled_weight_decay`). ``state_bits``
     stores both halves' state in 32, 16, 8 or 4 bits (:func:`momentum`, :func:`scale_by_adam`).
     """
-    _checks.scalar_or_schedule("adamw_lr", adamw_lr)
     return partition(
-        {"muon": muon(lr, momentum, cautious_weight_decay=cautious_weight_decay, state_bits=state_bits,
-                      **muon_kwargs),
-         "adamw": adamw(adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay, decay_1d=adamw_decay_1d,
-                        cautious_weight_decay=cautious_weight_decay, state_bits=state_bits)},
+        {"muon": muon.build(lr, momentum, cautious_weight_decay=cautious_weight_decay, state_bits=state_bits,
+                            **muon_kwargs),
+         "adamw": adamw.build(adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay, decay_1d=adamw_decay_1d,
+                              cautious_weight_decay=cautious_weight_decay, state_bits=state_bits)},
         matrix_labels if labels is None else labels,
     )

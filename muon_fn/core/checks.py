@@ -2,11 +2,62 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, ParamSpec, Protocol, TypeVar, cast
 
 import torch
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+# ----------------------------------------------------------------------------- checked factories
+# Each value is checked once, where a user gives it: a public factory checks its arguments and
+# builds; a recipe checks all of its own arguments under its names and builds its parts with
+# their ``build``; an optimizer class checks its group (torch's wording) and builds its recipe
+# with the recipe's ``build``.
+class Checked(Protocol[P, R]):
+    """A public factory split into its argument check and its builder (see :func:`checked`)."""
+
+    check: Callable[P, None]
+    build: Callable[P, R]
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R: ...
+
+
+def checked(check: Callable[..., None]) -> Callable[[Callable[P, R]], Checked[P, R]]:
+    """Decorator: a call of the factory below it runs ``check`` on every argument by name (the
+    factory's parameters, defaults filled in; ``**kwargs`` as one dict), then the factory.
+    ``factory.check`` takes the factory's arguments and only checks them (a recipe checking its
+    arguments up front under its own names); ``factory.build`` takes them and only builds (a
+    recipe or an optimizer class building from values it checked). Name, docstring and
+    signature stay the factory's (``inspect.signature`` shows its parameters)."""
+
+    def decorate(build: Callable[P, R]) -> Checked[P, R]:
+        signature = inspect.signature(build)
+
+        def check_call(*args: P.args, **kwargs: P.kwargs) -> None:
+            try:
+                bound = signature.bind(*args, **kwargs)
+            except TypeError:
+                build(*args, **kwargs)  # a call that does not fit: Python's own TypeError, naming the factory
+                raise
+            bound.apply_defaults()
+            check(**bound.arguments)
+
+        @functools.wraps(build)
+        def factory(*args: P.args, **kwargs: P.kwargs) -> R:
+            check_call(*args, **kwargs)
+            return build(*args, **kwargs)
+
+        factory.check = check_call  # type: ignore[attr-defined]
+        factory.build = build  # type: ignore[attr-defined]
+        return cast("Checked[P, R]", factory)
+
+    return decorate
 
 
 def _as_float(name: str, value: Any) -> float | None:
@@ -129,6 +180,12 @@ def decay_value(name: str, value: Any) -> None:
         raise ValueError(f"Invalid {name} value: {value}")
 
 
+def scheduled_value(name: str, value: Any) -> None:
+    """A per-step scalar other than ``lr`` (``adamw_lr``): as :func:`decay_value`, and 0-d."""
+    decay_value(name, value)
+    zero_dim(name, value)
+
+
 def eps_value(name: str, value: Any) -> None:
     v = _as_float(name, value)
     if v is None:
@@ -151,9 +208,9 @@ def betas_value(name: str, betas: Any) -> None:
 def adamw_half(group: dict[str, Any]) -> None:
     """The AdamW half of a hybrid group (``adamw_lr``, ``adamw_betas``, ``adamw_eps``,
     ``adamw_weight_decay``, ``adamw_decay_1d``) and its ``weight_decay``."""
-    for key in ("weight_decay", "adamw_weight_decay", "adamw_lr"):
+    for key in ("weight_decay", "adamw_weight_decay"):
         decay_value(key, group[key])
-    zero_dim("adamw_lr", group["adamw_lr"])
+    scheduled_value("adamw_lr", group["adamw_lr"])
     eps_value("adamw_eps", group["adamw_eps"])
     betas_value("adamw_betas", group["adamw_betas"])
     boolean("adamw_decay_1d", group["adamw_decay_1d"])

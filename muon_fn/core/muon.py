@@ -24,6 +24,11 @@ def shape_rule(adjust_lr_fn: str | None) -> str:
     """The :func:`scale_by_shape` rule of an ``adjust_lr_fn`` (``None`` is ``"original"``, as in
     torch.optim.Muon)."""
     _checks.one_of("adjust_lr_fn", adjust_lr_fn, ADJUST_LR_FNS)
+    return rule_of(adjust_lr_fn)
+
+
+def rule_of(adjust_lr_fn: str | None) -> str:
+    """:func:`shape_rule` of a checked ``adjust_lr_fn``."""
     return "original" if adjust_lr_fn is None else adjust_lr_fn
 
 
@@ -116,19 +121,85 @@ def _units(u: torch.Tensor, path: tuple, view: _views.Heads | str) -> list[torch
 def view_argument(view: View, flatten: bool | None) -> View:
     """``view``, or the view named by ``flatten=``, its older spelling (``True``: ``"flatten"``,
     ``False``: ``"experts"``)."""
+    check_view_argument(view, flatten)
+    return resolve_view(view, flatten)
+
+
+def check_view_argument(view: View, flatten: bool | None) -> None:
+    """:func:`view_argument`'s checks."""
     _views.check_view(view)
     if flatten is None:
-        return view
+        return
     if not isinstance(flatten, bool):
         raise TypeError(f"Invalid flatten: {flatten!r} (expected True or False)")
     if view != "flatten":
         raise ValueError(f"pass view={view!r} alone: flatten= is its older spelling "
                          "(flatten=True is view='flatten', flatten=False is view='experts')")
-    return "flatten" if flatten else "experts"
+
+
+def resolve_view(view: View, flatten: bool | None) -> View:
+    """:func:`view_argument` of checked arguments."""
+    return view if flatten is None else ("flatten" if flatten else "experts")
+
+
+def _is_custom(method: Any) -> bool:
+    """A user's iteration (a callable), not a named method."""
+    return callable(method) and not isinstance(method, str)
+
+
+def _check_orthogonalize(method: Any, steps: int | None, coefficients: Any, dtype: torch.dtype | None, eps: float,
+                         stepsize: float, view: View, split: Any, batch: Any, flatten: bool | None) -> None:
+    """:func:`orthogonalize`'s arguments, in the order its iteration resolves them."""
+    custom = _is_custom(method)
+    rows_checked = steps is None and coefficients is not None and not custom
+    if steps is None:
+        steps = _newton_schulz.default_steps(method, None if custom else coefficients)  # checks coefficients
+    _checks.positive_int("steps", steps)
+    refuse_callable_coefficients(method, coefficients)
+    if not custom:
+        if method is not None:
+            _checks.one_of("method", method, _newton_schulz.METHODS)
+        _checks.positive("stepsize", stepsize)
+        if coefficients is not None and not rows_checked:
+            _newton_schulz.validate_coefficients(coefficients)
+    _checks.positive("eps", eps)
+    check_iteration_dtype(method, steps, coefficients, dtype, stepsize)
+    check_view_argument(view, flatten)
+    refuse_split(split)
+
+
+def refuse_callable_coefficients(method: Any, coefficients: Any) -> None:
+    """A callable ``method`` runs its own iteration: it takes no ``coefficients``."""
+    if _is_custom(method) and coefficients is not None:
+        raise ValueError("Invalid coefficients: a callable method runs its own iteration; pass "
+                         "coefficients with method=None (or a named method) instead")
+
+
+def check_iteration_dtype(method: Any, steps: int | None, coefficients: Any, dtype: torch.dtype | None,
+                          stepsize: float) -> None:
+    """A named method's iteration ``dtype`` (the other arguments checked already): a compute
+    dtype that can run its schedule (not the Gram form in bf16)."""
+    if dtype is None or _is_custom(method):
+        return
+    _checks.dtype("dtype", dtype, _newton_schulz.COMPUTE_DTYPES)
+    _newton_schulz.check_dtype(_iteration(method, steps, coefficients, stepsize)[1], dtype)
+
+
+def _iteration(method: Any, steps: int | None, coefficients: Any, stepsize: float) -> tuple[int, Any, Any]:
+    """``(steps, schedule, norm scale)`` that :func:`orthogonalize` runs for checked arguments
+    (``schedule`` and the scale are ``None`` for a callable method)."""
+    custom = _is_custom(method)
+    if steps is None:
+        steps = _newton_schulz.default_steps.build(method, None if custom else coefficients)
+    if custom:
+        return steps, None, None
+    schedule = _newton_schulz.coefficient_schedule.build(method, steps, coefficients=coefficients, stepsize=stepsize)
+    return steps, schedule, 1.0 if coefficients is not None else _newton_schulz.norm_scale(method)
 
 
 # Longer than 80 lines only for its Args docstring (the public reference of every option);
 # the code after it is 53 lines.
+@_checks.checked(_check_orthogonalize)
 def orthogonalize(
     method: str | Callable[[torch.Tensor], torch.Tensor] | None = None,
     steps: int | None = None,
@@ -177,10 +248,9 @@ def orthogonalize(
     A named method runs as one operator per batch (:func:`~muon_fn.core.newton_schulz.msign_batch`):
     under ``torch.compile`` it stays one opaque call to the tuned eager iteration.
     """
-    custom = callable(method) and not isinstance(method, str)
-    steps, schedule, scale = _resolve_iteration(method, steps, coefficients, dtype, eps, stepsize, custom)
-    view = view_argument(view, flatten)
-    refuse_split(split)
+    custom = _is_custom(method)
+    steps, schedule, scale = _iteration(method, steps, coefficients, stepsize)
+    view = resolve_view(view, flatten)
     msign = _msign_of(method, schedule, scale, dtype, eps) if not custom else _custom_msign(method)
 
     def update(updates, state, params=None, **extra):
@@ -192,30 +262,11 @@ def orthogonalize(
     config: dict[str, Any] = {"method": getattr(method, "__name__", method) if custom else method,
                               "steps": steps}
     if coefficients is not None:
-        config["coefficients"] = _newton_schulz.validate_coefficients(coefficients)
+        config["coefficients"] = _newton_schulz.coefficient_rows(coefficients)
     config.update(dtype=dtype, eps=eps, stepsize=stepsize, view=_views.label(view))
     tx = named(GradientTransformation(init_empty_state, update), "orthogonalize", **config)
     # per_matrix: the operator computes every step per matrix (a callable method sees its batch).
     return with_info(tx, leafwise=True, scope=MATRIX, per_matrix=not custom)
-
-
-def _resolve_iteration(method: Any, steps: int | None, coefficients: Any, dtype: torch.dtype | None, eps: float,
-                       stepsize: float, custom: bool) -> tuple[int, Any, float]:
-    """``(steps, schedule, norm scale)`` of :func:`orthogonalize`'s arguments, checked in order
-    (``schedule`` and the scale are ``None`` for a callable method)."""
-    if steps is None:
-        steps = _newton_schulz.default_steps(method, None if custom else coefficients)
-    _checks.positive_int("steps", steps)
-    if custom and coefficients is not None:
-        raise ValueError("Invalid coefficients: a callable method runs its own iteration; pass "
-                         "coefficients with method=None (or a named method) instead")
-    schedule, scale = (None, None) if custom else resolve_method(method, steps, coefficients=coefficients,
-                                                                   stepsize=stepsize)
-    _checks.positive("eps", eps)
-    if dtype is not None and not custom:
-        _checks.dtype("dtype", dtype, _newton_schulz.COMPUTE_DTYPES)
-        _newton_schulz.check_dtype(schedule, dtype)
-    return steps, schedule, scale
 
 
 def _custom_msign(method: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[list[torch.Tensor]], torch.Tensor]:
@@ -274,6 +325,13 @@ def _orthogonalize_tree(updates: Any, view: View, batch: bool,
     return _tree.tree_unflatten(spec, out_leaves)
 
 
+def _check_scale_by_shape(rule: Any, view: View, split: Any) -> None:
+    _checks.one_of("rule", rule, SHAPE_RULES)
+    _views.check_view(view)
+    refuse_split(split)
+
+
+@_checks.checked(_check_scale_by_shape)
 def scale_by_shape(rule: str = "keller", *, view: View = "flatten", split: None = None) -> GradientTransformation:
     """Multiply each matrix update by ``shape_scale(rule, (out, in))`` of its (global) shape.
 
@@ -282,9 +340,6 @@ def scale_by_shape(rule: str = "keller", *, view: View = "flatten", split: None 
     a stack gets the scale of its own ``(out, in)``, under a head view each block its own.
     ``split`` is removed (use a head view).
     """
-    _checks.one_of("rule", rule, SHAPE_RULES)
-    _views.check_view(view)
-    refuse_split(split)
 
     def scale(u: torch.Tensor) -> torch.Tensor:
         if u.ndim < 2:
@@ -309,6 +364,12 @@ def scale_by_shape(rule: str = "keller", *, view: View = "flatten", split: None 
     return with_info(tx, leafwise=True, scope=MATRIX, per_matrix=True)
 
 
+def _check_align_rms(eps: Any, view: View) -> None:
+    _checks.positive("eps", eps)
+    _views.check_view(view)
+
+
+@_checks.checked(_check_align_rms)
 def align_rms(eps: float = 1e-8, *, view: View = "flatten") -> GradientTransformation:
     """Rescale each matrix ``U`` (m×n) to the size of an exactly orthogonal m×n matrix:
 
@@ -324,8 +385,6 @@ def align_rms(eps: float = 1e-8, *, view: View = "flatten") -> GradientTransform
     ``"experts"`` each matrix of a stack, under a head view each block, has its own ``(m, n)`` and
     norm. Computed in float32 (float64 for float64 updates), the norm from float64 sums.
     """
-    _checks.positive("eps", eps)
-    _views.check_view(view)
 
     def align_matrices(x: torch.Tensor) -> torch.Tensor:
         """``x`` ``(count, m, n)`` (contiguous, compute dtype): each matrix aligned."""

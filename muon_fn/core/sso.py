@@ -61,7 +61,7 @@ from .base import MATRIX, GradientTransformation, ScalarOrSchedule, Updates, nam
 from .metrics import collector_of
 from .combine import chain
 from .muon import SHAPE_RULES, _not_matrix, group_by, refuse_split
-from .transforms import momentum as momentum_tx
+from .transforms import check_storage, momentum as momentum_tx
 
 SCALE_MODES = ("radius",) + SHAPE_RULES
 RETRACT_MODES = ("hard", "dynamic")
@@ -106,11 +106,11 @@ class SpectralSphereState(NamedTuple):
 _STATS = ("v", "lam", "sigma", "residual", "iterations", "fallback")  # replaced every step per unit
 
 
-def check_options(*, momentum, nesterov, **sphere_options) -> None:
-    """Check :func:`sso`'s hyperparameters (also each ``SpectralSphereOptimizer`` group's)."""
-    _checks.in_unit_interval("momentum", momentum)
+def check_options(*, nesterov, **sphere_settings) -> None:
+    """Check a ``SpectralSphereOptimizer`` group's :func:`sso` hyperparameters, but ``lr`` and
+    ``momentum`` (the optimizer checks those in torch's wording) and ``msign_dtype``."""
     _check_flag("nesterov", nesterov)
-    _check_sphere_options(**sphere_options)
+    check_sphere_settings(**sphere_settings)
 
 
 def _check_flag(name: str, flag: Any) -> None:
@@ -118,11 +118,10 @@ def _check_flag(name: str, flag: Any) -> None:
         raise ValueError(f"Invalid {name}: {flag!r} (expected True or False)")
 
 
-def _check_sphere_options(*, lr, radius_scale, scale_mode, retract_mode, retract_alpha, power_steps, power_block,
+def check_sphere_settings(*, radius_scale, scale_mode, retract_mode, retract_alpha, power_steps, power_block,
                           cold_start, msign_method, msign_steps, tol, max_iterations, bracket_step, max_expansions,
                           solver, warm_lambda, lambda_model, model_steps, direction, muon_sphere) -> None:
-    """Check :func:`spectral_sphere`'s hyperparameters."""
-    _checks.scalar_or_schedule("lr", lr)
+    """Check :func:`spectral_sphere`'s settings (every hyperparameter but ``lr``, ``msign_dtype`` and ``view``)."""
     _checks.positive("radius_scale", radius_scale)
     if isinstance(power_steps, bool) or not isinstance(power_steps, int) or power_steps < 1:
         raise ValueError(f"Invalid power_steps: {power_steps!r} (expected an integer >= 1)")
@@ -132,8 +131,7 @@ def _check_sphere_options(*, lr, radius_scale, scale_mode, retract_mode, retract
     _checks.one_of("scale_mode", scale_mode, SCALE_MODES)
     _checks.one_of("retract_mode", retract_mode, RETRACT_MODES)
     _checks.positive("retract_alpha", retract_alpha)
-    _checks.one_of("solver", solver, _lambda.SOLVER_METHODS)
-    _lambda.check_solver_args(tol, max_iterations, bracket_step, max_expansions, solver, model_steps)
+    _lambda.check_solver_args(tol, max_iterations, bracket_step, max_expansions, solver, model_steps, "solver")
     for name, flag in (("cold_start", cold_start), ("warm_lambda", warm_lambda), ("lambda_model", lambda_model),
                        ("muon_sphere", muon_sphere)):
         _check_flag(name, flag)
@@ -143,8 +141,20 @@ def _check_sphere_options(*, lr, radius_scale, scale_mode, retract_mode, retract
                          "lambda_model=True and muon_sphere=False")
 
 
-# The hyperparameters check_options checks, by name (the optimizer's group keys are the same names).
-VALIDATED_KEYS = ("momentum", "nesterov") + tuple(inspect.signature(_check_sphere_options).parameters)
+# The settings check_sphere_settings checks, by name (the optimizer's group keys are the same names).
+SETTINGS_KEYS = tuple(inspect.signature(check_sphere_settings).parameters)
+# The recipe's hyperparameters that are group keys of the same name (check_options checks all but
+# lr and momentum, which the optimizer checks in torch's wording).
+VALIDATED_KEYS = ("momentum", "nesterov", "lr") + SETTINGS_KEYS
+
+
+def _check_spectral_sphere(lr: Any, *, view: Any, split: Any, msign_dtype: Any, **settings: Any) -> None:
+    """:func:`spectral_sphere`'s arguments: ``lr``, the settings, ``msign_dtype``, ``view``."""
+    _checks.scalar_or_schedule("lr", lr)
+    check_sphere_settings(**settings)
+    _checks.dtype("msign_dtype", msign_dtype, _newton_schulz.COMPUTE_DTYPES)
+    _views.check_view(view)
+    refuse_split(split)
 
 
 class _Transform(NamedTuple):
@@ -161,6 +171,7 @@ class _Transform(NamedTuple):
 
 # Longer than 80 lines only for its Args docstring (the public reference of every option);
 # the code after it is 30 lines.
+@_checks.checked(_check_spectral_sphere)
 def spectral_sphere(
     lr: ScalarOrSchedule = 0.02, *, radius_scale: float = 2.0, scale_mode: str = "radius",
     retract_mode: str = "hard", retract_alpha: float = 0.05, power_steps: int = 5, power_block: int = 16,
@@ -218,10 +229,6 @@ def spectral_sphere(
                    msign_method=msign_method, msign_steps=msign_steps, tol=tol, max_iterations=max_iterations,
                    bracket_step=bracket_step, max_expansions=max_expansions, solver=solver,
                    lambda_model=lambda_model, model_steps=model_steps, direction=direction, muon_sphere=muon_sphere)
-    _check_sphere_options(lr=lr, power_block=power_block, warm_lambda=warm_lambda, **options)
-    _checks.dtype("msign_dtype", msign_dtype, _newton_schulz.COMPUTE_DTYPES)
-    _views.check_view(view)
-    refuse_split(split)
     key = json.dumps(dict(options, radius_scale=float(radius_scale), retract_alpha=float(retract_alpha),
                           tol=float(tol), bracket_step=float(bracket_step),
                           msign_dtype=str(msign_dtype).removeprefix("torch.")), sort_keys=True)
@@ -288,6 +295,16 @@ def _shown_config(options: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
+def _check_sso(lr: Any, momentum: Any, *, nesterov: Any, mu_dtype: Any, state_bits: Any,
+               kwargs: dict[str, Any]) -> None:
+    """:func:`sso`'s arguments: ``nesterov``, the momentum's, then :func:`spectral_sphere`'s."""
+    _check_flag("nesterov", nesterov)
+    _checks.in_unit_interval("momentum", momentum)
+    check_storage(mu_dtype, state_bits)
+    spectral_sphere.check(lr, **kwargs)
+
+
+@_checks.checked(_check_sso)
 def sso(
     lr: ScalarOrSchedule = 0.02,
     momentum: float | torch.Tensor = 0.95,
@@ -313,9 +330,8 @@ def sso(
     The chain is final (it contains the retraction). Use :func:`muon_fn.partition` (or
     :class:`muon_fn.SpectralSphereOptimizer`) to send 0-/1-D params to AdamW.
     """
-    _check_flag("nesterov", nesterov)
-    return chain(momentum_tx(momentum, nesterov=nesterov, kind="ema", mu_dtype=mu_dtype, state_bits=state_bits),
-                 spectral_sphere(lr, **kwargs))
+    return chain(momentum_tx.build(momentum, nesterov=nesterov, kind="ema", mu_dtype=mu_dtype, state_bits=state_bits),
+                 spectral_sphere.build(lr, **kwargs))
 
 
 # ------------------------------------------------------------------------------ init

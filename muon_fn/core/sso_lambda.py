@@ -55,15 +55,17 @@ class SolverStats(NamedTuple):
     fallback: torch.Tensor  # bool: no sign change found, λ set to 0
 
 
-def check_solver_args(tol, max_iterations, bracket_step, max_expansions, method, model_steps=1) -> None:
-    """Validate :func:`solve_lambda`'s settings (errors name the argument and the value)."""
+def check_solver_args(tol, max_iterations, bracket_step, max_expansions, method, model_steps=1,
+                      method_name: str = "method") -> None:
+    """Validate :func:`solve_lambda`'s settings (errors name the argument and the value;
+    ``method_name``: the caller's name of ``method``)."""
     _checks.positive("tol", tol)
     if isinstance(max_iterations, bool) or not isinstance(max_iterations, int) or max_iterations < 0:
         raise ValueError(f"Invalid max_iterations: {max_iterations!r} (expected an integer >= 0)")
     _checks.positive("bracket_step", bracket_step)
     if isinstance(max_expansions, bool) or not isinstance(max_expansions, int) or max_expansions < 0:
         raise ValueError(f"Invalid max_expansions: {max_expansions!r} (expected an integer >= 0)")
-    _checks.one_of("method", method, SOLVER_METHODS)
+    _checks.one_of(method_name, method, SOLVER_METHODS)
     _checks.positive_int("model_steps", model_steps)
 
 

@@ -57,7 +57,7 @@ def sphere(key: str) -> Sphere:
     """The :class:`Sphere` of a JSON key of the per-chunk math's options (the options of
     :func:`spectral_sphere` that phases 1–6 read; the fit is computed here, once per key)."""
     o = json.loads(key)
-    schedule = _newton_schulz.coefficient_schedule(o["msign_method"], o["msign_steps"])
+    schedule = _newton_schulz.coefficient_schedule.build(o["msign_method"], o["msign_steps"])  # checked options
     msign_dtype = getattr(torch, o["msign_dtype"])
     return Sphere(
         radius_scale=o["radius_scale"], scale_mode=o["scale_mode"], retract_mode=o["retract_mode"],

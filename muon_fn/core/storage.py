@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from . import quantize as _quantize, tree as _tree
+from . import checks as _checks, quantize as _quantize, tree as _tree
 from .base import GradientTransformation, OptState, Params, Updates, info, named, with_info
 
 
@@ -39,12 +39,16 @@ class Layout(NamedTuple):
     kinds: dict[str, str]
 
 
+def _check_stored(tx: Any, state_bits: Any, layout: Layout) -> None:
+    _quantize.check_state_bits(state_bits)
+    _check(layout)
+
+
+@_checks.checked(_check_stored)
 def stored(tx: GradientTransformation, state_bits: int, layout: Layout) -> GradientTransformation:
     """``tx`` with the fields of its state that ``layout`` names kept at ``state_bits`` (32: ``tx``
     itself). The update's math is ``tx``'s, on the decoded state; a leaf whose field is stored
     quantized gets an update in the compute dtype (fp32 for fp32 and half gradients)."""
-    _quantize.check_state_bits(state_bits)
-    _check(layout)
     if state_bits == 32:
         return tx
     storages = {field: _quantize.Storage(state_bits, kind) for field, kind in layout.kinds.items()}

@@ -54,6 +54,22 @@ class QuantizedMomentumState(NamedTuple):
 MOMENTUM_STORAGE = Layout(MomentumState, QuantizedMomentumState, {"mu": _quantize.LINEAR})
 
 
+def _check_momentum(momentum: Any, nesterov: Any, kind: Any, mu_dtype: Any, state_bits: Any) -> None:
+    _checks.in_unit_interval("momentum", momentum)
+    _checks.one_of("kind", kind, MOMENTUM_KINDS)
+    _checks.boolean("nesterov", nesterov)
+    check_storage(mu_dtype, state_bits)
+
+
+def check_storage(mu_dtype: Any, state_bits: Any) -> None:
+    """:func:`momentum`'s buffer storage: ``state_bits`` one of 32, 16, 8, 4, and no ``mu_dtype`` with another."""
+    _quantize.check_state_bits(state_bits)
+    if mu_dtype is not None and state_bits != 32:
+        raise ValueError(f"momentum: mu_dtype={mu_dtype} and state_bits={state_bits} both set the buffer's "
+                         "storage; pass one of them")
+
+
+@_checks.checked(_check_momentum)
 def momentum(
     momentum: Scalar = 0.95,
     *,
@@ -76,13 +92,6 @@ def momentum(
     fp32. Leaves of ndim < 2 keep an fp32 buffer at every width. ``mu_dtype`` only with 32.
     Below 32 bits this is :func:`muon_fn.core.storage.stored` around the 32-bit transform.
     """
-    _checks.in_unit_interval("momentum", momentum)
-    _checks.one_of("kind", kind, MOMENTUM_KINDS)
-    _checks.boolean("nesterov", nesterov)
-    _quantize.check_state_bits(state_bits)
-    if mu_dtype is not None and state_bits != 32:
-        raise ValueError(f"momentum: mu_dtype={mu_dtype} and state_bits={state_bits} both set the buffer's "
-                         "storage; pass one of them")
 
     def init(params):
         return MomentumState(mu=_tree.zeros_like(params, dtype=mu_dtype))
@@ -108,7 +117,7 @@ def momentum(
 
     config = {"state_bits": state_bits} if state_bits != 32 else {}
     tx = with_info(GradientTransformation(init, update), leafwise=True, scope=ELEMENTWISE)
-    return named(stored(tx, state_bits, MOMENTUM_STORAGE), "momentum", momentum=momentum, nesterov=nesterov,
+    return named(stored.build(tx, state_bits, MOMENTUM_STORAGE), "momentum", momentum=momentum, nesterov=nesterov,
                  kind=kind, **config)
 
 
@@ -136,9 +145,13 @@ class ScaleByScheduleState(NamedTuple):
     state_keys = {"count": "lr_schedule_count"}  # noqa: RUF012  NamedTuple: annotated, it would be a field
 
 
+def _check_learning_rate(lr: Any) -> None:
+    _checks.scalar_or_schedule("lr", lr)
+
+
+@_checks.checked(_check_learning_rate)
 def scale_by_learning_rate(lr: ScalarOrSchedule) -> GradientTransformation:
     """``u ← −lr·u``; ``lr`` is a float, a 0-d tensor, or a schedule ``count -> lr``."""
-    _checks.scalar_or_schedule("lr", lr)
     if callable(lr) and not isinstance(lr, torch.Tensor):
         schedule = lr
 
@@ -173,6 +186,14 @@ def _record_lr(extra: dict[str, Any], updates: Updates, lr: Scalar) -> None:
         collector.scalar("lr", updates, lr)
 
 
+def _check_weight_decay(weight_decay: Any, min_ndim: Any, cautious: Any) -> None:
+    _checks.non_negative("weight_decay", weight_decay)
+    if isinstance(min_ndim, bool) or not isinstance(min_ndim, int) or min_ndim < 0:
+        raise ValueError(f"Invalid min_ndim: {min_ndim!r} (expected an integer >= 0)")
+    _checks.boolean("cautious", cautious)
+
+
+@_checks.checked(_check_weight_decay)
 def add_decoupled_weight_decay(weight_decay: Scalar = 0.0, *, min_ndim: int = 0,
                                cautious: bool = False) -> GradientTransformation:
     """``u ← u + wd·p``. Followed by ``scale_by_learning_rate(lr)`` this is ``p ← p(1 − lr·wd) − lr·u``
@@ -192,10 +213,6 @@ def add_decoupled_weight_decay(weight_decay: Scalar = 0.0, *, min_ndim: int = 0,
     exact in any dtype (a product ``u·p`` could underflow to 0). Elementwise with the parameter,
     so it runs on any shard.
     """
-    _checks.non_negative("weight_decay", weight_decay)
-    if isinstance(min_ndim, bool) or not isinstance(min_ndim, int) or min_ndim < 0:
-        raise ValueError(f"Invalid min_ndim: {min_ndim!r} (expected an integer >= 0)")
-    _checks.boolean("cautious", cautious)
     config = {"weight_decay": weight_decay, **({"min_ndim": min_ndim} if min_ndim else {}),
               **({"cautious": True} if cautious else {})}
 
@@ -255,6 +272,12 @@ class ScaleBySecondMomentState(NamedTuple):
     state_keys = {"nu": "update_exp_avg_sq"}  # not AdamW's exp_avg_sq: the square of the update  # noqa: RUF012  NamedTuple: annotated, it would be a field
 
 
+def _check_second_moment(beta2: Any, eps: Any) -> None:
+    _checks.in_unit_interval("beta2", beta2)
+    _checks.positive("eps", eps)
+
+
+@_checks.checked(_check_second_moment)
 def scale_by_second_moment(beta2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
     """AdaMuon's element-wise second moment of the (orthogonalized) update ``O``:
 
@@ -268,8 +291,6 @@ def scale_by_second_moment(beta2: float = 0.999, eps: float = 1e-8) -> GradientT
     float64 parameters) and the arithmetic runs in that dtype; ``Ô`` comes back in the update's
     dtype. Elementwise: each entry from the same entry of ``O`` and ``V``.
     """
-    _checks.in_unit_interval("beta2", beta2)
-    _checks.positive("eps", eps)
 
     def init(params):
         return ScaleBySecondMomentState(_tree.tree_map(
@@ -324,6 +345,23 @@ class QuantizedAdamState(NamedTuple):
 ADAM_STORAGE = Layout(ScaleByAdamState, QuantizedAdamState, {"mu": _quantize.LINEAR, "nu": _quantize.UNSIGNED})
 
 
+def check_moments(betas: Any, eps: Any) -> None:
+    """:func:`scale_by_adam`'s ``betas`` and ``eps`` (also the recipes' that pass them on)."""
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"Invalid betas: {betas!r} (expected a pair (beta1, beta2))")
+    _checks.in_unit_interval("beta1", betas[0])
+    _checks.in_unit_interval("beta2", betas[1])
+    _checks.non_negative("eps", eps)
+
+
+def _check_adam(betas: Any, eps: Any, bias_correction: Any, nesterov: Any, state_bits: Any) -> None:
+    _quantize.check_state_bits(state_bits)
+    check_moments(betas, eps)
+    _checks.boolean("bias_correction", bias_correction)
+    _checks.boolean("nesterov", nesterov)
+
+
+@_checks.checked(_check_adam)
 def scale_by_adam(
     betas: tuple[Scalar, Scalar] = (0.9, 0.999),
     eps: float = 1e-8,
@@ -348,14 +386,6 @@ def scale_by_adam(
     direction is fp32. Leaves of ndim < 2 keep fp32 moments at every width. Below 32 bits this
     is :func:`muon_fn.core.storage.stored` around the 32-bit transform.
     """
-    _quantize.check_state_bits(state_bits)
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise ValueError(f"Invalid betas: {betas!r} (expected a pair (beta1, beta2))")
-    _checks.in_unit_interval("beta1", betas[0])
-    _checks.in_unit_interval("beta2", betas[1])
-    _checks.non_negative("eps", eps)
-    _checks.boolean("bias_correction", bias_correction)
-    _checks.boolean("nesterov", nesterov)
     b1, b2 = betas
 
     def init(params):
@@ -396,9 +426,15 @@ def scale_by_adam(
     options.update({"state_bits": state_bits} if state_bits != 32 else {})
     shown_betas = tuple(shown(b) for b in betas)
     tx = with_info(GradientTransformation(init, update), leafwise=True, scope=ELEMENTWISE)
-    return named(stored(tx, state_bits, ADAM_STORAGE), "scale_by_adam", betas=shown_betas, eps=eps, **options)
+    return named(stored.build(tx, state_bits, ADAM_STORAGE), "scale_by_adam", betas=shown_betas, eps=eps, **options)
 
 
+def _check_layerwise(eps: Any, add_eps: Any) -> None:
+    _checks.positive("eps", eps)
+    _checks.boolean("add_eps", add_eps)
+
+
+@_checks.checked(_check_layerwise)
 def normalize_layerwise(eps: float = 1e-8, *, add_eps: bool = False) -> GradientTransformation:
     """Layer-wise gradient normalization: every tensor divided by its own norm, ``g ← g / max(‖g‖, eps)``.
 
@@ -409,8 +445,6 @@ def normalize_layerwise(eps: float = 1e-8, *, add_eps: bool = False) -> Gradient
     every step and every layer the same weight in the moments. ``add_eps``: divide by
     ``‖g‖ + eps`` instead (the original TritonMuon kernel's form, :func:`triton_muon`).
     """
-    _checks.positive("eps", eps)
-    _checks.boolean("add_eps", add_eps)
 
     def normalize(g: torch.Tensor) -> torch.Tensor:
         norm = torch.linalg.vector_norm(g, dtype=torch.promote_types(g.dtype, torch.float32))
@@ -435,6 +469,13 @@ class NormalizeRowsState(NamedTuple):
     state_keys = {"nu": "row_variance"}  # noqa: RUF012  NamedTuple: annotated, it would be a field
 
 
+def _check_rows(beta2: Any, eps: Any, view: Any) -> None:
+    _checks.in_unit_interval("beta2", beta2)
+    _checks.positive("eps", eps)
+    _views.check_view(view)
+
+
+@_checks.checked(_check_rows)
 def normalize_rows(beta2: float = 0.95, eps: float = 1e-8, *, view: View = "flatten") -> GradientTransformation:
     """NorMuon's neuron-wise normalization of an orthogonalized update ``U`` (rows = outputs).
 
@@ -443,9 +484,6 @@ def normalize_rows(beta2: float = 0.95, eps: float = 1e-8, *, view: View = "flat
     (:func:`muon_fn.orthogonalize`'s) says what a matrix is: under ``"experts"`` every matrix of a
     stack has its own rows and its own ``‖U‖_F``; under a head view every block.
     """
-    _checks.in_unit_interval("beta2", beta2)
-    _checks.positive("eps", eps)
-    _views.check_view(view)
 
     def experts(p: torch.Tensor) -> bool:
         return p.ndim > 2 and _views.base(_views.view_of(view, p)) == "experts"

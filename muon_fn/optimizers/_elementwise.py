@@ -58,9 +58,10 @@ class _ElementwiseOptimizer(Optimizer):
 
 def elementwise_factory(h: dict[str, Any], *, decoupled: bool) -> GradientTransformation:
     """The transform of a :class:`TritonMuon` (or, ``decoupled``, :class:`TritonMuonW`) group."""
-    return triton_muon(h["lr"], h["momentum"], h["velocity"], weight_decay=h["weight_decay"], decoupled=decoupled,
-                       nesterov=h["nesterov"], layerwise_norm=h["layerwise_norm"], eps=h["eps"],
-                       state_bits=h.get("state_bits", 32))
+    # the group was checked (_validate_group): the recipe is built without its checks
+    return triton_muon.build(h["lr"], h["momentum"], h["velocity"], weight_decay=h["weight_decay"],
+                             decoupled=decoupled, nesterov=h["nesterov"], layerwise_norm=h["layerwise_norm"],
+                             eps=h["eps"], state_bits=h.get("state_bits", 32))
 
 
 class TritonMuon(_ElementwiseOptimizer):

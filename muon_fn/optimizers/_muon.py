@@ -15,7 +15,7 @@ from ..core import checks as _checks, defaults as _defaults
 from ..core.alias import adamw, check_one_normalization, matrix_labels, muon
 from ..core.base import GradientTransformation
 from ..core.combine import partition
-from ..core.muon import ADJUST_LR_FNS, resolve_method
+from ..core.muon import ADJUST_LR_FNS, check_iteration_dtype, refuse_callable_coefficients, resolve_method
 from ..core.newton_schulz import COMPUTE_DTYPES, METHODS, default_steps, gemm_flops, validate_coefficients
 from ..core.qk_clip import QKClip, check_tracked
 from ..core import quantize as _quantize
@@ -52,9 +52,7 @@ class HybridOptimizer(Optimizer):
             if not use_muon:
                 for key, source in (("lr", "adamw_lr"), ("weight_decay", "adamw_weight_decay")):
                     param_group[key] = param_group.get(source, self.defaults[source])
-        lr = param_group.get("lr", self.defaults["lr"])
-        _checks.learning_rate(lr)
-        param_group.setdefault("base_lr", float(lr))
+        param_group.setdefault("base_lr", _number_or_none(param_group.get("lr", self.defaults["lr"])))
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         if group["algorithm"] != "adamw":
@@ -124,6 +122,15 @@ class HybridOptimizer(Optimizer):
         if effective is None:
             scalars["adamw_lr_effective"] = effective = torch.zeros_like(lr)
         torch.mul(adamw_lr, ratio, out=effective)
+
+
+def _number_or_none(lr: Any) -> float | None:
+    """``float(lr)``; None for a value that is no number (``_validate_group`` refuses it, in
+    torch's wording, before the group is used)."""
+    try:
+        return float(lr)
+    except (TypeError, ValueError, RuntimeError):
+        return None
 
 
 class MuonOptimizer(HybridOptimizer):
@@ -438,6 +445,10 @@ def validate_muon_group(group: dict[str, Any]) -> None:
         if group[key] is not None:
             _checks.dtype(key, group[key], valid)
     check_state_bits(group)
+    if group["algorithm"] != "adamw":  # the groups that build the recipe (muon_factory builds it unchecked)
+        refuse_callable_coefficients(group["method"], group["ns_coefficients"])
+        check_iteration_dtype(group["method"], group["ns_steps"], group["ns_coefficients"], group["ns_dtype"],
+                              group["ns_stepsize"])
 
 
 def check_state_bits(group: dict[str, Any]) -> None:
@@ -450,10 +461,11 @@ def check_state_bits(group: dict[str, Any]) -> None:
 
 
 def muon_factory(h: dict[str, Any]) -> GradientTransformation:
-    """The transform of a :class:`MuonOptimizer` group from its hyperparameters."""
+    """The transform of a :class:`MuonOptimizer` group from its hyperparameters, which
+    ``_validate_group`` checked: the recipe is built without its checks (:func:`muon_fn.core.checks.checked`)."""
 
     def muon_tx():
-        return muon(
+        return muon.build(
             h["lr"], h["momentum"], nesterov=h["nesterov"], kind=h["momentum_kind"],
             method=h["method"], ns_steps=h["ns_steps"], ns_coefficients=h["ns_coefficients"],
             ns_dtype=h["ns_dtype"], eps=h["eps"], ns_stepsize=h["ns_stepsize"],
@@ -482,5 +494,5 @@ def hybrid_transform(h: dict[str, Any], name: str, matrix_tx: Callable[[], Gradi
     decay = {"decay_1d": h["adamw_decay_1d"], "cautious_weight_decay": h.get("cautious_weight_decay", False),
              "state_bits": h.get("state_bits", 32)}
     if algorithm == "adamw":
-        return adamw(h["lr"], h["adamw_betas"], h["adamw_eps"], h["weight_decay"], **decay)
+        return adamw.build(h["lr"], h["adamw_betas"], h["adamw_eps"], h["weight_decay"], **decay)
     return matrix_tx()

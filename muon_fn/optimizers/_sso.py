@@ -8,10 +8,11 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from ..core import defaults as _defaults
+from ..core import checks as _checks, defaults as _defaults
 from ..core.base import GradientTransformation
 from ..core.combine import leafwise_labels
-from ..core.sso import VALIDATED_KEYS, check_options, sso
+from ..core.newton_schulz import COMPUTE_DTYPES
+from ..core.sso import SETTINGS_KEYS, VALIDATED_KEYS, check_options, sso
 from ..engine import auto_label
 from ._muon import HybridOptimizer, check_state_bits, hybrid_transform
 
@@ -162,7 +163,8 @@ class SpectralSphereOptimizer(HybridOptimizer):
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         super()._validate_group(group)  # lr, momentum and the AdamW half, in torch's wording
-        check_options(**{key: group[key] for key in VALIDATED_KEYS})  # the recipe's own checks
+        # the recipe's own checks, but lr and momentum (checked above)
+        check_options(nesterov=group["nesterov"], **{key: group[key] for key in SETTINGS_KEYS})
         check_state_bits(group)
         if group["algorithm"] in ("sso", "muon"):
             for p in group["params"]:
@@ -172,6 +174,8 @@ class SpectralSphereOptimizer(HybridOptimizer):
                         f"group, but SSO needs a matrix (ndim >= 2), got ndim {p.ndim}; use "
                         "algorithm='auto' or put it in an 'adamw' group"
                     )
+        if group["algorithm"] != "adamw":  # the groups that build the recipe (sso_factory builds it unchecked)
+            _checks.dtype("msign_dtype", group["msign_dtype"], COMPUTE_DTYPES)
 
     def solver_stats(self) -> SolverReport:
         """The λ solver's statistics of the last step for every SSO matrix (see :class:`SolverReport`;
@@ -207,9 +211,11 @@ def sso_factory(h: dict[str, Any]) -> GradientTransformation:
 
     def sso_tx():
         # The group's keys are the recipe's argument names (VALIDATED_KEYS: lr, momentum, nesterov
-        # and spectral_sphere's checked options); three more are passed by name.
-        return sso(mu_dtype=h["momentum_dtype"], msign_dtype=h["msign_dtype"], view=h["matrix_view"] or "flatten",
-                   state_bits=h.get("state_bits", 32), **{key: h[key] for key in VALIDATED_KEYS})
+        # and spectral_sphere's settings); three more are passed by name. The group was checked
+        # (_validate_group): the recipe is built without its checks.
+        return sso.build(mu_dtype=h["momentum_dtype"], msign_dtype=h["msign_dtype"],
+                         view=h["matrix_view"] or "flatten", state_bits=h.get("state_bits", 32),
+                         **{key: h[key] for key in VALIDATED_KEYS})
 
     return hybrid_transform(h, "sso", sso_tx, _sso_labels)
 

@@ -31,8 +31,8 @@ from .products import Buffers, Products
 from .schedules import (AOL9_COEFFICIENTS, AOL_COEFFICIENTS, COMPUTE_DTYPES, CUBIC_COEFFICIENTS, DEFAULT_METHOD,
                         FORMS, GRAM_RESTARTS, KELLER_COEFFICIENTS, METHODS, POLAR_EXPRESS_COEFFICIENTS,
                         POLAR_EXPRESS_SAFETY, PRECONDITIONERS, TORCH_NS_STEPS, YOU_COEFFICIENTS, Coefficients,
-                        Method, Schedule, check_dtype, coefficient_schedule, default_steps, degree_terms,
-                        gemm_flops, gram_products, norm_scale, validate_coefficients)
+                        Method, Schedule, check_dtype, coefficient_rows, coefficient_schedule, default_steps,
+                        degree_terms, gemm_flops, gram_products, norm_scale, validate_coefficients)
 
 __all__ = [
     "AMX_SPLIT_MIN_RATIO", "AOL9_COEFFICIENTS", "AOL_COEFFICIENTS", "BatchedProducts", "Buffers", "COMPUTE_DTYPES",
@@ -40,7 +40,8 @@ __all__ = [
     "GRAM_RESTARTS", "KELLER_COEFFICIENTS", "LOOP_MIN_DIM", "METHODS", "Method", "POLAR_EXPRESS_COEFFICIENTS",
     "POLAR_EXPRESS_SAFETY", "PRECONDITIONERS", "Products", "SLOT_ALIGNMENT", "SYMMETRIC_MIN_BLOCK", "Schedule",
     "TORCH_NS_STEPS", "YOU_COEFFICIENTS", "aligned_slots", "aol_scale", "check_dtype", "clear_scratch",
-    "coefficient_schedule", "cpu_has_bf16_gemm", "default_compute_dtype", "default_steps", "degree_terms",
+    "coefficient_rows", "coefficient_schedule", "cpu_has_bf16_gemm", "default_compute_dtype", "default_steps",
+    "degree_terms",
     "for_device", "gemm_flops", "gram_matrix", "gram_products", "half_blocks", "inverse_norm", "iterate",
     "iterate_gram", "msign_batch", "newton_schulz", "norm_scale", "orthogonalize_batch", "orthogonalize_matrices",
     "poly", "polar_express", "run_schedule", "step", "validate_coefficients", "wide_shape",

@@ -164,13 +164,19 @@ _METHOD_OPTIONS = {"aol": {"precondition": "aol"}, "aol9": {"precondition": "aol
 _FOLD_FROM = {"aol9": 1}
 
 
+def _check_default_steps(method: Any, coefficients: Any) -> None:
+    if coefficients is not None:
+        validate_coefficients(coefficients)
+
+
+@_checks.checked(_check_default_steps)
 def default_steps(method: Method | None,
                   coefficients: Sequence[Sequence[float]] | Sequence[float] | None = None) -> int:
     """Iterations run when none are given: with ``coefficients`` (a user schedule) its length, or
     5 for a single triple (torch.optim.Muon's ``ns_steps``); else what ``method`` is designed
     for: 4 for ``"aol"`` and ``"aol9"``, else 5 (``None``: :data:`DEFAULT_METHOD`)."""
     if coefficients is not None:
-        rows = validate_coefficients(coefficients)
+        rows = coefficient_rows(coefficients)
         return len(rows) if len(rows) > 1 else TORCH_NS_STEPS
     method = DEFAULT_METHOD if method is None else method
     return _DEFAULT_STEPS.get(method, 5) if isinstance(method, str) else 5
@@ -199,6 +205,13 @@ def validate_coefficients(coefficients: Sequence[Sequence[float]] | Sequence[flo
     return rows
 
 
+def coefficient_rows(coefficients: Sequence[Sequence[float]] | Sequence[float]) -> tuple[Coefficients, ...]:
+    """The rows of a schedule that :func:`validate_coefficients` accepted, without its checks."""
+    flat = bool(coefficients) and all(_is_real(v) for v in coefficients)
+    rows: Sequence[Any] = (coefficients,) if flat else coefficients
+    return tuple(tuple(float(v) for v in row) for row in rows)
+
+
 def _is_real(v: object) -> TypeGuard[numbers.Real]:
     return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
@@ -209,6 +222,21 @@ def _real(v: object) -> float:
     return float(v)
 
 
+def _check_schedule(method: Any, steps: Any, coefficients: Any, stepsize: Any) -> None:
+    if method is None and coefficients is None:
+        method = DEFAULT_METHOD
+    rows_checked = steps is None and coefficients is not None
+    if steps is None:
+        steps = default_steps(method, coefficients)  # checks the coefficients
+    _checks.positive_int("steps", steps)
+    _checks.positive("stepsize", stepsize)
+    if coefficients is None:
+        _checks.one_of("method", method, METHODS)
+    elif not rows_checked:
+        validate_coefficients(coefficients)
+
+
+@_checks.checked(_check_schedule)
 def coefficient_schedule(
     method: str | None = "polar_express",
     steps: int | None = 5,
@@ -230,15 +258,12 @@ def coefficient_schedule(
     if method is None and coefficients is None:
         method = DEFAULT_METHOD
     if steps is None:
-        steps = default_steps(method, coefficients)
-    _checks.positive_int("steps", steps)
-    _checks.positive("stepsize", stepsize)
+        steps = default_steps.build(method, coefficients)
     fold_from = None  # measured for the method's own rows only
     if coefficients is not None:
-        base, extend = validate_coefficients(coefficients), "repeat_last"
+        base, extend = coefficient_rows(coefficients), "repeat_last"
     else:
         assert method is not None  # DEFAULT_METHOD when neither is given
-        _checks.one_of("method", method, METHODS)
         base, extend = _SCHEDULES[method]
         fold_from = _FOLD_FROM.get(method)
     if extend == "cycle":
