@@ -37,8 +37,10 @@ class GradientTransformation(NamedTuple):
 
     ``init(params) -> state`` builds the state for a pytree of parameters.
     ``update(updates, state, params=None, **extra) -> (updates, state)`` transforms a pytree of
-    updates (gradients on entry). Neither function mutates its arguments. Per-step scalars are
-    0-d tensors; static configuration is closed over by the factory that built the pair.
+    updates (gradients on entry). Neither function mutates its arguments, with one exception
+    the caller opts into: ``update(..., donated=True)`` gives up the memory of the update tensors
+    passed in, as JAX's donated buffers (:func:`donated`). Per-step scalars are 0-d tensors;
+    static configuration is closed over by the factory that built the pair.
     """
 
     init: TransformInitFn
@@ -47,6 +49,15 @@ class GradientTransformation(NamedTuple):
     def __repr__(self) -> str:
         name = getattr(self.update, "_muon_fn_repr", None)
         return name if name is not None else f"GradientTransformation(init={self.init!r}, update={self.update!r})"
+
+
+def donated(extra: dict[str, Any]) -> bool:
+    """Whether an update's ``**extra`` donate its updates: ``donated=True`` says the caller will
+    not read the update tensors it passed again (it overwrites or drops them), so the transform
+    may use their memory, e.g. as scratch (:func:`~muon_fn.orthogonalize` iterates in it). It
+    covers the tensors as passed only: :func:`~muon_fn.chain` gives it to its first part alone,
+    since a later part's input may be an earlier part's state."""
+    return bool(extra.get("donated", False))
 
 
 class TransformInfo(NamedTuple):

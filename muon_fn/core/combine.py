@@ -27,8 +27,9 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     def update(updates: Updates, state: tuple, params: Params | None = None, **extra: Any):
         check_updates(updates, params)
         new_state = []
-        for tx, s in zip(transforms, state):
-            updates, s = tx.update(updates, s, params, **extra)
+        later = {k: v for k, v in extra.items() if k != "donated"}  # donation covers the input only
+        for i, (tx, s) in enumerate(zip(transforms, state)):
+            updates, s = tx.update(updates, s, params, **(extra if i == 0 else later))
             new_state.append(s)
         return updates, tuple(new_state)
 

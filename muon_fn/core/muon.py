@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from . import checks as _checks, metrics as _metrics, newton_schulz as _newton_schulz, tree as _tree, views as _views
-from .base import MATRIX, GradientTransformation, init_empty_state, named, with_info
+from .base import MATRIX, GradientTransformation, donated, init_empty_state, named, with_info
 from .metrics import collector_of
 from .views import View, matrix_shape
 
@@ -255,7 +255,7 @@ def orthogonalize(
 
     def update(updates, state, params=None, **extra):
         del params
-        return _orthogonalize_tree(updates, view, batch, msign, collector_of(extra)), state
+        return _orthogonalize_tree(updates, view, batch, msign, collector_of(extra), donated(extra)), state
 
     if coefficients is None and method is None:
         method = _newton_schulz.DEFAULT_METHOD  # named in the repr
@@ -269,10 +269,11 @@ def orthogonalize(
     return with_info(tx, leafwise=True, scope=MATRIX, per_matrix=not custom)
 
 
-def _custom_msign(method: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[list[torch.Tensor]], torch.Tensor]:
+def _custom_msign(method: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., torch.Tensor]:
     """A user's iteration on one group of equal shapes, stacked in the wide orientation; the
     results in the group's orientation."""
-    def msign(group: list[torch.Tensor]) -> torch.Tensor:
+    def msign(group: list[torch.Tensor], consume: bool = False) -> torch.Tensor:
+        del consume  # the stack is a copy
         tall = group[0].size(-2) > group[0].size(-1)
         out = method(torch.stack([x.mT if tall else x for x in group]))
         return out.mT if tall else out
@@ -280,11 +281,16 @@ def _custom_msign(method: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[l
 
 
 def _msign_of(method: Any, schedule: Any, scale: float, dtype: torch.dtype | None,
-              eps: float) -> Callable[[list[torch.Tensor]], torch.Tensor]:
+              eps: float) -> Callable[..., torch.Tensor]:
     """A named method's iteration on one group of equal shapes: the ``(B, *shape)`` results in
-    the group's orientation, in the compute dtype (``dtype``, or the device's default)."""
-    def msign(group: list[torch.Tensor]) -> torch.Tensor:
+    the group's orientation, in the compute dtype (``dtype``, or the device's default);
+    ``consume``: the group's tensors are donated (:func:`muon_fn.core.base.donated`), and the
+    operator casts them itself, in their memory (the same values)."""
+    def msign(group: list[torch.Tensor], consume: bool = False) -> torch.Tensor:
         compute = dtype or _newton_schulz.default_compute_dtype(group[0].device, schedule)
+        if consume:
+            return _newton_schulz.msign_batch(group, schedule, dtype=compute, eps=eps, norm_scale=scale,
+                                              consume=True)
         if compute.itemsize < group[0].dtype.itemsize:
             # Cast first, as torch.optim.Muon does (G.bfloat16(), then normalize): compiled, the
             # update that enters the iteration is materialized in the compute dtype (half the
@@ -294,11 +300,12 @@ def _msign_of(method: Any, schedule: Any, scale: float, dtype: torch.dtype | Non
     return msign
 
 
-def _orthogonalize_tree(updates: Any, view: View, batch: bool,
-                        msign: Callable[[list[torch.Tensor]], torch.Tensor], collector: Any = None) -> Any:
+def _orthogonalize_tree(updates: Any, view: View, batch: bool, msign: Callable[..., torch.Tensor],
+                        collector: Any = None, consume: bool = False) -> Any:
     """Every matrix of every leaf of ``updates`` (as its view reads it) replaced by its msign,
     equal shapes in one batch (``batch``) or one at a time; with a ``collector``, each
-    unit's orthogonality residual recorded (:func:`muon_fn.core.metrics.residual`)."""
+    unit's orthogonality residual recorded (:func:`muon_fn.core.metrics.residual`); ``consume``:
+    the updates are donated, and the iteration may use their memory."""
     paths, leaves, spec = _tree.tree_flatten_with_path(updates)
     views = [None if u is None or u.ndim < 2 else _views.view_of(view, u) for u in leaves]
     units = [[] if u is None else _units(u, path, v) for path, u, v in zip(paths, leaves, views)]
@@ -309,7 +316,7 @@ def _orthogonalize_tree(updates: Any, view: View, batch: bool,
     results = [list(us) for us in units]
     residuals = [[None] * len(us) for us in units]
     for members in group_by(keys, None if batch else 1):
-        batch_out = msign([units[i][j] for i, j in (flat[k] for k in members)])
+        batch_out = msign([units[i][j] for i, j in (flat[k] for k in members)], consume)
         res = None if collector is None else _metrics.residual(batch_out)
         for n, (k, o) in enumerate(zip(members, batch_out.unbind(0))):
             i, j = flat[k]

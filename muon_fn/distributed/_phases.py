@@ -104,8 +104,8 @@ class Steps(NamedTuple):
 
     pre: _compile.PerSignature  # (params, grads, state, finite) -> (updates, new state, fault)
     mid: _compile.PerSignature  # (params, updates, state, finite, into) -> (updates, new state); into:
-    # the updates are the caller's to overwrite, masked in place already (masked_in_place), and
-    # each result is written into its update (written_into)
+    # the updates are the caller's to overwrite, masked in place already (masked_in_place),
+    # donated to the mid transform (donate), and each result is written into its update (written_into)
     post: _compile.PerSignature  # (params, updates, state, mid state, new mid state, finite)
     # -> (updates, new state, new mid state, ok, fault)
     whole: _compile.PerSignature  # (params, grads, state, finite) -> (updates, new state, ok, fault): no mid
@@ -133,7 +133,7 @@ def steps(phases: Phases, options: dict[str, Any] | None, verify: bool = False) 
         return updates, new_state, fault
 
     def mid_step(params, updates, state, finite, into):
-        out, new_state = mid.update(updates if into else masked(updates, finite), state, params)
+        out, new_state = mid.update(updates if into else masked(updates, finite), state, params, **donate(into))
         return written_into(updates, poisoned(out, finite), into), new_state
 
     def post_step(params, updates, state, mid_state, new_mid_state, finite):
@@ -157,7 +157,8 @@ def steps(phases: Phases, options: dict[str, Any] | None, verify: bool = False) 
 
     def mid_measured(params, updates, state, finite, into, leaves):
         c = _metrics.Collector(leaves)
-        out, new_state = mid.update(updates if into else masked(updates, finite), state, params, metrics=c)
+        out, new_state = mid.update(updates if into else masked(updates, finite), state, params, metrics=c,
+                                    **donate(into))
         return written_into(updates, poisoned(out, finite), into), new_state, c.result()
 
     def post_measured(params, updates, state, mid_state, new_mid_state, finite, leaves):
@@ -179,6 +180,13 @@ def steps(phases: Phases, options: dict[str, Any] | None, verify: bool = False) 
     return Steps(*(_compile.PerSignature(f, options, "the FSDP optimizer's step", verify=verify,
                                          compared=None if f in plain else without_figures)
                    for f in plain + measured))
+
+
+def donate(into: bool) -> dict[str, bool]:
+    """The mid update's extra keyword for ``into`` (the owner's gathered matrices, which it then
+    overwrites with the results): donated (:func:`muon_fn.core.base.donated`), so that the
+    iteration runs in their memory instead of beside it."""
+    return {"donated": True} if into else {}
 
 
 def without_figures(result: tuple) -> tuple:

@@ -38,10 +38,11 @@ class BatchedProducts(Products):
         return super().product(a, b, out, bias, beta, alpha)
 
     def orthogonalize_batch(self, xs: Sequence[torch.Tensor], schedule: Sequence[Coefficients], dtype: torch.dtype,
-                            eps: float, norm_scale: float) -> torch.Tensor:
+                            eps: float, norm_scale: float, consume: bool = False) -> torch.Tensor:
         """msign of each matrix of ``xs`` (one shape) as one ``(B, *shape)`` tensor: stacked,
-        normalized by one reduction, iterated with one batched GEMM per product."""
-        y = torch.stack(list(xs))
+        normalized by one reduction, iterated with one batched GEMM per product. ``consume``:
+        cast to ``dtype`` first (the stack is a copy either way)."""
+        y = torch.stack([x.to(dtype) for x in xs] if consume else list(xs))
         y = (y * inverse_norm(y, norm_scale, eps, dims=(-2, -1))).to(dtype)
         return run_schedule(y, schedule, eps, self)
 

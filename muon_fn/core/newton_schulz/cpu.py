@@ -208,18 +208,28 @@ class CPUProducts(Products):
         return run(y, gram, out)
 
     def orthogonalize_batch(self, xs: Sequence[torch.Tensor], schedule: Sequence[Coefficients], dtype: torch.dtype,
-                            eps: float, norm_scale: float) -> torch.Tensor:
+                            eps: float, norm_scale: float, consume: bool = False) -> torch.Tensor:
         """Each matrix normalized by its own Frobenius norm (in at least fp32, on its own layout)
         and cast straight into its slot of the batch, then the batch iterated: batched GEMMs below
         :data:`LOOP_MIN_DIM` rows, one matrix at a time from there or when the slots are not
         aligned (eager). Every step is computed per matrix on equally aligned memory, so a
         matrix's result does not depend on which others share its batch. A tall batch iterates
-        in its own layout (:mod:`.iteration`), so nothing is transposed in or out."""
+        in its own layout (:mod:`.iteration`), so nothing is transposed in or out.
+
+        ``consume``: the matrices are the caller's to lose. Each is cast to ``dtype`` first (the
+        values of ``[x.to(dtype) for x in xs]``, bit for bit) and, where its memory can hold the
+        iteration's second buffer (:func:`own_slot`), normalized into it and iterated there, so
+        that a matrix costs the call no scratch of its size; ``xs`` then hold no meaningful values."""
         m, n = wide_shape(xs[0].shape)
         aligned = aligned_slots(m, n, dtype, xs[0].device)
         batched = not ((self.loops(m, dtype) or not aligned) and not torch.compiler.is_compiling())
         self.release_oversized(len(xs) if batched else 1, m, n)
         out = torch.empty((len(xs),) + tuple(xs[0].shape), dtype=dtype, device=xs[0].device)
+        if consume and aligned and (not batched or len(xs) == 1):
+            for x, target in zip(xs, out.unbind(0) if not batched else [out]):
+                self.iterate_consumed(x, target, schedule, eps, norm_scale)
+            return out
+        xs = [x.to(dtype) for x in xs] if consume else xs
         if batched:
             y = self.input_slot(schedule, out)
             for x, slot in zip(xs, y.unbind(0)):
@@ -234,6 +244,23 @@ class CPUProducts(Products):
             else:  # the last product goes to aligned scratch, then into the slot
                 target.copy_(run_schedule(y, schedule, eps, self))
         return out
+
+    def iterate_consumed(self, x: torch.Tensor, out: torch.Tensor, schedule: Sequence[Coefficients],
+                         eps: float, norm_scale: float) -> None:
+        """One matrix ``x`` the caller gives up, iterated into ``out`` (aligned and contiguous: its
+        slot, or a batch of one) with ``x``'s memory as the second buffer where it can be
+        (:func:`own_slot`; else scratch): normalized, cast first, into whichever of the two
+        the first iteration reads (:meth:`input_slot`)."""
+        partner = own_slot(x, out.dtype)
+        if partner is None:
+            y = self.input_slot(schedule, out)
+            normalize_into(x.to(out.dtype), y.view(x.shape), norm_scale, eps)
+            run_schedule(y, schedule, eps, self, out=out)
+            return
+        gram_form = getattr(schedule, "form", "standard") == "gram"
+        y = partner.view(out.shape) if gram_form or len(schedule) % 2 == 1 else out
+        normalize_cast_into(x, y.view(x.shape), norm_scale, eps)
+        run_schedule(y, schedule, eps, self, out=out, partner=None if gram_form else partner.view(out.shape))
 
     def input_slot(self, schedule: Sequence[Coefficients], out: torch.Tensor | None,
                    like: torch.Tensor | None = None) -> torch.Tensor:
@@ -270,6 +297,37 @@ def normalize_into(x: torch.Tensor, slot: torch.Tensor, norm_scale: float, eps: 
                               for r in range(0, x.size(0), rows)])
         inv = 1.0 / (torch.linalg.vector_norm(blocks) * norm_scale).clamp_min(eps)
     torch.mul(x, inv, out=slot)
+
+
+def normalize_cast_into(x: torch.Tensor, slot: torch.Tensor, norm_scale: float, eps: float) -> None:
+    """:func:`normalize_into` of ``x.to(slot.dtype)``, bit for bit, without a copy of all of ``x``:
+    row blocks of :data:`NORM_BLOCK` elements are cast one at a time, and written in order, so
+    ``slot`` may be ``x``'s own memory (:func:`own_slot`): a block is read whole before its rows
+    are written, and it is never wider in ``slot`` than in ``x``."""
+    if x.dtype == slot.dtype:
+        normalize_into(x, slot, norm_scale, eps)
+        return
+    rows = max(1, NORM_BLOCK // x.size(-1))
+    starts = range(0, x.size(-2), rows)
+    if slot.element_size() >= 4 or x.numel() <= NORM_BLOCK:
+        inv = inverse_norm(x.to(slot.dtype), norm_scale, eps)
+    else:
+        blocks = torch.stack([torch.linalg.vector_norm(x[..., r:r + rows, :].to(slot.dtype), dtype=torch.float32)
+                              for r in starts])
+        inv = 1.0 / (torch.linalg.vector_norm(blocks) * norm_scale).clamp_min(eps)
+    for r in starts:
+        torch.mul(x[..., r:r + rows, :].to(slot.dtype), inv, out=slot[..., r:r + rows, :])
+
+
+def own_slot(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """``x``'s memory, from its start, as an ``empty`` tensor of ``x``'s shape in ``dtype``, where
+    it can stand in for a fresh one: ``x`` contiguous, at least as wide per element, and on a
+    :data:`SLOT_ALIGNMENT` boundary (so its GEMMs round as a fresh tensor's); else None."""
+    size = torch.empty((), dtype=dtype).element_size()
+    if (not x.is_contiguous() or x.element_size() < size or x.element_size() % size
+            or x.data_ptr() % SLOT_ALIGNMENT or x.dtype.is_complex or dtype.is_complex):
+        return None
+    return x.view(-1).view(dtype)[:x.numel()].view(x.shape)
 
 
 def transposed(t: torch.Tensor) -> bool:

@@ -143,30 +143,38 @@ def default_compute_dtype(device: torch.device | str | None = None,
 
 
 def orthogonalize_batch(xs: Sequence[torch.Tensor], schedule: Sequence[Coefficients], *, dtype: torch.dtype,
-                        eps: float, norm_scale: float = 1.0, buffers: Buffers | None = None) -> torch.Tensor:
+                        eps: float, norm_scale: float = 1.0, buffers: Buffers | None = None,
+                        consume: bool = False) -> torch.Tensor:
     """msign of each matrix of ``xs`` (2-D, one shape) as one contiguous ``(B, *xs[0].shape)``
     tensor in ``dtype``, run by the products of the matrices' device (:func:`for_device`;
     ``buffers``: scratch kept across calls where that execution reuses scratch). A tall batch
     iterates in its own layout, on ``XᵀX`` (:mod:`.iteration`): nothing is transposed in or out.
-    The result is always fresh."""
+    The result is always fresh. ``consume``: ``xs`` are the caller's to lose; the result is that
+    of ``[x.to(dtype) for x in xs]``, bit for bit, and the CPU iterates in their memory
+    (:meth:`.cpu.CPUProducts.orthogonalize_batch`)."""
     check_dtype(schedule, dtype)
     shapes = {tuple(x.shape) for x in xs}
     if len(shapes) != 1:
         raise ValueError(f"orthogonalize_batch takes matrices of one shape, got {sorted(shapes)}")
-    return for_device(xs[0].device, buffers).orthogonalize_batch(xs, schedule, dtype, eps, norm_scale)
+    return for_device(xs[0].device, buffers).orthogonalize_batch(xs, schedule, dtype, eps, norm_scale, consume)
+
+
+def _schedule(coefficients: list[float], degrees: list[int], precondition: str, form: str,
+              fold_from: int) -> Schedule:
+    """The :class:`Schedule` the operators' flat arguments describe."""
+    rows, k = [], 0
+    for d in degrees:
+        rows.append(tuple(coefficients[k:k + d]))
+        k += d
+    return Schedule(rows, precondition=precondition, form=form, fold_from=None if fold_from < 0 else fold_from)
 
 
 @torch.library.custom_op("muon_fn::orthogonalize_batch", mutates_args=())
 def _orthogonalize_batch_op(xs: list[torch.Tensor], coefficients: list[float], degrees: list[int],
                             precondition: str, form: str, fold_from: int, eps: float, norm_scale: float,
                             dtype: torch.dtype) -> torch.Tensor:
-    rows, k = [], 0
-    for d in degrees:
-        rows.append(tuple(coefficients[k:k + d]))
-        k += d
-    schedule = Schedule(rows, precondition=precondition, form=form, fold_from=None if fold_from < 0 else fold_from)
-    return orthogonalize_batch(xs, schedule, dtype=dtype, eps=eps, norm_scale=norm_scale,
-                               buffers=cpu.scratch_buffers(xs[0].device))
+    return orthogonalize_batch(xs, _schedule(coefficients, degrees, precondition, form, fold_from), dtype=dtype,
+                               eps=eps, norm_scale=norm_scale, buffers=cpu.scratch_buffers(xs[0].device))
 
 
 @_orthogonalize_batch_op.register_fake
@@ -174,9 +182,25 @@ def _(xs, coefficients, degrees, precondition, form, fold_from, eps, norm_scale,
     return torch.empty((len(xs),) + tuple(xs[0].shape), dtype=dtype, device=xs[0].device)
 
 
+@torch.library.custom_op("muon_fn::orthogonalize_batch_consumed", mutates_args=("xs",))
+def _orthogonalize_consumed_op(xs: list[torch.Tensor], coefficients: list[float], degrees: list[int],
+                               precondition: str, form: str, fold_from: int, eps: float, norm_scale: float,
+                               dtype: torch.dtype) -> torch.Tensor:
+    return orthogonalize_batch(xs, _schedule(coefficients, degrees, precondition, form, fold_from), dtype=dtype,
+                               eps=eps, norm_scale=norm_scale, buffers=cpu.scratch_buffers(xs[0].device),
+                               consume=True)
+
+
+@_orthogonalize_consumed_op.register_fake
+def _(xs, coefficients, degrees, precondition, form, fold_from, eps, norm_scale, dtype):
+    return torch.empty((len(xs),) + tuple(xs[0].shape), dtype=dtype, device=xs[0].device)
+
+
 def msign_batch(xs: Sequence[torch.Tensor], schedule: Sequence[Coefficients], *, dtype: torch.dtype,
-                eps: float, norm_scale: float = 1.0) -> torch.Tensor:
-    """:func:`orthogonalize_batch` as one operator (``torch.ops.muon_fn.orthogonalize_batch``).
+                eps: float, norm_scale: float = 1.0, consume: bool = False) -> torch.Tensor:
+    """:func:`orthogonalize_batch` as one operator (``torch.ops.muon_fn.orthogonalize_batch``;
+    ``consume``: ``torch.ops.muon_fn.orthogonalize_batch_consumed``, which declares that it writes
+    ``xs``: see :func:`orthogonalize_batch`).
 
     Under the CPU execution policy (:mod:`muon_fn.core.execution`) the iteration stays one opaque call
     under ``torch.compile`` that runs the CPU's tuned eager kernels (:mod:`.cpu`: reused scratch,
@@ -187,9 +211,10 @@ def msign_batch(xs: Sequence[torch.Tensor], schedule: Sequence[Coefficients], *,
     """
     if not _execution.policy(xs[0].device).opaque or (
             torch.is_grad_enabled() and any(x.requires_grad for x in xs)):
+        xs = [x.to(dtype) for x in xs] if consume else xs  # traced: the casts fuse with their producers
         return orthogonalize_batch(xs, schedule, dtype=dtype, eps=eps, norm_scale=norm_scale)
     fold_from = getattr(schedule, "fold_from", None)  # a Schedule's; None for a plain sequence
-    return _orthogonalize_batch_op(
+    return (_orthogonalize_consumed_op if consume else _orthogonalize_batch_op)(
         list(xs), [float(c) for row in schedule for c in row], [len(row) for row in schedule],
         getattr(schedule, "precondition", "frobenius"), getattr(schedule, "form", "standard"),
         -1 if fold_from is None else fold_from, float(eps), float(norm_scale), dtype)

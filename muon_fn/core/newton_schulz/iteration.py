@@ -124,7 +124,7 @@ def step(x: torch.Tensor, gram: torch.Tensor, row: Coefficients, ops: Products, 
 
 
 def iterate(x: torch.Tensor, schedule: Sequence[Coefficients], gram: torch.Tensor | None, ops: Products,
-            out: torch.Tensor | None = None) -> torch.Tensor:
+            out: torch.Tensor | None = None, partner: torch.Tensor | None = None) -> torch.Tensor:
     """Apply ``X ← c₀X + (Σ_{i≥1} cᵢAⁱ)X``, ``A = XXᵀ``, once per row (``aX + (bA + cA²)X`` for a
     quintic). ``x``: (m, n) or (B, m, n). A :class:`~.schedules.Schedule`'s ``fold_from`` says
     from which iteration on ``c₀`` goes onto the polynomial's diagonal (:func:`step`).
@@ -134,16 +134,19 @@ def iterate(x: torch.Tensor, schedule: Sequence[Coefficients], gram: torch.Tenso
     ``ops``: the products; where they keep scratch, every intermediate product is written into it.
     ``out``: where the last iteration writes; if it is contiguous, X alternates between ``out``
     and one scratch tensor (:func:`ring_input` says where to put ``x`` so that neither is read
-    while written), else between two scratch tensors (``"x0"``, ``"x1"``: a transposed ``out`` is
-    written once). Without ``out`` the result may be scratch, overwritten by the next call with
-    the same shapes. Bitwise the same values either way.
+    while written), or ``partner`` where the caller gives one (a buffer of ``out``'s shape and
+    dtype that it may lose: the input's own memory, :func:`~.cpu.own_slot`), else between two
+    scratch tensors (``"x0"``, ``"x1"``: a transposed ``out`` is written once). Without ``out``
+    the result may be scratch, overwritten by the next call with the same shapes. Bitwise the
+    same values either way.
     """
     fold_from = getattr(schedule, "fold_from", None)
     last = len(schedule) - 1
     for k, row in enumerate(schedule):
         a = gram_matrix(x, ops) if gram is None else gram
         if out is not None and out.is_contiguous():
-            target = out if (last - k) % 2 == 0 else ops.scratch("x", x.shape, x)
+            target = out if (last - k) % 2 == 0 else (
+                ops.scratch("x", x.shape, x) if partner is None else partner)
         else:
             target = out if k == last and out is not None else ops.scratch(f"x{k % 2}", x.shape, x)
         x = step(x, a, row, ops, target, symmetric=gram is None, overwrite=gram is None,
@@ -193,21 +196,23 @@ def iterate_gram(x: torch.Tensor, schedule: Sequence[Coefficients], gram: torch.
 
 
 def run_schedule(y: torch.Tensor, schedule: Sequence[Coefficients], eps: float, ops: Products,
-                 gram: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                 gram: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                 partner: torch.Tensor | None = None) -> torch.Tensor:
     """Iterate a normalized ``y`` (compute dtype, either orientation) with ``schedule``: the AOL rescale first if
     the schedule asks for it (its Gram matrix feeds the first iteration), in the schedule's form.
     ``y`` may be rescaled in place (it is the caller's normalized copy). ``out``: see
-    :func:`iterate` (the Gram form keeps no scratch). ``gram``: its Gram matrix if known. ``ops`` runs a
-    batch whole or one matrix at a time (:meth:`~.products.Products.each_matrix`)."""
+    :func:`iterate` (the Gram form keeps no scratch), and ``partner``, with ``out``, the buffer X
+    alternates with (:func:`iterate`; the batch is then run whole). ``gram``: its Gram matrix if
+    known. ``ops`` runs a batch whole or one matrix at a time (:meth:`~.products.Products.each_matrix`)."""
     def run(y: torch.Tensor, gram: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
         if getattr(schedule, "precondition", "frobenius") == "aol":
             y, gram = aol_scale(y, gram_matrix(y, ops) if gram is None else gram, eps)
         if getattr(schedule, "form", "standard") == "gram":
             result = iterate_gram(y, schedule, gram, ops=ops.without_scratch())
             return result if out is None else out.copy_(result)
-        return iterate(y, schedule, gram, ops, out)
+        return iterate(y, schedule, gram, ops, out, partner)
 
-    return ops.each_matrix(run, y, gram, out)
+    return run(y, gram, out) if partner is not None else ops.each_matrix(run, y, gram, out)
 
 
 def orthogonalize_matrices(
