@@ -58,8 +58,9 @@ class _Scratch:
     kept: bool
     roles: dict[str, int] = field(default_factory=dict)
 
-    def run(self, batch: int, m: int, n: int) -> None:
-        """One call iterating ``batch`` wide ``m × n`` matrices at once."""
+    def run(self, batch: int, m: int, n: int, in_place: bool = False) -> None:
+        """One call iterating ``batch`` wide ``m × n`` matrices at once; ``in_place``: the
+        iterate alternates with the inputs' own memory (donated), so no ``x`` is asked for."""
         if not self.kept:
             self.roles = {}
         need = {"x": batch * m * n, **dict.fromkeys(GRAM_ROLES, batch * m * m)}
@@ -67,7 +68,7 @@ class _Scratch:
             if self.roles[role] > 2 * need[role]:
                 del self.roles[role]
         for role, numel in need.items():
-            if not numel <= self.roles.get(role, 0) <= 2 * numel:
+            if not (in_place and role == "x") and not numel <= self.roles.get(role, 0) <= 2 * numel:
                 self.roles[role] = numel
 
     def total(self) -> int:
@@ -181,6 +182,18 @@ class _Walk:
     def cast(self) -> bool:
         return self.wire_bytes != self.param_bytes
 
+    def in_place(self, count: int, m: int, n: int) -> bool:
+        """Whether the CPU's iteration of a unit of ``count`` gathered ``m × n`` matrices runs in
+        their memory (donated: :meth:`~muon_fn.core.newton_schulz.cpu.CPUProducts.orthogonalize_batch`):
+        one matrix at a time, or a batch of one, on aligned slots (a fresh tensor's alignment
+        is assumed for each matrix, as a receive buffer of such shapes gives)."""
+        if not self.scratch.kept:  # the batched policy (GPUs): traced, the cast fuses with its producer
+            return False
+        from ..core.newton_schulz.cpu import SLOT_ALIGNMENT
+
+        aligned = (m * n * self.ns_bytes) % SLOT_ALIGNMENT == 0 and (m * m * self.ns_bytes) % SLOT_ALIGNMENT == 0
+        return aligned and (self.loops(m) or count == 1)
+
     def start(self, i: int) -> None:
         """The pre phase, then the gather posted: the send buffer is made while the packed rows
         are held, the rows are freed as they are copied, then the receive buffer is made."""
@@ -202,11 +215,12 @@ class _Walk:
         if s.copied == s.gathered:
             live.drop(("gather recv", i))
         for count, m, n in s.units:  # the results replace the inputs as each unit finishes
-            self.scratch.run(1 if self.loops(m) else count, m, n)
+            in_place = self.in_place(count, m, n)
+            self.scratch.run(1 if self.loops(m) else count, m, n, in_place)
             live.held["scratch"] = self.scratch.total() * self.ns_bytes
-            # the input cast to N where N is narrower (the iteration reads it), the result in N;
-            # then the result in P, written into its input
-            live.note(count * m * n * self.ns_bytes * (2 if self.ns_bytes < p else 1))
+            # the input cast to N where N is narrower (the iteration reads it) unless it is cast
+            # in its own memory, the result in N; then the result in P, written into its input
+            live.note(count * m * n * self.ns_bytes * (2 if self.ns_bytes < p and not in_place else 1))
             if not self.scratch.kept:
                 live.held["scratch"] = 0
         if self.release:
@@ -254,6 +268,8 @@ def step_transient(plan: Plan, rank: int, units: Sequence[Sequence[int]], views:
       in N, then in P written into its input (the owner's gathered matrices are the exchange's
       to overwrite), and the Newton–Schulz scratch: X,
       XXᵀ and the polynomial in N for the unit's batch, or for one matrix where ``loops(m)``
+      (under the CPU policy a matrix iterated alone, or a batch of one, is cast in its own
+      memory, which then holds X: :meth:`_Walk.in_place`)
       (the CPU's matrix-at-a-time loop), kept from one call to the next as the CPU products
       keep it (``scratch_kept``; else freed after each unit), and freed after the owner's compute
       under a byte bound (``inflight_bytes`` not None); the results replace the inputs;
