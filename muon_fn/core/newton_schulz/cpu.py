@@ -301,22 +301,25 @@ def normalize_into(x: torch.Tensor, slot: torch.Tensor, norm_scale: float, eps: 
 
 def normalize_cast_into(x: torch.Tensor, slot: torch.Tensor, norm_scale: float, eps: float) -> None:
     """:func:`normalize_into` of ``x.to(slot.dtype)``, bit for bit, without a copy of all of ``x``:
-    row blocks of :data:`NORM_BLOCK` elements are cast one at a time, and written in order, so
-    ``slot`` may be ``x``'s own memory (:func:`own_slot`): a block is read whole before its rows
-    are written, and it is never wider in ``slot`` than in ``x``."""
+    ``x`` is cast into ``slot`` in row blocks of :data:`NORM_BLOCK` elements, in order, then the
+    norm is taken and ``slot`` scaled in place, so ``slot`` may be the head of ``x``'s own memory
+    (:func:`own_slot`): a block written never reaches a block not yet read (the first, which
+    overlaps its own rows, goes through a small temporary). The blocks lie where the cast copy's
+    would, so the norm's sums are the same."""
     if x.dtype == slot.dtype:
         normalize_into(x, slot, norm_scale, eps)
         return
     rows = max(1, NORM_BLOCK // x.size(-1))
     starts = range(0, x.size(-2), rows)
-    if slot.element_size() >= 4 or x.numel() <= NORM_BLOCK:
-        inv = inverse_norm(x.to(slot.dtype), norm_scale, eps)
-    else:
-        blocks = torch.stack([torch.linalg.vector_norm(x[..., r:r + rows, :].to(slot.dtype), dtype=torch.float32)
-                              for r in starts])
-        inv = 1.0 / (torch.linalg.vector_norm(blocks) * norm_scale).clamp_min(eps)
     for r in starts:
-        torch.mul(x[..., r:r + rows, :].to(slot.dtype), inv, out=slot[..., r:r + rows, :])
+        block = x[r:r + rows]
+        slot[r:r + rows].copy_(block.to(slot.dtype) if r == 0 else block)
+    if slot.element_size() >= 4 or x.numel() <= NORM_BLOCK:
+        inv = inverse_norm(slot, norm_scale, eps)
+    else:
+        blocks = torch.stack([torch.linalg.vector_norm(slot[r:r + rows], dtype=torch.float32) for r in starts])
+        inv = 1.0 / (torch.linalg.vector_norm(blocks) * norm_scale).clamp_min(eps)
+    slot.mul_(inv)
 
 
 def own_slot(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
