@@ -210,8 +210,10 @@ class _Walk:
         ``previous`` bucket finished, then the results' rows posted back."""
         s, p, w, live = self.sizes[i], self.param_bytes, self.wire_bytes, self.live
         live.drop(("gather send", i))
-        live.note(s.largest * w if self.cast and s.copied else 0)  # a matrix concatenated on the wire, then cast
         live.add(("whole", i), s.copied * p)
+        # with a narrower wire each matrix is concatenated in W, then cast into its whole copy in P:
+        # the concatenation is alive while the copy is made (counted for the largest, with every copy)
+        live.note(s.largest * w if self.cast and s.copied else 0)
         if s.copied == s.gathered:
             live.drop(("gather recv", i))
         for count, m, n in s.units:  # the results replace the inputs as each unit finishes
