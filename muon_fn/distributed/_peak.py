@@ -189,10 +189,9 @@ class _Walk:
         is assumed for each matrix, as a receive buffer of such shapes gives)."""
         if not self.scratch.kept:  # the batched policy (GPUs): traced, the cast fuses with its producer
             return False
-        from ..core.newton_schulz.cpu import SLOT_ALIGNMENT
+        from ..core.newton_schulz.cpu import slots_align
 
-        aligned = (m * n * self.ns_bytes) % SLOT_ALIGNMENT == 0 and (m * m * self.ns_bytes) % SLOT_ALIGNMENT == 0
-        return aligned and (self.loops(m) or count == 1)
+        return slots_align(m, n, self.ns_bytes) and (self.loops(m) or count == 1)
 
     def start(self, i: int) -> None:
         """The pre phase, then the gather posted: the send buffer is made while the packed rows
@@ -270,11 +269,11 @@ def step_transient(plan: Plan, rank: int, units: Sequence[Sequence[int]], views:
       in N, then in P written into its input (the owner's gathered matrices are the exchange's
       to overwrite), and the Newton–Schulz scratch: X,
       XXᵀ and the polynomial in N for the unit's batch, or for one matrix where ``loops(m)``
-      (under the CPU policy a matrix iterated alone, or a batch of one, is cast in its own
-      memory, which then holds X: :meth:`_Walk.in_place`)
       (the CPU's matrix-at-a-time loop), kept from one call to the next as the CPU products
       keep it (``scratch_kept``; else freed after each unit), and freed after the owner's compute
-      under a byte bound (``inflight_bytes`` not None); the results replace the inputs;
+      under a byte bound (``inflight_bytes`` not None); under the CPU policy a matrix iterated
+      alone, or a batch of one, is cast in its own memory, which then holds X, so neither its
+      cast copy nor X is counted (:meth:`_Walk.in_place`); the results replace the inputs;
     - the **return**: its own rows of the results kept (P; rounded through W when it differs),
       never sent; then (after the previous bucket's post phase, below) the send buffer of the
       other ranks' rows (W, each result freed as its rows are copied) and the receive buffer

@@ -326,7 +326,7 @@ def own_slot(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     """``x``'s memory, from its start, as an ``empty`` tensor of ``x``'s shape in ``dtype``, where
     it can stand in for a fresh one: ``x`` contiguous, at least as wide per element, and on a
     :data:`SLOT_ALIGNMENT` boundary (so its GEMMs round as a fresh tensor's); else None."""
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     if (not x.is_contiguous() or x.element_size() < size or x.element_size() % size
             or x.data_ptr() % SLOT_ALIGNMENT or x.dtype.is_complex or dtype.is_complex):
         return None
@@ -342,10 +342,12 @@ def aligned_slots(m: int, n: int, dtype: torch.dtype, device: torch.device) -> b
     """Whether every matrix of a batch of wide ``(m, n)`` matrices, and of their ``(m, m)`` Gram
     products, starts as a fresh tensor does (on a :data:`SLOT_ALIGNMENT` boundary) on the CPU, so
     a batched GEMM computes each as it would alone; off the CPU, True."""
-    if torch.device(device).type != "cpu":
-        return True
-    size = torch.empty((), dtype=dtype).element_size()
-    return (m * n * size) % SLOT_ALIGNMENT == 0 and (m * m * size) % SLOT_ALIGNMENT == 0
+    return torch.device(device).type != "cpu" or slots_align(m, n, dtype.itemsize)
+
+
+def slots_align(m: int, n: int, item_bytes: int) -> bool:
+    """:func:`aligned_slots` on the CPU, for elements of ``item_bytes`` bytes."""
+    return (m * n * item_bytes) % SLOT_ALIGNMENT == 0 and (m * m * item_bytes) % SLOT_ALIGNMENT == 0
 
 
 _SCRATCH = threading.local()  # per thread: {(role, shape, dtype, device): tensor}
