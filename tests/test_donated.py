@@ -160,3 +160,23 @@ def test_orthogonalize_with_donated_updates_gives_the_same_updates(compiled):
     assert not torch.equal(donated[0], grads[0])  # its memory held the iteration
     eager, _ = tx.update([g.clone() for g in grads], tx.init(grads))
     assert all(torch.equal(a, b) for a, b in zip(got, eager))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
+def test_a_consumed_batch_holds_one_matrix_of_scratch_where_it_consumes_each(dtype):
+    """Where the CPU iterates a consumed batch one matrix at a time (its loop, or GEMMs on AMX
+    tiles, whose batched and one-matrix roundings agree) the Gram scratch is one matrix's, not
+    the batch's; elsewhere the batch's."""
+    m, n, batch = 384, 400, 3
+    buffers = {}
+    _msign(
+        [torch.randn(m, n) for _ in range(batch)],
+        "polar_express",
+        dtype,
+        consume=True,
+        buffers=buffers,
+    )
+    each = _cpu.CPUProducts().consumes_each(m, dtype)
+    assert {
+        k[0]: v.numel() for k, v in buffers.items() if k[0] in ("gram", "poly")
+    } == dict.fromkeys(("gram", "poly"), (1 if each else batch) * m * m)

@@ -176,6 +176,7 @@ class _Walk:
     loops: Loops
     scratch: _Scratch
     release: bool = False  # the scratch freed after each owner's compute (under a byte bound)
+    each: Loops | None = None  # whether a donated batch iterates one matrix at a time (default: loops)
     live: _Live = field(default_factory=_Live)
 
     @property
@@ -185,13 +186,15 @@ class _Walk:
     def in_place(self, count: int, m: int, n: int) -> bool:
         """Whether the CPU's iteration of a unit of ``count`` gathered ``m × n`` matrices runs in
         their memory (donated: :meth:`~muon_fn.core.newton_schulz.cpu.CPUProducts.orthogonalize_batch`):
-        one matrix at a time, or a batch of one, on aligned slots (a fresh tensor's alignment
-        is assumed for each matrix, as a receive buffer of such shapes gives)."""
+        one matrix at a time (:meth:`~muon_fn.core.newton_schulz.cpu.CPUProducts.consumes_each`),
+        or a batch of one, on aligned slots (a fresh tensor's alignment is assumed for each
+        matrix, as a receive buffer of such shapes gives)."""
         if not self.scratch.kept:  # the batched policy (GPUs): traced, the cast fuses with its producer
             return False
         from ..core.newton_schulz.cpu import slots_align
 
-        return slots_align(m, n, self.ns_bytes) and (self.loops(m) or count == 1)
+        each = self.loops if self.each is None else self.each
+        return slots_align(m, n, self.ns_bytes) and (each(m) or count == 1)
 
     def start(self, i: int) -> None:
         """The pre phase, then the gather posted: the send buffer is made while the packed rows
@@ -217,7 +220,7 @@ class _Walk:
             live.drop(("gather recv", i))
         for count, m, n in s.units:  # the results replace the inputs as each unit finishes
             in_place = self.in_place(count, m, n)
-            self.scratch.run(1 if self.loops(m) else count, m, n, in_place)
+            self.scratch.run(1 if self.loops(m) or in_place else count, m, n, in_place)
             live.held["scratch"] = self.scratch.total() * self.ns_bytes
             # the input cast to N where N is narrower (the iteration reads it) unless it is cast
             # in its own memory, the result in N; then the result in P, written into its input
@@ -249,7 +252,7 @@ class _Walk:
 
 def step_transient(plan: Plan, rank: int, units: Sequence[Sequence[int]], views: Sequence, *,
                    inflight_bytes: int | None, param_bytes: int = 4, wire_bytes: int = 4, ns_bytes: int = 2,
-                   loops: Loops = lambda m: False, scratch_kept: bool = True) -> int:
+                   loops: Loops = lambda m: False, scratch_kept: bool = True, each: Loops | None = None) -> int:
     """The most bytes ``rank`` allocates and holds at once during one step of ``plan`` (of two
     ranks or more), bucket by bucket as :func:`~muon_fn.distributed._stream.stream` runs it with
     ``inflight_bytes`` (``units``: the owner units over the plan's matrices; ``views``: each
@@ -272,7 +275,8 @@ def step_transient(plan: Plan, rank: int, units: Sequence[Sequence[int]], views:
       (the CPU's matrix-at-a-time loop), kept from one call to the next as the CPU products
       keep it (``scratch_kept``; else freed after each unit), and freed after the owner's compute
       under a byte bound (``inflight_bytes`` not None); under the CPU policy a matrix iterated
-      alone, or a batch of one, is cast in its own memory, which then holds X, so neither its
+      alone (where ``each(m)``, by default ``loops(m)``: then with one matrix's scratch), or a
+      batch of one, is cast in its own memory, which then holds X, so neither its
       cast copy nor X is counted (:meth:`_Walk.in_place`); the results replace the inputs;
     - the **return**: its own rows of the results kept (P; rounded through W when it differs),
       never sent; then (after the previous bucket's post phase, below) the send buffer of the
@@ -294,7 +298,7 @@ def step_transient(plan: Plan, rank: int, units: Sequence[Sequence[int]], views:
              for b in buckets]
     ahead = travels_ahead(plan, buckets, param_bytes, inflight_bytes)
     return _schedule(sizes, ahead, _Walk(sizes, param_bytes, wire_bytes, ns_bytes, loops, _Scratch(scratch_kept),
-                                         release=inflight_bytes is not None))
+                                         release=inflight_bytes is not None, each=each))
 
 
 def _schedule(sizes: Sequence[_Sizes], travels: Sequence[bool], walk: _Walk) -> int:
@@ -343,6 +347,7 @@ def rank_transients(plan: Plan, units: Sequence[Sequence[int]], views: Sequence,
     if policy not in POLICIES:
         raise ValueError(f"Invalid policy: {policy!r} (valid: {', '.join(map(repr, POLICIES))})")
     loops: Loops = lambda m: False  # noqa: E731
+    each: Loops | None = None
     if policy == "cpu":
         import torch
 
@@ -350,6 +355,7 @@ def rank_transients(plan: Plan, units: Sequence[Sequence[int]], views: Sequence,
 
         cpu, dtype = CPUProducts(), {2: torch.bfloat16, 4: torch.float32}.get(ns_bytes)
         loops = lambda m: dtype is not None and cpu.loops(m, dtype)  # noqa: E731
+        each = lambda m: dtype is not None and cpu.consumes_each(m, dtype)  # noqa: E731
     kept = policy == "cpu"
     if plan.world_size == 1:
         return (_one_rank(plan, units, views, ns_bytes=ns_bytes, loops=loops, scratch_kept=kept),)
@@ -364,7 +370,7 @@ def rank_transients(plan: Plan, units: Sequence[Sequence[int]], views: Sequence,
         sizes = tuple(_sizes(plan, b, r, unit_of, views, copies, wire_bytes == 4, wire_bytes) for b in buckets)
         if sizes not in walked:
             walked[sizes] = _schedule(sizes, ahead, _Walk(list(sizes), 4, wire_bytes, ns_bytes, loops, _Scratch(kept),
-                                                          release=inflight_bytes is not None))
+                                                          release=inflight_bytes is not None, each=each))
         out.append(walked[sizes])
     return tuple(out)
 

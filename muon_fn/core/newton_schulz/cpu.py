@@ -64,7 +64,9 @@ AMX_SPLIT_MIN_RATIO = 2
 # 525 ms) and 5-16 % faster below 384 (16×256²: 19.1 vs 22.8 ms). Where the dtype's GEMMs run on
 # AMX tiles the batched GEMMs are the faster ones at every size measured (1-thread Xeon with AMX,
 # bf16, ms, batched vs loop, 4 matrices: A·X 384×1536 1.72 vs 1.85, 768² 3.02 vs 3.34, 768×3072
-# 13.19 vs 13.55; XXᵀ 768² 2.68 vs 2.70), so there batches are never looped.
+# 13.19 vs 13.55; XXᵀ 768² 2.68 vs 2.70), so there batches are looped only when the caller gives
+# them up (CPUProducts.consumes_each): each matrix then iterates in its own memory with one
+# matrix's scratch (on AMX a batched GEMM rounds each matrix as its 2-D GEMM does).
 LOOP_MIN_DIM = _execution.CPU.loop_min_dim
 
 # CPU BLAS kernels choose their code path by the operands' address: measured with MKL (AVX-512),
@@ -198,6 +200,14 @@ class CPUProducts(Products):
         return (limit is not None and m >= limit and dtype not in _amx_dtypes()
                 and not torch.compiler.is_compiling())
 
+    def consumes_each(self, m: int, dtype: torch.dtype) -> bool:
+        """Whether an eager batch the caller gives up (``consume``) iterates one matrix at a time,
+        each in its own memory: where the batch loops anyway (:meth:`loops`), and where ``dtype``'s
+        GEMMs run on AMX tiles, whose batched and one-matrix GEMMs round alike (the batch's
+        results, bit for bit) and where a loop holds one matrix's scratch instead of the batch's."""
+        return self.loops(m, dtype) or (self.policy.loop_min_dim is not None and dtype in _amx_dtypes()
+                                        and not torch.compiler.is_compiling())
+
     def each_matrix(self, run: Callable[..., torch.Tensor], y: torch.Tensor, gram: torch.Tensor | None,
                     out: torch.Tensor | None) -> torch.Tensor:
         if y.ndim == 3 and self.loops(min(y.shape[-2:]), y.dtype):
@@ -219,14 +229,16 @@ class CPUProducts(Products):
         ``consume``: the matrices are the caller's to lose. Each is cast to ``dtype`` first (the
         values of ``[x.to(dtype) for x in xs]``, bit for bit) and, where its memory can hold the
         iteration's second buffer (:func:`own_slot`), normalized into it and iterated there, so
-        that a matrix costs the call no scratch of its size; ``xs`` then hold no meaningful values."""
+        that a matrix costs the call no scratch of its size; a batch of them is then iterated one
+        matrix at a time where :meth:`consumes_each`; ``xs`` then hold no meaningful values."""
         m, n = wide_shape(xs[0].shape)
         aligned = aligned_slots(m, n, dtype, xs[0].device)
         batched = not ((self.loops(m, dtype) or not aligned) and not torch.compiler.is_compiling())
-        self.release_oversized(len(xs) if batched else 1, m, n)
+        each = consume and aligned and (not batched or len(xs) == 1 or self.consumes_each(m, dtype))
+        self.release_oversized(len(xs) if batched and not each else 1, m, n)
         out = torch.empty((len(xs),) + tuple(xs[0].shape), dtype=dtype, device=xs[0].device)
-        if consume and aligned and (not batched or len(xs) == 1):
-            for x, target in zip(xs, out.unbind(0) if not batched else [out]):
+        if each:
+            for x, target in zip(xs, out.unbind(0) if len(xs) > 1 or not batched else [out]):
                 self.iterate_consumed(x, target, schedule, eps, norm_scale)
             return out
         xs = [x.to(dtype) for x in xs] if consume else xs
