@@ -341,7 +341,8 @@ def rank_transients(plan: Plan, units: Sequence[Sequence[int]], views: Sequence,
     """:func:`step_transient` of every rank of ``plan`` (fp32 parameters), under the execution
     policy ``policy``: ``"cpu"`` keeps the iteration's scratch between calls and iterates one
     matrix at a time where this CPU's products do (:meth:`CPUProducts.loops`: from 384 rows, in
-    a dtype its GEMMs do not run on AMX tiles); ``"batched"`` (GPUs) iterates each unit as one
+    a dtype its GEMMs do not run on AMX tiles; a donated batch also where they do:
+    :meth:`CPUProducts.consumes_each`); ``"batched"`` (GPUs) iterates each unit as one
     batch and keeps nothing. One rank runs no stream: every bucket's rows are packed first, the
     results applied last (:func:`~muon_fn.distributed._exchange.exchange`)."""
     if policy not in POLICIES:
