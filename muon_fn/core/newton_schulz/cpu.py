@@ -65,7 +65,7 @@ AMX_SPLIT_MIN_RATIO = 2
 # AMX tiles the batched GEMMs are the faster ones at every size measured (1-thread Xeon with AMX,
 # bf16, ms, batched vs loop, 4 matrices: A·X 384×1536 1.72 vs 1.85, 768² 3.02 vs 3.34, 768×3072
 # 13.19 vs 13.55; XXᵀ 768² 2.68 vs 2.70), so there batches are looped only when the caller gives
-# them up (CPUProducts.consumes_each): each matrix then iterates in its own memory with one
+# them up, from this many rows (CPUProducts.consumes_each): each matrix then iterates in its own memory with one
 # matrix's scratch (on AMX a batched GEMM rounds each matrix as its 2-D GEMM does).
 LOOP_MIN_DIM = _execution.CPU.loop_min_dim
 
@@ -202,10 +202,13 @@ class CPUProducts(Products):
 
     def consumes_each(self, m: int, dtype: torch.dtype) -> bool:
         """Whether an eager batch the caller gives up (``consume``) iterates one matrix at a time,
-        each in its own memory: where the batch loops anyway (:meth:`loops`), and where ``dtype``'s
-        GEMMs run on AMX tiles, whose batched and one-matrix GEMMs round alike (the batch's
-        results, bit for bit) and where a loop holds one matrix's scratch instead of the batch's."""
-        return self.loops(m, dtype) or (self.policy.loop_min_dim is not None and dtype in _amx_dtypes()
+        each in its own memory: where the batch loops anyway (:meth:`loops`), and from
+        :data:`LOOP_MIN_DIM` rows where ``dtype``'s GEMMs run on AMX tiles, whose batched and
+        one-matrix GEMMs round alike there (the batch's results, bit for bit; below it they need
+        not: an MoE layer's small experts differ) and where a loop holds one matrix's scratch
+        instead of the batch's."""
+        limit = self.policy.loop_min_dim
+        return self.loops(m, dtype) or (limit is not None and m >= limit and dtype in _amx_dtypes()
                                         and not torch.compiler.is_compiling())
 
     def each_matrix(self, run: Callable[..., torch.Tensor], y: torch.Tensor, gram: torch.Tensor | None,
