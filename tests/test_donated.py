@@ -176,7 +176,7 @@ def test_a_consumed_batch_holds_one_matrix_of_scratch_where_it_consumes_each(dty
         consume=True,
         buffers=buffers,
     )
-    each = _cpu.CPUProducts().consumes_each(m, dtype)
+    each = _cpu.CPUProducts().consumes_each(m)
     assert {
         k[0]: v.numel() for k, v in buffers.items() if k[0] in ("gram", "poly")
     } == dict.fromkeys(("gram", "poly"), (1 if each else batch) * m * m)

@@ -356,7 +356,7 @@ def rank_transients(plan: Plan, units: Sequence[Sequence[int]], views: Sequence,
 
         cpu, dtype = CPUProducts(), {2: torch.bfloat16, 4: torch.float32}.get(ns_bytes)
         loops = lambda m: dtype is not None and cpu.loops(m, dtype)  # noqa: E731
-        each = lambda m: dtype is not None and cpu.consumes_each(m, dtype)  # noqa: E731
+        each = lambda m: dtype is not None and cpu.consumes_each(m)  # noqa: E731
     kept = policy == "cpu"
     if plan.world_size == 1:
         return (_one_rank(plan, units, views, ns_bytes=ns_bytes, loops=loops, scratch_kept=kept),)

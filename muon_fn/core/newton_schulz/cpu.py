@@ -200,16 +200,15 @@ class CPUProducts(Products):
         return (limit is not None and m >= limit and dtype not in _amx_dtypes()
                 and not torch.compiler.is_compiling())
 
-    def consumes_each(self, m: int, dtype: torch.dtype) -> bool:
+    def consumes_each(self, m: int) -> bool:
         """Whether an eager batch the caller gives up (``consume``) iterates one matrix at a time,
-        each in its own memory: where the batch loops anyway (:meth:`loops`), and from
-        :data:`LOOP_MIN_DIM` rows where ``dtype``'s GEMMs run on AMX tiles, whose batched and
-        one-matrix GEMMs round alike there (the batch's results, bit for bit; below it they need
-        not: an MoE layer's small experts differ) and where a loop holds one matrix's scratch
-        instead of the batch's."""
+        each in its own memory, so that a loop holds one matrix's scratch instead of the batch's:
+        from :data:`LOOP_MIN_DIM` rows in every dtype, where :meth:`loops` loops anyway and where
+        the dtype's GEMMs run on AMX tiles, whose batched and one-matrix GEMMs round alike there
+        (the batch's results, bit for bit; below it they need not: an MoE layer's small experts
+        differ)."""
         limit = self.policy.loop_min_dim
-        return self.loops(m, dtype) or (limit is not None and m >= limit and dtype in _amx_dtypes()
-                                        and not torch.compiler.is_compiling())
+        return limit is not None and m >= limit and not torch.compiler.is_compiling()
 
     def each_matrix(self, run: Callable[..., torch.Tensor], y: torch.Tensor, gram: torch.Tensor | None,
                     out: torch.Tensor | None) -> torch.Tensor:
@@ -237,7 +236,7 @@ class CPUProducts(Products):
         m, n = wide_shape(xs[0].shape)
         aligned = aligned_slots(m, n, dtype, xs[0].device)
         batched = not ((self.loops(m, dtype) or not aligned) and not torch.compiler.is_compiling())
-        each = consume and aligned and (not batched or len(xs) == 1 or self.consumes_each(m, dtype))
+        each = consume and aligned and (len(xs) == 1 or self.consumes_each(m))  # loops() implies consumes_each
         self.release_oversized(len(xs) if batched and not each else 1, m, n)
         out = torch.empty((len(xs),) + tuple(xs[0].shape), dtype=dtype, device=xs[0].device)
         if each:
