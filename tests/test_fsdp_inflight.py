@@ -105,14 +105,14 @@ class _Buffers:
     it; each bucket's pre phase checks that no buffer of an earlier bucket is alive."""
 
     def __init__(self):
-        self.posted, self.alive_at_pre, self.reused, self.buckets = [], 0, 0, 0
+        self.posted, self.alive_at_pre, self.reused, self.buckets, self.in_place = [], 0, 0, 0, 0
 
     def __enter__(self):
         import weakref
 
         from muon_fn.distributed import _exchange, _stream
 
-        self.patched = [(_exchange.Wire, "post"), (_stream._Run, "start")]
+        self.patched = [(_exchange.Wire, "post_buffer"), (_stream._Run, "start")]
         self.saved = [getattr(cls, name) for cls, name in self.patched]
         post, start = self.saved
 
@@ -120,6 +120,7 @@ class _Buffers:
             work, recv, send, kept = post(wire, *args)
             self.posted.append((weakref.ref(recv), weakref.ref(send)))
             self.reused = max(self.reused, wire.reused)
+            self.in_place = max(self.in_place, wire.sent_in_place)
             return work, recv, send, kept
 
         def checked_start(run, b):
@@ -128,7 +129,7 @@ class _Buffers:
             self.posted = []
             return start(run, b)
 
-        _exchange.Wire.post, _stream._Run.start = recorded_post, checked_start
+        _exchange.Wire.post_buffer, _stream._Run.start = recorded_post, checked_start  # every post goes through
         return self
 
     def __exit__(self, *exc):
@@ -146,7 +147,7 @@ def check_released():
     opt.step()
     with _Buffers() as seen:
         opt.step()
-    return {"buckets": seen.buckets, "alive_at_pre": seen.alive_at_pre}
+    return {"buckets": seen.buckets, "alive_at_pre": seen.alive_at_pre, "in_place": seen.in_place}
 
 
 def check_reused():
@@ -222,6 +223,14 @@ def test_results_do_not_depend_on_inflight_bytes(results):
 def test_a_bucket_is_released_before_the_next_is_packed(results):
     for r, v in enumerate(_values(results, "released")):
         assert v["buckets"] > 2 and v["alive_at_pre"] == 0, (r, v)
+
+
+@pytest.mark.slow
+def test_a_result_computed_in_its_receive_buffer_travels_back_in_it(results):
+    # each owner's one matrix per bucket is gathered in row order and iterated in its receive
+    # buffer (donated), so its return sends that buffer: no copy of the result is made
+    for r, v in enumerate(_values(results, "released")):
+        assert v["in_place"] == v["buckets"], (r, v)
 
 
 @pytest.mark.slow

@@ -127,18 +127,20 @@ def test_step_peak_two_buckets_in_flight():
 def test_step_peak_unbounded_and_scratch_kept():
     """No bound: every next bucket travels while one is computed, as at 1,024 bytes here. Without
     a bound the CPU policy keeps the iteration's scratch (XXᵀ and polynomial, 256; X is the
-    donated matrix's own memory: ``CPU_COMPUTE``) after the owner's compute: rank 0
-    then peaks in the first bucket's post phase, which runs after it computed the second, just
-    before the second's return is posted: scratch + the second's results (256) + its own rows of
-    them (128, never sent) + the first's return receive buffer (128) + the post phase (the final
+    donated matrix's own memory: ``CPU_COMPUTE``) after the owner's compute. Each result is
+    computed in its gather's receive buffer and travels back in it, the owner's own rows with it
+    (``_pieces.returns_in_place``). Rank 0 then peaks in the first bucket's post phase, which
+    runs after it computed the second, just before the second's return is posted: scratch + the
+    second's results (256) + the first's return receive buffer (128) + the post phase (the final
     update, into which p + u and the guarded where are computed: 128); rank 1 as it posts the
-    first's return: the second's gather send buffer (128) + scratch + the first's results (256)
-    + its own rows (128) + the return's send buffer (128). Under a bound the scratch is freed
-    after each owner's compute, so both ranks peak computing, as with no scratch kept."""
+    first's return: the second's gather send buffer (128) + scratch + the first's results (256,
+    the return's send buffer) + the return's receive buffer (its own rows, 128). Under a bound the
+    scratch is freed after each owner's compute, so both ranks peak computing, as with no scratch
+    kept."""
     assert _two_matrices(None).step_peak == _two_matrices(1024).step_peak
     assert _two_matrices(None, "cpu").step_peak == (
-        256 + 256 + 128 + 128 + 128,
-        128 + 256 + 256 + 128 + 128,
+        256 + 256 + 128 + 128,
+        128 + 256 + 256 + 128,
     )
     assert _two_matrices(1024, "cpu").step_peak == (CPU_COMPUTE + 128, CPU_COMPUTE + 128)
     assert _two_matrices(300, "cpu").step_peak == (CPU_COMPUTE, CPU_COMPUTE)

@@ -21,8 +21,9 @@ The steps of one bucket have public names, the interface that :mod:`._stream` (t
 one or two buckets at a time) drives: :class:`Wire` (an exchange's settings, figures and spare
 receive buffer), :func:`post_gather`, :func:`compute_local`, :func:`compute_and_return` and
 :func:`collect`, each posted collective an :class:`InFlight`; where the rows lie in the buffers is
-:mod:`._pieces`'. An owner's own rows of a result stay on it (never sent to itself), and a matrix
-whose pieces arrive in row order is computed in its receive buffer (no copy).
+:mod:`._pieces`'. A matrix whose pieces arrive in row order is computed in its receive buffer (no
+copy); the bounded step then sends that buffer back as it is (:func:`compute_and_return`'s
+``in_place``); otherwise an owner's own rows of a result stay on it (never sent to itself).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import torch.distributed as dist
 from ._exit import settle_at_exit  # noqa: F401  (importing it registers the wait at exit)
 from ..engine import sole
 from ._pieces import (assemble, contribution, contributions, is_sharded, own_rows, owned_by, padded_rows,
-                      result_cols_of, returned, unpad)
+                      result_cols_of, returned, returns_in_place, unpad)
 from ._plan import BucketPlan, Plan
 
 # compute(matrix indices, full (rows, cols) matrices) -> results of the same shapes, same order.
@@ -119,6 +120,7 @@ class Wire:
         self.stats = ExchangeStats()
         self.spare: torch.Tensor | None = None
         self.reused = 0  # receive buffers taken from a spare (for tests)
+        self.sent_in_place = 0  # returns that sent the gather's receive buffer itself (for tests)
 
     def recycle(self, flight: InFlight) -> None:
         """``flight``'s receive buffer becomes the spare if nothing else holds its memory (no
@@ -141,6 +143,10 @@ class Wire:
             offset += p.numel()
             del p
         parts.clear()
+        return self.post_buffer(send, send_splits, recv_splits)
+
+    def post_buffer(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int]):
+        """Start one ``all_to_all_single`` of ``send`` itself (not a view), as :meth:`post`."""
         n, spare, self.spare = sum(recv_splits), self.spare, None
         if spare is not None and spare.numel() == n:
             recv, self.reused = spare, self.reused + 1
@@ -331,14 +337,18 @@ def post_gather(plan: Plan, b: BucketPlan, rows: list[torch.Tensor], wire: Wire)
 
 
 def compute_and_return(plan: Plan, g: InFlight, compute: Compute, back_cols: list[int], wire: Wire,
-                       before_post: Callable[[], None] | None = None) -> InFlight:
+                       before_post: Callable[[], None] | None = None, *, in_place: bool = False) -> InFlight:
     """Wait for a bucket's gather, compute the owned matrices and post their rows back to the
     other ranks (ordered by destination rank, then by the owned matrices; the owner's own rows
-    stay here, in the returned flight's ``mine``); ``before_post`` runs just before the post."""
+    stay here, in the returned flight's ``mine``); ``before_post`` runs just before the post.
+    ``in_place``: where the results are the gather's receive buffer (:func:`returns_in_place`),
+    that buffer is sent back as it is, the owner's own rows with it (no copy is made)."""
     wire.wait(g)
     owned = owned_by(plan, g.bucket, wire.rank)
-    mats = assemble(plan, owned, g.recv, wire)
-    g.recv = None  # type: ignore[assignment]  # freed before the iteration allocates (or the inputs' own)
+    recv, g.recv = g.recv, None  # type: ignore[assignment]
+    mats = assemble(plan, owned, recv, wire)
+    if not (in_place and all(m._base is recv for m in mats)):  # freed before the iteration allocates
+        recv = None  # type: ignore[assignment]  # (or the inputs' own)
     results = wire.timed(compute, owned, mats)
     del mats
     me, w, b = wire.rank, plan.world_size, g.bucket
@@ -346,6 +356,16 @@ def compute_and_return(plan: Plan, g: InFlight, compute: Compute, back_cols: lis
         if shape != (plan.matrices[j].rows, back_cols[j]):
             raise ValueError(f"exchange: compute returned shape {shape} for matrix {j}, "
                              f"expected {(plan.matrices[j].rows, back_cols[j])}")
+    if recv is not None and returns_in_place(plan, owned, results, recv, back_cols):
+        del results
+        recv_splits = [returned(plan, b.matrices, s, me, back_cols) for s in range(w)]
+        if before_post is not None:
+            before_post()
+        wire.sent_in_place += 1
+        flight = InFlight(b, *wire.post_buffer(recv, b.gather_recv(me), recv_splits))
+        flight.mine = {}
+        return flight
+    del recv
     mine = {j: own_rows(r, plan.matrices[j].receive[me], wire) for j, r in zip(owned, results)}
     parts = [r[slice(*plan.matrices[j].receive[d])] for d in range(w) if d != me for j, r in zip(owned, results)]
     del results
@@ -364,7 +384,7 @@ def collect(plan: Plan, r: InFlight, back_cols: list[int], wire: Wire, out: list
     offset = 0
     for s in range(plan.world_size):
         for j in owned_by(plan, r.bucket, s):
-            if s == wire.rank:
+            if s == wire.rank and j in r.mine:  # type: ignore[operator]
                 out[j] = r.mine[j]  # type: ignore[index]
                 continue
             start, stop = plan.matrices[j].receive[wire.rank]

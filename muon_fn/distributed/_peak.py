@@ -82,7 +82,8 @@ class _Sizes:
     them those assembled by a copy (the others are computed in the receive buffer), the rows of
     its results it returns to other ranks, the rows it gets back from other owners, its own rows
     of its results (kept, never sent), its owned units as ``(matrices, m, n)`` (wide shapes),
-    and its largest owned matrix."""
+    its largest owned matrix, and whether the return sends the receive buffer its results were
+    computed in (every owned matrix computed there, every rank getting back the rows it sent)."""
 
     unit_rows: tuple[int, ...]
     sent: int
@@ -93,6 +94,7 @@ class _Sizes:
     own: int
     units: tuple[tuple[int, int, int], ...]
     largest: int
+    in_place: bool = False  # its results are returned in the gather's receive buffer (_pieces.returns_in_place)
 
     def pre(self) -> int:
         """The pre phase's most elements at once, unit by unit: the updates of the units before,
@@ -160,8 +162,10 @@ def _sizes(plan: Plan, b: BucketPlan, rank: int, unit_of: Sequence[int], views: 
         units.append((count, min(m, n), max(m, n)))
     largest = max((plan.matrices[j].numel for js in owned.values() for j in js), default=0)
     mine = [j for j in b.matrices if plan.matrices[j].owner == rank and not plan.matrices[j].local]
-    return _Sizes(tuple(rows[u] for u in sorted(rows)), sent, gathered, _copied(plan, mine, same_dtype, item_bytes),
-                  returned, back, own, tuple(units), largest)
+    copied = _copied(plan, mine, same_dtype, item_bytes)
+    in_place = gathered > 0 and not copied and all(plan.matrices[j].contrib == plan.matrices[j].receive for j in mine)
+    return _Sizes(tuple(rows[u] for u in sorted(rows)), sent, gathered, copied, returned, back, own, tuple(units),
+                  largest, in_place)
 
 
 @dataclass
@@ -230,6 +234,12 @@ class _Walk:
         if self.release:
             self.scratch.roles = {}
             live.held["scratch"] = 0
+        if s.in_place:  # the results travel back in the receive buffer, the own rows with them
+            live.held[("return send", i)] = live.held.pop(("gather recv", i))
+            if previous is not None:
+                self.finish(previous)
+            live.add(("return recv", i), (s.back + s.own) * w)
+            return
         live.drop(("gather recv", i))
         live.held[("whole", i)] = s.gathered * p  # the results
         live.note(s.own * w if self.cast else 0)  # the own rows rounded as the wire rounds them
@@ -278,11 +288,14 @@ def step_transient(plan: Plan, rank: int, units: Sequence[Sequence[int]], views:
       alone (where ``each(m)``, by default ``loops(m)``: then with one matrix's scratch), or a
       batch of one, is cast in its own memory, which then holds X, so neither its
       cast copy nor X is counted (:meth:`_Walk.in_place`); the results replace the inputs;
-    - the **return**: its own rows of the results kept (P; rounded through W when it differs),
-      never sent; then (after the previous bucket's post phase, below) the send buffer of the
-      other ranks' rows (W, each result freed as its rows are copied) and the receive buffer
-      of its rows from the other owners (W, the previous return's reused when as large; freed
-      before otherwise); the send buffer is freed once the return is waited for;
+    - the **return**: where every owned matrix was computed in the receive buffer and every
+      rank gets back the rows it sent (:attr:`_Sizes.in_place`), that buffer is the send buffer
+      and the receive buffer holds the owner's own rows too; otherwise its own rows of the
+      results kept (P; rounded through W when it differs), never sent, then (after the previous
+      bucket's post phase, below) the send buffer of the other ranks' rows (W, each result freed
+      as its rows are copied) and the receive buffer of its rows from the other owners (W, the
+      previous return's reused when as large; freed before otherwise); the send buffer is
+      freed once the return is waited for;
     - the **post phase**, unit by unit: the final update (the previous unit's still bound while
       it is computed), into which ``p + u`` and the guarded ``where(ok, p + u, p)`` are computed
       as it is written (:data:`POST_COPIES`; :meth:`_Sizes.post`), plus the rows from

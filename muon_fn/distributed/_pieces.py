@@ -26,7 +26,20 @@ def assemble(plan: Plan, owned: list[int], recv: torch.Tensor, wire: Wire) -> li
     each matrix's pieces are put in row order (ranks need not hold rows in rank order). A matrix
     whose pieces lie in ``recv`` one after the other in row order, from an offset aligned as a
     fresh tensor is, is a view of ``recv`` (no copy; the iteration reads it as it would a copy)."""
-    pieces: dict[int, list[tuple[int, int, int]]] = {j: [] for j in owned}  # (first row, offset, numel)
+    out = []
+    for j, ps in _pieces(plan, owned).items():
+        mp, start = plan.matrices[j], ps[0][1] if ps else 0
+        if _in_row_order(ps, start, wire):
+            out.append(recv[start:start + mp.numel].view(mp.rows, mp.cols))
+        else:
+            out.append(torch.cat([recv[o:o + k].view(-1, mp.cols) for _, o, k in ps]).to(wire.dtype))
+    return out
+
+
+def _pieces(plan: Plan, owned: list[int]) -> dict[int, list[tuple[int, int, int]]]:
+    """Per owned matrix, its pieces in a gather's receive buffer as ``(first row, offset, numel)``
+    in row order (the buffer is ordered by source rank, then by the owned matrices)."""
+    pieces: dict[int, list[tuple[int, int, int]]] = {j: [] for j in owned}
     offset = 0
     for s in range(plan.world_size):
         for j in owned:
@@ -34,17 +47,33 @@ def assemble(plan: Plan, owned: list[int], recv: torch.Tensor, wire: Wire) -> li
             if k:
                 pieces[j].append((plan.matrices[j].contrib[s][0], offset, k))
             offset += k
-    out = []
-    for j in owned:
-        mp, ps = plan.matrices[j], sorted(pieces[j])
+    return {j: sorted(ps) for j, ps in pieces.items()}
+
+
+def _in_row_order(ps: list[tuple[int, int, int]], start: int, wire: Wire) -> bool:
+    """Whether pieces ``ps`` lie one after the other in row order from ``start``, aligned as a
+    fresh CPU tensor is (64 B), in the dtype compute takes: then the matrix is a view."""
+    ends = [start] + [o + k for _, o, k in ps]
+    return wire.wire == wire.dtype and (start * wire.item) % 64 == 0 and all(
+        o == end for (_, o, _), end in zip(ps, ends))
+
+
+def returns_in_place(plan: Plan, owned: list[int], results: Sequence[torch.Tensor], recv: torch.Tensor,
+                     cols: Sequence[int]) -> bool:
+    """Whether a bucket's return can send the gather's receive buffer ``recv`` as it is: every
+    owned matrix's result is its view of ``recv`` (computed in it, :func:`assemble`) with the
+    plan's columns, and every rank gets back the rows it contributed (``contrib`` is ``receive``),
+    so that the buffer ordered by source rank is the return ordered by destination."""
+    if not owned or not recv.numel():
+        return False
+    base, item = recv.data_ptr(), recv.element_size()
+    for (j, ps), r in zip(_pieces(plan, owned).items(), results):
+        mp = plan.matrices[j]
         start = ps[0][1] if ps else 0
-        ends = [start] + [o + k for _, o, k in ps]
-        if wire.wire == wire.dtype and (start * wire.item) % 64 == 0 and all(
-                o == end for (_, o, _), end in zip(ps, ends)):  # 64 B: as a fresh CPU tensor
-            out.append(recv[start:start + mp.numel].view(mp.rows, mp.cols))
-        else:
-            out.append(torch.cat([recv[o:o + k].view(-1, mp.cols) for _, o, k in ps]).to(wire.dtype))
-    return out
+        if (mp.contrib != mp.receive or cols[j] != mp.cols or tuple(r.shape) != (mp.rows, mp.cols)
+                or r.dtype != recv.dtype or not r.is_contiguous() or r.data_ptr() != base + start * item):
+            return False
+    return True
 
 
 def own_rows(result: torch.Tensor, rows: tuple[int, int], wire: Wire) -> torch.Tensor:

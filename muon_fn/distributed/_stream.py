@@ -9,9 +9,11 @@ bucket's rows are packed (the pre phase) just before its gather is posted, and i
 applied (the post phase) as soon as they are back. Where two consecutive buckets fit the budget
 together on every rank, the next one's gather travels while one is computed and its results
 come back while the next is computed; otherwise a bucket's buffers are all released before the
-next bucket is packed. The owner's own rows of a result never travel (they stay here), a
-matrix received in one piece per rank in row order is computed in its receive buffer, and a
-receive buffer of the results is reused for the next bucket's of the same size.
+next bucket is packed. A matrix received in one piece per rank in row order is computed in its
+receive buffer; where all of a bucket's results are so computed, that buffer travels back as it
+is (no copy of the results is made; the owner's own rows come back through the collective),
+else the owner's own rows stay here and the rest is copied to send. A receive buffer of the
+results is reused for the next bucket's of the same size.
 
 It drives :mod:`._exchange`'s bucket interface (:class:`~._exchange.Wire`,
 :func:`~._exchange.contribution`, :func:`~._exchange.post_gather`,
@@ -108,7 +110,8 @@ class _Run:
     def compute_and_return(self, gathered: Started, before_post: Callable[[], None]) -> _exchange.InFlight:
         flight, out = gathered
         self.results[flight.bucket.index] = out
-        return _exchange.compute_and_return(self.plan, flight, self.compute, self.back_cols, self.wire, before_post)
+        return _exchange.compute_and_return(self.plan, flight, self.compute, self.back_cols, self.wire, before_post,
+                                            in_place=True)
 
     def finish(self, returned: _exchange.InFlight) -> None:
         """Wait for a bucket's results, apply them, and keep the receive buffer as the spare."""
