@@ -330,6 +330,28 @@ def check_wire_bf16(w):
     return run
 
 
+def check_wire_bf16_rounds(w):
+    """The bf16 wire rounds alike whether a bucket is exchanged in rounds (every bucket alone)
+    or in one all-to-all each way (the buckets two at a time): the same parameters bit for bit."""
+    from muon_fn.fsdp import FSDPMuonOptimizer
+
+    def run():
+        pairs = []
+        for inflight in (1, None):
+            model = shard(make())
+            opt = FSDPMuonOptimizer(
+                model, wire_dtype=torch.bfloat16, inflight_bytes=inflight, **muon_kwargs()
+            )
+            pairs.append((model, opt))
+        train(pairs, STEPS)
+        (a, _), (b, _) = pairs
+        assert all(
+            torch.equal(p.to_local(), q.to_local()) for p, q in zip(a.parameters(), b.parameters())
+        )
+
+    return run
+
+
 def check_plain_replicated(w):
     """A plain (non-FSDP) model on every rank: DDP-style, owners compute, results shared."""
     from muon_fn.fsdp import FSDPMuonOptimizer
@@ -549,7 +571,7 @@ def check_no_grad_rank(w):
     return run
 
 
-def check_nonfinite(w):
+def check_nonfinite(w, **kw):
     """A NaN on rank 1 only: every rank skips ("skip", decided on the device) or raises
     ("error"); nothing changes."""
     from muon_fn.fsdp import FSDPMuonOptimizer
@@ -559,7 +581,7 @@ def check_nonfinite(w):
         model = shard(make())
         snap = {n: p.to_local().clone() for n, p in model.named_parameters()}
         for policy in ("skip", "error"):
-            opt = FSDPMuonOptimizer(model, nonfinite=policy, beta2=0.9, **muon_kwargs())
+            opt = FSDPMuonOptimizer(model, nonfinite=policy, beta2=0.9, **muon_kwargs(**kw))
             moments = {
                 n: opt.state[p]["momentum_buffer"].to_local().clone()
                 for n, p in model.named_parameters()
@@ -992,6 +1014,15 @@ def checks_for(w: int, ckpt_dir: str) -> dict:
         f"parity_compiled_{compiled['backend']}": check_parity(
             w, Pair, compile=compiled, groups=two_iterations
         ),
+        # inflight_bytes=1: every bucket alone, exchanged in rounds of one peer each way
+        "parity_rounds": check_parity(w, inflight_bytes=1),
+        "parity_rounds_normuon": check_parity(w, inflight_bytes=1, beta2=0.95, nesterov=False),
+        "expert_stacks_rounds": check_expert_stacks(w, inflight_bytes=1),
+        "expert_stacks_rounds_normuon": check_expert_stacks(
+            w, inflight_bytes=1, beta2=0.95, nesterov=False
+        ),
+        "wire_bf16_rounds": check_wire_bf16_rounds(w),
+        "nonfinite_rounds": check_nonfinite(w, inflight_bytes=1),
         "parity_plain_replicated": check_plain_replicated(w),
         "generic_mid_state": check_generic_mid_state(w),
         "no_grad_rank": check_no_grad_rank(w),

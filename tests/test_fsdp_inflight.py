@@ -112,9 +112,16 @@ class _Buffers:
 
         from muon_fn.distributed import _exchange, _stream
 
-        self.patched = [(_exchange.Wire, "post_buffer"), (_stream._Run, "start")]
+        # every post goes through post_buffer; a bucket starts with start (two in flight) or
+        # alone (exchanged in rounds, whose receive buffer gather_rounds makes)
+        self.patched = [
+            (_exchange.Wire, "post_buffer"),
+            (_stream._Run, "start"),
+            (_stream._Run, "alone"),
+            (_exchange, "gather_rounds"),
+        ]
         self.saved = [getattr(cls, name) for cls, name in self.patched]
-        post, start = self.saved
+        post, start, alone, gather_rounds = self.saved
 
         def recorded_post(wire, *args):
             work, recv, send, kept = post(wire, *args)
@@ -123,13 +130,24 @@ class _Buffers:
             self.in_place = max(self.in_place, wire.sent_in_place)
             return work, recv, send, kept
 
-        def checked_start(run, b):
-            self.buckets += 1
-            self.alive_at_pre += sum(r() is not None or s() is not None for r, s in self.posted)
-            self.posted = []
-            return start(run, b)
+        def recorded_gather(*args):
+            recv = gather_rounds(*args)
+            self.posted.append((weakref.ref(recv), weakref.ref(recv)))
+            return recv
 
-        _exchange.Wire.post_buffer, _stream._Run.start = recorded_post, checked_start  # every post goes through
+        def checked(begin):
+            def begun(run, b):
+                self.buckets += 1
+                self.alive_at_pre += sum(r() is not None or s() is not None for r, s in self.posted)
+                self.posted = []
+                result = begin(run, b)
+                self.in_place = max(self.in_place, run.wire.sent_in_place)
+                return result
+
+            return begun
+
+        _exchange.Wire.post_buffer, _exchange.gather_rounds = recorded_post, recorded_gather
+        _stream._Run.start, _stream._Run.alone = checked(start), checked(alone)
         return self
 
     def __exit__(self, *exc):

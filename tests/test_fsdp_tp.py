@@ -327,7 +327,7 @@ def expert_params(split: bool) -> dict:
     }
 
 
-def check_experts(split: bool):
+def check_experts(split: bool, **kw):
     """Expert parallelism: per-expert Muon equals single device bit for bit; whole experts are
     computed where they lie (nothing exchanged); split experts are gathered by rows first."""
     t = _fsdp()
@@ -336,7 +336,7 @@ def check_experts(split: bool):
 
     def run():
         model = experts(split)
-        opt = FSDPMuonOptimizer(model, **t.muon_kwargs(compile=False))
+        opt = FSDPMuonOptimizer(model, **t.muon_kwargs(compile=False, **kw))
         kinds = [
             "piece" if m.piece is not None else "local" if mp.local else "owned"
             for m, mp in zip(opt._executor._matrices(), opt.plan.matrices)
@@ -401,6 +401,13 @@ def checks() -> dict:
         "fsdp_tp_dcp": check_tp_dcp(),
         "ep_whole_experts": check_experts(split=False),
         "ep_split_experts": check_experts(split=True),
+        # inflight_bytes=1: every bucket alone, exchanged in rounds of one peer each way
+        "fsdp_tp_rounds": check_tp(inflight_bytes=1),
+        "hsdp_tp_rounds": check_tp(
+            lambda: block_tp((2, 1, 2), ("replicate", "shard", "tp")), inflight_bytes=1
+        ),
+        "ep_whole_experts_rounds": check_experts(split=False, inflight_bytes=1),
+        "ep_split_experts_rounds": check_experts(split=True, inflight_bytes=1),
         "refused": check_refused(),
     }
 

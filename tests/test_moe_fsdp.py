@@ -96,12 +96,12 @@ def _diffs(model, ref) -> dict[str, float]:
     return out
 
 
-def _check_synthetic():
+def _check_synthetic(**options):
     """The same synthetic gradients: the sharded step equals the single-device step bit for bit;
     the expert stacks are planned as whole experts per rank, read as E matrices."""
     ref = _model()
     model = _shard(_model())
-    opt, ref_opt = _optimizers(model, ref)
+    opt, ref_opt = _optimizers(model, ref, **options)
     stacks = [mp for mp in opt.plan.matrices if len(mp.shape) == 3]
     views = [line for line in opt.describe().splitlines() if "view=" in line]
     for step in range(STEPS):
@@ -147,7 +147,12 @@ def _check_backward():
     return {"max_diff": max(diffs.values()), "diffs": diffs, "losses": losses}
 
 
-CHECKS = {"synthetic": _check_synthetic, "backward": _check_backward}
+CHECKS = {
+    "synthetic": _check_synthetic,
+    # every bucket alone, exchanged in rounds of one peer each way
+    "synthetic_rounds": lambda: _check_synthetic(inflight_bytes=1),
+    "backward": _check_backward,
+}
 
 
 def _worker(rank, port, out):
@@ -205,8 +210,9 @@ def _ok(ranks, name):
     return [res[name] for res in ranks]
 
 
-def test_moe_gpt_fsdp_equals_single_device_bit_for_bit(ranks):
-    for r in _ok(ranks, "synthetic"):
+@pytest.mark.parametrize("name", ["synthetic", "synthetic_rounds"])
+def test_moe_gpt_fsdp_equals_single_device_bit_for_bit(ranks, name):
+    for r in _ok(ranks, name):
         assert r["max_diff"] == 0.0, r["diffs"]
         # fc (4, 64, 16) and proj (4, 16, 64) of both blocks; rank r sends experts 2r and 2r+1
         assert r["stacks"] == [[4, 64, 16], [4, 16, 64]] * 2

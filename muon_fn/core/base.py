@@ -51,13 +51,26 @@ class GradientTransformation(NamedTuple):
         return name if name is not None else f"GradientTransformation(init={self.init!r}, update={self.update!r})"
 
 
+DONATED = "donated"  # the keyword of update(**extra) that :func:`donated` reads
+
+
 def donated(extra: dict[str, Any]) -> bool:
     """Whether an update's ``**extra`` donate its updates: ``donated=True`` says the caller will
     not read the update tensors it passed again (it overwrites or drops them), so the transform
     may use their memory, e.g. as scratch (:func:`~muon_fn.orthogonalize` iterates in it). It
     covers the tensors as passed only: :func:`~muon_fn.chain` gives it to its first part alone,
     since a later part's input may be an earlier part's state."""
-    return bool(extra.get("donated", False))
+    return bool(extra.get(DONATED, False))
+
+
+def donating(on: bool) -> dict[str, bool]:
+    """The ``**extra`` of an update that donates its updates where ``on`` (:func:`donated`)."""
+    return {DONATED: True} if on else {}
+
+
+def without_donation(extra: dict[str, Any]) -> dict[str, Any]:
+    """``extra`` for a transform that must not take the caller's tensors (:func:`donated`)."""
+    return {k: v for k, v in extra.items() if k != DONATED}
 
 
 class TransformInfo(NamedTuple):

@@ -8,7 +8,8 @@ from typing import Any, NamedTuple
 import torch
 
 from . import tree as _tree
-from .base import ELEMENTWISE, MATRIX, GradientTransformation, OptState, Params, Updates, info, with_info
+from .base import (ELEMENTWISE, MATRIX, GradientTransformation, OptState, Params, Updates, info, with_info,
+                   without_donation)
 
 Labels = Any | Callable[[Params], Any]  # a pytree of labels, or params -> pytree of labels
 
@@ -27,7 +28,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     def update(updates: Updates, state: tuple, params: Params | None = None, **extra: Any):
         check_updates(updates, params)
         new_state = []
-        later = {k: v for k, v in extra.items() if k != "donated"}  # donation covers the input only
+        later = without_donation(extra)  # donation covers the input only
         for i, (tx, s) in enumerate(zip(transforms, state)):
             updates, s = tx.update(updates, s, params, **(extra if i == 0 else later))
             new_state.append(s)

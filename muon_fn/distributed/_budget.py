@@ -51,6 +51,12 @@ def travels_ahead(plan: Any, buckets: Sequence[Any], item_bytes: int, inflight_b
             for i in range(len(buckets))]
 
 
+def alone(travels: Sequence[bool], i: int) -> bool:
+    """Whether bucket ``i`` is exchanged with nothing else in flight, by :func:`travels_ahead`'s
+    flags: neither it nor the one before travels ahead."""
+    return not travels[i] and (i == 0 or not travels[i - 1])
+
+
 def unit_bytes(per_matrix: list[list[tuple[int, int]]]) -> dict[int, int]:
     """A unit's :func:`held_bytes` summed per rank."""
     out: dict[int, int] = {}

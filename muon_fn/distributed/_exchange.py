@@ -29,6 +29,7 @@ copy); the bounded step then sends that buffer back as it is (:func:`compute_and
 from __future__ import annotations
 
 import hashlib
+import itertools
 import time
 import warnings
 from dataclasses import dataclass
@@ -145,10 +146,14 @@ class Wire:
         parts.clear()
         return self.post_buffer(send, send_splits, recv_splits)
 
-    def post_buffer(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int]):
-        """Start one ``all_to_all_single`` of ``send`` itself (not a view), as :meth:`post`."""
+    def post_buffer(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int],
+                    into: torch.Tensor | None = None):
+        """Start one ``all_to_all_single`` of ``send`` itself (not a view), as :meth:`post`;
+        ``into``: the receive buffer (not a view: :func:`region`), else one is made."""
         n, spare, self.spare = sum(recv_splits), self.spare, None
-        if spare is not None and spare.numel() == n:
+        if into is not None:
+            recv, self.spare = into, spare
+        elif spare is not None and spare.numel() == n:
             recv, self.reused = spare, self.reused + 1
         else:
             del spare  # freed before the new buffer is made
@@ -312,7 +317,7 @@ def _compute_locally(plan: Plan, rows: list[torch.Tensor], compute: Compute,
 
 
 def compute_local(plan: Plan, b: BucketPlan, rows: list[torch.Tensor], compute: Compute,
-                   back_cols: list[int], wire: Wire, out: list) -> None:
+                   back_cols: list[int], wire: Wire, out: list | dict) -> None:
     """A bucket's local matrices: this rank's rows of each, computed here (nothing travels)."""
     here = [j for j in b.matrices if plan.matrices[j].local]
     if not here:
@@ -345,17 +350,9 @@ def compute_and_return(plan: Plan, g: InFlight, compute: Compute, back_cols: lis
     that buffer is sent back as it is, the owner's own rows with it (no copy is made)."""
     wire.wait(g)
     owned = owned_by(plan, g.bucket, wire.rank)
-    recv, g.recv = g.recv, None  # type: ignore[assignment]
-    mats = assemble(plan, owned, recv, wire)
-    if not (in_place and all(m._base is recv for m in mats)):  # freed before the iteration allocates
-        recv = None  # type: ignore[assignment]  # (or the inputs' own)
-    results = wire.timed(compute, owned, mats)
-    del mats
+    box, g.recv = [g.recv], None  # type: ignore[assignment]
+    results, recv = compute_owned(plan, owned, box, compute, back_cols, wire, keep=in_place)
     me, w, b = wire.rank, plan.world_size, g.bucket
-    for j, shape in zip(owned, [tuple(r.shape) for r in results]):  # no loop variable keeps a result
-        if shape != (plan.matrices[j].rows, back_cols[j]):
-            raise ValueError(f"exchange: compute returned shape {shape} for matrix {j}, "
-                             f"expected {(plan.matrices[j].rows, back_cols[j])}")
     if recv is not None and returns_in_place(plan, owned, results, recv, back_cols):
         del results
         recv_splits = [returned(plan, b.matrices, s, me, back_cols) for s in range(w)]
@@ -376,6 +373,116 @@ def compute_and_return(plan: Plan, g: InFlight, compute: Compute, back_cols: lis
     flight = InFlight(b, *wire.post(parts, send_splits, recv_splits))
     flight.mine = mine
     return flight
+
+
+def region(buf: torch.Tensor, offset: int, numel: int) -> torch.Tensor:
+    """``numel`` elements of the 1-D ``buf`` from ``offset``: a tensor over its memory that is not
+    a view (a collective's buffer, :class:`_Kept`)."""
+    return buf.new_empty(0).set_(buf.untyped_storage(), buf.storage_offset() + offset, (numel,), (1,))
+
+
+def _post_round(wire: Wire, b: BucketPlan, w: int, send: torch.Tensor, to: int, into: torch.Tensor | None,
+                source: int, numel: int) -> InFlight:
+    """One round's ``all_to_all_single`` among ``w`` ranks: ``send`` to rank ``to``, ``numel``
+    elements from rank ``source`` (into ``into``, or a buffer made for them)."""
+    send_splits, recv_splits = [0] * w, [0] * w
+    send_splits[to], recv_splits[source] = send.numel(), numel
+    return InFlight(b, *wire.post_buffer(send, send_splits, recv_splits, into))
+
+
+def _concat(parts: list[torch.Tensor], wire: Wire) -> torch.Tensor:
+    """``parts`` flat, one after the other, in the wire's dtype (a new tensor)."""
+    send = torch.empty(sum(p.numel() for p in parts), dtype=wire.wire, device=wire.device)
+    offset = 0
+    for p in parts:
+        send[offset:offset + p.numel()].copy_(p.reshape(-1))
+        offset += p.numel()
+    return send
+
+
+def gather_rounds(plan: Plan, b: BucketPlan, rows_for: Callable[[int], dict[int, torch.Tensor]],
+                  wire: Wire) -> torch.Tensor:
+    """A bucket's gather in ``W`` rounds, one peer each way per round: in round ``t`` this rank
+    sends its rows of the matrices that rank ``rank + t`` owns (``rows_for(owner)``, made just
+    before they travel) and receives from rank ``rank - t`` its rows of the matrices it owns,
+    into their place in the receive buffer (laid out as :func:`post_gather`'s: by source rank,
+    then owned matrix), which it returns. Round 0 is this rank's own rows, copied. Each round's
+    rows are freed before the next round's are made."""
+    me, w = wire.rank, plan.world_size
+    sizes = b.gather_recv(me)
+    starts = [0, *itertools.accumulate(sizes)]
+    recv = torch.empty(sum(sizes), dtype=wire.wire, device=wire.device)
+    for t in range(w):
+        to, source = (me + t) % w, (me - t) % w
+        rows = rows_for(to)
+        parts = [contribution(plan.matrices[j], me, rows[j]) for j in owned_by(plan, b, to)]
+        del rows
+        if t == 0:  # its own rows, each copied into its place
+            offset = starts[me]
+            for k in range(len(parts)):
+                recv[offset:offset + parts[k].numel()].copy_(parts[k].reshape(-1))
+                offset += parts[k].numel()
+            del parts
+            continue
+        send = _concat(parts, wire)
+        del parts
+        wire.wait(_post_round(wire, b, w, send, to, region(recv, starts[source], sizes[source]), source, sizes[source]))
+        del send
+    return recv
+
+
+def return_rounds(plan: Plan, b: BucketPlan, owned: list[int], results: list[torch.Tensor],
+                  recv: torch.Tensor | None, back_cols: list[int], wire: Wire,
+                  arrived: Callable[[dict[int, torch.Tensor]], None]) -> None:
+    """A bucket's return in ``W`` rounds, as :func:`gather_rounds` backwards: in round ``t`` this
+    rank sends its results' rows of rank ``rank - t`` and receives from rank ``rank + t`` its rows
+    of the matrices that rank owns; ``arrived(rows)`` takes each round's rows as they come (round
+    0: this rank's own rows of its results). Where the results are the gather's receive buffer
+    ``recv`` (:func:`returns_in_place`), each round sends its part of that buffer as it lies."""
+    me, w = wire.rank, plan.world_size
+    in_place = recv is not None and returns_in_place(plan, owned, results, recv, back_cols)
+    if in_place:
+        wire.sent_in_place += 1
+        sizes = b.gather_recv(me)
+        starts = [0, *itertools.accumulate(sizes)]
+    arrived({j: own_rows(r, plan.matrices[j].receive[me], wire) for j, r in zip(owned, results)})
+    for t in range(1, w):
+        to, source = (me - t) % w, (me + t) % w
+        if in_place:
+            send = region(recv, starts[to], sizes[to])  # type: ignore[arg-type]
+        else:
+            send = _concat([r[slice(*plan.matrices[j].receive[to])] for j, r in zip(owned, results)], wire)
+        flight = _post_round(wire, b, w, send, to, None, source, returned(plan, b.matrices, source, me, back_cols))
+        del send
+        wire.wait(flight)
+        rows, offset = {}, 0
+        for j in owned_by(plan, b, source):
+            start, stop = plan.matrices[j].receive[me]
+            k = (stop - start) * back_cols[j]
+            rows[j] = flight.recv[offset:offset + k].view(-1, back_cols[j]).to(wire.dtype)
+            offset += k
+        arrived(rows)
+        del rows
+        wire.recycle(flight)
+
+
+def compute_owned(plan: Plan, owned: list[int], box: list[torch.Tensor], compute: Compute, back_cols: list[int],
+                  wire: Wire, *, keep: bool = True) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """The ``owned`` matrices computed, out of the gather's receive buffer, the one entry of
+    ``box`` (taken out of it, so that the buffer is freed before the iteration allocates once
+    every matrix is copied out of it). Returns the results and, where ``keep`` and every matrix
+    is computed in it, the receive buffer (else None)."""
+    recv = box.pop()
+    mats = assemble(plan, owned, recv, wire)
+    if not (keep and mats and all(m._base is recv for m in mats)):
+        recv = None  # type: ignore[assignment]
+    results = wire.timed(compute, owned, mats)
+    del mats
+    for j, shape in zip(owned, [tuple(r.shape) for r in results]):  # no loop variable keeps a result
+        if shape != (plan.matrices[j].rows, back_cols[j]):
+            raise ValueError(f"exchange: compute returned shape {shape} for matrix {j}, "
+                             f"expected {(plan.matrices[j].rows, back_cols[j])}")
+    return results, recv
 
 
 def collect(plan: Plan, r: InFlight, back_cols: list[int], wire: Wire, out: list | dict) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from ..core import views as _views
 from ._plan import BucketPlan, Plan
-from ._budget import travels_ahead
+from ._budget import alone, travels_ahead
 
 # The Newton–Schulz scratch roles of m × m products (the others are m × n): the CPU products keep
 # one buffer per role between calls (muon_fn.core.newton_schulz.cpu.CPUProducts.scratch).
@@ -76,6 +76,21 @@ class _Scratch:
 
 
 @dataclass(frozen=True)
+class _Round:
+    """One round of a bucket exchanged alone (:meth:`~muon_fn.distributed._stream._Run.alone`)
+    on one rank, in elements: the rows of the units whose pre phase runs just before it (in
+    unit order), the rows it sends in the gather (0 in round 0: copied into place), the rows of
+    its results it sends in the return (0 where the receive buffer travels back), the rows it
+    gets back, and the rows of the units whose post phase then runs."""
+
+    made: tuple[int, ...] = ()
+    sent: int = 0
+    returned: int = 0
+    back: int = 0
+    posted: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class _Sizes:
     """One bucket on one rank, in elements: the rows it holds of the bucket's matrices per unit
     (in unit order), the rows it sends in the gather, the whole matrices it receives (owns), of
@@ -95,19 +110,27 @@ class _Sizes:
     units: tuple[tuple[int, int, int], ...]
     largest: int
     in_place: bool = False  # its results are returned in the gather's receive buffer (_pieces.returns_in_place)
+    rounds: tuple[tuple[int, _Round], ...] = ()  # exchanged alone: (t, round), local units first (t = -1)
 
     def pre(self) -> int:
-        """The pre phase's most elements at once, unit by unit: the updates of the units before,
-        the previous unit's new momentum (still bound), this unit's new momentum and update."""
-        h = self.unit_rows
-        return max((sum(h[:k]) + (h[k - 1] if k else 0) + 2 * h[k] for k in range(len(h))), default=0)
+        return _pre_peak(self.unit_rows)
 
     def post(self) -> int:
-        """The post phase's most elements at once, unit by unit: while a unit's final update is
-        computed the previous unit's is still bound; then, the previous freed, this unit's
-        :data:`POST_COPIES` as it is written."""
-        h = self.unit_rows
-        return max((max((h[k - 1] if k else 0) + h[k], POST_COPIES * h[k]) for k in range(len(h))), default=0)
+        return _post_peak(self.unit_rows)
+
+
+def _pre_peak(h: Sequence[int]) -> int:
+    """The pre phase's most elements at once over units of ``h`` rows, unit by unit: the updates
+    of the units before, the previous unit's new momentum (still bound), this unit's new momentum
+    and update."""
+    return max((sum(h[:k]) + (h[k - 1] if k else 0) + 2 * h[k] for k in range(len(h))), default=0)
+
+
+def _post_peak(h: Sequence[int]) -> int:
+    """The post phase's most elements at once over units of ``h`` rows, unit by unit: while a
+    unit's final update is computed the previous unit's is still bound; then, the previous freed,
+    this unit's :data:`POST_COPIES` as it is written."""
+    return max((max((h[k - 1] if k else 0) + h[k], POST_COPIES * h[k]) for k in range(len(h))), default=0)
 
 
 def _copied(plan: Plan, owned: Sequence[int], same_dtype: bool, item_bytes: int) -> int:
@@ -133,9 +156,10 @@ def _copied(plan: Plan, owned: Sequence[int], same_dtype: bool, item_bytes: int)
 
 
 def _sizes(plan: Plan, b: BucketPlan, rank: int, unit_of: Sequence[int], views: Sequence,
-           copies: dict[int, int], same_dtype: bool = True, item_bytes: int = 4) -> _Sizes:
+           copies: dict[int, int], same_dtype: bool = True, item_bytes: int = 4, alone: bool = False) -> _Sizes:
     """``b``'s sizes on ``rank``, from its matrices (the plan's split sizes summed, without
-    reading the W × W tables: fast at W = 1,024). ``copies``: rows returned per row layout."""
+    reading the W × W tables: fast at W = 1,024). ``copies``: rows returned per row layout;
+    ``alone``: with its rounds (:func:`_rounds`)."""
     rows: dict[int, int] = {}
     owned: dict[int, list[int]] = {}
     sent = gathered = returned = back = own = 0
@@ -165,7 +189,41 @@ def _sizes(plan: Plan, b: BucketPlan, rank: int, unit_of: Sequence[int], views: 
     copied = _copied(plan, mine, same_dtype, item_bytes)
     in_place = gathered > 0 and not copied and all(plan.matrices[j].contrib == plan.matrices[j].receive for j in mine)
     return _Sizes(tuple(rows[u] for u in sorted(rows)), sent, gathered, copied, returned, back, own, tuple(units),
-                  largest, in_place)
+                  largest, in_place, _rounds(plan, b, rank, unit_of, rows, in_place) if alone else ())
+
+
+def _rounds(plan: Plan, b: BucketPlan, rank: int, unit_of: Sequence[int], rows: dict[int, int],
+            in_place: bool) -> tuple[tuple[int, _Round], ...]:
+    """``b``'s rounds on ``rank`` that move or make anything, as ``(t, round)`` (``t = -1``: the
+    local units, made first). Round ``t`` sends to and gets back from rank ``rank + t`` in the
+    gather, and returns to rank ``rank - t``; a unit's pre phase runs in the first round that
+    sends one of its matrices, its post phase in the round its last matrix's rows come back."""
+    w = plan.world_size
+    made: dict[int, int] = {}  # unit -> the round of its pre phase
+    posted: dict[int, int] = {}  # unit -> the round of its post phase
+    sent: dict[int, int] = {}
+    back: dict[int, int] = {}
+    for j in b.matrices:
+        mp, u = plan.matrices[j], unit_of[j]
+        t = -1 if mp.local else (mp.owner - rank) % w
+        made[u] = min(made.get(u, t), t)
+        posted[u] = max(posted.get(u, 0), max(t, 0))
+        if not mp.local:
+            sent[t] = sent.get(t, 0) + (mp.contrib_numel(rank) if t else 0)
+            back[t] = back.get(t, 0) + mp.receive_numel(rank)
+    returned: dict[int, int] = {}
+    if not in_place:
+        for j in b.matrices:
+            mp = plan.matrices[j]
+            if mp.owner == rank and not mp.local:
+                for d, (start, stop) in enumerate(mp.receive):
+                    if d != rank and stop > start:
+                        t = (rank - d) % w
+                        returned[t] = returned.get(t, 0) + (stop - start) * mp.cols
+    ts = sorted(set(made.values()) | set(posted.values()) | set(sent) | set(returned))
+    return tuple((t, _Round(tuple(rows[u] for u in sorted(made) if made[u] == t), sent.get(t, 0),
+                            returned.get(t, 0), back.get(t, 0) if t else 0,
+                            tuple(rows[u] for u in sorted(posted) if posted[u] == t))) for t in ts)
 
 
 @dataclass
@@ -216,6 +274,27 @@ class _Walk:
         ``previous`` bucket finished, then the results' rows posted back."""
         s, p, w, live = self.sizes[i], self.param_bytes, self.wire_bytes, self.live
         live.drop(("gather send", i))
+        self.compute(i)
+        if s.in_place:  # the results travel back in the receive buffer, the own rows with them
+            live.held[("return send", i)] = live.held.pop(("gather recv", i))
+            if previous is not None:
+                self.finish(previous)
+            live.add(("return recv", i), (s.back + s.own) * w)
+            return
+        live.drop(("gather recv", i))
+        live.held[("whole", i)] = s.gathered * p  # the results
+        live.note(s.own * w if self.cast else 0)  # the own rows rounded as the wire rounds them
+        live.add(("mine", i), s.own * p)
+        if previous is not None:
+            self.finish(previous)
+        live.add(("return send", i), s.returned * w)
+        live.drop(("whole", i))  # each result freed as its rows are copied
+        live.add(("return recv", i), s.back * w)  # a spare of the previous return's, or new
+
+    def compute(self, i: int) -> None:
+        """The owned matrices assembled (copies, or views of the receive buffer) and computed
+        unit by unit; the results replace the inputs."""
+        s, p, w, live = self.sizes[i], self.param_bytes, self.wire_bytes, self.live
         live.add(("whole", i), s.copied * p)
         # with a narrower wire each matrix is concatenated in W, then cast into its whole copy in P:
         # the concatenation is alive while the copy is made (counted for the largest, with every copy)
@@ -234,21 +313,50 @@ class _Walk:
         if self.release:
             self.scratch.roles = {}
             live.held["scratch"] = 0
-        if s.in_place:  # the results travel back in the receive buffer, the own rows with them
-            live.held[("return send", i)] = live.held.pop(("gather recv", i))
-            if previous is not None:
-                self.finish(previous)
-            live.add(("return recv", i), (s.back + s.own) * w)
-            return
-        live.drop(("gather recv", i))
-        live.held[("whole", i)] = s.gathered * p  # the results
-        live.note(s.own * w if self.cast else 0)  # the own rows rounded as the wire rounds them
-        live.add(("mine", i), s.own * p)
-        if previous is not None:
-            self.finish(previous)
-        live.add(("return send", i), s.returned * w)
-        live.drop(("whole", i))  # each result freed as its rows are copied
-        live.add(("return recv", i), s.back * w)  # a spare of the previous return's, or new
+
+    def alone(self, i: int) -> None:
+        """Bucket ``i`` exchanged alone, in rounds (:attr:`_Sizes.rounds`): the local units' pre
+        phase; the receive buffer; per round, the pre phase of the units whose rows travel then
+        (their rows held while the send buffer of those rows is made); the owner's compute; its
+        own rows kept (rounded through W where it is narrower) or, per round, the send buffer of
+        a rank's rows of the results (none where the receive buffer travels back) and the
+        receive buffer of the rows back (the previous round's kept as a spare until then), cast
+        back to P where the wire is narrower, and the post phase of the units complete then."""
+        s, p, w, live = self.sizes[i], self.param_bytes, self.wire_bytes, self.live
+        rounds = dict(s.rounds)
+        local = rounds.pop(-1, _Round())
+        live.note(_pre_peak(local.made) * p)
+        live.add(("local", i), sum(local.made) * p)
+        live.add(("gather recv", i), s.gathered * w)
+        for t in sorted(rounds):
+            r = rounds[t]
+            live.note(_pre_peak(r.made) * p)
+            live.add(("rows", i), sum(r.made) * p)
+            live.add(("gather send", i), r.sent * w)
+            live.drop(("rows", i))
+            live.drop(("gather send", i))
+        self.compute(i)
+        if s.in_place:
+            live.held[("whole", i)] = live.held.pop(("gather recv", i))
+        else:
+            live.drop(("gather recv", i))
+            live.held[("whole", i)] = s.gathered * p
+        for t in sorted(rounds):
+            r = rounds[t]
+            if t == 0:
+                live.note(s.own * w if self.cast else 0)
+                live.add(("mine", i), s.own * p)
+            else:
+                live.add(("return send", i), r.returned * w)
+                live.drop(("return recv", i))  # the spare, reused or freed
+                live.add(("return recv", i), r.back * w)
+                live.drop(("return send", i))
+            live.note((_post_peak(r.posted) + (r.back if self.cast and t else 0)) * p)
+            if t == 0:
+                live.drop(("mine", i))
+                live.drop(("local", i))
+        live.drop(("return recv", i))
+        live.drop(("whole", i))
 
     def finish(self, i: int) -> None:
         """The return waited for (its send buffer freed), the rows cast back to P where the wire
@@ -307,9 +415,9 @@ def step_transient(plan: Plan, rank: int, units: Sequence[Sequence[int]], views:
     post phase then runs while the next bucket's results are held, just before their return
     is posted, and before the next is gathered otherwise."""
     buckets = [b for b in plan.buckets if b.matrices]
-    sizes = [_sizes(plan, b, rank, _unit_of(plan, units), views, {}, wire_bytes == param_bytes, wire_bytes)
-             for b in buckets]
     ahead = travels_ahead(plan, buckets, param_bytes, inflight_bytes)
+    sizes = [_sizes(plan, b, rank, _unit_of(plan, units), views, {}, wire_bytes == param_bytes, wire_bytes,
+                    alone(ahead, i)) for i, b in enumerate(buckets)]
     return _schedule(sizes, ahead, _Walk(sizes, param_bytes, wire_bytes, ns_bytes, loops, _Scratch(scratch_kept),
                                          release=inflight_bytes is not None, each=each))
 
@@ -319,18 +427,20 @@ def _schedule(sizes: Sequence[_Sizes], travels: Sequence[bool], walk: _Walk) -> 
     flags), step by step into ``walk``; its peak."""
     if not sizes:
         return 0
-    walk.start(0)
-    back = None  # the previous bucket, its results on their way back
+    back, started = None, False  # the previous bucket, its results on their way back
     for i in range(len(sizes)):
-        ahead = travels[i]
+        if alone(travels, i):
+            walk.alone(i)
+            continue
+        if not started:
+            walk.start(i)
+        ahead, started = travels[i], travels[i]
         if ahead:
             walk.start(i + 1)
         walk.compute_and_return(i, back)
         back = i if ahead else None
         if not ahead:
             walk.finish(i)
-            if i + 1 < len(sizes):
-                walk.start(i + 1)
     if back is not None:
         walk.finish(back)
     return walk.live.peak
@@ -381,7 +491,8 @@ def rank_transients(plan: Plan, units: Sequence[Sequence[int]], views: Sequence,
     ahead = travels_ahead(plan, buckets, 4, inflight_bytes)
     out = []
     for r in range(plan.world_size):
-        sizes = tuple(_sizes(plan, b, r, unit_of, views, copies, wire_bytes == 4, wire_bytes) for b in buckets)
+        sizes = tuple(_sizes(plan, b, r, unit_of, views, copies, wire_bytes == 4, wire_bytes, alone(ahead, i))
+                      for i, b in enumerate(buckets))
         if sizes not in walked:
             walked[sizes] = _schedule(sizes, ahead, _Walk(list(sizes), 4, wire_bytes, ns_bytes, loops, _Scratch(kept),
                                                           release=inflight_bytes is not None, each=each))

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..core import compile as _compile, metrics as _metrics, tree as _tree
-from ..core.base import ELEMENTWISE, MATRIX, GradientTransformation, info
+from ..core.base import ELEMENTWISE, MATRIX, GradientTransformation, donating, info
 from ..core.combine import chain
 from .. import engine
 from ..engine import compute_bucket, finite_flags, guarded, masked
@@ -133,7 +133,7 @@ def steps(phases: Phases, options: dict[str, Any] | None, verify: bool = False) 
         return updates, new_state, fault
 
     def mid_step(params, updates, state, finite, into):
-        out, new_state = mid.update(updates if into else masked(updates, finite), state, params, **donate(into))
+        out, new_state = mid.update(updates if into else masked(updates, finite), state, params, **donating(into))
         return written_into(updates, poisoned(out, finite), into), new_state
 
     def post_step(params, updates, state, mid_state, new_mid_state, finite):
@@ -158,7 +158,7 @@ def steps(phases: Phases, options: dict[str, Any] | None, verify: bool = False) 
     def mid_measured(params, updates, state, finite, into, leaves):
         c = _metrics.Collector(leaves)
         out, new_state = mid.update(updates if into else masked(updates, finite), state, params, metrics=c,
-                                    **donate(into))
+                                    **donating(into))
         return written_into(updates, poisoned(out, finite), into), new_state, c.result()
 
     def post_measured(params, updates, state, mid_state, new_mid_state, finite, leaves):
@@ -180,13 +180,6 @@ def steps(phases: Phases, options: dict[str, Any] | None, verify: bool = False) 
     return Steps(*(_compile.PerSignature(f, options, "the FSDP optimizer's step", verify=verify,
                                          compared=None if f in plain else without_figures)
                    for f in plain + measured))
-
-
-def donate(into: bool) -> dict[str, bool]:
-    """The mid update's extra keyword for ``into`` (the owner's gathered matrices, which it then
-    overwrites with the results): donated (:func:`muon_fn.core.base.donated`), so that the
-    iteration runs in their memory instead of beside it."""
-    return {"donated": True} if into else {}
 
 
 def without_figures(result: tuple) -> tuple:

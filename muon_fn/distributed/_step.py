@@ -154,26 +154,36 @@ class AdapterStep(FSDPTelemetry):
     def _stream(self, matrices: list[Matrix], grads: list[tuple], finite: torch.Tensor | None, figs: dict | None,
                 compute: Any, cols: list[int], new_replicated: dict) -> _exchange.ExchangeStats:
         """The pre phase, the exchange and the post phase bucket by bucket of the plan
-        (:mod:`._stream`): a bucket's rows are packed just before they travel and its results
-        applied as soon as they are back (its replicated mid state shared then, one all-reduce)."""
-        def buckets_of(b: Any) -> set[int]:
-            return {id(matrices[j].bucket) for j in b.matrices}
+        (:mod:`._stream`): a unit's rows are packed just before they travel and its results
+        applied as soon as they are back (a bucket's replicated mid state shared once its owners
+        computed it, one all-reduce)."""
+        shared: dict[int, dict[int, list[torch.Tensor]]] = {}  # bucket -> its shared mid state
 
-        def pre(b: Any) -> dict[int, torch.Tensor]:
-            held = self._pre(matrices, grads, finite, buckets_of(b), deferred=[], figs=figs)
-            return {j: held[j] for j in b.matrices}
+        def units(js: Any) -> set[int]:
+            return {id(matrices[j].bucket) for j in js}
+
+        def pre(b: Any, js: Any) -> dict[int, torch.Tensor]:
+            ran = units(b.matrices if js is None else js)
+            held = self._pre(matrices, grads, finite, ran, deferred=[], figs=figs)
+            return {j: held[j] for j in b.matrices if id(matrices[j].bucket) in ran}
+
+        def share(b: Any) -> None:
+            new = {j: new_replicated.pop(j) for j in b.matrices if j in new_replicated}
+            shared[b.index] = self._share(matrices, new, b.matrices)
 
         def post(b: Any, mine: dict[int, torch.Tensor]) -> None:
+            ready = units(mine) - units(j for j in b.matrices if j not in mine)
+            if not ready:
+                return
             rows: list[Any] = [None] * len(matrices)
-            for j, r in mine.items():
-                rows[j] = r
-            new = {j: new_replicated.pop(j) for j in b.matrices if j in new_replicated}
-            self._post(matrices, grads, rows, self._share(matrices, new, b.matrices), finite, figs, buckets_of(b))
+            for j in [j for j in mine if id(matrices[j].bucket) in ready]:
+                rows[j] = mine.pop(j)
+            self._post(matrices, grads, rows, shared[b.index], finite, figs, ready)
 
         topo = self.topology
-        return _stream.stream(self.plan, topo.rank, pre, compute, post, group=topo.group, wire_dtype=self.wire_dtype,
-                              result_cols=cols, inflight_bytes=self.inflight_bytes,
-                              item_bytes=self._wire_in.itemsize)
+        like = torch.empty(0, dtype=self._wire_in, device=self._device)
+        return _stream.stream(self.plan, topo.rank, pre, compute, share, post, like=like, group=topo.group,
+                              wire_dtype=self.wire_dtype, result_cols=cols, inflight_bytes=self.inflight_bytes)
 
     def _mid_buckets(self) -> Iterator[tuple[int, Route, Bucket, list[torch.Tensor]]]:
         """(group index, route, bucket, group params) of every route with a mid phase."""

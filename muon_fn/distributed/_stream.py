@@ -31,36 +31,44 @@ from typing import Any
 import torch
 
 from . import _exchange
-from ._pieces import contribution, result_cols_of
-from ._budget import travels_ahead
+from ._budget import LOCAL, alone, travels_ahead
+from ._pieces import contribution, owned_by, result_cols_of
 from ._plan import BucketPlan, Plan
 
-# pre(bucket) -> {matrix: this rank's rows}; post(bucket, {matrix: this rank's rows of its result})
-Pre = Callable[[BucketPlan], dict[int, torch.Tensor]]
+# pre(bucket, matrices) -> {matrix: this rank's rows} of the bucket's units that hold those matrices
+# (all of the bucket's if None; each unit's pre phase runs once a step); share(bucket): its
+# replicated state, once every rank computed the bucket (a collective); post(bucket, rows):
+# the post phase of the units whose every matrix's rows of the results are in ``rows`` (this
+# rank's), popped from it
+Pre = Callable[[BucketPlan, Sequence[int] | None], dict[int, torch.Tensor]]
+Share = Callable[[BucketPlan], None]
 Post = Callable[[BucketPlan, dict[int, torch.Tensor]], None]
 Started = tuple[_exchange.InFlight, dict[int, torch.Tensor]]  # a gather in flight, the results so far
 
 
-def stream(plan: Plan, rank: int, pre: Pre, compute: _exchange.Compute, post: Post, *, group: Any = None,
-           wire_dtype: torch.dtype | None = None, result_cols: Sequence[int] | None = None,
-           inflight_bytes: int | None = None, item_bytes: int = 4) -> _exchange.ExchangeStats:
+def stream(plan: Plan, rank: int, pre: Pre, compute: _exchange.Compute, share: Share, post: Post, *,
+           like: torch.Tensor, group: Any = None, wire_dtype: torch.dtype | None = None,
+           result_cols: Sequence[int] | None = None, inflight_bytes: int | None = None) -> _exchange.ExchangeStats:
     """Every bucket of ``plan`` (of two ranks or more) in order: ``pre`` gives this rank's rows of
-    its matrices, the owners ``compute`` them, ``post`` takes this rank's rows of the results (as
-    :func:`~muon_fn.distributed._exchange.exchange`'s). The next bucket is gathered while one is
-    computed only if both buckets fit ``inflight_bytes`` on every rank (``item_bytes`` an
-    element, :func:`~muon_fn.distributed._budget.travels_ahead`); else one bucket at a time. Returns the
-    stats."""
+    its matrices, the owners ``compute`` them, ``share`` and ``post`` take this rank's rows of the
+    results (as :func:`~muon_fn.distributed._exchange.exchange`'s; the rows are ``like``'s dtype
+    and device). The next bucket is gathered while one is computed only if both buckets fit
+    ``inflight_bytes`` on every rank (:func:`~muon_fn.distributed._budget.travels_ahead`); else
+    one bucket at a time, each exchanged in rounds (:meth:`_Run.alone`). Returns the stats."""
     buckets = [b for b in plan.buckets if b.matrices]
     if not buckets:
         return _exchange.ExchangeStats()
-    run = _Run(plan, rank, pre, compute, post, group, wire_dtype, result_cols_of(plan, result_cols))
-    travels = travels_ahead(plan, buckets, item_bytes, inflight_bytes)
-    pending: Started | None = run.start(buckets[0])
+    wire = _exchange.Wire(rank, like, wire_dtype, group)
+    run = _Run(plan, rank, pre, compute, share, post, wire, result_cols_of(plan, result_cols))
+    travels = travels_ahead(plan, buckets, like.element_size(), inflight_bytes)  # the same on every rank
+    pending: Started | None = None
     back: _exchange.InFlight | None = None  # the previous bucket's results on their way back
     for i in range(len(buckets)):
-        assert pending is not None
-        gathered = pending
-        ahead = travels[i]  # the same on every rank
+        if alone(travels, i):  # nothing else in flight
+            run.alone(buckets[i])
+            continue
+        gathered = pending if pending is not None else run.start(buckets[i])
+        ahead = travels[i]
         pending = run.start(buckets[i + 1]) if ahead else None
         run.wire.drop_spare()  # no spare lives through an iteration
         previous, back = back, None
@@ -76,8 +84,6 @@ def stream(plan: Plan, rank: int, pre: Pre, compute: _exchange.Compute, post: Po
         else:  # this bucket done and released before the next is packed
             run.finish(returned)
             run.wire.drop_spare()
-            if i + 1 < len(buckets):
-                pending = run.start(buckets[i + 1])
         del returned
     if back is not None:
         run.finish(back)
@@ -88,20 +94,17 @@ def stream(plan: Plan, rank: int, pre: Pre, compute: _exchange.Compute, post: Po
 class _Run:
     """One :func:`stream`: its exchange settings, and each bucket's results as they come back."""
 
-    def __init__(self, plan: Plan, rank: int, pre: Pre, compute: _exchange.Compute, post: Post, group: Any,
-                 wire_dtype: torch.dtype | None, back_cols: list[int]) -> None:
+    def __init__(self, plan: Plan, rank: int, pre: Pre, compute: _exchange.Compute, share: Share, post: Post,
+                 wire: _exchange.Wire, back_cols: list[int]) -> None:
         self.plan, self.rank, self.pre, self.compute, self.post = plan, rank, pre, compute, post
-        self.group, self.wire_dtype, self.back_cols = group, wire_dtype, back_cols
-        self.wire: _exchange.Wire = None  # type: ignore[assignment]  # made with the first rows
+        self.share, self.wire, self.back_cols = share, wire, back_cols
         self.results: dict[int, dict[int, torch.Tensor]] = {}  # bucket -> this rank's rows so far
 
     def start(self, b: BucketPlan) -> Started:
         """Pack bucket ``b``'s rows and post its gather; its local matrices are computed now."""
-        held = self.pre(b)
+        held = self.pre(b, None)
         rows = {j: contribution(self.plan.matrices[j], self.rank, held[j]) for j in b.matrices}
         del held
-        if self.wire is None:
-            self.wire = _exchange.Wire(self.rank, rows[b.matrices[0]], self.wire_dtype, self.group)
         flight = _exchange.post_gather(self.plan, b, rows, self.wire)  # type: ignore[arg-type]
         out: dict[int, torch.Tensor] = {}
         _exchange.compute_local(self.plan, b, rows, self.compute, self.back_cols, self.wire, out)  # type: ignore[arg-type]
@@ -118,6 +121,47 @@ class _Run:
         out = self.results.pop(returned.bucket.index)
         _exchange.collect(self.plan, returned, self.back_cols, self.wire, out)
         returned.mine = None
+        self.share(returned.bucket)
         self.post(returned.bucket, out)
+        assert not out, f"bucket {returned.bucket.index}: results of matrices {sorted(out)} were not applied"
         del out
         self.wire.recycle(returned)
+
+    def alone(self, b: BucketPlan) -> None:
+        """Bucket ``b`` with nothing else in flight, in rounds of one peer each way
+        (:func:`~._exchange.gather_rounds`, :func:`~._exchange.return_rounds`): each unit's pre
+        phase runs just before its rows travel, and its post phase as soon as its rows of the
+        results are back, so a rank holds one round's rows beside the matrices it owns."""
+        plan, me = self.plan, self.rank
+        made: dict[int, torch.Tensor] = {}  # rows made and not yet sent (a unit's other matrices)
+
+        def rows_for(owner: int) -> dict[int, torch.Tensor]:
+            js = owned_by(plan, b, owner)
+            if any(j not in made for j in js):
+                made.update(self.pre(b, [j for j in js if j not in made]))
+            return {j: made.pop(j) for j in js}
+
+        local = [j for j in b.matrices if plan.matrices[j].local]
+        out: dict[int, torch.Tensor] = {}
+        if local:
+            held = rows_for(LOCAL)
+            rows: list[Any] = [None] * len(plan.matrices)
+            for j in local:
+                rows[j] = contribution(plan.matrices[j], me, held[j])
+            del held
+            _exchange.compute_local(plan, b, rows, self.compute, self.back_cols, self.wire, out)
+            del rows
+        box = [_exchange.gather_rounds(plan, b, rows_for, self.wire)]
+        assert not made, f"bucket {b.index}: rows of matrices {sorted(made)} were made and not sent"
+        owned = owned_by(plan, b, me)
+        results, recv = _exchange.compute_owned(plan, owned, box, self.compute, self.back_cols, self.wire)
+        self.share(b)
+
+        def arrived(rows: dict[int, torch.Tensor]) -> None:
+            out.update(rows)
+            self.post(b, out)
+
+        _exchange.return_rounds(plan, b, owned, results, recv, self.back_cols, self.wire, arrived)
+        del results, recv
+        self.wire.drop_spare()  # released before the next bucket is packed
+        assert not out, f"bucket {b.index}: results of matrices {sorted(out)} were not applied"
