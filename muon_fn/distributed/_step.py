@@ -162,8 +162,13 @@ class AdapterStep(FSDPTelemetry):
         def units(js: Any) -> set[int]:
             return {id(matrices[j].bucket) for j in js}
 
+        def together(b: Any) -> bool:
+            """Whether the bucket's pre and post phases run whole, in one order on every rank:
+            a parameter with sharded columns is redistributed to rows and back (collectives)."""
+            return any(self._layouts[id(matrices[j].param)].row_placements is not None for j in b.matrices)
+
         def pre(b: Any, js: Any) -> dict[int, torch.Tensor]:
-            ran = units(b.matrices if js is None else js)
+            ran = units(b.matrices if js is None or together(b) else js)
             held = self._pre(matrices, grads, finite, ran, deferred=[], figs=figs)
             return {j: held[j] for j in b.matrices if id(matrices[j].bucket) in ran}
 
@@ -171,9 +176,9 @@ class AdapterStep(FSDPTelemetry):
             new = {j: new_replicated.pop(j) for j in b.matrices if j in new_replicated}
             shared[b.index] = self._share(matrices, new, b.matrices)
 
-        def post(b: Any, mine: dict[int, torch.Tensor]) -> None:
+        def post(b: Any, mine: dict[int, torch.Tensor], final: bool) -> None:
             ready = units(mine) - units(j for j in b.matrices if j not in mine)
-            if not ready:
+            if not ready or (together(b) and not final):
                 return
             rows: list[Any] = [None] * len(matrices)
             for j in [j for j in mine if id(matrices[j].bucket) in ready]:

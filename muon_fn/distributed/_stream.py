@@ -37,12 +37,15 @@ from ._plan import BucketPlan, Plan
 
 # pre(bucket, matrices) -> {matrix: this rank's rows} of the bucket's units that hold those matrices
 # (all of the bucket's if None; each unit's pre phase runs once a step); share(bucket): its
-# replicated state, once every rank computed the bucket (a collective); post(bucket, rows):
+# replicated state, once every rank computed the bucket (a collective); post(bucket, rows, final):
 # the post phase of the units whose every matrix's rows of the results are in ``rows`` (this
-# rank's), popped from it
+# rank's), popped from it (``final``: the bucket's last call, on every rank at once). A callback
+# may run collectives of its own where a bucket asks (a parameter redistributed to rows): pre
+# then runs the whole bucket at its first call (the bucket's start, with no matrices), and post
+# at its final one.
 Pre = Callable[[BucketPlan, Sequence[int] | None], dict[int, torch.Tensor]]
 Share = Callable[[BucketPlan], None]
-Post = Callable[[BucketPlan, dict[int, torch.Tensor]], None]
+Post = Callable[[BucketPlan, dict[int, torch.Tensor], bool], None]
 Started = tuple[_exchange.InFlight, dict[int, torch.Tensor]]  # a gather in flight, the results so far
 
 
@@ -122,7 +125,7 @@ class _Run:
         _exchange.collect(self.plan, returned, self.back_cols, self.wire, out)
         returned.mine = None
         self.share(returned.bucket)
-        self.post(returned.bucket, out)
+        self.post(returned.bucket, out, True)
         assert not out, f"bucket {returned.bucket.index}: results of matrices {sorted(out)} were not applied"
         del out
         self.wire.recycle(returned)
@@ -133,7 +136,7 @@ class _Run:
         phase runs just before its rows travel, and its post phase as soon as its rows of the
         results are back, so a rank holds one round's rows beside the matrices it owns."""
         plan, me = self.plan, self.rank
-        made: dict[int, torch.Tensor] = {}  # rows made and not yet sent (a unit's other matrices)
+        made = self.pre(b, ())  # rows made and not yet sent: none, or the whole bucket's (above)
 
         def rows_for(owner: int) -> dict[int, torch.Tensor]:
             js = owned_by(plan, b, owner)
@@ -159,9 +162,10 @@ class _Run:
 
         def arrived(rows: dict[int, torch.Tensor]) -> None:
             out.update(rows)
-            self.post(b, out)
+            self.post(b, out, False)
 
         _exchange.return_rounds(plan, b, owned, results, recv, self.back_cols, self.wire, arrived)
         del results, recv
+        self.post(b, out, True)
         self.wire.drop_spare()  # released before the next bucket is packed
         assert not out, f"bucket {b.index}: results of matrices {sorted(out)} were not applied"
