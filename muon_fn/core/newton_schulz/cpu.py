@@ -232,13 +232,23 @@ class CPUProducts(Products):
         values of ``[x.to(dtype) for x in xs]``, bit for bit) and, where its memory can hold the
         iteration's second buffer (:func:`own_slot`), normalized into it and iterated there, so
         that a matrix costs the call no scratch of its size; a batch of them is then iterated one
-        matrix at a time where :meth:`consumes_each`; ``xs`` then hold no meaningful values."""
+        matrix at a time where :meth:`consumes_each`; ``xs`` then hold no meaningful values. Where
+        every matrix's memory holds both iterates (fp32 inputs of a bf16 iteration:
+        :func:`own_slots`), X alternates within it (:meth:`iterate_within`) and the output is made
+        only once the products are done, so that it never coexists with their working memory."""
         m, n = wide_shape(xs[0].shape)
         aligned = aligned_slots(m, n, dtype, xs[0].device)
         batched = not ((self.loops(m, dtype) or not aligned) and not torch.compiler.is_compiling())
         each = consume and aligned and (len(xs) == 1 or self.consumes_each(m))  # loops() implies consumes_each
         self.release_oversized(len(xs) if batched and not each else 1, m, n)
-        out = torch.empty((len(xs),) + tuple(xs[0].shape), dtype=dtype, device=xs[0].device)
+        shape = (len(xs),) + tuple(xs[0].shape)
+        if each and getattr(schedule, "form", "standard") != "gram" and all(own_slots(x, dtype) for x in xs):
+            results = [self.iterate_within(x, dtype, schedule, eps, norm_scale) for x in xs]
+            out = torch.empty(shape, dtype=dtype, device=xs[0].device)  # made once the products are done
+            for r, target in zip(results, out.unbind(0)):
+                target.copy_(r)
+            return out
+        out = torch.empty(shape, dtype=dtype, device=xs[0].device)
         if each:
             for x, target in zip(xs, out.unbind(0) if len(xs) > 1 or not batched else [out]):
                 self.iterate_consumed(x, target, schedule, eps, norm_scale)
@@ -275,6 +285,19 @@ class CPUProducts(Products):
         y = partner.view(out.shape) if gram_form or len(schedule) % 2 == 1 else out
         normalize_cast_into(x, y.view(x.shape), norm_scale, eps)
         run_schedule(y, schedule, eps, self, out=out, partner=None if gram_form else partner.view(out.shape))
+
+    def iterate_within(self, x: torch.Tensor, dtype: torch.dtype, schedule: Sequence[Coefficients],
+                       eps: float, norm_scale: float) -> torch.Tensor:
+        """One matrix ``x`` the caller gives up, at least twice as wide per element as ``dtype``,
+        iterated in its own memory: X alternates between its two halves (:func:`own_slots`),
+        normalized and cast first into the head, from which the first iteration reads. Returns
+        the half holding the result (the same values as :meth:`iterate_consumed`'s, bit for bit:
+        the same products on equally aligned memory)."""
+        head, tail = own_slots(x, dtype)  # type: ignore[misc]
+        out, partner = (tail, head) if len(schedule) % 2 == 1 else (head, tail)
+        normalize_cast_into(x, head, norm_scale, eps)
+        run_schedule(head, schedule, eps, self, out=out, partner=partner)
+        return out
 
     def input_slot(self, schedule: Sequence[Coefficients], out: torch.Tensor | None,
                    like: torch.Tensor | None = None) -> torch.Tensor:
@@ -345,6 +368,17 @@ def own_slot(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
             or x.data_ptr() % SLOT_ALIGNMENT or x.dtype.is_complex or dtype.is_complex):
         return None
     return x.view(-1).view(dtype)[:x.numel()].view(x.shape)
+
+
+def own_slots(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``x``'s memory as two ``empty`` tensors of ``x``'s shape in ``dtype``, its head and the
+    part after it, where both can stand in for fresh ones (:func:`own_slot`): ``x`` at least
+    twice as wide per element (fp32 for bf16), both on a :data:`SLOT_ALIGNMENT` boundary; else None."""
+    head = own_slot(x, dtype)
+    if head is None or x.element_size() < 2 * dtype.itemsize:
+        return None
+    tail = x.view(-1).view(dtype)[x.numel():2 * x.numel()]
+    return None if tail.data_ptr() % SLOT_ALIGNMENT else (head, tail.view(x.shape))
 
 
 def transposed(t: torch.Tensor) -> bool:
