@@ -110,7 +110,7 @@ class _Buffers:
     def __enter__(self):
         import weakref
 
-        from muon_fn.distributed import _exchange, _stream
+        from muon_fn.distributed import _exchange, _rounds, _stream
 
         # every post goes through post_buffer; a bucket starts with start (two in flight) or
         # alone (exchanged in rounds, whose receive buffer gather_rounds makes)
@@ -118,7 +118,7 @@ class _Buffers:
             (_exchange.Wire, "post_buffer"),
             (_stream._Run, "start"),
             (_stream._Run, "alone"),
-            (_exchange, "gather_rounds"),
+            (_rounds, "gather_rounds"),
         ]
         self.saved = [getattr(cls, name) for cls, name in self.patched]
         post, start, alone, gather_rounds = self.saved
@@ -146,7 +146,7 @@ class _Buffers:
 
             return begun
 
-        _exchange.Wire.post_buffer, _exchange.gather_rounds = recorded_post, recorded_gather
+        _exchange.Wire.post_buffer, _rounds.gather_rounds = recorded_post, recorded_gather
         _stream._Run.start, _stream._Run.alone = checked(start), checked(alone)
         return self
 

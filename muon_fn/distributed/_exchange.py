@@ -21,7 +21,7 @@ The steps of one bucket have public names, the interface that :mod:`._stream` (t
 one or two buckets at a time) drives: :class:`Wire` (an exchange's settings, figures and spare
 receive buffer), :func:`post_gather`, :func:`compute_local`, :func:`compute_and_return` and
 :func:`collect`, each posted collective an :class:`InFlight`; where the rows lie in the buffers is
-:mod:`._pieces`'. A matrix whose pieces arrive in row order is computed in its receive buffer (no
+:mod:`._pieces`', and :mod:`._rounds` posts a bucket in rounds of one peer through :class:`Wire`. A matrix whose pieces arrive in row order is computed in its receive buffer (no
 copy); the bounded step then sends that buffer back as it is (:func:`compute_and_return`'s
 ``in_place``); otherwise an owner's own rows of a result stay on it (never sent to itself).
 """
@@ -29,7 +29,6 @@ copy); the bounded step then sends that buffer back as it is (:func:`compute_and
 from __future__ import annotations
 
 import hashlib
-import itertools
 import time
 import warnings
 from dataclasses import dataclass
@@ -373,97 +372,6 @@ def compute_and_return(plan: Plan, g: InFlight, compute: Compute, back_cols: lis
     flight = InFlight(b, *wire.post(parts, send_splits, recv_splits))
     flight.mine = mine
     return flight
-
-
-def region(buf: torch.Tensor, offset: int, numel: int) -> torch.Tensor:
-    """``numel`` elements of the 1-D ``buf`` from ``offset``: a tensor over its memory that is not
-    a view (a collective's buffer, :class:`_Kept`)."""
-    return buf.new_empty(0).set_(buf.untyped_storage(), buf.storage_offset() + offset, (numel,), (1,))
-
-
-def _post_round(wire: Wire, b: BucketPlan, w: int, send: torch.Tensor, to: int, into: torch.Tensor | None,
-                source: int, numel: int) -> InFlight:
-    """One round's ``all_to_all_single`` among ``w`` ranks: ``send`` to rank ``to``, ``numel``
-    elements from rank ``source`` (into ``into``, or a buffer made for them)."""
-    send_splits, recv_splits = [0] * w, [0] * w
-    send_splits[to], recv_splits[source] = send.numel(), numel
-    return InFlight(b, *wire.post_buffer(send, send_splits, recv_splits, into))
-
-
-def _concat(parts: list[torch.Tensor], wire: Wire) -> torch.Tensor:
-    """``parts`` flat, one after the other, in the wire's dtype (a new tensor)."""
-    send = torch.empty(sum(p.numel() for p in parts), dtype=wire.wire, device=wire.device)
-    offset = 0
-    for p in parts:
-        send[offset:offset + p.numel()].copy_(p.reshape(-1))
-        offset += p.numel()
-    return send
-
-
-def gather_rounds(plan: Plan, b: BucketPlan, rows_for: Callable[[int], dict[int, torch.Tensor]],
-                  wire: Wire) -> torch.Tensor:
-    """A bucket's gather in ``W`` rounds, one peer each way per round: in round ``t`` this rank
-    sends its rows of the matrices that rank ``rank + t`` owns (``rows_for(owner)``, made just
-    before they travel) and receives from rank ``rank - t`` its rows of the matrices it owns,
-    into their place in the receive buffer (laid out as :func:`post_gather`'s: by source rank,
-    then owned matrix), which it returns. Round 0 is this rank's own rows, copied. Each round's
-    rows are freed before the next round's are made."""
-    me, w = wire.rank, plan.world_size
-    sizes = b.gather_recv(me)
-    starts = [0, *itertools.accumulate(sizes)]
-    recv = torch.empty(sum(sizes), dtype=wire.wire, device=wire.device)
-    for t in range(w):
-        to, source = (me + t) % w, (me - t) % w
-        rows = rows_for(to)
-        parts = [contribution(plan.matrices[j], me, rows[j]) for j in owned_by(plan, b, to)]
-        del rows
-        if t == 0:  # its own rows, each copied into its place
-            offset = starts[me]
-            for k in range(len(parts)):
-                recv[offset:offset + parts[k].numel()].copy_(parts[k].reshape(-1))
-                offset += parts[k].numel()
-            del parts
-            continue
-        send = _concat(parts, wire)
-        del parts
-        wire.wait(_post_round(wire, b, w, send, to, region(recv, starts[source], sizes[source]), source, sizes[source]))
-        del send
-    return recv
-
-
-def return_rounds(plan: Plan, b: BucketPlan, owned: list[int], results: list[torch.Tensor],
-                  recv: torch.Tensor | None, back_cols: list[int], wire: Wire,
-                  arrived: Callable[[dict[int, torch.Tensor]], None]) -> None:
-    """A bucket's return in ``W`` rounds, as :func:`gather_rounds` backwards: in round ``t`` this
-    rank sends its results' rows of rank ``rank - t`` and receives from rank ``rank + t`` its rows
-    of the matrices that rank owns; ``arrived(rows)`` takes each round's rows as they come (round
-    0: this rank's own rows of its results). Where the results are the gather's receive buffer
-    ``recv`` (:func:`returns_in_place`), each round sends its part of that buffer as it lies."""
-    me, w = wire.rank, plan.world_size
-    in_place = recv is not None and returns_in_place(plan, owned, results, recv, back_cols)
-    if in_place:
-        wire.sent_in_place += 1
-        sizes = b.gather_recv(me)
-        starts = [0, *itertools.accumulate(sizes)]
-    arrived({j: own_rows(r, plan.matrices[j].receive[me], wire) for j, r in zip(owned, results)})
-    for t in range(1, w):
-        to, source = (me - t) % w, (me + t) % w
-        if in_place:
-            send = region(recv, starts[to], sizes[to])  # type: ignore[arg-type]
-        else:
-            send = _concat([r[slice(*plan.matrices[j].receive[to])] for j, r in zip(owned, results)], wire)
-        flight = _post_round(wire, b, w, send, to, None, source, returned(plan, b.matrices, source, me, back_cols))
-        del send
-        wire.wait(flight)
-        rows, offset = {}, 0
-        for j in owned_by(plan, b, source):
-            start, stop = plan.matrices[j].receive[me]
-            k = (stop - start) * back_cols[j]
-            rows[j] = flight.recv[offset:offset + k].view(-1, back_cols[j]).to(wire.dtype)
-            offset += k
-        arrived(rows)
-        del rows
-        wire.recycle(flight)
 
 
 def compute_owned(plan: Plan, owned: list[int], box: list[torch.Tensor], compute: Compute, back_cols: list[int],

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from . import _exchange
+from . import _exchange, _rounds
 from ._budget import LOCAL, alone, travels_ahead
 from ._pieces import contribution, owned_by, result_cols_of
 from ._plan import BucketPlan, Plan
@@ -132,7 +132,7 @@ class _Run:
 
     def alone(self, b: BucketPlan) -> None:
         """Bucket ``b`` with nothing else in flight, in rounds of one peer each way
-        (:func:`~._exchange.gather_rounds`, :func:`~._exchange.return_rounds`): each unit's pre
+        (:func:`~._rounds.gather_rounds`, :func:`~._rounds.return_rounds`): each unit's pre
         phase runs just before its rows travel, and its post phase as soon as its rows of the
         results are back, so a rank holds one round's rows beside the matrices it owns."""
         plan, me = self.plan, self.rank
@@ -154,7 +154,7 @@ class _Run:
             del held
             _exchange.compute_local(plan, b, rows, self.compute, self.back_cols, self.wire, out)
             del rows
-        box = [_exchange.gather_rounds(plan, b, rows_for, self.wire)]
+        box = [_rounds.gather_rounds(plan, b, rows_for, self.wire)]
         assert not made, f"bucket {b.index}: rows of matrices {sorted(made)} were made and not sent"
         owned = owned_by(plan, b, me)
         results, recv = _exchange.compute_owned(plan, owned, box, self.compute, self.back_cols, self.wire)
@@ -164,7 +164,7 @@ class _Run:
             out.update(rows)
             self.post(b, out, False)
 
-        _exchange.return_rounds(plan, b, owned, results, recv, self.back_cols, self.wire, arrived)
+        _rounds.return_rounds(plan, b, owned, results, recv, self.back_cols, self.wire, arrived)
         del results, recv
         self.post(b, out, True)
         self.wire.drop_spare()  # released before the next bucket is packed

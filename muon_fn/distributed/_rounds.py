@@ -1,0 +1,112 @@
+"""A bucket's exchange in rounds of one peer each way (:func:`gather_rounds`,
+:func:`return_rounds`), for a bucket the bounded step exchanges with nothing else in flight
+(:meth:`~muon_fn.distributed._stream._Run.alone`): in round ``t`` of ``W`` a rank sends to rank
+``rank + t`` and receives from rank ``rank - t`` (the return the other way round), so that it
+holds one round's rows at a time beside the matrices it owns, each made just before it travels
+and applied as soon as it is back. Each round is one ``all_to_all_single`` through
+:class:`~muon_fn.distributed._exchange.Wire` (which posts every collective of an exchange), with
+one peer's split each way; the buffers are laid out as :mod:`._exchange`'s one all-to-all lays
+them, so the owners compute the same matrices bit for bit.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+import torch
+
+from ._exchange import InFlight, Wire
+from ._pieces import contribution, own_rows, owned_by, returned, returns_in_place
+from ._plan import BucketPlan, Plan
+
+
+def region(buf: torch.Tensor, offset: int, numel: int) -> torch.Tensor:
+    """``numel`` elements of the 1-D ``buf`` from ``offset``: a tensor over its memory that is not
+    a view (a collective's buffer, :class:`_Kept`)."""
+    return buf.new_empty(0).set_(buf.untyped_storage(), buf.storage_offset() + offset, (numel,), (1,))
+
+
+def _post_round(wire: Wire, b: BucketPlan, w: int, send: torch.Tensor, to: int, into: torch.Tensor | None,
+                source: int, numel: int) -> InFlight:
+    """One round's ``all_to_all_single`` among ``w`` ranks: ``send`` to rank ``to``, ``numel``
+    elements from rank ``source`` (into ``into``, or a buffer made for them)."""
+    send_splits, recv_splits = [0] * w, [0] * w
+    send_splits[to], recv_splits[source] = send.numel(), numel
+    return InFlight(b, *wire.post_buffer(send, send_splits, recv_splits, into))
+
+
+def _concat(parts: list[torch.Tensor], wire: Wire) -> torch.Tensor:
+    """``parts`` flat, one after the other, in the wire's dtype (a new tensor)."""
+    send = torch.empty(sum(p.numel() for p in parts), dtype=wire.wire, device=wire.device)
+    offset = 0
+    for p in parts:
+        send[offset:offset + p.numel()].copy_(p.reshape(-1))
+        offset += p.numel()
+    return send
+
+
+def gather_rounds(plan: Plan, b: BucketPlan, rows_for: Callable[[int], dict[int, torch.Tensor]],
+                  wire: Wire) -> torch.Tensor:
+    """A bucket's gather in ``W`` rounds, one peer each way per round: in round ``t`` this rank
+    sends its rows of the matrices that rank ``rank + t`` owns (``rows_for(owner)``, made just
+    before they travel) and receives from rank ``rank - t`` its rows of the matrices it owns,
+    into their place in the receive buffer (laid out as :func:`post_gather`'s: by source rank,
+    then owned matrix), which it returns. Round 0 is this rank's own rows, copied. Each round's
+    rows are freed before the next round's are made."""
+    me, w = wire.rank, plan.world_size
+    sizes = b.gather_recv(me)
+    starts = [0, *itertools.accumulate(sizes)]
+    recv = torch.empty(sum(sizes), dtype=wire.wire, device=wire.device)
+    for t in range(w):
+        to, source = (me + t) % w, (me - t) % w
+        rows = rows_for(to)
+        parts = [contribution(plan.matrices[j], me, rows[j]) for j in owned_by(plan, b, to)]
+        del rows
+        if t == 0:  # its own rows, each copied into its place
+            offset = starts[me]
+            for k in range(len(parts)):
+                recv[offset:offset + parts[k].numel()].copy_(parts[k].reshape(-1))
+                offset += parts[k].numel()
+            del parts
+            continue
+        send = _concat(parts, wire)
+        del parts
+        wire.wait(_post_round(wire, b, w, send, to, region(recv, starts[source], sizes[source]), source, sizes[source]))
+        del send
+    return recv
+
+
+def return_rounds(plan: Plan, b: BucketPlan, owned: list[int], results: list[torch.Tensor],
+                  recv: torch.Tensor | None, back_cols: list[int], wire: Wire,
+                  arrived: Callable[[dict[int, torch.Tensor]], None]) -> None:
+    """A bucket's return in ``W`` rounds, as :func:`gather_rounds` backwards: in round ``t`` this
+    rank sends its results' rows of rank ``rank - t`` and receives from rank ``rank + t`` its rows
+    of the matrices that rank owns; ``arrived(rows)`` takes each round's rows as they come (round
+    0: this rank's own rows of its results). Where the results are the gather's receive buffer
+    ``recv`` (:func:`returns_in_place`), each round sends its part of that buffer as it lies."""
+    me, w = wire.rank, plan.world_size
+    in_place = recv is not None and returns_in_place(plan, owned, results, recv, back_cols)
+    if in_place:
+        wire.sent_in_place += 1
+        sizes = b.gather_recv(me)
+        starts = [0, *itertools.accumulate(sizes)]
+    arrived({j: own_rows(r, plan.matrices[j].receive[me], wire) for j, r in zip(owned, results)})
+    for t in range(1, w):
+        to, source = (me - t) % w, (me + t) % w
+        if in_place:
+            send = region(recv, starts[to], sizes[to])  # type: ignore[arg-type]
+        else:
+            send = _concat([r[slice(*plan.matrices[j].receive[to])] for j, r in zip(owned, results)], wire)
+        flight = _post_round(wire, b, w, send, to, None, source, returned(plan, b.matrices, source, me, back_cols))
+        del send
+        wire.wait(flight)
+        rows, offset = {}, 0
+        for j in owned_by(plan, b, source):
+            start, stop = plan.matrices[j].receive[me]
+            k = (stop - start) * back_cols[j]
+            rows[j] = flight.recv[offset:offset + k].view(-1, back_cols[j]).to(wire.dtype)
+            offset += k
+        arrived(rows)
+        del rows
+        wire.recycle(flight)
