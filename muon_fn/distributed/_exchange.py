@@ -21,9 +21,10 @@ The steps of one bucket have public names, the interface that :mod:`._stream` (t
 one or two buckets at a time) drives: :class:`Wire` (an exchange's settings, figures and spare
 receive buffer), :func:`post_gather`, :func:`compute_local`, :func:`compute_and_return` and
 :func:`collect`, each posted collective an :class:`InFlight`; where the rows lie in the buffers is
-:mod:`._pieces`', and :mod:`._rounds` posts a bucket in rounds of one peer through :class:`Wire`. A matrix whose pieces arrive in row order is computed in its receive buffer (no
-copy); the bounded step then sends that buffer back as it is (:func:`compute_and_return`'s
-``in_place``); otherwise an owner's own rows of a result stay on it (never sent to itself).
+:mod:`._pieces`', and :mod:`._rounds` posts a bucket in rounds of one peer through :class:`Wire`.
+A matrix whose pieces arrive in row order is computed in its receive buffer (no copy); the
+bounded step then sends that buffer back as it is (:func:`compute_and_return`'s ``in_place``);
+otherwise an owner's own rows of a result stay on it (never sent to itself).
 """
 
 from __future__ import annotations

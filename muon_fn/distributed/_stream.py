@@ -8,19 +8,20 @@ of the single-device optimizer) in each bucket, so that the owners compute side 
 bucket's rows are packed (the pre phase) just before its gather is posted, and its results are
 applied (the post phase) as soon as they are back. Where two consecutive buckets fit the budget
 together on every rank, the next one's gather travels while one is computed and its results
-come back while the next is computed; otherwise a bucket's buffers are all released before the
-next bucket is packed. A matrix received in one piece per rank in row order is computed in its
-receive buffer; where all of a bucket's results are so computed, that buffer travels back as it
-is (no copy of the results is made; the owner's own rows come back through the collective),
-else the owner's own rows stay here and the rest is copied to send. A receive buffer of the
-results is reused for the next bucket's of the same size.
+come back while the next is computed, one all-to-all each way; otherwise a bucket is exchanged
+alone, in rounds of one peer each way (:mod:`._rounds`: each unit's rows made just before they
+travel, its results applied as soon as they are back), and its buffers are all released before
+the next bucket is packed. A matrix received in one piece per rank in row order is computed in
+its receive buffer; where all of a bucket's results are so computed, that buffer travels back as
+it is (no copy of the results is made), else the owner's own rows stay here and the rest is
+copied to send. A receive buffer of the results is reused for the next bucket's of the same size.
 
 It drives :mod:`._exchange`'s bucket interface (:class:`~._exchange.Wire`,
 :func:`~._exchange.contribution`, :func:`~._exchange.post_gather`,
 :func:`~._exchange.compute_local`, :func:`~._exchange.compute_and_return`,
-:func:`~._exchange.collect`): the collectives and the calls of ``compute`` are those of
-:func:`~muon_fn.distributed._exchange.exchange`, bucket for bucket, so the owners' arithmetic is the
-same bit for bit; only their order in time changes.
+:func:`~._exchange.collect`) and :mod:`._rounds`: the owners' calls of ``compute`` are those of
+:func:`~muon_fn.distributed._exchange.exchange`, bucket for bucket, on the same matrices laid out
+the same way, so their arithmetic is the same bit for bit; only the order in time changes.
 """
 
 from __future__ import annotations
