@@ -248,12 +248,21 @@ def check_parity(w, cls=Toy, strategy="owner", compile=False, groups=None, **kw)
     from muon_fn.fsdp import FSDPMuonOptimizer
 
     def run():
+        from muon_fn.distributed import _stream
+
         model = shard(make(cls))
         params = groups(model) if groups else None
         opt = FSDPMuonOptimizer(
             model, params, strategy=strategy, compile=compile, **muon_kwargs(**kw)
         )
-        train([(model, opt)], STEPS)
+        alone, buckets = _stream._Run.alone, []
+        _stream._Run.alone = lambda run, b: (buckets.append(b.index), alone(run, b))[1]
+        try:
+            train([(model, opt)], STEPS)
+        finally:
+            _stream._Run.alone = alone
+        if kw.get("inflight_bytes") == 1:  # every bucket alone: in rounds from three ranks
+            assert bool(buckets) == (w > 2), (w, buckets)
         expected = reference(muon_single(cls, groups, compile=compile, **kw))
         assert_same(model, opt, expected, what=f"W={w} {strategy} {kw}: ")
         return {"applied": opt.last_step_stats["applied"]}
@@ -1014,7 +1023,7 @@ def checks_for(w: int, ckpt_dir: str) -> dict:
         f"parity_compiled_{compiled['backend']}": check_parity(
             w, Pair, compile=compiled, groups=two_iterations
         ),
-        # inflight_bytes=1: every bucket alone, exchanged in rounds of one peer each way
+        # inflight_bytes=1: every bucket alone, from W = 3 exchanged in rounds of one peer each way
         "parity_rounds": check_parity(w, inflight_bytes=1),
         "parity_rounds_normuon": check_parity(w, inflight_bytes=1, beta2=0.95, nesterov=False),
         "expert_stacks_rounds": check_expert_stacks(w, inflight_bytes=1),

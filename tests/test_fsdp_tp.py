@@ -401,7 +401,7 @@ def checks() -> dict:
         "fsdp_tp_dcp": check_tp_dcp(),
         "ep_whole_experts": check_experts(split=False),
         "ep_split_experts": check_experts(split=True),
-        # inflight_bytes=1: every bucket alone, exchanged in rounds of one peer each way
+        # inflight_bytes=1: every bucket alone, exchanged in rounds of one peer each way (W = 4)
         "fsdp_tp_rounds": check_tp(inflight_bytes=1),
         "hsdp_tp_rounds": check_tp(
             lambda: block_tp((2, 1, 2), ("replicate", "shard", "tp")), inflight_bytes=1

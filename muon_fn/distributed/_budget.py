@@ -51,10 +51,12 @@ def travels_ahead(plan: Any, buckets: Sequence[Any], item_bytes: int, inflight_b
             for i in range(len(buckets))]
 
 
-def alone(travels: Sequence[bool], i: int) -> bool:
-    """Whether bucket ``i`` is exchanged with nothing else in flight, by :func:`travels_ahead`'s
-    flags: neither it nor the one before travels ahead."""
-    return not travels[i] and (i == 0 or not travels[i - 1])
+def in_rounds(travels: Sequence[bool], i: int, world_size: int) -> bool:
+    """Whether bucket ``i`` is exchanged in rounds of one peer each way (:mod:`._rounds`), by
+    :func:`travels_ahead`'s flags: with nothing else in flight (neither it nor the one before
+    travels ahead), among three ranks or more. Between two, the one round would be the one
+    all-to-all each way, and a unit's rows made beside the receive buffer would only add to it."""
+    return world_size > 2 and not travels[i] and (i == 0 or not travels[i - 1])
 
 
 def unit_bytes(per_matrix: list[list[tuple[int, int]]]) -> dict[int, int]:

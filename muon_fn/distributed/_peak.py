@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from ..core import views as _views
 from ._plan import BucketPlan, Plan
-from ._budget import alone, travels_ahead
+from ._budget import in_rounds, travels_ahead
 
 # The Newton–Schulz scratch roles of m × m products (the others are m × n): the CPU products keep
 # one buffer per role between calls (muon_fn.core.newton_schulz.cpu.CPUProducts.scratch).
@@ -110,7 +110,8 @@ class _Sizes:
     units: tuple[tuple[int, int, int], ...]
     largest: int
     in_place: bool = False  # its results are returned in the gather's receive buffer (_pieces.returns_in_place)
-    rounds: tuple[tuple[int, _Round], ...] = ()  # exchanged alone: (t, round), local units first (t = -1)
+    in_rounds: bool = False  # exchanged in rounds (_budget.in_rounds)
+    rounds: tuple[tuple[int, _Round], ...] = ()  # then: (t, round) that move or make anything, local units at t = -1
 
     def pre(self) -> int:
         return _pre_peak(self.unit_rows)
@@ -189,7 +190,7 @@ def _sizes(plan: Plan, b: BucketPlan, rank: int, unit_of: Sequence[int], views: 
     copied = _copied(plan, mine, same_dtype, item_bytes)
     in_place = gathered > 0 and not copied and all(plan.matrices[j].contrib == plan.matrices[j].receive for j in mine)
     return _Sizes(tuple(rows[u] for u in sorted(rows)), sent, gathered, copied, returned, back, own, tuple(units),
-                  largest, in_place, _rounds(plan, b, rank, unit_of, rows, in_place) if alone else ())
+                  largest, in_place, alone, _rounds(plan, b, rank, unit_of, rows, in_place) if alone else ())
 
 
 def _rounds(plan: Plan, b: BucketPlan, rank: int, unit_of: Sequence[int], rows: dict[int, int],
@@ -417,7 +418,7 @@ def step_transient(plan: Plan, rank: int, units: Sequence[Sequence[int]], views:
     buckets = [b for b in plan.buckets if b.matrices]
     ahead = travels_ahead(plan, buckets, param_bytes, inflight_bytes)
     sizes = [_sizes(plan, b, rank, _unit_of(plan, units), views, {}, wire_bytes == param_bytes, wire_bytes,
-                    alone(ahead, i)) for i, b in enumerate(buckets)]
+                    in_rounds(ahead, i, plan.world_size)) for i, b in enumerate(buckets)]
     return _schedule(sizes, ahead, _Walk(sizes, param_bytes, wire_bytes, ns_bytes, loops, _Scratch(scratch_kept),
                                          release=inflight_bytes is not None, each=each))
 
@@ -429,7 +430,7 @@ def _schedule(sizes: Sequence[_Sizes], travels: Sequence[bool], walk: _Walk) -> 
         return 0
     back, started = None, False  # the previous bucket, its results on their way back
     for i in range(len(sizes)):
-        if alone(travels, i):
+        if sizes[i].in_rounds:
             walk.alone(i)
             continue
         if not started:
@@ -491,7 +492,8 @@ def rank_transients(plan: Plan, units: Sequence[Sequence[int]], views: Sequence,
     ahead = travels_ahead(plan, buckets, 4, inflight_bytes)
     out = []
     for r in range(plan.world_size):
-        sizes = tuple(_sizes(plan, b, r, unit_of, views, copies, wire_bytes == 4, wire_bytes, alone(ahead, i))
+        sizes = tuple(_sizes(plan, b, r, unit_of, views, copies, wire_bytes == 4, wire_bytes,
+                             in_rounds(ahead, i, plan.world_size))
                       for i, b in enumerate(buckets))
         if sizes not in walked:
             walked[sizes] = _schedule(sizes, ahead, _Walk(list(sizes), 4, wire_bytes, ns_bytes, loops, _Scratch(kept),

@@ -9,12 +9,13 @@ bucket's rows are packed (the pre phase) just before its gather is posted, and i
 applied (the post phase) as soon as they are back. Where two consecutive buckets fit the budget
 together on every rank, the next one's gather travels while one is computed and its results
 come back while the next is computed, one all-to-all each way; otherwise a bucket is exchanged
-alone, in rounds of one peer each way (:mod:`._rounds`: each unit's rows made just before they
-travel, its results applied as soon as they are back), and its buffers are all released before
-the next bucket is packed. A matrix received in one piece per rank in row order is computed in
-its receive buffer; where all of a bucket's results are so computed, that buffer travels back as
-it is (no copy of the results is made), else the owner's own rows stay here and the rest is
-copied to send. A receive buffer of the results is reused for the next bucket's of the same size.
+alone (among three ranks or more in rounds of one peer each way, :mod:`._rounds`: each unit's
+rows made just before they travel, its results applied as soon as they are back), and its
+buffers are all released before the next bucket is packed. A matrix received in one piece per
+rank in row order is computed in its receive buffer; where all of a bucket's results are so
+computed, that buffer travels back as it is (no copy of the results is made), else the owner's
+own rows stay here and the rest is copied to send. A receive buffer of the results is reused
+for the next bucket's of the same size.
 
 It drives :mod:`._exchange`'s bucket interface (:class:`~._exchange.Wire`,
 :func:`~._exchange.contribution`, :func:`~._exchange.post_gather`,
@@ -32,7 +33,7 @@ from typing import Any
 import torch
 
 from . import _exchange, _rounds
-from ._budget import LOCAL, alone, travels_ahead
+from ._budget import LOCAL, in_rounds, travels_ahead
 from ._pieces import contribution, owned_by, result_cols_of
 from ._plan import BucketPlan, Plan
 
@@ -58,7 +59,8 @@ def stream(plan: Plan, rank: int, pre: Pre, compute: _exchange.Compute, share: S
     results (as :func:`~muon_fn.distributed._exchange.exchange`'s; the rows are ``like``'s dtype
     and device). The next bucket is gathered while one is computed only if both buckets fit
     ``inflight_bytes`` on every rank (:func:`~muon_fn.distributed._budget.travels_ahead`); else
-    one bucket at a time, each exchanged in rounds (:meth:`_Run.alone`). Returns the stats."""
+    one bucket at a time, among three ranks or more each in rounds (:meth:`_Run.alone`). Returns
+    the stats."""
     buckets = [b for b in plan.buckets if b.matrices]
     if not buckets:
         return _exchange.ExchangeStats()
@@ -68,7 +70,7 @@ def stream(plan: Plan, rank: int, pre: Pre, compute: _exchange.Compute, share: S
     pending: Started | None = None
     back: _exchange.InFlight | None = None  # the previous bucket's results on their way back
     for i in range(len(buckets)):
-        if alone(travels, i):  # nothing else in flight
+        if in_rounds(travels, i, plan.world_size):  # nothing else in flight
             run.alone(buckets[i])
             continue
         gathered = pending if pending is not None else run.start(buckets[i])
