@@ -399,14 +399,24 @@ def collect(plan: Plan, r: InFlight, back_cols: list[int], wire: Wire, out: list
     wire.wait(r)
     offset = 0
     for s in range(plan.world_size):
-        for j in owned_by(plan, r.bucket, s):
-            if s == wire.rank and j in r.mine:  # type: ignore[operator]
-                out[j] = r.mine[j]  # type: ignore[index]
-                continue
-            start, stop = plan.matrices[j].receive[wire.rank]
-            k = (stop - start) * back_cols[j]
-            out[j] = r.recv[offset:offset + k].view(-1, back_cols[j]).to(wire.dtype)
-            offset += k
+        if s == wire.rank and r.mine:  # kept here, never sent
+            for j, rows in r.mine.items():
+                out[j] = rows
+        else:
+            offset = rows_back(plan, r.bucket, s, r.recv, offset, back_cols, wire, out)
+
+
+def rows_back(plan: Plan, b: BucketPlan, owner: int, recv: torch.Tensor, offset: int, back_cols: list[int],
+              wire: Wire, out: list | dict) -> int:
+    """This rank's rows of the results of ``b``'s matrices that ``owner`` computed, read from
+    ``recv`` at ``offset`` (in bucket order, in the dtype compute returned) into ``out``; returns
+    the offset after them."""
+    for j in owned_by(plan, b, owner):
+        start, stop = plan.matrices[j].receive[wire.rank]
+        k = (stop - start) * back_cols[j]
+        out[j] = recv[offset:offset + k].view(-1, back_cols[j]).to(wire.dtype)
+        offset += k
+    return offset
 
 
 def exchange_replicated(

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ..core import views as _views
+from ._pieces import in_row_order, pieces_of
 from ._plan import BucketPlan, Plan
 from ._budget import in_rounds, travels_ahead
 
@@ -138,20 +139,9 @@ def _copied(plan: Plan, owned: Sequence[int], same_dtype: bool, item_bytes: int)
     """Elements of the ``owned`` matrices (in bucket order) that ``_pieces.assemble`` copies out of
     the gather's receive buffer: all unless the wire is the parameters' dtype and a matrix's
     pieces lie one after the other in row order from a 64-byte aligned offset (then a view)."""
-    pieces: dict[int, list[tuple[int, int, int]]] = {j: [] for j in owned}
-    offset = 0
-    for s in range(plan.world_size):  # the receive buffer: by source rank, then owned matrix
-        for j in owned:
-            k = plan.matrices[j].contrib_numel(s)
-            if k:
-                pieces[j].append((plan.matrices[j].contrib[s][0], offset, k))
-            offset += k
     total = 0
-    for j in owned:
-        ps = sorted(pieces[j])
-        start = ps[0][1] if ps else 0
-        ends = [start] + [o + k for _, o, k in ps]
-        if not (same_dtype and (start * item_bytes) % 64 == 0 and all(o == e for (_, o, _), e in zip(ps, ends))):
+    for j, ps in pieces_of(plan, owned).items():
+        if not in_row_order(ps, ps[0][1] if ps else 0, same_dtype, item_bytes):
             total += plan.matrices[j].numel
     return total
 

@@ -27,16 +27,16 @@ def assemble(plan: Plan, owned: list[int], recv: torch.Tensor, wire: Wire) -> li
     whose pieces lie in ``recv`` one after the other in row order, from an offset aligned as a
     fresh tensor is, is a view of ``recv`` (no copy; the iteration reads it as it would a copy)."""
     out = []
-    for j, ps in _pieces(plan, owned).items():
+    for j, ps in pieces_of(plan, owned).items():
         mp, start = plan.matrices[j], ps[0][1] if ps else 0
-        if _in_row_order(ps, start, wire):
+        if in_row_order(ps, start, wire.wire == wire.dtype, wire.item):
             out.append(recv[start:start + mp.numel].view(mp.rows, mp.cols))
         else:
             out.append(torch.cat([recv[o:o + k].view(-1, mp.cols) for _, o, k in ps]).to(wire.dtype))
     return out
 
 
-def _pieces(plan: Plan, owned: list[int]) -> dict[int, list[tuple[int, int, int]]]:
+def pieces_of(plan: Plan, owned: Sequence[int]) -> dict[int, list[tuple[int, int, int]]]:
     """Per owned matrix, its pieces in a gather's receive buffer as ``(first row, offset, numel)``
     in row order (the buffer is ordered by source rank, then by the owned matrices)."""
     pieces: dict[int, list[tuple[int, int, int]]] = {j: [] for j in owned}
@@ -50,11 +50,12 @@ def _pieces(plan: Plan, owned: list[int]) -> dict[int, list[tuple[int, int, int]
     return {j: sorted(ps) for j, ps in pieces.items()}
 
 
-def _in_row_order(ps: list[tuple[int, int, int]], start: int, wire: Wire) -> bool:
+def in_row_order(ps: list[tuple[int, int, int]], start: int, same_dtype: bool, item_bytes: int) -> bool:
     """Whether pieces ``ps`` lie one after the other in row order from ``start``, aligned as a
-    fresh CPU tensor is (64 B), in the dtype compute takes: then the matrix is a view."""
+    fresh CPU tensor is (64 B of ``item_bytes`` elements), with the wire in the dtype compute
+    takes (``same_dtype``): then the matrix is a view."""
     ends = [start] + [o + k for _, o, k in ps]
-    return wire.wire == wire.dtype and (start * wire.item) % 64 == 0 and all(
+    return same_dtype and (start * item_bytes) % 64 == 0 and all(
         o == end for (_, o, _), end in zip(ps, ends))
 
 
@@ -67,7 +68,7 @@ def returns_in_place(plan: Plan, owned: list[int], results: Sequence[torch.Tenso
     if not owned or not recv.numel():
         return False
     base, item = recv.data_ptr(), recv.element_size()
-    for (j, ps), r in zip(_pieces(plan, owned).items(), results):
+    for (j, ps), r in zip(pieces_of(plan, owned).items(), results):
         mp = plan.matrices[j]
         start = ps[0][1] if ps else 0
         if (mp.contrib != mp.receive or cols[j] != mp.cols or tuple(r.shape) != (mp.rows, mp.cols)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from ._exchange import InFlight, Wire
+from ._exchange import InFlight, Wire, rows_back
 from ._pieces import contribution, own_rows, owned_by, returned, returns_in_place
 from ._plan import BucketPlan, Plan
 
@@ -36,14 +36,18 @@ def _post_round(wire: Wire, b: BucketPlan, w: int, send: torch.Tensor, to: int, 
     return InFlight(b, *wire.post_buffer(send, send_splits, recv_splits, into))
 
 
-def _concat(parts: list[torch.Tensor], wire: Wire) -> torch.Tensor:
-    """``parts`` flat, one after the other, in the wire's dtype (a new tensor)."""
-    send = torch.empty(sum(p.numel() for p in parts), dtype=wire.wire, device=wire.device)
+def _copy_into(parts: list[torch.Tensor], dest: torch.Tensor) -> torch.Tensor:
+    """``parts`` flat, one after the other, into the 1-D ``dest`` (in its dtype); returns it."""
     offset = 0
     for p in parts:
-        send[offset:offset + p.numel()].copy_(p.reshape(-1))
+        dest[offset:offset + p.numel()].copy_(p.reshape(-1))
         offset += p.numel()
-    return send
+    return dest
+
+
+def _concat(parts: list[torch.Tensor], wire: Wire) -> torch.Tensor:
+    """``parts`` flat, one after the other, in the wire's dtype (a new tensor)."""
+    return _copy_into(parts, torch.empty(sum(p.numel() for p in parts), dtype=wire.wire, device=wire.device))
 
 
 def gather_rounds(plan: Plan, b: BucketPlan, rows_for: Callable[[int], dict[int, torch.Tensor]],
@@ -63,11 +67,8 @@ def gather_rounds(plan: Plan, b: BucketPlan, rows_for: Callable[[int], dict[int,
         rows = rows_for(to)
         parts = [contribution(plan.matrices[j], me, rows[j]) for j in owned_by(plan, b, to)]
         del rows
-        if t == 0:  # its own rows, each copied into its place
-            offset = starts[me]
-            for k in range(len(parts)):
-                recv[offset:offset + parts[k].numel()].copy_(parts[k].reshape(-1))
-                offset += parts[k].numel()
+        if t == 0:  # its own rows, copied into their place
+            _copy_into(parts, recv[starts[me]:starts[me + 1]])
             del parts
             continue
         send = _concat(parts, wire)
@@ -101,12 +102,8 @@ def return_rounds(plan: Plan, b: BucketPlan, owned: list[int], results: list[tor
         flight = _post_round(wire, b, w, send, to, None, source, returned(plan, b.matrices, source, me, back_cols))
         del send
         wire.wait(flight)
-        rows, offset = {}, 0
-        for j in owned_by(plan, b, source):
-            start, stop = plan.matrices[j].receive[me]
-            k = (stop - start) * back_cols[j]
-            rows[j] = flight.recv[offset:offset + k].view(-1, back_cols[j]).to(wire.dtype)
-            offset += k
+        rows: dict[int, torch.Tensor] = {}
+        rows_back(plan, b, source, flight.recv, 0, back_cols, wire, rows)
         arrived(rows)
         del rows
         wire.recycle(flight)
