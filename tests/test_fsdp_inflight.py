@@ -183,12 +183,33 @@ def check_reused():
     return {"buckets": seen.buckets, "reused": seen.reused}
 
 
+def check_own_rows_stay_local():
+    """Every collective of a step, one bucket and two at a time: the splits of this rank's own
+    chunk (its rows of the matrices it owns, both ways)."""
+    import torch.distributed as dist
+
+    rank, calls, post = dist.get_rank(), [], dist.all_to_all_single
+
+    def recorded(output, input, output_split_sizes=None, input_split_sizes=None, **kw):
+        calls.append((input_split_sizes[rank], output_split_sizes[rank]))
+        return post(output, input, output_split_sizes, input_split_sizes, **kw)
+
+    dist.all_to_all_single = recorded
+    try:
+        for inflight in (INFLIGHT, TWO_IN_FLIGHT):
+            _run(inflight, steps=2)
+    finally:
+        dist.all_to_all_single = post
+    return {"calls": len(calls), "own_through": sum(a or b for a, b in calls)}
+
+
 def checks() -> dict:
     return {
         "bound": check_bound,
         "bit_exact": check_bit_exact,
         "released": check_released,
         "reused": check_reused,
+        "own": check_own_rows_stay_local,
     }
 
 
@@ -255,6 +276,32 @@ def test_a_result_computed_in_its_receive_buffer_travels_back_in_it(results):
 def test_receive_buffers_are_reused_across_buckets_of_the_same_size(results):
     for r, v in enumerate(_values(results, "reused")):
         assert v["buckets"] > 2 and v["reused"] >= 1, (r, v)
+
+
+@pytest.mark.slow
+def test_a_ranks_own_rows_never_go_through_the_collective_between_two_ranks(results):
+    # copied beside it (gloo copies them itself before it starts the transfers)
+    for r, v in enumerate(_values(results, "own")):
+        assert v["calls"] > 0 and v["own_through"] == 0, (r, v)
+
+
+@pytest.mark.parametrize(
+    ("rank", "send_splits", "recv_splits", "expected"),
+    [
+        (0, [3, 5], [3, 2], (0, 0, 3)),  # first in both
+        (1, [4, 2], [6, 2], (4, 6, 2)),  # last in both
+        (1, [1, 2, 3], [1, 2, 3], None),  # between the others' chunks
+        (0, [0, 5], [0, 4], None),  # nothing to itself
+        (2, [1, 0, 2], [0, 0, 2], (1, 0, 2)),  # the others' empty chunks do not matter
+    ],
+)
+def test_the_own_chunk_leaves_the_collective_where_it_lies_at_an_end(
+    rank, send_splits, recv_splits, expected
+):
+    from muon_fn.distributed._exchange import _own_chunk
+
+    send, recv = torch.empty(sum(send_splits)), torch.empty(sum(recv_splits))
+    assert _own_chunk(rank, send, send_splits, recv, recv_splits) == expected
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "16MiB"])

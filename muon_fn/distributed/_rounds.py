@@ -16,15 +16,9 @@ from collections.abc import Callable
 
 import torch
 
-from ._exchange import InFlight, Wire, rows_back
+from ._exchange import InFlight, Wire, region, rows_back
 from ._pieces import contribution, own_rows, owned_by, returned, returns_in_place
 from ._plan import BucketPlan, Plan
-
-
-def region(buf: torch.Tensor, offset: int, numel: int) -> torch.Tensor:
-    """``numel`` elements of the 1-D ``buf`` from ``offset``: a tensor over its memory that is not
-    a view (a collective's buffer, :class:`_Kept`)."""
-    return buf.new_empty(0).set_(buf.untyped_storage(), buf.storage_offset() + offset, (numel,), (1,))
 
 
 def _post_round(wire: Wire, b: BucketPlan, w: int, send: torch.Tensor, to: int, into: torch.Tensor | None,
