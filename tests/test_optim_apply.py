@@ -194,3 +194,34 @@ def test_persistent_state_is_torchs():
     mom = sum(p.numel() * 4 for p in a.parameters() if p.ndim >= 2)
     adam = sum(p.numel() * 8 + 4 for p in a.parameters() if p.ndim < 2)
     assert nbytes == mom + adam
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("update_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mask", ["kept", "skipped", "per element"])
+def test_the_guarded_write_is_where_ok_p_plus_u_else_p_bit_for_bit(dtype, update_dtype, mask):
+    # every pair of special values, signed zeros and NaN included: adding the masked -0.0
+    # leaves a kept parameter's bits as they are
+    from muon_fn.engine._apply import _guarded_add
+
+    values = torch.tensor(
+        [0.0, -0.0, 1.0, -1.0, float("inf"), -float("inf"), float("nan"), 1e-30, -3.5]
+    )
+    p, u = (t.reshape(-1) for t in torch.meshgrid(values, values, indexing="ij"))
+    p, u = p.to(dtype), u.to(update_dtype)
+    ok = {
+        "kept": torch.tensor(True),
+        "skipped": torch.tensor(False),
+        "per element": torch.arange(p.numel()) % 3 != 0,
+    }[mask]
+    expected = torch.where(ok, p + u, p).to(dtype)
+    for sole in (
+        True,
+        False,
+    ):  # the update alone holds its memory (masked in place), or a view is alive
+        target, update = p.clone(), u.clone()
+        view = None if sole else update[:1]
+        _guarded_add(target, update, ok)
+        bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+        assert torch.equal(target.view(bits), expected.view(bits)), sole
+        del view

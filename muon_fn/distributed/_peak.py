@@ -24,8 +24,8 @@ from ._budget import in_rounds, travels_ahead
 GRAM_ROLES = ("gram", "poly")
 
 # The post phase's tensors of the rank's rows: the final update (the compiled post step's
-# output), into which the guarded write (muon_fn.engine._apply.commit) computes p + u and
-# where(ok, p + u, p) before copying it into p.
+# output), which the guarded write (muon_fn.engine._apply.commit) masks in place before adding
+# it to p.
 POST_COPIES = 1
 
 Loops = Callable[[int], bool]  # whether matrices whose smaller side is m iterate one at a time
@@ -396,8 +396,8 @@ def step_transient(plan: Plan, rank: int, units: Sequence[Sequence[int]], views:
       previous return's reused when as large; freed before otherwise); the send buffer is
       freed once the return is waited for;
     - the **post phase**, unit by unit: the final update (the previous unit's still bound while
-      it is computed), into which ``p + u`` and the guarded ``where(ok, p + u, p)`` are computed
-      as it is written (:data:`POST_COPIES`; :meth:`_Sizes.post`), plus the rows from
+      it is computed), masked in its own memory by the guard as it is added to the parameter
+      (:data:`POST_COPIES`; :meth:`_Sizes.post`), plus the rows from
       other owners cast back to P when the wire is narrower; then its own rows and the
       return's receive buffer are freed.
 

@@ -190,15 +190,19 @@ def commit(staged: Sequence[Staged]) -> None:
         torch._foreach_copy_([p for p, _, _ in flagged], [torch.where(ok, p + u, p) for p, u, ok in flagged])
     elif flagged:
         for p, u, ok in flagged:
-            p.copy_(_guarded_sum(p, u, ok))
+            _guarded_add(p, u, ok)
 
 
-def _guarded_sum(p: torch.Tensor, u: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
-    """``where(ok, p + u, p)`` (``p + 0`` would turn a -0.0 into +0.0), eagerly: in ``u``'s
-    memory where ``u`` alone holds it (:func:`sole`), so a parameter's write holds no copy of it."""
+def _guarded_add(p: torch.Tensor, u: torch.Tensor, ok: torch.Tensor) -> None:
+    """``p ← where(ok, p + u, p)``, eagerly, as ``p + where(ok, u, -0.0)``: adding -0.0 leaves
+    every value as it is (adding +0.0 would turn a -0.0 into +0.0), so the bits are the same,
+    in two passes over the update instead of three. The update is masked in its own memory
+    where it alone holds it (:func:`sole`), so a parameter's write holds no copy of it."""
+    negative_zero = u.new_full((), -0.0)
     if sole(u) and u.dtype == p.dtype and u.shape == p.shape:
-        return torch.where(ok, torch.add(p, u, out=u), p, out=u)
-    return torch.where(ok, p + u, p)
+        p.add_(torch.where(ok, u, negative_zero, out=u))
+    else:
+        p.add_(torch.where(ok, u, negative_zero))
 
 
 def sole(t: torch.Tensor) -> bool:
