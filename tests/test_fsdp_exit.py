@@ -5,11 +5,11 @@ exception", SIGABRT, exit code -6. Gloo's worker thread holds a collective's ten
 after the work completes, and ``wait()`` may return before that. When the worker drops the
 reference that takes a tensor's count to 1 (its Python object's own), or to 0, torch >= 2.10 makes
 the worker take the GIL. If the interpreter is finalizing by then, Python ends the thread with
-``pthread_exit``, and the unwind aborts the process. Two fixes in ``muon_fn.distributed._exchange``:
-``_Kept`` keeps one more reference to each tensor of the optimizer's own collectives until the
+``pthread_exit``, and the unwind aborts the process. Two fixes in ``muon_fn.distributed``:
+``Kept`` keeps one more reference to each tensor of the optimizer's own collectives until the
 backend has let go of it, so their last reference is dropped on the main thread; and
 ``settle_at_exit`` (an atexit handler) waits for gloo's workers to let go of any other
-collective's tensors before the interpreter finalizes. The job that still aborted with ``_Kept``
+collective's tensors before the interpreter finalizes. The job that still aborted with ``Kept``
 alone ends with ``torch.distributed.checkpoint.save``, whose last collective is a
 ``broadcast_object_list`` (gdb on the core: ``~AsyncBroadcastWork``, ``decref_pyobject``,
 ``take_gil``, ``pthread_exit``, ``std::terminate``).

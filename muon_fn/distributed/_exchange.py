@@ -14,7 +14,7 @@ the all-gather baseline (every rank computes every matrix). :func:`all_ranks_fin
 (QK-Clip's logits) are the small collectives around a step. :class:`Posted` is :func:`exchange`
 posted bucket by bucket (the FSDP optimizers' ``overlap=True``), on a :func:`dedicated_group`.
 The CPU tensors of every collective are released by this thread, never by the backend's worker
-thread (:class:`_Kept`), and at exit the process waits for gloo's worker threads to let go of
+thread (:class:`Kept`), and at exit the process waits for gloo's worker threads to let go of
 those of any other collective (:func:`~muon_fn.distributed._exit.settle_at_exit`), so that no process aborts at exit.
 
 The steps of one bucket have public names, the interface that :mod:`._stream` (the bounded step,
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import hashlib
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Any
 from collections.abc import Callable, Sequence
@@ -40,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from ._exit import settle_at_exit  # noqa: F401  (importing it registers the wait at exit)
+from ._kept import Kept
 from ..engine import sole
 from ._pieces import (assemble, contribution, contributions, is_sharded, own_rows, owned_by, padded_rows,
                       result_cols_of, returned, returns_in_place, unpad)
@@ -62,55 +62,9 @@ class ExchangeStats:
     compute_s: float = 0.0  # time inside ``compute``
 
 
-# Why a collective's tensors are kept (torch >= 2.10, gloo). A tensor's Python object owns one
-# reference to the C++ tensor, and every C++ holder owns one more. The thread that drops the count
-# from 2 to 1 (or to 0, once the Python object is gone) takes the GIL. Gloo's worker thread
-# (``pt_gloo_runloop``) holds a collective's tensors until just after it completes the work, and
-# ``wait()`` can return first. If the worker drops the last reference but one, it takes the GIL.
-# If the interpreter is finalizing by then, Python ends the thread (``pthread_exit``). The unwind
-# reaches a noexcept destructor, and std::terminate aborts the process ("terminate called without
-# an active exception", exit code -6). That happens after the user's ``destroy_process_group()``,
-# when the exit follows a step's last collective within milliseconds. So this thread keeps one
-# more reference to each tensor (a view of it), from before the collective is posted until the
-# backend has let go. The worker then never drops the last reference but one; this thread does.
-KEEP_TIMEOUT_S = 10.0  # a backend that holds the tensors longer: warn, and keep no more
-_keeping = hasattr(torch.Tensor, "_use_count")
-
-
-class _Kept:
-    """The CPU tensors about to be handed to one collective, each with an extra reference held
-    here (a view of it) until :meth:`release`. They must not be views themselves (a view of a
-    view references the first one's base, not it)."""
-
-    def __init__(self, *tensors: torch.Tensor) -> None:
-        assert not any(t._is_view() for t in tensors), "_Kept: a collective's tensor is a view"
-        self.tensors = [t for t in tensors if _keeping and t.device.type == "cpu"]
-        self.views = [t.view(t.shape) for t in self.tensors]
-        self.counts = [t._use_count() for t in self.tensors]  # with the view, before the collective
-
-    def release(self) -> None:
-        """After the collective completed and its work handle was dropped: wait until the backend
-        holds none of the tensors, then drop the views (on this thread). Sleeping releases the
-        GIL and the CPU to the worker thread that still holds them."""
-        global _keeping
-        # A count of 1 is a view without a reference to its base (inference mode): nothing kept.
-        held = [(t, c) for t, c in zip(self.tensors, self.counts) if c > 1]
-        deadline, pause = time.monotonic() + KEEP_TIMEOUT_S, 0.0
-        while any(t._use_count() > c for t, c in held):
-            if time.monotonic() > deadline:
-                _keeping = False
-                warnings.warn(f"muon_fn: the backend still held a collective's tensors {KEEP_TIMEOUT_S:.0f} s after "
-                              "it completed; no longer waiting for that (the process may abort at exit)",
-                              RuntimeWarning, stacklevel=3)
-                break
-            time.sleep(pause)
-            pause = min(2 * pause + 1e-5, 1e-3)
-        self.tensors, self.views = [], []
-
-
 def region(buf: torch.Tensor, offset: int, numel: int) -> torch.Tensor:
     """``numel`` elements of the 1-D ``buf`` from ``offset``: a tensor over its memory that is not
-    a view (a collective's buffer, :class:`_Kept`)."""
+    a view (a collective's buffer, :class:`Kept`)."""
     return buf.new_empty(0).set_(buf.untyped_storage(), buf.storage_offset() + offset, (numel,), (1,))
 
 
@@ -130,29 +84,26 @@ def _own_chunk(rank: int, send: torch.Tensor, send_splits: list[int], recv: torc
 
 
 def _all_to_all(rank: int, recv: torch.Tensor, send: torch.Tensor, recv_splits: list[int], send_splits: list[int],
-                group: Any) -> tuple[Any, _Kept]:
+                group: Any) -> tuple[Any, Kept]:
     """Post ``all_to_all_single(recv, send, ...)`` asynchronously: its work handle and the tensors
-    the backend holds (:class:`_Kept`). Where this rank's own chunk lies at an end of both
+    the backend holds (:class:`Kept`). Where this rank's own chunk lies at an end of both
     buffers (:func:`_own_chunk`), the other ranks' chunks go through the collective and the own
     one is copied while they travel: gloo copies a rank's own chunk itself before it starts the
     transfers (measured between two ranks of a 2-core Zen 5, 4 MiB each way: 2.84 ms with the own
     chunk in the collective, 2.48 ms copied beside it; 9 MiB: 6.42 and 4.53 ms)."""
     own = _own_chunk(rank, send, send_splits, recv, recv_splits)
     if own is None:
-        kept = _Kept(recv, send)
+        kept = Kept(recv, send)
         return dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group, async_op=True), kept
     at, into, length = own
-    others_recv, others_send = _without(recv, into, length), _without(send, at, length)
-    kept = _Kept(others_recv, others_send)
+    # the other ranks' chunks: each buffer without the own chunk at one of its ends
+    others_recv = region(recv, length if into == 0 else 0, recv.numel() - length)
+    others_send = region(send, length if at == 0 else 0, send.numel() - length)
+    kept = Kept(others_recv, others_send)
     work = dist.all_to_all_single(others_recv, others_send, _zeroed(recv_splits, rank), _zeroed(send_splits, rank),
                                   group=group, async_op=True)
     recv[into:into + length].copy_(send[at:at + length])
     return work, kept
-
-
-def _without(buf: torch.Tensor, offset: int, length: int) -> torch.Tensor:
-    """``buf`` without the ``length`` elements at ``offset``, which lie at one of its ends."""
-    return region(buf, length if offset == 0 else 0, buf.numel() - length)
 
 
 def _zeroed(splits: list[int], rank: int) -> list[int]:
@@ -236,11 +187,11 @@ class InFlight:
     work: Any  # the collective's handle (None once complete)
     recv: torch.Tensor
     send: torch.Tensor  # kept alive until the collective completes
-    kept: _Kept
+    kept: Kept
     mine: dict[int, torch.Tensor] | None = None  # a return: the owner's own rows, never sent
 
     def complete(self) -> None:
-        """Wait for the collective; drop its handle, release its tensors (:class:`_Kept`) and
+        """Wait for the collective; drop its handle, release its tensors (:class:`Kept`) and
         free the send buffer."""
         self.work.wait()
         self.work = None
@@ -519,7 +470,7 @@ def _post_all_gather(plan: Plan, b: BucketPlan, held: Sequence[torch.Tensor], wi
         return b, members, None
     send = torch.cat(parts).to(wire.wire)
     gathered = torch.empty(plan.world_size * send.numel(), dtype=wire.wire, device=wire.device)
-    kept = _Kept(gathered, send)
+    kept = Kept(gathered, send)
     work = _all_gather(gathered, send, group=wire.group, async_op=True)
     copies = wire.item * send.numel() * (plan.world_size - 1)  # as a ring/all-to-all: (W-1) copies
     wire.stats.bytes_sent += copies
@@ -537,8 +488,8 @@ def all_ranks_finite(finite: torch.Tensor, group: dist.ProcessGroup | None, worl
     nothing read back to the host (none for W = 1)."""
     if world_size == 1:
         return finite
-    flag = finite.reshape(1).to(torch.int32, copy=True)  # not a view: _Kept keeps it
-    kept = _Kept(flag)
+    flag = finite.reshape(1).to(torch.int32, copy=True)  # not a view: Kept keeps it
+    kept = Kept(flag)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     kept.release()
     return flag.reshape(()).bool()
@@ -550,7 +501,7 @@ def all_ranks_max(tensors: list[torch.Tensor]) -> None:
     if not tensors or not dist.is_initialized() or dist.get_world_size() == 1:
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])
-    kept = _Kept(flat)
+    kept = Kept(flat)
     dist.all_reduce(flat, op=dist.ReduceOp.MAX)
     kept.release()
     for t, v in zip(tensors, flat.split([t.numel() for t in tensors])):
@@ -587,7 +538,7 @@ def dedicated_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
 def any_rank_flag(flag: bool, group: dist.ProcessGroup | None, device: torch.device) -> bool:
     """``flag`` OR-ed over the ranks of ``group`` (one tiny all-reduce, read back to the host)."""
     t = torch.tensor([int(flag)], dtype=torch.int32, device=device)
-    kept = _Kept(t)
+    kept = Kept(t)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     kept.release()
     return bool(t.item())
@@ -603,7 +554,7 @@ def share_from_owners(values: list[torch.Tensor | None], like: list[torch.Tensor
     if not parts:
         return []
     flat = torch.cat(parts)
-    kept = _Kept(flat)
+    kept = Kept(flat)
     dist.all_reduce(flat, group=group)
     kept.release()
     out, offset = [], 0

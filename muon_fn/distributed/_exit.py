@@ -1,7 +1,7 @@
 """The wait at exit for gloo's worker threads: registered (``atexit``) when the exchange module is
 imported, so that no process that ran a distributed step aborts at exit.
 
-The exchange module's collectives release their tensors on the main thread (its ``_Kept``),
+The exchange module's collectives release their tensors on the main thread (its ``Kept``),
 but a collective someone else posts just before the exit hands the worker tensors whose Python
 objects the caller drops at once: torch.distributed.checkpoint.save ends with a
 broadcast_object_list (all_gather_object and FSDP2's collectives are alike). A core of such an
