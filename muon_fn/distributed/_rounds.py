@@ -49,8 +49,9 @@ def gather_rounds(plan: Plan, b: BucketPlan, rows_for: Callable[[int], dict[int,
     """A bucket's gather in ``W`` rounds, one peer each way per round: in round ``t`` this rank
     sends its rows of the matrices that rank ``rank + t`` owns (``rows_for(owner)``, made just
     before they travel) and receives from rank ``rank - t`` its rows of the matrices it owns,
-    into their place in the receive buffer (laid out as :func:`post_gather`'s: by source rank,
-    then owned matrix), which it returns. Round 0 is this rank's own rows, copied. Each round's
+    into their place in the receive buffer (laid out as
+    :func:`~muon_fn.distributed._exchange.post_gather`'s: by source rank, then owned matrix),
+    which it returns. Round 0 is this rank's own rows, copied. Each round's
     rows are freed before the next round's are made."""
     me, w = wire.rank, plan.world_size
     sizes = b.gather_recv(me)
