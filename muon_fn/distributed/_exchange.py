@@ -89,8 +89,8 @@ def _all_to_all(rank: int, recv: torch.Tensor, send: torch.Tensor, recv_splits: 
     the backend holds (:class:`Kept`). Where this rank's own chunk lies at an end of both
     buffers (:func:`_own_chunk`), the other ranks' chunks go through the collective and the own
     one is copied while they travel: gloo copies a rank's own chunk itself before it starts the
-    transfers (measured between two ranks of a 2-core Zen 5, 4 MiB each way: 2.84 ms with the own
-    chunk in the collective, 2.48 ms copied beside it; 9 MiB: 6.42 and 4.53 ms)."""
+    transfers (measured between two ranks of a 2-core Zen 5, three runs, 4 MiB each way: 2.8–3.4 ms
+    with the own chunk in the collective, 2.5–2.7 ms copied beside it; 9 MiB: 6.4–6.9, 4.5–6.2)."""
     own = _own_chunk(rank, send, send_splits, recv, recv_splits)
     if own is None:
         kept = Kept(recv, send)
