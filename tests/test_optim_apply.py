@@ -215,10 +215,8 @@ def test_the_guarded_write_is_where_ok_p_plus_u_else_p_bit_for_bit(dtype, update
         "per element": torch.arange(p.numel()) % 3 != 0,
     }[mask]
     expected = torch.where(ok, p + u, p).to(dtype)
-    for sole in (
-        True,
-        False,
-    ):  # the update alone holds its memory (masked in place), or a view is alive
+    # the update alone holds its memory (masked in place), or a view of it is alive
+    for sole in (True, False):
         target, update = p.clone(), u.clone()
         view = None if sole else update[:1]
         _guarded_add(target, update, ok)

@@ -198,11 +198,8 @@ def _guarded_add(p: torch.Tensor, u: torch.Tensor, ok: torch.Tensor) -> None:
     every value as it is (adding +0.0 would turn a -0.0 into +0.0), so the bits are the same,
     in two passes over the update instead of three. The update is masked in its own memory
     where it alone holds it (:func:`sole`), so a parameter's write holds no copy of it."""
-    negative_zero = u.new_full((), -0.0)
-    if sole(u) and u.dtype == p.dtype and u.shape == p.shape:
-        p.add_(torch.where(ok, u, negative_zero, out=u))
-    else:
-        p.add_(torch.where(ok, u, negative_zero))
+    in_place = sole(u) and u.dtype == p.dtype and u.shape == p.shape
+    p.add_(torch.where(ok, u, u.new_full((), -0.0), out=u if in_place else None))
 
 
 def sole(t: torch.Tensor) -> bool:
